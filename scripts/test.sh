@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The project's test command: installs what it needs, then runs every check CI runs.
+#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VM)
+#   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+step() { echo; echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+
+step "setup"
+if [ "${KVLEASE_SKIP_RDMA:-0}" = 1 ]; then bash scripts/setup.sh; else bash scripts/setup.sh rdma; fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, -D warnings)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "feature sets"
+cargo check --locked -p kvlease-transport --no-default-features
+cargo check --locked -p kvlease-gpu-mem --no-default-features
+cargo check --locked -p kvlease-agent --no-default-features
+
+step "cargo test (KVLEASE_SIM_SEEDS=${KVLEASE_SIM_SEEDS:=256})"
+export KVLEASE_SIM_SEEDS
+cargo test --workspace --locked
+
+step "cargo doc (-D warnings)"
+RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items --locked -q
+
+if [ "${KVLEASE_SKIP_RDMA:-0}" != 1 ]; then
+  step "SoftRoCE tests in a qemu VM"
+  bash scripts/softroce/test.sh
+fi
+step "all checks passed"
