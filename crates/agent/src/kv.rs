@@ -1,0 +1,484 @@
+//! Deterministic KV content, its layout in a rank's block pool, and the `kv_digest`.
+//!
+//! The prefill agent stands in for a model: the KV value at (layer, token position `i`,
+//! K|V, **global** head, dim) is a bf16 bit pattern derived from a rolling hash of
+//! `tokens[0..=i]`. Two requests that share a prefix therefore get identical KV for that
+//! prefix (what multi-turn reuse needs), and the decode agent can recompute and check every
+//! byte it read.
+//!
+//! The digest is a wrapping sum of one hash per (layer, position, K|V, global head) chunk of
+//! `head_dim` values, keyed by those global coordinates. A sum does not depend on the order
+//! of its terms, so the digest is the same whichever TP split produced or read the chunks:
+//! each rank sums its own heads and the ranks' partial digests add up to the whole.
+//!
+//! Tokenizer: byte level. A prompt's token ids are its UTF-8 bytes (0..=255); requests may
+//! instead give `prompt_token_ids` (any `u32`). Generated text maps each output token onto a
+//! lowercase ASCII letter, so it is always valid UTF-8.
+
+use std::fmt;
+use std::ops::Range;
+
+/// Bytes per KV element (bf16).
+pub const DTYPE_BYTES: usize = 2;
+
+/// The model shape both agents agree on (global heads, not per rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvShape {
+    /// Transformer layers.
+    pub num_layers: u32,
+    /// KV heads of the whole model (split across TP ranks).
+    pub num_kv_heads: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Elements per head per token.
+    pub head_dim: u32,
+}
+
+/// Why a shape or TP split is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShapeError {
+    /// A dimension is zero.
+    #[error("{field} must be at least 1")]
+    Zero {
+        /// The flag or field name.
+        field: &'static str,
+    },
+    /// The heads do not split evenly across the ranks.
+    #[error("num_kv_heads {num_kv_heads} is not divisible by tp_size {tp_size}")]
+    Indivisible {
+        /// Global heads.
+        num_kv_heads: u32,
+        /// TP size.
+        tp_size: u32,
+    },
+    /// The rank is outside the TP group.
+    #[error("rank {rank} is outside tp_size {tp_size}")]
+    BadRank {
+        /// The rank.
+        rank: u32,
+        /// TP size.
+        tp_size: u32,
+    },
+}
+
+impl KvShape {
+    /// Checks every dimension is non-zero and that `tp_size` divides the heads.
+    ///
+    /// # Errors
+    /// [`ShapeError`] naming the offending field.
+    pub fn validate(&self, tp_size: u32) -> Result<(), ShapeError> {
+        for (field, v) in [
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("block_size", self.block_size),
+            ("head_dim", self.head_dim),
+            ("tp_size", tp_size),
+        ] {
+            if v == 0 {
+                return Err(ShapeError::Zero { field });
+            }
+        }
+        if !self.num_kv_heads.is_multiple_of(tp_size) {
+            return Err(ShapeError::Indivisible {
+                num_kv_heads: self.num_kv_heads,
+                tp_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// The global heads that `rank` of a `tp_size` group holds.
+    ///
+    /// # Errors
+    /// [`ShapeError`] when the split is invalid or `rank >= tp_size`.
+    pub fn heads_of_rank(&self, tp_size: u32, rank: u32) -> Result<Range<u32>, ShapeError> {
+        self.validate(tp_size)?;
+        if rank >= tp_size {
+            return Err(ShapeError::BadRank { rank, tp_size });
+        }
+        let per = self.num_kv_heads / tp_size;
+        Ok(rank * per..(rank + 1) * per)
+    }
+
+    /// Blocks needed for `num_tokens` tokens.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size as usize)
+    }
+
+    /// Bytes of one head's slice of one block (`block_size × head_dim` elements).
+    pub fn head_block_bytes(&self) -> usize {
+        self.block_size as usize * self.head_dim as usize * DTYPE_BYTES
+    }
+}
+
+/// Where a rank's KV bytes live inside its pool: `num_layers` layer regions one after the
+/// other, each `num_blocks` blocks; block `b` of layer `l` is `[K heads][V heads]`, each head
+/// `block_size × head_dim` bf16 values (the agreed `KvLayout`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankLayout {
+    /// The model shape.
+    pub shape: KvShape,
+    /// Global heads of this rank.
+    pub heads: Range<u32>,
+    /// Blocks per layer in the pool.
+    pub num_blocks: u32,
+}
+
+impl RankLayout {
+    /// Heads on this rank.
+    pub fn local_heads(&self) -> u32 {
+        self.heads.end - self.heads.start
+    }
+
+    /// Bytes of one block of one layer (K and V of every local head).
+    pub fn block_bytes(&self) -> usize {
+        2 * self.local_heads() as usize * self.shape.head_block_bytes()
+    }
+
+    /// Bytes of one layer region.
+    pub fn layer_bytes(&self) -> usize {
+        self.num_blocks as usize * self.block_bytes()
+    }
+
+    /// Bytes of the whole pool.
+    pub fn pool_bytes(&self) -> usize {
+        self.shape.num_layers as usize * self.layer_bytes()
+    }
+
+    /// Byte offset of the head slice (`local_head` of K (`kv = 0`) or V (`kv = 1`)) of block
+    /// `block` in layer `layer`.
+    pub fn head_offset(&self, layer: u32, block: u32, kv: u32, local_head: u32) -> usize {
+        layer as usize * self.layer_bytes()
+            + block as usize * self.block_bytes()
+            + (kv * self.local_heads() + local_head) as usize * self.shape.head_block_bytes()
+    }
+
+    /// Byte offset of the `head_dim` values of token `slot` inside that head slice.
+    pub fn token_offset(
+        &self,
+        layer: u32,
+        block: u32,
+        kv: u32,
+        local_head: u32,
+        slot: u32,
+    ) -> usize {
+        self.head_offset(layer, block, kv, local_head)
+            + slot as usize * self.shape.head_dim as usize * DTYPE_BYTES
+    }
+}
+
+/// A finaliser with good avalanche (splitmix64's).
+pub const fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Byte-level tokenizer: one token per UTF-8 byte.
+pub fn tokenize(prompt: &str) -> Vec<u32> {
+    prompt.bytes().map(u32::from).collect()
+}
+
+/// The rolling hash of `tokens[0..=i]` for every `i`.
+pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = 0x6B76_6C65_6173_6521_u64; // "kvlease!"
+    tokens
+        .iter()
+        .map(|&t| {
+            h = mix(h ^ u64::from(t).wrapping_mul(0xA24B_AED4_963E_E407));
+            h
+        })
+        .collect()
+}
+
+fn coord_key(prefix: u64, layer: u32, kv: u32, head: u32) -> u64 {
+    mix(prefix ^ mix((u64::from(layer) << 40) ^ (u64::from(kv) << 39) ^ u64::from(head)))
+}
+
+/// Writes the `head_dim` bf16 values of (prefix hash, layer, K|V, global head) into `out`
+/// (`head_dim × 2` bytes, little endian).
+pub fn fill_values(out: &mut [u8], prefix: u64, layer: u32, kv: u32, head: u32) {
+    let key = coord_key(prefix, layer, kv, head);
+    for (dim, pair) in out.chunks_exact_mut(DTYPE_BYTES).enumerate() {
+        let r = mix(key ^ dim as u64);
+        // A finite bf16 of magnitude 2^-7 .. 2^4: sign, exponent 120..=131, 7 mantissa bits.
+        let sign = ((r >> 63) as u16) << 15;
+        let exp = 120 + (r % 12) as u16;
+        let mant = ((r >> 8) & 0x7F) as u16;
+        pair.copy_from_slice(&(sign | exp << 7 | mant).to_le_bytes());
+    }
+}
+
+/// The hash of one chunk (`head_dim` values) at its global coordinates.
+pub fn chunk_hash(bytes: &[u8], layer: u32, pos: usize, kv: u32, head: u32) -> u64 {
+    let mut acc = mix((u64::from(layer) << 48)
+        ^ ((pos as u64) << 9)
+        ^ (u64::from(kv) << 8)
+        ^ u64::from(head));
+    for word in bytes.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..word.len()].copy_from_slice(word);
+        acc = mix(acc ^ u64::from_le_bytes(w));
+    }
+    acc
+}
+
+/// An order-independent digest of KV content: the wrapping sum of its chunk hashes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvDigest(pub u64);
+
+impl KvDigest {
+    /// Adds a chunk's (or another partial digest's) contribution.
+    pub fn add(&mut self, other: Self) {
+        self.0 = self.0.wrapping_add(other.0);
+    }
+
+    /// Parses the `kvd-<16 hex>` form.
+    pub fn parse(s: &str) -> Option<Self> {
+        let hex = s.strip_prefix("kvd-")?;
+        if hex.len() != 16 {
+            return None;
+        }
+        u64::from_str_radix(hex, 16).ok().map(Self)
+    }
+}
+
+impl fmt::Display for KvDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "kvd-{:016x}", self.0)
+    }
+}
+
+/// The digest of the whole model's KV for `tokens`, computed from the generator alone
+/// (what any correct producer or reader must arrive at).
+pub fn expected_digest(shape: &KvShape, tokens: &[u32]) -> KvDigest {
+    let hashes = prefix_hashes(tokens);
+    let mut buf = vec![0u8; shape.head_dim as usize * DTYPE_BYTES];
+    let mut d = KvDigest::default();
+    for layer in 0..shape.num_layers {
+        for (pos, &h) in hashes.iter().enumerate() {
+            for kv in 0..2 {
+                for head in 0..shape.num_kv_heads {
+                    fill_values(&mut buf, h, layer, kv, head);
+                    d.add(KvDigest(chunk_hash(&buf, layer, pos, kv, head)));
+                }
+            }
+        }
+    }
+    d
+}
+
+/// Fills the blocks `blocks` (the request's blocks, in token order) of a rank's pool image
+/// `pool` with the KV of `tokens`, and returns the rank's partial digest of what it wrote.
+///
+/// # Panics
+/// If `blocks` holds fewer than `shape.blocks_for(tokens.len())` ids or `pool` is smaller
+/// than `layout.pool_bytes()` (both are the caller's allocation invariants).
+pub fn fill_rank(layout: &RankLayout, pool: &mut [u8], blocks: &[u32], tokens: &[u32]) -> KvDigest {
+    let shape = &layout.shape;
+    let hashes = prefix_hashes(tokens);
+    let width = shape.head_dim as usize * DTYPE_BYTES;
+    let mut d = KvDigest::default();
+    for layer in 0..shape.num_layers {
+        for (pos, &h) in hashes.iter().enumerate() {
+            let block = blocks[pos / shape.block_size as usize];
+            let slot = (pos % shape.block_size as usize) as u32;
+            for kv in 0..2 {
+                for (local, head) in layout.heads.clone().enumerate() {
+                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
+                    let out = &mut pool[off..off + width];
+                    fill_values(out, h, layer, kv, head);
+                    d.add(KvDigest(chunk_hash(out, layer, pos, kv, head)));
+                }
+            }
+        }
+    }
+    d
+}
+
+/// The partial digest of what a rank's pool image holds for `num_tokens` tokens in `blocks`.
+///
+/// # Panics
+/// As [`fill_rank`].
+pub fn digest_rank(
+    layout: &RankLayout,
+    pool: &[u8],
+    blocks: &[u32],
+    num_tokens: usize,
+) -> KvDigest {
+    let shape = &layout.shape;
+    let width = shape.head_dim as usize * DTYPE_BYTES;
+    let mut d = KvDigest::default();
+    for layer in 0..shape.num_layers {
+        for pos in 0..num_tokens {
+            let block = blocks[pos / shape.block_size as usize];
+            let slot = (pos % shape.block_size as usize) as u32;
+            for kv in 0..2 {
+                for (local, head) in layout.heads.clone().enumerate() {
+                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
+                    d.add(KvDigest(chunk_hash(
+                        &pool[off..off + width],
+                        layer,
+                        pos,
+                        kv,
+                        head,
+                    )));
+                }
+            }
+        }
+    }
+    d
+}
+
+/// Checks that a rank's pool image holds exactly the generator's bytes for `tokens`.
+/// Returns the first mismatching (layer, position, kv, global head), if any.
+///
+/// # Panics
+/// As [`fill_rank`].
+pub fn verify_rank(
+    layout: &RankLayout,
+    pool: &[u8],
+    blocks: &[u32],
+    tokens: &[u32],
+) -> Option<(u32, usize, u32, u32)> {
+    let shape = &layout.shape;
+    let width = shape.head_dim as usize * DTYPE_BYTES;
+    let mut want = vec![0u8; width];
+    for (pos, &h) in prefix_hashes(tokens).iter().enumerate() {
+        let block = blocks[pos / shape.block_size as usize];
+        let slot = (pos % shape.block_size as usize) as u32;
+        for layer in 0..shape.num_layers {
+            for kv in 0..2 {
+                for (local, head) in layout.heads.clone().enumerate() {
+                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
+                    fill_values(&mut want, h, layer, kv, head);
+                    if pool[off..off + width] != want[..] {
+                        return Some((layer, pos, kv, head));
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The `n` output tokens a decode derives from the verified KV: each step hashes the digest
+/// with the step number and maps it onto a letter `a..=z`.
+pub fn decode_text(digest: KvDigest, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let r = mix(digest.0 ^ mix(i as u64));
+            char::from(b'a' + (r % 26) as u8).to_string()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: KvShape = KvShape {
+        num_layers: 2,
+        num_kv_heads: 4,
+        block_size: 4,
+        head_dim: 8,
+    };
+
+    fn filled(
+        tp: u32,
+        rank: u32,
+        tokens: &[u32],
+        blocks: &[u32],
+    ) -> (RankLayout, Vec<u8>, KvDigest) {
+        let layout = RankLayout {
+            shape: SHAPE,
+            heads: SHAPE.heads_of_rank(tp, rank).expect("valid split"),
+            num_blocks: 8,
+        };
+        let mut pool = vec![0u8; layout.pool_bytes()];
+        let d = fill_rank(&layout, &mut pool, blocks, tokens);
+        (layout, pool, d)
+    }
+
+    #[test]
+    fn digest_is_the_same_for_every_tp_split() {
+        let tokens = tokenize("hello, kvlease");
+        let want = expected_digest(&SHAPE, &tokens);
+        for tp in [1, 2, 4] {
+            let mut sum = KvDigest::default();
+            for rank in 0..tp {
+                let (layout, pool, d) = filled(tp, rank, &tokens, &[7, 2, 5, 0]);
+                assert_eq!(digest_rank(&layout, &pool, &[7, 2, 5, 0], tokens.len()), d);
+                assert_eq!(verify_rank(&layout, &pool, &[7, 2, 5, 0], &tokens), None);
+                sum.add(d);
+            }
+            assert_eq!(sum, want, "tp {tp}");
+        }
+    }
+
+    #[test]
+    fn shared_prefix_gives_identical_kv_and_one_flipped_bit_is_caught() {
+        let a = tokenize("shared prefix A");
+        let b = tokenize("shared prefix B");
+        let (layout, pa, _) = filled(2, 1, &a, &[0, 1, 2, 3]);
+        let (_, pb, _) = filled(2, 1, &b, &[0, 1, 2, 3]);
+        // Tokens 0..=13 are shared: block 0..=2 and the first 2 slots of block 3 match.
+        let shared = layout.token_offset(0, 3, 0, 0, 2);
+        assert_eq!(pa[..shared], pb[..shared]);
+        assert_ne!(pa, pb);
+
+        let mut bad = pa.clone();
+        let off = layout.token_offset(1, 2, 1, 1, 3) + 5;
+        bad[off] ^= 0x01;
+        assert_eq!(
+            verify_rank(&layout, &bad, &[0, 1, 2, 3], &a),
+            Some((1, 11, 1, 3))
+        );
+        let good = digest_rank(&layout, &pa, &[0, 1, 2, 3], a.len());
+        assert_ne!(digest_rank(&layout, &bad, &[0, 1, 2, 3], a.len()), good);
+    }
+
+    #[test]
+    fn values_are_finite_bf16_and_digest_round_trips() {
+        let mut buf = vec![0u8; 64 * 2];
+        fill_values(&mut buf, 42, 0, 1, 3);
+        for pair in buf.chunks_exact(2) {
+            let bits = u16::from_le_bytes([pair[0], pair[1]]);
+            let exp = (bits >> 7) & 0xFF;
+            assert!((120..=131).contains(&exp));
+        }
+        let d = KvDigest(0x0123_4567_89ab_cdef);
+        assert_eq!(KvDigest::parse(&d.to_string()), Some(d));
+        assert_eq!(KvDigest::parse("kvd-xyz"), None);
+        assert_eq!(decode_text(d, 3), decode_text(d, 3));
+        assert_eq!(decode_text(d, 5).len(), 5);
+    }
+
+    #[test]
+    fn bad_splits_are_rejected_by_name() {
+        assert_eq!(
+            SHAPE.heads_of_rank(3, 0),
+            Err(ShapeError::Indivisible {
+                num_kv_heads: 4,
+                tp_size: 3
+            })
+        );
+        assert_eq!(
+            SHAPE.heads_of_rank(2, 2),
+            Err(ShapeError::BadRank {
+                rank: 2,
+                tp_size: 2
+            })
+        );
+        let zero = KvShape {
+            head_dim: 0,
+            ..SHAPE
+        };
+        assert_eq!(
+            zero.validate(1),
+            Err(ShapeError::Zero { field: "head_dim" })
+        );
+    }
+}
