@@ -2,6 +2,14 @@
 //! host, CUDA pinned or CUDA device memory, a free-list allocator of block ids, and the
 //! [`DmaRegion`] seam through which the transport registers that memory.
 //!
+//! - [`DmaRegion`] + [`RegionBytes`]: the memory contract and its safe, bounds-checked
+//!   byte accessors (with the DMA-like aliasing model documented on [`RegionBytes`]).
+//! - [`HostRegion`]: one page-aligned anonymous mmap, huge pages tried first.
+//! - [`KvLayout`]: byte offsets of (layer, block) and of head sub-ranges of K or V.
+//! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
+//!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
+//! - [`BlockAllocator`]: the free list of [`BlockId`](kvlease_lease::BlockId)s.
+//!
 //! This crate does not move data between hosts (that is `kvlease-transport`), starts no
 //! threads and reads no clock.
 #![deny(unsafe_code)]
@@ -12,4 +20,21 @@
 #[allow(unsafe_code)]
 mod region;
 
-pub use region::{DmaRegion, MemoryKind, RegionAccessError};
+#[allow(unsafe_code)]
+mod host;
+
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda;
+
+mod alloc;
+mod layout;
+mod pool;
+
+pub use alloc::{AllocError, BlockAllocator};
+pub use host::{
+    HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_HOST_REGION, PageKind,
+};
+pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
+pub use pool::{BlockPool, FenceTable, MemoryRequest, PoolError};
+pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
