@@ -1,1 +1,744 @@
-//! (being written)
+//! The agents' Prometheus metrics (served on `GET /metrics`).
+//!
+//! [`Metrics`] holds one typed handle per metric, so the engines write
+//! `metrics.leases_granted.inc()`; cloning it is cheap (every handle is an `Arc`) and all
+//! clones update the same values. [`Metrics::encode`] renders the OpenMetrics text format
+//! ([`CONTENT_TYPE`]), which Prometheus scrapes.
+//!
+//! Names: prometheus-client appends `_total` to counter sample names itself, so counters are
+//! registered without the suffix and exposed with it, exactly as listed in issue 5
+//! (`kvlease_leases_granted_total`). `kvlease_blocks_total` is a gauge (the pool size), so it
+//! is registered under its full name.
+//!
+//! Labelled families are pre-populated with every label value, so that a scrape shows `0`
+//! rather than nothing before the first event (a rate over a missing series is empty).
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// The HTTP `Content-Type` of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Why P released a lease (the `reason` label of `kvlease_leases_released_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReleaseReason {
+    /// Every expected consumer reported its read.
+    Completed,
+    /// The lease passed its expiry and the reaper reclaimed it.
+    Expired,
+    /// D aborted the request (notify-only completion) or P aborted it.
+    Aborted,
+}
+
+impl ReleaseReason {
+    /// Every reason, in label order.
+    pub const ALL: [Self; 3] = [Self::Completed, Self::Expired, Self::Aborted];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Expired => "expired",
+            Self::Aborted => "aborted",
+        }
+    }
+}
+
+/// How a request to an agent's HTTP API ended (the `outcome` label of
+/// `kvlease_requests_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RequestOutcome {
+    /// Served.
+    Ok,
+    /// D could not load the KV blocks and answered with the retryable `kv_load_failed`
+    /// error (policy `recompute`).
+    KvLoadFailed,
+    /// D could not load the KV blocks and failed the request (policy `fail`).
+    Failed,
+    /// D recomputed the prompt locally (short prompt, below `kv_recompute_threshold`).
+    Recomputed,
+    /// Rejected: D's waiting queue or P's pool wait was full (HTTP 503).
+    Overloaded,
+    /// Rejected: malformed request, bad `kv_transfer_params`, unknown engine (HTTP 4xx).
+    BadRequest,
+    /// Rejected: wrong or missing auth token.
+    Unauthorized,
+    /// Aborted by the client (disconnect or `POST /v1/abort/{id}`).
+    Aborted,
+    /// An internal error (HTTP 500).
+    Error,
+}
+
+impl RequestOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 9] = [
+        Self::Ok,
+        Self::KvLoadFailed,
+        Self::Failed,
+        Self::Recomputed,
+        Self::Overloaded,
+        Self::BadRequest,
+        Self::Unauthorized,
+        Self::Aborted,
+        Self::Error,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::KvLoadFailed => "kv_load_failed",
+            Self::Failed => "failed",
+            Self::Recomputed => "recomputed",
+            Self::Overloaded => "overloaded",
+            Self::BadRequest => "bad_request",
+            Self::Unauthorized => "unauthorized",
+            Self::Aborted => "aborted",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// The data path of a transfer (the `backend` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// RDMA verbs.
+    Verbs,
+    /// The TCP fallback.
+    Tcp,
+}
+
+impl Backend {
+    /// Every backend, in label order.
+    pub const ALL: [Self; 2] = [Self::Verbs, Self::Tcp];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Verbs => "verbs",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+/// How a handshake with a peer ended (the `outcome` label of `kvlease_handshakes_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HandshakeOutcome {
+    /// Metadata exchanged and connected.
+    Ok,
+    /// The peer did not prove the cluster token, or we could not prove it.
+    AuthFailed,
+    /// Unreachable, timed out, or malformed.
+    Failed,
+}
+
+impl HandshakeOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 3] = [Self::Ok, Self::AuthFailed, Self::Failed];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::AuthFailed => "auth_failed",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+macro_rules! label_value {
+    ($($ty:ty),*) => {$(
+        impl EncodeLabelValue for $ty {
+            fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+                EncodeLabelValue::encode(&self.as_str(), encoder)
+            }
+        }
+    )*};
+}
+label_value!(ReleaseReason, RequestOutcome, Backend, HandshakeOutcome);
+
+/// `{reason="..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: ReleaseReason,
+}
+
+/// `{outcome="..."}` for requests.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: RequestOutcome,
+}
+
+/// `{outcome="..."}` for handshakes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HandshakeLabel {
+    outcome: HandshakeOutcome,
+}
+
+/// `{backend="..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendLabel {
+    backend: Backend,
+}
+
+/// `{peer="...",backend="..."}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PeerBackendLabel {
+    peer: String,
+    backend: Backend,
+}
+
+/// Buckets in seconds from 1 ms to about 17 minutes (×2 each): covers a sub-second test
+/// lease as well as the 480 s fixed timeout.
+fn seconds_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 21)
+}
+
+/// Buckets in seconds from 10 µs to about 10 s (×2 each), for read latency.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.000_01, 2.0, 21)
+}
+
+/// Every metric of an agent. P and D share the type; each updates the ones that apply to
+/// it, the rest stay at zero.
+///
+/// Clone freely: clones share the values.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Metrics {
+    registry: Arc<Registry>,
+
+    // Pool and leases (P).
+    /// `kvlease_blocks_total` (gauge): KV blocks in the pool, all ranks together.
+    pub blocks_total: Gauge,
+    /// `kvlease_blocks_held` (gauge): blocks pinned by a lease or a running prefill.
+    pub blocks_held: Gauge,
+    /// `kvlease_leases_active` (gauge): leases not yet released.
+    pub leases_active: Gauge,
+    /// `kvlease_leases_granted_total`.
+    pub leases_granted: Counter,
+    /// `kvlease_leases_released_total{reason}`: use [`Metrics::lease_released`].
+    leases_released: Family<ReasonLabel, Counter>,
+    /// `kvlease_heartbeats_received_total`: `HB:` messages received (P).
+    pub heartbeats_received: Counter,
+    /// `kvlease_heartbeat_ids_received_total`: request ids in the heartbeats received (P).
+    pub heartbeat_ids_received: Counter,
+    /// `kvlease_heartbeat_unknown_ids_total`: ids P did not hold (released or never granted).
+    pub heartbeat_unknown_ids: Counter,
+    /// `kvlease_lease_extensions_total`: heartbeats that pushed an expiry later.
+    pub lease_extensions: Counter,
+    /// `kvlease_lease_reclaim_seconds` (histogram): last heartbeat (or grant, when none
+    /// came) to the reclaim of an expired lease.
+    pub lease_reclaim_seconds: Histogram,
+    /// `kvlease_expiry_notices_sent_total`: explicit expiry signals P sent to D.
+    pub expiry_notices_sent: Counter,
+    /// `kvlease_pool_wait_seconds` (histogram): how long prefills waited for free blocks.
+    pub pool_wait_seconds: Histogram,
+    /// `kvlease_prefill_tokens_total`: prompt tokens prefilled.
+    pub prefill_tokens: Counter,
+
+    // Heartbeats, queue and reads (D).
+    /// `kvlease_heartbeats_sent_total`: `HB:` messages sent (D).
+    pub heartbeats_sent: Counter,
+    /// `kvlease_heartbeat_ids_sent_total`: request ids in the heartbeats sent (D).
+    pub heartbeat_ids_sent: Counter,
+    /// `kvlease_requests_tracked` (gauge): requests D heartbeats for.
+    pub requests_tracked: Gauge,
+    /// `kvlease_requests_waiting` (gauge): D's waiting queue length.
+    pub requests_waiting: Gauge,
+    /// `kvlease_requests_running` (gauge): requests decoding on D.
+    pub requests_running: Gauge,
+    /// `kvlease_queue_wait_seconds` (histogram): arrival to scheduled, on D.
+    pub queue_wait_seconds: Histogram,
+    /// `kvlease_read_seconds` (histogram): post of a KV read batch to its completion.
+    pub read_seconds: Histogram,
+    /// `kvlease_stale_reads_total`: reads whose fence showed the lease was gone.
+    pub stale_reads: Counter,
+    /// `kvlease_expiry_notices_received_total`: explicit expiry signals D received.
+    pub expiry_notices_received: Counter,
+    /// `kvlease_kv_load_failures_total`: requests whose KV load failed for any reason.
+    pub kv_load_failures: Counter,
+    /// `kvlease_decode_tokens_total`: tokens decoded.
+    pub decode_tokens: Counter,
+    /// `kvlease_transfer_bytes_total`: KV bytes moved (read by D, served by P's TCP server).
+    pub transfer_bytes: Counter,
+    /// `kvlease_transfers_total{backend}`: use [`Metrics::transfer`].
+    transfers: Family<BackendLabel, Counter>,
+    /// `kvlease_peer_backend{peer,backend}` (gauge, 1 = in use): use [`Metrics::set_peer_backend`].
+    peer_backend: Family<PeerBackendLabel, Gauge>,
+    /// `kvlease_handshakes_total{outcome}`: use [`Metrics::handshake`].
+    handshakes: Family<HandshakeLabel, Counter>,
+
+    // Both.
+    /// `kvlease_requests_total{outcome}`: use [`Metrics::request`].
+    requests: Family<OutcomeLabel, Counter>,
+    /// `kvlease_notif_malformed_total`: notifications that did not decode.
+    pub notif_malformed: Counter,
+    /// `kvlease_notifs_refused_total`: notifications from peers that did not complete an
+    /// authenticated handshake.
+    pub notifs_refused: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric, all at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let r = &mut registry;
+
+        fn gauge(r: &mut Registry, name: &str, help: &str) -> Gauge {
+            let g = Gauge::default();
+            r.register(name, help, g.clone());
+            g
+        }
+        fn counter(r: &mut Registry, name: &str, help: &str) -> Counter {
+            let c = Counter::default();
+            r.register(name, help, c.clone());
+            c
+        }
+        fn histogram(
+            r: &mut Registry,
+            name: &str,
+            help: &str,
+            buckets: impl Iterator<Item = f64>,
+        ) -> Histogram {
+            let h = Histogram::new(buckets);
+            r.register(name, help, h.clone());
+            h
+        }
+        fn family<S, M>(r: &mut Registry, name: &str, help: &str) -> Family<S, M>
+        where
+            S: EncodeLabelSet
+                + Clone
+                + std::hash::Hash
+                + Eq
+                + Send
+                + Sync
+                + std::fmt::Debug
+                + 'static,
+            M: prometheus_client::metrics::TypedMetric
+                + prometheus_client::encoding::EncodeMetric
+                + Default
+                + Send
+                + Sync
+                + std::fmt::Debug
+                + 'static,
+        {
+            let f = Family::<S, M>::default();
+            r.register(name, help, f.clone());
+            f
+        }
+
+        let metrics = Self {
+            blocks_total: gauge(
+                r,
+                "kvlease_blocks_total",
+                "KV blocks in the pool (all ranks)",
+            ),
+            blocks_held: gauge(
+                r,
+                "kvlease_blocks_held",
+                "KV blocks pinned by a lease or a running prefill",
+            ),
+            leases_active: gauge(
+                r,
+                "kvlease_leases_active",
+                "Leases granted and not yet released",
+            ),
+            leases_granted: counter(r, "kvlease_leases_granted", "Leases granted"),
+            leases_released: family(r, "kvlease_leases_released", "Leases released, by reason"),
+            heartbeats_received: counter(
+                r,
+                "kvlease_heartbeats_received",
+                "HB: heartbeat messages received",
+            ),
+            heartbeat_ids_received: counter(
+                r,
+                "kvlease_heartbeat_ids_received",
+                "Request ids in received heartbeats",
+            ),
+            heartbeat_unknown_ids: counter(
+                r,
+                "kvlease_heartbeat_unknown_ids",
+                "Heartbeat ids for leases not held",
+            ),
+            lease_extensions: counter(
+                r,
+                "kvlease_lease_extensions",
+                "Heartbeats that extended a lease's expiry",
+            ),
+            lease_reclaim_seconds: histogram(
+                r,
+                "kvlease_lease_reclaim_seconds",
+                "Seconds from the last heartbeat (or the grant) to the reclaim of an expired lease",
+                seconds_buckets(),
+            ),
+            expiry_notices_sent: counter(
+                r,
+                "kvlease_expiry_notices_sent",
+                "Expiry signals sent to D",
+            ),
+            pool_wait_seconds: histogram(
+                r,
+                "kvlease_pool_wait_seconds",
+                "Seconds prefills waited for free KV blocks",
+                seconds_buckets(),
+            ),
+            prefill_tokens: counter(r, "kvlease_prefill_tokens", "Prompt tokens prefilled"),
+            heartbeats_sent: counter(r, "kvlease_heartbeats_sent", "HB: heartbeat messages sent"),
+            heartbeat_ids_sent: counter(
+                r,
+                "kvlease_heartbeat_ids_sent",
+                "Request ids in sent heartbeats",
+            ),
+            requests_tracked: gauge(
+                r,
+                "kvlease_requests_tracked",
+                "Requests whose leases D renews",
+            ),
+            requests_waiting: gauge(
+                r,
+                "kvlease_requests_waiting",
+                "Requests in D's waiting queue",
+            ),
+            requests_running: gauge(r, "kvlease_requests_running", "Requests decoding on D"),
+            queue_wait_seconds: histogram(
+                r,
+                "kvlease_queue_wait_seconds",
+                "Seconds from arrival on D to scheduling",
+                seconds_buckets(),
+            ),
+            read_seconds: histogram(
+                r,
+                "kvlease_read_seconds",
+                "Seconds per KV read batch",
+                latency_buckets(),
+            ),
+            stale_reads: counter(
+                r,
+                "kvlease_stale_reads",
+                "KV reads whose fence showed the lease was released",
+            ),
+            expiry_notices_received: counter(
+                r,
+                "kvlease_expiry_notices_received",
+                "Expiry signals received from P",
+            ),
+            kv_load_failures: counter(
+                r,
+                "kvlease_kv_load_failures",
+                "Requests whose KV load failed",
+            ),
+            decode_tokens: counter(r, "kvlease_decode_tokens", "Tokens decoded"),
+            transfer_bytes: counter(r, "kvlease_transfer_bytes", "KV bytes transferred"),
+            transfers: family(
+                r,
+                "kvlease_transfers",
+                "KV read batches completed, by backend",
+            ),
+            peer_backend: family(
+                r,
+                "kvlease_peer_backend",
+                "Backend in use per peer engine (1 = in use)",
+            ),
+            handshakes: family(
+                r,
+                "kvlease_handshakes",
+                "Side-channel handshakes, by outcome",
+            ),
+            requests: family(r, "kvlease_requests", "HTTP requests, by outcome"),
+            notif_malformed: counter(
+                r,
+                "kvlease_notif_malformed",
+                "Notifications that did not decode",
+            ),
+            notifs_refused: counter(
+                r,
+                "kvlease_notifs_refused",
+                "Notifications refused from unauthenticated peers",
+            ),
+            registry: Arc::new(registry),
+        };
+        for reason in ReleaseReason::ALL {
+            drop(
+                metrics
+                    .leases_released
+                    .get_or_create(&ReasonLabel { reason }),
+            );
+        }
+        for outcome in RequestOutcome::ALL {
+            drop(metrics.requests.get_or_create(&OutcomeLabel { outcome }));
+        }
+        for outcome in HandshakeOutcome::ALL {
+            drop(
+                metrics
+                    .handshakes
+                    .get_or_create(&HandshakeLabel { outcome }),
+            );
+        }
+        for backend in Backend::ALL {
+            drop(metrics.transfers.get_or_create(&BackendLabel { backend }));
+        }
+        metrics
+    }
+
+    /// The counter `kvlease_leases_released_total{reason}`.
+    pub fn lease_released(&self, reason: ReleaseReason) -> Counter {
+        self.leases_released
+            .get_or_create(&ReasonLabel { reason })
+            .clone()
+    }
+
+    /// The counter `kvlease_requests_total{outcome}`.
+    pub fn request(&self, outcome: RequestOutcome) -> Counter {
+        self.requests
+            .get_or_create(&OutcomeLabel { outcome })
+            .clone()
+    }
+
+    /// The counter `kvlease_transfers_total{backend}`.
+    pub fn transfer(&self, backend: Backend) -> Counter {
+        self.transfers
+            .get_or_create(&BackendLabel { backend })
+            .clone()
+    }
+
+    /// The counter `kvlease_handshakes_total{outcome}`.
+    pub fn handshake(&self, outcome: HandshakeOutcome) -> Counter {
+        self.handshakes
+            .get_or_create(&HandshakeLabel { outcome })
+            .clone()
+    }
+
+    /// Records that `peer` (an engine id) is reached over `backend`: sets
+    /// `kvlease_peer_backend{peer,backend}` to 1 and the other backend's series to 0.
+    pub fn set_peer_backend(&self, peer: &str, backend: Backend) {
+        for other in Backend::ALL {
+            let label = PeerBackendLabel {
+                peer: peer.to_owned(),
+                backend: other,
+            };
+            if other == backend {
+                self.peer_backend.get_or_create(&label).set(1);
+            } else {
+                self.peer_backend.remove(&label);
+            }
+        }
+    }
+
+    /// Forgets `peer`'s `kvlease_peer_backend` series (the peer is gone).
+    pub fn remove_peer(&self, peer: &str) {
+        for backend in Backend::ALL {
+            self.peer_backend.remove(&PeerBackendLabel {
+                peer: peer.to_owned(),
+                backend,
+            });
+        }
+    }
+
+    /// Renders every metric in the OpenMetrics text format (serve it with [`CONTENT_TYPE`]).
+    pub fn encode(&self) -> String {
+        encode_registry(&self.registry)
+    }
+}
+
+/// Renders `registry` in the OpenMetrics text format.
+pub(crate) fn encode_registry(registry: &Registry) -> String {
+    let mut out = String::new();
+    // Writing into a String cannot fail; an Err here would come only from a metric's own
+    // encoder, and ours (counters, gauges, histograms with static labels) have none.
+    if let Err(error) = prometheus_client::encoding::text::encode(&mut out, registry) {
+        tracing::error!(%error, "encoding metrics failed");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(exposed sample name, TYPE line name, type)` for every name issue 5 requires.
+    const REQUIRED: [(&str, &str, &str); 15] = [
+        ("kvlease_blocks_total", "kvlease_blocks_total", "gauge"),
+        ("kvlease_blocks_held", "kvlease_blocks_held", "gauge"),
+        ("kvlease_leases_active", "kvlease_leases_active", "gauge"),
+        (
+            "kvlease_leases_granted_total",
+            "kvlease_leases_granted",
+            "counter",
+        ),
+        (
+            "kvlease_leases_released_total{reason=\"completed\"}",
+            "kvlease_leases_released",
+            "counter",
+        ),
+        (
+            "kvlease_heartbeats_sent_total",
+            "kvlease_heartbeats_sent",
+            "counter",
+        ),
+        (
+            "kvlease_heartbeats_received_total",
+            "kvlease_heartbeats_received",
+            "counter",
+        ),
+        (
+            "kvlease_heartbeat_unknown_ids_total",
+            "kvlease_heartbeat_unknown_ids",
+            "counter",
+        ),
+        (
+            "kvlease_lease_extensions_total",
+            "kvlease_lease_extensions",
+            "counter",
+        ),
+        (
+            "kvlease_stale_reads_total",
+            "kvlease_stale_reads",
+            "counter",
+        ),
+        (
+            "kvlease_transfer_bytes_total",
+            "kvlease_transfer_bytes",
+            "counter",
+        ),
+        (
+            "kvlease_requests_total{outcome=\"ok\"}",
+            "kvlease_requests",
+            "counter",
+        ),
+        (
+            "kvlease_notif_malformed_total",
+            "kvlease_notif_malformed",
+            "counter",
+        ),
+        (
+            "kvlease_lease_reclaim_seconds_bucket{le=\"0.001\"}",
+            "kvlease_lease_reclaim_seconds",
+            "histogram",
+        ),
+        (
+            "kvlease_lease_reclaim_seconds_count",
+            "kvlease_lease_reclaim_seconds",
+            "histogram",
+        ),
+    ];
+
+    fn sample(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|line| {
+                line.strip_prefix(name)
+                    .and_then(|rest| rest.strip_prefix(' '))
+            })
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    #[test]
+    fn every_required_name_is_exposed_with_its_type() {
+        let text = Metrics::new().encode();
+        for (sample_name, type_name, kind) in REQUIRED {
+            assert_eq!(
+                sample(&text, sample_name),
+                Some(0.0),
+                "{sample_name} missing or non-zero in:\n{text}"
+            );
+            assert!(
+                text.contains(&format!("# TYPE {type_name} {kind}\n")),
+                "# TYPE {type_name} {kind} missing"
+            );
+        }
+        for reason in ["completed", "expired", "aborted"] {
+            let name = format!("kvlease_leases_released_total{{reason=\"{reason}\"}}");
+            assert_eq!(sample(&text, &name), Some(0.0), "{name}");
+        }
+        assert!(
+            !text.contains("_total_total"),
+            "a counter registered with its suffix:\n{text}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn clones_share_values_and_encode_shows_them() {
+        let metrics = Metrics::new();
+        let clone = metrics.clone();
+        clone.leases_granted.inc_by(3);
+        clone.blocks_total.set(512);
+        clone.blocks_held.set(7);
+        clone.lease_released(ReleaseReason::Expired).inc();
+        clone.request(RequestOutcome::KvLoadFailed).inc_by(2);
+        clone.transfer_bytes.inc_by(1 << 20);
+        clone.lease_reclaim_seconds.observe(4.5);
+        clone.set_peer_backend("p-0", Backend::Tcp);
+        let text = metrics.encode();
+        assert_eq!(sample(&text, "kvlease_leases_granted_total"), Some(3.0));
+        assert_eq!(sample(&text, "kvlease_blocks_total"), Some(512.0));
+        assert_eq!(sample(&text, "kvlease_blocks_held"), Some(7.0));
+        assert_eq!(
+            sample(&text, "kvlease_leases_released_total{reason=\"expired\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_leases_released_total{reason=\"completed\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_requests_total{outcome=\"kv_load_failed\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_transfer_bytes_total"),
+            Some(1_048_576.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_lease_reclaim_seconds_count"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_lease_reclaim_seconds_sum"),
+            Some(4.5)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_lease_reclaim_seconds_bucket{le=\"4.096\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_lease_reclaim_seconds_bucket{le=\"8.192\"}"),
+            Some(1.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_peer_backend{peer=\"p-0\",backend=\"tcp\"}"),
+            Some(1.0)
+        );
+        metrics.set_peer_backend("p-0", Backend::Verbs);
+        let text = metrics.encode();
+        assert_eq!(
+            sample(&text, "kvlease_peer_backend{peer=\"p-0\",backend=\"tcp\"}"),
+            None
+        );
+        assert_eq!(
+            sample(
+                &text,
+                "kvlease_peer_backend{peer=\"p-0\",backend=\"verbs\"}"
+            ),
+            Some(1.0)
+        );
+        metrics.remove_peer("p-0");
+        assert!(!metrics.encode().contains("peer=\"p-0\""));
+    }
+}
