@@ -1,28 +1,945 @@
-//! CUDA memory kinds (owned by the CUDA work; this file is only the seam `pool.rs` calls
-//! until that lands).
+//! CUDA memory kinds through cudarc: pinned host memory ([`CudaPinnedRegion`]) and device
+//! memory ([`CudaDeviceRegion`]), synchronous copies between host and device
+//! ([`copy_htod`], [`copy_dtoh`]), dmabuf export for verbs ([`export_dmabuf`]), the
+//! staging copier for TCP ([`CudaCopier`]), and the `--memory auto` decision
+//! ([`choose_auto`]).
+//!
+//! # No driver, no panic
+//! cudarc loads `libcuda` at run time and panics when it is missing. Every entry point here
+//! first checks [`driver_present`] (cached for the process) and returns
+//! [`CudaError::NoDriver`] instead; [`probe`] reports what exists without failing.
+//!
+//! # Contexts
+//! Every region and copier holds the *primary context* of its device (retained through
+//! [`CudaContext::new`], released when the last holder is gone), so the context outlives
+//! the memory allocated in it. Every driver call binds that context to the calling thread
+//! first, so any thread may use the values. Pinned memory is allocated
+//! `CU_MEMHOSTALLOC_PORTABLE`, so it is pinned for every context; device pointers are
+//! unified addresses, so copies find their device from the pointer.
+//!
+//! # Content and verification
+//! P fills device blocks with the same bytes as host blocks: it generates each block on
+//! the host with the same generator it uses for host pools and copies it in with
+//! [`copy_htod`]. D verifies device blocks by copying them back to the host with
+//! [`copy_dtoh`] (or receiving them through the staging pipeline, which leaves a host
+//! copy of every chunk) and digesting the host bytes, so digests match across memory
+//! kinds. No kernel is involved.
 
-use std::sync::Arc;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 
 use crate::pool::MemoryRequest;
-use crate::region::DmaRegion;
+use crate::region::{DmaRegion, MemoryKind, RegionAccessError};
+use crate::staging::{self, Copier, SlotError, StagingConfig};
 
-/// Why a CUDA allocation failed.
+/// Device allocations are rounded up to this many bytes, so that the page-aligned range a
+/// dmabuf export needs lies inside the allocation (2 MiB covers every host page size and
+/// is the GPU's large-page size).
+pub const DEVICE_ALLOC_GRANULE: usize = 2 << 20;
+
+/// Why a CUDA operation failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub(crate) enum CudaError {
-    /// CUDA memory kinds are not implemented in this build yet.
-    #[error("CUDA memory kinds ({0:?}) are not implemented yet")]
-    NotImplemented(MemoryRequest),
+pub enum CudaError {
+    /// `libcuda` could not be loaded: no NVIDIA driver on this machine.
+    #[error(
+        "no CUDA driver: libcuda.so could not be loaded (install the NVIDIA driver, or use host memory)"
+    )]
+    NoDriver,
+    /// The driver loaded but cannot be used (cuInit failed, or it reports no device).
+    #[error("the CUDA driver is present but unusable: {reason}")]
+    Unusable {
+        /// What the driver said.
+        reason: String,
+    },
+    /// A driver call failed.
+    #[error("CUDA driver call {call} failed: {source}")]
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// There is no device with this ordinal.
+    #[error("CUDA device {ordinal} does not exist: the driver reports {count} device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices the driver reports.
+        count: u32,
+    },
+    /// A CUDA allocation of 0 bytes was requested (the driver refuses those).
+    #[error("a CUDA allocation of 0 bytes was requested")]
+    ZeroLength,
+    /// The operation needs CUDA device memory.
+    #[error("{kind} memory is not CUDA device memory")]
+    NotDeviceMemory {
+        /// The region's kind.
+        kind: MemoryKind,
+    },
+    /// [`MemoryRequest::Host`] was passed to [`alloc`].
+    #[error("{request:?} is not a CUDA memory request")]
+    NotCudaRequest {
+        /// The request.
+        request: MemoryRequest,
+    },
+    /// The range lies outside the region.
+    #[error(transparent)]
+    Range(#[from] RegionAccessError),
+    /// A staging copier refused a slot operation.
+    #[error(transparent)]
+    Slot(#[from] SlotError),
+    /// The device cannot export this memory as a dmabuf.
+    #[error(
+        "CUDA device {ordinal} cannot export device memory as a dmabuf ({why}); stage it through pinned buffers instead"
+    )]
+    DmabufUnsupported {
+        /// The device.
+        ordinal: u32,
+        /// Why not.
+        why: &'static str,
+    },
+    /// [`CudaCopier::set_region`] was given memory of another device.
+    #[error("the copier's stream belongs to device {copier}, the region to device {region}")]
+    OtherDevice {
+        /// The copier's device.
+        copier: u32,
+        /// The region's device.
+        region: u32,
+    },
 }
 
-/// Allocates `bytes` of CUDA memory as `request` asks (`Pinned`, `Cuda { ordinal }` or
-/// `Auto`).
+fn driver(call: &'static str) -> impl FnOnce(DriverError) -> CudaError {
+    move |source| CudaError::Driver { call, source }
+}
+
+/// Whether `libcuda` can be loaded (checked once per process).
+///
+/// Nothing else in this module touches cudarc before this returned `true`.
+pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        // SAFETY: `is_culib_present` dlopens libcuda (running its initialisers) and closes
+        // it again. libcuda is the NVIDIA driver's library, made to be loaded this way
+        // (cudarc loads it the same way for every call), and nothing from it is kept.
+        unsafe { sys::is_culib_present() }
+    })
+}
+
+fn ensure_driver() -> Result<(), CudaError> {
+    if driver_present() {
+        Ok(())
+    } else {
+        Err(CudaError::NoDriver)
+    }
+}
+
+fn device_count() -> Result<u32, CudaError> {
+    ensure_driver()?;
+    result::init().map_err(|err| CudaError::Unusable {
+        reason: format!("cuInit failed: {err}"),
+    })?;
+    let count = result::device::get_count().map_err(driver("cuDeviceGetCount"))?;
+    Ok(u32::try_from(count).unwrap_or(0))
+}
+
+/// The primary context of device `ordinal`, bound to the calling thread.
+///
+/// Contexts are shared while someone holds them (a cache of weak handles), so that
+/// cuInit and the retain happen once per device rather than once per call.
+fn context(ordinal: u32) -> Result<Arc<CudaContext>, CudaError> {
+    static CONTEXTS: Mutex<Vec<Weak<CudaContext>>> = Mutex::new(Vec::new());
+    ensure_driver()?;
+    let index = ordinal as usize;
+    // The cache holds only weak handles, so a panic elsewhere cannot leave it inconsistent.
+    let mut cache = CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(ctx) = cache.get(index).and_then(Weak::upgrade) {
+        ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+        return Ok(ctx);
+    }
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(CudaError::NoSuchDevice { ordinal, count });
+    }
+    let ctx = CudaContext::new(index).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+    if cache.len() <= index {
+        cache.resize(index + 1, Weak::new());
+    }
+    cache[index] = Arc::downgrade(&ctx);
+    Ok(ctx)
+}
+
+/// The device ordinal of CUDA device memory.
+fn device_ordinal(region: &dyn DmaRegion) -> Result<u32, CudaError> {
+    match region.kind() {
+        MemoryKind::CudaDevice { ordinal } => Ok(ordinal),
+        kind => Err(CudaError::NotDeviceMemory { kind }),
+    }
+}
+
+/// The device address `offset` bytes into `region` (device memory's `base_ptr` is a
+/// `CUdeviceptr`, never dereferenced).
+fn device_address(region: &dyn DmaRegion, offset: usize) -> sys::CUdeviceptr {
+    (region.base_ptr().addr() + offset) as sys::CUdeviceptr
+}
+
+static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// How many driver calls failed inside `Drop` (a free, a stream sync) since the process
+/// started. Each one was also logged with `tracing::error!`.
+pub fn drop_errors() -> u64 {
+    DROP_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Drop never panics in release builds: log, count, and assert only in debug builds.
+fn report_drop(call: &'static str, result: Result<(), DriverError>) {
+    if let Err(err) = &result {
+        DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(call, error = %err, "CUDA call failed while dropping");
+    }
+    debug_assert!(result.is_ok(), "{call} failed in Drop: {result:?}");
+}
+
+/// What the CUDA driver offers on this machine ([`probe`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CudaAvailability {
+    /// `libcuda` could not be loaded.
+    NoDriver,
+    /// The driver loaded but is unusable (cuInit failed, or no device).
+    Unusable {
+        /// What went wrong.
+        reason: String,
+    },
+    /// The driver works and reports at least one device.
+    Available {
+        /// `cuDriverGetVersion`, e.g. 12080 for CUDA 12.8.
+        driver_version: i32,
+        /// The devices, in ordinal order (never empty).
+        devices: Vec<CudaDeviceInfo>,
+    },
+}
+
+/// One CUDA device as [`probe`] saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaDeviceInfo {
+    /// The device ordinal.
+    pub ordinal: u32,
+    /// The device's name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// Device memory in bytes.
+    pub total_bytes: usize,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: whether [`export_dmabuf`] can work.
+    pub dmabuf_supported: bool,
+}
+
+/// Reports whether a driver exists, its version and its devices. Never fails and never
+/// panics; creates no context.
+#[must_use]
+pub fn probe() -> CudaAvailability {
+    if !driver_present() {
+        return CudaAvailability::NoDriver;
+    }
+    match probe_devices() {
+        Ok((driver_version, devices)) if !devices.is_empty() => CudaAvailability::Available {
+            driver_version,
+            devices,
+        },
+        Ok(_) => CudaAvailability::Unusable {
+            reason: "the driver reports no CUDA device".to_owned(),
+        },
+        Err(CudaError::Unusable { reason }) => CudaAvailability::Unusable { reason },
+        Err(err) => CudaAvailability::Unusable {
+            reason: err.to_string(),
+        },
+    }
+}
+
+fn probe_devices() -> Result<(i32, Vec<CudaDeviceInfo>), CudaError> {
+    let count = device_count()?;
+    let mut version = 0;
+    // SAFETY: `version` is a live c_int for the driver to write; cuInit succeeded above.
+    unsafe { sys::cuDriverGetVersion(&raw mut version) }
+        .result()
+        .map_err(driver("cuDriverGetVersion"))?;
+    let mut devices = Vec::new();
+    for ordinal in 0..count {
+        // `ordinal < count <= i32::MAX` (count came from a c_int).
+        let dev = result::device::get(ordinal as i32).map_err(driver("cuDeviceGet"))?;
+        let name = result::device::get_name(dev).map_err(driver("cuDeviceGetName"))?;
+        // SAFETY: `dev` was returned by cuDeviceGet above.
+        let total_bytes =
+            unsafe { result::device::total_mem(dev) }.map_err(driver("cuDeviceTotalMem"))?;
+        let dmabuf = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED;
+        // SAFETY: `dev` was returned by cuDeviceGet above.
+        let dmabuf = unsafe { result::device::get_attribute(dev, dmabuf) }
+            .map_err(driver("cuDeviceGetAttribute"))?;
+        devices.push(CudaDeviceInfo {
+            ordinal,
+            name,
+            total_bytes,
+            dmabuf_supported: dmabuf != 0,
+        });
+    }
+    Ok((version, devices))
+}
+
+/// The outcome of `--memory auto` ([`choose_auto`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoChoice {
+    /// The memory to use: `CudaDevice` where a GPU works, else `Host`.
+    pub kind: MemoryKind,
+    /// Why, in words (for the log and the agent's startup line).
+    pub reason: String,
+}
+
+/// Decides `--memory auto` for TP rank `rank`: CUDA device memory on device
+/// `rank % device_count` where the driver works, else host memory. Logs the choice and
+/// why at `info`.
+#[must_use]
+pub fn choose_auto(rank: u32) -> AutoChoice {
+    let host = |reason: String| AutoChoice {
+        kind: MemoryKind::Host,
+        reason,
+    };
+    let choice = match probe() {
+        CudaAvailability::NoDriver => {
+            host("no CUDA driver (libcuda.so could not be loaded)".to_owned())
+        }
+        CudaAvailability::Unusable { reason } => host(format!("CUDA is unusable: {reason}")),
+        CudaAvailability::Available {
+            driver_version,
+            devices,
+        } => {
+            let count = devices.len();
+            match devices.get(rank as usize % count.max(1)) {
+                Some(device) => AutoChoice {
+                    kind: MemoryKind::CudaDevice {
+                        ordinal: device.ordinal,
+                    },
+                    reason: format!(
+                        "CUDA driver {}.{} with {count} device(s): rank {rank} uses device {} ({}, {} MiB)",
+                        driver_version / 1000,
+                        driver_version % 1000 / 10,
+                        device.ordinal,
+                        device.name,
+                        device.total_bytes >> 20,
+                    ),
+                },
+                None => host("the driver reports no CUDA device".to_owned()),
+            }
+        }
+    };
+    tracing::info!(memory = %choice.kind, reason = %choice.reason, "--memory auto");
+    choice
+}
+
+/// Allocates `bytes` of CUDA memory as `request` asks: the seam [`BlockPool::new`]
+/// calls (`Pinned`, `Cuda { ordinal }`, or `Auto`, which takes [`choose_auto`]`(0)`).
+///
+/// [`BlockPool::new`]: crate::BlockPool::new
 ///
 /// # Errors
-/// Always [`CudaError::NotImplemented`] until the CUDA memory kinds land.
-pub(crate) fn alloc(
-    request: MemoryRequest,
-    _bytes: usize,
-) -> Result<Arc<dyn DmaRegion>, CudaError> {
-    Err(CudaError::NotImplemented(request))
+/// For `Auto` without a usable GPU: [`CudaError::NoDriver`] or [`CudaError::Unusable`],
+/// whose message says why (the pool then falls back to host memory). Otherwise as
+/// [`CudaPinnedRegion::new`] / [`CudaDeviceRegion::new`];
+/// [`CudaError::NotCudaRequest`] for `Host`.
+pub fn alloc(request: MemoryRequest, bytes: usize) -> Result<Arc<dyn DmaRegion>, CudaError> {
+    match request {
+        MemoryRequest::Pinned => Ok(Arc::new(CudaPinnedRegion::new(0, bytes)?)),
+        MemoryRequest::Cuda { ordinal } => Ok(Arc::new(CudaDeviceRegion::new(ordinal, bytes)?)),
+        MemoryRequest::Auto => {
+            let choice = choose_auto(0);
+            match choice.kind {
+                MemoryKind::CudaDevice { ordinal } => {
+                    Ok(Arc::new(CudaDeviceRegion::new(ordinal, bytes)?))
+                }
+                _ if !driver_present() => Err(CudaError::NoDriver),
+                _ => Err(CudaError::Unusable {
+                    reason: choice.reason,
+                }),
+            }
+        }
+        _ => Err(CudaError::NotCudaRequest { request }),
+    }
+}
+
+/// A pinned host pointer owned by a [`CudaPinnedRegion`].
+#[derive(Debug)]
+struct PinnedPtr(NonNull<u8>);
+
+// SAFETY: the pointer is the start of a portable pinned allocation owned by exactly one
+// region; host memory may be accessed from any thread, and the region's users follow the
+// DmaRegion aliasing rules, not Rust references through this pointer.
+unsafe impl Send for PinnedPtr {}
+// SAFETY: as for Send: shared access only hands out the address.
+unsafe impl Sync for PinnedPtr {}
+
+/// CUDA pinned host memory: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_PORTABLE` (not
+/// write-combined, because the CPU reads it), zeroed, freed on drop.
+#[derive(Debug)]
+pub struct CudaPinnedRegion {
+    ptr: PinnedPtr,
+    len: usize,
+    // Dropped after `Drop::drop` freed the memory: the context must outlive it.
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaPinnedRegion {
+    /// Allocates `len` zeroed bytes of pinned memory in the primary context of device
+    /// `ordinal` (portable: usable with every context).
+    ///
+    /// # Errors
+    /// [`CudaError::NoDriver`], [`CudaError::NoSuchDevice`], [`CudaError::ZeroLength`],
+    /// [`CudaError::Driver`] (e.g. out of memory).
+    pub fn new(ordinal: u32, len: usize) -> Result<Self, CudaError> {
+        if len == 0 {
+            return Err(CudaError::ZeroLength);
+        }
+        let ctx = context(ordinal)?;
+        // SAFETY: a context is current on this thread (`context` bound it). The memory is
+        // uninitialised; it is zeroed below before anything reads it.
+        let raw = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(driver("cuMemHostAlloc"))?;
+        let Some(ptr) = NonNull::new(raw.cast::<u8>()) else {
+            return Err(CudaError::Driver {
+                call: "cuMemHostAlloc",
+                source: DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+            });
+        };
+        let region = Self {
+            ptr: PinnedPtr(ptr),
+            len,
+            ctx,
+        };
+        // SAFETY: `ptr .. ptr + len` is the allocation just made, writable, and not yet
+        // shared with anyone.
+        unsafe { ptr.as_ptr().write_bytes(0, len) };
+        Ok(region)
+    }
+
+    /// Lends the whole region as a shared slice.
+    ///
+    /// Private: only [`CudaCopier`] uses it, for its own staging buffer, which nobody else
+    /// can reach and which it lends only after the copies into it have finished.
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr .. ptr + len` is one live, initialised (zeroed at allocation)
+        // allocation owned by `self`; the only caller guarantees no copy engine writes it
+        // while the borrow lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.0.as_ptr(), self.len) }
+    }
+
+    /// Lends the whole region as a mutable slice (see [`as_slice`](Self::as_slice)).
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique on the host;
+        // the only caller guarantees no copy engine reads or writes it meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for CudaPinnedRegion {
+    fn drop(&mut self) {
+        let freed = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: the pointer came from cuMemHostAlloc and is freed only here; the
+            // region is being dropped, so no holder of it (a registration, a copier) is
+            // left to use the memory.
+            unsafe { result::free_host(self.ptr.0.as_ptr().cast()) }
+        });
+        report_drop("cuMemFreeHost", freed);
+    }
+}
+
+// SAFETY: `ptr .. ptr + len` is one cuMemHostAlloc allocation owned by the region, freed
+// only in Drop, never moved or resized; it is host memory, pinned and portable, that any
+// thread may read and write through raw pointers.
+unsafe impl DmaRegion for CudaPinnedRegion {
+    fn base_ptr(&self) -> *mut u8 {
+        self.ptr.0.as_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::CudaPinned
+    }
+}
+
+/// CUDA device memory: `cuMemAlloc` (not the stream-ordered pool), zeroed, freed on drop.
+///
+/// Its [`base_ptr`](DmaRegion::base_ptr) is the `CUdeviceptr`, never dereferenced on the
+/// host: move bytes with [`copy_htod`] / [`copy_dtoh`] or a [`CudaCopier`].
+#[derive(Debug)]
+pub struct CudaDeviceRegion {
+    dptr: sys::CUdeviceptr,
+    len: usize,
+    ordinal: u32,
+    // Dropped after `Drop::drop` freed the memory: the context must outlive it.
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaDeviceRegion {
+    /// Allocates `len` zeroed bytes on device `ordinal` (rounded up internally to
+    /// [`DEVICE_ALLOC_GRANULE`]).
+    ///
+    /// # Errors
+    /// [`CudaError::NoDriver`], [`CudaError::NoSuchDevice`], [`CudaError::ZeroLength`],
+    /// [`CudaError::Driver`] (e.g. out of memory).
+    pub fn new(ordinal: u32, len: usize) -> Result<Self, CudaError> {
+        if len == 0 {
+            return Err(CudaError::ZeroLength);
+        }
+        let alloc_len =
+            len.checked_next_multiple_of(DEVICE_ALLOC_GRANULE)
+                .ok_or(CudaError::Driver {
+                    call: "cuMemAlloc",
+                    source: DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+                })?;
+        let ctx = context(ordinal)?;
+        // SAFETY: a context is current on this thread (`context` bound it). The memory is
+        // uninitialised; it is zeroed below before anything reads it.
+        let dptr = unsafe { result::malloc_sync(alloc_len) }.map_err(driver("cuMemAlloc"))?;
+        // From here on Drop frees the allocation, also on the error path below.
+        let region = Self {
+            dptr,
+            len,
+            ordinal,
+            ctx,
+        };
+        // SAFETY: `dptr .. dptr + alloc_len` is the allocation just made, not yet shared;
+        // the call is synchronous.
+        unsafe { result::memset_d8_sync(dptr, 0, alloc_len) }.map_err(driver("cuMemsetD8"))?;
+        Ok(region)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
+    }
+}
+
+impl Drop for CudaDeviceRegion {
+    fn drop(&mut self) {
+        let freed = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: `dptr` came from cuMemAlloc and is freed only here; the region is
+            // being dropped, so no holder (a registration, a copier, whose copies are
+            // synchronised before it lets go) is left to use it. cuMemFree waits for
+            // outstanding work on the memory.
+            unsafe { result::free_sync(self.dptr) }
+        });
+        report_drop("cuMemFree", freed);
+    }
+}
+
+// SAFETY: `dptr .. dptr + len` lies inside one cuMemAlloc allocation (of `len` rounded up
+// to DEVICE_ALLOC_GRANULE) owned by the region, freed only in Drop, never moved or resized; `base_ptr` is
+// that device address, and this crate never dereferences device memory on the host.
+unsafe impl DmaRegion for CudaDeviceRegion {
+    fn base_ptr(&self) -> *mut u8 {
+        std::ptr::without_provenance_mut(self.dptr as usize)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::CudaDevice {
+            ordinal: self.ordinal,
+        }
+    }
+}
+
+/// Copies `src` into device memory at `offset` of `region`; returns when the bytes are
+/// on the device.
+///
+/// # Errors
+/// [`CudaError::NotDeviceMemory`] when `region` is not CUDA device memory (host kinds have
+/// [`RegionBytes`](crate::RegionBytes)), [`CudaError::Range`] when the range is outside,
+/// [`CudaError::NoDriver`] / [`CudaError::Driver`].
+pub fn copy_htod(region: &dyn DmaRegion, offset: usize, src: &[u8]) -> Result<(), CudaError> {
+    let ordinal = device_ordinal(region)?;
+    staging::check_range(offset, src.len(), region.len())?;
+    if src.is_empty() {
+        return Ok(());
+    }
+    let _ctx = context(ordinal)?;
+    let dst = device_address(region, offset);
+    // SAFETY: `dst .. dst + src.len()` lies inside the region (checked above), which the
+    // DmaRegion contract keeps allocated while the borrow `region` lives; the copy is
+    // synchronous, so `src` is only read during the call.
+    unsafe { result::memcpy_htod_sync(dst, src) }.map_err(driver("cuMemcpyHtoD"))
+}
+
+/// Copies `dst.len()` bytes of device memory at `offset` of `region` into `dst`; returns
+/// when they are in `dst`.
+///
+/// # Errors
+/// As [`copy_htod`].
+pub fn copy_dtoh(region: &dyn DmaRegion, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
+    let ordinal = device_ordinal(region)?;
+    staging::check_range(offset, dst.len(), region.len())?;
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let _ctx = context(ordinal)?;
+    let src = device_address(region, offset);
+    // SAFETY: `src .. src + dst.len()` lies inside the region (checked above), which the
+    // DmaRegion contract keeps allocated while the borrow `region` lives; the copy is
+    // synchronous, so `dst` is only written during the call.
+    unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(driver("cuMemcpyDtoH"))
+}
+
+/// A dmabuf file descriptor for device memory, for `ibv_reg_dmabuf_mr(pd, offset, len,
+/// iova, fd, access)`.
+///
+/// The handle keeps the region alive (it holds an `Arc` of it) so the fd never refers to
+/// freed memory; keep the handle (or the region) alive as long as a memory region
+/// registered from the fd is in use. The fd is closed on drop.
+#[derive(Debug)]
+pub struct DmabufHandle {
+    /// The dmabuf file descriptor (closed on drop, before the region is let go).
+    pub fd: OwnedFd,
+    /// Offset of the region's first byte inside the dmabuf.
+    pub offset: u64,
+    /// The region's length (the dmabuf may be larger: it covers whole pages).
+    pub len: u64,
+    _region: Arc<dyn DmaRegion>,
+}
+
+fn host_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(page).unwrap_or(4096).max(1)
+}
+
+/// Exports CUDA device memory as a dmabuf through `cuMemGetHandleForAddressRange`, where
+/// the device reports `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (the verbs backend then
+/// registers it with `ibv_reg_dmabuf_mr`). Where it does not, the caller stages through
+/// pinned buffers instead ([`CudaCopier`] and [`staging`]).
+///
+/// The exported range is the region rounded out to host pages; [`CudaDeviceRegion`]
+/// allocations are page aligned and padded, so that range is theirs.
+///
+/// # Errors
+/// [`CudaError::DmabufUnsupported`] (device attribute false, or the region is not page
+/// aligned), [`CudaError::NotDeviceMemory`], [`CudaError::NoDriver`],
+/// [`CudaError::Driver`] (the driver refused the export).
+pub fn export_dmabuf(region: &Arc<dyn DmaRegion>) -> Result<DmabufHandle, CudaError> {
+    let ordinal = device_ordinal(region.as_ref())?;
+    let ctx = context(ordinal)?;
+    let supported = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+        .map_err(driver("cuDeviceGetAttribute"))?;
+    if supported == 0 {
+        return Err(CudaError::DmabufUnsupported {
+            ordinal,
+            why: "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0",
+        });
+    }
+    let page = host_page_size();
+    let start = region.base_ptr().addr();
+    if !start.is_multiple_of(page) {
+        return Err(CudaError::DmabufUnsupported {
+            ordinal,
+            why: "the region does not start on a host page",
+        });
+    }
+    let size = region.len().next_multiple_of(page);
+    let mut fd: libc::c_int = -1;
+    ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+    // SAFETY: `fd` is a live c_int, which is what the driver writes for
+    // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD; the range is page aligned and lies inside the
+    // region's allocation (DmaRegion contract; our allocations are padded to 2 MiB), which
+    // `region` keeps alive during the call.
+    let exported = unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            (&raw mut fd).cast(),
+            start as sys::CUdeviceptr,
+            size,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    };
+    exported
+        .result()
+        .map_err(driver("cuMemGetHandleForAddressRange"))?;
+    if fd < 0 {
+        return Err(CudaError::Driver {
+            call: "cuMemGetHandleForAddressRange",
+            source: DriverError(sys::CUresult::CUDA_ERROR_INVALID_HANDLE),
+        });
+    }
+    // SAFETY: the driver just opened `fd` for this call and hands its ownership to us;
+    // nothing else closes it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(DmabufHandle {
+        fd,
+        offset: 0,
+        len: region.len() as u64,
+        _region: Arc::clone(region),
+    })
+}
+
+/// The staging copier for CUDA device memory: asynchronous copies on its own stream
+/// between the region and `depth` pinned slots, with one event per slot (see
+/// [`staging`]).
+#[derive(Debug)]
+pub struct CudaCopier {
+    // Field order is drop order. `Drop::drop` first waits for the stream; then the events
+    // and the stream go, then the pinned slots, then the region, then the context.
+    events: Vec<CudaEvent>,
+    in_flight: Vec<bool>,
+    stream: Arc<CudaStream>,
+    staging: CudaPinnedRegion,
+    region: Arc<dyn DmaRegion>,
+    config: StagingConfig,
+    ordinal: u32,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaCopier {
+    /// A copier for device memory `region` with `config.depth()` pinned slots of
+    /// `config.chunk_len()` bytes and a new non-blocking stream.
+    ///
+    /// # Errors
+    /// [`CudaError::NotDeviceMemory`], [`CudaError::NoDriver`], [`CudaError::Driver`].
+    pub fn new(region: Arc<dyn DmaRegion>, config: StagingConfig) -> Result<Self, CudaError> {
+        let ordinal = device_ordinal(region.as_ref())?;
+        let ctx = context(ordinal)?;
+        let stream = ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+        let events = (0..config.depth())
+            .map(|_| ctx.new_event(None).map_err(driver("cuEventCreate")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let staging_len = config.chunk_len() * config.depth();
+        let staging = CudaPinnedRegion::new(ordinal, staging_len)?;
+        Ok(Self {
+            events,
+            in_flight: vec![false; config.depth()],
+            stream,
+            staging,
+            region,
+            config,
+            ordinal,
+            ctx,
+        })
+    }
+
+    /// Switches to another device region of the same device, after every copy in flight
+    /// has finished.
+    ///
+    /// # Errors
+    /// [`CudaError::NotDeviceMemory`], [`CudaError::OtherDevice`], or the failure of a
+    /// copy in flight.
+    pub fn set_region(&mut self, region: Arc<dyn DmaRegion>) -> Result<(), CudaError> {
+        let ordinal = device_ordinal(region.as_ref())?;
+        if ordinal != self.ordinal {
+            return Err(CudaError::OtherDevice {
+                copier: self.ordinal,
+                region: ordinal,
+            });
+        }
+        self.wait_all()?;
+        self.region = region;
+        Ok(())
+    }
+
+    /// The region this copier moves.
+    pub fn region(&self) -> &Arc<dyn DmaRegion> {
+        &self.region
+    }
+
+    fn check(&self, slot: usize, offset: usize, len: usize) -> Result<(), CudaError> {
+        staging::check_copy(slot, offset, len, self.config, self.region.len())?;
+        Ok(())
+    }
+
+    /// The host address of the start of `slot` (inside the pinned staging allocation).
+    fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        self.staging
+            .base_ptr()
+            .wrapping_add(slot * self.config.chunk_len())
+    }
+
+    fn record(&mut self, slot: usize) -> Result<(), CudaError> {
+        self.events[slot]
+            .record(&self.stream)
+            .map_err(driver("cuEventRecord"))?;
+        self.in_flight[slot] = true;
+        Ok(())
+    }
+
+    fn wait(&mut self, slot: usize) -> Result<(), CudaError> {
+        if self.in_flight[slot] {
+            self.events[slot]
+                .synchronize()
+                .map_err(driver("cuEventSynchronize"))?;
+            self.in_flight[slot] = false;
+        }
+        Ok(())
+    }
+
+    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, CudaError> {
+        staging::check_copy(slot, 0, 0, self.config, 0)?;
+        let start = slot * self.config.chunk_len();
+        Ok(start..start + self.config.chunk_len())
+    }
+}
+
+impl Copier for CudaCopier {
+    type Error = CudaError;
+
+    fn config(&self) -> StagingConfig {
+        self.config
+    }
+
+    fn memory_len(&self) -> usize {
+        self.region.len()
+    }
+
+    fn stage_out(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), CudaError> {
+        self.check(slot, offset, len)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let src = device_address(self.region.as_ref(), offset);
+        let dst = self.slot_ptr(slot);
+        // SAFETY: `src .. src + len` lies inside the device region and `dst .. dst + len`
+        // inside slot `slot` of the pinned staging buffer (both checked above). Both stay
+        // allocated until the copy finishes: the copier owns the buffer and an `Arc` of
+        // the region, and waits for the stream before it drops or replaces either. The host
+        // touches the slot only through `slot`/`slot_mut`, which wait for its event first.
+        let copied =
+            unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream.cu_stream()) };
+        copied.result().map_err(driver("cuMemcpyDtoHAsync"))?;
+        self.record(slot)
+    }
+
+    fn stage_in(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), CudaError> {
+        self.check(slot, offset, len)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let dst = device_address(self.region.as_ref(), offset);
+        let src = self.slot_ptr(slot);
+        // SAFETY: as in `stage_out`, with the direction reversed: the slot is only read by
+        // the copy and the host cannot write it until its event has completed.
+        let copied = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast_const().cast(), len, self.stream.cu_stream())
+        };
+        copied.result().map_err(driver("cuMemcpyHtoDAsync"))?;
+        self.record(slot)
+    }
+
+    fn slot(&mut self, slot: usize) -> Result<&[u8], CudaError> {
+        let range = self.slot_range(slot)?;
+        self.wait(slot)?;
+        Ok(&self.staging.as_slice()[range])
+    }
+
+    fn slot_mut(&mut self, slot: usize) -> Result<&mut [u8], CudaError> {
+        let range = self.slot_range(slot)?;
+        self.wait(slot)?;
+        Ok(&mut self.staging.as_mut_slice()[range])
+    }
+
+    fn wait_all(&mut self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
+        self.in_flight.fill(false);
+        Ok(())
+    }
+}
+
+impl Drop for CudaCopier {
+    fn drop(&mut self) {
+        // Copies in flight use the staging buffer and the region: finish them first.
+        report_drop("cuStreamSynchronize", self.stream.synchronize());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `KV_TEST_CUDA=1` turns a missing driver into a failure instead of a skip.
+    fn cuda_required() -> bool {
+        std::env::var_os("KV_TEST_CUDA").is_some_and(|v| v == "1")
+    }
+
+    #[test]
+    fn no_driver_gives_clean_errors() {
+        if driver_present() {
+            eprintln!("skipped: a CUDA driver is present (tests/cuda.rs covers this machine)");
+            return;
+        }
+        assert!(
+            !cuda_required(),
+            "KV_TEST_CUDA=1 but libcuda.so could not be loaded"
+        );
+        assert_eq!(probe(), CudaAvailability::NoDriver);
+        assert!(matches!(
+            CudaDeviceRegion::new(0, 4096),
+            Err(CudaError::NoDriver)
+        ));
+        assert!(matches!(
+            CudaPinnedRegion::new(0, 4096),
+            Err(CudaError::NoDriver)
+        ));
+        for request in [
+            MemoryRequest::Pinned,
+            MemoryRequest::Cuda { ordinal: 0 },
+            MemoryRequest::Auto,
+        ] {
+            let err = alloc(request, 1 << 20).expect_err("no driver: no CUDA memory");
+            assert!(matches!(err, CudaError::NoDriver), "{request:?}: {err}");
+            assert!(err.to_string().contains("libcuda"), "{err}");
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_host_and_says_why() {
+        let choice = choose_auto(3);
+        match probe() {
+            CudaAvailability::NoDriver => {
+                assert_eq!(choice.kind, MemoryKind::Host);
+                assert!(choice.reason.contains("libcuda"), "{}", choice.reason);
+            }
+            CudaAvailability::Unusable { reason } => {
+                assert_eq!(choice.kind, MemoryKind::Host);
+                assert!(choice.reason.contains(&reason), "{}", choice.reason);
+            }
+            CudaAvailability::Available { devices, .. } => {
+                let ordinal = devices[3 % devices.len()].ordinal;
+                assert_eq!(choice.kind, MemoryKind::CudaDevice { ordinal });
+                assert!(choice.reason.contains("rank 3"), "{}", choice.reason);
+            }
+        }
+    }
+
+    #[test]
+    fn device_copies_refuse_host_memory_before_touching_the_driver() {
+        let host: Arc<dyn DmaRegion> =
+            Arc::new(crate::HostRegion::new(4096).expect("a 4 KiB mmap fits any test machine"));
+        let err = copy_htod(host.as_ref(), 0, &[1, 2, 3]).expect_err("host memory");
+        assert!(matches!(
+            err,
+            CudaError::NotDeviceMemory {
+                kind: MemoryKind::Host
+            }
+        ));
+        let err = copy_dtoh(host.as_ref(), 0, &mut [0; 3]).expect_err("host memory");
+        assert!(matches!(err, CudaError::NotDeviceMemory { .. }));
+        let err = export_dmabuf(&host).expect_err("host memory");
+        assert!(matches!(err, CudaError::NotDeviceMemory { .. }));
+        let err = CudaCopier::new(host, StagingConfig::default()).expect_err("host memory");
+        assert!(matches!(err, CudaError::NotDeviceMemory { .. }));
+    }
 }

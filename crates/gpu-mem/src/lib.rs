@@ -25,7 +25,8 @@ mod host;
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
-mod cuda;
+pub mod cuda;
+pub mod staging;
 
 mod alloc;
 mod layout;

@@ -43,7 +43,9 @@
 use std::error::Error as StdError;
 use std::io::{self, Read, Write};
 
-use crate::RegionAccessError;
+use std::sync::Arc;
+
+use crate::{DmaRegion, RegionAccessError, RegionBytes};
 
 /// The largest [`StagingConfig::depth`]: more slots than this only hold more pinned memory.
 pub const MAX_DEPTH: usize = 16;
@@ -103,7 +105,9 @@ impl Default for StagingConfig {
 #[non_exhaustive]
 pub enum StagingError {
     /// The chunk length or depth is out of range.
-    #[error("invalid staging configuration: chunk_len {chunk_len}, depth {depth} (need chunk_len > 0 and 1 <= depth <= {MAX_DEPTH})")]
+    #[error(
+        "invalid staging configuration: chunk_len {chunk_len}, depth {depth} (need chunk_len > 0 and 1 <= depth <= {MAX_DEPTH})"
+    )]
     InvalidConfig {
         /// The requested chunk length.
         chunk_len: usize,
@@ -159,12 +163,10 @@ pub enum SlotError {
         /// The slot length.
         chunk_len: usize,
     },
-    /// The memory range lies outside the copier's memory.
+    /// The memory range lies outside the copier's memory (or the memory cannot be
+    /// accessed that way).
     #[error(transparent)]
     Range(#[from] RegionAccessError),
-    /// The copier's memory was lent read-only, so nothing may be copied into it.
-    #[error("the copier's memory is read-only")]
-    ReadOnly,
 }
 
 /// Checks `offset .. offset + len` against memory of `memory_len` bytes.
@@ -234,8 +236,7 @@ pub trait Copier {
     /// Starts copying the first `len` bytes of `slot` to `offset` of the memory.
     ///
     /// # Errors
-    /// A [`SlotError`]-like refusal (bad slot, too long, out of range, read-only memory)
-    /// or a copy failure.
+    /// A [`SlotError`]-like refusal (bad slot, too long, out of range) or a copy failure.
     fn stage_in(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), Self::Error>;
 
     /// Waits for the copies of `slot`, then lends its whole buffer (`chunk_len` bytes).
@@ -258,7 +259,11 @@ pub trait Copier {
 }
 
 /// The chunks of `offset .. offset + len`: `(index, memory offset, length)`.
-fn chunks(offset: usize, len: usize, chunk_len: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+fn chunks(
+    offset: usize,
+    len: usize,
+    chunk_len: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
     (0..len.div_ceil(chunk_len)).map(move |i| {
         let start = i * chunk_len;
         (i, offset + start, chunk_len.min(len - start))
@@ -365,60 +370,45 @@ pub fn recv<C: Copier, R: Read + ?Sized>(
     result.map_err(|error| drain(copier, error))
 }
 
-enum HostMemory<'a> {
-    Read(&'a [u8]),
-    Write(&'a mut [u8]),
-}
-
-impl HostMemory<'_> {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Self::Read(bytes) => bytes,
-            Self::Write(bytes) => bytes,
-        }
-    }
-}
-
-/// The copier for host memory: `memcpy` between a borrowed byte slice and owned slots.
+/// The copier for host-accessible memory ([`MemoryKind::Host`](crate::MemoryKind::Host),
+/// [`MemoryKind::CudaPinned`](crate::MemoryKind::CudaPinned)): `memcpy` between a region
+/// and owned slots, through the region's bounds-checked accessors ([`RegionBytes`]).
 ///
 /// Its copies are complete when `stage_out`/`stage_in` return, so it overlaps nothing;
 /// see the module docs for why it exists.
-pub struct HostCopier<'a> {
-    memory: HostMemory<'a>,
+#[derive(Debug)]
+pub struct HostCopier {
+    region: Arc<dyn DmaRegion>,
     slots: Vec<Box<[u8]>>,
     config: StagingConfig,
 }
 
-impl std::fmt::Debug for HostCopier<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostCopier")
-            .field("memory_len", &self.memory.bytes().len())
-            .field("writable", &matches!(self.memory, HostMemory::Write(_)))
-            .field("config", &self.config)
-            .finish()
-    }
-}
-
-impl<'a> HostCopier<'a> {
-    /// A copier that reads `memory` (for [`send`]); [`Copier::stage_in`] is refused.
-    pub fn reader(memory: &'a [u8], config: StagingConfig) -> Self {
-        Self::with(HostMemory::Read(memory), config)
-    }
-
-    /// A copier that reads and writes `memory` (for [`send`] and [`recv`]).
-    pub fn writer(memory: &'a mut [u8], config: StagingConfig) -> Self {
-        Self::with(HostMemory::Write(memory), config)
-    }
-
-    fn with(memory: HostMemory<'a>, config: StagingConfig) -> Self {
+impl HostCopier {
+    /// A copier between `region` and `config.depth()` slots of `config.chunk_len()` bytes.
+    ///
+    /// # Errors
+    /// [`RegionAccessError::NotHostAccessible`] for device memory (use `cuda::CudaCopier`).
+    pub fn new(
+        region: Arc<dyn DmaRegion>,
+        config: StagingConfig,
+    ) -> Result<Self, RegionAccessError> {
+        let kind = region.kind();
+        if !kind.is_host_accessible() {
+            return Err(RegionAccessError::NotHostAccessible { kind });
+        }
         let slots = (0..config.depth)
             .map(|_| vec![0u8; config.chunk_len].into_boxed_slice())
             .collect();
-        Self {
-            memory,
+        Ok(Self {
+            region,
             slots,
             config,
-        }
+        })
+    }
+
+    /// The region this copier moves.
+    pub fn region(&self) -> &Arc<dyn DmaRegion> {
+        &self.region
     }
 
     fn slot_index(&self, slot: usize) -> Result<usize, SlotError> {
@@ -433,7 +423,7 @@ impl<'a> HostCopier<'a> {
     }
 }
 
-impl Copier for HostCopier<'_> {
+impl Copier for HostCopier {
     type Error = SlotError;
 
     fn config(&self) -> StagingConfig {
@@ -441,21 +431,20 @@ impl Copier for HostCopier<'_> {
     }
 
     fn memory_len(&self) -> usize {
-        self.memory.bytes().len()
+        self.region.len()
     }
 
     fn stage_out(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), SlotError> {
         check_copy(slot, offset, len, self.config, self.memory_len())?;
-        self.slots[slot][..len].copy_from_slice(&self.memory.bytes()[offset..offset + len]);
+        self.region
+            .read_into(offset as u64, &mut self.slots[slot][..len])?;
         Ok(())
     }
 
     fn stage_in(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), SlotError> {
         check_copy(slot, offset, len, self.config, self.memory_len())?;
-        let HostMemory::Write(memory) = &mut self.memory else {
-            return Err(SlotError::ReadOnly);
-        };
-        memory[offset..offset + len].copy_from_slice(&self.slots[slot][..len]);
+        self.region
+            .write_from(offset as u64, &self.slots[slot][..len])?;
         Ok(())
     }
 
@@ -475,4 +464,4 @@ impl Copier for HostCopier<'_> {
 }
 
 #[cfg(test)]
-mod tests;
+mod tests {}
