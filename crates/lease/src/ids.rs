@@ -21,7 +21,9 @@ pub enum InvalidId {
         len: usize,
     },
     /// The identifier holds a byte outside the allowed set.
-    #[error("identifier holds byte {byte:#04x} at {position}; allowed: ASCII letters, digits and `-_.:@/+=`")]
+    #[error(
+        "identifier holds byte {byte:#04x} at {position}; allowed: ASCII letters, digits and `-_.:@/+=`"
+    )]
     BadByte {
         /// The offending byte.
         byte: u8,
@@ -94,6 +96,12 @@ macro_rules! string_id {
                 &self.0
             }
         }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
     };
 }
 
@@ -105,6 +113,32 @@ string_id!(
     /// An engine instance's identifier (vLLM's `engine_id` / `remote_engine_id`).
     EngineId
 );
+
+/// Who reported a read: one rank (TP worker) of a reading engine.
+///
+/// With heterogeneous tensor parallelism several ranks of one decode engine read the same
+/// request from P; P frees the blocks after the expected number of *distinct* consumers
+/// reported, so a duplicate report from the same rank counts once.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConsumerId {
+    /// The reading engine.
+    pub engine: EngineId,
+    /// The reader's rank within that engine.
+    pub rank: u32,
+}
+
+impl ConsumerId {
+    /// Names rank `rank` of engine `engine`.
+    pub fn new(engine: EngineId, rank: u32) -> Self {
+        Self { engine, rank }
+    }
+}
+
+impl fmt::Display for ConsumerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.engine, self.rank)
+    }
+}
 
 /// The index of a KV block in a block pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -139,11 +173,16 @@ mod tests {
         assert_eq!(RequestId::new(""), Err(InvalidId::Empty));
         assert_eq!(
             RequestId::new("a,b"),
-            Err(InvalidId::BadByte { byte: b',', position: 1 })
+            Err(InvalidId::BadByte {
+                byte: b',',
+                position: 1
+            })
         );
         assert_eq!(
             EngineId::new(&"x".repeat(MAX_ID_LEN + 1)),
-            Err(InvalidId::TooLong { len: MAX_ID_LEN + 1 })
+            Err(InvalidId::TooLong {
+                len: MAX_ID_LEN + 1
+            })
         );
         assert!(EngineId::new(&"x".repeat(MAX_ID_LEN)).is_ok());
         assert!(RequestId::new("é").is_err());
