@@ -422,24 +422,6 @@ impl CudaPinnedRegion {
         unsafe { ptr.as_ptr().write_bytes(0, len) };
         Ok(region)
     }
-
-    /// Lends the whole region as a shared slice.
-    ///
-    /// Private: only [`CudaCopier`] uses it, for its own staging buffer, which nobody else
-    /// can reach and which it lends only after the copies into it have finished.
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr .. ptr + len` is one live, initialised (zeroed at allocation)
-        // allocation owned by `self`; the only caller guarantees no copy engine writes it
-        // while the borrow lives.
-        unsafe { std::slice::from_raw_parts(self.ptr.0.as_ptr(), self.len) }
-    }
-
-    /// Lends the whole region as a mutable slice (see [`as_slice`](Self::as_slice)).
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes the borrow unique on the host;
-        // the only caller guarantees no copy engine reads or writes it meanwhile.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.as_ptr(), self.len) }
-    }
 }
 
 impl Drop for CudaPinnedRegion {
@@ -512,9 +494,9 @@ impl CudaDeviceRegion {
             ordinal,
             ctx,
         };
-        // SAFETY: `dptr .. dptr + alloc_len` is the allocation just made, not yet shared;
-        // the call is synchronous.
+        // SAFETY: `dptr .. dptr + alloc_len` is the allocation just made, not yet shared.
         unsafe { result::memset_d8_sync(dptr, 0, alloc_len) }.map_err(driver("cuMemsetD8"))?;
+        sync_legacy_stream()?;
         Ok(region)
     }
 
@@ -572,9 +554,21 @@ pub fn copy_htod(region: &dyn DmaRegion, offset: usize, src: &[u8]) -> Result<()
     let _ctx = context(ordinal)?;
     let dst = device_address(region, offset);
     // SAFETY: `dst .. dst + src.len()` lies inside the region (checked above), which the
-    // DmaRegion contract keeps allocated while the borrow `region` lives; the copy is
-    // synchronous, so `src` is only read during the call.
-    unsafe { result::memcpy_htod_sync(dst, src) }.map_err(driver("cuMemcpyHtoD"))
+    // DmaRegion contract keeps allocated while the borrow `region` lives; the call has
+    // read `src` when it returns (pageable memory is staged by the driver).
+    unsafe { result::memcpy_htod_sync(dst, src) }.map_err(driver("cuMemcpyHtoD"))?;
+    sync_legacy_stream()
+}
+
+/// Waits for the legacy default stream, where the "synchronous" copy and memset calls
+/// run. Those may return before the device has the bytes (a memset, or a copy from
+/// pageable host memory), and work on the copiers' non-blocking streams is not ordered
+/// after them, so every such call is followed by this wait.
+fn sync_legacy_stream() -> Result<(), CudaError> {
+    // SAFETY: the null handle names the legacy default stream, which exists in every
+    // context; the caller bound the context the work was issued in.
+    unsafe { result::stream::synchronize(result::stream::null()) }
+        .map_err(driver("cuStreamSynchronize"))
 }
 
 /// Copies `dst.len()` bytes of device memory at `offset` of `region` into `dst`; returns
@@ -785,10 +779,9 @@ impl CudaCopier {
         Ok(())
     }
 
-    fn slot_range(&self, slot: usize) -> Result<std::ops::Range<usize>, CudaError> {
+    fn check_slot(&self, slot: usize) -> Result<(), CudaError> {
         staging::check_copy(slot, 0, 0, self.config, 0)?;
-        let start = slot * self.config.chunk_len();
-        Ok(start..start + self.config.chunk_len())
+        Ok(())
     }
 }
 
@@ -838,15 +831,20 @@ impl Copier for CudaCopier {
     }
 
     fn slot(&mut self, slot: usize) -> Result<&[u8], CudaError> {
-        let range = self.slot_range(slot)?;
+        self.check_slot(slot)?;
         self.wait(slot)?;
-        Ok(&self.staging.as_slice()[range])
+        // SAFETY: the slot is `chunk_len` initialised bytes (zeroed at allocation) inside
+        // the pinned buffer the copier owns, which nobody else can reach; its copies have
+        // finished (waited above) and no new one can start while the borrow of `self`
+        // lives. Other slots, which copies may be using, are not part of the slice.
+        Ok(unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), self.config.chunk_len()) })
     }
 
     fn slot_mut(&mut self, slot: usize) -> Result<&mut [u8], CudaError> {
-        let range = self.slot_range(slot)?;
+        self.check_slot(slot)?;
         self.wait(slot)?;
-        Ok(&mut self.staging.as_mut_slice()[range])
+        // SAFETY: as in `slot`; `&mut self` makes the host borrow unique.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot), self.config.chunk_len()) })
     }
 
     fn wait_all(&mut self) -> Result<(), CudaError> {

@@ -1,0 +1,275 @@
+//! CUDA memory kinds on a real GPU. Every test skips, with a message saying why, where no
+//! CUDA driver or device exists; `KV_TEST_CUDA=1` turns that into a failure
+//! (`scripts/gpu-check.sh` sets it).
+#![cfg(feature = "cuda")]
+
+use std::io::{Cursor, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+
+use kvlease_gpu_mem::cuda::{
+    self, CudaAvailability, CudaCopier, CudaDeviceRegion, CudaError, CudaPinnedRegion,
+};
+use kvlease_gpu_mem::staging::{self, Copier, StagingConfig, StagingError};
+use kvlease_gpu_mem::{
+    BlockPool, DmaRegion, HostRegion, KvLayout, MemoryKind, MemoryRequest, RegionAccessError,
+    RegionBytes,
+};
+
+/// `Some(devices)` where a GPU is usable; `None` (after printing why) to skip.
+fn gpu() -> Option<Vec<cuda::CudaDeviceInfo>> {
+    let required = std::env::var_os("KV_TEST_CUDA").is_some_and(|v| v == "1");
+    let why = match cuda::probe() {
+        CudaAvailability::Available { devices, .. } => return Some(devices),
+        CudaAvailability::NoDriver => "no CUDA driver (libcuda.so could not be loaded)".to_owned(),
+        CudaAvailability::Unusable { reason } => format!("CUDA unusable: {reason}"),
+        other => format!("CUDA unavailable: {other:?}"),
+    };
+    assert!(!required, "KV_TEST_CUDA=1 but {why}");
+    eprintln!("skipped: {why} (set KV_TEST_CUDA=1 to make this a failure)");
+    None
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = (i ^ seed).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            (x >> 56) as u8 ^ (i as u8)
+        })
+        .collect()
+}
+
+fn device(len: usize) -> Arc<dyn DmaRegion> {
+    Arc::new(CudaDeviceRegion::new(0, len).expect("device 0 has room for a test region"))
+}
+
+fn read_device(region: &dyn DmaRegion) -> Vec<u8> {
+    let mut out = vec![0; region.len()];
+    cuda::copy_dtoh(region, 0, &mut out).expect("whole region");
+    out
+}
+
+#[test]
+fn device_memory_is_zeroed_and_round_trips_at_any_offset() {
+    let Some(_) = gpu() else { return };
+    let len = (3 << 20) + 5;
+    let region = device(len);
+    assert_eq!(region.kind(), MemoryKind::CudaDevice { ordinal: 0 });
+    assert_eq!(region.len(), len);
+    assert!(read_device(region.as_ref()).iter().all(|&b| b == 0));
+
+    let data = pattern(len, 1);
+    cuda::copy_htod(region.as_ref(), 0, &data).unwrap();
+    assert_eq!(read_device(region.as_ref()), data);
+
+    let patch = pattern(4099, 2);
+    cuda::copy_htod(region.as_ref(), 1_000_001, &patch).unwrap();
+    let mut back = vec![0; patch.len() + 2];
+    cuda::copy_dtoh(region.as_ref(), 1_000_000, &mut back).unwrap();
+    assert_eq!(back[0], data[1_000_000]);
+    assert_eq!(back[1..=patch.len()], patch);
+    assert_eq!(back[patch.len() + 1], data[1_000_001 + patch.len()]);
+
+    cuda::copy_htod(region.as_ref(), len, &[]).unwrap();
+    let err = cuda::copy_htod(region.as_ref(), len - 1, &[1, 2]).unwrap_err();
+    assert!(matches!(
+        err,
+        CudaError::Range(RegionAccessError::OutOfBounds { .. })
+    ));
+    let err = cuda::copy_dtoh(region.as_ref(), usize::MAX, &mut [0]).unwrap_err();
+    assert!(matches!(err, CudaError::Range(_)));
+    // Device memory is refused by the host accessors.
+    assert!(matches!(
+        region.read_into(0, &mut [0; 4]),
+        Err(RegionAccessError::NotHostAccessible { .. })
+    ));
+}
+
+#[test]
+fn pinned_memory_is_host_accessible() {
+    let Some(_) = gpu() else { return };
+    let region = CudaPinnedRegion::new(0, 1 << 20).unwrap();
+    assert_eq!(region.kind(), MemoryKind::CudaPinned);
+    let mut all = vec![1; 1 << 20];
+    region.read_into(0, &mut all).unwrap();
+    assert!(all.iter().all(|&b| b == 0), "pinned memory starts zeroed");
+    let data = pattern(1 << 20, 3);
+    region.write_from(0, &data).unwrap();
+    region.read_into(0, &mut all).unwrap();
+    assert_eq!(all, data);
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let Some(devices) = gpu() else { return };
+    assert!(matches!(
+        CudaDeviceRegion::new(0, 0),
+        Err(CudaError::ZeroLength)
+    ));
+    let missing = devices.len() as u32 + 7;
+    assert!(matches!(
+        CudaDeviceRegion::new(missing, 1),
+        Err(CudaError::NoSuchDevice { .. })
+    ));
+    let host: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(4096).unwrap());
+    let mut copier = CudaCopier::new(device(4096), StagingConfig::default()).unwrap();
+    assert!(matches!(
+        copier.set_region(host),
+        Err(CudaError::NotDeviceMemory { .. })
+    ));
+    assert!(matches!(
+        copier.stage_out(0, 4000, 100),
+        Err(CudaError::Range(_))
+    ));
+    assert!(matches!(copier.slot(3), Err(CudaError::Slot(_))));
+}
+
+#[test]
+fn block_pools_come_in_every_cuda_kind() {
+    let Some(_) = gpu() else { return };
+    let layout = KvLayout::new(2, 16, 4, 16, 128, 2).unwrap();
+    let pool = BlockPool::new(layout, MemoryRequest::Cuda { ordinal: 0 }).unwrap();
+    assert_eq!(pool.kind(), MemoryKind::CudaDevice { ordinal: 0 });
+    assert!(pool.region().len() as u64 >= layout.total_bytes());
+    let pool = BlockPool::new(layout, MemoryRequest::Pinned).unwrap();
+    assert_eq!(pool.kind(), MemoryKind::CudaPinned);
+    let pool = BlockPool::new(layout, MemoryRequest::Auto).unwrap();
+    assert_eq!(pool.kind(), MemoryKind::CudaDevice { ordinal: 0 });
+    let choice = cuda::choose_auto(0);
+    assert_eq!(choice.kind, MemoryKind::CudaDevice { ordinal: 0 });
+    assert!(choice.reason.contains("device 0"), "{}", choice.reason);
+}
+
+#[test]
+fn staging_moves_every_byte_of_device_memory() {
+    let Some(_) = gpu() else { return };
+    let len = (5 << 20) + 12_345;
+    let data = pattern(len, 4);
+    let src = device(len);
+    cuda::copy_htod(src.as_ref(), 0, &data).unwrap();
+    let dst = device(len);
+    for (chunk, depth) in [(4096, 1), (1 << 20, 2), ((2 << 20) + 3, 3), (64 << 20, 2)] {
+        let config = StagingConfig::new(chunk, depth).unwrap();
+        for (offset, n) in [(0, len), (7, len - 7), (1 << 20, 1), (len, 0)] {
+            let mut copier = CudaCopier::new(Arc::clone(&src), config).unwrap();
+            let mut wire = Vec::with_capacity(n);
+            staging::send(&mut copier, offset, n, &mut wire).unwrap();
+            assert_eq!(
+                wire,
+                data[offset..offset + n],
+                "send {offset}+{n} {config:?}"
+            );
+
+            cuda::copy_htod(dst.as_ref(), 0, &vec![0; len]).unwrap();
+            copier.set_region(Arc::clone(&dst)).unwrap();
+            staging::recv(&mut copier, offset, n, &mut Cursor::new(&wire)).unwrap();
+            let got = read_device(dst.as_ref());
+            assert_eq!(got[offset..offset + n], data[offset..offset + n]);
+            assert!(got[..offset].iter().all(|&b| b == 0));
+            assert!(got[offset + n..].iter().all(|&b| b == 0));
+        }
+    }
+}
+
+#[test]
+fn staging_errors_mid_way_leave_the_copier_usable() {
+    let Some(_) = gpu() else { return };
+    let len = 8 << 20;
+    let data = pattern(len, 5);
+    let src = device(len);
+    cuda::copy_htod(src.as_ref(), 0, &data).unwrap();
+    let config = StagingConfig::new(1 << 20, 3).unwrap();
+    let mut copier = CudaCopier::new(Arc::clone(&src), config).unwrap();
+
+    struct Broken(usize);
+    impl Write for Broken {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.0 < buf.len() {
+                return Err(std::io::Error::other("peer reset"));
+            }
+            self.0 -= buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let err = staging::send(&mut copier, 0, len, &mut Broken(3 << 20)).unwrap_err();
+    assert!(matches!(err, StagingError::Io { chunk: 3, .. }), "{err:?}");
+    let mut wire = Vec::new();
+    staging::send(&mut copier, 0, len, &mut wire).unwrap();
+    assert_eq!(wire, data);
+
+    let dst = device(len);
+    copier.set_region(Arc::clone(&dst)).unwrap();
+    let err = staging::recv(&mut copier, 0, len, &mut Cursor::new(&data[..len / 2])).unwrap_err();
+    assert!(matches!(err, StagingError::Io { chunk: 4, .. }), "{err:?}");
+    assert_eq!(read_device(dst.as_ref())[..len / 2], data[..len / 2]);
+    staging::recv(&mut copier, 0, len, &mut Cursor::new(&data)).unwrap();
+    assert_eq!(read_device(dst.as_ref()), data);
+}
+
+#[test]
+fn device_to_device_through_a_loopback_socket() {
+    let Some(_) = gpu() else { return };
+    let len = (48 << 20) + 1;
+    let data = pattern(len, 6);
+    let src = device(len);
+    cuda::copy_htod(src.as_ref(), 0, &data).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sender = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        let mut copier = CudaCopier::new(src, StagingConfig::default()).unwrap();
+        staging::send(&mut copier, 0, len, &mut socket).unwrap();
+        socket.flush().unwrap();
+    });
+    let mut socket = TcpStream::connect(addr).unwrap();
+    let dst = device(len);
+    let mut copier = CudaCopier::new(Arc::clone(&dst), StagingConfig::default()).unwrap();
+    staging::recv(&mut copier, 0, len, &mut socket).unwrap();
+    sender.join().unwrap();
+    let mut rest = Vec::new();
+    socket.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "send wrote only the payload");
+    assert_eq!(read_device(dst.as_ref()), data);
+}
+
+#[test]
+fn dmabuf_export_follows_the_device_attribute() {
+    let Some(devices) = gpu() else { return };
+    let region = device(3 << 20);
+    match cuda::export_dmabuf(&region) {
+        Ok(handle) => {
+            assert!(devices[0].dmabuf_supported);
+            assert_eq!(handle.len, 3 << 20);
+            assert_eq!(handle.offset, 0);
+            let file = std::fs::File::from(handle.fd.try_clone().unwrap());
+            file.metadata().expect("the dmabuf fd is open");
+            eprintln!("dmabuf export: fd ok, {} bytes", handle.len);
+        }
+        Err(CudaError::DmabufUnsupported { why, .. }) => {
+            assert!(!devices[0].dmabuf_supported, "{why}");
+            eprintln!("dmabuf unsupported on this device: {why}");
+        }
+        Err(other) => panic!("dmabuf export failed: {other}"),
+    }
+}
+
+#[test]
+fn values_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<CudaDeviceRegion>();
+    send_sync::<CudaPinnedRegion>();
+    send_sync::<cuda::DmabufHandle>();
+    send::<CudaCopier>();
+}
+
+#[test]
+fn no_free_failed() {
+    let Some(_) = gpu() else { return };
+    drop(device(1 << 20));
+    drop(CudaPinnedRegion::new(0, 1 << 20).unwrap());
+    assert_eq!(cuda::drop_errors(), 0);
+}
