@@ -1,1 +1,53 @@
-//! placeholder
+//! Registered memory, batched one-sided reads and notifications for kvlease, shaped like
+//! NIXL's agent.
+//!
+//! An [`Agent`] registers [`DmaRegion`](kvlease_gpu_mem::DmaRegion)s, publishes its
+//! [`metadata`](Agent::metadata), [`connect`](Agent::connect)s to peers from theirs, posts
+//! [`ReadBatch`]es (local destination ranges ← remote ranges, an optional notification
+//! delivered after the reads, an optional [`FenceRead`]) and polls them, and exchanges
+//! notifications ([`Agent::send_notif`], [`Agent::get_new_notifs`]).
+//!
+//! # Backends
+//! - **TCP** (always built): P's agent serves reads on its own threads straight from
+//!   registered memory; D receives straight into the destination. Every read carries the
+//!   region key and is bounds-checked; with a cluster token, only peers that proved it
+//!   get reads served or notifications accepted. See the `tcp` module.
+//! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
+//!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
+//!   lists what a link implements: posting chunks and completing them through the shared
+//!   batch state in `batch.rs`, notifications, timeout handling, close) and stores what
+//!   its peers need in the metadata's `backends` map (`Inner::set_backend_metadata`).
+//!   [`BackendChoice::Auto`] selects per peer in `Agent::connect`.
+//!
+//! # Fenced reads
+//! A batch may end with a [`FenceRead`] of an 8-byte generation word (e.g. a slot of
+//! `kvlease_gpu_mem::FenceTable`), performed only after every data read of the batch
+//! completed. A word other than the expected one fails the batch with
+//! [`TransferError::FenceMismatch`] (and its notification is not sent): the data may come
+//! from released or reused blocks.
+//!
+//! # What this crate does not do
+//! It reads no clock except to enforce the timeouts the caller passes, does not decide
+//! what to read (that is the agents' lease protocol), does not retry or reconnect, and
+//! does not parse notifications (that is `kvlease-notif`).
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod agent;
+mod batch;
+mod config;
+mod error;
+pub mod metadata;
+mod tcp;
+
+#[cfg(feature = "verbs")]
+#[allow(unsafe_code)]
+mod verbs;
+
+pub use agent::{
+    Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
+    ReadBatch, ReadOp, RegionId, RemoteRange, TransportStats,
+};
+pub use config::{AgentConfig, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
+pub use error::{AgentError, ConnectError, MetadataError, Refusal, RegisterError, TransferError};
+pub use metadata::{AgentMetadata, RegionDesc};

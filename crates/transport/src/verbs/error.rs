@@ -1,0 +1,228 @@
+//! Errors of the verbs backend.
+
+use std::{error::Error as StdError, fmt, io};
+
+use kvlease_gpu_mem::MemoryKind;
+
+/// A boxed error from `sideway` (its error types are per operation).
+type Source = Box<dyn StdError + Send + Sync + 'static>;
+
+/// Why a verbs operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerbsError {
+    /// No usable RDMA device: libibverbs is missing, no device exists, or none matches.
+    #[error("no RDMA device: {reason}")]
+    NoDevice {
+        /// What was looked for and what was found.
+        reason: String,
+    },
+    /// A device-level call failed.
+    #[error("RDMA device {device}: {op} failed")]
+    Device {
+        /// The device name.
+        device: String,
+        /// The call that failed.
+        op: &'static str,
+        /// The error from libibverbs.
+        #[source]
+        source: Source,
+    },
+    /// `ibv_reg_mr` failed with ENOMEM: the locked-memory limit is too low.
+    #[error(
+        "registering {len} bytes on {device} failed: not enough locked memory \
+         (RLIMIT_MEMLOCK); raise it with `ulimit -l unlimited` (or LimitMEMLOCK=infinity \
+         in a systemd unit, `--ulimit memlock=-1` for docker)"
+    )]
+    MemlockLimit {
+        /// The device name.
+        device: String,
+        /// Bytes that were to be registered.
+        len: usize,
+        /// The error from libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// `ibv_reg_mr` failed for another reason.
+    #[error("registering {len} bytes on {device} failed")]
+    Register {
+        /// The device name.
+        device: String,
+        /// Bytes that were to be registered.
+        len: usize,
+        /// The error from libibverbs.
+        #[source]
+        source: io::Error,
+    },
+    /// This kind of memory cannot be registered by this backend (yet).
+    #[error("{kind} memory cannot be registered with the verbs backend")]
+    UnsupportedMemory {
+        /// The region's kind.
+        kind: MemoryKind,
+    },
+    /// A queue pair operation (create, state change, query, post) failed.
+    #[error("queue pair {qpn:#x}: {op} failed")]
+    QueuePair {
+        /// The local queue pair number (0 before it exists).
+        qpn: u32,
+        /// The operation.
+        op: &'static str,
+        /// The error from libibverbs.
+        #[source]
+        source: Source,
+    },
+    /// A work request completed with an error status.
+    #[error("RDMA {op} work request failed on queue pair {qpn:#x}: {status}")]
+    WorkRequest {
+        /// The operation (`READ`, `SEND`, `RECV`).
+        op: &'static str,
+        /// The local queue pair number.
+        qpn: u32,
+        /// The completion status.
+        status: WorkCompletionStatus,
+    },
+    /// The queue pair failed earlier and this batch was posted to it; see the log.
+    #[error("queue pair {qpn:#x} is in error and must be reconnected")]
+    NeedsReconnect {
+        /// The local queue pair number.
+        qpn: u32,
+    },
+    /// A range lies outside its memory region.
+    #[error("{side} range {offset}+{len} is outside the region of {region_len} bytes")]
+    OutOfBounds {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+    /// A memory region was registered in another protection domain than the endpoint's.
+    #[error("memory region belongs to another protection domain")]
+    ForeignRegion,
+    /// A notification is larger than a receive slot; it was not sent (never truncated).
+    #[error("notification of {len} bytes exceeds the {limit}-byte limit")]
+    NotifTooLarge {
+        /// The message length.
+        len: usize,
+        /// The slot size.
+        limit: usize,
+    },
+    /// Every send slot is in flight; poll and retry.
+    #[error("all {slots} notification send slots are in flight")]
+    NotifRingFull {
+        /// The number of send slots.
+        slots: usize,
+    },
+    /// The endpoint is not connected (or is being reconnected).
+    #[error("endpoint is {state:?}, not connected")]
+    NotConnected {
+        /// Its state.
+        state: super::EndpointState,
+    },
+    /// A peer's connection info could not be decoded.
+    #[error("malformed connection info: {reason}")]
+    BadConnectionInfo {
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// The queue pair did not flush its work requests in time during teardown.
+    #[error("queue pair {qpn:#x}: {left} work requests did not flush during teardown")]
+    DrainIncomplete {
+        /// The local queue pair number.
+        qpn: u32,
+        /// Work requests still outstanding.
+        left: usize,
+    },
+}
+
+/// The status of a failed work completion (`ibv_wc_status`), named.
+///
+/// Unknown values are kept as numbers instead of reaching `sideway`'s panicking
+/// conversion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletionStatus {
+    code: u32,
+    vendor_err: u32,
+    byte_len: u32,
+}
+
+impl WorkCompletionStatus {
+    /// `IBV_WC_SUCCESS`.
+    pub const SUCCESS: u32 = 0;
+    /// `IBV_WC_WR_FLUSH_ERR`: flushed because the queue pair went to the error state.
+    pub const WR_FLUSH_ERR: u32 = 5;
+    /// `IBV_WC_REM_ACCESS_ERR`: the responder refused the access (bad rkey or range).
+    pub const REM_ACCESS_ERR: u32 = 10;
+
+    pub(crate) fn new(code: u32, vendor_err: u32, byte_len: u32) -> Self {
+        Self {
+            code,
+            vendor_err,
+            byte_len,
+        }
+    }
+
+    /// Bytes received (meaningful for a successful receive only).
+    pub(crate) fn byte_len(self) -> u32 {
+        self.byte_len
+    }
+
+    /// The raw `ibv_wc_status` value.
+    pub fn code(self) -> u32 {
+        self.code
+    }
+
+    /// The vendor error syndrome.
+    pub fn vendor_err(self) -> u32 {
+        self.vendor_err
+    }
+
+    /// Whether this completion only reports a flush (another work request failed first).
+    pub fn is_flush(self) -> bool {
+        self.code == Self::WR_FLUSH_ERR
+    }
+
+    /// The libibverbs name of the status (`IBV_WC_REM_ACCESS_ERR`, ...).
+    pub fn name(self) -> &'static str {
+        match self.code {
+            0 => "IBV_WC_SUCCESS",
+            1 => "IBV_WC_LOC_LEN_ERR",
+            2 => "IBV_WC_LOC_QP_OP_ERR",
+            3 => "IBV_WC_LOC_EEC_OP_ERR",
+            4 => "IBV_WC_LOC_PROT_ERR",
+            5 => "IBV_WC_WR_FLUSH_ERR",
+            6 => "IBV_WC_MW_BIND_ERR",
+            7 => "IBV_WC_BAD_RESP_ERR",
+            8 => "IBV_WC_LOC_ACCESS_ERR",
+            9 => "IBV_WC_REM_INV_REQ_ERR",
+            10 => "IBV_WC_REM_ACCESS_ERR",
+            11 => "IBV_WC_REM_OP_ERR",
+            12 => "IBV_WC_RETRY_EXC_ERR",
+            13 => "IBV_WC_RNR_RETRY_EXC_ERR",
+            14 => "IBV_WC_LOC_RDD_VIOL_ERR",
+            15 => "IBV_WC_REM_INV_RD_REQ_ERR",
+            16 => "IBV_WC_REM_ABORT_ERR",
+            17 => "IBV_WC_INV_EECN_ERR",
+            18 => "IBV_WC_INV_EEC_STATE_ERR",
+            19 => "IBV_WC_FATAL_ERR",
+            20 => "IBV_WC_RESP_TIMEOUT_ERR",
+            21 => "IBV_WC_GENERAL_ERR",
+            22 => "IBV_WC_TM_ERR",
+            23 => "IBV_WC_TM_RNDV_INCOMPLETE",
+            _ => "unknown ibv_wc_status",
+        }
+    }
+}
+
+impl fmt::Display for WorkCompletionStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}", self.name(), self.code)?;
+        if self.vendor_err != 0 {
+            write!(f, ", vendor error {:#x}", self.vendor_err)?;
+        }
+        f.write_str(")")
+    }
+}

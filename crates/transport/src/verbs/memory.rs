@@ -1,0 +1,265 @@
+//! Protection domains and memory registration.
+
+use std::{alloc::Layout, fmt, io, ptr::NonNull, sync::Arc};
+
+use kvlease_gpu_mem::{DmaRegion, MemoryKind};
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::memory_region::{
+    MemoryRegion as RawMemoryRegion, RegisterMemoryRegionErrorKind,
+};
+use sideway::ibverbs::protection_domain::ProtectionDomain as RawProtectionDomain;
+
+use super::{Device, VerbsError};
+
+/// A protection domain. Cheap to clone; memory regions and endpoints keep it alive.
+#[derive(Clone)]
+pub struct ProtectionDomain {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+pub(crate) struct PdInner {
+    // Drop order: the PD (`ibv_dealloc_pd`) before our handle on the device; sideway's PD
+    // holds its own Arc of the context, so the context closes last either way.
+    pub(crate) pd: Arc<RawProtectionDomain>,
+    pub(crate) device: Device,
+}
+
+impl ProtectionDomain {
+    pub(crate) fn new(device: Device) -> Result<Self, VerbsError> {
+        let pd = device
+            .inner
+            .ctx
+            .alloc_pd()
+            .map_err(|e| VerbsError::Device {
+                device: device.inner.name.clone(),
+                op: "ibv_alloc_pd",
+                source: Box::new(e),
+            })?;
+        Ok(Self {
+            inner: Arc::new(PdInner { pd, device }),
+        })
+    }
+
+    /// The device this domain belongs to.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Registers a whole region for local writes (the destination of our reads) and remote
+    /// reads (the source of a peer's reads). Register each pool once, not per block.
+    ///
+    /// The returned [`MemoryRegion`] keeps `region` alive; the memory is deregistered
+    /// before `region` is dropped.
+    ///
+    /// # Errors
+    /// [`VerbsError::UnsupportedMemory`] for CUDA device memory (not yet: it needs dmabuf
+    /// or peer memory), [`VerbsError::MemlockLimit`] when `ibv_reg_mr` says ENOMEM (the
+    /// RLIMIT_MEMLOCK limit), [`VerbsError::Register`] otherwise.
+    pub fn register(&self, region: Arc<dyn DmaRegion>) -> Result<MemoryRegion, VerbsError> {
+        let kind = region.kind();
+        if !kind.is_host_accessible() {
+            return Err(VerbsError::UnsupportedMemory { kind });
+        }
+        let len = region.len();
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
+        // SAFETY: the DmaRegion contract makes base_ptr()..+len() one host allocation that
+        // stays valid while `region` lives; the MemoryRegion built below owns `region` and
+        // drops the registration (its first field) before it, so the NIC's mapping never
+        // outlives the memory.
+        let result = unsafe {
+            self.inner
+                .pd
+                .reg_mr(region.base_ptr() as usize, len, access)
+        };
+        let mr = result.map_err(|e| {
+            let device = self.inner.device.inner.name.clone();
+            let source = match e.0 {
+                RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
+                other => io::Error::other(other.to_string()),
+            };
+            if source.raw_os_error() == Some(libc::ENOMEM) {
+                VerbsError::MemlockLimit {
+                    device,
+                    len,
+                    source,
+                }
+            } else {
+                VerbsError::Register {
+                    device,
+                    len,
+                    source,
+                }
+            }
+        })?;
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner {
+                mr,
+                region,
+                pd: self.clone(),
+            }),
+        })
+    }
+
+    pub(crate) fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl fmt::Debug for ProtectionDomain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProtectionDomain")
+            .field("device", &self.inner.device.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A registered region. Cheap to clone; in-flight work requests hold a clone.
+#[derive(Clone)]
+pub struct MemoryRegion {
+    pub(crate) inner: Arc<MrInner>,
+}
+
+pub(crate) struct MrInner {
+    // Drop order matters: the registration (`ibv_dereg_mr`) first, then the memory, then
+    // the protection domain.
+    pub(crate) mr: Arc<RawMemoryRegion>,
+    pub(crate) region: Arc<dyn DmaRegion>,
+    pub(crate) pd: ProtectionDomain,
+}
+
+impl MemoryRegion {
+    /// The key a peer names in its reads of this region.
+    pub fn rkey(&self) -> u32 {
+        self.inner.mr.rkey()
+    }
+
+    /// The local key.
+    pub(crate) fn lkey(&self) -> u32 {
+        self.inner.mr.lkey()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.region.len() as u64
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The region that was registered.
+    pub fn region(&self) -> &Arc<dyn DmaRegion> {
+        &self.inner.region
+    }
+
+    /// What a peer needs to read this region: its address on this host, length and rkey.
+    pub fn remote(&self) -> super::RemoteRegion {
+        super::RemoteRegion::new(self.inner.region.base_ptr() as u64, self.len(), self.rkey())
+    }
+
+    /// The address of `offset` for a scatter-gather entry, after a bounds check.
+    pub(crate) fn sge_addr(&self, offset: u64, len: u64) -> Result<u64, VerbsError> {
+        let region_len = self.len();
+        if offset.checked_add(len).is_none_or(|end| end > region_len) {
+            return Err(VerbsError::OutOfBounds {
+                side: "local",
+                offset,
+                len,
+                region_len,
+            });
+        }
+        Ok(self.inner.region.base_ptr() as u64 + offset)
+    }
+
+    pub(crate) fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("len", &self.len())
+            .field("rkey", &self.rkey())
+            .field("kind", &self.inner.region.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Page-aligned, zeroed heap memory for the endpoint's notification rings.
+pub(crate) struct HeapBuffer {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: HeapBuffer owns its allocation exclusively (like a Box<[u8]>); the raw pointer
+// is only dereferenced through `read`/`write`, whose callers own the slot they touch (a
+// slot is either posted to the NIC or owned by the CPU, never both).
+unsafe impl Send for HeapBuffer {}
+// SAFETY: see Send; `&self` methods touch only the slot range the caller owns.
+unsafe impl Sync for HeapBuffer {}
+
+impl HeapBuffer {
+    pub(crate) fn new(len: usize) -> Option<Self> {
+        let layout = Layout::from_size_align(len.max(1), 4096).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        Some(Self {
+            ptr: NonNull::new(ptr)?,
+            layout,
+        })
+    }
+
+    /// Copies `len` bytes at `offset` out. Caller owns that range (no WR posted on it).
+    pub(crate) fn read(&self, offset: usize, len: usize) -> Vec<u8> {
+        assert!(offset + len <= self.layout.size(), "slot out of range");
+        let mut out = vec![0u8; len];
+        let src = self.ptr.as_ptr().wrapping_add(offset);
+        // SAFETY: `src..src+len` is in bounds (asserted), and the caller owns the range: the
+        // NIC finished writing it (its receive completed) and nothing re-posted it yet.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len) };
+        out
+    }
+
+    /// Copies `data` in at `offset`. Caller owns that range (no WR posted on it).
+    pub(crate) fn write(&self, offset: usize, data: &[u8]) {
+        assert!(
+            offset + data.len() <= self.layout.size(),
+            "slot out of range"
+        );
+        let dst = self.ptr.as_ptr().wrapping_add(offset);
+        // SAFETY: `dst..dst+len` is in bounds (asserted); the slot is free (its last send
+        // completed), so neither the NIC nor another thread accesses it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+    }
+}
+
+impl Drop for HeapBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout, freed once here.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+impl fmt::Debug for HeapBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeapBuffer")
+            .field("len", &self.layout.size())
+            .finish()
+    }
+}
+
+// SAFETY: ptr..ptr+len is one allocation owned by this value, valid until it drops, never
+// moved or resized; it is host memory.
+unsafe impl DmaRegion for HeapBuffer {
+    fn base_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+}

@@ -1,0 +1,428 @@
+//! RDMA tests on real verbs devices: in CI, two SoftRoCE (rxe) devices inside one qemu
+//! guest (`scripts/softroce/test.sh`): rxeP on vP 10.77.2.1 (the prefill side, P, whose
+//! memory is read) and rxeD on vD 10.77.2.2 (the decode side, D, which reads).
+//!
+//! Every test skips with a printed reason where no device exists, unless
+//! `KVLEASE_REQUIRE_RDMA=1` (set by the harness), in which case it fails.
+//! Devices: `KV_TEST_RDMA_DEV` / `KV_TEST_RDMA_PEER_DEV` (default rxeP / rxeD), their
+//! addresses `KV_TEST_RDMA_ADDR` / `KV_TEST_RDMA_PEER_ADDR` (optional: pick the GID).
+#![cfg(feature = "verbs")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
+use kvlease_transport::verbs::{
+    BatchId, BatchStatus, Device, DeviceConfig, Endpoint, EndpointConfig, EndpointState,
+    MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion, VerbsError, WorkCompletionStatus,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn required() -> bool {
+    std::env::var("KVLEASE_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+fn config(dev_var: &str, addr_var: &str, default: &str) -> DeviceConfig {
+    let name = std::env::var(dev_var).unwrap_or_else(|_| default.to_owned());
+    let mut c = DeviceConfig::named(name);
+    if let Some(a) = std::env::var(addr_var).ok().and_then(|a| a.parse().ok()) {
+        c = c.with_ipv4(a);
+    }
+    c
+}
+
+/// Opens P's and D's devices, or explains why the test is skipped.
+fn devices(test: &str) -> Option<(Device, Device)> {
+    let p = Device::open(&config("KV_TEST_RDMA_DEV", "KV_TEST_RDMA_ADDR", "rxeP"));
+    let d = Device::open(&config(
+        "KV_TEST_RDMA_PEER_DEV",
+        "KV_TEST_RDMA_PEER_ADDR",
+        "rxeD",
+    ));
+    match (p, d) {
+        (Ok(p), Ok(d)) => Some((p, d)),
+        (Err(e), _) | (_, Err(e)) => {
+            assert!(!required(), "{test}: KVLEASE_REQUIRE_RDMA=1 but: {e}");
+            eprintln!("SKIP {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Both sides of one connection.
+struct Pair {
+    p_pd: ProtectionDomain,
+    d_pd: ProtectionDomain,
+    p: Endpoint,
+    d: Endpoint,
+}
+
+impl Pair {
+    fn new(p_dev: &Device, d_dev: &Device, cfg: EndpointConfig) -> Result<Self> {
+        let p_pd = p_dev.alloc_pd()?;
+        let d_pd = d_dev.alloc_pd()?;
+        let mut p = Endpoint::new(&p_pd, cfg.clone())?;
+        let mut d = Endpoint::new(&d_pd, cfg)?;
+        // The side channel: here a byte copy; in the agent, its TCP handshake.
+        let (pi, di) = (p.local_info().encode(), d.local_info().encode());
+        p.connect(&kvlease_transport::verbs::ConnectionInfo::decode(&di)?)?;
+        d.connect(&kvlease_transport::verbs::ConnectionInfo::decode(&pi)?)?;
+        ensure!(p.state() == EndpointState::Connected && d.state() == EndpointState::Connected);
+        ensure!(d.query_qp_state()? == "RTS", "D's QP is not in RTS");
+        Ok(Self { p_pd, d_pd, p, d })
+    }
+
+    fn poll(&mut self) -> Result<()> {
+        self.p.poll()?;
+        self.d.poll()?;
+        Ok(())
+    }
+
+    /// Polls both sides until D's batch is final.
+    fn wait(&mut self, id: BatchId) -> Result<BatchStatus> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            self.poll()?;
+            match self.d.poll_batch(id) {
+                Some(BatchStatus::Pending) => {}
+                Some(s) => return Ok(s),
+                None => bail!("batch {id:?} unknown"),
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "batch {id:?} still pending after {TIMEOUT:?}"
+            );
+        }
+    }
+
+    /// Polls both sides until `who` (true = P) received `n` notifications.
+    fn notifs(&mut self, p_side: bool, n: usize) -> Result<Vec<Vec<u8>>> {
+        let deadline = Instant::now() + TIMEOUT;
+        let mut got = Vec::new();
+        while got.len() < n {
+            self.poll()?;
+            got.extend(if p_side {
+                self.p.take_notifs()
+            } else {
+                self.d.take_notifs()
+            });
+            ensure!(
+                Instant::now() < deadline,
+                "{} of {n} notifications after {TIMEOUT:?}",
+                got.len()
+            );
+        }
+        Ok(got)
+    }
+}
+
+fn region(pd: &ProtectionDomain, len: usize, seed: u64) -> Result<(Arc<HostRegion>, MemoryRegion)> {
+    let r = Arc::new(HostRegion::new(len)?);
+    if seed != 0 {
+        r.write_from(0, &pattern(len, seed))?;
+    }
+    let mr = pd.register(Arc::clone(&r) as Arc<dyn DmaRegion>)?;
+    Ok((r, mr))
+}
+
+/// Deterministic bytes (xorshift) so every byte of a read can be checked.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn bytes(r: &HostRegion, offset: u64, len: usize) -> Result<Vec<u8>> {
+    let mut v = vec![0u8; len];
+    r.read_into(offset, &mut v)?;
+    Ok(v)
+}
+
+#[test]
+fn multi_mb_read_batch_is_byte_exact() -> Result<()> {
+    let Some((p_dev, d_dev)) = devices("multi_mb_read_batch_is_byte_exact") else {
+        return Ok(());
+    };
+    let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
+    const SRC: usize = 24 << 20;
+    let (src, src_mr) = region(&pair.p_pd, SRC, 0x5eed)?;
+    let (dst, dst_mr) = region(&pair.d_pd, SRC, 0)?;
+    let remote = src_mr.remote();
+    // 64 blocks of 256 KiB scattered (block i of P lands at a permuted slot on D) plus one
+    // 4 MiB read that the endpoint splits into several work requests.
+    const BLOCK: u64 = 256 << 10;
+    let mut ops = Vec::new();
+    for i in 0..64u64 {
+        let j = (i * 37) % 64;
+        ops.push(ReadOp {
+            local: dst_mr.clone(),
+            local_offset: j * BLOCK,
+            remote,
+            remote_offset: i * BLOCK,
+            len: BLOCK,
+        });
+    }
+    let big = 4u64 << 20;
+    ops.push(ReadOp {
+        local: dst_mr.clone(),
+        local_offset: 16 << 20,
+        remote,
+        remote_offset: 20 << 20,
+        len: big,
+    });
+    let t = Instant::now();
+    let id = pair.d.post_read_batch(&ops, None, None)?;
+    // The destination handle may go: the in-flight table keeps the MR alive.
+    drop(ops);
+    drop(dst_mr);
+    let status = pair.wait(id)?;
+    let secs = t.elapsed().as_secs_f64();
+    ensure!(matches!(status, BatchStatus::Done), "batch: {status:?}");
+    let want = bytes(&src, 0, SRC)?;
+    let got = bytes(&dst, 0, SRC)?;
+    for i in 0..64usize {
+        let j = (i * 37) % 64;
+        let b = BLOCK as usize;
+        ensure!(
+            got[j * b..(j + 1) * b] == want[i * b..(i + 1) * b],
+            "block {i} differs"
+        );
+    }
+    ensure!(
+        got[16 << 20..20 << 20] == want[20 << 20..24 << 20],
+        "4 MiB read differs"
+    );
+    println!(
+        "read 20 MiB rxeP <- rxeD in {secs:.2} s ({:.1} MB/s)",
+        20.0 * 1.048_576 / secs
+    );
+    Ok(())
+}
+
+#[test]
+fn notifications_flow_both_ways_in_order() -> Result<()> {
+    let Some((p_dev, d_dev)) = devices("notifications_flow_both_ways_in_order") else {
+        return Ok(());
+    };
+    let mut cfg = EndpointConfig::default();
+    cfg.notif_slot_size = 256;
+    cfg.recv_slots = 8;
+    let mut pair = Pair::new(&p_dev, &d_dev, cfg)?;
+    // More messages than receive slots: the ring is re-posted as it drains.
+    let msgs: Vec<Vec<u8>> = (0..40)
+        .map(|i| format!("HB:req-{i}").into_bytes())
+        .collect();
+    for m in &msgs {
+        pair.d.send_notif(m)?;
+    }
+    let got = pair.notifs(true, msgs.len())?;
+    ensure!(got == msgs, "D -> P out of order or changed: {got:?}");
+    let back: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; 1 + i * 12]).collect();
+    for m in &back {
+        pair.p.send_notif(m)?;
+    }
+    let got = pair.notifs(false, back.len())?;
+    ensure!(got == back, "P -> D differs");
+    // A full slot is fine; one byte more is refused, not truncated.
+    pair.d.send_notif(&[7u8; 256])?;
+    ensure!(pair.notifs(true, 1)? == vec![vec![7u8; 256]]);
+    match pair.d.send_notif(&[7u8; 257]) {
+        Err(VerbsError::NotifTooLarge {
+            len: 257,
+            limit: 256,
+        }) => {}
+        other => bail!("oversized notification: {other:?}"),
+    }
+    // A batch's notification reaches P once the batch is done.
+    let (_src, src_mr) = region(&pair.p_pd, 1 << 20, 9)?;
+    let (_dst, dst_mr) = region(&pair.d_pd, 1 << 20, 0)?;
+    let op = ReadOp {
+        local: dst_mr,
+        local_offset: 0,
+        remote: src_mr.remote(),
+        remote_offset: 0,
+        len: 1 << 20,
+    };
+    let id = pair
+        .d
+        .post_read_batch(&[op], None, Some(b"done:1".to_vec()))?;
+    ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+    ensure!(pair.notifs(true, 1)? == vec![b"done:1".to_vec()]);
+    Ok(())
+}
+
+#[test]
+fn fenced_read_sees_the_generation_after_the_data() -> Result<()> {
+    let Some((p_dev, d_dev)) = devices("fenced_read_sees_the_generation_after_the_data") else {
+        return Ok(());
+    };
+    let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
+    let (src, src_mr) = region(&pair.p_pd, 4 << 20, 77)?;
+    let (fences, fence_mr) = region(&pair.p_pd, 4096, 0)?;
+    let (dst, dst_mr) = region(&pair.d_pd, 4 << 20, 0)?;
+    let (word, word_mr) = region(&pair.d_pd, 4096, 0)?;
+    let slot = 8 * 5;
+    for generation in [41u64, 42] {
+        fences.store_u64(slot, generation)?;
+        let data = ReadOp {
+            local: dst_mr.clone(),
+            local_offset: 0,
+            remote: src_mr.remote(),
+            remote_offset: 0,
+            len: 4 << 20,
+        };
+        let fence = ReadOp {
+            local: word_mr.clone(),
+            local_offset: 0,
+            remote: fence_mr.remote(),
+            remote_offset: slot,
+            len: 8,
+        };
+        let id = pair.d.post_read_batch(&[data], Some(&fence), None)?;
+        ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+        ensure!(word.load_u64(0)? == generation, "fence word");
+        ensure!(bytes(&dst, 0, 4 << 20)? == bytes(&src, 0, 4 << 20)?, "data");
+    }
+    // A fence that does not fit one work request is refused up front.
+    let too_big = ReadOp {
+        local: dst_mr,
+        local_offset: 0,
+        remote: src_mr.remote(),
+        remote_offset: 0,
+        len: 4 << 20,
+    };
+    ensure!(pair.d.post_read_batch(&[], Some(&too_big), None).is_err());
+    Ok(())
+}
+
+#[test]
+fn wrong_rkey_fails_only_its_batch_and_the_qp_recovers() -> Result<()> {
+    let Some((p_dev, d_dev)) = devices("wrong_rkey_fails_only_its_batch_and_the_qp_recovers")
+    else {
+        return Ok(());
+    };
+    let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
+    let (src, src_mr) = region(&pair.p_pd, 8 << 20, 3)?;
+    let (dst, dst_mr) = region(&pair.d_pd, 8 << 20, 0)?;
+    let read = |off: u64, len: u64, remote: RemoteRegion| ReadOp {
+        local: dst_mr.clone(),
+        local_offset: off,
+        remote,
+        remote_offset: off,
+        len,
+    };
+    let good = src_mr.remote();
+    let id = pair
+        .d
+        .post_read_batch(&[read(0, 1 << 20, good)], None, None)?;
+    ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+
+    let bad = RemoteRegion::new(good.addr(), good.len(), good.rkey() ^ 0x5a5a);
+    let bad_id = pair
+        .d
+        .post_read_batch(&[read(1 << 20, 1 << 20, bad)], None, None)?;
+    match pair.wait(bad_id)? {
+        BatchStatus::Failed(VerbsError::WorkRequest {
+            op: "READ", status, ..
+        }) => {
+            ensure!(
+                status.code() == WorkCompletionStatus::REM_ACCESS_ERR,
+                "status {status}"
+            );
+            println!("bad rkey failed as expected: {status}");
+        }
+        other => bail!("bad rkey batch: {other:?}"),
+    }
+    ensure!(
+        pair.d.state() == EndpointState::NeedsReconnect,
+        "D state {:?}",
+        pair.d.state()
+    );
+    ensure!(pair.d.errors() == 1);
+    // Posted while the QP is down: waits for the reconnect instead of failing.
+    let waiting = pair
+        .d
+        .post_read_batch(&[read(2 << 20, 2 << 20, good)], None, None)?;
+    pair.d.send_notif(b"after-reconnect")?;
+    // P's QP went to ERR as well (its receives flush); poll it into its reset.
+    let deadline = Instant::now() + TIMEOUT;
+    while pair.p.state() == EndpointState::Connected {
+        pair.p.poll()?;
+        ensure!(Instant::now() < deadline, "P never noticed the QP error");
+    }
+    // The reconnect handshake over the side channel: new PSNs both ways.
+    let d_info = pair.d.reset()?;
+    let p_info = pair.p.reset()?;
+    pair.p.connect(&d_info)?;
+    pair.d.connect(&p_info)?;
+    ensure!(pair.d.query_qp_state()? == "RTS");
+    ensure!(
+        matches!(pair.wait(waiting)?, BatchStatus::Done),
+        "batch posted while down"
+    );
+    let next = pair
+        .d
+        .post_read_batch(&[read(4 << 20, 4 << 20, good)], None, None)?;
+    ensure!(
+        matches!(pair.wait(next)?, BatchStatus::Done),
+        "batch after recovery"
+    );
+    ensure!(
+        bytes(&dst, 2 << 20, 6 << 20)? == bytes(&src, 2 << 20, 6 << 20)?,
+        "data after recovery"
+    );
+    ensure!(
+        bytes(&dst, 1 << 20, 1 << 20)? == vec![0u8; 1 << 20],
+        "failed batch wrote data"
+    );
+    ensure!(pair.notifs(true, 1)? == vec![b"after-reconnect".to_vec()]);
+    Ok(())
+}
+
+#[test]
+fn out_of_bounds_and_foreign_regions_are_refused_before_posting() -> Result<()> {
+    let Some((p_dev, d_dev)) = devices("out_of_bounds_and_foreign_regions_are_refused") else {
+        return Ok(());
+    };
+    let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
+    let (_src, src_mr) = region(&pair.p_pd, 1 << 20, 1)?;
+    let (_dst, dst_mr) = region(&pair.d_pd, 1 << 20, 0)?;
+    let op = |local: MemoryRegion, lo: u64, ro: u64, len: u64| ReadOp {
+        local,
+        local_offset: lo,
+        remote: src_mr.remote(),
+        remote_offset: ro,
+        len,
+    };
+    for (o, side) in [
+        (op(dst_mr.clone(), 1 << 20, 0, 1), "local"),
+        (op(dst_mr.clone(), u64::MAX, 0, 2), "local"),
+        (op(dst_mr.clone(), 0, (1 << 20) - 4, 8), "remote"),
+        (op(dst_mr, 0, u64::MAX, 8), "remote"),
+    ] {
+        match pair.d.post_read_batch(&[o], None, None) {
+            Err(VerbsError::OutOfBounds { side: s, .. }) if s == side => {}
+            other => bail!("{side}: {other:?}"),
+        }
+    }
+    // A destination registered on P's PD is not D's memory.
+    match pair
+        .d
+        .post_read_batch(&[op(src_mr.clone(), 0, 0, 8)], None, None)
+    {
+        Err(VerbsError::ForeignRegion) => {}
+        other => bail!("foreign region: {other:?}"),
+    }
+    ensure!(pair.d.state() == EndpointState::Connected);
+    pair.poll().context("poll after refusals")?;
+    Ok(())
+}
