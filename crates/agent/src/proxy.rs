@@ -1,1 +1,834 @@
-//! (being written)
+//! The routing proxy (`kvlease-proxy`): one OpenAI-style endpoint in front of prefill (P)
+//! and decode (D) agents, in the shape of vLLM's disaggregated-serving proxies.
+//!
+//! For each `POST /v1/completions` or `POST /v1/chat/completions`:
+//!
+//! 1. the request goes to the next P (round-robin) with `max_tokens: 1`, `stream: false`,
+//!    an `X-Request-Id` header and `kv_transfer_params: {do_remote_decode: true,
+//!    do_remote_prefill: false, remote_engine_id: null, remote_block_ids: null, remote_host:
+//!    null, remote_port: null}`;
+//! 2. the original body, with P's returned `kv_transfer_params` copied verbatim, goes to the
+//!    next D (round-robin) with the same `X-Request-Id`; D's answer (JSON, or server-sent
+//!    events when `stream: true`) is passed through to the client;
+//! 3. when D answers with a retryable KV failure ([`is_retryable_kv_failure`]: HTTP 503 with
+//!    `{"error": {"type": "kv_load_failed", "retryable": true}}`, the body of
+//!    [`crate::api::ApiError::kv_load_failed`]), the request is prefilled again on the next
+//!    P and sent to the next D, once, and `kvlease_proxy_retries_total` counts it.
+//!
+//! An unreachable upstream is a 502, an upstream that does not answer in time a 504, both
+//! in the OpenAI error shape; P's own errors (400, 503 ...) are passed through. The proxy
+//! keeps no per-request state: a client that disconnects drops the upstream request, which
+//! D sees as an abort.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use clap::Parser;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use reqwest::Url;
+use serde_json::{Map, Value, json};
+
+use crate::api::{ApiError, KV_LOAD_FAILED};
+use crate::config::LogFormat;
+
+/// The header carrying the request id to P and D (as vLLM's proxies send it).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Largest request body accepted from a client.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// Largest error body read from D to decide whether to retry.
+const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
+
+/// Whether D's answer is the retryable KV failure the proxy retries from P: status 503 and
+/// a JSON body `{"error": {"type": "kv_load_failed", "retryable": true, ...}}`.
+pub fn is_retryable_kv_failure(status: StatusCode, body: &[u8]) -> bool {
+    if status != StatusCode::SERVICE_UNAVAILABLE {
+        return false;
+    }
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
+    let error = &value["error"];
+    error["type"] == KV_LOAD_FAILED && error["retryable"] == true
+}
+
+/// Why the proxy could not be configured.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProxyError {
+    /// An upstream URL does not parse or is not `http://`.
+    #[error("{flag}: {url:?}: {reason}")]
+    BadUrl {
+        /// `--prefill` or `--decode`.
+        flag: &'static str,
+        /// The URL given.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No upstream of a kind was given.
+    #[error("{flag}: at least one URL is required")]
+    NoUpstream {
+        /// `--prefill` or `--decode`.
+        flag: &'static str,
+    },
+    /// A timeout flag is zero or absurd.
+    #[error("{flag}: {reason}")]
+    BadTimeout {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client: {source}")]
+    Client {
+        /// reqwest's error.
+        #[source]
+        source: reqwest::Error,
+    },
+}
+
+/// `kvlease-proxy`'s command line.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvlease-proxy",
+    version,
+    about = "kvlease routing proxy: prefill on P, then decode on D with P's kv_transfer_params"
+)]
+pub struct ProxyArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Prefill agents' base URLs (http://host:port), used round-robin.
+    #[arg(long, required = true, num_args = 1..)]
+    pub prefill: Vec<String>,
+    /// Decode agents' base URLs (http://host:port), used round-robin.
+    #[arg(long, required = true, num_args = 1..)]
+    pub decode: Vec<String>,
+    /// Time limit for one upstream request, in seconds: for P the whole answer, for D the
+    /// whole answer (or, when streaming, the first byte and every gap between chunks).
+    #[arg(long, default_value_t = 600.0)]
+    pub timeout_secs: f64,
+    /// Time limit for connecting to an upstream, in milliseconds.
+    #[arg(long, default_value_t = 3000)]
+    pub connect_timeout_ms: u64,
+    /// Log line format (the level comes from RUST_LOG, default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// A validated proxy configuration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ProxyConfig {
+    /// P base URLs.
+    pub prefill: Vec<Url>,
+    /// D base URLs.
+    pub decode: Vec<Url>,
+    /// See [`ProxyArgs::timeout_secs`].
+    pub timeout: Duration,
+    /// See [`ProxyArgs::connect_timeout_ms`].
+    pub connect_timeout: Duration,
+}
+
+fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
+    if urls.is_empty() {
+        return Err(ProxyError::NoUpstream { flag });
+    }
+    urls.iter()
+        .map(|raw| {
+            let bad = |reason: &str| ProxyError::BadUrl {
+                flag,
+                url: raw.clone(),
+                reason: reason.to_owned(),
+            };
+            let url = Url::parse(raw).map_err(|e| bad(&e.to_string()))?;
+            if url.scheme() != "http" {
+                return Err(bad("only http:// is supported"));
+            }
+            if url.host_str().is_none_or(str::is_empty) {
+                return Err(bad("has no host"));
+            }
+            if url.query().is_some() || url.fragment().is_some() {
+                return Err(bad("must be a base URL without query or fragment"));
+            }
+            Ok(url)
+        })
+        .collect()
+}
+
+impl ProxyArgs {
+    /// Checks the flags and builds the configuration.
+    ///
+    /// # Errors
+    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, or a
+    /// timeout that is zero, not finite or over a day.
+    pub fn config(&self) -> Result<ProxyConfig, ProxyError> {
+        if self.port == 0 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--port",
+                reason: "must be 1..=65535".to_owned(),
+            });
+        }
+        let timeout = Duration::try_from_secs_f64(self.timeout_secs)
+            .ok()
+            .filter(|t| !t.is_zero() && *t <= Duration::from_secs(86_400))
+            .ok_or_else(|| ProxyError::BadTimeout {
+                flag: "--timeout-secs",
+                reason: format!(
+                    "must be > 0 and at most 86400 seconds, got {}",
+                    self.timeout_secs
+                ),
+            })?;
+        if self.connect_timeout_ms == 0 || self.connect_timeout_ms > 600_000 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--connect-timeout-ms",
+                reason: format!("must be 1..=600000, got {}", self.connect_timeout_ms),
+            });
+        }
+        Ok(ProxyConfig {
+            prefill: parse_upstreams("--prefill", &self.prefill)?,
+            decode: parse_upstreams("--decode", &self.decode)?,
+            timeout,
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+        })
+    }
+}
+
+/// How a proxied request ended (the `outcome` label of `kvlease_proxy_requests_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProxyOutcome {
+    /// D answered with a 2xx.
+    Ok,
+    /// D answered with a 2xx after one retry from P.
+    OkAfterRetry,
+    /// P or D answered with an error status, passed through.
+    UpstreamError,
+    /// An upstream was unreachable or answered garbage (502).
+    BadGateway,
+    /// An upstream did not answer in time (504).
+    Timeout,
+    /// The client's request was not a JSON object (400).
+    BadRequest,
+}
+
+impl ProxyOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 6] = [
+        Self::Ok,
+        Self::OkAfterRetry,
+        Self::UpstreamError,
+        Self::BadGateway,
+        Self::Timeout,
+        Self::BadRequest,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::OkAfterRetry => "ok_after_retry",
+            Self::UpstreamError => "upstream_error",
+            Self::BadGateway => "bad_gateway",
+            Self::Timeout => "timeout",
+            Self::BadRequest => "bad_request",
+        }
+    }
+}
+
+impl EncodeLabelValue for ProxyOutcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: ProxyOutcome,
+}
+
+/// The proxy's own metrics, on its `/metrics`.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ProxyMetrics {
+    registry: Arc<Registry>,
+    /// `kvlease_proxy_retries_total`: requests prefilled again after a retryable KV failure.
+    pub retries: Counter,
+    /// `kvlease_proxy_prefill_requests_total`: requests sent to P (retries included).
+    pub prefill_requests: Counter,
+    /// `kvlease_proxy_decode_requests_total`: requests sent to D (retries included).
+    pub decode_requests: Counter,
+    /// `kvlease_proxy_request_seconds` (histogram): client request to the start of the answer.
+    pub request_seconds: Histogram,
+    requests: Family<OutcomeLabel, Counter>,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProxyMetrics {
+    /// Registers every metric, at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let retries = Counter::default();
+        let prefill_requests = Counter::default();
+        let decode_requests = Counter::default();
+        let request_seconds = Histogram::new(
+            prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20),
+        );
+        let requests = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "kvlease_proxy_retries",
+            "Requests prefilled again after a retryable KV load failure on D",
+            retries.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_prefill_requests",
+            "Requests sent to prefill agents",
+            prefill_requests.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_decode_requests",
+            "Requests sent to decode agents",
+            decode_requests.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_request_seconds",
+            "Seconds from a client request to the start of its answer",
+            request_seconds.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_requests",
+            "Client requests, by outcome",
+            requests.clone(),
+        );
+        for outcome in ProxyOutcome::ALL {
+            drop(requests.get_or_create(&OutcomeLabel { outcome }));
+        }
+        Self {
+            registry: Arc::new(registry),
+            retries,
+            prefill_requests,
+            decode_requests,
+            request_seconds,
+            requests,
+        }
+    }
+
+    /// The counter `kvlease_proxy_requests_total{outcome}`.
+    pub fn request(&self, outcome: ProxyOutcome) -> Counter {
+        self.requests
+            .get_or_create(&OutcomeLabel { outcome })
+            .clone()
+    }
+
+    /// Renders the metrics in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        crate::metrics::encode_registry(&self.registry)
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: ProxyConfig,
+    client: reqwest::Client,
+    metrics: ProxyMetrics,
+    next_prefill: AtomicUsize,
+    next_decode: AtomicUsize,
+    next_id: AtomicU64,
+    id_prefix: String,
+}
+
+/// The proxy: cheap to clone, every clone shares the upstream rotation and the metrics.
+#[derive(Debug, Clone)]
+pub struct Proxy {
+    inner: Arc<Inner>,
+}
+
+/// Why one upstream exchange did not produce an answer to pass through.
+enum Failure {
+    /// Answer this to the client.
+    Respond(Response, ProxyOutcome),
+    /// D reported a retryable KV failure; its status and body.
+    RetryableKv(StatusCode, Bytes),
+}
+
+impl Proxy {
+    /// Builds the proxy and its HTTP client (which never uses an HTTP proxy from the
+    /// environment).
+    ///
+    /// # Errors
+    /// [`ProxyError::Client`] when the HTTP client cannot be built.
+    pub fn new(config: ProxyConfig) -> Result<Self, ProxyError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .read_timeout(config.timeout)
+            .no_proxy()
+            .build()
+            .map_err(|source| ProxyError::Client { source })?;
+        let id_prefix = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            format!("proxy-{:08x}", h.finish() as u32)
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                metrics: ProxyMetrics::new(),
+                next_prefill: AtomicUsize::new(0),
+                next_decode: AtomicUsize::new(0),
+                next_id: AtomicU64::new(0),
+                id_prefix,
+            }),
+        })
+    }
+
+    /// The proxy's metrics.
+    pub fn metrics(&self) -> &ProxyMetrics {
+        &self.inner.metrics
+    }
+
+    /// The axum router: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /health`,
+    /// `GET /metrics`.
+    pub fn router(&self) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/health", get(|| async { "ok\n" }))
+            .route("/metrics", get(metrics))
+            .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+            .with_state(self.clone())
+    }
+
+    /// Serves on `listener` until the future is dropped or the listener fails.
+    ///
+    /// # Errors
+    /// The listener's IO error.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
+    fn next_url(&self, decode: bool, path: &str) -> Url {
+        let (urls, counter) = if decode {
+            (&self.inner.config.decode, &self.inner.next_decode)
+        } else {
+            (&self.inner.config.prefill, &self.inner.next_prefill)
+        };
+        // `ProxyArgs::config` guarantees at least one URL of each kind; `max(1)` keeps the
+        // modulo defined for a `ProxyConfig` built by hand.
+        let base = &urls[counter.fetch_add(1, Ordering::Relaxed) % urls.len().max(1)];
+        join(base, path)
+    }
+
+    fn request_id(&self, headers: &HeaderMap) -> String {
+        let given = headers
+            .get(REQUEST_ID_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| kvlease_lease::RequestId::new(v).is_ok() && v.len() <= 200);
+        match given {
+            Some(id) => id.to_owned(),
+            None => format!(
+                "{}-{}",
+                self.inner.id_prefix,
+                self.inner.next_id.fetch_add(1, Ordering::Relaxed)
+            ),
+        }
+    }
+
+    async fn handle(&self, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+        let start = Instant::now();
+        let metrics = &self.inner.metrics;
+        let (response, outcome) = match self.route(path, &headers, &body).await {
+            Ok((response, retried)) => {
+                let outcome = match (response.status().is_success(), retried) {
+                    (true, false) => ProxyOutcome::Ok,
+                    (true, true) => ProxyOutcome::OkAfterRetry,
+                    (false, _) => ProxyOutcome::UpstreamError,
+                };
+                (response, outcome)
+            }
+            Err(Failure::Respond(response, outcome)) => (response, outcome),
+            Err(Failure::RetryableKv(status, body)) => (
+                passthrough(
+                    status,
+                    Some(HeaderValue::from_static("application/json")),
+                    body,
+                ),
+                ProxyOutcome::UpstreamError,
+            ),
+        };
+        metrics.request(outcome).inc();
+        metrics
+            .request_seconds
+            .observe(start.elapsed().as_secs_f64());
+        response
+    }
+
+    /// P then D, with one retry on a retryable KV failure. `Ok((answer, retried))`.
+    async fn route(
+        &self,
+        path: &'static str,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> Result<(Response, bool), Failure> {
+        let request = match serde_json::from_slice::<Value>(body) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => return Err(bad_request("the request body must be a JSON object")),
+            Err(e) => return Err(bad_request(&format!("the request body is not JSON: {e}"))),
+        };
+        let auth = headers.get(header::AUTHORIZATION).cloned();
+        let base_id = self.request_id(headers);
+        let mut last = None;
+        for attempt in 0..2u32 {
+            let id = if attempt == 0 {
+                base_id.clone()
+            } else {
+                format!("{base_id}-retry{attempt}")
+            };
+            let params = self.prefill(path, &request, &id, auth.as_ref()).await?;
+            let mut to_decode = request.clone();
+            to_decode.insert("kv_transfer_params".to_owned(), params);
+            match self.decode(path, &to_decode, &id, auth.as_ref()).await {
+                Ok(response) => return Ok((response, attempt > 0)),
+                Err(Failure::RetryableKv(status, body)) if attempt == 0 => {
+                    self.inner.metrics.retries.inc();
+                    tracing::warn!(request = %id, "decode could not load the KV; prefilling again once");
+                    last = Some((status, body));
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        // The loop returns on every path of the second attempt.
+        let (status, body) = last.unwrap_or((StatusCode::SERVICE_UNAVAILABLE, Bytes::new()));
+        Err(Failure::RetryableKv(status, body))
+    }
+
+    /// Sends the prefill request; returns P's `kv_transfer_params`.
+    async fn prefill(
+        &self,
+        path: &str,
+        request: &Map<String, Value>,
+        id: &str,
+        auth: Option<&HeaderValue>,
+    ) -> Result<Value, Failure> {
+        let url = self.next_url(false, path);
+        let mut body = request.clone();
+        body.insert(
+            "kv_transfer_params".to_owned(),
+            json!({
+                "do_remote_decode": true,
+                "do_remote_prefill": false,
+                "remote_engine_id": null,
+                "remote_block_ids": null,
+                "remote_host": null,
+                "remote_port": null,
+            }),
+        );
+        body.insert("max_tokens".to_owned(), json!(1));
+        if body.contains_key("max_completion_tokens") {
+            body.insert("max_completion_tokens".to_owned(), json!(1));
+        }
+        body.insert("stream".to_owned(), json!(false));
+        body.remove("stream_options");
+        self.inner.metrics.prefill_requests.inc();
+        let response = self
+            .send(&url, &body, id, auth)
+            .timeout(self.inner.config.timeout)
+            .send()
+            .await
+            .map_err(|e| upstream_failure("prefill", &url, &e))?;
+        let status = response.status();
+        let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| upstream_failure("prefill", &url, &e))?;
+        if !status.is_success() {
+            tracing::debug!(request = %id, %url, %status, "prefill failed; passing its answer through");
+            return Err(Failure::Respond(
+                passthrough(status, content_type, bytes),
+                ProxyOutcome::UpstreamError,
+            ));
+        }
+        let answer: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| bad_gateway(&format!("prefill {url} answered with invalid JSON: {e}")))?;
+        match answer.get("kv_transfer_params") {
+            Some(params @ Value::Object(_)) => Ok(params.clone()),
+            _ => Err(bad_gateway(&format!(
+                "prefill {url} answered without kv_transfer_params (is it a kvlease prefill agent?)"
+            ))),
+        }
+    }
+
+    /// Sends the decode request; returns D's answer to pass through (streaming), or the
+    /// retryable KV failure.
+    async fn decode(
+        &self,
+        path: &str,
+        body: &Map<String, Value>,
+        id: &str,
+        auth: Option<&HeaderValue>,
+    ) -> Result<Response, Failure> {
+        let url = self.next_url(true, path);
+        let streaming = body.get("stream") == Some(&Value::Bool(true));
+        self.inner.metrics.decode_requests.inc();
+        let mut request = self.send(&url, body, id, auth);
+        if !streaming {
+            request = request.timeout(self.inner.config.timeout);
+        }
+        // A streamed answer may run for long; its first byte must come in time, and the
+        // client's read timeout bounds every gap after it.
+        let response = tokio::time::timeout(self.inner.config.timeout, request.send())
+            .await
+            .map_err(|_| {
+                timeout_failure(&format!(
+                    "decode {url} did not answer within {:?}",
+                    self.inner.config.timeout
+                ))
+            })?
+            .map_err(|e| upstream_failure("decode", &url, &e))?;
+        let status = response.status();
+        let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            let bytes = read_limited(response, MAX_ERROR_BODY_BYTES)
+                .await
+                .map_err(|e| upstream_failure("decode", &url, &e))?;
+            if is_retryable_kv_failure(status, &bytes) {
+                return Err(Failure::RetryableKv(status, bytes));
+            }
+            return Ok(passthrough(status, content_type, bytes));
+        }
+        if streaming && status.is_success() {
+            let mut builder = Response::builder().status(status);
+            if let Some(ct) = content_type {
+                builder = builder.header(header::CONTENT_TYPE, ct);
+            }
+            builder = builder.header(header::CACHE_CONTROL, "no-cache");
+            return builder
+                .body(Body::from_stream(response.bytes_stream()))
+                .map_err(|e| bad_gateway(&format!("building the streamed answer: {e}")));
+        }
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| upstream_failure("decode", &url, &e))?;
+        Ok(passthrough(status, content_type, bytes))
+    }
+
+    fn send(
+        &self,
+        url: &Url,
+        body: &Map<String, Value>,
+        id: &str,
+        auth: Option<&HeaderValue>,
+    ) -> reqwest::RequestBuilder {
+        let mut request = self
+            .inner
+            .client
+            .post(url.clone())
+            .json(body)
+            .header(HeaderName::from_static(REQUEST_ID_HEADER), id);
+        if let Some(auth) = auth {
+            request = request.header(header::AUTHORIZATION, auth.clone());
+        }
+        request
+    }
+}
+
+/// `base` joined with `path`, keeping a path prefix in `base` (`http://h/x` + `/v1/...`).
+fn join(base: &Url, path: &str) -> Url {
+    let mut url = base.clone();
+    let joined = format!("{}{}", base.path().trim_end_matches('/'), path);
+    url.set_path(&joined);
+    url
+}
+
+async fn read_limited(mut response: reqwest::Response, limit: usize) -> reqwest::Result<Bytes> {
+    let mut out = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        let room = limit.saturating_sub(out.len());
+        out.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if out.len() >= limit {
+            break;
+        }
+    }
+    Ok(Bytes::from(out))
+}
+
+fn passthrough(status: StatusCode, content_type: Option<HeaderValue>, body: Bytes) -> Response {
+    let mut response = (status, body).into_response();
+    if let Some(ct) = content_type {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response
+}
+
+fn bad_request(message: &str) -> Failure {
+    Failure::Respond(
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message).into_response(),
+        ProxyOutcome::BadRequest,
+    )
+}
+
+fn bad_gateway(message: &str) -> Failure {
+    tracing::warn!("{message}");
+    Failure::Respond(
+        ApiError::new(StatusCode::BAD_GATEWAY, "bad_gateway", message).into_response(),
+        ProxyOutcome::BadGateway,
+    )
+}
+
+fn timeout_failure(message: &str) -> Failure {
+    tracing::warn!("{message}");
+    Failure::Respond(
+        ApiError::new(StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", message).into_response(),
+        ProxyOutcome::Timeout,
+    )
+}
+
+fn upstream_failure(kind: &str, url: &Url, error: &reqwest::Error) -> Failure {
+    // Display of a reqwest error omits its cause ("error sending request"); add the chain.
+    let mut cause = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(inner) = source {
+        cause.push_str(": ");
+        cause.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    if error.is_timeout() {
+        timeout_failure(&format!("{kind} {url} timed out: {cause}"))
+    } else {
+        bad_gateway(&format!("{kind} {url} is unreachable: {cause}"))
+    }
+}
+
+async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
+    proxy.handle("/v1/completions", headers, body).await
+}
+
+async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
+    proxy.handle("/v1/chat/completions", headers, body).await
+}
+
+async fn metrics(State(proxy): State<Proxy>) -> Response {
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        proxy.metrics().encode(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retryable_kv_failure_is_exactly_the_documented_shape() {
+        let body = ApiError::kv_load_failed("stale").body().to_string();
+        assert!(is_retryable_kv_failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            body.as_bytes()
+        ));
+        assert!(!is_retryable_kv_failure(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            body.as_bytes()
+        ));
+        let overloaded = ApiError::overloaded("queue full").body().to_string();
+        assert!(!is_retryable_kv_failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            overloaded.as_bytes()
+        ));
+        let not_retryable = br#"{"error":{"type":"kv_load_failed","retryable":false}}"#;
+        assert!(!is_retryable_kv_failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            not_retryable
+        ));
+        assert!(!is_retryable_kv_failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            b"<html>"
+        ));
+    }
+
+    fn args(extra: &[&str]) -> ProxyArgs {
+        let base = [
+            "kvlease-proxy",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+        ];
+        ProxyArgs::try_parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn flags_are_checked_and_errors_name_them() {
+        let c = args(&["http://127.0.0.1:2/", "http://localhost:3/base"])
+            .config()
+            .unwrap();
+        assert_eq!(c.decode.len(), 2);
+        assert_eq!(
+            join(&c.decode[0], "/v1/completions").as_str(),
+            "http://127.0.0.1:2/v1/completions"
+        );
+        assert_eq!(
+            join(&c.decode[1], "/v1/completions").as_str(),
+            "http://localhost:3/base/v1/completions"
+        );
+        for (extra, start) in [
+            (
+                &["https://x:1"][..],
+                "--decode: \"https://x:1\": only http://",
+            ),
+            (&["not a url"][..], "--decode: \"not a url\""),
+            (
+                &["http://x:1", "--timeout-secs", "0"][..],
+                "--timeout-secs: must be > 0",
+            ),
+            (
+                &["http://x:1", "--timeout-secs", "NaN"][..],
+                "--timeout-secs: must be > 0",
+            ),
+            (
+                &["http://x:1", "--connect-timeout-ms", "0"][..],
+                "--connect-timeout-ms",
+            ),
+            (&["http://x:1", "--port", "0"][..], "--port"),
+        ] {
+            let message = args(extra).config().unwrap_err().to_string();
+            assert!(message.starts_with(start), "{extra:?}: {message}");
+        }
+        assert!(ProxyArgs::try_parse_from(["kvlease-proxy", "--prefill", "http://a:1"]).is_err());
+    }
+
+    #[test]
+    fn proxy_metrics_expose_the_retry_counter() {
+        let m = ProxyMetrics::new();
+        m.retries.inc();
+        m.request(ProxyOutcome::OkAfterRetry).inc();
+        let text = m.encode();
+        assert!(text.contains("# TYPE kvlease_proxy_retries counter\n"));
+        assert!(text.contains("\nkvlease_proxy_retries_total 1\n"), "{text}");
+        assert!(text.contains("kvlease_proxy_requests_total{outcome=\"ok_after_retry\"} 1\n"));
+        assert!(text.contains("kvlease_proxy_requests_total{outcome=\"bad_gateway\"} 0\n"));
+    }
+}

@@ -1,0 +1,574 @@
+//! The proxy's own logic against small in-process FAKE upstreams (axum servers that record
+//! what they receive and answer canned bodies): round-robin, `kv_transfer_params` copying,
+//! retry-once on a retryable KV failure, pass-through of errors and streams, 502 / 504.
+//!
+//! These are not end-to-end tests of P and D: the real agents are exercised by the
+//! system tests of the prefill and decode engines and by `scripts/demo.sh`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use clap::Parser as _;
+use kvlease_agent::api::ApiError;
+use kvlease_agent::proxy::{Proxy, ProxyArgs};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+
+/// One request a fake upstream received.
+#[derive(Debug, Clone)]
+struct Call {
+    path: String,
+    request_id: Option<String>,
+    authorization: Option<String>,
+    body: Value,
+}
+
+type Responder = dyn Fn(usize, &Value) -> Response + Send + Sync;
+
+/// A fake upstream: records every call, answers with `respond(call_index, body)`.
+struct Fake {
+    calls: Mutex<Vec<Call>>,
+    count: AtomicUsize,
+    respond: Box<Responder>,
+}
+
+impl Fake {
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().expect("fake upstream lock").clone()
+    }
+}
+
+async fn fake_handler(
+    State(fake): State<Arc<Fake>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    fake.calls.lock().expect("fake upstream lock").push(Call {
+        path: uri.path().to_owned(),
+        request_id: header("x-request-id"),
+        authorization: header("authorization"),
+        body: body.clone(),
+    });
+    let index = fake.count.fetch_add(1, Ordering::SeqCst);
+    (fake.respond)(index, &body)
+}
+
+/// Starts a fake upstream; returns it and its base URL.
+async fn start_fake(
+    respond: impl Fn(usize, &Value) -> Response + Send + Sync + 'static,
+) -> Result<(Arc<Fake>, String)> {
+    let fake = Arc::new(Fake {
+        calls: Mutex::new(Vec::new()),
+        count: AtomicUsize::new(0),
+        respond: Box::new(respond),
+    });
+    let router = axum::Router::new()
+        .route("/v1/completions", axum::routing::post(fake_handler))
+        .route("/v1/chat/completions", axum::routing::post(fake_handler))
+        .with_state(fake.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok((fake, url))
+}
+
+/// A fake P whose params name it and count its calls.
+async fn fake_prefill(name: &'static str) -> Result<(Arc<Fake>, String)> {
+    start_fake(move |index, _| {
+        axum::Json(json!({
+            "id": "cmpl-p",
+            "choices": [{"text": "x", "index": 0}],
+            "kv_transfer_params": {
+                "do_remote_prefill": true,
+                "do_remote_decode": false,
+                "remote_engine_id": name,
+                "remote_block_ids": [index, index + 1],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "remote_request_id": format!("{name}-{index}"),
+                "tp_size": 1,
+                "kvlease_generation": index + 1,
+            }
+        }))
+        .into_response()
+    })
+    .await
+}
+
+/// A fake D answering a completion that echoes the params it got.
+async fn fake_decode(name: &'static str) -> Result<(Arc<Fake>, String)> {
+    start_fake(move |_, body| {
+        axum::Json(json!({
+            "choices": [{"text": format!("decoded by {name}"), "index": 0}],
+            "echo_params": body["kv_transfer_params"],
+        }))
+        .into_response()
+    })
+    .await
+}
+
+/// Starts the proxy in front of `prefill` and `decode`; returns its base URL.
+async fn start_proxy(prefill: &[&str], decode: &[&str], extra: &[&str]) -> Result<String> {
+    let mut argv = vec!["kvlease-proxy", "--prefill"];
+    argv.extend_from_slice(prefill);
+    argv.push("--decode");
+    argv.extend_from_slice(decode);
+    argv.extend_from_slice(extra);
+    let config = ProxyArgs::try_parse_from(argv)?.config()?;
+    let proxy = Proxy::new(config)?;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(proxy.serve(listener));
+    Ok(url)
+}
+
+async fn post(url: &str, body: &Value) -> Result<(StatusCode, Value)> {
+    let response = reqwest::Client::new()
+        .post(url)
+        .header("authorization", "Bearer sk-test")
+        .json(body)
+        .send()
+        .await?;
+    let status = response.status();
+    let text = response.text().await?;
+    let value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
+    Ok((status, value))
+}
+
+async fn metric(proxy: &str, name: &str) -> Result<f64> {
+    let text = reqwest::get(format!("{proxy}/metrics"))
+        .await?
+        .text()
+        .await?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .with_context(|| format!("{name} missing from:\n{text}"))
+}
+
+fn free_port_url() -> Result<String> {
+    // Bind and drop: nothing listens on the port afterwards (connect is refused).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(format!("http://{}", listener.local_addr()?))
+}
+
+#[tokio::test]
+async fn fake_upstreams_round_robin_and_params_are_copied_verbatim() -> Result<()> {
+    let (p0, p0_url) = fake_prefill("p0").await?;
+    let (p1, p1_url) = fake_prefill("p1").await?;
+    let (d0, d0_url) = fake_decode("d0").await?;
+    let (d1, d1_url) = fake_decode("d1").await?;
+    let proxy = start_proxy(&[&p0_url, &p1_url], &[&d0_url, &d1_url], &[]).await?;
+
+    let request = json!({"model": "m", "prompt": "hello", "max_tokens": 7, "stream": false, "temperature": 0});
+    let mut answered_by = Vec::new();
+    for _ in 0..4 {
+        let (status, answer) = post(&format!("{proxy}/v1/completions"), &request).await?;
+        assert_eq!(status, StatusCode::OK, "{answer}");
+        answered_by.push(
+            answer["choices"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        );
+        // D got exactly what P returned.
+        assert_eq!(answer["echo_params"]["do_remote_prefill"], true);
+    }
+    assert_eq!(
+        answered_by,
+        [
+            "decoded by d0",
+            "decoded by d1",
+            "decoded by d0",
+            "decoded by d1"
+        ]
+    );
+    let (p0c, p1c, d0c, d1c) = (p0.calls(), p1.calls(), d0.calls(), d1.calls());
+    assert_eq!((p0c.len(), p1c.len(), d0c.len(), d1c.len()), (2, 2, 2, 2));
+
+    for call in p0c.iter().chain(&p1c) {
+        assert_eq!(call.path, "/v1/completions");
+        assert_eq!(call.body["max_tokens"], 1);
+        assert_eq!(call.body["stream"], false);
+        assert_eq!(call.body["prompt"], "hello");
+        assert_eq!(call.body["temperature"], 0);
+        assert_eq!(
+            call.body["kv_transfer_params"],
+            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                   "remote_block_ids": null, "remote_host": null, "remote_port": null})
+        );
+        assert_eq!(call.authorization.as_deref(), Some("Bearer sk-test"));
+        assert!(call.request_id.is_some());
+    }
+    // Request i went to P (i % 2) and D (i % 2); D's params are that P's answer, verbatim,
+    // and D got the original body otherwise.
+    let prefill_calls = [&p0c[0], &p1c[0], &p0c[1], &p1c[1]];
+    let decode_calls = [&d0c[0], &d1c[0], &d0c[1], &d1c[1]];
+    let names = ["p0", "p1", "p0", "p1"];
+    let indices = [0, 0, 1, 1];
+    for i in 0..4 {
+        let (p, d) = (prefill_calls[i], decode_calls[i]);
+        assert_eq!(p.request_id, d.request_id, "same X-Request-Id on P and D");
+        let params = &d.body["kv_transfer_params"];
+        assert_eq!(params["remote_engine_id"], names[i]);
+        assert_eq!(
+            params["remote_request_id"],
+            format!("{}-{}", names[i], indices[i])
+        );
+        assert_eq!(params["kvlease_generation"], indices[i] + 1);
+        assert_eq!(
+            params["remote_block_ids"],
+            json!([indices[i], indices[i] + 1])
+        );
+        assert_eq!(d.body["max_tokens"], 7);
+        assert_eq!(d.body["prompt"], "hello");
+        assert_eq!(d.authorization.as_deref(), Some("Bearer sk-test"));
+    }
+    let ids: std::collections::HashSet<_> =
+        prefill_calls.iter().map(|c| c.request_id.clone()).collect();
+    assert_eq!(ids.len(), 4, "every request gets its own id");
+    assert_eq!(
+        metric(&proxy, "kvlease_proxy_requests_total{outcome=\"ok\"}").await?,
+        4.0
+    );
+    assert_eq!(metric(&proxy, "kvlease_proxy_retries_total").await?, 0.0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn fake_upstreams_chat_goes_to_chat_endpoints_and_client_request_id_is_kept() -> Result<()> {
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (d, d_url) = fake_decode("d0").await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
+                      "stream_options": {"include_usage": true}});
+    let response = reqwest::Client::new()
+        .post(format!("{proxy}/v1/chat/completions"))
+        .header("x-request-id", "client-chosen-1")
+        .json(&body)
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (pc, dc) = (&p.calls()[0], &d.calls()[0]);
+    assert_eq!(pc.path, "/v1/chat/completions");
+    assert_eq!(dc.path, "/v1/chat/completions");
+    assert_eq!(pc.body["max_completion_tokens"], 1);
+    assert_eq!(pc.body["max_tokens"], 1);
+    assert!(pc.body.get("stream_options").is_none());
+    assert_eq!(dc.body["max_completion_tokens"], 9);
+    assert_eq!(dc.body["stream_options"]["include_usage"], true);
+    assert_eq!(pc.request_id.as_deref(), Some("client-chosen-1"));
+    assert_eq!(dc.request_id.as_deref(), Some("client-chosen-1"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn fake_upstreams_retryable_kv_failure_is_retried_once_from_prefill() -> Result<()> {
+    let (p, p_url) = fake_prefill("p0").await?;
+    // D fails the first request's KV load, then serves.
+    let (d, d_url) = start_fake(|index, body| {
+        if index == 0 {
+            ApiError::kv_load_failed("lease expired before the read").into_response()
+        } else {
+            axum::Json(
+                json!({"choices": [{"text": "ok"}], "echo_params": body["kv_transfer_params"]}),
+            )
+            .into_response()
+        }
+    })
+    .await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let (status, answer) = post(
+        &format!("{proxy}/v1/completions"),
+        &json!({"prompt": "a", "max_tokens": 2}),
+    )
+    .await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(
+        answer["echo_params"]["remote_request_id"], "p0-1",
+        "D got the second prefill's params"
+    );
+    let (pc, dc) = (p.calls(), d.calls());
+    assert_eq!((pc.len(), dc.len()), (2, 2));
+    assert_ne!(
+        pc[0].request_id, pc[1].request_id,
+        "the retry is a new request on P"
+    );
+    assert_eq!(pc[1].request_id, dc[1].request_id);
+    assert_eq!(metric(&proxy, "kvlease_proxy_retries_total").await?, 1.0);
+    assert_eq!(
+        metric(
+            &proxy,
+            "kvlease_proxy_requests_total{outcome=\"ok_after_retry\"}"
+        )
+        .await?,
+        1.0
+    );
+
+    // A D that always fails: one retry, then the failure reaches the client.
+    let (p2, p2_url) = fake_prefill("p2").await?;
+    let (d2, d2_url) =
+        start_fake(|_, _| ApiError::kv_load_failed("stale generation").into_response()).await?;
+    let proxy2 = start_proxy(&[&p2_url], &[&d2_url], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy2}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer["error"]["type"], "kv_load_failed");
+    assert_eq!(
+        (p2.calls().len(), d2.calls().len()),
+        (2, 2),
+        "retried exactly once"
+    );
+    assert_eq!(metric(&proxy2, "kvlease_proxy_retries_total").await?, 1.0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn fake_upstreams_other_errors_pass_through_without_retry() -> Result<()> {
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (d, d_url) =
+        start_fake(|_, _| ApiError::overloaded("waiting queue is full (1024)").into_response())
+            .await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer["error"]["type"], "overloaded");
+    assert_eq!((p.calls().len(), d.calls().len()), (1, 1));
+    assert_eq!(metric(&proxy, "kvlease_proxy_retries_total").await?, 0.0);
+
+    // P's 400 reaches the client as is, and D is not called.
+    let (bad_p, bad_p_url) = start_fake(|_, _| {
+        ApiError::bad_field("kv_transfer_params.do_remote_decode", "must be true").into_response()
+    })
+    .await?;
+    let (d2, d2_url) = fake_decode("d0").await?;
+    let proxy2 = start_proxy(&[&bad_p_url], &[&d2_url], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy2}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        answer["error"]["param"],
+        "kv_transfer_params.do_remote_decode"
+    );
+    assert_eq!((bad_p.calls().len(), d2.calls().len()), (1, 0));
+
+    // A client body that is not a JSON object never reaches an upstream.
+    for body in ["[1,2]", "{not json"] {
+        let response = reqwest::Client::new()
+            .post(format!("{proxy2}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await?;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+    }
+    assert_eq!(bad_p.calls().len(), 1);
+
+    // A P answer without kv_transfer_params is a 502, not a D request without them.
+    let (plain, plain_url) =
+        start_fake(|_, _| axum::Json(json!({"choices": []})).into_response()).await?;
+    let proxy3 = start_proxy(&[&plain_url], &[&d2_url], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy3}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("without kv_transfer_params")
+    );
+    assert_eq!((plain.calls().len(), d2.calls().len()), (1, 0));
+    Ok(())
+}
+
+#[tokio::test]
+async fn fake_upstreams_down_is_502_and_slow_is_504() -> Result<()> {
+    let dead = free_port_url()?;
+    let (d, d_url) = fake_decode("d0").await?;
+    let proxy = start_proxy(&[&dead], &[&d_url], &["--connect-timeout-ms", "500"]).await?;
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or("");
+    assert!(
+        message.contains("prefill") && message.contains(&dead),
+        "{message}"
+    );
+    assert!(message.contains("unreachable"), "{message}");
+    assert_eq!(d.calls().len(), 0);
+    assert_eq!(
+        metric(
+            &proxy,
+            "kvlease_proxy_requests_total{outcome=\"bad_gateway\"}"
+        )
+        .await?,
+        1.0
+    );
+
+    let (p, p_url) = fake_prefill("p0").await?;
+    let proxy2 = start_proxy(&[&p_url], &[&dead], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy2}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("decode"),
+        "{answer}"
+    );
+    assert_eq!(p.calls().len(), 1);
+
+    // A D that accepts the connection and never answers: 504 after --timeout-secs.
+    let silent = TcpListener::bind("127.0.0.1:0").await?;
+    let silent_url = format!("http://{}", silent.local_addr()?);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let proxy3 = start_proxy(&[&p_url], &[&silent_url], &["--timeout-secs", "0.5"]).await?;
+    let started = std::time::Instant::now();
+    let (status, answer) =
+        post(&format!("{proxy3}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{answer}");
+    assert_eq!(answer["error"]["type"], "upstream_timeout");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    Ok(())
+}
+
+/// A raw HTTP/1.1 fake D that sends one SSE chunk, then waits for `release` before the
+/// rest: the client can only see the first chunk early if the proxy streams.
+async fn start_streaming_fake_decode(
+    release: tokio::sync::oneshot::Receiver<()>,
+) -> Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            return;
+        };
+        // Read the request head and its JSON body (Content-Length) before answering.
+        let mut request = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let Ok(n) = socket.read(&mut buf).await else {
+                return;
+            };
+            if n == 0 {
+                return;
+            }
+            request.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&request);
+            if let Some(head_end) = text.find("\r\n\r\n") {
+                let length = text[..head_end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                    })
+                    .unwrap_or(0);
+                if request.len() >= head_end + 4 + length {
+                    break;
+                }
+            }
+        }
+        let chunk = |data: &str| format!("{:x}\r\n{data}\r\n", data.len());
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        let first = chunk("data: {\"choices\":[{\"text\":\"A\"}]}\n\n");
+        if socket
+            .write_all(format!("{head}{first}").as_bytes())
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let _ = release.await;
+        let rest = format!(
+            "{}{}0\r\n\r\n",
+            chunk("data: {\"choices\":[{\"text\":\"B\"}]}\n\n"),
+            chunk("data: [DONE]\n\n")
+        );
+        let _ = socket.write_all(rest.as_bytes()).await;
+        let _ = socket.shutdown().await;
+    });
+    Ok(url)
+}
+
+#[tokio::test]
+async fn fake_upstreams_sse_is_streamed_through_not_buffered() -> Result<()> {
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (release, released) = tokio::sync::oneshot::channel();
+    let d_url = start_streaming_fake_decode(released).await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let mut response = reqwest::Client::new()
+        .post(format!("{proxy}/v1/completions"))
+        .json(&json!({"prompt": "a", "max_tokens": 2, "stream": true}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    assert_eq!(p.calls()[0].body["stream"], false, "P never streams");
+    // The first event arrives while D still holds the rest.
+    let first = tokio::time::timeout(Duration::from_secs(10), response.chunk())
+        .await
+        .context("first SSE chunk did not arrive: the proxy buffers the stream")??
+        .context("stream ended early")?;
+    assert!(String::from_utf8_lossy(&first).contains("\"A\""));
+    let _ = release.send(());
+    let mut rest = Vec::new();
+    while let Some(chunk) =
+        tokio::time::timeout(Duration::from_secs(10), response.chunk()).await??
+    {
+        rest.extend_from_slice(&chunk);
+    }
+    let rest = String::from_utf8(rest)?;
+    assert!(
+        rest.contains("\"B\"") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn fake_upstreams_health_and_metrics_endpoints() -> Result<()> {
+    let (_p, p_url) = fake_prefill("p0").await?;
+    let (_d, d_url) = fake_decode("d0").await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let health = reqwest::get(format!("{proxy}/health")).await?;
+    assert_eq!(health.status(), StatusCode::OK);
+    let metrics = reqwest::get(format!("{proxy}/metrics")).await?;
+    assert!(
+        metrics
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("application/openmetrics-text"))
+    );
+    let text = metrics.text().await?;
+    assert!(text.contains("# TYPE kvlease_proxy_retries counter"));
+    Ok(())
+}
