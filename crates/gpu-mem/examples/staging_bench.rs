@@ -1,0 +1,134 @@
+//! Staging throughput: how fast the pipelined staging engine moves memory to a sink
+//! (device→host direction, `staging_d2h_gbps`) and from a source into memory
+//! (host→device direction, `staging_h2d_gbps`), without a network in between.
+//!
+//! ```text
+//! cargo run --release -p kvlease-gpu-mem --example staging_bench -- \
+//!     [--memory host|cuda] [--bytes N] [--chunk N] [--depth N] [--iters N]
+//! ```
+//!
+//! `--memory host` (the default) runs the host copier over an mmap region; `--memory cuda`
+//! runs the CUDA copier over device memory of device 0. The sink discards bytes
+//! (`io::sink`) and the source is a host buffer, so the figures are the staging engine's
+//! ceiling. After timing, the data is read back and compared byte for byte (`verified=1`).
+//! Output is `key=value` lines (used by `scripts/gpu-check.sh`).
+
+use std::error::Error;
+use std::io::Cursor;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvlease_gpu_mem::staging::{self, Copier, HostCopier, StagingConfig};
+use kvlease_gpu_mem::{DmaRegion, HostRegion};
+
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+struct Args {
+    memory: String,
+    bytes: usize,
+    chunk: usize,
+    depth: usize,
+    iters: usize,
+}
+
+fn parse() -> Result<Args> {
+    let mut args = Args {
+        memory: "host".to_owned(),
+        bytes: 256 << 20,
+        chunk: StagingConfig::DEFAULT_CHUNK_LEN,
+        depth: StagingConfig::DEFAULT_DEPTH,
+        iters: 5,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--memory" => args.memory = value,
+            "--bytes" => args.bytes = value.parse()?,
+            "--chunk" => args.chunk = value.parse()?,
+            "--depth" => args.depth = value.parse()?,
+            "--iters" => args.iters = value.parse()?,
+            other => return Err(format!("unknown flag {other}").into()),
+        }
+    }
+    if args.bytes == 0 || args.iters == 0 {
+        return Err("--bytes and --iters must be positive".into());
+    }
+    Ok(args)
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8 ^ i as u8)
+        .collect()
+}
+
+fn gbps(bytes: usize, iters: usize, secs: f64) -> f64 {
+    (bytes * iters) as f64 / secs / 1e9
+}
+
+/// Times `iters` recv (source → memory) and send (memory → sink) passes, then verifies.
+fn run<C: Copier>(copier: &mut C, args: &Args) -> Result<()> {
+    let data = pattern(args.bytes);
+    // Warm-up pass: faults in pages and fills the memory with the pattern.
+    staging::recv(copier, 0, args.bytes, &mut Cursor::new(&data))?;
+
+    let start = Instant::now();
+    for _ in 0..args.iters {
+        staging::recv(copier, 0, args.bytes, &mut Cursor::new(&data))?;
+    }
+    let h2d = gbps(args.bytes, args.iters, start.elapsed().as_secs_f64());
+
+    let start = Instant::now();
+    for _ in 0..args.iters {
+        staging::send(copier, 0, args.bytes, &mut std::io::sink())?;
+    }
+    let d2h = gbps(args.bytes, args.iters, start.elapsed().as_secs_f64());
+
+    let mut back = Vec::with_capacity(args.bytes);
+    staging::send(copier, 0, args.bytes, &mut back)?;
+    let verified = back == data;
+
+    println!("staging_d2h_gbps={d2h:.2}");
+    println!("staging_h2d_gbps={h2d:.2}");
+    println!("verified={}", u8::from(verified));
+    if !verified {
+        return Err("staged bytes differ from the source".into());
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    match bench() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("staging_bench: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench() -> Result<()> {
+    let args = parse()?;
+    let config = StagingConfig::new(args.chunk, args.depth)?;
+    println!(
+        "memory={} bytes={} chunk={} depth={} iters={}",
+        args.memory, args.bytes, args.chunk, args.depth, args.iters
+    );
+    match args.memory.as_str() {
+        "host" => {
+            let region: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(args.bytes)?);
+            run(&mut HostCopier::new(region, config)?, &args)
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => {
+            use kvlease_gpu_mem::cuda::{CudaCopier, CudaDeviceRegion};
+            let region: Arc<dyn DmaRegion> = Arc::new(CudaDeviceRegion::new(0, args.bytes)?);
+            run(&mut CudaCopier::new(region, config)?, &args)
+        }
+        other => Err(format!(
+            "--memory {other}: expected host or cuda (cuda needs the `cuda` feature)"
+        )
+        .into()),
+    }
+}
