@@ -270,35 +270,160 @@ pub fn expected_digest(shape: &KvShape, tokens: &[u32]) -> KvDigest {
     d
 }
 
-/// Fills the blocks `blocks` (the request's blocks, in token order) of a rank's pool image
-/// `pool` with the KV of `tokens`, and returns the rank's partial digest of what it wrote.
+/// Offset of token `slot` of (K|V, local head) inside one block's image.
+fn in_block(layout: &RankLayout, kv: u32, local: u32, slot: usize) -> usize {
+    (kv * layout.local_heads() + local) as usize * layout.shape.head_block_bytes()
+        + slot * layout.shape.head_dim as usize * DTYPE_BYTES
+}
+
+/// Fills the image of one block of one layer (`layout.block_bytes()` bytes) with the KV of
+/// the positions `first..first + n` whose prefix hashes are `hashes` (`n = hashes.len()`,
+/// at most `block_size`), and returns the partial digest of what it wrote. The tail of a
+/// partly used block is left as it was.
 ///
 /// # Panics
-/// If `blocks` holds fewer than `shape.blocks_for(tokens.len())` ids or `pool` is smaller
-/// than `layout.pool_bytes()` (both are the caller's allocation invariants).
-pub fn fill_rank(layout: &RankLayout, pool: &mut [u8], blocks: &[u32], tokens: &[u32]) -> KvDigest {
-    let shape = &layout.shape;
-    let hashes = prefix_hashes(tokens);
-    let width = shape.head_dim as usize * DTYPE_BYTES;
+/// If `buf` is shorter than a block or `hashes` longer than `block_size` (the caller's
+/// layout invariants).
+pub fn fill_block(
+    layout: &RankLayout,
+    buf: &mut [u8],
+    layer: u32,
+    first: usize,
+    hashes: &[u64],
+) -> KvDigest {
+    let width = layout.shape.head_dim as usize * DTYPE_BYTES;
     let mut d = KvDigest::default();
-    for layer in 0..shape.num_layers {
-        for (pos, &h) in hashes.iter().enumerate() {
-            let block = blocks[pos / shape.block_size as usize];
-            let slot = (pos % shape.block_size as usize) as u32;
-            for kv in 0..2 {
-                for (local, head) in layout.heads.clone().enumerate() {
-                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
-                    let out = &mut pool[off..off + width];
-                    fill_values(out, h, layer, kv, head);
-                    d.add(KvDigest(chunk_hash(out, layer, pos, kv, head)));
-                }
+    for (slot, &h) in hashes.iter().enumerate() {
+        for kv in 0..2 {
+            for (local, head) in layout.heads.clone().enumerate() {
+                let off = in_block(layout, kv, local as u32, slot);
+                let out = &mut buf[off..off + width];
+                fill_values(out, h, layer, kv, head);
+                d.add(KvDigest(chunk_hash(out, layer, first + slot, kv, head)));
             }
         }
     }
     d
 }
 
-/// The partial digest of what a rank's pool image holds for `num_tokens` tokens in `blocks`.
+/// The partial digest of the positions `first..first + n` held in one block image.
+///
+/// # Panics
+/// As [`fill_block`].
+pub fn digest_block(
+    layout: &RankLayout,
+    buf: &[u8],
+    layer: u32,
+    first: usize,
+    n: usize,
+) -> KvDigest {
+    let width = layout.shape.head_dim as usize * DTYPE_BYTES;
+    let mut d = KvDigest::default();
+    for slot in 0..n {
+        for kv in 0..2 {
+            for (local, head) in layout.heads.clone().enumerate() {
+                let off = in_block(layout, kv, local as u32, slot);
+                d.add(KvDigest(chunk_hash(
+                    &buf[off..off + width],
+                    layer,
+                    first + slot,
+                    kv,
+                    head,
+                )));
+            }
+        }
+    }
+    d
+}
+
+/// A byte of KV that differs from what the generator makes for the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mismatch {
+    /// Layer.
+    pub layer: u32,
+    /// Token position.
+    pub pos: usize,
+    /// 0 = K, 1 = V.
+    pub kv: u32,
+    /// Global head.
+    pub head: u32,
+}
+
+/// Checks that a block image holds exactly the generator's bytes for the positions whose
+/// prefix hashes are `hashes`, starting at `first`.
+///
+/// # Panics
+/// As [`fill_block`].
+pub fn verify_block(
+    layout: &RankLayout,
+    buf: &[u8],
+    layer: u32,
+    first: usize,
+    hashes: &[u64],
+) -> Option<Mismatch> {
+    let width = layout.shape.head_dim as usize * DTYPE_BYTES;
+    let mut want = vec![0u8; width];
+    for (slot, &h) in hashes.iter().enumerate() {
+        for kv in 0..2 {
+            for (local, head) in layout.heads.clone().enumerate() {
+                let off = in_block(layout, kv, local as u32, slot);
+                fill_values(&mut want, h, layer, kv, head);
+                if buf[off..off + width] != want[..] {
+                    return Some(Mismatch {
+                        layer,
+                        pos: first + slot,
+                        kv,
+                        head,
+                    });
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Calls `f(layer, index in blocks, first position, hashes of its positions)` for every
+/// (layer, used block) of a request of `hashes.len()` tokens.
+pub fn for_each_block(
+    shape: &KvShape,
+    hashes: &[u64],
+    mut f: impl FnMut(u32, usize, usize, &[u64]),
+) {
+    let bs = shape.block_size as usize;
+    for layer in 0..shape.num_layers {
+        for (i, chunk) in hashes.chunks(bs).enumerate() {
+            f(layer, i, i * bs, chunk);
+        }
+    }
+}
+
+fn block_image<'a>(layout: &RankLayout, pool: &'a [u8], layer: u32, block: u32) -> &'a [u8] {
+    let off = layout.head_offset(layer, block, 0, 0);
+    &pool[off..off + layout.block_bytes()]
+}
+
+/// Fills a whole pool image (tests and tools): the request's `blocks`, in token order.
+///
+/// # Panics
+/// If `blocks` holds fewer than `shape.blocks_for(tokens.len())` ids or `pool` is smaller
+/// than `layout.pool_bytes()`.
+pub fn fill_rank(layout: &RankLayout, pool: &mut [u8], blocks: &[u32], tokens: &[u32]) -> KvDigest {
+    let mut d = KvDigest::default();
+    let hashes = prefix_hashes(tokens);
+    for_each_block(&layout.shape, &hashes, |layer, i, first, hs| {
+        let off = layout.head_offset(layer, blocks[i], 0, 0);
+        d.add(fill_block(
+            layout,
+            &mut pool[off..off + layout.block_bytes()],
+            layer,
+            first,
+            hs,
+        ));
+    });
+    d
+}
+
+/// The partial digest of a pool image's request of `num_tokens` tokens in `blocks`.
 ///
 /// # Panics
 /// As [`fill_rank`].
@@ -308,32 +433,21 @@ pub fn digest_rank(
     blocks: &[u32],
     num_tokens: usize,
 ) -> KvDigest {
-    let shape = &layout.shape;
-    let width = shape.head_dim as usize * DTYPE_BYTES;
     let mut d = KvDigest::default();
-    for layer in 0..shape.num_layers {
-        for pos in 0..num_tokens {
-            let block = blocks[pos / shape.block_size as usize];
-            let slot = (pos % shape.block_size as usize) as u32;
-            for kv in 0..2 {
-                for (local, head) in layout.heads.clone().enumerate() {
-                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
-                    d.add(KvDigest(chunk_hash(
-                        &pool[off..off + width],
-                        layer,
-                        pos,
-                        kv,
-                        head,
-                    )));
-                }
-            }
-        }
-    }
+    let hashes = vec![0; num_tokens];
+    for_each_block(&layout.shape, &hashes, |layer, i, first, hs| {
+        d.add(digest_block(
+            layout,
+            block_image(layout, pool, layer, blocks[i]),
+            layer,
+            first,
+            hs.len(),
+        ));
+    });
     d
 }
 
-/// Checks that a rank's pool image holds exactly the generator's bytes for `tokens`.
-/// Returns the first mismatching (layer, position, kv, global head), if any.
+/// The first [`Mismatch`] of a pool image against the generator for `tokens`, if any.
 ///
 /// # Panics
 /// As [`fill_rank`].
@@ -342,26 +456,21 @@ pub fn verify_rank(
     pool: &[u8],
     blocks: &[u32],
     tokens: &[u32],
-) -> Option<(u32, usize, u32, u32)> {
-    let shape = &layout.shape;
-    let width = shape.head_dim as usize * DTYPE_BYTES;
-    let mut want = vec![0u8; width];
-    for (pos, &h) in prefix_hashes(tokens).iter().enumerate() {
-        let block = blocks[pos / shape.block_size as usize];
-        let slot = (pos % shape.block_size as usize) as u32;
-        for layer in 0..shape.num_layers {
-            for kv in 0..2 {
-                for (local, head) in layout.heads.clone().enumerate() {
-                    let off = layout.token_offset(layer, block, kv, local as u32, slot);
-                    fill_values(&mut want, h, layer, kv, head);
-                    if pool[off..off + width] != want[..] {
-                        return Some((layer, pos, kv, head));
-                    }
-                }
-            }
+) -> Option<Mismatch> {
+    let mut first_bad = None;
+    let hashes = prefix_hashes(tokens);
+    for_each_block(&layout.shape, &hashes, |layer, i, first, hs| {
+        if first_bad.is_none() {
+            first_bad = verify_block(
+                layout,
+                block_image(layout, pool, layer, blocks[i]),
+                layer,
+                first,
+                hs,
+            );
         }
-    }
-    None
+    });
+    first_bad
 }
 
 /// The `n` output tokens a decode derives from the verified KV: each step hashes the digest
@@ -434,7 +543,12 @@ mod tests {
         bad[off] ^= 0x01;
         assert_eq!(
             verify_rank(&layout, &bad, &[0, 1, 2, 3], &a),
-            Some((1, 11, 1, 3))
+            Some(Mismatch {
+                layer: 1,
+                pos: 11,
+                kv: 1,
+                head: 3
+            })
         );
         let good = digest_rank(&layout, &pa, &[0, 1, 2, 3], a.len());
         assert_ne!(digest_rank(&layout, &bad, &[0, 1, 2, 3], a.len()), good);

@@ -3,14 +3,23 @@
 //!
 //! - [`kv`]: the deterministic KV content generator, its pool layout and `kv_digest`;
 //! - [`api`]: HTTP request and response bodies, OpenAI-shaped errors;
-//! - [`sidechannel`]: P's handshake and metadata endpoint (like vLLM's NIXL side channel).
+//! - [`sidechannel`]: P's handshake and metadata endpoint (like vLLM's NIXL side channel);
+//! - [`prefill`] / [`decode`]: the P and D engines and their forward loops;
+//! - [`http`]: the OpenAI-shaped HTTP API on axum;
+//! - [`link`]: how the engines use the transport;
+//! - [`serve`]: what the `prefill-agent` and `decode-agent` binaries run.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod api;
 pub mod config;
+pub mod decode;
+pub mod http;
 pub mod kv;
+pub mod link;
 pub mod metrics;
+pub mod prefill;
 pub mod proxy;
+pub mod serve;
 pub mod sidechannel;
 pub mod telemetry;

@@ -1,0 +1,166 @@
+//! The agents' use of `kvlease-transport`: building an endpoint per worker, posting fenced
+//! read batches and classifying their outcome.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvlease_transport::{
+    Agent, AgentConfig, BackendChoice, BatchStatus, PeerId, ReadBatch, RegionDesc, TransferError,
+};
+
+use crate::metrics::Backend;
+use crate::prefill::EngineError;
+
+pub use kvlease_transport::BatchId;
+
+/// Transport settings shared by every worker of an engine.
+#[derive(Clone)]
+pub struct LinkConfig {
+    /// Backend choice.
+    pub backend: BackendChoice,
+    /// IP the endpoints listen on (port chosen by the OS).
+    pub listen_ip: std::net::IpAddr,
+    /// The cluster token.
+    pub auth_token: Option<String>,
+}
+
+impl std::fmt::Debug for LinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkConfig")
+            .field("backend", &self.backend)
+            .field("listen_ip", &self.listen_ip)
+            .field("auth_token", &self.auth_token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+/// Starts one worker's endpoint, named `name` (peers see the name in notifications).
+///
+/// # Errors
+/// [`EngineError`] when the transport refuses the config or cannot bind.
+pub fn agent(cfg: &LinkConfig, name: &str) -> Result<Agent, EngineError> {
+    let mut c = AgentConfig::new(name);
+    c.backend = cfg.backend;
+    c.listen = SocketAddr::new(cfg.listen_ip, 0);
+    c.auth_token = cfg.auth_token.as_ref().map(|t| t.as_bytes().to_vec());
+    c.limits.max_notif_len = kvlease_notif::MAX_NOTIF_LEN;
+    Agent::new(c).map_err(|e| EngineError::setup("transport endpoint", e))
+}
+
+/// One read: `len` bytes from `remote` at `remote_offset` into `local` at `local_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadOp {
+    /// The local (destination) region.
+    pub local: RegionDesc,
+    /// Offset in it.
+    pub local_offset: u64,
+    /// The remote (source) region.
+    pub remote: RegionDesc,
+    /// Offset in it.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The generation word read after the data.
+#[derive(Debug, Clone, Copy)]
+pub struct Fence {
+    /// P's fence region.
+    pub region: RegionDesc,
+    /// The word's offset.
+    pub offset: u64,
+    /// The generation D was given.
+    pub expected: u64,
+}
+
+/// Why a batch failed.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The fence word no longer matched: the lease was released (and the blocks maybe
+    /// reused) during or before the read.
+    pub stale: bool,
+    /// What happened.
+    pub message: String,
+}
+
+/// Where a batch stands.
+#[derive(Debug, Clone)]
+pub enum LinkStatus {
+    /// Running.
+    Pending,
+    /// Done; data bytes moved.
+    Done {
+        /// Bytes.
+        bytes: u64,
+    },
+    /// Failed.
+    Failed(Failure),
+}
+
+/// Posts a fenced batch to `peer`; `notif` is sent by the transport once every read and
+/// the fence completed.
+///
+/// # Errors
+/// The transport's refusal, as text.
+pub fn post_read(
+    agent: &Agent,
+    peer: PeerId,
+    ops: Vec<ReadOp>,
+    notif: Option<Vec<u8>>,
+    fence: Option<Fence>,
+    timeout: Duration,
+) -> Result<BatchId, String> {
+    let batch = ReadBatch {
+        ops: ops
+            .into_iter()
+            .map(|op| kvlease_transport::ReadOp {
+                local: kvlease_transport::LocalRange {
+                    region: kvlease_transport::RegionId(op.local.id),
+                    offset: op.local_offset,
+                    len: op.len,
+                },
+                remote: op.remote.at(op.remote_offset),
+            })
+            .collect(),
+        notif,
+        fence: fence.map(|f| kvlease_transport::FenceRead {
+            remote: f.region.at(f.offset),
+            expected: f.expected,
+        }),
+    };
+    agent
+        .post_read(peer, batch, timeout)
+        .map_err(|e| e.to_string())
+}
+
+/// Polls a batch.
+pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
+    match agent.poll_batch(batch) {
+        Ok(BatchStatus::Pending) => LinkStatus::Pending,
+        Ok(BatchStatus::Done(stats)) => LinkStatus::Done { bytes: stats.bytes },
+        Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure {
+            stale: matches!(e, TransferError::FenceMismatch { .. }),
+            message: e.to_string(),
+        }),
+        Ok(other) => LinkStatus::Failed(Failure {
+            stale: false,
+            message: format!("unexpected batch status {other:?}"),
+        }),
+    }
+}
+
+/// The backend name reported in transfer stats.
+pub fn backend_name(_agent: &Agent) -> &'static str {
+    // The transport connects over TCP unless the verbs backend is in use; it does not yet
+    // report the backend per peer, so the agents report what they asked for.
+    "tcp"
+}
+
+/// The metric label of a backend name.
+pub fn backend_metric(name: &str) -> Backend {
+    if name == "verbs" {
+        Backend::Verbs
+    } else {
+        Backend::Tcp
+    }
+}

@@ -1,0 +1,638 @@
+//! The prefill engine (P): one engine thread runs the forward loop over `tp_size` workers,
+//! each with its own block pool, fence table and transport endpoint.
+//!
+//! One step:
+//! 1. take new requests from the HTTP layer;
+//! 2. prefill the waiting ones in arrival order: allocate blocks (the same block ids on
+//!    every worker, as in vLLM), spend the per-token cost, fill every worker's blocks with
+//!    the deterministic KV ([`crate::kv`]), grant the lease, publish its generation in every
+//!    worker's fence words, answer with `kv_transfer_params`. A request that finds the pool
+//!    full waits (head of line) up to `pool_wait`, then gets a 503;
+//! 3. poll every worker's notifications and route them: `HB:` renews leases, read
+//!    completions and aborts release them, anything malformed is counted;
+//! 4. reap expired leases; every release publishes the free word before the blocks go
+//!    back to the allocator, and an expiry is announced to the D that heartbeated it.
+//!
+//! There is no heartbeat thread: heartbeats are handled in step 3 (SPEC, "Forward loop").
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvlease_gpu_mem::{
+    BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest, RegionBytes,
+};
+use kvlease_lease::{
+    BlockId, EngineId, Event, Generation, LeaseConfig, LeaseTable, ReleaseReason, Released,
+    RequestId, Timestamp,
+};
+use kvlease_notif::{ExpiredLease, Notif};
+use kvlease_transport::{Agent, PeerId, RegionDesc};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use crate::api::{ApiError, RemoteParams};
+use crate::kv::{self, KvDigest, KvShape, RankLayout};
+use crate::link::{self, LinkConfig};
+use crate::metrics::{Metrics, ReleaseReason as MetricReason};
+use crate::sidechannel::{self, Hello};
+
+/// A prefill request handed from HTTP to the engine.
+#[derive(Debug)]
+pub struct Job {
+    /// The request id (also P's `remote_request_id`).
+    pub id: RequestId,
+    /// Prompt tokens.
+    pub tokens: Vec<u32>,
+    /// When the HTTP layer got it.
+    pub arrived: Instant,
+    /// Where the answer goes.
+    pub reply: oneshot::Sender<Result<Prefilled, ApiError>>,
+}
+
+/// A finished prefill.
+#[derive(Debug, Clone)]
+pub struct Prefilled {
+    /// What D needs.
+    pub params: RemoteParams,
+    /// Time spent computing and filling.
+    pub prefill_ms: f64,
+    /// Time spent waiting for free blocks.
+    pub pool_wait_ms: f64,
+}
+
+/// How to build a P engine.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    /// This engine.
+    pub engine_id: EngineId,
+    /// Workers.
+    pub tp_size: u32,
+    /// Model shape (global heads).
+    pub shape: KvShape,
+    /// Blocks per worker pool.
+    pub num_blocks: u32,
+    /// Lease timing and mode.
+    pub lease: LeaseConfig,
+    /// Stand-in for the model's compute.
+    pub cost_per_token: Duration,
+    /// How long a request may wait for free blocks before a 503.
+    pub pool_wait: Duration,
+    /// Host D should use for the side channel (`remote_host`).
+    pub advertise_host: String,
+    /// Port of the side channel (`remote_port`).
+    pub side_channel_port: u16,
+    /// Pool memory kind.
+    pub memory: MemoryRequest,
+    /// Transport settings.
+    pub link: LinkConfig,
+}
+
+/// Why an engine could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A setup step failed.
+    #[error("{what}: {message}")]
+    Setup {
+        /// The step.
+        what: &'static str,
+        /// The cause.
+        message: String,
+    },
+}
+
+impl EngineError {
+    pub(crate) fn setup(what: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Setup {
+            what,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// One P worker's remote view, served on the side channel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// TP rank.
+    pub rank: u32,
+    /// Hex transport metadata.
+    pub metadata: String,
+    /// The block pool region.
+    pub pool: RegionDesc,
+    /// The fence words region.
+    pub fence: RegionDesc,
+}
+
+/// What P's side channel serves.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineInfo {
+    /// P's engine id.
+    pub engine_id: String,
+    /// P's TP size.
+    pub tp_size: u32,
+    /// Model shape.
+    pub shape: KvShape,
+    /// Blocks per worker pool.
+    pub num_blocks: u32,
+    /// Workers by rank.
+    pub workers: Vec<WorkerInfo>,
+}
+
+struct Worker {
+    layout: RankLayout,
+    pool: BlockPool,
+    fence: FenceTable,
+    agent: Agent,
+    info: WorkerInfo,
+}
+
+struct Waiting {
+    job: Job,
+    since: Instant,
+}
+
+/// The P engine; [`run`](Self::run) is its forward loop.
+pub struct PrefillEngine {
+    cfg: PrefillConfig,
+    metrics: Metrics,
+    workers: Vec<Worker>,
+    table: LeaseTable,
+    alloc: BlockAllocator,
+    waiting: VecDeque<Waiting>,
+    epoch: Instant,
+    /// The transport name of the D worker that last heartbeated each lease.
+    last_heartbeater: HashMap<RequestId, String>,
+    /// D workers reachable for expiry notices, by transport name (connected from worker 0).
+    d_peers: HashMap<String, PeerId>,
+}
+
+impl PrefillEngine {
+    /// Allocates the pools and fence tables, starts the transport endpoints and registers
+    /// the memory.
+    ///
+    /// # Errors
+    /// [`EngineError`] naming the step that failed.
+    pub fn new(cfg: PrefillConfig, metrics: Metrics) -> Result<Self, EngineError> {
+        let mut workers = Vec::new();
+        for rank in 0..cfg.tp_size {
+            let heads = cfg
+                .shape
+                .heads_of_rank(cfg.tp_size, rank)
+                .map_err(|e| EngineError::setup("tp split", e))?;
+            let layout = RankLayout {
+                shape: cfg.shape,
+                heads,
+                num_blocks: cfg.num_blocks,
+            };
+            let kv_layout = KvLayout::new(
+                cfg.shape.num_layers,
+                cfg.num_blocks,
+                layout.local_heads(),
+                cfg.shape.block_size,
+                cfg.shape.head_dim,
+                kv::DTYPE_BYTES as u32,
+            )
+            .map_err(|e| EngineError::setup("kv layout", e))?;
+            let pool = BlockPool::new(kv_layout, cfg.memory)
+                .map_err(|e| EngineError::setup("block pool", e))?;
+            let fence = FenceTable::new(cfg.num_blocks)
+                .map_err(|e| EngineError::setup("fence table", e))?;
+            let agent = link::agent(&cfg.link, &format!("{}/p{rank}", cfg.engine_id))?;
+            let pool_desc = agent
+                .register(Arc::clone(pool.region()))
+                .map_err(|e| EngineError::setup("register pool", e))?;
+            let fence_desc = agent
+                .register(fence.region())
+                .map_err(|e| EngineError::setup("register fence", e))?;
+            let info = WorkerInfo {
+                rank,
+                metadata: sidechannel::to_hex(&agent.metadata()),
+                pool: pool_desc,
+                fence: fence_desc,
+            };
+            workers.push(Worker {
+                layout,
+                pool,
+                fence,
+                agent,
+                info,
+            });
+        }
+        metrics.blocks_total.set(i64::from(cfg.num_blocks));
+        // A restarted P must never hand out a generation an old reader could still hold:
+        // start from the wall clock in microseconds.
+        let first = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .and_then(|d| std::num::NonZeroU64::new(d.as_micros() as u64))
+            .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
+        Ok(Self {
+            table: LeaseTable::with_first_generation(cfg.lease, first),
+            alloc: BlockAllocator::new(cfg.num_blocks),
+            waiting: VecDeque::new(),
+            epoch: Instant::now(),
+            last_heartbeater: HashMap::new(),
+            d_peers: HashMap::new(),
+            cfg,
+            metrics,
+            workers,
+        })
+    }
+
+    /// What the side channel serves to D.
+    pub fn info(&self) -> EngineInfo {
+        EngineInfo {
+            engine_id: self.cfg.engine_id.to_string(),
+            tp_size: self.cfg.tp_size,
+            shape: self.cfg.shape,
+            num_blocks: self.cfg.num_blocks,
+            workers: self.workers.iter().map(|w| w.info.clone()).collect(),
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp::from_duration(self.epoch.elapsed())
+    }
+
+    /// The forward loop; returns when `stop` is set or every job sender is gone.
+    pub fn run(
+        mut self,
+        jobs: crossbeam_channel::Receiver<Job>,
+        hellos: crossbeam_channel::Receiver<Hello>,
+        stop: Arc<AtomicBool>,
+    ) {
+        let idle = Duration::from_millis(1);
+        while !stop.load(Ordering::Relaxed) {
+            // 1. Intake: block briefly only when there is nothing to prefill.
+            let first = if self.waiting.is_empty() {
+                match jobs.recv_timeout(idle) {
+                    Ok(j) => Some(j),
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                None
+            };
+            for job in first.into_iter().chain(jobs.try_iter()) {
+                self.waiting.push_back(Waiting {
+                    job,
+                    since: Instant::now(),
+                });
+            }
+            for hello in hellos.try_iter() {
+                self.connect_d(&hello);
+            }
+            // 2. Prefill.
+            self.prefill_waiting();
+            // 3. Notifications (heartbeats, completions, aborts).
+            self.poll_notifs();
+            // 4. Reaper.
+            let now = self.now();
+            self.table.handle_timeout(now);
+            self.drain_events();
+            self.metrics
+                .blocks_held
+                .set(self.table.blocks_held() as i64);
+            self.metrics.leases_active.set(self.table.len() as i64);
+        }
+        // Shutdown: answer whoever still waits.
+        for w in self.waiting.drain(..) {
+            let _ = w.job.reply.send(Err(ApiError::overloaded(
+                "the prefill engine is shutting down",
+            )));
+        }
+    }
+
+    fn connect_d(&mut self, hello: &Hello) {
+        let Some(w0) = self.workers.first() else {
+            return;
+        };
+        for md in &hello.workers {
+            let Some(bytes) = sidechannel::from_hex(md) else {
+                continue;
+            };
+            let name = match kvlease_transport::metadata::decode_metadata(&bytes) {
+                Ok(m) => m.name,
+                Err(e) => {
+                    tracing::warn!(engine = %hello.engine_id, error = %e, "bad worker metadata from D");
+                    continue;
+                }
+            };
+            if self.d_peers.contains_key(&name) {
+                continue;
+            }
+            match w0.agent.connect(&bytes) {
+                Ok(peer) => {
+                    self.d_peers.insert(name, peer);
+                }
+                Err(e) => tracing::warn!(%name, error = %e, "cannot connect back to D worker"),
+            }
+        }
+    }
+
+    fn prefill_waiting(&mut self) {
+        while let Some(head) = self.waiting.front() {
+            let needed = self.cfg.shape.blocks_for(head.job.tokens.len());
+            if needed > self.cfg.num_blocks as usize {
+                let w = self.waiting.pop_front();
+                if let Some(w) = w {
+                    let _ = w.job.reply.send(Err(ApiError::bad_field(
+                        "prompt",
+                        format!(
+                            "{} tokens need {needed} blocks; the pool has {}",
+                            w.job.tokens.len(),
+                            self.cfg.num_blocks
+                        ),
+                    )));
+                }
+                continue;
+            }
+            if head.job.reply.is_closed() {
+                // The client went away before its prefill started.
+                self.waiting.pop_front();
+                continue;
+            }
+            match self.alloc.alloc(needed) {
+                Ok(blocks) => {
+                    if let Some(w) = self.waiting.pop_front() {
+                        self.prefill(w, blocks);
+                    }
+                }
+                Err(_) => {
+                    if head.since.elapsed() >= self.cfg.pool_wait {
+                        if let Some(w) = self.waiting.pop_front() {
+                            self.metrics
+                                .pool_wait_seconds
+                                .observe(w.since.elapsed().as_secs_f64());
+                            let _ = w.job.reply.send(Err(ApiError::overloaded(format!(
+                                "no free KV blocks for {needed} blocks within {} ms",
+                                self.cfg.pool_wait.as_millis()
+                            ))));
+                        }
+                        continue;
+                    }
+                    // Head of line waits for releases.
+                    return;
+                }
+            }
+        }
+    }
+
+    fn prefill(&mut self, w: Waiting, blocks: Vec<BlockId>) {
+        let pool_wait = w.since.elapsed();
+        self.metrics
+            .pool_wait_seconds
+            .observe(pool_wait.as_secs_f64());
+        let started = Instant::now();
+        let tokens = &w.job.tokens;
+        // The model's compute, as configured.
+        std::thread::sleep(self.cfg.cost_per_token.saturating_mul(tokens.len() as u32));
+        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+        let digest = match fill_workers(&self.workers, &ids, tokens) {
+            Ok(d) => d,
+            Err(e) => {
+                self.free_blocks(&blocks);
+                let _ = w.job.reply.send(Err(e));
+                return;
+            }
+        };
+        let now = self.now();
+        let generation = match self.table.grant(
+            now,
+            w.job.id.clone(),
+            blocks.clone(),
+            self.cfg.tp_size.max(1),
+        ) {
+            Ok(g) => g,
+            Err(e) => {
+                self.free_blocks(&blocks);
+                let _ = w.job.reply.send(Err(ApiError::new(
+                    axum::http::StatusCode::CONFLICT,
+                    "conflict",
+                    e.to_string(),
+                )));
+                return;
+            }
+        };
+        for worker in &self.workers {
+            if let Err(e) = worker.fence.publish(&blocks, generation.word()) {
+                tracing::error!(error = %e, "fence publish failed");
+            }
+        }
+        self.last_heartbeater
+            .insert(w.job.id.clone(), String::new());
+        self.metrics.leases_granted.inc();
+        self.metrics.prefill_tokens.inc_by(tokens.len() as u64);
+        let params = RemoteParams {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_engine_id: self.cfg.engine_id.to_string(),
+            remote_block_ids: ids,
+            remote_host: self.cfg.advertise_host.clone(),
+            remote_port: self.cfg.side_channel_port,
+            remote_request_id: w.job.id.to_string(),
+            tp_size: self.cfg.tp_size,
+            kvlease_generation: generation.word(),
+            kvlease_num_tokens: tokens.len() as u32,
+            kvlease_lease_ms: self.cfg.lease.duration().as_millis() as u64,
+            kv_digest: digest.to_string(),
+        };
+        let done = Prefilled {
+            params,
+            prefill_ms: started.elapsed().as_secs_f64() * 1e3,
+            pool_wait_ms: pool_wait.as_secs_f64() * 1e3,
+        };
+        if w.job.reply.send(Ok(done)).is_err() {
+            // The client is gone: nobody will read these blocks.
+            self.table.abort(now, &w.job.id);
+            self.drain_events();
+        }
+    }
+
+    fn free_blocks(&mut self, blocks: &[BlockId]) {
+        if let Err(e) = self.alloc.free(blocks) {
+            tracing::error!(error = %e, "block accounting error");
+        }
+    }
+
+    fn poll_notifs(&mut self) {
+        let now = self.now();
+        let mut batches = Vec::new();
+        for w in &self.workers {
+            batches.extend(w.agent.get_new_notifs());
+        }
+        for (from, msgs) in batches {
+            for msg in msgs {
+                self.handle_notif(now, &from, &msg);
+            }
+        }
+    }
+
+    fn handle_notif(&mut self, now: Timestamp, from: &str, msg: &[u8]) {
+        match kvlease_notif::decode(msg) {
+            Ok(Notif::Heartbeat(ids)) => {
+                self.metrics.heartbeats_received.inc();
+                self.metrics.heartbeat_ids_received.inc_by(ids.len() as u64);
+                let out = self.table.handle_heartbeat(now, ids.iter());
+                self.metrics
+                    .heartbeat_unknown_ids
+                    .inc_by(u64::from(out.unknown));
+                self.metrics
+                    .lease_extensions
+                    .inc_by(u64::from(out.extended));
+                if out.held > 0 {
+                    for id in ids.iter() {
+                        if let Some(last) = self.last_heartbeater.get_mut(id)
+                            && last != from
+                        {
+                            from.clone_into(last);
+                        }
+                    }
+                }
+            }
+            Ok(Notif::ReadComplete(rc)) => {
+                self.table.handle_read_complete(
+                    now,
+                    &rc.request,
+                    rc.consumer,
+                    Some(rc.consumers_total),
+                );
+            }
+            Ok(Notif::Abort(a)) => {
+                self.table.abort(now, &a.request);
+            }
+            Ok(other) => tracing::debug!(?other, %from, "notification ignored"),
+            Err(e) => {
+                self.metrics.notif_malformed.inc();
+                tracing::debug!(error = %e, %from, "malformed notification");
+            }
+        }
+        self.drain_events();
+    }
+
+    fn drain_events(&mut self) {
+        let mut expired_by_peer: HashMap<String, Vec<ExpiredLease>> = HashMap::new();
+        while let Some(Event::Released(r)) = self.table.poll_event() {
+            let heartbeater = self.last_heartbeater.remove(&r.request);
+            self.release(&r);
+            if r.reason == ReleaseReason::Expired
+                && let Some(peer) = heartbeater.filter(|p| !p.is_empty())
+            {
+                expired_by_peer.entry(peer).or_default().push(ExpiredLease {
+                    request: r.request.clone(),
+                    generation: r.generation,
+                });
+            }
+        }
+        for (peer_name, leases) in expired_by_peer {
+            self.send_expired(&peer_name, &leases);
+        }
+    }
+
+    fn release(&mut self, r: &Released) {
+        // Publish the free word on every worker *before* the blocks can be reused, so that
+        // a reader still holding the old generation sees its read was fenced off.
+        for w in &self.workers {
+            if let Err(e) = w.fence.publish(&r.blocks, Generation::FREE_WORD) {
+                tracing::error!(error = %e, "fence publish failed");
+            }
+        }
+        self.free_blocks(&r.blocks);
+        let reason = match r.reason {
+            ReleaseReason::Completed => MetricReason::Completed,
+            ReleaseReason::Expired => MetricReason::Expired,
+            _ => MetricReason::Aborted,
+        };
+        self.metrics.lease_released(reason).inc();
+        if r.reason == ReleaseReason::Expired {
+            let since = r.last_heartbeat.unwrap_or(r.granted_at);
+            self.metrics
+                .lease_reclaim_seconds
+                .observe(r.released_at.saturating_duration_since(since).as_secs_f64());
+            tracing::info!(request = %r.request, "lease expired; blocks reclaimed");
+        }
+    }
+
+    fn send_expired(&mut self, peer_name: &str, leases: &[ExpiredLease]) {
+        let Some(&peer) = self.d_peers.get(peer_name) else {
+            tracing::debug!(%peer_name, "no connection to the D worker for an expiry notice");
+            return;
+        };
+        let Some(w0) = self.workers.first() else {
+            return;
+        };
+        match kvlease_notif::encode_expired(leases, kvlease_notif::MAX_NOTIF_LEN) {
+            Ok(msgs) => {
+                for m in msgs {
+                    match w0.agent.send_notif(peer, m) {
+                        Ok(()) => {
+                            self.metrics.expiry_notices_sent.inc();
+                        }
+                        Err(e) => tracing::warn!(%peer_name, error = %e, "expiry notice not sent"),
+                    }
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot encode expiry notice"),
+        }
+    }
+}
+
+/// Fills the request's blocks on every worker (one thread per worker) and returns the
+/// whole digest.
+fn fill_workers(workers: &[Worker], blocks: &[u32], tokens: &[u32]) -> Result<KvDigest, ApiError> {
+    let hashes = kv::prefix_hashes(tokens);
+    let results: Vec<Result<KvDigest, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = workers
+            .iter()
+            .map(|w| {
+                let hashes = &hashes;
+                s.spawn(move || fill_worker(w, blocks, hashes))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("fill thread panicked".to_owned()))
+            })
+            .collect()
+    });
+    let mut digest = KvDigest::default();
+    for r in results {
+        digest.add(r.map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                e,
+            )
+        })?);
+    }
+    Ok(digest)
+}
+
+fn fill_worker(w: &Worker, blocks: &[u32], hashes: &[u64]) -> Result<KvDigest, String> {
+    let mut digest = KvDigest::default();
+    let mut buf = vec![0u8; w.layout.block_bytes()];
+    let mut result = Ok(());
+    kv::for_each_block(&w.layout.shape, hashes, |layer, i, first, hs| {
+        if result.is_err() {
+            return;
+        }
+        buf.fill(0);
+        digest.add(kv::fill_block(&w.layout, &mut buf, layer, first, hs));
+        result = w
+            .pool
+            .layout()
+            .block_range(layer, BlockId(blocks[i]))
+            .map_err(|e| e.to_string())
+            .and_then(|r| {
+                w.pool
+                    .region()
+                    .write_from(r.start, &buf)
+                    .map_err(|e| e.to_string())
+            });
+    });
+    result.map(|()| digest)
+}

@@ -1,0 +1,309 @@
+//! What the binaries run: build the engine from the command line, start its thread, the
+//! side channel (P) and the HTTP API on a tokio runtime, and stop on SIGINT/SIGTERM.
+//!
+//! Threads of a P: the engine (forward loop), the side channel (one listener plus one
+//! short-lived thread per handshake), the transport's serving threads, and the tokio
+//! runtime (HTTP). A D has the engine, a handshake thread per new P engine, the transport's
+//! threads and the runtime. Neither has a heartbeat thread.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kvlease_gpu_mem::MemoryRequest;
+use kvlease_lease::{LeaseConfig, LeaseMode};
+use kvlease_transport::BackendChoice;
+
+use crate::config::{
+    AgentRole, CommonArgs, DecodeArgs, LeaseModeSetting, MemoryChoice, PrefillArgs, TransportChoice,
+};
+use crate::decode::{DecodeConfig, DecodeEngine};
+use crate::http::{self, DecodeApi, PrefillApi};
+use crate::kv::KvShape;
+use crate::link::LinkConfig;
+use crate::metrics::Metrics;
+use crate::prefill::{EngineError, PrefillConfig, PrefillEngine};
+use crate::sidechannel;
+
+/// Jobs the HTTP layer may queue to an engine before handlers wait (back-pressure).
+const JOB_QUEUE: usize = 4096;
+
+/// Why an agent stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The engine could not start.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A flag was unusable.
+    #[error("{flag}: {message}")]
+    Flag {
+        /// The flag.
+        flag: &'static str,
+        /// Why.
+        message: String,
+    },
+    /// Binding or serving failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn shape(c: &CommonArgs) -> KvShape {
+    KvShape {
+        num_layers: c.num_layers,
+        num_kv_heads: c.num_kv_heads,
+        block_size: c.block_size,
+        head_dim: c.head_dim,
+    }
+}
+
+fn memory(c: &CommonArgs) -> MemoryRequest {
+    match c.memory {
+        MemoryChoice::Host => MemoryRequest::Host,
+        MemoryChoice::Pinned => MemoryRequest::Pinned,
+        MemoryChoice::Cuda => MemoryRequest::Cuda { ordinal: 0 },
+        _ => MemoryRequest::Auto,
+    }
+}
+
+fn link(c: &CommonArgs) -> Result<LinkConfig, ServeError> {
+    let listen_ip: IpAddr = c.host.parse().map_err(|e| ServeError::Flag {
+        flag: "--host",
+        message: format!("{}: {e} (an IP address)", c.host),
+    })?;
+    Ok(LinkConfig {
+        backend: match c.transport {
+            TransportChoice::Tcp => BackendChoice::Tcp,
+            TransportChoice::Verbs => BackendChoice::Verbs,
+            _ => BackendChoice::Auto,
+        },
+        listen_ip,
+        auth_token: c
+            .auth_token
+            .as_ref()
+            .map(|t| String::from_utf8_lossy(t.as_bytes()).into_owned()),
+    })
+}
+
+fn lease_config(c: &CommonArgs, role: AgentRole) -> Result<LeaseConfig, ServeError> {
+    let kv = c.kv_config(role);
+    let bad = |e: kvlease_lease::ConfigError| ServeError::Flag {
+        flag: "--kv-transfer-config",
+        message: e.to_string(),
+    };
+    Ok(match kv.lease_mode {
+        LeaseModeSetting::Fixed if role == AgentRole::Prefill => {
+            LeaseConfig::from_duration(kv.abort_request_timeout)
+                .map_err(bad)?
+                .with_mode(LeaseMode::Fixed)
+        }
+        _ => LeaseConfig::from_duration(kv.lease_duration).map_err(bad)?,
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, ServeError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("http")
+        .build()
+        .map_err(|source| ServeError::Io {
+            what: "tokio runtime".into(),
+            source,
+        })
+}
+
+async fn shutdown_signal(stop: Arc<AtomicBool>) {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down");
+    stop.store(true, Ordering::Relaxed);
+}
+
+async fn bind_http(c: &CommonArgs) -> Result<tokio::net::TcpListener, ServeError> {
+    let addr = format!("{}:{}", c.host, c.port);
+    tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServeError::Io {
+            what: format!("--port: cannot listen on {addr}"),
+            source,
+        })
+}
+
+/// Runs `prefill-agent` until a signal.
+///
+/// # Errors
+/// [`ServeError`] when the engine, the side channel or the HTTP listener cannot start.
+pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
+    let c = &args.common;
+    let metrics = Metrics::new();
+    let engine_id = c.engine_id();
+    let cfg = PrefillConfig {
+        engine_id: engine_id.clone(),
+        tp_size: c.tp_size,
+        shape: shape(c),
+        num_blocks: c.num_blocks,
+        lease: lease_config(c, AgentRole::Prefill)?,
+        cost_per_token: args.prefill_cost_per_token(),
+        pool_wait: args.pool_wait(),
+        advertise_host: c.host.clone(),
+        side_channel_port: c.side_channel_port,
+        memory: memory(c),
+        link: link(c)?,
+    };
+    let token = cfg.link.auth_token.clone();
+    let listen_ip = cfg.link.listen_ip;
+    let engine = PrefillEngine::new(cfg, metrics.clone())?;
+    let info = serde_json::to_value(engine.info()).map_err(|e| ServeError::Flag {
+        flag: "--engine-id",
+        message: e.to_string(),
+    })?;
+    let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
+    let epoch = std::time::SystemTime::UNIX_EPOCH;
+    let side = sidechannel::Server {
+        info,
+        token,
+        on_peer: Box::new(move |h| {
+            let _ = hello_tx.send(h);
+        }),
+        clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
+    }
+    .spawn(SocketAddr::new(listen_ip, c.side_channel_port))
+    .map_err(|source| ServeError::Io {
+        what: format!(
+            "--side-channel-port: cannot listen on {}",
+            c.side_channel_port
+        ),
+        source,
+    })?;
+    let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let engine_thread = std::thread::Builder::new()
+        .name("p-engine".into())
+        .spawn(move || engine.run(jobs_rx, hello_rx, stop2))
+        .map_err(|source| ServeError::Io {
+            what: "engine thread".into(),
+            source,
+        })?;
+    let rt = runtime()?;
+    let api = PrefillApi {
+        jobs: jobs_tx,
+        metrics,
+        model: engine_id.to_string(),
+    };
+    let served = rt.block_on(async {
+        let listener = bind_http(c).await?;
+        tracing::info!(
+            engine = %engine_id,
+            http = %format!("{}:{}", c.host, c.port),
+            side_channel = %side.addr,
+            tp = c.tp_size,
+            "prefill agent ready"
+        );
+        http::serve(
+            listener,
+            http::prefill_router(api),
+            shutdown_signal(Arc::clone(&stop)),
+        )
+        .await
+        .map_err(|source| ServeError::Io {
+            what: "http server".into(),
+            source,
+        })
+    });
+    stop.store(true, Ordering::Relaxed);
+    rt.shutdown_timeout(Duration::from_secs(2));
+    let _ = engine_thread.join();
+    drop(side);
+    served
+}
+
+/// Runs `decode-agent` until a signal.
+///
+/// # Errors
+/// [`ServeError`] when the engine or the HTTP listener cannot start.
+pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
+    let c = &args.common;
+    let metrics = Metrics::new();
+    let engine_id = c.engine_id();
+    let kv = c.kv_config(AgentRole::Decode);
+    let cfg = DecodeConfig {
+        engine_id: engine_id.clone(),
+        tp_size: c.tp_size,
+        shape: shape(c),
+        num_blocks: c.num_blocks,
+        lease: lease_config(c, AgentRole::Decode)?,
+        step: args.step(),
+        max_running: args.max_running,
+        max_waiting: args.max_waiting,
+        policy: kv.load_failure_policy,
+        memory: memory(c),
+        link: link(c)?,
+        read_timeout: Duration::from_secs(30),
+    };
+    let engine = DecodeEngine::new(cfg, metrics.clone())?;
+    let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let engine_thread = std::thread::Builder::new()
+        .name("d-engine".into())
+        .spawn(move || engine.run(jobs_rx, stop2))
+        .map_err(|source| ServeError::Io {
+            what: "engine thread".into(),
+            source,
+        })?;
+    let rt = runtime()?;
+    let api = DecodeApi {
+        jobs: jobs_tx,
+        metrics,
+        model: engine_id.to_string(),
+    };
+    let served = rt.block_on(async {
+        let listener = bind_http(c).await?;
+        tracing::info!(
+            engine = %engine_id,
+            http = %format!("{}:{}", c.host, c.port),
+            tp = c.tp_size,
+            max_running = args.max_running,
+            "decode agent ready"
+        );
+        http::serve(
+            listener,
+            http::decode_router(api),
+            shutdown_signal(Arc::clone(&stop)),
+        )
+        .await
+        .map_err(|source| ServeError::Io {
+            what: "http server".into(),
+            source,
+        })
+    });
+    stop.store(true, Ordering::Relaxed);
+    rt.shutdown_timeout(Duration::from_secs(2));
+    let _ = engine_thread.join();
+    served
+}
