@@ -42,7 +42,7 @@ mod tcp;
 
 #[cfg(feature = "verbs")]
 #[allow(unsafe_code)]
-mod verbs;
+pub mod verbs;
 
 pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,

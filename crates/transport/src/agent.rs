@@ -1,0 +1,747 @@
+//! The agent: registration, metadata, peers, batches and notifications.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvlease_gpu_mem::{DmaRegion, RegionBytes};
+
+use crate::batch::{Batch, Outcome};
+use crate::config::{AgentConfig, BackendChoice, Limits};
+use crate::error::{AgentError, ConnectError, RegisterError, TransferError};
+use crate::metadata::{
+    AgentMetadata, METADATA_FORMAT, RegionDesc, decode_metadata, encode_metadata,
+};
+use crate::tcp;
+
+/// Longest agent name, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// A locally registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u64);
+
+/// A connected peer (returned by [`Agent::connect`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(u64);
+
+/// A posted read batch (returned by [`Agent::post_read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(u64);
+
+/// A peer's name, as it announced it in its metadata and handshake.
+pub type PeerName = String;
+
+/// A destination range in a locally registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalRange {
+    /// The local region.
+    pub region: RegionId,
+    /// Offset inside it.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+}
+
+/// A source position in a peer's registered region (from its [`RegionDesc`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRange {
+    /// The peer's region id ([`RegionDesc::id`]).
+    pub region: u64,
+    /// The region's key ([`RegionDesc::key`]).
+    pub key: u64,
+    /// Offset inside the region.
+    pub offset: u64,
+}
+
+impl RegionDesc {
+    /// The position `offset` bytes into this region.
+    pub fn at(&self, offset: u64) -> RemoteRange {
+        RemoteRange {
+            region: self.id,
+            key: self.key,
+            offset,
+        }
+    }
+}
+
+/// One read: `local.len` bytes from `remote` into `local`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOp {
+    /// Destination.
+    pub local: LocalRange,
+    /// Source.
+    pub remote: RemoteRange,
+}
+
+/// A read of one 8-byte generation word, performed only after every data read of the
+/// batch completed; the batch fails with [`TransferError::FenceMismatch`] when the word
+/// differs from `expected`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceRead {
+    /// The word (8 bytes, 8-aligned, e.g. a `FenceTable` slot on the peer).
+    pub remote: RemoteRange,
+    /// The generation the reader was given.
+    pub expected: u64,
+}
+
+/// A batch of reads from one peer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadBatch {
+    /// The reads (at least one).
+    pub ops: Vec<ReadOp>,
+    /// Sent to the peer only after every read (and the fence) completed and matched.
+    pub notif: Option<Vec<u8>>,
+    /// The fence read that ends the batch.
+    pub fence: Option<FenceRead>,
+}
+
+/// What a finished batch moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Data bytes read (the fence word not included).
+    pub bytes: u64,
+    /// Read ops in the batch.
+    pub ops: usize,
+    /// The fence word read, when the batch had a fence.
+    pub fence_word: Option<u64>,
+}
+
+/// Where a batch stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BatchStatus {
+    /// Still running.
+    Pending,
+    /// Every read completed (and the fence matched); the notification was handed to the
+    /// connection.
+    Done(BatchStats),
+    /// The batch failed; the destination bytes are unspecified. No transfer into them is
+    /// running any more.
+    Failed(TransferError),
+}
+
+/// Counters of this agent (monotonic since it was built).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransportStats {
+    /// Inbound connections accepted.
+    pub connections_accepted: u64,
+    /// Connections (either direction) closed because a frame broke the format.
+    pub malformed_frames: u64,
+    /// Inbound handshakes whose token proof failed.
+    pub auth_failures: u64,
+    /// Read ops served.
+    pub reads_served: u64,
+    /// Bytes served.
+    pub bytes_served: u64,
+    /// Read ops refused (any reason).
+    pub reads_refused: u64,
+    /// Read ops refused because the peer was not authenticated.
+    pub reads_refused_unauthenticated: u64,
+    /// Notifications accepted into the inbox.
+    pub notifs_received: u64,
+    /// Notifications dropped because the sender had not completed the handshake.
+    pub notifs_dropped_unauthenticated: u64,
+    /// Notifications dropped because the inbox was full.
+    pub notifs_dropped_overflow: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) connections_accepted: AtomicU64,
+    pub(crate) malformed_frames: AtomicU64,
+    pub(crate) auth_failures: AtomicU64,
+    pub(crate) reads_served: AtomicU64,
+    pub(crate) bytes_served: AtomicU64,
+    pub(crate) reads_refused: AtomicU64,
+    pub(crate) reads_refused_unauthenticated: AtomicU64,
+    pub(crate) notifs_received: AtomicU64,
+    pub(crate) notifs_dropped_unauthenticated: AtomicU64,
+    pub(crate) notifs_dropped_overflow: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
+pub(crate) struct Registered {
+    pub(crate) region: Arc<dyn DmaRegion>,
+    pub(crate) desc: RegionDesc,
+}
+
+/// Notifications received and not yet drained, grouped by sender in order of first
+/// arrival.
+#[derive(Debug, Default)]
+pub(crate) struct Inbox {
+    pub(crate) groups: Vec<(PeerName, Vec<Vec<u8>>)>,
+    pub(crate) count: usize,
+}
+
+/// A posted batch and the peer it reads from.
+type BatchEntry = (Arc<Batch>, Arc<Peer>);
+
+/// The state shared by the agent and its threads.
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) name: String,
+    pub(crate) token: Option<Vec<u8>>,
+    pub(crate) limits: Limits,
+    pub(crate) num_connections: usize,
+    pub(crate) backend: BackendChoice,
+    pub(crate) local_addr: SocketAddr,
+    pub(crate) advertise: SocketAddr,
+    pub(crate) regions: RwLock<HashMap<u64, Registered>>,
+    pub(crate) next_id: AtomicU64,
+    peers: Mutex<HashMap<u64, Arc<Peer>>>,
+    batches: Mutex<HashMap<u64, BatchEntry>>,
+    pub(crate) inbox: Mutex<Inbox>,
+    pub(crate) counters: Counters,
+    pub(crate) shutdown: AtomicBool,
+    /// Inbound sockets by connection id, shut down when the agent drops.
+    pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
+    /// Backend extension entries of this agent's metadata (see `metadata`).
+    backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the data consistent before anything that can panic.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Inner {
+    pub(crate) fn fresh_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Sets (or with `None` removes) this agent's metadata entry for `backend`. The
+    /// extension point for backends: the verbs backend stores its GID, port and QP
+    /// information here and reads the peer's entry from [`AgentMetadata::backends`].
+    #[allow(dead_code, reason = "the extension point for the verbs backend, which is not wired in yet")]
+    pub(crate) fn set_backend_metadata(&self, backend: &str, value: Option<serde_json::Value>) {
+        let mut meta = lock(&self.backend_meta);
+        match value {
+            Some(v) => meta.insert(backend.to_owned(), v),
+            None => meta.remove(backend),
+        };
+    }
+
+    /// Queues a received notification from an authenticated peer.
+    pub(crate) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
+        let mut inbox = lock(&self.inbox);
+        if inbox.count >= self.limits.max_pending_notifs {
+            drop(inbox);
+            bump(&self.counters.notifs_dropped_overflow);
+            tracing::warn!(peer = from, "notification inbox full; notification dropped");
+            return;
+        }
+        inbox.count += 1;
+        match inbox.groups.iter_mut().find(|(name, _)| name == from) {
+            Some((_, msgs)) => msgs.push(bytes),
+            None => inbox.groups.push((from.to_owned(), vec![bytes])),
+        }
+        drop(inbox);
+        bump(&self.counters.notifs_received);
+    }
+}
+
+/// A connected peer.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    pub(crate) name: String,
+    pub(crate) meta: AgentMetadata,
+    pub(crate) link: PeerLink,
+}
+
+/// The backend seam: how reads and notifications reach one peer.
+///
+/// A backend plugs in by adding a variant here (e.g. `Verbs(verbs::Link)` behind
+/// `#[cfg(feature = "verbs")]`), and implementing, like [`tcp::TcpLink`]:
+/// - `post(batch, chunks)`: start the chunks' reads; complete them through
+///   [`Batch::lock`] → `chunk_done` / `fence_done` / `finish` / `fail` (see `batch.rs`),
+///   performing the fence read and sending the notification in the order
+///   [`crate::batch::Next`] says;
+/// - `send_notif(bytes)`, `on_timeout(batch)` (stop transfers into the batch's memory),
+///   `close()`;
+/// - delivering received notifications with `Inner::deliver_notif` (the TCP connection is
+///   always there, so a verbs link can keep notifications on it).
+///
+/// The selection point is `Agent::connect`: for [`BackendChoice::Auto`] it tries the
+/// verbs link when both metadata carry a `"verbs"` entry and falls back to TCP with a log
+/// line; `Verbs` makes that failure an error.
+#[derive(Debug)]
+pub(crate) enum PeerLink {
+    /// The TCP backend.
+    Tcp(Arc<tcp::TcpLink>),
+}
+
+impl PeerLink {
+    fn post(&self, batch: &Arc<Batch>, chunks: Vec<tcp::Chunk>) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(link) => link.post(batch, chunks),
+        }
+    }
+
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        match self {
+            Self::Tcp(link) => link.send_notif(bytes),
+        }
+    }
+
+    fn on_timeout(&self, batch: &Batch) {
+        match self {
+            Self::Tcp(link) => link.on_timeout(batch),
+        }
+    }
+
+    fn close(&self) {
+        match self {
+            Self::Tcp(link) => link.close(),
+        }
+    }
+}
+
+/// A transfer agent: registers memory, publishes metadata, connects to peers, reads
+/// their registered memory in batches and exchanges notifications with them.
+///
+/// Call order: [`new`](Self::new) → [`register`](Self::register) the memory peers may
+/// read → hand [`metadata`](Self::metadata) to peers (out of band) → [`connect`](Self::connect)
+/// with a peer's metadata → [`post_read`](Self::post_read) + [`poll_batch`](Self::poll_batch)
+/// until it is no longer pending; [`send_notif`](Self::send_notif) /
+/// [`get_new_notifs`](Self::get_new_notifs) at any time after `connect`.
+///
+/// Notifications travel over the *sender's* connection: to send to a peer, connect to it
+/// (P connects to D too, as NIXL agents exchange metadata both ways).
+///
+/// The TCP backend serves peers' reads on this agent's own threads (one per inbound
+/// connection, plus a listener), straight from registered memory to the socket. Dropping
+/// the agent closes every connection and stops the listener.
+#[derive(Debug)]
+pub struct Agent {
+    inner: Arc<Inner>,
+    listener: Option<JoinHandle<()>>,
+}
+
+impl Agent {
+    /// Binds the TCP listener and starts serving.
+    ///
+    /// # Errors
+    /// [`AgentError::Config`] for an empty or over-long name (more than
+    /// [`MAX_NAME_LEN`] bytes), zero connections or limits of zero;
+    /// [`AgentError::Bind`] / [`AgentError::Thread`] when the OS refuses.
+    pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
+        if config.name.is_empty() || config.name.len() > MAX_NAME_LEN {
+            return Err(AgentError::Config("name must be 1..=1024 bytes"));
+        }
+        if config.num_connections == 0 || config.num_connections > 64 {
+            return Err(AgentError::Config("num_connections must be 1..=64"));
+        }
+        let l = &config.limits;
+        if l.max_notif_len == 0
+            || l.chunk_len == 0
+            || l.max_ops_per_batch == 0
+            || l.max_read_len == 0
+        {
+            return Err(AgentError::Config("limits must be non-zero"));
+        }
+        if l.max_notif_len > (1 << 30) {
+            return Err(AgentError::Config("max_notif_len must be at most 1 GiB"));
+        }
+        let listener = TcpListener::bind(config.listen).map_err(|source| AgentError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let local_addr = listener.local_addr().map_err(|source| AgentError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+        let inner = Arc::new(Inner {
+            name: config.name,
+            token: config.auth_token,
+            limits: config.limits,
+            num_connections: config.num_connections,
+            backend: config.backend,
+            local_addr,
+            advertise: config.advertise.unwrap_or(local_addr),
+            regions: RwLock::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            peers: Mutex::new(HashMap::new()),
+            batches: Mutex::new(HashMap::new()),
+            inbox: Mutex::new(Inbox::default()),
+            counters: Counters::default(),
+            shutdown: AtomicBool::new(false),
+            inbound: Mutex::new(HashMap::new()),
+            backend_meta: Mutex::new(BTreeMap::new()),
+        });
+        let listener =
+            tcp::server::spawn_listener(inner.clone(), listener).map_err(AgentError::Thread)?;
+        tracing::info!(name = %inner.name, addr = %local_addr, "transport agent listening");
+        Ok(Self {
+            inner,
+            listener: Some(listener),
+        })
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The bound TCP address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr
+    }
+
+    /// Registers `region` so that peers may read it, with a fresh random key.
+    ///
+    /// # Errors
+    /// [`RegisterError::Empty`] for an empty region, [`RegisterError::Random`] when the OS
+    /// random source fails.
+    pub fn register(&self, region: Arc<dyn DmaRegion>) -> Result<RegionDesc, RegisterError> {
+        if region.is_empty() {
+            return Err(RegisterError::Empty);
+        }
+        let key = getrandom::u64().map_err(RegisterError::Random)?;
+        let desc = RegionDesc {
+            id: self.inner.fresh_id(),
+            base: region.base_ptr() as u64,
+            len: region.len() as u64,
+            key,
+        };
+        tracing::debug!(id = desc.id, len = desc.len, kind = %region.kind(), "region registered");
+        self.inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(desc.id, Registered { region, desc });
+        Ok(desc)
+    }
+
+    /// Removes a registration: later reads of it are refused (reads being served right
+    /// now finish; they hold their own reference to the memory).
+    ///
+    /// # Errors
+    /// [`RegisterError::Unknown`] when `id` is not registered.
+    pub fn deregister(&self, id: RegionId) -> Result<(), RegisterError> {
+        self.inner
+            .regions
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id.0)
+            .map(drop)
+            .ok_or(RegisterError::Unknown(id))
+    }
+
+    /// This agent's metadata (versioned JSON, see [`crate::metadata`]): name, TCP
+    /// address, whether a token is required, registered regions with keys, and backend
+    /// entries. Regions registered later need a fresh copy.
+    pub fn metadata(&self) -> Vec<u8> {
+        let mut regions: Vec<RegionDesc> = self
+            .inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .map(|r| r.desc)
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        encode_metadata(&AgentMetadata {
+            format: METADATA_FORMAT,
+            name: self.inner.name.clone(),
+            tcp_addr: self.inner.advertise.to_string(),
+            auth: self.inner.token.is_some(),
+            regions,
+            backends: lock(&self.inner.backend_meta).clone(),
+        })
+    }
+
+    /// Loads a peer's metadata and connects to it: `num_connections` TCP connections,
+    /// each with a full handshake (protocol version, names, and with a token the mutual
+    /// HMAC challenge–response). Connecting twice gives two independent peers.
+    ///
+    /// # Errors
+    /// [`ConnectError::Metadata`] for bad metadata; [`ConnectError::Io`] when the peer is
+    /// unreachable (each step is bounded by `limits.handshake_timeout`);
+    /// [`ConnectError::Handshake`] for a version or name mismatch;
+    /// [`ConnectError::AuthRejected`] / [`ConnectError::PeerAuthFailed`] for token
+    /// mismatches; [`ConnectError::BackendUnavailable`] when [`BackendChoice::Verbs`] was
+    /// asked for and cannot be used.
+    pub fn connect(&self, metadata: &[u8]) -> Result<PeerId, ConnectError> {
+        let meta = decode_metadata(metadata)?;
+        let link = match self.inner.backend {
+            BackendChoice::Tcp => self.connect_tcp(&meta)?,
+            BackendChoice::Verbs => {
+                return Err(ConnectError::BackendUnavailable {
+                    backend: "verbs",
+                    peer: meta.name,
+                    reason: "the verbs backend is not wired into the agent in this build".into(),
+                });
+            }
+            BackendChoice::Auto => {
+                // The verbs selection plugs in here (see `PeerLink`).
+                tracing::info!(
+                    peer = %meta.name,
+                    "backend auto: verbs not available for this peer; using TCP"
+                );
+                self.connect_tcp(&meta)?
+            }
+        };
+        let id = self.inner.fresh_id();
+        let peer = Arc::new(Peer {
+            name: meta.name.clone(),
+            meta,
+            link,
+        });
+        lock(&self.inner.peers).insert(id, peer);
+        Ok(PeerId(id))
+    }
+
+    fn connect_tcp(&self, meta: &AgentMetadata) -> Result<PeerLink, ConnectError> {
+        Ok(PeerLink::Tcp(tcp::client::connect(&self.inner, meta)?))
+    }
+
+    /// Closes the connections to `peer`; its running batches fail with
+    /// [`TransferError::Disconnected`].
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownPeer`].
+    pub fn disconnect(&self, peer: PeerId) -> Result<(), TransferError> {
+        let p = lock(&self.inner.peers)
+            .remove(&peer.0)
+            .ok_or(TransferError::UnknownPeer(peer))?;
+        p.link.close();
+        Ok(())
+    }
+
+    /// The metadata `peer` was connected with (its regions and backend entries).
+    pub fn peer_metadata(&self, peer: PeerId) -> Option<AgentMetadata> {
+        lock(&self.inner.peers).get(&peer.0).map(|p| p.meta.clone())
+    }
+
+    fn peer(&self, peer: PeerId) -> Result<Arc<Peer>, TransferError> {
+        lock(&self.inner.peers)
+            .get(&peer.0)
+            .cloned()
+            .ok_or(TransferError::UnknownPeer(peer))
+    }
+
+    /// Posts a batch of reads from `peer`. Ops longer than `limits.chunk_len` are split;
+    /// the chunks are striped over the peer's connections. The batch fails with
+    /// [`TransferError::Timeout`] when it has not completed `timeout` after posting (the
+    /// check happens in [`poll_batch`](Self::poll_batch)), earlier when the peer refuses
+    /// a read or disconnects.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
+    /// than `limits.max_ops_per_batch`, an unregistered local region or a notification
+    /// over the limit; [`TransferError::Local`] for a destination outside its region or
+    /// not host-accessible; [`TransferError::Disconnected`] when no connection is left.
+    pub fn post_read(
+        &self,
+        peer: PeerId,
+        batch: ReadBatch,
+        timeout: Duration,
+    ) -> Result<BatchId, TransferError> {
+        let p = self.peer(peer)?;
+        let invalid = |reason: String| TransferError::InvalidBatch {
+            peer: p.name.clone(),
+            reason,
+        };
+        if batch.ops.is_empty() {
+            return Err(invalid("a batch needs at least one read".into()));
+        }
+        if batch.ops.len() > self.inner.limits.max_ops_per_batch {
+            return Err(invalid(format!(
+                "{} ops exceed the limit of {}",
+                batch.ops.len(),
+                self.inner.limits.max_ops_per_batch
+            )));
+        }
+        if let Some(n) = &batch.notif
+            && n.len() > self.inner.limits.max_notif_len
+        {
+            return Err(TransferError::NotifTooLarge {
+                peer: p.name.clone(),
+                len: n.len(),
+                max: self.inner.limits.max_notif_len,
+            });
+        }
+        let chunk = self.inner.limits.chunk_len;
+        let mut chunks = Vec::with_capacity(batch.ops.len());
+        {
+            let regions = self
+                .inner
+                .regions
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            for op in &batch.ops {
+                let local = regions.get(&op.local.region.0).ok_or_else(|| {
+                    invalid(format!(
+                        "local region {:?} is not registered",
+                        op.local.region
+                    ))
+                })?;
+                local
+                    .region
+                    .check_host_range(op.local.offset, op.local.len)
+                    .map_err(|source| TransferError::Local {
+                        peer: p.name.clone(),
+                        source,
+                    })?;
+                if op.local.len == 0 {
+                    return Err(invalid("a read of zero bytes".into()));
+                }
+                if op.remote.offset.checked_add(op.local.len).is_none() {
+                    return Err(invalid("remote range overflows".into()));
+                }
+                let mut done = 0;
+                while done < op.local.len {
+                    let len = chunk.min(op.local.len - done);
+                    chunks.push(tcp::Chunk {
+                        dest: local.region.clone(),
+                        dest_offset: op.local.offset + done,
+                        remote: RemoteRange {
+                            offset: op.remote.offset + done,
+                            ..op.remote
+                        },
+                        len,
+                    });
+                    done += len;
+                }
+            }
+        }
+        let id = self.inner.fresh_id();
+        let b = Arc::new(Batch::new(
+            id,
+            p.name.clone(),
+            timeout,
+            chunks.len(),
+            batch.ops.len(),
+            batch.fence,
+            batch.notif,
+        ));
+        lock(&self.inner.batches).insert(id, (b.clone(), p.clone()));
+        if let Err(e) = p.link.post(&b, chunks) {
+            lock(&self.inner.batches).remove(&id);
+            return Err(e);
+        }
+        Ok(BatchId(id))
+    }
+
+    /// Where `batch` stands. `Done` and `Failed` are reported once; the id is forgotten
+    /// afterwards.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownBatch`] for an id never posted or already reported.
+    pub fn poll_batch(&self, batch: BatchId) -> Result<BatchStatus, TransferError> {
+        let (b, peer) = lock(&self.inner.batches)
+            .get(&batch.0)
+            .cloned()
+            .ok_or(TransferError::UnknownBatch(batch))?;
+        let mut st = b.lock();
+        if Instant::now() >= b.deadline {
+            st.fail(TransferError::Timeout {
+                peer: b.peer.clone(),
+                timeout: b.timeout,
+            });
+            if matches!(st.outcome, Outcome::Failed(_)) {
+                let receiving = st.in_receive > 0;
+                drop(st);
+                // Cancels queued chunks and cuts short a transfer into the destination.
+                peer.link.on_timeout(&b);
+                if receiving {
+                    // Reported once that transfer has stopped (the next poll).
+                    return Ok(BatchStatus::Pending);
+                }
+                st = b.lock();
+            }
+        }
+        let status = match &st.outcome {
+            Outcome::Running => return Ok(BatchStatus::Pending),
+            Outcome::Done(stats) => BatchStatus::Done(*stats),
+            Outcome::Failed(_) if st.in_receive > 0 => return Ok(BatchStatus::Pending),
+            Outcome::Failed(e) => BatchStatus::Failed(e.clone()),
+        };
+        drop(st);
+        lock(&self.inner.batches).remove(&batch.0);
+        Ok(status)
+    }
+
+    /// Sends a notification to `peer` (over its first live connection).
+    ///
+    /// Ordering: notifications to one peer (this call and batch notifications) arrive in
+    /// the order they were handed to the connection, as long as that connection lives;
+    /// there is no order across peers. A batch's notification is handed over when the
+    /// batch completes. Delivery is not guaranteed when the connection breaks.
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownPeer`]; [`TransferError::NotifTooLarge`] over
+    /// `limits.max_notif_len` (never truncated); [`TransferError::Disconnected`].
+    pub fn send_notif(&self, peer: PeerId, bytes: Vec<u8>) -> Result<(), TransferError> {
+        let p = self.peer(peer)?;
+        if bytes.len() > self.inner.limits.max_notif_len {
+            return Err(TransferError::NotifTooLarge {
+                peer: p.name.clone(),
+                len: bytes.len(),
+                max: self.inner.limits.max_notif_len,
+            });
+        }
+        p.link.send_notif(bytes)
+    }
+
+    /// Drains the notifications received since the last call, grouped by sender (in
+    /// order of each sender's first message; each group in arrival order). Only peers
+    /// that completed the handshake are heard; others' notifications are dropped and
+    /// counted.
+    pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+        let mut inbox = lock(&self.inner.inbox);
+        inbox.count = 0;
+        std::mem::take(&mut inbox.groups)
+    }
+
+    /// This agent's counters.
+    pub fn stats(&self) -> TransportStats {
+        let c = &self.inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TransportStats {
+            connections_accepted: g(&c.connections_accepted),
+            malformed_frames: g(&c.malformed_frames),
+            auth_failures: g(&c.auth_failures),
+            reads_served: g(&c.reads_served),
+            bytes_served: g(&c.bytes_served),
+            reads_refused: g(&c.reads_refused),
+            reads_refused_unauthenticated: g(&c.reads_refused_unauthenticated),
+            notifs_received: g(&c.notifs_received),
+            notifs_dropped_unauthenticated: g(&c.notifs_dropped_unauthenticated),
+            notifs_dropped_overflow: g(&c.notifs_dropped_overflow),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.inner.shutdown.store(true, Ordering::SeqCst);
+        // Wake the listener's `accept` so that it sees the flag.
+        let wake = if self.inner.local_addr.ip().is_unspecified() {
+            SocketAddr::from(([127, 0, 0, 1], self.inner.local_addr.port()))
+        } else {
+            self.inner.local_addr
+        };
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(h) = self.listener.take()
+            && h.join().is_err()
+        {
+            tracing::error!("transport listener thread panicked");
+        }
+        for (_, peer) in lock(&self.inner.peers).drain() {
+            peer.link.close();
+        }
+        for (_, s) in lock(&self.inner.inbound).drain() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}

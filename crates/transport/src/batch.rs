@@ -1,0 +1,172 @@
+//! Backend-neutral state of one read batch.
+//!
+//! A batch is split into data chunks; the backend completes them one by one
+//! ([`Batch::lock`] + [`BatchState::chunk_done`]). When the last data chunk is done the
+//! backend performs the fence read (if any), then sends the notification (if any), then
+//! marks the batch done. A failure marks it failed at once; [`BatchState::in_receive`]
+//! counts chunks whose bytes are being written into the destination right now, and the
+//! batch is reported failed only once that is zero, so the caller never gets its memory
+//! back while a transfer into it is still running.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::agent::{BatchStats, FenceRead};
+use crate::error::TransferError;
+
+/// Where a batch stands.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    Running,
+    Done(BatchStats),
+    Failed(TransferError),
+}
+
+/// The mutable part of a batch.
+#[derive(Debug)]
+pub(crate) struct BatchState {
+    /// Data chunks not yet completed.
+    pub(crate) remaining: usize,
+    /// Chunks currently being received into their destination.
+    pub(crate) in_receive: usize,
+    /// The fence read, taken when it is posted.
+    pub(crate) fence: Option<FenceRead>,
+    /// The notification, taken when it is sent.
+    pub(crate) notif: Option<Vec<u8>>,
+    pub(crate) outcome: Outcome,
+    pub(crate) bytes: u64,
+    pub(crate) ops: usize,
+    pub(crate) fence_word: Option<u64>,
+}
+
+/// What the backend must do after a data chunk completed.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// More chunks outstanding, or the batch already ended.
+    Nothing,
+    /// Post this fence read, then call [`BatchState::fence_done`] with the word.
+    Fence(FenceRead),
+    /// All reads done: send this notification, then call [`BatchState::finish`].
+    Notify(Vec<u8>),
+    /// All reads done, nothing to send: call [`BatchState::finish`].
+    Finish,
+}
+
+impl BatchState {
+    pub(crate) fn is_running(&self) -> bool {
+        matches!(self.outcome, Outcome::Running)
+    }
+
+    /// Records a completed data chunk of `bytes` bytes.
+    pub(crate) fn chunk_done(&mut self, bytes: u64) -> Next {
+        if !self.is_running() {
+            return Next::Nothing;
+        }
+        self.bytes += bytes;
+        self.remaining = self.remaining.saturating_sub(1);
+        if self.remaining > 0 {
+            return Next::Nothing;
+        }
+        self.after_reads()
+    }
+
+    /// Records the fence word read after all data.
+    pub(crate) fn fence_done(&mut self, peer: &str, expected: u64, found: u64) -> Next {
+        if !self.is_running() {
+            return Next::Nothing;
+        }
+        self.fence_word = Some(found);
+        if found != expected {
+            self.outcome = Outcome::Failed(TransferError::FenceMismatch {
+                peer: peer.to_owned(),
+                expected,
+                found,
+            });
+            return Next::Nothing;
+        }
+        self.after_reads()
+    }
+
+    fn after_reads(&mut self) -> Next {
+        if let Some(fence) = self.fence.take() {
+            return Next::Fence(fence);
+        }
+        match self.notif.take() {
+            Some(n) => Next::Notify(n),
+            None => Next::Finish,
+        }
+    }
+
+    /// Marks the batch done (after its notification, if any, was handed to the link).
+    pub(crate) fn finish(&mut self) {
+        if self.is_running() {
+            self.outcome = Outcome::Done(BatchStats {
+                bytes: self.bytes,
+                ops: self.ops,
+                fence_word: self.fence_word,
+            });
+        }
+    }
+
+    /// Fails the batch unless it already ended. Returns whether this call failed it.
+    pub(crate) fn fail(&mut self, err: TransferError) -> bool {
+        if self.is_running() {
+            self.outcome = Outcome::Failed(err);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// One posted batch.
+#[derive(Debug)]
+pub(crate) struct Batch {
+    pub(crate) id: u64,
+    pub(crate) peer: String,
+    pub(crate) timeout: Duration,
+    pub(crate) deadline: Instant,
+    state: Mutex<BatchState>,
+}
+
+impl Batch {
+    pub(crate) fn new(
+        id: u64,
+        peer: String,
+        timeout: Duration,
+        chunks: usize,
+        ops: usize,
+        fence: Option<FenceRead>,
+        notif: Option<Vec<u8>>,
+    ) -> Self {
+        let now = Instant::now();
+        Self {
+            id,
+            peer,
+            timeout,
+            // A timeout too large for `Instant` means "a century".
+            deadline: now
+                .checked_add(timeout)
+                .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+                .unwrap_or(now),
+            state: Mutex::new(BatchState {
+                remaining: chunks,
+                in_receive: 0,
+                fence,
+                notif,
+                outcome: Outcome::Running,
+                bytes: 0,
+                ops,
+                fence_word: None,
+            }),
+        }
+    }
+
+    /// Locks the state. A panic while holding the lock cannot leave it inconsistent in a
+    /// way that matters more than failing the batch, so poisoning is ignored.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, BatchState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,116 @@
+//! Agent configuration.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Default for [`Limits::max_notif_len`]: 64 KiB. Keep it equal to `kvlease-notif`'s
+/// `MAX_NOTIF_LEN` (the transport does not depend on that crate; the agent passes the
+/// value in).
+pub const DEFAULT_MAX_NOTIF_LEN: usize = 64 * 1024;
+
+/// Which backend carries reads to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum BackendChoice {
+    /// Verbs where both sides have a usable RDMA device and the queue pair connects, else
+    /// TCP (per peer, with a log line saying why).
+    #[default]
+    Auto,
+    /// Verbs only: connecting to a peer without a usable device is an error.
+    Verbs,
+    /// TCP only.
+    Tcp,
+}
+
+/// Sizes and timeouts that bound what a peer can make this agent do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Largest notification accepted or sent, in bytes. Larger ones are refused with an
+    /// error (sending) or close the connection as a malformed frame (receiving), never
+    /// truncated. Default [`DEFAULT_MAX_NOTIF_LEN`].
+    pub max_notif_len: usize,
+    /// Notifications kept until [`get_new_notifs`](crate::Agent::get_new_notifs) drains
+    /// them; more are dropped and counted (`notifs_dropped_overflow`). Default 65 536.
+    pub max_pending_notifs: usize,
+    /// Most read ops in one batch. Default 1 048 576.
+    pub max_ops_per_batch: usize,
+    /// Largest single read op, in bytes (larger are refused by the target). Default 1 GiB.
+    pub max_read_len: u64,
+    /// Ops longer than this are split into chunks striped over the peer's connections.
+    /// Default 1 MiB.
+    pub chunk_len: u64,
+    /// Limit for TCP connect and for each step of the handshake. Default 5 s.
+    pub handshake_timeout: Duration,
+    /// A target-side (serving) socket write that makes no progress for this long closes
+    /// the connection (a reader that stopped reading). Default 30 s.
+    pub serve_write_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_notif_len: DEFAULT_MAX_NOTIF_LEN,
+            max_pending_notifs: 1 << 16,
+            max_ops_per_batch: 1 << 20,
+            max_read_len: 1 << 30,
+            chunk_len: 1 << 20,
+            handshake_timeout: Duration::from_secs(5),
+            serve_write_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How to build an [`Agent`](crate::Agent). Start from [`AgentConfig::new`] and set fields.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct AgentConfig {
+    /// This agent's name, as peers see it (in metadata, the handshake and notifications).
+    pub name: String,
+    /// Backend selection.
+    pub backend: BackendChoice,
+    /// TCP listen address for data and control (port 0: any free port). Default
+    /// `127.0.0.1:0`.
+    pub listen: SocketAddr,
+    /// Address written into the metadata, when it differs from the bound one (listening on
+    /// `0.0.0.0`). Default: the bound address.
+    pub advertise: Option<SocketAddr>,
+    /// TCP connections per peer (reads of a batch are striped over them). Default 2.
+    pub num_connections: usize,
+    /// Cluster token: when set, only peers that prove it (HMAC-SHA256 challenge–response)
+    /// get reads served and notifications accepted, and this agent only connects to
+    /// peers that prove it back.
+    pub auth_token: Option<Vec<u8>>,
+    /// Bounds on peer input.
+    pub limits: Limits,
+}
+
+impl AgentConfig {
+    /// Defaults for an agent called `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            backend: BackendChoice::Auto,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            num_connections: 2,
+            auth_token: None,
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("name", &self.name)
+            .field("backend", &self.backend)
+            .field("listen", &self.listen)
+            .field("advertise", &self.advertise)
+            .field("num_connections", &self.num_connections)
+            // Never print the token.
+            .field("auth_token", &self.auth_token.as_ref().map(|_| "<set>"))
+            .field("limits", &self.limits)
+            .finish()
+    }
+}

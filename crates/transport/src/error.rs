@@ -1,0 +1,262 @@
+//! Errors, one enum per operation family.
+
+use kvlease_gpu_mem::RegionAccessError;
+
+use crate::agent::{BatchId, PeerId, RegionId};
+
+/// Why [`Agent::new`](crate::Agent::new) failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The configuration is unusable.
+    #[error("invalid agent configuration: {0}")]
+    Config(&'static str),
+    /// Binding the TCP listener failed.
+    #[error("binding TCP listener on {addr} failed")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Starting the listener thread failed.
+    #[error("starting the TCP listener thread failed")]
+    Thread(#[source] std::io::Error),
+}
+
+/// Why a registration call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// The region has zero length.
+    #[error("cannot register an empty region")]
+    Empty,
+    /// No region is registered under this id.
+    #[error("region {0:?} is not registered")]
+    Unknown(RegionId),
+    /// The OS random source failed (keys must be unguessable).
+    #[error("random source failed: {0}")]
+    Random(getrandom::Error),
+}
+
+/// Why peer metadata could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetadataError {
+    /// Not valid metadata JSON.
+    #[error("peer metadata is not valid: {0}")]
+    Invalid(#[source] serde_json::Error),
+    /// A format version this build does not speak.
+    #[error("peer metadata has format version {found}; this build speaks {supported}")]
+    Version {
+        /// Version found.
+        found: u32,
+        /// Version supported.
+        supported: u32,
+    },
+}
+
+/// Why [`Agent::connect`](crate::Agent::connect) failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The metadata could not be loaded.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// TCP connect or handshake IO failed.
+    #[error("connecting to peer {peer} at {addr} failed")]
+    Io {
+        /// Peer name from its metadata.
+        peer: String,
+        /// Its address.
+        addr: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer speaks another protocol version or broke the handshake.
+    #[error("handshake with peer {peer} failed: {reason}")]
+    Handshake {
+        /// Peer name.
+        peer: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The peer refused our proof of the cluster token (or we have none and it wants one).
+    #[error("peer {peer} rejected our authentication (cluster token mismatch or missing)")]
+    AuthRejected {
+        /// Peer name.
+        peer: String,
+    },
+    /// The peer could not prove the cluster token we hold.
+    #[error("peer {peer} failed to prove the cluster token")]
+    PeerAuthFailed {
+        /// Peer name.
+        peer: String,
+    },
+    /// The requested backend cannot reach this peer.
+    #[error("backend {backend} unavailable for peer {peer}: {reason}")]
+    BackendUnavailable {
+        /// Backend name.
+        backend: &'static str,
+        /// Peer name.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// The OS random source failed.
+    #[error("random source failed: {0}")]
+    Random(getrandom::Error),
+    /// Starting a connection thread failed.
+    #[error("starting a connection thread failed")]
+    Thread(#[source] std::io::Error),
+}
+
+/// Why the target refused one read op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// Our connection has not completed the (authenticated) handshake.
+    Unauthenticated,
+    /// No region with that id is registered on the target.
+    UnknownRegion,
+    /// The key does not match the region's.
+    BadKey,
+    /// The range lies outside the region.
+    OutOfBounds,
+    /// The region's memory is not host-accessible (TCP cannot serve device memory).
+    NotHostAccessible,
+    /// The op is longer than the target's limit.
+    TooLong,
+    /// A code this build does not know.
+    Other(u8),
+}
+
+impl Refusal {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Self::Unauthenticated => 1,
+            Self::UnknownRegion => 2,
+            Self::BadKey => 3,
+            Self::OutOfBounds => 4,
+            Self::NotHostAccessible => 5,
+            Self::TooLong => 6,
+            Self::Other(c) => c,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Self {
+        match code {
+            1 => Self::Unauthenticated,
+            2 => Self::UnknownRegion,
+            3 => Self::BadKey,
+            4 => Self::OutOfBounds,
+            5 => Self::NotHostAccessible,
+            6 => Self::TooLong,
+            c => Self::Other(c),
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unauthenticated => f.write_str("unauthenticated"),
+            Self::UnknownRegion => f.write_str("unknown region"),
+            Self::BadKey => f.write_str("wrong region key"),
+            Self::OutOfBounds => f.write_str("range outside the region"),
+            Self::NotHostAccessible => f.write_str("region not host-accessible"),
+            Self::TooLong => f.write_str("read longer than the target's limit"),
+            Self::Other(c) => write!(f, "refusal code {c}"),
+        }
+    }
+}
+
+/// Why a read batch (or posting it) failed. Every variant names the peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// No such peer.
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(PeerId),
+    /// No such batch (never posted, or already reported Done/Failed).
+    #[error("unknown batch {0:?}")]
+    UnknownBatch(BatchId),
+    /// The batch is invalid before anything is sent (empty, too many ops, bad local range).
+    #[error("invalid batch for peer {peer}: {reason}")]
+    InvalidBatch {
+        /// Peer name.
+        peer: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A local destination range is unusable.
+    #[error("local range for peer {peer} refused")]
+    Local {
+        /// Peer name.
+        peer: String,
+        /// Why.
+        #[source]
+        source: RegionAccessError,
+    },
+    /// The target refused a read op.
+    #[error("peer {peer} refused a read of region {region} [{offset}+{len}]: {reason}")]
+    Refused {
+        /// Peer name.
+        peer: String,
+        /// Remote region id.
+        region: u64,
+        /// Remote offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        reason: Refusal,
+    },
+    /// Every connection to the peer is gone (or it closed mid-batch).
+    #[error("peer {peer} disconnected: {reason}")]
+    Disconnected {
+        /// Peer name.
+        peer: String,
+        /// What the connection saw.
+        reason: String,
+    },
+    /// The batch did not complete within the caller's timeout (peer stalled).
+    #[error("batch to peer {peer} timed out after {timeout:?}")]
+    Timeout {
+        /// Peer name.
+        peer: String,
+        /// The timeout the caller gave.
+        timeout: std::time::Duration,
+    },
+    /// The fence word read after all data differs from the expected generation: the
+    /// data read may come from released or reused blocks and must not be used.
+    #[error("fence mismatch on peer {peer}: expected generation {expected}, found {found}")]
+    FenceMismatch {
+        /// Peer name.
+        peer: String,
+        /// The generation the reader was given.
+        expected: u64,
+        /// The word found after the data reads.
+        found: u64,
+    },
+    /// The notification is larger than the limit.
+    #[error("notification of {len} bytes exceeds the limit of {max} bytes (peer {peer})")]
+    NotifTooLarge {
+        /// Peer name.
+        peer: String,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The backend cannot do this (e.g. a verbs peer without the feature).
+    #[error("backend of peer {peer} cannot do this: {reason}")]
+    Unsupported {
+        /// Peer name.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+}

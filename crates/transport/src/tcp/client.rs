@@ -1,0 +1,590 @@
+//! The reader side: connections to one peer, striping, completion of chunks.
+
+use std::collections::HashMap;
+use std::io::{self, BufReader, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{Receiver, Sender};
+use kvlease_gpu_mem::{DmaRegion, RegionBytes};
+
+use super::wire::{self, Body, FrameError};
+use crate::agent::{FenceRead, Inner, bump, lock};
+use crate::batch::{Batch, Next};
+use crate::error::{ConnectError, Refusal, TransferError};
+use crate::metadata::AgentMetadata;
+
+/// One chunk of a read op, bound for one connection.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub(crate) dest: Arc<dyn DmaRegion>,
+    pub(crate) dest_offset: u64,
+    pub(crate) remote: crate::agent::RemoteRange,
+    pub(crate) len: u64,
+}
+
+#[derive(Debug)]
+enum Dest {
+    Data {
+        region: Arc<dyn DmaRegion>,
+        offset: u64,
+    },
+    Fence {
+        expected: u64,
+    },
+}
+
+#[derive(Debug)]
+struct PendingOp {
+    batch: Arc<Batch>,
+    dest: Dest,
+    region: u64,
+    offset: u64,
+    len: u64,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// False once the connection died: nothing more is queued on it.
+    alive: bool,
+    ops: HashMap<u64, PendingOp>,
+}
+
+/// What the writer thread is told.
+enum Out {
+    Bytes(Vec<u8>),
+    Stop,
+}
+
+#[derive(Debug)]
+pub(crate) struct Conn {
+    index: usize,
+    tx: Sender<Out>,
+    pending: Mutex<Pending>,
+    /// The batch whose bytes the reader is receiving right now (0: none).
+    receiving: AtomicU64,
+    socket: TcpStream,
+}
+
+impl std::fmt::Debug for Out {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Bytes(b) => write!(f, "Bytes({})", b.len()),
+            Self::Stop => f.write_str("Stop"),
+        }
+    }
+}
+
+impl Conn {
+    fn is_alive(&self) -> bool {
+        lock(&self.pending).alive
+    }
+
+    fn kill(&self) {
+        let _ = self.socket.shutdown(Shutdown::Both);
+        let _ = self.tx.send(Out::Stop);
+    }
+}
+
+/// The TCP link to one peer: `num_connections` connections, each with a reader and a
+/// writer thread.
+#[derive(Debug)]
+pub(crate) struct TcpLink {
+    peer: String,
+    conns: Vec<Arc<Conn>>,
+    next_conn: AtomicUsize,
+    next_req: AtomicU64,
+}
+
+pub(crate) fn connect(
+    inner: &Arc<Inner>,
+    meta: &AgentMetadata,
+) -> Result<Arc<TcpLink>, ConnectError> {
+    let io_err = |source: io::Error| ConnectError::Io {
+        peer: meta.name.clone(),
+        addr: meta.tcp_addr.clone(),
+        source,
+    };
+    let addr: SocketAddr = meta
+        .tcp_addr
+        .to_socket_addrs()
+        .map_err(io_err)?
+        .next()
+        .ok_or_else(|| {
+            io_err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "address resolves to nothing",
+            ))
+        })?;
+    let mut streams = Vec::with_capacity(inner.num_connections);
+    for index in 0..inner.num_connections {
+        let stream =
+            TcpStream::connect_timeout(&addr, inner.limits.handshake_timeout).map_err(io_err)?;
+        handshake(inner, meta, &stream, index).map_err(|e| match e {
+            HandshakeError::Io(source) => io_err(source),
+            HandshakeError::Connect(e) => e,
+        })?;
+        streams.push(stream);
+    }
+    let mut conns = Vec::with_capacity(streams.len());
+    let mut readers = Vec::with_capacity(streams.len());
+    for (index, stream) in streams.into_iter().enumerate() {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let socket = stream.try_clone().map_err(io_err)?;
+        let writer = stream.try_clone().map_err(io_err)?;
+        let conn = Arc::new(Conn {
+            index,
+            tx,
+            pending: Mutex::new(Pending {
+                alive: true,
+                ops: HashMap::new(),
+            }),
+            receiving: AtomicU64::new(0),
+            socket,
+        });
+        std::thread::Builder::new()
+            .name(format!("kvl-tx-{}-{index}", meta.name))
+            .spawn(move || write_loop(writer, &rx))
+            .map_err(ConnectError::Thread)?;
+        readers.push((conn.clone(), stream));
+        conns.push(conn);
+    }
+    let link = Arc::new(TcpLink {
+        peer: meta.name.clone(),
+        conns,
+        next_conn: AtomicUsize::new(0),
+        next_req: AtomicU64::new(1),
+    });
+    for (conn, stream) in readers {
+        let link2 = link.clone();
+        let inner2 = inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvl-rx-{}-{}", meta.name, conn.index))
+            .spawn(move || read_loop(&inner2, &link2, &conn, stream));
+        if let Err(e) = spawned {
+            link.close();
+            return Err(ConnectError::Thread(e));
+        }
+    }
+    tracing::debug!(peer = %meta.name, %addr, conns = link.conns.len(), "connected over TCP");
+    Ok(link)
+}
+
+enum HandshakeError {
+    Io(io::Error),
+    Connect(ConnectError),
+}
+
+impl From<io::Error> for HandshakeError {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+fn handshake(
+    inner: &Inner,
+    meta: &AgentMetadata,
+    stream: &TcpStream,
+    index: usize,
+) -> Result<(), HandshakeError> {
+    let peer = || meta.name.clone();
+    let bad = |reason: String| {
+        HandshakeError::Connect(ConnectError::Handshake {
+            peer: peer(),
+            reason,
+        })
+    };
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
+    stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
+    let mut s = stream;
+    let client_nonce =
+        wire::random_nonce().map_err(|e| HandshakeError::Connect(ConnectError::Random(e)))?;
+    // `num_connections` is at most 64.
+    let extra = (index as u16).to_le_bytes();
+    s.write_all(&wire::frame(
+        wire::HELLO,
+        &wire::hello_body(&extra, &client_nonce, &inner.name),
+    ))?;
+    let frame_err = |e: FrameError| match e {
+        FrameError::Io(e) => HandshakeError::Io(e),
+        FrameError::Malformed(why) => bad(why),
+    };
+    let (_, len) = wire::read_header(&mut s, &[wire::CHALLENGE], |_| wire::MAX_CONTROL_BODY)
+        .map_err(frame_err)?;
+    let body = wire::read_body(&mut s, len).map_err(frame_err)?;
+    let mut b = Body(&body);
+    let version = b.u16().map_err(frame_err)?;
+    if version != wire::PROTOCOL_VERSION {
+        return Err(bad(format!(
+            "peer speaks protocol version {version}, we speak {}",
+            wire::PROTOCOL_VERSION
+        )));
+    }
+    let auth_required = b.u8().map_err(frame_err)? != 0;
+    let server_nonce = b.nonce().map_err(frame_err)?;
+    let server_name = b.name().map_err(frame_err)?;
+    b.finish().map_err(frame_err)?;
+    if server_name != meta.name {
+        return Err(bad(format!(
+            "the agent at {} is called {server_name:?}, its metadata says {:?}",
+            meta.tcp_addr, meta.name
+        )));
+    }
+    let proof = inner.token.as_ref().map(|t| {
+        wire::proof(
+            t,
+            b"client",
+            &server_nonce,
+            &client_nonce,
+            &inner.name,
+            &server_name,
+        )
+    });
+    s.write_all(&wire::frame(
+        wire::PROOF,
+        &wire::proof_body(None, proof.as_ref()),
+    ))?;
+    let (_, len) = wire::read_header(&mut s, &[wire::AUTH_RESULT], |_| wire::MAX_CONTROL_BODY)
+        .map_err(frame_err)?;
+    let body = wire::read_body(&mut s, len).map_err(frame_err)?;
+    let mut b = Body(&body);
+    let ok = b.u8().map_err(frame_err)? != 0;
+    let answer = b.proof().map_err(frame_err)?;
+    b.finish().map_err(frame_err)?;
+    if !ok {
+        return Err(HandshakeError::Connect(ConnectError::AuthRejected {
+            peer: peer(),
+        }));
+    }
+    if let Some(token) = &inner.token {
+        let want = wire::proof(
+            token,
+            b"server",
+            &client_nonce,
+            &server_nonce,
+            &server_name,
+            &inner.name,
+        );
+        if !auth_required || !answer.is_some_and(|a| wire::proofs_equal(&a, &want)) {
+            return Err(HandshakeError::Connect(ConnectError::PeerAuthFailed {
+                peer: peer(),
+            }));
+        }
+    }
+    // From here on the batch timeouts bound everything (a stalled connection is shut down).
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(())
+}
+
+fn write_loop(mut stream: TcpStream, rx: &Receiver<Out>) {
+    let mut buf = Vec::new();
+    while let Ok(first) = rx.recv() {
+        let Out::Bytes(first) = first else { break };
+        buf.clear();
+        buf.extend_from_slice(&first);
+        let mut stop = false;
+        // Coalesce whatever else is queued into one write.
+        while buf.len() < (1 << 20) {
+            match rx.try_recv() {
+                Ok(Out::Bytes(b)) => buf.extend_from_slice(&b),
+                Ok(Out::Stop) => {
+                    stop = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if let Err(err) = stream.write_all(&buf) {
+            tracing::debug!(%err, "connection write failed");
+            let _ = stream.shutdown(Shutdown::Both);
+            break;
+        }
+        if stop {
+            break;
+        }
+    }
+}
+
+fn read_loop(inner: &Inner, link: &TcpLink, conn: &Conn, stream: TcpStream) {
+    let mut r = BufReader::with_capacity(64 * 1024, stream);
+    let reason = match receive(link, conn, &mut r) {
+        Err(FrameError::Malformed(why)) => {
+            bump(&inner.counters.malformed_frames);
+            tracing::warn!(peer = %link.peer, %why, "malformed frame from peer; connection closed");
+            format!("malformed frame: {why}")
+        }
+        Err(FrameError::Io(err)) => {
+            tracing::debug!(peer = %link.peer, %err, "connection to peer ended");
+            format!("connection {} closed: {err}", conn.index)
+        }
+        Ok(()) => unreachable!("receive only returns on error"),
+    };
+    conn.kill();
+    let ops = {
+        let mut p = lock(&conn.pending);
+        p.alive = false;
+        std::mem::take(&mut p.ops)
+    };
+    for (_, op) in ops {
+        link.fail(
+            &op.batch,
+            TransferError::Disconnected {
+                peer: link.peer.clone(),
+                reason: reason.clone(),
+            },
+        );
+    }
+}
+
+fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<(), FrameError> {
+    let mut scratch = Vec::new();
+    loop {
+        let (ty, len) = wire::read_header(r, &[wire::READ_RESP, wire::READ_ERR], |ty| {
+            if ty == wire::READ_RESP {
+                wire::READ_RESP_LEN
+            } else {
+                wire::READ_ERR_LEN
+            }
+        })?;
+        let body = wire::read_body(r, len)?;
+        let mut b = Body(&body);
+        let req = b.u64()?;
+        let op = lock(&conn.pending).ops.remove(&req);
+        if ty == wire::READ_ERR {
+            let code = b.u8()?;
+            b.finish()?;
+            if let Some(op) = op {
+                link.fail(
+                    &op.batch,
+                    TransferError::Refused {
+                        peer: link.peer.clone(),
+                        region: op.region,
+                        offset: op.offset,
+                        len: op.len,
+                        reason: Refusal::from_code(code),
+                    },
+                );
+            }
+            continue;
+        }
+        let n = b.u64()?;
+        b.finish()?;
+        let Some(op) = op else {
+            // A chunk of a batch that already failed (cancelled): skip its bytes.
+            discard(r, n, &mut scratch)?;
+            continue;
+        };
+        if n != op.len {
+            return Err(FrameError::Malformed(format!(
+                "response of {n} bytes to a read of {} bytes",
+                op.len
+            )));
+        }
+        // Decide under the batch lock whether the bytes may go into the destination: a
+        // failed batch's memory is the caller's again once `in_receive` is zero.
+        {
+            let mut st = op.batch.lock();
+            if !st.is_running() {
+                drop(st);
+                discard(r, n, &mut scratch)?;
+                continue;
+            }
+            st.in_receive += 1;
+            // Stored under the lock, so a timeout that sees `in_receive > 0` sees it too.
+            conn.receiving.store(op.batch.id, Ordering::SeqCst);
+        }
+        let result = match &op.dest {
+            Dest::Data { region, offset } => region
+                .with_bytes_mut(*offset, n, |buf| r.read_exact(buf))
+                .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
+                .map(|()| None),
+            Dest::Fence { .. } => {
+                let mut w = [0u8; 8];
+                r.read_exact(&mut w).map(|()| Some(u64::from_ne_bytes(w)))
+            }
+        };
+        conn.receiving.store(0, Ordering::SeqCst);
+        let next = {
+            let mut st = op.batch.lock();
+            st.in_receive -= 1;
+            match (&result, &op.dest) {
+                (Err(_), _) => Next::Nothing,
+                (Ok(Some(found)), Dest::Fence { expected }) => {
+                    st.fence_done(&link.peer, *expected, *found)
+                }
+                _ => st.chunk_done(n),
+            }
+        };
+        if let Err(err) = result {
+            link.fail(
+                &op.batch,
+                TransferError::Disconnected {
+                    peer: link.peer.clone(),
+                    reason: format!("connection {} broke mid-read: {err}", conn.index),
+                },
+            );
+            return Err(err.into());
+        }
+        link.advance(&op.batch, next);
+    }
+}
+
+fn discard(r: &mut impl Read, mut n: u64, scratch: &mut Vec<u8>) -> io::Result<()> {
+    scratch.resize(64 * 1024, 0);
+    while n > 0 {
+        // `n.min(len)` fits the scratch buffer.
+        let take = n.min(scratch.len() as u64) as usize;
+        r.read_exact(&mut scratch[..take])?;
+        n -= take as u64;
+    }
+    Ok(())
+}
+
+impl TcpLink {
+    fn alive_conns(&self) -> Vec<&Arc<Conn>> {
+        self.conns.iter().filter(|c| c.is_alive()).collect()
+    }
+
+    fn disconnected(&self) -> TransferError {
+        TransferError::Disconnected {
+            peer: self.peer.clone(),
+            reason: "no live connection".into(),
+        }
+    }
+
+    /// Queues `op` on `conn` and returns the request frame, or `None` if it died.
+    fn enqueue(
+        &self,
+        conn: &Conn,
+        op: PendingOp,
+        key: u64,
+    ) -> Option<[u8; wire::HEADER_LEN + wire::READ_REQ_LEN]> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let frame = wire::read_req(req, op.region, key, op.offset, op.len);
+        let mut p = lock(&conn.pending);
+        if !p.alive {
+            return None;
+        }
+        p.ops.insert(req, op);
+        Some(frame)
+    }
+
+    pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
+        let conns = self.alive_conns();
+        if conns.is_empty() {
+            return Err(self.disconnected());
+        }
+        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let mut frames: Vec<Vec<u8>> = vec![Vec::new(); conns.len()];
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let k = (start + i) % conns.len();
+            let op = PendingOp {
+                batch: batch.clone(),
+                dest: Dest::Data {
+                    region: chunk.dest,
+                    offset: chunk.dest_offset,
+                },
+                region: chunk.remote.region,
+                offset: chunk.remote.offset,
+                len: chunk.len,
+            };
+            match self.enqueue(conns[k], op, chunk.remote.key) {
+                Some(f) => frames[k].extend_from_slice(&f),
+                None => {
+                    // Raced with the connection dying: fail the batch (ops already
+                    // queued elsewhere are cancelled).
+                    self.fail(batch, self.disconnected());
+                    return Ok(());
+                }
+            }
+        }
+        for (k, f) in frames.into_iter().enumerate() {
+            if !f.is_empty() {
+                let _ = conns[k].tx.send(Out::Bytes(f));
+            }
+        }
+        Ok(())
+    }
+
+    fn post_fence(&self, batch: &Arc<Batch>, fence: FenceRead) {
+        let conns = self.alive_conns();
+        let Some(conn) = conns.first() else {
+            self.fail(batch, self.disconnected());
+            return;
+        };
+        let op = PendingOp {
+            batch: batch.clone(),
+            dest: Dest::Fence {
+                expected: fence.expected,
+            },
+            region: fence.remote.region,
+            offset: fence.remote.offset,
+            len: 8,
+        };
+        match self.enqueue(conn, op, fence.remote.key) {
+            Some(f) => {
+                let _ = conn.tx.send(Out::Bytes(f.to_vec()));
+            }
+            None => self.fail(batch, self.disconnected()),
+        }
+    }
+
+    /// Acts on what the batch state asked for after a completion.
+    fn advance(&self, batch: &Arc<Batch>, next: Next) {
+        match next {
+            Next::Nothing => {}
+            Next::Fence(fence) => self.post_fence(batch, fence),
+            Next::Notify(bytes) => match self.send_notif(bytes) {
+                Ok(()) => batch.lock().finish(),
+                Err(e) => self.fail(batch, e),
+            },
+            Next::Finish => batch.lock().finish(),
+        }
+    }
+
+    /// Fails `batch` and cancels its chunks still queued on any connection.
+    pub(crate) fn fail(&self, batch: &Batch, err: TransferError) {
+        if !batch.lock().fail(err) {
+            return;
+        }
+        for conn in &self.conns {
+            lock(&conn.pending)
+                .ops
+                .retain(|_, op| op.batch.id != batch.id);
+        }
+    }
+
+    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        // The first live connection carries notifications, so they stay in order while
+        // it lives.
+        let conns = self.alive_conns();
+        let conn = conns.first().ok_or_else(|| self.disconnected())?;
+        let mut f = Vec::with_capacity(wire::HEADER_LEN + bytes.len());
+        f.extend_from_slice(&wire::header(wire::NOTIF, bytes.len()));
+        f.extend_from_slice(&bytes);
+        conn.tx.send(Out::Bytes(f)).map_err(|_| self.disconnected())
+    }
+
+    /// Called once a batch timed out (already marked failed): cancels its queued chunks
+    /// and shuts down connections that are receiving into its memory right now.
+    pub(crate) fn on_timeout(&self, batch: &Batch) {
+        for conn in &self.conns {
+            lock(&conn.pending)
+                .ops
+                .retain(|_, op| op.batch.id != batch.id);
+            if conn.receiving.load(Ordering::SeqCst) == batch.id {
+                tracing::warn!(peer = %self.peer, conn = conn.index, "batch timed out mid-transfer; closing the connection");
+                conn.kill();
+            }
+        }
+    }
+
+    pub(crate) fn close(&self) {
+        for conn in &self.conns {
+            conn.kill();
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! The TCP backend.
+//!
+//! The target side (P) runs a listener thread and one thread per inbound connection; each
+//! reads request frames and answers a `READ_REQ` by writing the response header and the
+//! bytes straight from the registered region to the socket (one vectored write, no
+//! staging copy), after checking authentication, the region id, its key and the bounds.
+//! The reader side (D) opens `num_connections` connections per peer, each with a writer
+//! thread (request frames, coalesced) and a reader thread that receives each response
+//! straight into the destination region. Chunks of a batch are striped round-robin over
+//! the live connections. See [`wire`] for the frames.
+
+pub(crate) mod client;
+pub(crate) mod server;
+pub(crate) mod wire;
+
+pub(crate) use client::{Chunk, TcpLink};

@@ -1,0 +1,271 @@
+//! The target side: accepts connections and serves reads from registered regions.
+
+use std::io::{self, BufReader, IoSlice, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+
+use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
+
+use super::wire::{self, Body, FrameError};
+use crate::agent::{Inner, bump, lock};
+use crate::error::Refusal;
+
+pub(crate) fn spawn_listener(
+    inner: Arc<Inner>,
+    listener: TcpListener,
+) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("kvl-listen-{}", inner.local_addr.port()))
+        .spawn(move || accept_loop(&inner, &listener))
+}
+
+fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
+    for stream in listener.incoming() {
+        if inner.shutdown.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(err) => {
+                tracing::warn!(%err, "accept failed");
+                // Out of descriptors and similar: back off instead of spinning.
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        bump(&inner.counters.connections_accepted);
+        let id = inner.fresh_id();
+        if let Ok(clone) = stream.try_clone() {
+            lock(&inner.inbound).insert(id, clone);
+        }
+        let inner2 = inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvl-serve-{id}"))
+            .spawn(move || {
+                let peer_addr = stream.peer_addr().ok();
+                let _ = serve(&inner2, stream).inspect_err(|err| match err {
+                    FrameError::Malformed(why) => {
+                        bump(&inner2.counters.malformed_frames);
+                        tracing::warn!(?peer_addr, %why, "malformed frame; connection closed");
+                    }
+                    FrameError::Io(err) => {
+                        tracing::debug!(?peer_addr, %err, "inbound connection ended");
+                    }
+                });
+                if let Some(s) = lock(&inner2.inbound).remove(&id) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+            });
+        if let Err(err) = spawned {
+            tracing::error!(%err, "could not start a connection thread; connection dropped");
+            if let Some(s) = lock(&inner.inbound).remove(&id) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+enum Phase {
+    /// Waiting for HELLO.
+    Hello,
+    /// CHALLENGE sent, waiting for PROOF.
+    Proof {
+        client_nonce: wire::Nonce,
+        server_nonce: wire::Nonce,
+        client_name: String,
+    },
+    /// PROOF accepted.
+    Authenticated { client_name: String },
+    /// PROOF refused: reads are refused and notifications dropped.
+    Rejected,
+}
+
+fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
+    stream.set_write_timeout(Some(inner.limits.serve_write_timeout))?;
+    let mut out = stream.try_clone()?;
+    let mut r = BufReader::with_capacity(64 * 1024, stream);
+    let mut phase = Phase::Hello;
+    let max_notif = inner.limits.max_notif_len;
+    loop {
+        let allowed: &[u8] = match phase {
+            Phase::Hello => &[wire::HELLO, wire::READ_REQ, wire::NOTIF],
+            Phase::Proof { .. } => &[wire::PROOF, wire::READ_REQ, wire::NOTIF],
+            Phase::Authenticated { .. } | Phase::Rejected => &[wire::READ_REQ, wire::NOTIF],
+        };
+        let (ty, len) = wire::read_header(&mut r, allowed, |ty| match ty {
+            wire::READ_REQ => wire::READ_REQ_LEN,
+            wire::NOTIF => max_notif,
+            _ => wire::MAX_CONTROL_BODY,
+        })?;
+        let body = wire::read_body(&mut r, len)?;
+        let mut b = Body(&body);
+        match ty {
+            wire::HELLO => {
+                let version = b.u16()?;
+                let _conn_index = b.u16()?;
+                let client_nonce = b.nonce()?;
+                let client_name = b.name()?;
+                b.finish()?;
+                let server_nonce =
+                    wire::random_nonce().map_err(|e| io::Error::other(e.to_string()))?;
+                let extra = [u8::from(inner.token.is_some())];
+                out.write_all(&wire::frame(
+                    wire::CHALLENGE,
+                    &wire::hello_body(&extra, &server_nonce, &inner.name),
+                ))?;
+                if version != wire::PROTOCOL_VERSION {
+                    // The client sees our version in the CHALLENGE and gives up.
+                    return Err(FrameError::Malformed(format!("protocol version {version}")));
+                }
+                phase = Phase::Proof {
+                    client_nonce,
+                    server_nonce,
+                    client_name,
+                };
+            }
+            wire::PROOF => {
+                let proof = b.proof()?;
+                b.finish()?;
+                let Phase::Proof {
+                    client_nonce,
+                    server_nonce,
+                    client_name,
+                } = std::mem::replace(&mut phase, Phase::Rejected)
+                else {
+                    unreachable!("PROOF is only allowed in the Proof phase");
+                };
+                let (ok, answer) = match &inner.token {
+                    None => (true, None),
+                    Some(token) => {
+                        let want = wire::proof(
+                            token,
+                            b"client",
+                            &server_nonce,
+                            &client_nonce,
+                            &client_name,
+                            &inner.name,
+                        );
+                        let ok = proof.is_some_and(|p| wire::proofs_equal(&p, &want));
+                        let answer = ok.then(|| {
+                            wire::proof(
+                                token,
+                                b"server",
+                                &client_nonce,
+                                &server_nonce,
+                                &inner.name,
+                                &client_name,
+                            )
+                        });
+                        (ok, answer)
+                    }
+                };
+                out.write_all(&wire::frame(
+                    wire::AUTH_RESULT,
+                    &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
+                ))?;
+                if ok {
+                    tracing::debug!(peer = %client_name, "inbound peer authenticated");
+                    // Authenticated peers may idle as long as they like.
+                    r.get_ref().set_read_timeout(None)?;
+                    phase = Phase::Authenticated { client_name };
+                } else {
+                    bump(&inner.counters.auth_failures);
+                    tracing::warn!(peer = %client_name, "inbound peer failed the token proof");
+                }
+            }
+            wire::READ_REQ => {
+                let req = b.u64()?;
+                let region = b.u64()?;
+                let key = b.u64()?;
+                let offset = b.u64()?;
+                let len = b.u64()?;
+                b.finish()?;
+                let authed = matches!(phase, Phase::Authenticated { .. });
+                serve_read(inner, &mut out, authed, req, region, key, offset, len)?;
+            }
+            wire::NOTIF => match &phase {
+                Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
+                _ => {
+                    bump(&inner.counters.notifs_dropped_unauthenticated);
+                    tracing::warn!("notification from an unauthenticated connection dropped");
+                }
+            },
+            _ => unreachable!("read_header only returns allowed types"),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn serve_read(
+    inner: &Inner,
+    out: &mut TcpStream,
+    authed: bool,
+    req: u64,
+    region_id: u64,
+    key: u64,
+    offset: u64,
+    len: u64,
+) -> Result<(), FrameError> {
+    let refuse = |out: &mut TcpStream, why: Refusal| -> Result<(), FrameError> {
+        bump(&inner.counters.reads_refused);
+        if why == Refusal::Unauthenticated {
+            bump(&inner.counters.reads_refused_unauthenticated);
+        }
+        tracing::debug!(region_id, offset, len, %why, "read refused");
+        out.write_all(&wire::read_err(req, why.code()))?;
+        Ok(())
+    };
+    if !authed {
+        return refuse(out, Refusal::Unauthenticated);
+    }
+    if len > inner.limits.max_read_len {
+        return refuse(out, Refusal::TooLong);
+    }
+    let region = {
+        let regions = inner
+            .regions
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match regions.get(&region_id) {
+            None => None,
+            Some(r) if !wire::keys_equal(r.desc.key, key) => return refuse(out, Refusal::BadKey),
+            Some(r) => Some(r.region.clone()),
+        }
+    };
+    let Some(region) = region else {
+        return refuse(out, Refusal::UnknownRegion);
+    };
+    match region.check_host_range(offset, len) {
+        Ok(()) => {}
+        Err(RegionAccessError::NotHostAccessible { .. }) => {
+            return refuse(out, Refusal::NotHostAccessible);
+        }
+        Err(_) => return refuse(out, Refusal::OutOfBounds),
+    }
+    let header = wire::read_resp_header(req, len);
+    // A generation word is read atomically, so that it never tears against P's store.
+    let word = if len == 8 {
+        region.load_u64(offset).ok()
+    } else {
+        None
+    };
+    let sent = match word {
+        Some(w) => out.write_all(&[&header[..], &w.to_ne_bytes()].concat()),
+        None => region
+            .with_bytes(offset, len, |bytes| {
+                wire::write_all_vectored(out, &mut [IoSlice::new(&header), IoSlice::new(bytes)])
+            })
+            .unwrap_or_else(|e| Err(io::Error::other(e.to_string()))),
+    };
+    sent?;
+    bump(&inner.counters.reads_served);
+    inner
+        .counters
+        .bytes_served
+        .fetch_add(len, Ordering::Relaxed);
+    Ok(())
+}

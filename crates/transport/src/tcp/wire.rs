@@ -1,0 +1,268 @@
+//! The TCP backend's wire format.
+//!
+//! Every frame is `[type: u8][body_len: u32 LE][body]`, integers little-endian. A
+//! `READ_RESP` body is followed by its payload (`len` raw bytes, not counted in
+//! `body_len`), which the reader receives straight into the destination region.
+//!
+//! | type | dir | body |
+//! | --- | --- | --- |
+//! | 1 `HELLO` | D→P | version u16, conn index u16, 32-byte nonce, name len u16, name |
+//! | 2 `CHALLENGE` | P→D | version u16, auth required u8, 32-byte nonce, name len u16, name |
+//! | 3 `PROOF` | D→P | proof len u8 (0 or 32), proof |
+//! | 4 `AUTH_RESULT` | P→D | ok u8, proof len u8 (0 or 32), proof |
+//! | 5 `READ_REQ` | D→P | req id u64, region u64, key u64, offset u64, len u64 |
+//! | 6 `READ_RESP` | P→D | req id u64, len u64, then `len` payload bytes |
+//! | 7 `READ_ERR` | P→D | req id u64, refusal code u8 |
+//! | 8 `NOTIF` | D→P | the notification bytes |
+//!
+//! Proofs are HMAC-SHA256 under the cluster token: the client proves
+//! `"kvlease-tcp-v1 client" ‖ server nonce ‖ client nonce ‖ client name ‖ 0 ‖ server name`,
+//! the server answers with `"kvlease-tcp-v1 server" ‖ client nonce ‖ server nonce ‖ server
+//! name ‖ 0 ‖ client name`. Both nonces are fresh per connection, so a recorded proof is
+//! worthless on another connection.
+
+use std::io::{self, Read, Write};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Protocol version spoken in `HELLO` / `CHALLENGE`.
+pub(crate) const PROTOCOL_VERSION: u16 = 1;
+
+pub(crate) const HELLO: u8 = 1;
+pub(crate) const CHALLENGE: u8 = 2;
+pub(crate) const PROOF: u8 = 3;
+pub(crate) const AUTH_RESULT: u8 = 4;
+pub(crate) const READ_REQ: u8 = 5;
+pub(crate) const READ_RESP: u8 = 6;
+pub(crate) const READ_ERR: u8 = 7;
+pub(crate) const NOTIF: u8 = 8;
+
+/// Header bytes.
+pub(crate) const HEADER_LEN: usize = 5;
+/// Body of a `READ_REQ`.
+pub(crate) const READ_REQ_LEN: usize = 40;
+/// Body of a `READ_RESP` (before the payload).
+pub(crate) const READ_RESP_LEN: usize = 16;
+/// Body of a `READ_ERR`.
+pub(crate) const READ_ERR_LEN: usize = 9;
+/// Largest control body besides notifications (HELLO with a 64 KiB name is refused).
+pub(crate) const MAX_CONTROL_BODY: usize = 2 + 2 + 32 + 2 + 1024;
+
+pub(crate) type Nonce = [u8; 32];
+
+/// A frame that breaks the format: the connection is closed and the event counted.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum FrameError {
+    #[error("connection IO failed")]
+    Io(#[from] io::Error),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+}
+
+/// Reads one header, checking the type against `allowed` and the length against `max`.
+pub(crate) fn read_header(
+    r: &mut impl Read,
+    allowed: &[u8],
+    max_body: impl Fn(u8) -> usize,
+) -> Result<(u8, usize), FrameError> {
+    let mut h = [0u8; HEADER_LEN];
+    r.read_exact(&mut h)?;
+    let ty = h[0];
+    let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
+    if !allowed.contains(&ty) {
+        return Err(FrameError::Malformed(format!("unexpected frame type {ty}")));
+    }
+    let max = max_body(ty);
+    if len > max {
+        return Err(FrameError::Malformed(format!(
+            "frame type {ty} body of {len} bytes exceeds {max}"
+        )));
+    }
+    Ok((ty, len))
+}
+
+pub(crate) fn header(ty: u8, body_len: usize) -> [u8; HEADER_LEN] {
+    // Bodies are bounded by the limits (all far below 4 GiB) before a header is built.
+    let l = u32::try_from(body_len).unwrap_or(u32::MAX).to_le_bytes();
+    [ty, l[0], l[1], l[2], l[3]]
+}
+
+pub(crate) fn frame(ty: u8, body: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER_LEN + body.len());
+    v.extend_from_slice(&header(ty, body.len()));
+    v.extend_from_slice(body);
+    v
+}
+
+/// A cursor over a body that reports truncation as a malformed frame.
+pub(crate) struct Body<'a>(pub(crate) &'a [u8]);
+
+impl Body<'_> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&[u8], FrameError> {
+        if self.0.len() < n {
+            return Err(FrameError::Malformed("truncated frame body".into()));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, FrameError> {
+        Ok(self.take(1)?[0])
+    }
+    pub(crate) fn u16(&mut self) -> Result<u16, FrameError> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, FrameError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+    pub(crate) fn nonce(&mut self) -> Result<Nonce, FrameError> {
+        let mut a = [0u8; 32];
+        a.copy_from_slice(self.take(32)?);
+        Ok(a)
+    }
+    pub(crate) fn name(&mut self) -> Result<String, FrameError> {
+        let n = self.u16()? as usize;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| FrameError::Malformed("name is not UTF-8".into()))
+    }
+    pub(crate) fn proof(&mut self) -> Result<Option<[u8; 32]>, FrameError> {
+        match self.u8()? {
+            0 => Ok(None),
+            32 => {
+                let mut a = [0u8; 32];
+                a.copy_from_slice(self.take(32)?);
+                Ok(Some(a))
+            }
+            n => Err(FrameError::Malformed(format!("proof of {n} bytes"))),
+        }
+    }
+    pub(crate) fn finish(&self) -> Result<(), FrameError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(FrameError::Malformed("trailing bytes in frame body".into()))
+        }
+    }
+}
+
+pub(crate) fn read_body(r: &mut impl Read, len: usize) -> Result<Vec<u8>, FrameError> {
+    let mut b = vec![0u8; len];
+    r.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// `HELLO` / `CHALLENGE` bodies.
+pub(crate) fn hello_body(extra: &[u8], nonce: &Nonce, name: &str) -> Vec<u8> {
+    let mut b = Vec::with_capacity(2 + extra.len() + 32 + 2 + name.len());
+    b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    b.extend_from_slice(extra);
+    b.extend_from_slice(nonce);
+    // Names are checked to be at most 1024 bytes when the agent is built.
+    b.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    b.extend_from_slice(name.as_bytes());
+    b
+}
+
+pub(crate) fn proof_body(ok: Option<u8>, proof: Option<&[u8; 32]>) -> Vec<u8> {
+    let mut b = Vec::with_capacity(34);
+    if let Some(ok) = ok {
+        b.push(ok);
+    }
+    match proof {
+        Some(p) => {
+            b.push(32);
+            b.extend_from_slice(p);
+        }
+        None => b.push(0),
+    }
+    b
+}
+
+pub(crate) fn read_req(
+    req: u64,
+    region: u64,
+    key: u64,
+    offset: u64,
+    len: u64,
+) -> [u8; HEADER_LEN + READ_REQ_LEN] {
+    let mut f = [0u8; HEADER_LEN + READ_REQ_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(READ_REQ, READ_REQ_LEN));
+    for (i, v) in [req, region, key, offset, len].into_iter().enumerate() {
+        f[HEADER_LEN + 8 * i..HEADER_LEN + 8 * (i + 1)].copy_from_slice(&v.to_le_bytes());
+    }
+    f
+}
+
+pub(crate) fn read_resp_header(req: u64, len: u64) -> [u8; HEADER_LEN + READ_RESP_LEN] {
+    let mut f = [0u8; HEADER_LEN + READ_RESP_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(READ_RESP, READ_RESP_LEN));
+    f[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&req.to_le_bytes());
+    f[HEADER_LEN + 8..].copy_from_slice(&len.to_le_bytes());
+    f
+}
+
+pub(crate) fn read_err(req: u64, code: u8) -> [u8; HEADER_LEN + READ_ERR_LEN] {
+    let mut f = [0u8; HEADER_LEN + READ_ERR_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(READ_ERR, READ_ERR_LEN));
+    f[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&req.to_le_bytes());
+    f[HEADER_LEN + 8] = code;
+    f
+}
+
+pub(crate) fn random_nonce() -> Result<Nonce, getrandom::Error> {
+    let mut n = [0u8; 32];
+    getrandom::fill(&mut n)?;
+    Ok(n)
+}
+
+/// The proof for `role` (`b"client"` or `b"server"`).
+pub(crate) fn proof(
+    token: &[u8],
+    role: &[u8],
+    first: &Nonce,
+    second: &Nonce,
+    own_name: &str,
+    peer_name: &str,
+) -> [u8; 32] {
+    // HMAC accepts keys of any length.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).unwrap_or_else(|_| unreachable!());
+    mac.update(b"kvlease-tcp-v1 ");
+    mac.update(role);
+    mac.update(first);
+    mac.update(second);
+    mac.update(own_name.as_bytes());
+    mac.update(&[0]);
+    mac.update(peer_name.as_bytes());
+    mac.finalize().into_bytes().into()
+}
+
+/// Comparison of region keys without an early exit.
+pub(crate) fn keys_equal(a: u64, b: u64) -> bool {
+    (a ^ b) == 0
+}
+
+/// Constant-time comparison of two proofs.
+pub(crate) fn proofs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Writes all of `bufs` with vectored writes (header + payload without a staging copy).
+pub(crate) fn write_all_vectored(
+    w: &mut impl Write,
+    mut bufs: &mut [io::IoSlice<'_>],
+) -> io::Result<()> {
+    io::IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
