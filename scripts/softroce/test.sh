@@ -4,7 +4,7 @@
 # guest-rxe-setup.sh). The test binary is built on the host; the guest runs it from the
 # shared root file system with KVLEASE_REQUIRE_RDMA=1, so a broken harness fails instead of
 # skipping. Exits non-zero on any failure; prints cargo's test summary line.
-#   env: SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg)
+#   env: SR_TEST_ARGS (extra libtest args, e.g. --nocapture), SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 HERE=$ROOT/scripts/softroce
@@ -35,7 +35,7 @@ export KVLEASE_REQUIRE_RDMA=1 KV_TEST_RDMA_DEV=rxeP KV_TEST_RDMA_PEER_DEV=rxeD \
   KV_TEST_RDMA_ADDR=10.77.2.1 KV_TEST_RDMA_PEER_ADDR=10.77.2.2 RUST_BACKTRACE=1
 export SR_TIMEOUT=${SR_TEST_TIMEOUT:-240}
 # Hard limit on the whole VM run (qemu is also limited by SR_TIMEOUT inside run-vm.sh).
-timeout -k 10 $(( SR_TIMEOUT + 30 )) bash "$HERE/rxe-vm-exec.sh" "$bin" --test-threads=1 2>&1 | tee "$LOG"
+timeout -k 10 $(( SR_TIMEOUT + 30 )) bash "$HERE/rxe-vm-exec.sh" "$bin" --test-threads=1 ${SR_TEST_ARGS:-} 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 summary=$(grep -a '^test result:' "$LOG" | tail -1)
 echo "softroce/test.sh: rc=$rc wall_s=$(( $(date +%s) - T0 )) ${summary:-no test summary (VM or binary failed)}"
