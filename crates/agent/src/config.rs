@@ -716,32 +716,32 @@ pub struct CommonArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port of the HTTP API (OpenAI-style completions, /health, /metrics).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8000)]
     pub port: u16,
     /// First port of the handshake side channel; TP rank r listens on this port + r
     /// (like VLLM_NIXL_SIDE_CHANNEL_PORT).
-    #[arg(long, default_value_t = 5600)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 5600)]
     pub side_channel_port: u16,
     /// This engine's id (default: generated, unique per start).
     #[arg(long)]
     pub engine_id: Option<EngineId>,
     /// Tensor-parallel workers; each holds num_kv_heads / tp_size heads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub tp_size: u32,
     /// KV blocks in each rank's pool.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 512)]
     pub num_blocks: u32,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
     pub block_size: u32,
     /// Model layers.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
     pub num_layers: u32,
     /// KV heads of the whole model (split across TP ranks).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub num_kv_heads: u32,
     /// Head dimension, in elements (bf16).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub head_dim: u32,
     /// Data path for KV reads.
     #[arg(long, value_enum, default_value_t = TransportChoice::Auto)]
@@ -929,10 +929,10 @@ pub struct PrefillArgs {
     #[command(flatten)]
     pub common: CommonArgs,
     /// Simulated prefill cost per prompt token, in microseconds (stands in for the model).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 20)]
     pub prefill_us_per_token: u64,
     /// How long a request waits for free KV blocks before it gets a 503, in milliseconds.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 5000)]
     pub pool_wait_ms: u64,
 }
 
@@ -987,13 +987,13 @@ pub struct DecodeArgs {
     #[command(flatten)]
     pub common: CommonArgs,
     /// Requests decoding at once; the rest wait in the queue.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub max_running: u32,
     /// Duration of one forward step (one token for every running request), in milliseconds.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10)]
     pub step_ms: u64,
     /// Longest waiting queue; a request arriving to a full queue gets a 503.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1024)]
     pub max_waiting: u32,
 }
 
@@ -1326,6 +1326,8 @@ mod tests {
             "{clap_err}"
         );
         assert!(prefill(&["--transport", "rdma"]).is_err());
+        let negative = prefill(&["--tp-size", "-1"]).unwrap_err().to_string();
+        assert!(negative.contains("--tp-size"), "{negative}");
         assert!(prefill(&["--auth-token", ""]).is_err());
         for (args, flag) in [
             (&["--max-running", "0"][..], "--max-running: must be"),

@@ -112,7 +112,7 @@ pub struct ProxyArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on.
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8080)]
     pub port: u16,
     /// Prefill agents' base URLs (http://host:port), used round-robin.
     #[arg(long, required = true, num_args = 1..)]
@@ -122,10 +122,10 @@ pub struct ProxyArgs {
     pub decode: Vec<String>,
     /// Time limit for one upstream request, in seconds: for P the whole answer, for D the
     /// whole answer (or, when streaming, the first byte and every gap between chunks).
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 600.0)]
     pub timeout_secs: f64,
     /// Time limit for connecting to an upstream, in milliseconds.
-    #[arg(long, default_value_t = 3000)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3000)]
     pub connect_timeout_ms: u64,
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]

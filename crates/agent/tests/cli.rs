@@ -1,0 +1,151 @@
+//! The binaries, run for real: bad flags and bad `--kv-transfer-config` exit non-zero with
+//! a message that names the flag or the key; good flags start a server.
+
+use std::io::Read as _;
+use std::net::TcpListener;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+
+const PROXY: &str = env!("CARGO_BIN_EXE_kvlease-proxy");
+
+/// Runs `bin` with `args`, killing it after 20 s (a bad-flag run must exit at once).
+fn run(bin: &str, args: &[&str]) -> Result<Output> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {bin}"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            child.kill()?;
+            bail!("{bin} {args:?} did not exit within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child.wait_with_output()?)
+}
+
+/// Asserts that `bin args` fails and that its stderr holds every one of `needles`.
+fn assert_rejected(bin: &str, args: &[&str], needles: &[&str]) -> Result<()> {
+    let out = run(bin, args)?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "{bin} {args:?} succeeded; stderr: {stderr}"
+    );
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "{bin} {args:?}: stderr lacks {needle:?}:\n{stderr}"
+        );
+    }
+    Ok(())
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Kills the child on drop, so a failing test leaves no process behind.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Polls `GET http://127.0.0.1:port/health` until it answers 200 (raw HTTP/1.1, no client
+/// library needed), or the child exits, or 20 s pass.
+fn wait_healthy(child: &mut Running, port: u16) -> Result<()> {
+    use std::io::Write as _;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.0.try_wait()? {
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.0.stderr.take() {
+                pipe.read_to_string(&mut stderr)?;
+            }
+            bail!("exited with {status} before serving: {stderr}");
+        }
+        if let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+            stream.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")?;
+            let mut answer = String::new();
+            let _ = stream.read_to_string(&mut answer);
+            if answer.starts_with("HTTP/1.1 200") {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("no healthy answer on port {port} within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn proxy_rejects_bad_flags_naming_them() -> Result<()> {
+    assert_rejected(PROXY, &[], &["--prefill"])?;
+    assert_rejected(PROXY, &["--prefill", "http://127.0.0.1:1"], &["--decode"])?;
+    let base = ["--prefill", "http://127.0.0.1:1", "--decode"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    assert_rejected(
+        PROXY,
+        &with(&["https://127.0.0.1:2"]),
+        &["--decode", "only http://"],
+    )?;
+    assert_rejected(PROXY, &with(&["127.0.0.1:2"]), &["--decode"])?;
+    assert_rejected(
+        PROXY,
+        &with(&["http://127.0.0.1:2", "--timeout-secs", "-1"]),
+        &["--timeout-secs"],
+    )?;
+    assert_rejected(
+        PROXY,
+        &with(&["http://127.0.0.1:2", "--port", "notaport"]),
+        &["--port"],
+    )?;
+    assert_rejected(
+        PROXY,
+        &with(&["http://127.0.0.1:2", "--log-format", "xml"]),
+        &["--log-format"],
+    )?;
+    Ok(())
+}
+
+#[test]
+fn proxy_starts_serves_health_and_reports_a_taken_port() -> Result<()> {
+    let port = free_port()?;
+    let port_text = port.to_string();
+    let args = [
+        "--port",
+        port_text.as_str(),
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+    ];
+    let child = Command::new(PROXY)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut running = Running(child);
+    wait_healthy(&mut running, port)?;
+    // A second proxy on the same port fails, naming the flag.
+    assert_rejected(PROXY, &args, &["--port", "cannot listen"])?;
+    Ok(())
+}
