@@ -1,0 +1,789 @@
+//! System tests: real `prefill-agent` and `decode-agent` processes on loopback over TCP.
+//!
+//! Every wait has a timeout, children are killed on drop, ports are picked free. Models
+//! are small (2 layers, 4 KV heads, head_dim 64, block_size 16) and leases short so that
+//! the whole binary runs in well under a minute on two cores.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvlease_agent::kv::{self, KvShape};
+use serde_json::{Value, json};
+
+const SHAPE: KvShape = KvShape {
+    num_layers: 2,
+    num_kv_heads: 4,
+    block_size: 16,
+    head_dim: 64,
+};
+
+fn free_port() -> u16 {
+    // Invariant: binding port 0 on loopback succeeds on any test host.
+    #[allow(clippy::expect_used)]
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    #[allow(clippy::expect_used)]
+    l.local_addr().expect("bound socket has an address").port()
+}
+
+/// A child process killed (SIGKILL) on drop.
+struct Proc {
+    child: Child,
+    name: String,
+    log: std::path::PathBuf,
+}
+
+impl Proc {
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
+        }
+    }
+}
+
+struct Agent {
+    proc: Proc,
+    url: String,
+}
+
+fn spawn(bin: &str, name: &str, args: &[String]) -> Result<Agent> {
+    let port = free_port();
+    let side_port = free_port();
+    let log =
+        std::env::temp_dir().join(format!("kvlease-system-{}-{name}.log", std::process::id()));
+    let file = std::fs::File::create(&log)?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--side-channel-port",
+            &side_port.to_string(),
+            "--engine-id",
+            name,
+        ])
+        .args([
+            "--num-layers",
+            "2",
+            "--num-kv-heads",
+            "4",
+            "--head-dim",
+            "64",
+            "--block-size",
+            "16",
+        ])
+        .args(["--transport", "tcp", "--memory", "host"])
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file.try_clone()?);
+    let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
+    Ok(Agent {
+        proc: Proc {
+            child,
+            name: name.to_owned(),
+            log,
+        },
+        url: format!("http://127.0.0.1:{port}"),
+    })
+}
+
+fn prefill(name: &str, args: &[&str]) -> Result<Agent> {
+    let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    spawn(env!("CARGO_BIN_EXE_prefill-agent"), name, &args)
+}
+
+fn decode(name: &str, args: &[&str]) -> Result<Agent> {
+    let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    spawn(env!("CARGO_BIN_EXE_decode-agent"), name, &args)
+}
+
+fn kv_config(role: &str, extra: Value) -> String {
+    json!({"kv_connector": "kvlease", "kv_role": role, "kv_connector_extra_config": extra})
+        .to_string()
+}
+
+fn client() -> reqwest::Client {
+    // Invariant: a default client with a timeout always builds.
+    #[allow(clippy::expect_used)]
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+async fn wait_healthy(c: &reqwest::Client, a: &mut Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = c.get(format!("{}/health", a.url)).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = a.proc.child.try_wait() {
+            bail!(
+                "{} exited with {status}: {}",
+                a.proc.name,
+                a.proc.log_tail()
+            );
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} not healthy in 20 s",
+            a.proc.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn metrics(c: &reqwest::Client, a: &Agent) -> Result<String> {
+    Ok(c.get(format!("{}/metrics", a.url))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
+/// The value of the series `series` (name plus labels, exactly as exposed).
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(f64::NAN)
+}
+
+async fn metric_of(c: &reqwest::Client, a: &Agent, series: &str) -> Result<f64> {
+    Ok(metric(&metrics(c, a).await?, series))
+}
+
+/// Polls `series` until `pred` holds, or fails after `timeout`.
+async fn wait_metric(
+    c: &reqwest::Client,
+    a: &Agent,
+    series: &str,
+    timeout: Duration,
+    pred: impl Fn(f64) -> bool,
+) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        let v = metric_of(c, a, series).await?;
+        if pred(v) {
+            return Ok(start.elapsed());
+        }
+        ensure!(
+            start.elapsed() < timeout,
+            "{series} = {v} after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn prompt(i: usize) -> String {
+    format!(
+        "request {i}: the quick brown fox jumps over the lazy dog {}",
+        "x".repeat(i % 37)
+    )
+}
+
+async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<(u16, Value)> {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let text = r.text().await?;
+    let v = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
+    Ok((status, v))
+}
+
+/// Prefills `prompt` on P; returns P's answer.
+async fn do_prefill(c: &reqwest::Client, p: &Agent, prompt: &str) -> Result<Value> {
+    let body = json!({"prompt": prompt, "max_tokens": 1, "stream": false,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}});
+    let (status, v) = post(c, &p.url, &body).await?;
+    ensure!(status == 200, "prefill: {status} {v}");
+    Ok(v)
+}
+
+fn d_body(prompt: &str, max_tokens: u32, p_answer: &Value) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": p_answer["kv_transfer_params"]})
+}
+
+/// Checks D's answer byte for byte against what the generator makes for `prompt`.
+fn check_answer(prompt: &str, max_tokens: u32, p_answer: &Value, d: &Value) -> Result<()> {
+    let want = kv::expected_digest(&SHAPE, &kv::tokenize(prompt));
+    ensure!(
+        p_answer["kv_digest"] == want.to_string(),
+        "P digest {} != {want}",
+        p_answer["kv_digest"]
+    );
+    ensure!(
+        d["kv_digest"] == want.to_string(),
+        "D digest {} != {want}",
+        d["kv_digest"]
+    );
+    let text = kv::decode_text(want, max_tokens as usize).concat();
+    ensure!(
+        d["choices"][0]["text"] == text,
+        "text {} != {text}",
+        d["choices"][0]["text"]
+    );
+    ensure!(
+        d["usage"]["completion_tokens"] == max_tokens,
+        "usage {}",
+        d["usage"]
+    );
+    let bytes = d["kv_transfer_stats"]["bytes"].as_u64().unwrap_or(0);
+    let blocks = SHAPE.blocks_for(prompt.len()) as u64;
+    // Every block of every layer, K and V, every head, block_size × head_dim bf16.
+    let full = blocks * 2 * 2 * 4 * 16 * 64 * 2;
+    ensure!(bytes == full, "moved {bytes} bytes, expected {full}");
+    Ok(())
+}
+
+async fn pd(
+    p_args: &[&str],
+    d_args: &[&str],
+    tag: &str,
+) -> Result<(reqwest::Client, Agent, Agent)> {
+    let c = client();
+    let mut p = prefill(&format!("p-{tag}"), p_args)?;
+    let mut d = decode(&format!("d-{tag}"), d_args)?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    Ok((c, p, d))
+}
+
+async fn assert_nothing_leaks(
+    c: &reqwest::Client,
+    p: &Agent,
+    d: &Agent,
+    within: Duration,
+) -> Result<()> {
+    wait_metric(c, p, "kvlease_blocks_held", within, |v| v == 0.0).await?;
+    wait_metric(c, p, "kvlease_leases_active", within, |v| v == 0.0).await?;
+    wait_metric(c, d, "kvlease_requests_tracked", within, |v| v == 0.0).await?;
+    wait_metric(c, d, "kvlease_blocks_held", within, |v| v == 0.0).await?;
+    Ok(())
+}
+
+/// Reads an SSE response to the end; returns the text and the last data object.
+async fn read_sse(r: reqwest::Response) -> Result<(String, Value)> {
+    let body = r.text().await?;
+    let mut text = String::new();
+    let mut last = Value::Null;
+    let mut done = false;
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data)?;
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            text.push_str(t);
+        }
+        last = v;
+    }
+    ensure!(done, "stream did not end with [DONE]: {body}");
+    Ok((text, last))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn happy_path_byte_exact_digests() -> Result<()> {
+    let (c, p, d) = pd(
+        &["--tp-size", "2", "--num-blocks", "256"],
+        &[
+            "--tp-size",
+            "2",
+            "--num-blocks",
+            "256",
+            "--max-running",
+            "8",
+            "--step-ms",
+            "2",
+        ],
+        "happy",
+    )
+    .await?;
+    let n = 120;
+    let mut tasks = tokio::task::JoinSet::new();
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(8));
+    for i in 0..n {
+        let (c, purl, durl, sem) = (c.clone(), p.url.clone(), d.url.clone(), sem.clone());
+        tasks.spawn(async move {
+            let _permit = sem.acquire_owned().await?;
+            let prompt = prompt(i);
+            let pa = {
+                let body = json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+                let (s, v) = post(&c, &purl, &body).await?;
+                ensure!(s == 200, "prefill {i}: {s} {v}");
+                v
+            };
+            let max_tokens = 1 + (i % 5) as u32;
+            if i % 10 == 0 {
+                // Streaming: OpenAI chunks ending with [DONE].
+                let mut body = d_body(&prompt, max_tokens, &pa);
+                body["stream"] = json!(true);
+                let r = c.post(format!("{durl}/v1/completions")).json(&body).send().await?;
+                ensure!(r.status() == 200, "stream {i}: {}", r.status());
+                let (text, last) = read_sse(r).await?;
+                let want = kv::expected_digest(&SHAPE, &kv::tokenize(&prompt));
+                ensure!(text == kv::decode_text(want, max_tokens as usize).concat(), "stream text {text}");
+                ensure!(last["kv_digest"] == want.to_string(), "stream digest {}", last["kv_digest"]);
+            } else {
+                let (s, v) = post(&c, &durl, &d_body(&prompt, max_tokens, &pa)).await?;
+                ensure!(s == 200, "decode {i}: {s} {v}");
+                check_answer(&prompt, max_tokens, &pa, &v)?;
+            }
+            Ok::<_, anyhow::Error>(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(5)).await?;
+    let pm = metrics(&c, &p).await?;
+    let dm = metrics(&c, &d).await?;
+    assert_eq!(metric(&pm, "kvlease_leases_granted_total"), n as f64);
+    assert_eq!(
+        metric(&pm, "kvlease_leases_released_total{reason=\"completed\"}"),
+        n as f64
+    );
+    assert_eq!(
+        metric(&pm, "kvlease_requests_total{outcome=\"ok\"}"),
+        n as f64
+    );
+    assert_eq!(
+        metric(&dm, "kvlease_requests_total{outcome=\"ok\"}"),
+        n as f64
+    );
+    assert!(metric(&dm, "kvlease_transfer_bytes_total") > 0.0);
+    Ok(())
+}
+
+async fn tp_case(p_tp: &str, d_tp: &str, tag: &str) -> Result<()> {
+    let (c, p, d) = pd(
+        &["--tp-size", p_tp, "--num-blocks", "64"],
+        &["--tp-size", d_tp, "--num-blocks", "64", "--step-ms", "2"],
+        tag,
+    )
+    .await?;
+    for i in 0..6 {
+        let prompt = prompt(i * 7);
+        let pa = do_prefill(&c, &p, &prompt).await?;
+        ensure!(pa["kv_transfer_params"]["tp_size"] == json!(p_tp.parse::<u32>()?));
+        let (s, v) = post(&c, &d.url, &d_body(&prompt, 3, &pa)).await?;
+        ensure!(s == 200, "{tag} decode {i}: {s} {v}");
+        check_answer(&prompt, 3, &pa, &v)?;
+    }
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(5)).await?;
+    // Every lease completed: P freed after all D ranks reported.
+    assert_eq!(
+        metric_of(
+            &c,
+            &p,
+            "kvlease_leases_released_total{reason=\"completed\"}"
+        )
+        .await?,
+        6.0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heterogeneous_tp_4_to_2() -> Result<()> {
+    tp_case("4", "2", "tp42").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heterogeneous_tp_1_to_2() -> Result<()> {
+    tp_case("1", "2", "tp12").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_crash_reclaims_within_extension_plus_interval() -> Result<()> {
+    // Lease 3 s: interval 0.5 s, extension 2 s.
+    let lease = kv_config("kv_producer", json!({"kv_lease_duration": 3}));
+    let dlease = kv_config("kv_consumer", json!({"kv_lease_duration": 3}));
+    let (c, p, mut d) = pd(
+        &["--num-blocks", "64", "--kv-transfer-config", &lease],
+        // One running request decoding for a long time: the others wait with their leases.
+        &[
+            "--num-blocks",
+            "64",
+            "--max-running",
+            "1",
+            "--step-ms",
+            "50",
+            "--kv-transfer-config",
+            &dlease,
+        ],
+        "crash",
+    )
+    .await?;
+    let n = 4;
+    for i in 0..n {
+        let prompt = prompt(i);
+        let pa = do_prefill(&c, &p, &prompt).await?;
+        let (c2, url) = (c.clone(), d.url.clone());
+        let body = d_body(&prompt, 1000, &pa);
+        // Never answered: D dies first.
+        tokio::spawn(async move { post(&c2, &url, &body).await });
+    }
+    // Past the initial lease: only heartbeats keep the blocks.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let held = metric_of(&c, &p, "kvlease_blocks_held").await?;
+    ensure!(
+        held > 0.0,
+        "P should still hold renewed blocks, holds {held}"
+    );
+    ensure!(metric_of(&c, &p, "kvlease_lease_extensions_total").await? > 0.0);
+    d.proc.kill();
+    let killed = Instant::now();
+    let bound = Duration::from_millis(2000 + 500 + 1000);
+    wait_metric(
+        &c,
+        &p,
+        "kvlease_blocks_held",
+        bound + Duration::from_secs(2),
+        |v| v == 0.0,
+    )
+    .await?;
+    let reclaim = killed.elapsed();
+    eprintln!("reclaim after kill -9: {reclaim:?} (bound {bound:?})");
+    ensure!(
+        reclaim <= bound,
+        "reclaimed after {reclaim:?}, bound {bound:?}"
+    );
+    let pm = metrics(&c, &p).await?;
+    // One request had been read (the running one): its lease completed; the rest expired.
+    assert_eq!(
+        metric(&pm, "kvlease_leases_released_total{reason=\"expired\"}"),
+        (n - 1) as f64
+    );
+    assert_eq!(metric(&pm, "kvlease_leases_active"), 0.0);
+    Ok(())
+}
+
+/// D with `--max-running 1` and a queue that waits far longer than the lease.
+async fn overload(p_extra: Value, tag: &str) -> Result<(Vec<(u16, Value)>, String)> {
+    let pcfg = kv_config("kv_producer", p_extra);
+    let dcfg = kv_config("kv_consumer", json!({"kv_lease_duration": 1.5}));
+    let (c, p, d) = pd(
+        &["--num-blocks", "64", "--kv-transfer-config", &pcfg],
+        &[
+            "--num-blocks",
+            "64",
+            "--max-running",
+            "1",
+            "--step-ms",
+            "20",
+            "--kv-transfer-config",
+            &dcfg,
+        ],
+        tag,
+    )
+    .await?;
+    // 9 requests × 50 tokens × 20 ms: the last waits ≈ 8 s ≥ 5 × 1.5 s.
+    let mut tasks = Vec::new();
+    for i in 0..9 {
+        let prompt = prompt(i);
+        let pa = do_prefill(&c, &p, &prompt).await?;
+        let (c2, url) = (c.clone(), d.url.clone());
+        let body = d_body(&prompt, 50, &pa);
+        tasks.push(tokio::spawn(async move { post(&c2, &url, &body).await }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await??);
+    }
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(5)).await?;
+    Ok((out, metrics(&c, &p).await?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_leases_never_expire_but_fixed_timeout_does() -> Result<()> {
+    let (lease, fixed) = tokio::join!(
+        overload(json!({"kv_lease_duration": 1.5}), "ovl-lease"),
+        overload(
+            json!({"kv_lease_duration": 1.5, "lease_mode": "fixed", "abort_request_timeout": 1.5}),
+            "ovl-fixed"
+        ),
+    );
+    let (answers, pm) = lease?;
+    for (s, v) in &answers {
+        ensure!(*s == 200, "lease mode: {s} {v}");
+    }
+    assert_eq!(
+        metric(&pm, "kvlease_leases_released_total{reason=\"expired\"}"),
+        0.0
+    );
+    assert_eq!(
+        metric(&pm, "kvlease_leases_released_total{reason=\"completed\"}"),
+        9.0
+    );
+
+    let (answers, pm) = fixed?;
+    let retryable = answers
+        .iter()
+        .filter(|(s, v)| {
+            *s == 503 && v["error"]["type"] == "kv_load_failed" && v["error"]["retryable"] == true
+        })
+        .count();
+    let ok = answers.iter().filter(|(s, _)| *s == 200).count();
+    ensure!(
+        retryable > 0,
+        "fixed mode: no retryable failure: {answers:?}"
+    );
+    assert_eq!(retryable + ok, answers.len(), "{answers:?}");
+    ensure!(metric(&pm, "kvlease_leases_released_total{reason=\"expired\"}") > 0.0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_frees_p_at_once() -> Result<()> {
+    let cfg = |role| kv_config(role, json!({"kv_lease_duration": 30}));
+    let (c, p, d) = pd(
+        &[
+            "--num-blocks",
+            "64",
+            "--kv-transfer-config",
+            &cfg("kv_producer"),
+        ],
+        &[
+            "--num-blocks",
+            "64",
+            "--max-running",
+            "1",
+            "--step-ms",
+            "20",
+            "--kv-transfer-config",
+            &cfg("kv_consumer"),
+        ],
+        "abort",
+    )
+    .await?;
+    // A long-running request occupies the only slot.
+    let busy = do_prefill(&c, &p, &prompt(1)).await?;
+    let (c2, url, body) = (c.clone(), d.url.clone(), d_body(&prompt(1), 200, &busy));
+    let running = tokio::spawn(async move { post(&c2, &url, &body).await });
+    // Queued request aborted through the API.
+    let queued = do_prefill(&c, &p, &prompt(2)).await?;
+    let body = json!({"prompt": prompt(2), "max_tokens": 5, "request_id": "victim-1",
+        "kv_transfer_params": queued["kv_transfer_params"]});
+    let (c2, url) = (c.clone(), d.url.clone());
+    let victim = tokio::spawn(async move { post(&c2, &url, &body).await });
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_requests_waiting",
+        Duration::from_secs(5),
+        |v| v >= 1.0,
+    )
+    .await?;
+    let r = c
+        .post(format!("{}/v1/abort/victim-1", d.url))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "abort: {}", r.status());
+    let (s, v) = victim.await??;
+    ensure!(
+        s == 499 && v["error"]["type"] == "aborted",
+        "victim: {s} {v}"
+    );
+    // P released at once (lease is 30 s).
+    wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_released_total{reason=\"aborted\"}",
+        Duration::from_secs(2),
+        |v| v == 1.0,
+    )
+    .await?;
+    // A client that disconnects while queued: D aborts and tells P.
+    let gone = do_prefill(&c, &p, &prompt(3)).await?;
+    let short = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()?;
+    let r = post(&short, &d.url, &d_body(&prompt(3), 5, &gone)).await;
+    ensure!(r.is_err(), "the short client should time out");
+    wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_released_total{reason=\"aborted\"}",
+        Duration::from_secs(3),
+        |v| v == 2.0,
+    )
+    .await?;
+    // Unknown id: 404.
+    let r = c.post(format!("{}/v1/abort/nope", d.url)).send().await?;
+    ensure!(r.status() == 404);
+    let r = c
+        .post(format!("{}/v1/abort/victim-1", d.url))
+        .send()
+        .await?;
+    ensure!(r.status() == 404, "an aborted request is gone");
+    running.abort();
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(5)).await?;
+    let dm = metrics(&c, &d).await?;
+    assert_eq!(
+        metric(&dm, "kvlease_requests_total{outcome=\"aborted\"}"),
+        3.0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
+    let cfg = |role| kv_config(role, json!({"kv_lease_duration": 1}));
+    let (pc, dc) = (cfg("kv_producer"), cfg("kv_consumer"));
+    let (c, p, d) = pd(
+        &["--num-blocks", "64", "--kv-transfer-config", &pc],
+        &[
+            "--num-blocks",
+            "64",
+            "--step-ms",
+            "5",
+            "--kv-transfer-config",
+            &dc,
+        ],
+        "bad",
+    )
+    .await?;
+    // Malformed JSON, both sides.
+    for a in [&p, &d] {
+        let r = c
+            .post(format!("{}/v1/completions", a.url))
+            .header("content-type", "application/json")
+            .body("{\"prompt\": ")
+            .send()
+            .await?;
+        ensure!(r.status() == 400);
+        let v: Value = r.json().await?;
+        ensure!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("malformed JSON")),
+            "{v}"
+        );
+    }
+    // Bad kv_transfer_params on P and on D; the error names the field.
+    let (s, v) = post(
+        &c,
+        &p.url,
+        &json!({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}}),
+    )
+    .await?;
+    ensure!(
+        s == 400 && v["error"]["param"] == "kv_transfer_params.do_remote_decode",
+        "{s} {v}"
+    );
+    let pa = do_prefill(&c, &p, &prompt(5)).await?;
+    let mut bad = d_body(&prompt(5), 2, &pa);
+    bad["kv_transfer_params"]["remote_block_ids"] = json!("nope");
+    let (s, v) = post(&c, &d.url, &bad).await?;
+    ensure!(
+        s == 400 && v["error"]["param"] == "kv_transfer_params.remote_block_ids",
+        "{s} {v}"
+    );
+    let bad = d_body("a different prompt", 2, &pa);
+    let (s, v) = post(&c, &d.url, &bad).await?;
+    ensure!(
+        s == 400 && v["error"]["param"] == "kv_transfer_params.kvlease_num_tokens",
+        "{s} {v}"
+    );
+    // Unknown engine: P's side channel serves another engine; and nothing listens.
+    let mut bad = d_body(&prompt(5), 2, &pa);
+    bad["kv_transfer_params"]["remote_engine_id"] = json!("no-such-engine");
+    let (s, v) = post(&c, &d.url, &bad).await?;
+    ensure!(
+        s == 400
+            && v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("unknown engine")),
+        "{s} {v}"
+    );
+    let mut bad = d_body(&prompt(5), 2, &pa);
+    bad["kv_transfer_params"]["remote_engine_id"] = json!("ghost");
+    bad["kv_transfer_params"]["remote_port"] = json!(free_port());
+    let (s, v) = post(&c, &d.url, &bad).await?;
+    ensure!(
+        s == 400
+            && v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("unknown engine")),
+        "{s} {v}"
+    );
+    // The real request still works afterwards.
+    let (s, v) = post(&c, &d.url, &d_body(&prompt(5), 2, &pa)).await?;
+    ensure!(s == 200, "{s} {v}");
+    check_answer(&prompt(5), 2, &pa, &v)?;
+
+    // Wrong auth token: a P with a token, a D with another.
+    let mut tp = prefill(
+        "p-auth",
+        &[
+            "--num-blocks",
+            "16",
+            "--kv-transfer-config",
+            &pc,
+            "--auth-token",
+            "right",
+        ],
+    )?;
+    let mut td = decode(
+        "d-auth",
+        &[
+            "--num-blocks",
+            "16",
+            "--kv-transfer-config",
+            &dc,
+            "--auth-token",
+            "wrong",
+        ],
+    )?;
+    wait_healthy(&c, &mut tp).await?;
+    wait_healthy(&c, &mut td).await?;
+    let pa = do_prefill(&c, &tp, &prompt(6)).await?;
+    let (s, v) = post(&c, &td.url, &d_body(&prompt(6), 2, &pa)).await?;
+    ensure!(
+        s == 403 && v["error"]["type"] == "peer_auth_failed",
+        "{s} {v}"
+    );
+    // Nothing leaks: D tracks nothing; P's unread leases expire (lease 1 s).
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(4)).await?;
+    assert_nothing_leaks(&c, &tp, &td, Duration::from_secs(4)).await?;
+    let dm = metrics(&c, &d).await?;
+    assert_eq!(
+        metric(&dm, "kvlease_requests_total{outcome=\"bad_request\"}"),
+        5.0
+    );
+    assert_eq!(
+        metric_of(&c, &td, "kvlease_requests_total{outcome=\"unauthorized\"}").await?,
+        1.0
+    );
+    Ok(())
+}
