@@ -9,6 +9,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 
 const PROXY: &str = env!("CARGO_BIN_EXE_kvlease-proxy");
+const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
+const DECODE: &str = env!("CARGO_BIN_EXE_decode-agent");
+
+fn kv_config(role: &str, extra: &str) -> String {
+    format!(
+        r#"{{"kv_connector":"kvlease","kv_role":"{role}","kv_connector_extra_config":{{{extra}}}}}"#
+    )
+}
 
 /// Runs `bin` with `args`, killing it after 20 s (a bad-flag run must exit at once).
 fn run(bin: &str, args: &[&str]) -> Result<Output> {
@@ -147,5 +155,84 @@ fn proxy_starts_serves_health_and_reports_a_taken_port() -> Result<()> {
     wait_healthy(&mut running, port)?;
     // A second proxy on the same port fails, naming the flag.
     assert_rejected(PROXY, &args, &["--port", "cannot listen"])?;
+    Ok(())
+}
+
+#[test]
+fn agents_reject_bad_kv_transfer_config_naming_the_key() -> Result<()> {
+    let flag = "--kv-transfer-config";
+    for (bin, role) in [(PREFILL, "kv_producer"), (DECODE, "kv_consumer")] {
+        assert_rejected(
+            bin,
+            &[flag, &kv_config(role, r#""kv_lease_duration":-1"#)],
+            &[
+                flag,
+                "kv_connector_extra_config.kv_lease_duration: must be > 0 seconds, got -1",
+            ],
+        )?;
+        assert_rejected(
+            bin,
+            &[flag, &kv_config(role, r#""kv_lease_duration":"30""#)],
+            &["kv_connector_extra_config.kv_lease_duration: expected a number"],
+        )?;
+        assert_rejected(
+            bin,
+            &[flag, &kv_config(role, r#""lease_ttl":3"#)],
+            &["kv_connector_extra_config.lease_ttl: unknown key"],
+        )?;
+        assert_rejected(
+            bin,
+            &[flag, &kv_config(role, r#""lease_mode":"renew""#)],
+            &["kv_connector_extra_config.lease_mode"],
+        )?;
+        assert_rejected(bin, &[flag, "{"], &[flag, "not valid JSON"])?;
+        assert_rejected(
+            bin,
+            &[
+                flag,
+                r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_both"}"#,
+            ],
+            &["kv_connector: must be"],
+        )?;
+    }
+    assert_rejected(
+        PREFILL,
+        &[flag, &kv_config("kv_consumer", "")],
+        &["kv_role", "prefill-agent needs kv_producer or kv_both"],
+    )?;
+    assert_rejected(
+        DECODE,
+        &[flag, &kv_config("kv_producer", "")],
+        &["kv_role", "decode-agent needs kv_consumer or kv_both"],
+    )?;
+    Ok(())
+}
+
+#[test]
+fn agents_reject_bad_flags_naming_them() -> Result<()> {
+    for bin in [PREFILL, DECODE] {
+        assert_rejected(bin, &["--tp-size", "3"], &["--tp-size", "--num-kv-heads 8"])?;
+        assert_rejected(bin, &["--tp-size", "-1"], &["--tp-size"])?;
+        assert_rejected(bin, &["--num-blocks", "0"], &["--num-blocks"])?;
+        assert_rejected(bin, &["--port", "0"], &["--port"])?;
+        assert_rejected(bin, &["--transport", "rdma"], &["--transport"])?;
+        assert_rejected(bin, &["--memory", "disk"], &["--memory"])?;
+        assert_rejected(bin, &["--engine-id", "has space"], &["--engine-id"])?;
+        assert_rejected(bin, &["--auth-token", ""], &["--auth-token"])?;
+        assert_rejected(bin, &["--no-such-flag"], &["--no-such-flag"])?;
+    }
+    assert_rejected(DECODE, &["--max-running", "0"], &["--max-running"])?;
+    assert_rejected(DECODE, &["--step-ms", "0"], &["--step-ms"])?;
+    assert_rejected(DECODE, &["--max-waiting", "0"], &["--max-waiting"])?;
+    assert_rejected(
+        PREFILL,
+        &["--pool-wait-ms", "99999999"],
+        &["--pool-wait-ms"],
+    )?;
+    assert_rejected(
+        PREFILL,
+        &["--prefill-us-per-token", "x"],
+        &["--prefill-us-per-token"],
+    )?;
     Ok(())
 }
