@@ -1,0 +1,635 @@
+//! Unit tests: one per message kind and per error.
+
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use kvlease_lease::{
+    BlockId, ConsumerId, EngineId, Generation, HeartbeatTracker, LeaseConfig, LeaseTable,
+    ReadCompleteOutcome, RequestId, Timestamp,
+};
+
+use crate::*;
+
+fn req(s: &str) -> RequestId {
+    RequestId::new(s).unwrap()
+}
+
+fn consumer(engine: &str, rank: u32) -> ConsumerId {
+    ConsumerId::new(EngineId::new(engine).unwrap(), rank)
+}
+
+fn generation(n: u64) -> Generation {
+    Generation(NonZeroU64::new(n).unwrap())
+}
+
+fn err(bytes: &[u8]) -> DecodeError {
+    match decode(bytes) {
+        Err(e) => e,
+        Ok(n) => panic!("{:?} decoded as {n:?}", String::from_utf8_lossy(bytes)),
+    }
+}
+
+#[test]
+fn heartbeat_decodes_ids_in_order() {
+    let Ok(Notif::Heartbeat(ids)) = decode(b"HB:cmpl-1,a:b/c+d=e@f_g.h,x") else {
+        panic!("not a heartbeat");
+    };
+    assert_eq!(ids.len(), 3);
+    assert!(!ids.is_empty());
+    assert_eq!(
+        ids.iter().collect::<Vec<_>>(),
+        ["cmpl-1", "a:b/c+d=e@f_g.h", "x"]
+    );
+    assert_eq!(ids.as_str(), "cmpl-1,a:b/c+d=e@f_g.h,x");
+}
+
+#[test]
+fn heartbeat_encode_splits_without_losing_ids() {
+    let ids: Vec<RequestId> = (0..1000).map(|i| req(&format!("cmpl-{i:08}"))).collect();
+    let messages = encode_heartbeats(&ids, 1000).unwrap();
+    assert!(messages.len() > 1);
+    let mut back = Vec::new();
+    for m in &messages {
+        assert!(m.len() <= 1000);
+        assert!(m.starts_with(HEARTBEAT_PREFIX));
+        let Ok(Notif::Heartbeat(hb)) = decode(m) else {
+            panic!("not a heartbeat")
+        };
+        back.extend(hb.iter().map(str::to_owned));
+    }
+    assert_eq!(back, ids.iter().map(|i| i.as_str()).collect::<Vec<_>>());
+    // The split is tight: each message but the last could not take the next id.
+    for pair in messages.windows(2) {
+        let next_id_len = pair[1][3..].split(|&b| b == b',').next().unwrap().len();
+        assert!(pair[0].len() + 1 + next_id_len > 1000);
+    }
+    assert!(encode_heartbeats(&[], MAX_NOTIF_LEN).unwrap().is_empty());
+}
+
+#[test]
+fn heartbeat_encode_rejects_bad_max_len() {
+    let ids = [req("a")];
+    for max_len in [0, MIN_SPLIT_LEN - 1, MAX_NOTIF_LEN + 1] {
+        assert_eq!(
+            encode_heartbeats(&ids, max_len),
+            Err(EncodeError::BadMaxLen { max_len })
+        );
+    }
+    // The longest id fits in the smallest message.
+    let long = [req(&"x".repeat(256)), req(&"y".repeat(256))];
+    let messages = encode_heartbeats(&long, MIN_SPLIT_LEN).unwrap();
+    assert_eq!(messages.len(), 2);
+}
+
+#[test]
+fn read_complete_round_trips() {
+    let rc = ReadComplete {
+        request: req("cmpl-7"),
+        consumer: consumer("decode-0", 3),
+        consumers_total: 4,
+    };
+    let bytes = rc.encode();
+    assert_eq!(bytes, b"KVL1:RC:cmpl-7;decode-0;3;4");
+    assert_eq!(decode(&bytes), Ok(Notif::ReadComplete(rc)));
+}
+
+#[test]
+fn abort_round_trips() {
+    let abort = Abort {
+        request: req("cmpl-7"),
+        consumer: consumer("decode-0", 0),
+    };
+    let bytes = abort.encode();
+    assert_eq!(bytes, b"KVL1:AB:cmpl-7;decode-0;0");
+    assert_eq!(decode(&bytes), Ok(Notif::Abort(abort)));
+}
+
+#[test]
+fn expired_round_trips_and_splits() {
+    let leases: Vec<ExpiredLease> = (1..=200)
+        .map(|i| ExpiredLease {
+            request: req(&format!("r{i}")),
+            generation: generation(u64::MAX - i),
+        })
+        .collect();
+    let messages = encode_expired(&leases, 512).unwrap();
+    assert!(messages.len() > 1);
+    let mut back = Vec::new();
+    for m in &messages {
+        assert!(m.len() <= 512);
+        let Ok(Notif::Expired(part)) = decode(m) else {
+            panic!("not an expiry notice")
+        };
+        back.extend(part);
+    }
+    assert_eq!(back, leases);
+    assert_eq!(
+        encode_expired(&leases[..1], MAX_NOTIF_LEN).unwrap(),
+        [format!("KVL1:EX:r1;{}", u64::MAX - 1).into_bytes()]
+    );
+}
+
+#[test]
+fn everything_outside_the_reserved_namespace_is_app() {
+    for bytes in [
+        &b""[..],
+        b"hello",
+        b"cmpl-1:2",
+        b"HB",
+        b"hb:a",
+        b"KVL",
+        b"KVLx:RC:a",
+        b"\xff\xfe",
+        b" HB:a",
+    ] {
+        assert!(!is_reserved(bytes));
+        assert_eq!(decode(bytes), Ok(Notif::App(bytes)));
+    }
+    // App payloads are not length-checked: that is the transport's business.
+    let big = vec![b'a'; MAX_NOTIF_LEN * 2];
+    assert_eq!(decode(&big), Ok(Notif::App(&big[..])));
+}
+
+#[test]
+fn too_long() {
+    let mut bytes = b"HB:".to_vec();
+    bytes.resize(MAX_NOTIF_LEN + 1, b'a');
+    assert_eq!(
+        err(&bytes),
+        DecodeError::TooLong {
+            len: MAX_NOTIF_LEN + 1,
+            max: MAX_NOTIF_LEN
+        }
+    );
+}
+
+#[test]
+fn not_utf8() {
+    assert_eq!(err(b"HB:ab\xc3"), DecodeError::NotUtf8 { offset: 5 });
+    assert_eq!(err(b"KVL1:RC:\xff"), DecodeError::NotUtf8 { offset: 8 });
+    // Valid UTF-8 that is not ASCII is a bad id byte.
+    assert_eq!(
+        err("HB:é".as_bytes()),
+        DecodeError::InvalidIdByte {
+            offset: 3,
+            byte: 0xc3,
+            field: Field::Request
+        }
+    );
+}
+
+#[test]
+fn empty_ids() {
+    let request = Field::Request;
+    assert_eq!(
+        err(b"HB:"),
+        DecodeError::EmptyId {
+            offset: 3,
+            field: request
+        }
+    );
+    assert_eq!(
+        err(b"HB:a,,b"),
+        DecodeError::EmptyId {
+            offset: 5,
+            field: request
+        }
+    );
+    assert_eq!(
+        err(b"HB:a,"),
+        DecodeError::EmptyId {
+            offset: 5,
+            field: request
+        }
+    );
+    assert_eq!(
+        err(b"HB:,a"),
+        DecodeError::EmptyId {
+            offset: 3,
+            field: request
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:RC:;e;0;1"),
+        DecodeError::EmptyId {
+            offset: 8,
+            field: request
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:AB:r;;0"),
+        DecodeError::EmptyId {
+            offset: 10,
+            field: Field::Engine
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:EX:"),
+        DecodeError::EmptyId {
+            offset: 8,
+            field: request
+        }
+    );
+}
+
+#[test]
+fn ids_too_long() {
+    let long = "x".repeat(257);
+    assert_eq!(
+        err(format!("HB:a,{long}").as_bytes()),
+        DecodeError::IdTooLong {
+            offset: 5,
+            len: 257,
+            field: Field::Request
+        }
+    );
+    assert_eq!(
+        err(format!("KVL1:RC:r;{long};0;1").as_bytes()),
+        DecodeError::IdTooLong {
+            offset: 10,
+            len: 257,
+            field: Field::Engine
+        }
+    );
+}
+
+#[test]
+fn invalid_id_bytes() {
+    for (bytes, offset, byte) in [
+        (&b"HB:a b"[..], 4, b' '),
+        (b"HB:a;b", 4, b';'),
+        (b"HB:a\0", 4, 0),
+        (b"HB:ok,n\n", 7, b'\n'),
+    ] {
+        assert_eq!(
+            err(bytes),
+            DecodeError::InvalidIdByte {
+                offset,
+                byte,
+                field: Field::Request
+            }
+        );
+    }
+    assert_eq!(
+        err(b"KVL1:RC:r,s;e;0;1"),
+        DecodeError::InvalidIdByte {
+            offset: 9,
+            byte: b',',
+            field: Field::Request
+        }
+    );
+}
+
+#[test]
+fn duplicate_ids() {
+    assert_eq!(
+        err(b"HB:a,b,a"),
+        DecodeError::DuplicateId {
+            offset: 7,
+            first: 3
+        }
+    );
+    // Above the pairwise threshold the hash set finds it too.
+    let mut list: Vec<String> = (0..50).map(|i| format!("id{i}")).collect();
+    list.push("id17".into());
+    let msg = format!("HB:{}", list.join(","));
+    let first = 3 + msg[3..].find("id17").unwrap();
+    let offset = msg.rfind("id17").unwrap();
+    assert_eq!(
+        err(msg.as_bytes()),
+        DecodeError::DuplicateId { offset, first }
+    );
+    assert_eq!(
+        err(b"KVL1:EX:a;1,b;2,a;3"),
+        DecodeError::DuplicateId {
+            offset: 16,
+            first: 8
+        }
+    );
+}
+
+#[test]
+fn bad_numbers() {
+    for (bytes, offset, field) in [
+        (&b"KVL1:RC:r;e;x;1"[..], 12, Field::Rank),
+        (b"KVL1:RC:r;e;01;1", 12, Field::Rank),
+        (b"KVL1:RC:r;e;+1;1", 12, Field::Rank),
+        (b"KVL1:RC:r;e;;1", 12, Field::Rank),
+        (b"KVL1:RC:r;e;4294967296;1", 12, Field::Rank),
+        (b"KVL1:RC:r;e;0;0", 14, Field::ConsumersTotal),
+        (b"KVL1:RC:r;e;0;-1", 14, Field::ConsumersTotal),
+        (b"KVL1:EX:r;0", 10, Field::Generation),
+        (b"KVL1:EX:r;18446744073709551616", 10, Field::Generation),
+        (b"KVL1x", 3, Field::Version),
+    ] {
+        assert_eq!(
+            err(bytes),
+            DecodeError::BadNumber { offset, field },
+            "{bytes:?}"
+        );
+    }
+    assert!(decode(b"KVL1:RC:r;e;4294967295;4294967295").is_ok());
+    assert!(decode(b"KVL1:EX:r;18446744073709551615").is_ok());
+}
+
+#[test]
+fn truncated_and_trailing() {
+    for (bytes, field) in [
+        (&b"KVL1"[..], Field::Kind),
+        (b"KVL1:", Field::Kind),
+        (b"KVL1:RC", Field::Kind),
+        (b"KVL1:RC:r", Field::Engine),
+        (b"KVL1:RC:r;e", Field::Rank),
+        (b"KVL1:RC:r;e;0", Field::ConsumersTotal),
+        (b"KVL1:AB:r;e", Field::Rank),
+    ] {
+        assert_eq!(
+            err(bytes),
+            DecodeError::Truncated {
+                offset: bytes.len(),
+                field
+            },
+            "{bytes:?}"
+        );
+    }
+    assert_eq!(
+        err(b"KVL1:EX:r"),
+        DecodeError::Truncated {
+            offset: 9,
+            field: Field::Generation
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:RC:r;e;0;1;x"),
+        DecodeError::TrailingData { offset: 15 }
+    );
+    assert_eq!(
+        err(b"KVL1:AB:r;e;0;"),
+        DecodeError::TrailingData { offset: 13 }
+    );
+    assert_eq!(
+        err(b"KVL1:EX:r;1;2"),
+        DecodeError::TrailingData { offset: 11 }
+    );
+}
+
+#[test]
+fn unknown_versions_and_kinds() {
+    assert_eq!(
+        err(b"KVL2:RC:r;e;0;1"),
+        DecodeError::UnsupportedVersion {
+            offset: 3,
+            version: 2
+        }
+    );
+    assert_eq!(
+        err(b"KVL01:RC:r;e;0;1"),
+        DecodeError::UnsupportedVersion {
+            offset: 3,
+            version: u32::MAX
+        }
+    );
+    assert_eq!(
+        err(b"KVL99999999999:x"),
+        DecodeError::UnsupportedVersion {
+            offset: 3,
+            version: u32::MAX
+        }
+    );
+    assert_eq!(err(b"KVL1:ZZ:x"), DecodeError::UnknownKind { offset: 5 });
+    assert_eq!(err(b"KVL1:C:"), DecodeError::UnknownKind { offset: 5 });
+    assert_eq!(
+        err(b"KVL1:rc:r;e;0;1"),
+        DecodeError::UnknownKind { offset: 5 }
+    );
+}
+
+#[test]
+fn labels_are_distinct() {
+    let errors = [
+        err(b"HB:"),
+        err(b"HB:\xff"),
+        err(b"HB:a,a"),
+        err(b"HB:a b"),
+        err(format!("HB:{}", "x".repeat(300)).as_bytes()),
+        err(b"KVL2:"),
+        err(b"KVL1:ZZ:"),
+        err(b"KVL1:RC:r"),
+        err(b"KVL1:AB:r;e;0;1"),
+        err(b"KVL1:AB:r;e;x"),
+        err(&[b"HB:".as_slice(), &[b'a'; MAX_NOTIF_LEN]].concat()),
+    ];
+    let labels: std::collections::HashSet<_> = errors.iter().map(DecodeError::label).collect();
+    assert_eq!(labels.len(), errors.len());
+    // Display names the offset.
+    assert_eq!(err(b"HB:a,,b").to_string(), "empty request id at byte 5");
+}
+
+#[test]
+fn id_byte_set_matches_the_lease_crate() {
+    for byte in 0..=255u8 {
+        let s = [b'a', byte];
+        let lease_ok = std::str::from_utf8(&s).is_ok_and(|s| RequestId::new(s).is_ok());
+        let mut msg = b"HB:".to_vec();
+        msg.extend_from_slice(&s);
+        assert_eq!(decode(&msg).is_ok(), lease_ok, "byte {byte:#04x}");
+    }
+    assert!(decode(format!("HB:{}", "x".repeat(MAX_ID_LEN)).as_bytes()).is_ok());
+}
+
+fn table() -> LeaseTable {
+    LeaseTable::new(LeaseConfig::from_duration(Duration::from_secs(30)).unwrap())
+}
+
+#[test]
+fn prefill_router_routes_every_kind() {
+    let mut table = table();
+    let mut router = PrefillRouter::<u32>::new();
+    let t0 = Timestamp::ZERO;
+    table.grant(t0, req("a"), vec![BlockId(0)], 2).unwrap();
+    table.grant(t0, req("b"), vec![BlockId(1)], 1).unwrap();
+    let expiry_before = table.get(&req("a")).unwrap().expiry;
+
+    let t1 = Timestamp::from_millis(20_000);
+    let routed = router.route(t1, &7, b"HB:a,b,zz", &mut table);
+    let Routed::Heartbeat { ids: 3, outcome } = routed else {
+        panic!("{routed:?}")
+    };
+    assert_eq!((outcome.held, outcome.extended, outcome.unknown), (2, 2, 1));
+    assert!(table.get(&req("a")).unwrap().expiry > expiry_before);
+
+    let rc = |rank| ReadComplete {
+        request: req("a"),
+        consumer: consumer("d", rank),
+        consumers_total: 2,
+    };
+    let bytes = rc(0).encode();
+    let routed = router.route(t1, &7, &bytes, &mut table);
+    assert!(matches!(
+        routed,
+        Routed::ReadComplete {
+            outcome: ReadCompleteOutcome::Waiting { remaining: 1 },
+            ..
+        }
+    ));
+    let bytes = rc(0).encode();
+    let routed = router.route(t1, &7, &bytes, &mut table);
+    assert!(matches!(
+        routed,
+        Routed::ReadComplete {
+            outcome: ReadCompleteOutcome::Duplicate { remaining: 1 },
+            ..
+        }
+    ));
+    let bytes = rc(1).encode();
+    let routed = router.route(t1, &7, &bytes, &mut table);
+    assert!(matches!(
+        routed,
+        Routed::ReadComplete {
+            outcome: ReadCompleteOutcome::Released,
+            ..
+        }
+    ));
+    assert!(table.get(&req("a")).is_none());
+
+    let abort = Abort {
+        request: req("b"),
+        consumer: consumer("d", 0),
+    };
+    let bytes = abort.encode();
+    let routed = router.route(t1, &7, &bytes, &mut table);
+    assert_eq!(
+        routed,
+        Routed::Aborted {
+            request: req("b"),
+            held: true
+        }
+    );
+    assert!(table.is_empty());
+
+    assert_eq!(router.route(t1, &7, b"hi", &mut table), Routed::App(b"hi"));
+    let ex = encode_expired(
+        &[ExpiredLease {
+            request: req("a"),
+            generation: generation(1),
+        }],
+        MAX_NOTIF_LEN,
+    )
+    .unwrap();
+    assert_eq!(
+        router.route(t1, &7, &ex[0], &mut table),
+        Routed::Misdirected
+    );
+    assert!(matches!(
+        router.route(t1, &7, b"HB:a,a", &mut table),
+        Routed::Rejected(DecodeError::DuplicateId { .. })
+    ));
+    let stats = router.stats();
+    assert_eq!(
+        (
+            stats.heartbeats,
+            stats.heartbeat_ids,
+            stats.extended,
+            stats.unknown_ids,
+            stats.read_completions,
+            stats.aborts,
+            stats.app,
+            stats.misdirected,
+            stats.rejected
+        ),
+        (1, 3, 2, 1, 3, 1, 1, 1, 1)
+    );
+}
+
+#[test]
+fn prefill_router_addresses_expiry_notices() {
+    let mut table = table();
+    let mut router = PrefillRouter::<&str>::new();
+    table
+        .grant(Timestamp::ZERO, req("quiet"), vec![BlockId(0)], 1)
+        .unwrap();
+    table
+        .grant(Timestamp::ZERO, req("beat"), vec![BlockId(1)], 1)
+        .unwrap();
+    let _ = router.route(Timestamp::from_millis(1000), &"d1", b"HB:beat", &mut table);
+    let _ = router.route(
+        Timestamp::from_millis(500),
+        &"d2",
+        b"HB:nothing",
+        &mut table,
+    );
+    table.handle_timeout(Timestamp::from_millis(60_000));
+    let mut notices = Vec::new();
+    while let Some(kvlease_lease::Event::Released(released)) = table.poll_event() {
+        notices.extend(PrefillRouter::<&str>::expiry_notice(&released));
+    }
+    // Only the heartbeated lease gets a notice.
+    assert_eq!(notices.len(), 1);
+    assert_eq!(notices[0].request, req("beat"));
+    let mut peers: Vec<_> = router
+        .recent_heartbeat_peers(Timestamp::from_millis(0))
+        .copied()
+        .collect();
+    peers.sort_unstable();
+    assert_eq!(peers, ["d1", "d2"]);
+    let peers: Vec<_> = router
+        .recent_heartbeat_peers(Timestamp::from_millis(800))
+        .copied()
+        .collect();
+    assert_eq!(peers, ["d1"]);
+}
+
+#[test]
+fn decode_router_untracks_expired_requests() {
+    let config = LeaseConfig::from_duration(Duration::from_secs(30)).unwrap();
+    let mut tracker = HeartbeatTracker::new(&config);
+    let engine = EngineId::new("p0").unwrap();
+    tracker
+        .track(Timestamp::ZERO, req("a"), engine.clone(), 1)
+        .unwrap();
+    tracker.track(Timestamp::ZERO, req("b"), engine, 1).unwrap();
+    let mut router = DecodeRouter::new();
+    let leases = [
+        ExpiredLease {
+            request: req("a"),
+            generation: generation(3),
+        },
+        ExpiredLease {
+            request: req("gone"),
+            generation: generation(4),
+        },
+    ];
+    let bytes = encode_expired(&leases, MAX_NOTIF_LEN).unwrap();
+    let routed = router.route(&bytes[0], &mut tracker);
+    assert_eq!(
+        routed,
+        DecodeRouted::Expired {
+            leases: leases.to_vec(),
+            untracked: 1
+        }
+    );
+    assert_eq!(tracker.len(), 1);
+    assert!(tracker.engine_of(&req("a")).is_none());
+    assert_eq!(
+        router.route(b"HB:b", &mut tracker),
+        DecodeRouted::Misdirected
+    );
+    assert_eq!(tracker.len(), 1);
+    assert_eq!(router.route(b"x", &mut tracker), DecodeRouted::App(b"x"));
+    assert!(matches!(
+        router.route(b"KVL1:EX:a;0", &mut tracker),
+        DecodeRouted::Rejected(DecodeError::BadNumber { .. })
+    ));
+    let stats = router.stats();
+    assert_eq!(
+        (
+            stats.expiry_notices,
+            stats.expired_leases,
+            stats.untracked,
+            stats.misdirected,
+            stats.app,
+            stats.rejected
+        ),
+        (1, 2, 1, 1, 1, 1)
+    );
+}
