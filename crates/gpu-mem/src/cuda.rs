@@ -622,8 +622,8 @@ fn host_page_size() -> usize {
 /// allocations are page aligned and padded, so that range is theirs.
 ///
 /// # Errors
-/// [`CudaError::DmabufUnsupported`] (device attribute false, or the region is not page
-/// aligned), [`CudaError::NotDeviceMemory`], [`CudaError::NoDriver`],
+/// [`CudaError::DmabufUnsupported`] (device attribute false, the driver answers
+/// `CUDA_ERROR_NOT_SUPPORTED`, or the region is not page aligned), [`CudaError::NotDeviceMemory`], [`CudaError::NoDriver`],
 /// [`CudaError::Driver`] (the driver refused the export).
 pub fn export_dmabuf(region: &Arc<dyn DmaRegion>) -> Result<DmabufHandle, CudaError> {
     let ordinal = device_ordinal(region.as_ref())?;
@@ -661,9 +661,23 @@ pub fn export_dmabuf(region: &Arc<dyn DmaRegion>) -> Result<DmabufHandle, CudaEr
             0,
         )
     };
-    exported
-        .result()
-        .map_err(driver("cuMemGetHandleForAddressRange"))?;
+    match exported.result() {
+        Ok(()) => {}
+        // The attribute can be true where the kernel side is missing (no open kernel
+        // modules, a sandboxed kernel): the same answer as an unsupported device.
+        Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED)) => {
+            return Err(CudaError::DmabufUnsupported {
+                ordinal,
+                why: "the driver refused the export with CUDA_ERROR_NOT_SUPPORTED",
+            });
+        }
+        Err(source) => {
+            return Err(CudaError::Driver {
+                call: "cuMemGetHandleForAddressRange",
+                source,
+            });
+        }
+    }
     if fd < 0 {
         return Err(CudaError::Driver {
             call: "cuMemGetHandleForAddressRange",
