@@ -28,16 +28,19 @@
 //!
 //! # The seam for the TCP backend
 //! The TCP backend of `kvlease-transport` serves and receives reads of registered regions.
-//! For a region whose [`MemoryKind::is_host_accessible`](crate::MemoryKind::is_host_accessible)
-//! is true it reads or writes the region's bytes directly. For CUDA device memory it keeps
-//! one `CudaCopier` per connection thread (`CudaCopier::new(region, StagingConfig::default())`,
-//! then `CudaCopier::set_region` to switch to another region of the same device) and calls:
-//! - on P, answering a read of `len` bytes at `offset`: `staging::send(&mut copier, offset,
-//!   len, &mut socket)` after writing its reply header;
-//! - on D, receiving those bytes into a device region: `staging::recv(&mut copier, offset,
-//!   len, &mut socket)` after reading the reply header.
+//! Each connection thread keeps one [`Stager`] and calls:
+//! - on P, answering a read of `len` bytes at `offset` of `region`, after writing its reply
+//!   header: `stager.send(&region, offset, len, &mut socket)`;
+//! - on D, receiving those bytes into a destination region, after reading the reply
+//!   header: `stager.recv(&region, offset, len, &mut socket)`.
 //!
-//! Neither function writes or reads anything but the `len` payload bytes, so framing stays
+//! For host-accessible memory ([`MemoryKind::is_host_accessible`]) the stager moves the
+//! bytes straight between the region and the socket; for CUDA device memory it runs the
+//! pipeline above with a `cuda::CudaCopier` it creates on first use. The lower-level
+//! [`send`] / [`recv`] take any [`Copier`]. [`write_region`] / [`read_region`] copy between
+//! a host buffer and a region of any kind (how P fills and D verifies device blocks).
+//!
+//! None of these writes or reads anything but the `len` payload bytes, so framing stays
 //! with the transport. This module starts no threads and reads no clock.
 
 use std::error::Error as StdError;
@@ -45,7 +48,7 @@ use std::io::{self, Read, Write};
 
 use std::sync::Arc;
 
-use crate::{DmaRegion, RegionAccessError, RegionBytes};
+use crate::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
 
 /// The largest [`StagingConfig::depth`]: more slots than this only hold more pinned memory.
 pub const MAX_DEPTH: usize = 16;
@@ -141,6 +144,16 @@ pub enum StagingError {
         #[source]
         source: Box<dyn StdError + Send + Sync>,
     },
+    /// Device memory in a build without the `cuda` feature.
+    #[error("{kind} memory needs the `cuda` feature of kvlease-gpu-mem")]
+    NoCudaSupport {
+        /// The region's kind.
+        kind: MemoryKind,
+    },
+    /// Setting up device access (context, stream, pinned slots) or a direct device copy
+    /// failed.
+    #[error("CUDA device access failed")]
+    Device(#[source] Box<dyn StdError + Send + Sync>),
 }
 
 /// A copier refused an operation on a staging slot.
@@ -370,8 +383,222 @@ pub fn recv<C: Copier, R: Read + ?Sized>(
     result.map_err(|error| drain(copier, error))
 }
 
-/// The copier for host-accessible memory ([`MemoryKind::Host`](crate::MemoryKind::Host),
-/// [`MemoryKind::CudaPinned`](crate::MemoryKind::CudaPinned)): `memcpy` between a region
+/// Copies `src` into `region` at `offset`, whatever the memory kind: host-accessible
+/// kinds through [`RegionBytes`], CUDA device memory with a synchronous host→device copy.
+/// This is how P fills KV blocks of any pool with the same bytes.
+///
+/// # Errors
+/// [`StagingError::Range`], [`StagingError::NoCudaSupport`], [`StagingError::Device`].
+pub fn write_region(region: &dyn DmaRegion, offset: usize, src: &[u8]) -> Result<(), StagingError> {
+    let kind = region.kind();
+    if kind.is_host_accessible() {
+        return Ok(region.write_from(offset as u64, src)?);
+    }
+    check_range(offset, src.len(), region.len())?;
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::copy_htod(region, offset, src).map_err(device_error)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(StagingError::NoCudaSupport { kind })
+    }
+}
+
+/// Copies `dst.len()` bytes of `region` at `offset` into `dst`, whatever the memory
+/// kind (the counterpart of [`write_region`]). This is how D verifies KV blocks of any
+/// pool: it copies them to the host and digests the host bytes.
+///
+/// # Errors
+/// As [`write_region`].
+pub fn read_region(
+    region: &dyn DmaRegion,
+    offset: usize,
+    dst: &mut [u8],
+) -> Result<(), StagingError> {
+    let kind = region.kind();
+    if kind.is_host_accessible() {
+        return Ok(region.read_into(offset as u64, dst)?);
+    }
+    check_range(offset, dst.len(), region.len())?;
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::copy_dtoh(region, offset, dst).map_err(device_error)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(StagingError::NoCudaSupport { kind })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_error(err: crate::cuda::CudaError) -> StagingError {
+    match err {
+        crate::cuda::CudaError::Range(range) => StagingError::Range(range),
+        other => StagingError::Device(Box::new(other)),
+    }
+}
+
+/// The TCP backend's per-thread entry point: moves a range of any registered region to a
+/// socket or from one. Host-accessible memory goes straight between the region and the
+/// socket (no staging copy); CUDA device memory goes through a `cuda::CudaCopier` pipeline
+/// (module docs), created on first use and reused for later regions of the same device.
+///
+/// Keep one `Stager` per connection thread: it owns pinned staging slots and a CUDA
+/// stream, and is not meant to be shared.
+#[derive(Debug)]
+pub struct Stager {
+    config: StagingConfig,
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::CudaCopier>,
+}
+
+impl Stager {
+    /// A stager whose device pipelines use `config`. Allocates nothing until device
+    /// memory is moved.
+    pub fn new(config: StagingConfig) -> Self {
+        Self {
+            config,
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        }
+    }
+
+    /// The configuration of its device pipelines.
+    pub fn config(&self) -> StagingConfig {
+        self.config
+    }
+
+    /// Writes `len` bytes of `region` at `offset` to `sink`.
+    ///
+    /// # Errors
+    /// [`StagingError::Range`] before anything moves; [`StagingError::Io`] when the sink
+    /// fails; for device memory also [`StagingError::Copy`], [`StagingError::Device`]
+    /// (setting up the pipeline) or [`StagingError::NoCudaSupport`].
+    pub fn send<W: Write + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        offset: usize,
+        len: usize,
+        sink: &mut W,
+    ) -> Result<(), StagingError> {
+        check_range(offset, len, region.len())?;
+        if region.kind().is_host_accessible() {
+            return region
+                .with_bytes(offset as u64, len as u64, |bytes| sink.write_all(bytes))?
+                .map_err(|source| StagingError::Io {
+                    chunk: 0,
+                    offset,
+                    len,
+                    source,
+                });
+        }
+        self.device_send(region, offset, len, sink)
+    }
+
+    /// Reads `len` bytes from `source` into `region` at `offset`; returns once they are
+    /// in the region (on the device, for device memory).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send), with the source in place of the sink.
+    pub fn recv<R: Read + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        offset: usize,
+        len: usize,
+        source: &mut R,
+    ) -> Result<(), StagingError> {
+        check_range(offset, len, region.len())?;
+        if region.kind().is_host_accessible() {
+            return region
+                .with_bytes_mut(offset as u64, len as u64, |bytes| source.read_exact(bytes))?
+                .map_err(|source| StagingError::Io {
+                    chunk: 0,
+                    offset,
+                    len,
+                    source,
+                });
+        }
+        self.device_recv(region, offset, len, source)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn copier(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+    ) -> Result<&mut crate::cuda::CudaCopier, StagingError> {
+        use crate::cuda::{CudaCopier, CudaError};
+        let same = |copier: &CudaCopier| {
+            std::ptr::addr_eq(Arc::as_ptr(copier.region()), Arc::as_ptr(region))
+        };
+        let reuse = match self.cuda.take() {
+            Some(copier) if same(&copier) => Some(copier),
+            Some(mut copier) => match copier.set_region(Arc::clone(region)) {
+                Ok(()) => Some(copier),
+                // Another device: a new copier (the old one waits for its stream on drop).
+                Err(CudaError::OtherDevice { .. }) => None,
+                Err(other) => return Err(device_error(other)),
+            },
+            None => None,
+        };
+        let copier = match reuse {
+            Some(copier) => copier,
+            None => CudaCopier::new(Arc::clone(region), self.config).map_err(device_error)?,
+        };
+        Ok(self.cuda.insert(copier))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_send<W: Write + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        offset: usize,
+        len: usize,
+        sink: &mut W,
+    ) -> Result<(), StagingError> {
+        send(self.copier(region)?, offset, len, sink)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_recv<R: Read + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        offset: usize,
+        len: usize,
+        source: &mut R,
+    ) -> Result<(), StagingError> {
+        recv(self.copier(region)?, offset, len, source)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_send<W: Write + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        _offset: usize,
+        _len: usize,
+        _sink: &mut W,
+    ) -> Result<(), StagingError> {
+        Err(StagingError::NoCudaSupport {
+            kind: region.kind(),
+        })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn device_recv<R: Read + ?Sized>(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+        _offset: usize,
+        _len: usize,
+        _source: &mut R,
+    ) -> Result<(), StagingError> {
+        Err(StagingError::NoCudaSupport {
+            kind: region.kind(),
+        })
+    }
+}
+
+/// The copier for host-accessible memory ([`MemoryKind::Host`],
+/// [`MemoryKind::CudaPinned`]): `memcpy` between a region
 /// and owned slots, through the region's bounds-checked accessors ([`RegionBytes`]).
 ///
 /// Its copies are complete when `stage_out`/`stage_in` return, so it overlaps nothing;
@@ -912,6 +1139,61 @@ mod tests {
         ));
         copier.stage_out(2, 90, 10).unwrap();
         assert_eq!(copier.slot(2).unwrap()[..10], pattern(100)[90..]);
+    }
+
+    #[test]
+    fn stager_moves_host_regions_directly() {
+        let src = pattern(10_000);
+        let from = host_region(&src);
+        let to = host_region(&[0; 10_000]);
+        let mut stager = Stager::new(config(100, 2));
+        let mut wire = Vec::new();
+        stager.send(&from, 123, 9_000, &mut wire).unwrap();
+        assert_eq!(wire, src[123..9_123]);
+        stager.recv(&to, 7, 9_000, &mut Cursor::new(&wire)).unwrap();
+        let got = contents(to.as_ref());
+        assert_eq!(got[7..9_007], src[123..9_123]);
+        assert!(got[..7].iter().chain(&got[9_007..]).all(|&b| b == 0));
+
+        let err = stager.send(&from, 9_999, 2, &mut wire).unwrap_err();
+        assert!(matches!(err, StagingError::Range(_)), "{err:?}");
+        let err = stager
+            .recv(&to, 0, 100, &mut Cursor::new(&src[..99]))
+            .unwrap_err();
+        assert!(
+            matches!(&err, StagingError::Io { source, .. } if source.kind() == io::ErrorKind::UnexpectedEof),
+            "{err:?}"
+        );
+        let mut broken = LoggedSink {
+            log: Rc::default(),
+            bytes: Vec::new(),
+            limit: 10,
+        };
+        let err = stager.send(&from, 0, 100, &mut broken).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StagingError::Io {
+                    offset: 0,
+                    len: 100,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn region_copies_of_any_kind_on_host_memory() {
+        let region = host_region(&[0; 4096]);
+        write_region(region.as_ref(), 100, b"kv blocks").unwrap();
+        let mut back = [0; 11];
+        read_region(region.as_ref(), 99, &mut back).unwrap();
+        assert_eq!(&back, b"\0kv blocks\0");
+        let err = write_region(region.as_ref(), 4090, &[1; 7]).unwrap_err();
+        assert!(matches!(err, StagingError::Range(_)), "{err:?}");
+        let err = read_region(region.as_ref(), usize::MAX, &mut [0; 2]).unwrap_err();
+        assert!(matches!(err, StagingError::Range(_)), "{err:?}");
     }
 
     #[test]

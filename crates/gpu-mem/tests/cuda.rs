@@ -277,3 +277,36 @@ fn no_free_failed() {
     drop(CudaPinnedRegion::new(0, 1 << 20).unwrap());
     assert_eq!(cuda::drop_errors(), 0);
 }
+
+#[test]
+fn stager_and_region_copies_handle_device_memory() {
+    let Some(_) = gpu() else { return };
+    let len = (3 << 20) + 77;
+    let data = pattern(len, 7);
+    let a = device(len);
+    staging::write_region(a.as_ref(), 0, &data).unwrap();
+    let mut back = vec![0; len - 10];
+    staging::read_region(a.as_ref(), 10, &mut back).unwrap();
+    assert_eq!(back, data[10..]);
+    assert!(matches!(
+        staging::write_region(a.as_ref(), len, &[1]),
+        Err(StagingError::Range(_))
+    ));
+
+    // One stager, three regions: device A → wire → device B → wire → host C.
+    let b = device(len);
+    let host: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(len).unwrap());
+    let mut stager = staging::Stager::new(StagingConfig::new(1 << 20, 2).unwrap());
+    let mut wire = Vec::new();
+    stager.send(&a, 0, len, &mut wire).unwrap();
+    stager.recv(&b, 0, len, &mut Cursor::new(&wire)).unwrap();
+    let mut wire2 = Vec::new();
+    stager.send(&b, 5, len - 5, &mut wire2).unwrap();
+    stager
+        .recv(&host, 5, len - 5, &mut Cursor::new(&wire2))
+        .unwrap();
+    let mut got = vec![0; len];
+    host.read_into(0, &mut got).unwrap();
+    assert_eq!(got[5..], data[5..]);
+    assert_eq!(read_device(b.as_ref()), data);
+}
