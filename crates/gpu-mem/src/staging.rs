@@ -271,16 +271,10 @@ pub trait Copier {
     fn wait_all(&mut self) -> Result<(), Self::Error>;
 }
 
-/// The chunks of `offset .. offset + len`: `(index, memory offset, length)`.
-fn chunks(
-    offset: usize,
-    len: usize,
-    chunk_len: usize,
-) -> impl Iterator<Item = (usize, usize, usize)> {
-    (0..len.div_ceil(chunk_len)).map(move |i| {
-        let start = i * chunk_len;
-        (i, offset + start, chunk_len.min(len - start))
-    })
+/// Chunk `i` of `offset .. offset + len`: its memory offset and length.
+fn chunk_at(offset: usize, len: usize, chunk_len: usize, i: usize) -> (usize, usize) {
+    let start = i * chunk_len;
+    (offset + start, chunk_len.min(len - start))
 }
 
 fn copy_error<E: StdError + Send + Sync + 'static>(
@@ -317,15 +311,17 @@ pub fn send<C: Copier, W: Write + ?Sized>(
 ) -> Result<(), StagingError> {
     check_range(offset, len, copier.memory_len())?;
     let config = copier.config();
-    let all: Vec<_> = chunks(offset, len, config.chunk_len).collect();
+    let (count, depth) = (len.div_ceil(config.chunk_len), config.depth);
+    let at = |i: usize| chunk_at(offset, len, config.chunk_len, i);
     let result = (|| {
-        for &(i, off, n) in all.iter().take(config.depth) {
+        for i in 0..count.min(depth) {
+            let (off, n) = at(i);
             copier
-                .stage_out(i % config.depth, off, n)
+                .stage_out(i % depth, off, n)
                 .map_err(copy_error(i, off))?;
         }
-        for &(i, off, n) in &all {
-            let slot = i % config.depth;
+        for i in 0..count {
+            let (slot, (off, n)) = (i % depth, at(i));
             let buffer = copier.slot(slot).map_err(copy_error(i, off))?;
             sink.write_all(&buffer[..n])
                 .map_err(|source| StagingError::Io {
@@ -334,10 +330,11 @@ pub fn send<C: Copier, W: Write + ?Sized>(
                     len: n,
                     source,
                 })?;
-            if let Some(&(next, next_off, next_n)) = all.get(i + config.depth) {
+            if i + depth < count {
+                let (next_off, next_n) = at(i + depth);
                 copier
                     .stage_out(slot, next_off, next_n)
-                    .map_err(copy_error(next, next_off))?;
+                    .map_err(copy_error(i + depth, next_off))?;
             }
         }
         Ok(())
@@ -362,8 +359,8 @@ pub fn recv<C: Copier, R: Read + ?Sized>(
     check_range(offset, len, copier.memory_len())?;
     let config = copier.config();
     let result = (|| {
-        for (i, off, n) in chunks(offset, len, config.chunk_len) {
-            let slot = i % config.depth;
+        for i in 0..len.div_ceil(config.chunk_len) {
+            let (slot, (off, n)) = (i % config.depth, chunk_at(offset, len, config.chunk_len, i));
             let buffer = copier.slot_mut(slot).map_err(copy_error(i, off))?;
             source
                 .read_exact(&mut buffer[..n])
