@@ -47,6 +47,7 @@ mod clock;
 mod config;
 mod decoder;
 mod ids;
+mod index;
 mod table;
 mod time;
 mod tracker;

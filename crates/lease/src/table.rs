@@ -1,12 +1,13 @@
 //! The prefill side: which blocks are leased to which request, until when.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::num::NonZeroU64;
 use std::time::Duration;
 
 use crate::config::{LeaseConfig, LeaseMode};
 use crate::ids::{BlockId, ConsumerId, Generation, RequestId};
+use crate::index::{Hashers, SlotIndex};
 use crate::time::{Timestamp, duration_nanos};
 
 /// `last_heartbeat` of a lease that never got one. A heartbeat at `u64::MAX` ns (584 years
@@ -169,6 +170,9 @@ pub struct LeaseStats {
     pub released_expired: u64,
     /// Leases released as [`ReleaseReason::Aborted`].
     pub released_aborted: u64,
+    /// Reaper deadlines that came due for a lease renewed since they were filed, and were
+    /// filed again at the current expiry (the reaper's only work beyond what expires).
+    pub reaper_refiles: u64,
 }
 
 #[derive(Debug)]
@@ -179,6 +183,8 @@ struct Lease {
     /// released when it reports, so this stays `None` and costs 8 bytes.
     consumers: Option<Box<Consumers>>,
     generation: NonZeroU64,
+    /// The id's second keyed hash (see [`crate::index`]).
+    h2: u64,
     /// Nanoseconds since the epoch, like the other times here (8 bytes instead of 16).
     expiry: u64,
     granted_at: u64,
@@ -256,7 +262,8 @@ struct Due {
 #[derive(Debug)]
 pub struct LeaseTable {
     config: LeaseConfig,
-    index: HashMap<RequestId, u32>,
+    hashers: Hashers,
+    index: SlotIndex,
     slots: Vec<Slot>,
     free_head: u32,
     heap: BinaryHeap<Reverse<Due>>,
@@ -280,7 +287,8 @@ impl LeaseTable {
     pub fn with_first_generation(config: LeaseConfig, first: Generation) -> Self {
         Self {
             config,
-            index: HashMap::new(),
+            hashers: Hashers::default(),
+            index: SlotIndex::default(),
             slots: Vec::new(),
             free_head: NO_SLOT,
             heap: BinaryHeap::new(),
@@ -303,7 +311,7 @@ impl LeaseTable {
 
     /// Whether no lease is held.
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.index.len() == 0
     }
 
     /// Blocks held by all leases.
@@ -338,7 +346,10 @@ impl LeaseTable {
 
     /// The requests holding a lease, in no particular order.
     pub fn requests(&self) -> impl Iterator<Item = &RequestId> + '_ {
-        self.index.keys()
+        self.slots.iter().filter_map(|slot| match slot {
+            Slot::Occupied(lease) => Some(&lease.request),
+            Slot::Vacant { .. } => None,
+        })
     }
 
     /// Leases `blocks` to `request` until `now + duration`, to be read by
@@ -359,7 +370,11 @@ impl LeaseTable {
         if expected_consumers == 0 {
             return Err(GrantError::ZeroConsumers { request });
         }
-        if self.index.contains_key(request.as_str()) {
+        let fingerprint = self.hashers.fingerprint(request.as_str());
+        if self
+            .find(request.as_str(), fingerprint.h1, fingerprint.h2)
+            .is_some()
+        {
             return Err(GrantError::Duplicate { request });
         }
         //= ../shared/docs/SPEC.md#semantics
@@ -377,17 +392,18 @@ impl LeaseTable {
         self.next_generation = generation.checked_add(1);
         self.blocks_held += blocks.len();
         let lease = Lease {
-            request: request.clone(),
+            request,
             blocks,
             consumers: None,
             generation,
+            h2: fingerprint.h2,
             expiry,
             granted_at: now.as_nanos_saturating(),
             last_heartbeat: NO_HEARTBEAT,
             expected: expected_consumers,
         };
         let slot = self.alloc_slot(lease);
-        self.index.insert(request, slot);
+        self.index.insert(fingerprint.h1, slot);
         self.heap.push(Reverse(Due {
             deadline: expiry,
             generation: generation.get(),
@@ -416,7 +432,13 @@ impl LeaseTable {
         let mut out = HeartbeatOutcome::default();
         for id in ids {
             self.stats.heartbeat_ids += 1;
-            let Some(&slot) = self.index.get(id.as_ref()) else {
+            // Matched on 96 bits of keyed hash, without the string compare (see
+            // crate::index): a wrong match has probability 2^-96 and would only extend.
+            let fingerprint = self.hashers.fingerprint(id.as_ref());
+            let slots = &self.slots;
+            let Some(slot) = self.index.find(fingerprint.h1, |slot| {
+                matches!(slots.get(slot as usize), Some(Slot::Occupied(l)) if l.h2 == fingerprint.h2)
+            }) else {
                 out.unknown += 1;
                 continue;
             };
@@ -464,7 +486,7 @@ impl LeaseTable {
         if consumers_total == Some(0) {
             return ReadCompleteOutcome::InvalidTotal;
         }
-        let Some(&slot) = self.index.get(request.as_str()) else {
+        let Some(slot) = self.find_str(request.as_str()) else {
             self.stats.unknown_completions += 1;
             return ReadCompleteOutcome::Unknown;
         };
@@ -500,8 +522,8 @@ impl LeaseTable {
     /// Releases `request`'s lease at once ([`ReleaseReason::Aborted`]). Returns whether it
     /// held one.
     pub fn abort(&mut self, now: Timestamp, request: &RequestId) -> bool {
-        match self.index.get(request.as_str()) {
-            Some(&slot) => {
+        match self.find_str(request.as_str()) {
+            Some(slot) => {
                 self.release(slot, ReleaseReason::Aborted, now);
                 true
             }
@@ -533,6 +555,7 @@ impl LeaseTable {
                 // Renewed since it was pushed: wait for the current expiry. Pushing it back
                 // (rather than releasing when `expiry <= now`) keeps the release order the
                 // deadline order.
+                self.stats.reaper_refiles += 1;
                 self.heap.push(Reverse(Due {
                     deadline: expiry,
                     ..due
@@ -569,11 +592,24 @@ impl LeaseTable {
     }
 
     fn lease(&self, request: &str) -> Option<&Lease> {
-        let &slot = self.index.get(request)?;
+        let slot = self.find_str(request)?;
         match self.slots.get(slot as usize) {
             Some(Slot::Occupied(lease)) => Some(lease),
             _ => None,
         }
+    }
+
+    /// The slot of `request`'s lease, matched on both hashes and the string.
+    fn find_str(&self, request: &str) -> Option<u32> {
+        let fingerprint = self.hashers.fingerprint(request);
+        self.find(request, fingerprint.h1, fingerprint.h2)
+    }
+
+    fn find(&self, request: &str, h1: u64, h2: u64) -> Option<u32> {
+        self.index.find(h1, |slot| {
+            matches!(self.slots.get(slot as usize),
+                Some(Slot::Occupied(l)) if l.h2 == h2 && l.request.as_str() == request)
+        })
     }
 
     /// The expiry of the lease `due` refers to, if it is still held.
@@ -620,7 +656,10 @@ impl LeaseTable {
             }
         };
         self.free_head = slot;
-        self.index.remove(lease.request.as_str());
+        let removed = self
+            .index
+            .remove(self.hashers.h1(lease.request.as_str()), slot);
+        debug_assert!(removed, "a held lease is in the index");
         self.blocks_held -= lease.blocks.len();
         match reason {
             ReleaseReason::Completed => self.stats.released_completed += 1,
