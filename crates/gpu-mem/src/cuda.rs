@@ -73,6 +73,12 @@ pub enum CudaError {
         /// Devices the driver reports.
         count: u32,
     },
+    /// The requested size does not fit in this address space.
+    #[error("a CUDA allocation of {bytes} bytes (before rounding) is too large")]
+    TooLarge {
+        /// The size asked for (for staging: chunk length; see the message's context).
+        bytes: usize,
+    },
     /// A CUDA allocation of 0 bytes was requested (the driver refuses those).
     #[error("a CUDA allocation of 0 bytes was requested")]
     ZeroLength,
@@ -477,12 +483,9 @@ impl CudaDeviceRegion {
         if len == 0 {
             return Err(CudaError::ZeroLength);
         }
-        let alloc_len =
-            len.checked_next_multiple_of(DEVICE_ALLOC_GRANULE)
-                .ok_or(CudaError::Driver {
-                    call: "cuMemAlloc",
-                    source: DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
-                })?;
+        let alloc_len = len
+            .checked_next_multiple_of(DEVICE_ALLOC_GRANULE)
+            .ok_or(CudaError::TooLarge { bytes: len })?;
         let ctx = context(ordinal)?;
         // SAFETY: a context is current on this thread (`context` bound it). The memory is
         // uninitialised; it is zeroed below before anything reads it.
@@ -725,7 +728,13 @@ impl CudaCopier {
         let events = (0..config.depth())
             .map(|_| ctx.new_event(None).map_err(driver("cuEventCreate")))
             .collect::<Result<Vec<_>, _>>()?;
-        let staging_len = config.chunk_len() * config.depth();
+        let staging_len =
+            config
+                .chunk_len()
+                .checked_mul(config.depth())
+                .ok_or(CudaError::TooLarge {
+                    bytes: config.chunk_len(),
+                })?;
         let staging = CudaPinnedRegion::new(ordinal, staging_len)?;
         Ok(Self {
             events,
@@ -775,10 +784,19 @@ impl CudaCopier {
             .wrapping_add(slot * self.config.chunk_len())
     }
 
+    /// Marks the copy just enqueued for `slot`. If the event cannot be recorded, nothing
+    /// could tell when the slot is free again, so the stream is drained before the error
+    /// is returned.
     fn record(&mut self, slot: usize) -> Result<(), CudaError> {
-        self.events[slot]
-            .record(&self.stream)
-            .map_err(driver("cuEventRecord"))?;
+        if let Err(err) = self.events[slot].record(&self.stream) {
+            if let Err(sync) = self.stream.synchronize() {
+                tracing::error!(error = %sync, "CUDA staging: stream sync after a failed event record");
+            }
+            return Err(CudaError::Driver {
+                call: "cuEventRecord",
+                source: err,
+            });
+        }
         self.in_flight[slot] = true;
         Ok(())
     }
