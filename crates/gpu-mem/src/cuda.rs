@@ -728,13 +728,10 @@ impl CudaCopier {
         let events = (0..config.depth())
             .map(|_| ctx.new_event(None).map_err(driver("cuEventCreate")))
             .collect::<Result<Vec<_>, _>>()?;
-        let staging_len =
-            config
-                .chunk_len()
-                .checked_mul(config.depth())
-                .ok_or(CudaError::TooLarge {
-                    bytes: config.chunk_len(),
-                })?;
+        let chunk_len = config.chunk_len();
+        let staging_len = chunk_len
+            .checked_mul(config.depth())
+            .ok_or(CudaError::TooLarge { bytes: chunk_len })?;
         let staging = CudaPinnedRegion::new(ordinal, staging_len)?;
         Ok(Self {
             events,
