@@ -297,7 +297,7 @@ impl DecodeEngine {
     fn intake(&mut self, job: Job) {
         match job {
             Job::Decode(job) => {
-                if let Err((job, e)) = self.admit(*job) {
+                if let Err((job, e)) = self.admit(job) {
                     let _ = job.events.send(DecodeEvent::Failed(e));
                 }
             }
@@ -310,7 +310,7 @@ impl DecodeEngine {
         }
     }
 
-    fn admit(&mut self, job: DecodeJob) -> Result<(), (DecodeJob, ApiError)> {
+    fn admit(&mut self, job: Box<DecodeJob>) -> Result<(), (Box<DecodeJob>, ApiError)> {
         let p = &job.params;
         let bad = |field: &str, msg: String| {
             ApiError::bad_field(format!("kv_transfer_params.{field}"), msg)
@@ -347,7 +347,7 @@ impl DecodeEngine {
             );
             return Err((job, ApiError::bad_field("prompt", msg)));
         }
-        if self.cfg.shape.num_kv_heads % p.tp_size != 0 {
+        if !self.cfg.shape.num_kv_heads.is_multiple_of(p.tp_size) {
             let msg = format!(
                 "{} does not divide num_kv_heads {}",
                 p.tp_size, self.cfg.shape.num_kv_heads
@@ -390,7 +390,7 @@ impl DecodeEngine {
         self.reqs.insert(
             job.id.clone(),
             Req {
-                job,
+                job: *job,
                 remote_id,
                 engine,
                 phase: Phase::Waiting,
