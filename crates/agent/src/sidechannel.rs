@@ -277,15 +277,16 @@ impl Server {
                 },
             );
         }
+        // Hand the peer over before answering, so that when D holds its welcome, P
+        // already knows it (and can send it expiry notices).
+        (self.on_peer)(hello);
         write_frame(
             &mut s,
             &Frame::Welcome {
                 info: self.info.clone(),
                 server_time_ns: (self.clock_ns)(),
             },
-        )?;
-        (self.on_peer)(hello);
-        Ok(())
+        )
     }
 }
 
