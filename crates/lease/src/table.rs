@@ -562,22 +562,28 @@ impl LeaseTable {
                 }));
             }
         }
-        // Drop released entries from the top so that poll_timeout is not needlessly early.
+        self.trim_top();
+        expired
+    }
+
+    /// Drops entries of released leases from the top of the heap, so that
+    /// [`poll_timeout`](Self::poll_timeout) is not needlessly early (and `None` once the
+    /// table is empty). Each entry is popped once, so this is amortised O(log n).
+    fn trim_top(&mut self) {
         while let Some(&Reverse(due)) = self.heap.peek() {
             if self.live_expiry(due).is_some() {
                 break;
             }
             self.heap.pop();
         }
-        expired
     }
 
     /// When [`handle_timeout`](Self::handle_timeout) should next be called, or `None` when no
     /// lease is held.
     ///
     /// Never later than the earliest expiry. It may be earlier when that lease was renewed
-    /// or released since its deadline was filed: the call then releases nothing and files
-    /// the real deadline.
+    /// since its deadline was filed (renewal does not touch the heap): the call then
+    /// releases nothing and files the real deadline.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         self.heap
@@ -678,6 +684,8 @@ impl LeaseTable {
             released_at: now,
         }));
         if reason != ReleaseReason::Expired {
+            // The reaper trims the top itself once it is done.
+            self.trim_top();
             self.maybe_compact();
         }
     }
