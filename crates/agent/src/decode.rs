@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use kvlease_gpu_mem::{BlockAllocator, BlockPool, KvHalf, KvLayout, MemoryRequest, RegionBytes};
+use kvlease_gpu_mem::staging::read_region;
+use kvlease_gpu_mem::{BlockAllocator, BlockPool, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, ConsumerId, EngineId, HeartbeatTracker, LeaseConfig, RequestId, Timestamp,
 };
@@ -1012,10 +1013,9 @@ fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDig
             .block_range(layer, blocks[i])
             .map_err(|e| e.to_string())
             .and_then(|r| {
-                w.pool
-                    .region()
-                    .read_into(r.start, &mut buf)
-                    .map_err(|e| e.to_string())
+                let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
+                // Host memory directly, device memory through a staged copy.
+                read_region(&**w.pool.region(), off, &mut buf).map_err(|e| e.to_string())
             });
         if let Err(e) = r {
             result = Err(e);

@@ -20,9 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::{
-    BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest, RegionBytes,
-};
+use kvlease_gpu_mem::staging::write_region;
+use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Event, Generation, LeaseConfig, LeaseTable, ReleaseReason, Released,
     RequestId, Timestamp,
@@ -628,10 +627,9 @@ fn fill_worker(w: &Worker, blocks: &[u32], hashes: &[u64]) -> Result<KvDigest, S
             .block_range(layer, BlockId(blocks[i]))
             .map_err(|e| e.to_string())
             .and_then(|r| {
-                w.pool
-                    .region()
-                    .write_from(r.start, &buf)
-                    .map_err(|e| e.to_string())
+                let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
+                // Host memory directly, device memory through a staged copy.
+                write_region(&**w.pool.region(), off, &buf).map_err(|e| e.to_string())
             });
     });
     result.map(|()| digest)
