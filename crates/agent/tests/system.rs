@@ -787,3 +787,79 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_read_is_fenced_and_chat_works() -> Result<()> {
+    let cfg = |role| kv_config(role, json!({"kv_lease_duration": 0.6}));
+    let (c, p, d) = pd(
+        &[
+            "--num-blocks",
+            "64",
+            "--kv-transfer-config",
+            &cfg("kv_producer"),
+        ],
+        &[
+            "--num-blocks",
+            "64",
+            "--step-ms",
+            "5",
+            "--kv-transfer-config",
+            &cfg("kv_consumer"),
+        ],
+        "stale",
+    )
+    .await?;
+    // Chat through P then D.
+    let messages =
+        json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]);
+    let r = c
+        .post(format!("{}/v1/chat/completions", p.url))
+        .json(&json!({"messages": messages, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "P chat: {}", r.status());
+    let pa: Value = r.json().await?;
+    let r = c
+        .post(format!("{}/v1/chat/completions", d.url))
+        .json(&json!({"messages": messages, "max_tokens": 4, "kv_transfer_params": pa["kv_transfer_params"]}))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "D chat: {}", r.status());
+    let v: Value = r.json().await?;
+    let tokens = kv::tokenize("<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n");
+    let want = kv::expected_digest(&SHAPE, &tokens);
+    ensure!(v["kv_digest"] == want.to_string(), "{v}");
+    ensure!(
+        v["choices"][0]["message"]["content"] == kv::decode_text(want, 4).concat(),
+        "{v}"
+    );
+
+    // A request that reaches D only after P reclaimed its lease (no D ever heartbeated it,
+    // so no expiry notice): the read happens, the fence catches it, nothing is output.
+    let pa = do_prefill(&c, &p, &prompt(9)).await?;
+    wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_released_total{reason=\"expired\"}",
+        Duration::from_secs(3),
+        |v| v == 1.0,
+    )
+    .await?;
+    let (s, v) = post(&c, &d.url, &d_body(&prompt(9), 3, &pa)).await?;
+    ensure!(
+        s == 503 && v["error"]["type"] == "kv_load_failed" && v["error"]["retryable"] == true,
+        "{s} {v}"
+    );
+    ensure!(
+        v.get("choices").is_none(),
+        "a stale read must not produce output: {v}"
+    );
+    let dm = metrics(&c, &d).await?;
+    assert_eq!(metric(&dm, "kvlease_stale_reads_total"), 1.0);
+    assert_eq!(
+        metric(&dm, "kvlease_requests_total{outcome=\"kv_load_failed\"}"),
+        1.0
+    );
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(3)).await?;
+    Ok(())
+}
