@@ -468,6 +468,10 @@ impl DecodeEngine {
         }
         for engine in ready {
             self.metrics.handshake(HandshakeOutcome::Ok).inc();
+            if let Some(w0) = self.workers.first() {
+                let backend = link::backend_metric(link::backend_name(&w0.agent));
+                self.metrics.set_peer_backend(engine.as_str(), backend);
+            }
             tracing::info!(%engine, "handshake complete");
             // Heartbeat the engine's requests now rather than an interval later.
             self.tracker.defer(&engine, self.now());

@@ -151,8 +151,8 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
 
 /// The backend name reported in transfer stats.
 pub fn backend_name(_agent: &Agent) -> &'static str {
-    // The transport connects over TCP unless the verbs backend is in use; it does not yet
-    // report the backend per peer, so the agents report what they asked for.
+    // The transport's `Agent::connect` selects TCP for every peer in this build (verbs is
+    // not wired into it yet) and has no per-peer backend query; revisit when it does.
     "tcp"
 }
 
