@@ -1,0 +1,265 @@
+//! What a world looks like: sizes, timings, faults. [`WorldConfig::random`] draws one
+//! from a seed; the named constructors build the scenarios of the test suite.
+
+use std::time::Duration;
+
+use crate::rng::Rng;
+
+/// A deliberate protocol bug, to prove that the checker catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Bug {
+    /// P decodes heartbeats but never feeds them to its lease table (no extension).
+    IgnoreHeartbeats,
+    /// P does not run the table's reaper; it walks its leases in grant order and stops at
+    /// the first live one (vLLM #58222), freeing the expired ones it reaches.
+    GrantOrderReaper,
+    /// D reports `consumers_total = 1` whatever the TP ratio, so P frees after the first
+    /// of several consumers.
+    UnderreportConsumers,
+}
+
+/// The notification network between every pair of endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NetConfig {
+    /// Smallest one-way delay.
+    pub delay: Duration,
+    /// Extra delay, uniform in `0..=jitter` per message (this is what reorders).
+    pub jitter: Duration,
+    /// Probability that a message is lost, per million.
+    pub loss_per_million: u32,
+    /// When set, a link never loses more than this many messages in a row.
+    pub max_consecutive_losses: Option<u32>,
+    /// Probability that a message is delivered twice, per million.
+    pub duplicate_per_million: u32,
+}
+
+/// A crash of one engine at a time (and, optionally, its restart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Crash {
+    /// Which engine (index among the P or D engines).
+    pub engine: usize,
+    /// When, in virtual time since the start.
+    pub at: Duration,
+    /// When it comes back, counted from the crash; `None`: never.
+    pub restart_after: Option<Duration>,
+}
+
+/// Everything that defines a world. The same config gives the same run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorldConfig {
+    /// Seed of every random choice during the run.
+    pub seed: u64,
+    /// `kv_lease_duration`.
+    pub lease: Duration,
+    /// Number of P engines.
+    pub p_engines: usize,
+    /// Workers (TP ranks) per P engine; each holds its own lease table and block pool.
+    pub p_tp: u32,
+    /// Blocks in each P worker's pool.
+    pub blocks_per_worker: u32,
+    /// Number of D engines.
+    pub d_engines: usize,
+    /// Ranks per D engine; each tracks and heartbeats on its own.
+    pub d_tp: u32,
+    /// Requests a D engine reads and decodes at once (its running slots).
+    pub d_slots: usize,
+    /// Forward-loop step of a P engine (true time; jitter added).
+    pub p_step: Duration,
+    /// Forward-loop step of a D engine.
+    pub d_step: Duration,
+    /// Extra step length, uniform in `0..=step_jitter`.
+    pub step_jitter: Duration,
+    /// Prefill time of a request on P.
+    pub prefill: Duration,
+    /// Time of the one-sided read on D.
+    pub read: Duration,
+    /// Decode time, uniform in this range, during which the slot stays busy.
+    pub decode: (Duration, Duration),
+    /// Requests that arrive at the P engines.
+    pub requests: usize,
+    /// Mean gap between arrivals (exponential-ish: uniform in `0..=2×gap`).
+    pub arrival_gap: Duration,
+    /// Blocks per request and worker, uniform in this range.
+    pub blocks_per_request: (u32, u32),
+    /// Delay from P's grant to the request's arrival at D (router and proxy).
+    pub transfer_delay: Duration,
+    /// The notification network.
+    pub net: NetConfig,
+    /// Largest per-engine clock offset from true time.
+    pub clock_offset_max: Duration,
+    /// Largest clock drift, in parts per million (either sign).
+    pub drift_ppm_max: u32,
+    /// Crashes of D engines.
+    pub d_crashes: Vec<Crash>,
+    /// Crashes of P engines.
+    pub p_crashes: Vec<Crash>,
+    /// Probability per D step that the client aborts the oldest waiting request, per million.
+    pub client_abort_per_million: u32,
+    /// Byte limit of one heartbeat message (small values exercise the splitting).
+    pub heartbeat_max_len: usize,
+    /// Check that no lease expires while its D engine is alive and tracks it.
+    pub expect_no_expiry_while_tracked: bool,
+    /// A deliberate bug, for the checker's own tests.
+    pub bug: Option<Bug>,
+}
+
+const MS: u64 = 1_000_000;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+impl WorldConfig {
+    /// A world drawn from `seed`: sizes, timings, network faults, clock skew and drift,
+    /// and sometimes D and P crashes. Small enough that 256 seeds run in well under a
+    /// minute in a debug build.
+    pub fn random(seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x5eed_c0f1_9000_0000);
+        let lease = Duration::from_nanos(rng.range(1_200 * MS, 3_000 * MS));
+        let tps = [1u32, 2, 4];
+        let p_tp = tps[rng.index(3)];
+        let d_tp = tps[rng.index(2)];
+        let p_engines = 1 + rng.index(2);
+        let d_engines = 1 + rng.index(3);
+        let requests = 20 + rng.index(40);
+        let arrival_gap = ms(rng.range(20, 150));
+        let span = arrival_gap.as_nanos() as u64 * requests as u64;
+        let mut d_crashes = Vec::new();
+        if rng.chance(350_000) {
+            d_crashes.push(Crash {
+                engine: rng.index(d_engines),
+                at: Duration::from_nanos(rng.range(span / 4, span)),
+                restart_after: rng
+                    .chance(500_000)
+                    .then(|| Duration::from_nanos(rng.range(100 * MS, 2_000 * MS))),
+            });
+        }
+        let mut p_crashes = Vec::new();
+        if rng.chance(150_000) {
+            p_crashes.push(Crash {
+                engine: rng.index(p_engines),
+                at: Duration::from_nanos(rng.range(span / 4, span)),
+                restart_after: rng
+                    .chance(700_000)
+                    .then(|| Duration::from_nanos(rng.range(100 * MS, 1_000 * MS))),
+            });
+        }
+        let loss = [0, 0, 10_000, 50_000, 200_000][rng.index(5)];
+        Self {
+            seed,
+            lease,
+            p_engines,
+            p_tp,
+            blocks_per_worker: 64 + rng.range(0, 192) as u32,
+            d_engines,
+            d_tp,
+            d_slots: 1 + rng.index(4),
+            p_step: ms(rng.range(5, 20)),
+            d_step: ms(rng.range(5, 20)),
+            step_jitter: ms(rng.range(0, 5)),
+            prefill: ms(rng.range(5, 50)),
+            read: ms(rng.range(1, 20)),
+            decode: (ms(10), ms(rng.range(20, 600))),
+            requests,
+            arrival_gap,
+            blocks_per_request: (1, 1 + rng.range(0, 7) as u32),
+            transfer_delay: ms(rng.range(1, 30)),
+            net: NetConfig {
+                delay: Duration::from_micros(rng.range(50, 2_000)),
+                jitter: Duration::from_micros(rng.range(0, 30_000)),
+                loss_per_million: loss,
+                max_consecutive_losses: None,
+                duplicate_per_million: [0, 10_000, 50_000][rng.index(3)],
+            },
+            clock_offset_max: Duration::from_secs(10),
+            drift_ppm_max: 200,
+            d_crashes,
+            p_crashes,
+            client_abort_per_million: [0, 2_000, 10_000][rng.index(3)],
+            heartbeat_max_len: [
+                kvlease_notif::MIN_SPLIT_LEN,
+                1024,
+                kvlease_notif::MAX_NOTIF_LEN,
+            ][rng.index(3)],
+            expect_no_expiry_while_tracked: false,
+            bug: None,
+        }
+    }
+
+    /// D alive and overloaded: one slot, long decodes, so requests wait at least 10 lease
+    /// durations in D's queue; the network loses heartbeats but never more than 2 in a row.
+    /// No lease may expire while D tracks it.
+    pub fn overloaded(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        c.lease = ms(1_500);
+        c.p_engines = 1;
+        c.d_engines = 1;
+        c.d_slots = 1;
+        c.requests = 24;
+        c.arrival_gap = ms(20);
+        c.decode = (ms(1_200), ms(1_600));
+        c.net.loss_per_million = 300_000;
+        c.net.max_consecutive_losses = Some(2);
+        c.d_crashes.clear();
+        c.p_crashes.clear();
+        c.client_abort_per_million = 0;
+        // One message per batch, so that "2 messages in a row" is "2 heartbeats in a row"
+        // for every request.
+        c.heartbeat_max_len = kvlease_notif::MAX_NOTIF_LEN;
+        c.blocks_per_worker = 256;
+        c.expect_no_expiry_while_tracked = true;
+        c
+    }
+
+    /// One D engine crashes for good while it tracks requests; the others go on.
+    pub fn d_crash(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        c.d_engines = 2;
+        c.d_slots = 1;
+        c.requests = 30;
+        c.arrival_gap = ms(30);
+        c.decode = (ms(200), ms(400));
+        // Late enough that the queued requests' expiries were set by heartbeats (more than
+        // a third of a lease after their grant), early enough that D0 still queues many.
+        c.d_crashes = vec![Crash {
+            engine: 0,
+            at: c.lease * 2,
+            restart_after: None,
+        }];
+        c.p_crashes.clear();
+        c
+    }
+
+    /// Heterogeneous TP: P with `p_tp` workers, D with `d_tp` ranks.
+    pub fn hetero_tp(seed: u64, p_tp: u32, d_tp: u32) -> Self {
+        let mut c = Self::random(seed);
+        c.p_tp = p_tp;
+        c.d_tp = d_tp;
+        c.d_crashes.clear();
+        c.p_crashes.clear();
+        c
+    }
+
+    /// Completions race late heartbeats: a slow, duplicating, reordering network.
+    pub fn late_heartbeats(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        c.net.delay = ms(5);
+        c.net.jitter = ms(200);
+        c.net.duplicate_per_million = 300_000;
+        c.net.loss_per_million = 0;
+        c.d_slots = 4;
+        c.read = ms(1);
+        c.d_crashes.clear();
+        c.p_crashes.clear();
+        c
+    }
+
+    /// The same world with `bug` planted.
+    #[must_use]
+    pub fn with_bug(mut self, bug: Bug) -> Self {
+        self.bug = Some(bug);
+        self
+    }
+}
