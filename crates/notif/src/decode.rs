@@ -1,6 +1,8 @@
 //! The decoder. Never panics on any input; every rejection is a [`DecodeError`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::OnceLock;
 
 use kvlease_lease::{ConsumerId, EngineId, Generation, InvalidId, RequestId};
 
@@ -89,7 +91,7 @@ fn decode_heartbeat(list: &str, base: usize) -> Result<HeartbeatIds<'_>, DecodeE
     }
     check_id_len(bytes.len() - start, base + start, Field::Request)?;
     count += 1;
-    check_distinct(list.split(','), base, count)?;
+    check_distinct(list, base, count)?;
     Ok(HeartbeatIds::new_validated(list, count))
 }
 
@@ -103,19 +105,14 @@ fn check_id_len(len: usize, offset: usize, field: Field) -> Result<(), DecodeErr
     }
 }
 
-/// Checks that the `count` ids yielded by `ids` (comma-separated pieces starting at byte
-/// `base`) are distinct.
-fn check_distinct<'a>(
-    ids: impl Iterator<Item = &'a str> + Clone,
-    base: usize,
-    count: usize,
-) -> Result<(), DecodeError> {
-    // Offsets of the pieces are recovered by adding up lengths (+1 for each comma).
+/// Checks that the `count` comma-separated ids of `list` (which starts at byte `base` of
+/// the message) are distinct.
+fn check_distinct(list: &str, base: usize, count: usize) -> Result<(), DecodeError> {
     if count <= PAIRWISE_DUPLICATE_CHECK {
         let mut offset = base;
-        for (i, id) in ids.clone().enumerate() {
+        for (i, id) in list.split(',').enumerate() {
             let mut other_offset = base;
-            for other in ids.clone().take(i) {
+            for other in list.split(',').take(i) {
                 if other == id {
                     return Err(DecodeError::DuplicateId {
                         offset,
@@ -128,29 +125,113 @@ fn check_distinct<'a>(
         }
         return Ok(());
     }
-    let mut seen: HashSet<&str> = HashSet::with_capacity(count);
-    let mut offset = base;
-    for id in ids.clone() {
-        if !seen.insert(id) {
-            return Err(DecodeError::DuplicateId {
-                offset,
-                first: first_offset(ids, base, id),
-            });
-        }
-        offset += id.len() + 1;
+    match check_distinct_hashed(list, base, count) {
+        Some(result) => result,
+        None => check_distinct_sorted(list, base),
     }
-    Ok(())
 }
 
-fn first_offset<'a>(ids: impl Iterator<Item = &'a str>, base: usize, wanted: &str) -> usize {
-    let mut offset = base;
-    for id in ids {
-        if id == wanted {
-            break;
+/// The per-process key of [`id_hash`], drawn once from the standard library's random
+/// hasher keys, so that a peer cannot precompute ids that collide.
+fn hash_key() -> u64 {
+    static KEY: OnceLock<u64> = OnceLock::new();
+    *KEY.get_or_init(|| RandomState::new().hash_one(0x6b76_6c65_6173_6531_u64) | 1)
+}
+
+/// A fast keyed hash of an id (multiply-rotate over 8-byte words). Not a cryptographic
+/// hash: a flood of collisions is cut off by the probe limit of [`check_distinct_hashed`].
+fn id_hash(id: &[u8], key: u64) -> u64 {
+    const K: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut h = key ^ (id.len() as u64).wrapping_mul(K);
+    let mut chunks = id.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = (h ^ w).wrapping_mul(K).rotate_left(29);
+    }
+    let mut tail = [0u8; 8];
+    let rest = chunks.remainder();
+    tail[..rest.len()].copy_from_slice(rest);
+    h = (h ^ u64::from_le_bytes(tail)).wrapping_mul(K);
+    h ^= h >> 32;
+    h = h.wrapping_mul(key);
+    h ^ (h >> 29)
+}
+
+/// Longest probe sequence accepted before giving up on the hash table (a collision flood
+/// from a hostile peer); the caller then checks by sorting, which has no bad case.
+const MAX_PROBES: usize = 32;
+
+/// Bits of an entry of [`check_distinct_hashed`]: a tag from the hash, `offset + 1` (15
+/// bits: the list is shorter than [`MAX_NOTIF_LEN`] = 2^14 bytes) and the length (9 bits:
+/// at most 256).
+const LEN_BITS: u32 = 9;
+const OFFSET_BITS: u32 = 15;
+const _: () = assert!(MAX_NOTIF_LEN < (1 << OFFSET_BITS) - 1 && MAX_ID_LEN < 1 << LEN_BITS);
+
+/// Duplicate check with an open-addressing table of `(tag, offset, len)` words: one
+/// allocation per message, none per id. `None` when the probe limit was hit.
+fn check_distinct_hashed(list: &str, base: usize, count: usize) -> Option<Result<(), DecodeError>> {
+    let size = (count * 2).next_power_of_two();
+    let mask = size - 1;
+    let key = hash_key();
+    let bytes = list.as_bytes();
+    let mut table = vec![0u64; size];
+    let mut offset = 0usize;
+    for id in list.split(',') {
+        let hash = id_hash(id.as_bytes(), key);
+        let tag = hash >> (LEN_BITS + OFFSET_BITS);
+        // `offset + 1` so that an empty slot (0) never matches an entry.
+        let entry =
+            (tag << (LEN_BITS + OFFSET_BITS)) | ((offset as u64 + 1) << LEN_BITS) | id.len() as u64;
+        let mut slot = (hash as usize) & mask;
+        let mut probes = 0;
+        loop {
+            let other = table[slot];
+            if other == 0 {
+                table[slot] = entry;
+                break;
+            }
+            let same_tag_and_len = (other >> (LEN_BITS + OFFSET_BITS)) == tag
+                && (other & ((1 << LEN_BITS) - 1)) == id.len() as u64;
+            if same_tag_and_len {
+                let other_offset = ((other >> LEN_BITS) & ((1 << OFFSET_BITS) - 1)) as usize - 1;
+                if bytes.get(other_offset..other_offset + id.len()) == Some(id.as_bytes()) {
+                    return Some(Err(DecodeError::DuplicateId {
+                        offset: base + offset,
+                        first: base + other_offset,
+                    }));
+                }
+            }
+            probes += 1;
+            if probes > MAX_PROBES {
+                return None;
+            }
+            slot = (slot + 1) & mask;
         }
         offset += id.len() + 1;
     }
-    offset
+    Some(Ok(()))
+}
+
+/// Duplicate check by sorting: O(n log n) whatever the input.
+fn check_distinct_sorted(list: &str, base: usize) -> Result<(), DecodeError> {
+    let mut sorted: Vec<(&str, usize)> = Vec::new();
+    let mut offset = base;
+    for id in list.split(',') {
+        sorted.push((id, offset));
+        offset += id.len() + 1;
+    }
+    sorted.sort_unstable();
+    for pair in sorted.windows(2) {
+        if pair[0].0 == pair[1].0 {
+            // Equal ids sort by offset: pair[0] is the earlier one.
+            return Err(DecodeError::DuplicateId {
+                offset: pair[1].1,
+                first: pair[0].1,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn decode_versioned(text: &str) -> Result<Notif<'_>, DecodeError> {
@@ -364,4 +445,57 @@ fn parse_decimal<T: std::str::FromStr>(text: &str) -> Option<T> {
         && bytes.iter().all(u8::is_ascii_digit)
         && (bytes.len() == 1 || bytes[0] != b'0');
     if canonical { text.parse().ok() } else { None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Short distinct ids: `a`, `b`, …, `aa`, `ab`, … (base 36).
+    fn ids(n: usize) -> Vec<String> {
+        const DIGITS: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+        (0..n)
+            .map(|mut i| {
+                let mut s = Vec::new();
+                loop {
+                    s.push(DIGITS[i % 36]);
+                    i /= 36;
+                    if i == 0 {
+                        break;
+                    }
+                }
+                String::from_utf8(s).unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hashed_and_sorted_checks_agree() {
+        // Up to the size limit: ~5,000 one- to three-byte ids in one message.
+        for n in [9, 100, 4000] {
+            let mut list = ids(n);
+            let joined = list.join(",");
+            assert_eq!(check_distinct_hashed(&joined, 3, n), Some(Ok(())));
+            assert_eq!(check_distinct_sorted(&joined, 3), Ok(()));
+            // A duplicate of the id at index n / 3, at the end.
+            list.push(list[n / 3].clone());
+            let joined = list.join(",");
+            let first = 3 + list[..n / 3].iter().map(|s| s.len() + 1).sum::<usize>();
+            let offset = 3 + joined.len() - list[n / 3].len();
+            let want = Err(DecodeError::DuplicateId { offset, first });
+            assert_eq!(check_distinct_hashed(&joined, 3, n + 1), Some(want.clone()));
+            assert_eq!(check_distinct_sorted(&joined, 3), want);
+            assert_eq!(check_distinct(&joined, 3, n + 1), want);
+        }
+    }
+
+    #[test]
+    fn hash_separates_similar_ids() {
+        let key = hash_key();
+        let a = id_hash(b"cmpl-0000000000000001-0", key);
+        let b = id_hash(b"cmpl-0000000000000002-0", key);
+        let c = id_hash(b"cmpl-0000000000000001-", key);
+        assert!(a != b && a != c && b != c);
+        assert_eq!(a, id_hash(b"cmpl-0000000000000001-0", key));
+    }
 }
