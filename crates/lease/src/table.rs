@@ -7,12 +7,15 @@ use std::time::Duration;
 
 use crate::config::{LeaseConfig, LeaseMode};
 use crate::ids::{BlockId, ConsumerId, Generation, RequestId};
-use crate::index::{Hashers, SlotIndex};
+use crate::index::{Fingerprint, Hashers, SlotIndex};
 use crate::time::{Timestamp, duration_nanos};
 
 /// `last_heartbeat` of a lease that never got one. A heartbeat at `u64::MAX` ns (584 years
 /// after the epoch) reads as none; no driver gets there.
 const NO_HEARTBEAT: u64 = u64::MAX;
+
+/// Heartbeat ids hashed before their lookups run (see `handle_heartbeat`).
+const HEARTBEAT_GROUP: usize = 16;
 
 /// Why a grant was refused. Nothing changed in the table.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -430,43 +433,69 @@ impl LeaseTable {
             LeaseMode::Fixed => None,
         };
         let mut out = HeartbeatOutcome::default();
-        for id in ids {
-            self.stats.heartbeat_ids += 1;
-            // Matched on 96 bits of keyed hash, without the string compare (see
-            // crate::index): a wrong match has probability 2^-96 and would only extend.
-            let fingerprint = self.hashers.fingerprint(id.as_ref());
-            let slots = &self.slots;
-            let Some(slot) = self.index.find(fingerprint.h1, |slot| {
-                matches!(slots.get(slot as usize), Some(Slot::Occupied(l)) if l.h2 == fingerprint.h2)
-            }) else {
-                out.unknown += 1;
-                continue;
-            };
-            let Some(Slot::Occupied(lease)) = self.slots.get_mut(slot as usize) else {
-                // The index only names occupied slots; count it rather than panic.
-                debug_assert!(false, "index names a vacant slot");
-                out.unknown += 1;
-                continue;
-            };
-            if lease.expiry <= now_ns {
-                out.late += 1;
-                continue;
+        // Ids go in groups: hash a group first, then look it up. The lookups of a group are
+        // independent and short, so the CPU overlaps their cache misses (index entry, then
+        // slot) instead of waiting for one id's misses before hashing the next.
+        let mut ids = ids.into_iter();
+        let mut group = [Fingerprint { h1: 0, h2: 0 }; HEARTBEAT_GROUP];
+        loop {
+            let mut n = 0;
+            for id in ids.by_ref().take(HEARTBEAT_GROUP) {
+                group[n] = self.hashers.fingerprint(id.as_ref());
+                n += 1;
             }
-            out.held += 1;
-            lease.last_heartbeat = now_ns;
-            //= ../shared/docs/SPEC.md#semantics
-            //# for each id P holds, expiry = max(old expiry, now + extension) — never shortened.
-            if let Some(renewed) = renewed
-                && renewed > lease.expiry
-            {
-                lease.expiry = renewed;
-                out.extended += 1;
+            if n == 0 {
+                break;
+            }
+            for fingerprint in &group[..n] {
+                self.renew(fingerprint, now_ns, renewed, &mut out);
             }
         }
+        self.stats.heartbeat_ids += u64::from(out.held + out.unknown + out.late);
         self.stats.extensions += u64::from(out.extended);
         self.stats.unknown_ids += u64::from(out.unknown);
         self.stats.late_ids += u64::from(out.late);
         out
+    }
+
+    /// One heartbeat id, already hashed.
+    fn renew(
+        &mut self,
+        fingerprint: &Fingerprint,
+        now_ns: u64,
+        renewed: Option<u64>,
+        out: &mut HeartbeatOutcome,
+    ) {
+        // Matched on the two keyed hashes, without the string compare (see crate::index): a
+        // false match is astronomically unlikely and would only extend.
+        let slots = &self.slots;
+        let found = self.index.find(fingerprint.h1, |slot| {
+            matches!(slots.get(slot as usize), Some(Slot::Occupied(l)) if l.h2 == fingerprint.h2)
+        });
+        let Some(slot) = found else {
+            out.unknown += 1;
+            return;
+        };
+        let Some(Slot::Occupied(lease)) = self.slots.get_mut(slot as usize) else {
+            // The index only names occupied slots; count it rather than panic.
+            debug_assert!(false, "index names a vacant slot");
+            out.unknown += 1;
+            return;
+        };
+        if lease.expiry <= now_ns {
+            out.late += 1;
+            return;
+        }
+        out.held += 1;
+        lease.last_heartbeat = now_ns;
+        //= ../shared/docs/SPEC.md#semantics
+        //# for each id P holds, expiry = max(old expiry, now + extension) — never shortened.
+        if let Some(renewed) = renewed
+            && renewed > lease.expiry
+        {
+            lease.expiry = renewed;
+            out.extended += 1;
+        }
     }
 
     /// Handles a read-completion report of `request` by `consumer`.
