@@ -45,6 +45,20 @@ pub struct Crash {
     pub restart_after: Option<Duration>,
 }
 
+/// A network partition between one D engine and one P engine: every message between
+/// them, both ways, is dropped during `[at, at + duration)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partition {
+    /// The D engine.
+    pub d: usize,
+    /// The P engine.
+    pub p: usize,
+    /// Start, in virtual time since the start.
+    pub at: Duration,
+    /// How long it lasts.
+    pub duration: Duration,
+}
+
 /// Everything that defines a world. The same config gives the same run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -95,6 +109,8 @@ pub struct WorldConfig {
     pub d_crashes: Vec<Crash>,
     /// Crashes of P engines.
     pub p_crashes: Vec<Crash>,
+    /// Partitions between a D and a P engine.
+    pub partitions: Vec<Partition>,
     /// Probability per D step that the client aborts the oldest waiting request, per million.
     pub client_abort_per_million: u32,
     /// Byte limit of one heartbeat message (small values exercise the splitting).
@@ -106,6 +122,10 @@ pub struct WorldConfig {
 }
 
 const MS: u64 = 1_000_000;
+
+fn nanos_of(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -146,6 +166,15 @@ impl WorldConfig {
                     .then(|| Duration::from_nanos(rng.range(100 * MS, 1_000 * MS))),
             });
         }
+        let mut partitions = Vec::new();
+        if rng.chance(200_000) {
+            partitions.push(Partition {
+                d: rng.index(d_engines),
+                p: rng.index(p_engines),
+                at: Duration::from_nanos(rng.range(0, span)),
+                duration: Duration::from_nanos(rng.range(nanos_of(lease) / 4, nanos_of(lease) * 2)),
+            });
+        }
         let loss = [0, 0, 10_000, 50_000, 200_000][rng.index(5)];
         Self {
             seed,
@@ -177,6 +206,7 @@ impl WorldConfig {
             drift_ppm_max: 200,
             d_crashes,
             p_crashes,
+            partitions,
             client_abort_per_million: [0, 2_000, 10_000][rng.index(3)],
             heartbeat_max_len: [
                 kvlease_notif::MIN_SPLIT_LEN,
@@ -204,6 +234,7 @@ impl WorldConfig {
         c.net.max_consecutive_losses = Some(2);
         c.d_crashes.clear();
         c.p_crashes.clear();
+        c.partitions.clear();
         c.client_abort_per_million = 0;
         // One message per batch, so that "2 messages in a row" is "2 heartbeats in a row"
         // for every request.

@@ -30,12 +30,15 @@
 //!
 //! # Fault model
 //! - Network between every pair of endpoints: delay + uniform jitter (so messages
-//!   reorder), loss (optionally never more than N in a row per link), duplication.
+//!   reorder), loss (optionally never more than N in a row per link and stream),
+//!   duplication.
 //! - Clocks: every engine maps true time through its own offset (up to 10 s) and drift (up
 //!   to ±200 ppm); the state machines only ever see their engine's local time.
 //! - D crash: its queue, slots and trackers vanish, it sends nothing more; messages to it
 //!   are dropped; optionally it restarts empty. P crash: its leases and pools vanish; reads
 //!   from it fail and recompute; optionally it restarts with generations above the old ones.
+//! - Partitions: every message between one D and one P engine is dropped for a while
+//!   (leases may expire; D's fenced reads then detect it and recompute).
 //!
 //! # What is checked, in every run
 //! - A lease is freed before its expiry (the oracle's, on P's clock) only when all its
@@ -65,7 +68,7 @@ mod config;
 mod rng;
 mod world;
 
-pub use config::{Bug, Crash, NetConfig, WorldConfig};
+pub use config::{Bug, Crash, NetConfig, Partition, WorldConfig};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
 

@@ -74,6 +74,8 @@ pub struct SimStats {
     pub messages_lost: u64,
     /// Messages duplicated by the network.
     pub messages_duplicated: u64,
+    /// Of the lost messages, those dropped by a partition.
+    pub messages_partitioned: u64,
     /// Leases reclaimed after their D crashed.
     pub crash_reclaims: u64,
     /// Smallest and largest time from the last delivered heartbeat to the reclaim of a
@@ -627,6 +629,12 @@ impl World {
 
     fn send(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
         let net = self.config.net;
+        if self.partitioned(from, to) {
+            self.stats.messages_lost += 1;
+            self.stats.messages_partitioned += 1;
+            self.trace(&[15, self.now]);
+            return;
+        }
         // Consecutive losses count per link and per stream (heartbeats apart from the rest),
         // so that "at most N heartbeats lost in a row" holds whatever else the link carries.
         let link = (from, to, bytes.starts_with(kvlease_notif::HEARTBEAT_PREFIX));
@@ -656,6 +664,19 @@ impl World {
                 },
             );
         }
+    }
+
+    fn partitioned(&self, a: Addr, b: Addr) -> bool {
+        let (d, p) = match (a, b) {
+            (Addr::D { engine: d, .. }, Addr::P { engine: p, .. })
+            | (Addr::P { engine: p, .. }, Addr::D { engine: d, .. }) => (d, p),
+            _ => return false,
+        };
+        self.config.partitions.iter().any(|cut| {
+            cut.d == d
+                && cut.p == p
+                && (nanos(cut.at)..nanos(cut.at) + nanos(cut.duration)).contains(&self.now)
+        })
     }
 
     fn deliver(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
