@@ -667,10 +667,10 @@ impl World {
     }
 
     fn partitioned(&self, a: Addr, b: Addr) -> bool {
-        let (d, p) = match (a, b) {
-            (Addr::D { engine: d, .. }, Addr::P { engine: p, .. })
-            | (Addr::P { engine: p, .. }, Addr::D { engine: d, .. }) => (d, p),
-            _ => return false,
+        let ((Addr::D { engine: d, .. }, Addr::P { engine: p, .. })
+        | (Addr::P { engine: p, .. }, Addr::D { engine: d, .. })) = (a, b)
+        else {
+            return false;
         };
         self.config.partitions.iter().any(|cut| {
             cut.d == d
