@@ -107,7 +107,8 @@ impl LeaseConfig {
         Ok(Self::derive(duration))
     }
 
-    fn derive(duration: Duration) -> Self {
+    /// The derived values of an already validated `duration`.
+    pub(crate) fn derive(duration: Duration) -> Self {
         //= ../shared/docs/SPEC.md#semantics
         //# Derived: heartbeat interval = duration / 6 [5 s];
         //# extension = duration × 2 / 3 [20 s]. Compute in milliseconds or finer

@@ -30,25 +30,24 @@ pub struct Cached {
 /// [`poll_event`](Self::poll_event) and free the released blocks.
 #[derive(Debug)]
 pub struct DecoderCache {
+    ttl: DecoderTtl,
     table: LeaseTable,
 }
 
 impl DecoderCache {
     /// An empty cache keeping blocks for `ttl`.
     pub fn new(ttl: DecoderTtl) -> Self {
-        let config = LeaseConfig::from_duration(ttl.as_duration())
-            // DecoderTtl and LeaseConfig accept the same range of durations.
-            .unwrap_or_default()
-            .with_mode(LeaseMode::Fixed);
+        // DecoderTtl was validated against the same range as lease durations.
+        let config = LeaseConfig::derive(ttl.as_duration()).with_mode(LeaseMode::Fixed);
         Self {
+            ttl,
             table: LeaseTable::new(config),
         }
     }
 
     /// The TTL.
     pub fn ttl(&self) -> DecoderTtl {
-        // The table was built from a DecoderTtl, so its duration is in range.
-        DecoderTtl::from_duration(self.table.config().duration()).unwrap_or_default()
+        self.ttl
     }
 
     /// Keeps `blocks` of `request` until `now + ttl`.

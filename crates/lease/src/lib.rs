@@ -60,8 +60,8 @@ pub use config::{
 pub use decoder::{Cached, DecoderCache};
 pub use ids::{BlockId, ConsumerId, EngineId, Generation, InvalidId, MAX_ID_LEN, RequestId};
 pub use table::{
-    Event, GrantError, HeartbeatOutcome, LeaseInfo, LeaseStats, LeaseTable, ReadCompleteOutcome,
-    ReleaseReason, Released,
+    Event, GrantError, HeartbeatOutcome, LeaseInfo, LeaseStats, LeaseTable, MAX_LEASES,
+    ReadCompleteOutcome, ReleaseReason, Released,
 };
 pub use time::{PeerTimestamp, Timestamp};
 pub use tracker::{HeartbeatBatch, HeartbeatTracker, TrackError, TrackerStats};

@@ -14,6 +14,10 @@ use crate::time::{Timestamp, duration_nanos};
 /// after the epoch) reads as none; no driver gets there.
 const NO_HEARTBEAT: u64 = u64::MAX;
 
+/// The most leases one table holds at once (2^31; far beyond memory, but it keeps slot
+/// numbers and index positions in 32 bits).
+pub const MAX_LEASES: usize = 1 << 31;
+
 /// Heartbeat ids hashed before their lookups run (see `handle_heartbeat`).
 const HEARTBEAT_GROUP: usize = 16;
 
@@ -36,6 +40,12 @@ pub enum GrantError {
     /// `now + duration` does not fit in a [`Timestamp`] (centuries after the epoch).
     #[error("request {request}: the lease deadline overflows the clock")]
     DeadlineOverflow {
+        /// The request.
+        request: RequestId,
+    },
+    /// The table holds [`MAX_LEASES`] leases already.
+    #[error("request {request}: the lease table is full ({MAX_LEASES} leases)")]
+    TableFull {
         /// The request.
         request: RequestId,
     },
@@ -361,8 +371,9 @@ impl LeaseTable {
     /// # Errors
     /// [`GrantError::Duplicate`] when `request` already holds a lease,
     /// [`GrantError::ZeroConsumers`] when `expected_consumers` is 0,
-    /// [`GrantError::DeadlineOverflow`] and [`GrantError::GenerationsExhausted`] at the ends
-    /// of the number ranges. The table is unchanged on error.
+    /// [`GrantError::TableFull`], [`GrantError::DeadlineOverflow`] and
+    /// [`GrantError::GenerationsExhausted`] at the ends of the number ranges. The table is
+    /// unchanged on error.
     pub fn grant(
         &mut self,
         now: Timestamp,
@@ -372,6 +383,9 @@ impl LeaseTable {
     ) -> Result<Generation, GrantError> {
         if expected_consumers == 0 {
             return Err(GrantError::ZeroConsumers { request });
+        }
+        if self.index.len() >= MAX_LEASES {
+            return Err(GrantError::TableFull { request });
         }
         let fingerprint = self.hashers.fingerprint(request.as_str());
         if self
@@ -667,8 +681,10 @@ impl LeaseTable {
             *entry = Slot::Occupied(lease);
             slot
         } else {
-            // 2^32 - 1 live leases would be 1 TiB of table; saturate instead of panicking.
-            let slot = u32::try_from(self.slots.len()).unwrap_or(NO_SLOT - 1);
+            // At most MAX_LEASES (2^31) slots are ever occupied, and vacant ones are reused
+            // first, so the slot number fits in 31 bits.
+            let slot = u32::try_from(self.slots.len()).unwrap_or(NO_SLOT);
+            debug_assert!(slot < NO_SLOT);
             self.slots.push(Slot::Occupied(lease));
             slot
         }
