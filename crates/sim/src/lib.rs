@@ -46,6 +46,7 @@
 //!   no later than one P step after its expiry, and no lease stays overdue.
 //! - A D read that finds a changed fence word while the oracle says the lease is live, or
 //!   poisoned / foreign content under a matching fence word, fails the run.
+//! - D sends at most one heartbeat batch per (engine, P worker) and interval.
 //! - Every heartbeat's outcome (held / late / unknown ids) equals the oracle's: a late
 //!   heartbeat after completion changes nothing.
 //! - After a D crash, every lease it held is reclaimed no earlier than the extension

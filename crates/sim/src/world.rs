@@ -290,6 +290,8 @@ pub struct World {
     queue: BinaryHeap<Reverse<Scheduled>>,
     p: Vec<PEngine>,
     d: Vec<DEngine>,
+    /// Local time of the last heartbeat batch per (D engine, incarnation, rank, P engine).
+    last_batch: HashMap<(usize, u32, usize, usize), u64>,
     /// Consecutive losses per link and stream (heartbeat or not).
     losses_in_a_row: HashMap<(Addr, Addr, bool), u32>,
     /// True time each D engine crashed (latest crash).
@@ -378,6 +380,7 @@ impl World {
             p,
             d,
             losses_in_a_row: HashMap::new(),
+            last_batch: HashMap::new(),
             tracked_by: HashMap::new(),
             next_request: 0,
             in_flight_transfers: 0,
@@ -1310,6 +1313,17 @@ impl World {
                     ));
                     continue;
                 };
+                // At most one batch per (engine, P worker) and interval.
+                let key = (d, self.d[d].incarnation, r, p);
+                let local_ns = local.as_nanos_saturating();
+                if let Some(last) = self.last_batch.insert(key, local_ns)
+                    && local_ns - last < nanos(self.lease.interval())
+                {
+                    self.fail(format!(
+                        "D{d}/{r}: two batches for P{p} {} apart, within one interval",
+                        fmt_ns(local_ns - last)
+                    ));
+                }
                 let messages =
                     match encode_heartbeats(&batch.requests, self.config.heartbeat_max_len) {
                         Ok(m) => m,
