@@ -102,7 +102,8 @@ pub enum Event {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct HeartbeatOutcome {
-    /// Ids that named a live lease (a duplicate id counts each time).
+    /// Ids that named a live lease (a duplicate id counts each time). The counts of one
+    /// call saturate at `u32::MAX`.
     pub held: u32,
     /// Of those, how many moved the expiry later. Zero in [`LeaseMode::Fixed`]; also zero for
     /// a heartbeat so early that `now + extension` is before the initial expiry.
@@ -465,7 +466,8 @@ impl LeaseTable {
                 self.renew(fingerprint, now_ns, renewed, &mut out);
             }
         }
-        self.stats.heartbeat_ids += u64::from(out.held + out.unknown + out.late);
+        self.stats.heartbeat_ids +=
+            u64::from(out.held) + u64::from(out.unknown) + u64::from(out.late);
         self.stats.extensions += u64::from(out.extended);
         self.stats.unknown_ids += u64::from(out.unknown);
         self.stats.late_ids += u64::from(out.late);
@@ -487,20 +489,20 @@ impl LeaseTable {
             matches!(slots.get(slot as usize), Some(Slot::Occupied(l)) if l.h2 == fingerprint.h2)
         });
         let Some(slot) = found else {
-            out.unknown += 1;
+            out.unknown = out.unknown.saturating_add(1);
             return;
         };
         let Some(Slot::Occupied(lease)) = self.slots.get_mut(slot as usize) else {
             // The index only names occupied slots; count it rather than panic.
             debug_assert!(false, "index names a vacant slot");
-            out.unknown += 1;
+            out.unknown = out.unknown.saturating_add(1);
             return;
         };
         if lease.expiry <= now_ns {
-            out.late += 1;
+            out.late = out.late.saturating_add(1);
             return;
         }
-        out.held += 1;
+        out.held = out.held.saturating_add(1);
         lease.last_heartbeat = now_ns;
         //= ../shared/docs/SPEC.md#semantics
         //# for each id P holds, expiry = max(old expiry, now + extension) — never shortened.
@@ -508,7 +510,7 @@ impl LeaseTable {
             && renewed > lease.expiry
         {
             lease.expiry = renewed;
-            out.extended += 1;
+            out.extended = out.extended.saturating_add(1);
         }
     }
 

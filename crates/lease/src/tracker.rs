@@ -167,7 +167,8 @@ impl HeartbeatTracker {
         self.engine(pos.engine).map(|e| &e.id)
     }
 
-    /// The requests tracked for `engine` (empty when none).
+    /// The requests tracked for `engine` (empty when none). An encoder can write a batch's
+    /// message from this slice instead of the batch's cloned list.
     pub fn requests_of(&self, engine: &EngineId) -> &[RequestId] {
         self.by_name
             .get(engine.as_str())
@@ -189,6 +190,9 @@ impl HeartbeatTracker {
         engine: EngineId,
         peers: u32,
     ) -> Result<(), TrackError> {
+        //= ../shared/docs/SPEC.md#semantics
+        //# heartbeating starts when a request with `do_remote_prefill=true` enters
+        //# D's scheduler (`on_new_request`), not when it is scheduled
         if peers == 0 {
             return Err(TrackError::ZeroPeers { request, engine });
         }
@@ -223,6 +227,9 @@ impl HeartbeatTracker {
 
     /// Stops heartbeating `request`. Returns whether it was tracked. O(1).
     pub fn untrack(&mut self, request: &RequestId) -> bool {
+        //= ../shared/docs/SPEC.md#semantics
+        //# Tracking stops when the KV transfer
+        //# completes, or the request finishes or is aborted.
         let Some(pos) = self.positions.remove(request.as_str()) else {
             return false;
         };
