@@ -253,8 +253,11 @@ struct Due {
 ///    nothing due it costs one heap peek);
 /// 4. drain [`poll_event`](Self::poll_event) until `None` and free the released blocks.
 ///
-/// The order of 2 and 3 does not change the outcome: a lease is dead from its expiry on,
-/// whether reaped yet or not (a late heartbeat does not revive it).
+/// Whether 2 comes before 3 changes little: a lease is dead to heartbeats from its expiry
+/// on, reaped yet or not (a late heartbeat never revives it). Only the reason differs for a
+/// completion or abort that arrives for a lease past its expiry: fed before the reaper it
+/// releases the lease as `Completed`/`Aborted` (its blocks were never reused), after it
+/// finds the lease already `Expired`.
 ///
 /// # Rules
 /// - A lease lives while `now < expiry`. Grant: expiry = now + duration.
@@ -270,8 +273,9 @@ struct Due {
 /// reaper's heap. The heap holds one entry per lease, keyed by a deadline no later than the
 /// lease's expiry; when an entry comes due and the lease was renewed since, it is pushed
 /// back with the current expiry. So `handle_timeout` costs O((expired + renewed-since-push)
-/// · log n), and each lease is pushed back at most once per extension period, never
-/// O(held). Entries of completed or aborted leases are dropped lazily; the heap is rebuilt
+/// · log n), never O(held): a lease is filed again only if a heartbeat extended it since
+/// its last filing, and with one heartbeat per interval that is about once per extension
+/// ([`LeaseStats::reaper_refiles`]). Entries of completed or aborted leases are dropped lazily; the heap is rebuilt
 /// when they outnumber the live leases.
 #[derive(Debug)]
 pub struct LeaseTable {
