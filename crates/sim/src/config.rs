@@ -99,6 +99,8 @@ pub struct WorldConfig {
     pub blocks_per_request: (u32, u32),
     /// Delay from P's grant to the request's arrival at D (router and proxy).
     pub transfer_delay: Duration,
+    /// Time of D's handshake with a P engine it has not met; its heartbeats wait for it.
+    pub handshake: Duration,
     /// The notification network.
     pub net: NetConfig,
     /// Largest per-engine clock offset from true time.
@@ -195,6 +197,7 @@ impl WorldConfig {
             arrival_gap,
             blocks_per_request: (1, 1 + rng.range(0, 7) as u32),
             transfer_delay: ms(rng.range(1, 30)),
+            handshake: ms(rng.range(1, 100)),
             net: NetConfig {
                 delay: Duration::from_micros(rng.range(50, 2_000)),
                 jitter: Duration::from_micros(rng.range(0, 30_000)),

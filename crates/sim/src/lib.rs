@@ -26,7 +26,9 @@
 //! - **Steps** feed every message received since the previous step, then run the state
 //!   machines, like the agents' forward loops: P routes, grants, reaps and drains events;
 //!   D routes, finishes reads, admits, and sends the due heartbeat batches (split with
-//!   `encode_heartbeats`).
+//!   `encode_heartbeats`). The first batch for a P engine D has not met starts a handshake
+//!   (SPEC, "Preemptive handshake"); the batch is deferred
+//!   ([`HeartbeatTracker::defer`](kvlease_lease::HeartbeatTracker::defer)) until it is done.
 //!
 //! # Fault model
 //! - Network between every pair of endpoints: delay + uniform jitter (so messages

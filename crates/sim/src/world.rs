@@ -85,6 +85,10 @@ pub struct SimStats {
     pub max_queue_wait: Duration,
     /// Read completions P routed.
     pub read_completions: u64,
+    /// Handshakes D started because a heartbeat was due for a P engine it had not met.
+    pub handshakes: u64,
+    /// Heartbeat batches deferred (handshake not done yet).
+    pub deferred_batches: u64,
     /// Virtual time at the end.
     pub end: Duration,
 }
@@ -217,6 +221,8 @@ struct DEngine {
     running: Vec<Running>,
     /// Requests named in an expiry notice.
     lost: HashSet<RequestId>,
+    /// Handshakes with P engines: when each is (or was) done, in true time.
+    handshakes: HashMap<usize, u64>,
 }
 
 #[derive(Debug)]
@@ -367,6 +373,7 @@ impl World {
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 lost: HashSet::new(),
+                handshakes: HashMap::new(),
             })
             .collect();
         let mut world = Self {
@@ -1313,6 +1320,28 @@ impl World {
                     ));
                     continue;
                 };
+                //= ../shared/docs/SPEC.md#semantics
+                //# if D must heartbeat a P engine it has not handshaken with yet
+                //# (common for queued requests), it starts the handshake on a background thread and sends
+                //# the heartbeat on a later step.
+                let retry =
+                    Timestamp::from_nanos(local.as_nanos_saturating() + nanos(self.config.d_step));
+                match self.d[d].handshakes.get(&p) {
+                    Some(&done) if done <= self.now => {}
+                    pending => {
+                        if pending.is_none() {
+                            let done = self.now + nanos(self.config.handshake);
+                            self.d[d].handshakes.insert(p, done);
+                            self.stats.handshakes += 1;
+                        }
+                        self.stats.deferred_batches += 1;
+                        let engine = batch.engine;
+                        if !self.d[d].ranks[r].tracker.defer(&engine, retry) {
+                            self.fail(format!("D{d}/{r}: defer of tracked engine {engine} failed"));
+                        }
+                        continue;
+                    }
+                }
                 // At most one batch per (engine, P worker) and interval.
                 let key = (d, self.d[d].incarnation, r, p);
                 let local_ns = local.as_nanos_saturating();
@@ -1464,6 +1493,7 @@ impl World {
         engine.waiting.clear();
         engine.running.clear();
         engine.lost.clear();
+        engine.handshakes.clear();
         for rank in &mut engine.ranks {
             rank.inbox.clear();
         }

@@ -43,6 +43,7 @@ fn sim_seeds() {
         assert!(total(&reports, |r| r.stats.messages_lost) > 0);
         assert!(total(&reports, |r| r.stats.messages_duplicated) > 0);
         assert!(total(&reports, |r| r.stats.messages_partitioned) > 0);
+        assert!(total(&reports, |r| r.stats.deferred_batches) > 0);
         assert!(total(&reports, |r| r.stats.expiry_notices) > 0);
         assert!(total(&reports, |r| r.stats.failed_reads + r.stats.stale_reads) > 0);
     }
