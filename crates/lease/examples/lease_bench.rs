@@ -300,7 +300,12 @@ fn table_throughput(n: usize) {
 
 /// k leases expire among n live ones: the reaper's cost follows k.
 fn reap_scaling(n: usize) {
-    for k in [1usize, 100, 10_000, n / 10] {
+    // k grows at fixed n, then n grows at fixed k.
+    let cases = [1usize, 100, 10_000, n / 10]
+        .map(|k| (n, k))
+        .into_iter()
+        .chain([(n / 100, 100), (n / 10, 100)]);
+    for (n, k) in cases {
         let ids = request_ids(n, 4 + k as u64);
         let mut table = LeaseTable::new(LeaseConfig::default());
         // The k doomed leases are granted at 0 s (expire at 30 s), the others at 10 s.
