@@ -65,3 +65,23 @@ pub use table::{
 };
 pub use time::{PeerTimestamp, Timestamp};
 pub use tracker::{HeartbeatBatch, HeartbeatTracker, TrackError, TrackerStats};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The agent moves the state machines into its engine thread and shares ids across
+    /// threads.
+    #[test]
+    fn state_machines_are_send_and_sync() {
+        fn is_send_sync<T: Send + Sync>() {}
+        is_send_sync::<LeaseTable>();
+        is_send_sync::<HeartbeatTracker>();
+        is_send_sync::<DecoderCache>();
+        is_send_sync::<ClockOffsetEstimator>();
+        is_send_sync::<Event>();
+        is_send_sync::<HeartbeatBatch>();
+        is_send_sync::<RequestId>();
+        is_send_sync::<ConsumerId>();
+    }
+}
