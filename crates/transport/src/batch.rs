@@ -8,6 +8,8 @@
 //! batch is reported failed only once that is zero, so the caller never gets its memory
 //! back while a transfer into it is still running.
 
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -127,6 +129,35 @@ pub(crate) struct Batch {
     pub(crate) timeout: Duration,
     pub(crate) deadline: Instant,
     state: Mutex<BatchState>,
+    /// Mirrors "ended and nothing in receive", so that pollers need not take the lock
+    /// (a spinning poller would otherwise starve the connection threads of it).
+    settled: AtomicBool,
+}
+
+/// The locked state; updates [`Batch::is_settled`] when released.
+pub(crate) struct BatchGuard<'a> {
+    guard: MutexGuard<'a, BatchState>,
+    settled: &'a AtomicBool,
+}
+
+impl Deref for BatchGuard<'_> {
+    type Target = BatchState;
+    fn deref(&self) -> &BatchState {
+        &self.guard
+    }
+}
+
+impl DerefMut for BatchGuard<'_> {
+    fn deref_mut(&mut self) -> &mut BatchState {
+        &mut self.guard
+    }
+}
+
+impl Drop for BatchGuard<'_> {
+    fn drop(&mut self) {
+        let settled = !self.guard.is_running() && self.guard.in_receive == 0;
+        self.settled.store(settled, Ordering::Release);
+    }
 }
 
 impl Batch {
@@ -159,14 +190,24 @@ impl Batch {
                 ops,
                 fence_word: None,
             }),
+            settled: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the batch ended and no transfer into its memory is running.
+    pub(crate) fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::Acquire)
     }
 
     /// Locks the state. A panic while holding the lock cannot leave it inconsistent in a
     /// way that matters more than failing the batch, so poisoning is ignored.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, BatchState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    pub(crate) fn lock(&self) -> BatchGuard<'_> {
+        BatchGuard {
+            guard: self
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            settled: &self.settled,
+        }
     }
 }

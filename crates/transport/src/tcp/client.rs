@@ -51,29 +51,33 @@ struct Pending {
     ops: HashMap<u64, PendingOp>,
 }
 
-/// What the writer thread is told.
-enum Out {
-    Bytes(Vec<u8>),
-    Stop,
+/// The send side of a connection.
+///
+/// Application threads write on their own thread when nothing is queued and nobody is
+/// writing (one thread hand-off less per message); connection threads only queue and ring
+/// the writer thread, so that they never block on a socket (a reader blocked on a write
+/// could deadlock against a peer blocked on writing to it). Bytes leave in the order they
+/// were handed over: a direct write happens only when the queue is empty and no write is
+/// in progress.
+#[derive(Debug, Default)]
+struct OutState {
+    queue: Vec<u8>,
+    busy: bool,
+    closed: bool,
 }
 
 #[derive(Debug)]
 pub(crate) struct Conn {
     index: usize,
-    tx: Sender<Out>,
+    out: Mutex<OutState>,
+    /// Wakes the writer thread (capacity 1: rings coalesce).
+    doorbell: Sender<()>,
+    /// The socket, for direct writes.
+    writer: TcpStream,
     pending: Mutex<Pending>,
     /// The batch whose bytes the reader is receiving right now (0: none).
     receiving: AtomicU64,
     socket: TcpStream,
-}
-
-impl std::fmt::Debug for Out {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Bytes(b) => write!(f, "Bytes({})", b.len()),
-            Self::Stop => f.write_str("Stop"),
-        }
-    }
 }
 
 impl Conn {
@@ -83,7 +87,50 @@ impl Conn {
 
     fn kill(&self) {
         let _ = self.socket.shutdown(Shutdown::Both);
-        let _ = self.tx.send(Out::Stop);
+        lock(&self.out).closed = true;
+        let _ = self.doorbell.try_send(());
+    }
+
+    /// Sends `bytes`, on this thread when possible (application threads only).
+    fn send_direct(&self, bytes: &[u8]) -> bool {
+        let mut st = lock(&self.out);
+        if st.closed {
+            return false;
+        }
+        if st.busy || !st.queue.is_empty() {
+            st.queue.extend_from_slice(bytes);
+            drop(st);
+            let _ = self.doorbell.try_send(());
+            return true;
+        }
+        st.busy = true;
+        drop(st);
+        let result = (&self.writer).write_all(bytes);
+        let mut st = lock(&self.out);
+        st.busy = false;
+        let more = !st.queue.is_empty();
+        drop(st);
+        if more {
+            let _ = self.doorbell.try_send(());
+        }
+        if let Err(err) = result {
+            tracing::debug!(%err, conn = self.index, "connection write failed");
+            self.kill();
+            return false;
+        }
+        true
+    }
+
+    /// Queues `bytes` for the writer thread (connection threads: never blocks on IO).
+    fn send_queued(&self, bytes: &[u8]) -> bool {
+        let mut st = lock(&self.out);
+        if st.closed {
+            return false;
+        }
+        st.queue.extend_from_slice(bytes);
+        drop(st);
+        let _ = self.doorbell.try_send(());
+        true
     }
 }
 
@@ -130,12 +177,14 @@ pub(crate) fn connect(
     let mut conns = Vec::with_capacity(streams.len());
     let mut readers = Vec::with_capacity(streams.len());
     for (index, stream) in streams.into_iter().enumerate() {
-        let (tx, rx) = crossbeam_channel::unbounded();
+        let (doorbell, rx) = crossbeam_channel::bounded(1);
         let socket = stream.try_clone().map_err(io_err)?;
         let writer = stream.try_clone().map_err(io_err)?;
         let conn = Arc::new(Conn {
             index,
-            tx,
+            out: Mutex::new(OutState::default()),
+            doorbell,
+            writer,
             pending: Mutex::new(Pending {
                 alive: true,
                 ops: HashMap::new(),
@@ -143,9 +192,10 @@ pub(crate) fn connect(
             receiving: AtomicU64::new(0),
             socket,
         });
+        let conn2 = conn.clone();
         std::thread::Builder::new()
             .name(format!("kvl-tx-{}-{index}", meta.name))
-            .spawn(move || write_loop(writer, &rx))
+            .spawn(move || write_loop(&conn2, &rx))
             .map_err(ConnectError::Thread)?;
         readers.push((conn.clone(), stream));
         conns.push(conn);
@@ -279,31 +329,27 @@ fn handshake(
     Ok(())
 }
 
-fn write_loop(mut stream: TcpStream, rx: &Receiver<Out>) {
-    let mut buf = Vec::new();
-    while let Ok(first) = rx.recv() {
-        let Out::Bytes(first) = first else { break };
-        buf.clear();
-        buf.extend_from_slice(&first);
-        let mut stop = false;
-        // Coalesce whatever else is queued into one write.
-        while buf.len() < (1 << 20) {
-            match rx.try_recv() {
-                Ok(Out::Bytes(b)) => buf.extend_from_slice(&b),
-                Ok(Out::Stop) => {
-                    stop = true;
-                    break;
-                }
-                Err(_) => break,
+fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
+    while doorbell.recv().is_ok() {
+        loop {
+            let mut st = lock(&conn.out);
+            if st.closed {
+                return;
             }
-        }
-        if let Err(err) = stream.write_all(&buf) {
-            tracing::debug!(%err, "connection write failed");
-            let _ = stream.shutdown(Shutdown::Both);
-            break;
-        }
-        if stop {
-            break;
+            if st.busy || st.queue.is_empty() {
+                // Whoever is writing rings again if more was queued meanwhile.
+                break;
+            }
+            let buf = std::mem::take(&mut st.queue);
+            st.busy = true;
+            drop(st);
+            let result = (&conn.writer).write_all(&buf);
+            lock(&conn.out).busy = false;
+            if let Err(err) = result {
+                tracing::debug!(%err, conn = conn.index, "connection write failed");
+                conn.kill();
+                return;
+            }
         }
     }
 }
@@ -502,8 +548,9 @@ impl TcpLink {
             }
         }
         for (k, f) in frames.into_iter().enumerate() {
+            // A failed write kills the connection, whose reader then fails the ops.
             if !f.is_empty() {
-                let _ = conns[k].tx.send(Out::Bytes(f));
+                conns[k].send_direct(&f);
             }
         }
         Ok(())
@@ -526,7 +573,7 @@ impl TcpLink {
         };
         match self.enqueue(conn, op, fence.remote.key) {
             Some(f) => {
-                let _ = conn.tx.send(Out::Bytes(f.to_vec()));
+                conn.send_queued(&f);
             }
             None => self.fail(batch, self.disconnected()),
         }
@@ -537,7 +584,8 @@ impl TcpLink {
         match next {
             Next::Nothing => {}
             Next::Fence(fence) => self.post_fence(batch, fence),
-            Next::Notify(bytes) => match self.send_notif(bytes) {
+            // Completions run on connection threads: queue, never block.
+            Next::Notify(bytes) => match self.notif_to(&bytes, Conn::send_queued) {
                 Ok(()) => batch.lock().finish(),
                 Err(e) => self.fail(batch, e),
             },
@@ -557,15 +605,24 @@ impl TcpLink {
         }
     }
 
+    /// Sends a notification from an application thread.
     pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
-        // The first live connection carries notifications, so they stay in order while
-        // it lives.
+        self.notif_to(&bytes, Conn::send_direct)
+    }
+
+    /// The first live connection carries notifications, so they stay in order while it
+    /// lives.
+    fn notif_to(&self, bytes: &[u8], send: fn(&Conn, &[u8]) -> bool) -> Result<(), TransferError> {
         let conns = self.alive_conns();
         let conn = conns.first().ok_or_else(|| self.disconnected())?;
         let mut f = Vec::with_capacity(wire::HEADER_LEN + bytes.len());
         f.extend_from_slice(&wire::header(wire::NOTIF, bytes.len()));
-        f.extend_from_slice(&bytes);
-        conn.tx.send(Out::Bytes(f)).map_err(|_| self.disconnected())
+        f.extend_from_slice(bytes);
+        if send(conn, &f) {
+            Ok(())
+        } else {
+            Err(self.disconnected())
+        }
     }
 
     /// Called once a batch timed out (already marked failed): cancels its queued chunks

@@ -1,0 +1,236 @@
+//! TCP backend throughput and notification round trip, two processes on loopback.
+//!
+//! `tcp_bench [--conns N] [--seconds S] [--sweep]` starts itself again as the target
+//! (`--serve`), which registers a region filled with a pattern and echoes notifications;
+//! this process reads from it with batches of `block × batch` and verifies the bytes of
+//! the first batch of every point. Prints one `key=value` per figure:
+//! `read_gbps_<block>x<batch>=` (GB/s, 10^9 bytes), `read_1m_x64_gbps=` (the headline,
+//! measured longer), `notif_rtt_us=` (median) and `notif_rtt_p99_us=`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvlease_gpu_mem::{HostRegion, RegionBytes};
+use kvlease_transport::{
+    Agent, AgentConfig, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp, RegionDesc,
+    RegionId,
+};
+
+const REGION: usize = 256 << 20;
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>> {
+    ensure!(s.len().is_multiple_of(2), "odd hex");
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).context("bad hex"))
+        .collect()
+}
+
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8 ^ (i >> 12) as u8
+}
+
+fn config(name: &str, conns: usize) -> AgentConfig {
+    let mut c = AgentConfig::new(name);
+    c.backend = BackendChoice::Tcp;
+    c.num_connections = conns;
+    c
+}
+
+/// The target: serve reads, echo notifications until `quit`.
+fn serve(conns: usize) -> Result<()> {
+    let agent = Agent::new(config("bench-target", conns))?;
+    let region = HostRegion::new(REGION)?;
+    let bytes: Vec<u8> = (0..REGION).map(pattern).collect();
+    region.write_from(0, &bytes)?;
+    drop(bytes);
+    agent.register(Arc::new(region))?;
+    println!("META {}", hex(&agent.metadata()));
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    let reader_meta = unhex(line.trim().strip_prefix("META ").context("expected META")?)?;
+    let back = agent.connect(&reader_meta)?;
+    loop {
+        for (_, msgs) in agent.get_new_notifs() {
+            for m in msgs {
+                if m == b"quit" {
+                    return Ok(());
+                }
+                agent.send_notif(back, m)?;
+            }
+        }
+        std::thread::yield_now();
+    }
+}
+
+fn wait(agent: &Agent, id: kvlease_transport::BatchId) -> Result<()> {
+    loop {
+        match agent.poll_batch(id)? {
+            BatchStatus::Pending => std::thread::yield_now(),
+            BatchStatus::Done(_) => return Ok(()),
+            BatchStatus::Failed(e) => bail!("batch failed: {e}"),
+            other => bail!("unexpected status {other:?}"),
+        }
+    }
+}
+
+fn batch(dst: RegionId, src: &RegionDesc, block: u64, n: u64) -> ReadBatch {
+    ReadBatch {
+        ops: (0..n)
+            .map(|i| ReadOp {
+                local: LocalRange {
+                    region: dst,
+                    offset: i * block,
+                    len: block,
+                },
+                // Spread the source blocks over the region like a real pool.
+                remote: src.at((i * 7 % n) * block),
+            })
+            .collect(),
+        notif: None,
+        fence: None,
+    }
+}
+
+/// GB/s of `block × n` batches, run back to back for `seconds`.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    agent: &Agent,
+    peer: kvlease_transport::PeerId,
+    dst_region: &HostRegion,
+    dst: RegionId,
+    src: &RegionDesc,
+    block: u64,
+    n: u64,
+    seconds: f64,
+) -> Result<f64> {
+    // Verify the first batch byte for byte.
+    dst_region.write_from(0, &vec![0; (block * n) as usize])?;
+    wait(
+        agent,
+        agent.post_read(peer, batch(dst, src, block, n), TIMEOUT)?,
+    )?;
+    let mut got = vec![0; (block * n) as usize];
+    dst_region.read_into(0, &mut got)?;
+    for i in 0..n {
+        let from = ((i * 7 % n) * block) as usize;
+        let at = (i * block) as usize;
+        ensure!(
+            got[at..at + block as usize]
+                .iter()
+                .enumerate()
+                .all(|(j, &b)| b == pattern(from + j)),
+            "byte mismatch in block {i}"
+        );
+    }
+    let t0 = Instant::now();
+    let mut bytes = 0u64;
+    while t0.elapsed().as_secs_f64() < seconds {
+        wait(
+            agent,
+            agent.post_read(peer, batch(dst, src, block, n), TIMEOUT)?,
+        )?;
+        bytes += block * n;
+    }
+    Ok(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str| args.iter().position(|a| a == name);
+    let value = |name: &str, default: &str| -> String {
+        flag(name)
+            .and_then(|i| args.get(i + 1).cloned())
+            .unwrap_or_else(|| default.to_owned())
+    };
+    let conns: usize = value("--conns", "2").parse()?;
+    if flag("--serve").is_some() {
+        return serve(conns);
+    }
+    let seconds: f64 = value("--seconds", "0.25").parse()?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--serve", "--conns", &conns.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut child_out = BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut line = String::new();
+    child_out.read_line(&mut line)?;
+    let target_meta = unhex(line.trim().strip_prefix("META ").context("expected META")?)?;
+
+    let agent = Agent::new(config("bench-reader", conns))?;
+    let dst_region = Arc::new(HostRegion::new(REGION)?);
+    let dst = RegionId(agent.register(dst_region.clone())?.id);
+    let peer = agent.connect(&target_meta)?;
+    let src = *agent
+        .peer_metadata(peer)
+        .context("peer metadata")?
+        .regions
+        .first()
+        .context("target region")?;
+    let mut child_in = child.stdin.take().context("child stdin")?;
+    writeln!(child_in, "META {}", hex(&agent.metadata()))?;
+    child_in.flush()?;
+
+    println!("conns={conns}");
+    if flag("--sweep").is_some() {
+        for block_kib in [16u64, 64, 256, 1024, 4096] {
+            for n in [1u64, 16, 64, 256] {
+                let block = block_kib * 1024;
+                if block * n > REGION as u64 {
+                    continue;
+                }
+                let gbps = measure(&agent, peer, &dst_region, dst, &src, block, n, seconds)?;
+                println!("read_gbps_{block_kib}k_x{n}={gbps:.3}");
+            }
+        }
+    }
+    let gbps = measure(
+        &agent,
+        peer,
+        &dst_region,
+        dst,
+        &src,
+        1 << 20,
+        64,
+        seconds.max(2.0),
+    )?;
+    println!("read_1m_x64_gbps={gbps:.3}");
+
+    // Notification ping-pong: D → P → D (P answers over its own connection to D).
+    // Wait for P's connection back to us first.
+    let mut lat = Vec::with_capacity(2000);
+    for i in 0..2200u32 {
+        let msg = i.to_le_bytes().to_vec();
+        let t0 = Instant::now();
+        agent.send_notif(peer, msg.clone())?;
+        'wait: loop {
+            for (_, msgs) in agent.get_new_notifs() {
+                if msgs.contains(&msg) {
+                    break 'wait;
+                }
+            }
+            ensure!(t0.elapsed() < TIMEOUT, "no echo");
+            std::thread::yield_now();
+        }
+        if i >= 200 {
+            lat.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    lat.sort_by(f64::total_cmp);
+    println!("notif_rtt_us={:.1}", lat[lat.len() / 2]);
+    println!("notif_rtt_p99_us={:.1}", lat[lat.len() * 99 / 100]);
+    agent.send_notif(peer, b"quit".to_vec())?;
+    let status = child.wait()?;
+    ensure!(status.success(), "target exited with {status}");
+    Ok(())
+}
