@@ -12,7 +12,7 @@ use crate::{HEARTBEAT_PREFIX, MAX_ID_LEN, MAX_NOTIF_LEN, VERSION_PREFIX};
 
 /// `ID_BYTE[b]` is whether byte `b` may appear in an id (`[A-Za-z0-9-_.:@/+=]`, the set
 /// `kvlease_lease` enforces; a test checks that both agree on every byte).
-static ID_BYTE: [bool; 256] = id_byte_table();
+static ID_BYTE: [bool; 256] = ID_BYTE_TABLE;
 
 const fn id_byte_table() -> [bool; 256] {
     let mut table = [false; 256];
@@ -74,25 +74,54 @@ pub fn decode(bytes: &[u8]) -> Result<Notif<'_>, DecodeError> {
 
 fn decode_heartbeat(list: &str, base: usize) -> Result<HeartbeatIds<'_>, DecodeError> {
     let bytes = list.as_bytes();
-    let mut count = 0usize;
+    // Fast path: one branch-free pass over the bytes (class check and comma count), then
+    // one pass over the ids (length and duplicate check).
+    let mut bad = false;
+    let mut commas = 0usize;
+    for &b in bytes {
+        bad |= !LIST_BYTE[usize::from(b)];
+        commas += usize::from(b == b',');
+    }
+    if bad {
+        return Err(first_list_error(bytes, base));
+    }
+    let count = commas + 1;
+    check_ids(list, base, count)?;
+    Ok(HeartbeatIds::new_validated(list, count))
+}
+
+/// `LIST_BYTE[b]`: byte `b` may appear in a list of ids (an id byte or `,`).
+static LIST_BYTE: [bool; 256] = {
+    let mut table = ID_BYTE_TABLE;
+    table[b',' as usize] = true;
+    table
+};
+
+const ID_BYTE_TABLE: [bool; 256] = id_byte_table();
+
+/// The first error, in message order, of a list that holds a byte outside the id set.
+fn first_list_error(bytes: &[u8], base: usize) -> DecodeError {
     let mut start = 0usize;
     for (i, &b) in bytes.iter().enumerate() {
         if b == b',' {
-            check_id_len(i - start, base + start, Field::Request)?;
-            count += 1;
+            if let Err(e) = check_id_len(i - start, base + start, Field::Request) {
+                return e;
+            }
             start = i + 1;
         } else if !ID_BYTE[usize::from(b)] {
-            return Err(DecodeError::InvalidIdByte {
+            return DecodeError::InvalidIdByte {
                 offset: base + i,
                 byte: b,
                 field: Field::Request,
-            });
+            };
         }
     }
-    check_id_len(bytes.len() - start, base + start, Field::Request)?;
-    count += 1;
-    check_distinct(list, base, count)?;
-    Ok(HeartbeatIds::new_validated(list, count))
+    // Not reached for a list that holds a bad byte; report the list's start otherwise.
+    DecodeError::InvalidIdByte {
+        offset: base,
+        byte: bytes.first().copied().unwrap_or(0),
+        field: Field::Request,
+    }
 }
 
 fn check_id_len(len: usize, offset: usize, field: Field) -> Result<(), DecodeError> {
@@ -105,12 +134,13 @@ fn check_id_len(len: usize, offset: usize, field: Field) -> Result<(), DecodeErr
     }
 }
 
-/// Checks that the `count` comma-separated ids of `list` (which starts at byte `base` of
-/// the message) are distinct.
-fn check_distinct(list: &str, base: usize, count: usize) -> Result<(), DecodeError> {
+/// Checks the length of each of the `count` comma-separated ids of `list` (which starts at
+/// byte `base` of the message) and that no id repeats; the first error in message order.
+fn check_ids(list: &str, base: usize, count: usize) -> Result<(), DecodeError> {
     if count <= PAIRWISE_DUPLICATE_CHECK {
         let mut offset = base;
         for (i, id) in list.split(',').enumerate() {
+            check_id_len(id.len(), offset, Field::Request)?;
             let mut other_offset = base;
             for other in list.split(',').take(i) {
                 if other == id {
@@ -127,7 +157,14 @@ fn check_distinct(list: &str, base: usize, count: usize) -> Result<(), DecodeErr
     }
     match check_distinct_hashed(list, base, count) {
         Some(result) => result,
-        None => check_distinct_sorted(list, base),
+        None => {
+            let mut offset = base;
+            for id in list.split(',') {
+                check_id_len(id.len(), offset, Field::Request)?;
+                offset += id.len() + 1;
+            }
+            check_distinct_sorted(list, base)
+        }
     }
 }
 
@@ -178,6 +215,9 @@ fn check_distinct_hashed(list: &str, base: usize, count: usize) -> Option<Result
     let mut table = vec![0u64; size];
     let mut offset = 0usize;
     for id in list.split(',') {
+        if let Err(e) = check_id_len(id.len(), base + offset, Field::Request) {
+            return Some(Err(e));
+        }
         let hash = id_hash(id.as_bytes(), key);
         let tag = hash >> (LEN_BITS + OFFSET_BITS);
         // `offset + 1` so that an empty slot (0) never matches an entry.
@@ -485,7 +525,7 @@ mod tests {
             let want = Err(DecodeError::DuplicateId { offset, first });
             assert_eq!(check_distinct_hashed(&joined, 3, n + 1), Some(want.clone()));
             assert_eq!(check_distinct_sorted(&joined, 3), want);
-            assert_eq!(check_distinct(&joined, 3, n + 1), want);
+            assert_eq!(check_ids(&joined, 3, n + 1), want);
         }
     }
 
