@@ -42,6 +42,9 @@ pub struct Limits {
     pub chunk_len: u64,
     /// Limit for TCP connect and for each step of the handshake. Default 5 s.
     pub handshake_timeout: Duration,
+    /// Inbound connections served at once (each has a thread); more are closed at once
+    /// with a log line. Default 1024.
+    pub max_inbound_connections: usize,
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
     pub serve_write_timeout: Duration,
@@ -56,6 +59,7 @@ impl Default for Limits {
             max_read_len: 1 << 30,
             chunk_len: 1 << 20,
             handshake_timeout: Duration::from_secs(5),
+            max_inbound_connections: 1024,
             serve_write_timeout: Duration::from_secs(30),
         }
     }

@@ -35,6 +35,13 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
                 continue;
             }
         };
+        if lock(&inner.inbound).len() >= inner.limits.max_inbound_connections {
+            tracing::warn!(
+                limit = inner.limits.max_inbound_connections,
+                "too many inbound connections; connection closed"
+            );
+            continue;
+        }
         bump(&inner.counters.connections_accepted);
         let id = inner.fresh_id();
         if let Ok(clone) = stream.try_clone() {
