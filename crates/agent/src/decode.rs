@@ -166,8 +166,6 @@ struct Req {
     engine: EngineId,
     phase: Phase,
     scheduled: Option<Instant>,
-    /// P announced that it reclaimed the lease.
-    expired: bool,
     /// The client aborted while reads were in flight: drop the result.
     aborted: bool,
 }
@@ -396,7 +394,6 @@ impl DecodeEngine {
                 engine,
                 phase: Phase::Waiting,
                 scheduled: None,
-                expired: false,
                 aborted: false,
             },
         );
@@ -598,8 +595,10 @@ impl DecodeEngine {
                     ));
                     self.finish(&id, Err(e));
                 }
-                // In flight: the fence decides; remember the notice for the outcome.
-                Phase::Loading { .. } => req.expired = true,
+                // In flight: the fence decides. P publishes the free word before it frees
+                // the blocks, so a read that still matched its fence never saw a reused
+                // byte, whenever the notice arrives.
+                Phase::Loading { .. } => {}
                 // Already read and verified: the notice came late and changes nothing.
                 Phase::Decoding { .. } => {}
             }
@@ -725,6 +724,19 @@ impl DecodeEngine {
         let p = &req.job.params;
         let p_tp = ready.info.tp_size;
         let p_heads = self.cfg.shape.num_kv_heads / p_tp.max(1);
+        // Every (D worker, P worker) pair whose heads overlap is one read batch and one
+        // consumer of the lease: P must not free before the last of them reported, or the
+        // fence of a batch still running on another P worker would (rightly) fail it.
+        let overlaps = |w: &Worker, p_rank: u32| {
+            let (lo, hi) = (p_rank * p_heads, (p_rank + 1) * p_heads);
+            w.layout.heads.start.max(lo) < w.layout.heads.end.min(hi)
+        };
+        let consumers_total = self
+            .workers
+            .iter()
+            .map(|w| (0..p_tp).filter(|&p| overlaps(w, p)).count() as u32)
+            .sum::<u32>()
+            .max(1);
         let mut batches = Vec::new();
         let mut error = None;
         'workers: for (wi, w) in self.workers.iter().enumerate() {
@@ -754,8 +766,11 @@ impl DecodeEngine {
                     Ok(ops) => {
                         let notif = ReadComplete {
                             request: req.remote_id.clone(),
-                            consumer: ConsumerId::new(self.cfg.engine_id.clone(), wi as u32),
-                            consumers_total: self.cfg.tp_size,
+                            consumer: ConsumerId::new(
+                                self.cfg.engine_id.clone(),
+                                wi as u32 * p_tp + p_rank,
+                            ),
+                            consumers_total,
                         }
                         .encode();
                         let first = p.remote_block_ids.first().copied().unwrap_or(0);
@@ -882,9 +897,6 @@ impl DecodeEngine {
             }
         }
         self.metrics.transfer_bytes.inc_by(bytes);
-        if failure.is_none() && req.expired {
-            failure = Some("P announced the lease expired during the read".to_owned());
-        }
         let result = match failure {
             Some(f) => Err(f),
             None => self.verify(&req, &blocks),

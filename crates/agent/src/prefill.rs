@@ -398,6 +398,11 @@ impl PrefillEngine {
             }
         };
         let now = self.now();
+        if self.table.abort(now, &w.job.id) {
+            // The same request id prefilled again (a proxy's retry after a failed load):
+            // the new prefill supersedes the old lease.
+            self.drain_events();
+        }
         let generation = match self.table.grant(
             now,
             w.job.id.clone(),

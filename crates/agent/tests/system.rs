@@ -1,6 +1,7 @@
 //! System tests: real `prefill-agent` and `decode-agent` processes on loopback over TCP.
 //!
-//! Every wait has a timeout, children are killed on drop, ports are picked free. Models
+//! Every wait has a timeout, children are killed on drop, ports are picked free
+//! (`KVLEASE_SYSTEM_LOGS=1` prints each agent's log tail when it is dropped). Models
 //! are small (2 layers, 4 KV heads, head_dim 64, block_size 16) and leases short so that
 //! the whole binary runs in well under a minute on two cores.
 
@@ -50,7 +51,7 @@ impl Proc {
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("KVLEASE_SYSTEM_LOGS").is_some() {
             eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
         }
     }
@@ -590,6 +591,15 @@ async fn abort_frees_p_at_once() -> Result<()> {
     let busy = do_prefill(&c, &p, &prompt(1)).await?;
     let (c2, url, body) = (c.clone(), d.url.clone(), d_body(&prompt(1), 200, &busy));
     let running = tokio::spawn(async move { post(&c2, &url, &body).await });
+    // It must hold the only slot before the victim arrives.
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_requests_running",
+        Duration::from_secs(5),
+        |v| v >= 1.0,
+    )
+    .await?;
     // Queued request aborted through the API.
     let queued = do_prefill(&c, &p, &prompt(2)).await?;
     let body = json!({"prompt": prompt(2), "max_tokens": 5, "request_id": "victim-1",
