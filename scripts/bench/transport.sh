@@ -62,7 +62,8 @@ fi
 port=$(free_port)
 timeout 120 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode target --port "$port" >"$out/nixl-target.log" 2>&1 &
 sleep 2
-if ! timeout 110 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator --port "$port" --seconds 1 2>"$out/nixl.err" | tee -a "$out/all"; then
+if ! timeout 110 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator --port "$port" --seconds 1 2>"$out/nixl.err" \
+  | grep -E '^[a-z0-9_]+=' | tee -a "$out/all"; then
   echo "nixl run failed:" >&2
   tail -5 "$out/nixl.err" "$out/nixl-target.log" >&2
 fi
