@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use kvlease_lease::LeaseMode;
+
 use crate::rng::Rng;
 
 /// A deliberate protocol bug, to prove that the checker catches it.
@@ -121,6 +123,9 @@ pub struct WorldConfig {
     pub expect_no_expiry_while_tracked: bool,
     /// A deliberate bug, for the checker's own tests.
     pub bug: Option<Bug>,
+    /// [`LeaseMode::Lease`] (heartbeats extend), or [`LeaseMode::Fixed`]: the baseline of
+    /// one fixed timeout (`lease`), which heartbeats do not extend.
+    pub mode: LeaseMode,
 }
 
 const MS: u64 = 1_000_000;
@@ -218,6 +223,7 @@ impl WorldConfig {
             ][rng.index(3)],
             expect_no_expiry_while_tracked: false,
             bug: None,
+            mode: LeaseMode::Lease,
         }
     }
 
@@ -254,7 +260,7 @@ impl WorldConfig {
         c.d_slots = 1;
         c.requests = 30;
         c.arrival_gap = ms(30);
-        c.decode = (ms(200), ms(400));
+        c.decode = (ms(400), ms(800));
         // Late enough that the queued requests' expiries were set by heartbeats (more than
         // a third of a lease after their grant), early enough that D0 still queues many.
         c.d_crashes = vec![Crash {
@@ -288,6 +294,15 @@ impl WorldConfig {
         c.d_crashes.clear();
         c.p_crashes.clear();
         c
+    }
+
+    /// The same world with the single-timeout baseline of `timeout` instead of leases.
+    #[must_use]
+    pub fn with_fixed_timeout(mut self, timeout: Duration) -> Self {
+        self.mode = LeaseMode::Fixed;
+        self.lease = timeout;
+        self.expect_no_expiry_while_tracked = false;
+        self
     }
 
     /// The same world with `bug` planted.

@@ -7,8 +7,8 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_lease::{
-    BlockId, ConsumerId, EngineId, Event, Generation, HeartbeatTracker, LeaseConfig, LeaseTable,
-    ReleaseReason, Released, RequestId, Timestamp,
+    BlockId, ConsumerId, EngineId, Event, Generation, HeartbeatTracker, LeaseConfig, LeaseMode,
+    LeaseTable, ReleaseReason, Released, RequestId, Timestamp,
 };
 use kvlease_notif::{
     Abort, DecodeRouted, DecodeRouter, Notif, PrefillRouter, ReadComplete, Routed, decode,
@@ -81,6 +81,8 @@ pub struct SimStats {
     /// Smallest and largest time from the last delivered heartbeat to the reclaim of a
     /// lease whose D crashed (P's clock).
     pub crash_reclaim_after_heartbeat: Option<(Duration, Duration)>,
+    /// Longest time from a D crash to the reclaim of one of its leases (true time).
+    pub crash_reclaim_since_crash_max: Duration,
     /// Longest time a request waited in a D queue.
     pub max_queue_wait: Duration,
     /// Read completions P routed.
@@ -337,7 +339,9 @@ impl World {
     pub fn new(config: WorldConfig) -> Self {
         // Invariant: the named configs use leases of 1.2 to 3 s, which the lease crate
         // accepts; a custom config with a rejected duration is a bug of the test.
-        let lease = LeaseConfig::from_duration(config.lease).expect("config: valid lease duration");
+        let lease = LeaseConfig::from_duration(config.lease)
+            .expect("config: valid lease duration")
+            .with_mode(config.mode);
         assert!(
             config.p_tp.is_multiple_of(config.d_tp) || config.d_tp.is_multiple_of(config.p_tp),
             "config: TP sizes must divide each other"
@@ -837,7 +841,11 @@ impl World {
 
     fn p_route(&mut self, p: usize, w: usize, local: Timestamp, from: Addr, bytes: &[u8]) {
         let local_ns = local.as_nanos_saturating();
-        let extension = nanos(self.lease.extension());
+        // The baseline (one fixed timeout) never extends.
+        let extension = match self.config.mode {
+            LeaseMode::Lease => nanos(self.lease.extension()),
+            _ => 0,
+        };
         let bug = self.config.bug;
         let worker = &mut self.p[p].workers[w];
         // The oracle's own reading of the message (the real codec).
@@ -1103,6 +1111,13 @@ impl World {
         }
         // D crashed while tracking this request: the crash bound.
         self.stats.crash_reclaims += 1;
+        let since_crash = Duration::from_nanos(self.now.saturating_sub(crashed_at));
+        self.stats.crash_reclaim_since_crash_max =
+            self.stats.crash_reclaim_since_crash_max.max(since_crash);
+        if self.config.mode != LeaseMode::Lease {
+            // The baseline holds blocks for its whole timeout; the bound is the lease's.
+            return;
+        }
         let extension = nanos(self.lease.extension());
         let interval = nanos(self.lease.interval());
         if let Some(hb) = lease.last_heartbeat_ns {

@@ -205,3 +205,21 @@ fn sim_stress() {
     let reports = sweep("sim_stress", seeds, WorldConfig::random);
     assert_eq!(reports.len(), n);
 }
+
+/// The overload scenario matters: with the single-timeout baseline (one lease duration,
+/// no extension) the same worlds lose most reads to released blocks, while leases lose none
+/// (`overloaded_d_keeps_its_leases`).
+#[test]
+fn baseline_fixed_timeout_wastes_prefills_under_overload() {
+    for seed in scenario_seeds(2) {
+        let config = WorldConfig::overloaded(seed);
+        let timeout = config.lease;
+        let report = run(config.with_fixed_timeout(timeout));
+        assert!(report.failures.is_empty(), "{:?}", report.failures);
+        assert!(
+            report.stats.stale_reads + report.stats.recomputed_after_notice > 0,
+            "seed {seed}: {:?}",
+            report.stats
+        );
+    }
+}
