@@ -206,6 +206,9 @@ pub(crate) struct Inner {
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Backend extension entries of this agent's metadata (see `metadata`).
     backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
+    /// The verbs backend, or why this agent has none.
+    #[cfg(feature = "verbs")]
+    pub(crate) verbs: Result<crate::verbs::link::Backend, String>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -221,7 +224,10 @@ impl Inner {
     /// Sets (or with `None` removes) this agent's metadata entry for `backend`. The
     /// extension point for backends: the verbs backend stores its GID, port and QP
     /// information here and reads the peer's entry from [`AgentMetadata::backends`].
-    #[allow(dead_code, reason = "the extension point for the verbs backend, which is not wired in yet")]
+    #[cfg_attr(
+        not(feature = "verbs"),
+        allow(dead_code, reason = "only the verbs backend has an entry so far")
+    )]
     pub(crate) fn set_backend_metadata(&self, backend: &str, value: Option<serde_json::Value>) {
         let mut meta = lock(&self.backend_meta);
         match value {
@@ -255,6 +261,8 @@ pub(crate) struct Peer {
     pub(crate) name: String,
     pub(crate) meta: AgentMetadata,
     pub(crate) link: PeerLink,
+    /// Which backend this peer got and why (see [`Agent::peer_backend`]).
+    pub(crate) backend: (&'static str, String),
 }
 
 /// The backend seam: how reads and notifications reach one peer.
@@ -277,30 +285,51 @@ pub(crate) struct Peer {
 pub(crate) enum PeerLink {
     /// The TCP backend.
     Tcp(Arc<tcp::TcpLink>),
+    /// The verbs backend (RDMA READ; notifications on its TCP link).
+    #[cfg(feature = "verbs")]
+    Verbs(Arc<crate::verbs::link::Link>),
 }
 
 impl PeerLink {
     fn post(&self, batch: &Arc<Batch>, chunks: Vec<tcp::Chunk>) -> Result<(), TransferError> {
         match self {
             Self::Tcp(link) => link.post(batch, chunks),
+            #[cfg(feature = "verbs")]
+            Self::Verbs(link) => link.post(batch, chunks),
         }
     }
 
     fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
         match self {
             Self::Tcp(link) => link.send_notif(bytes),
+            #[cfg(feature = "verbs")]
+            Self::Verbs(link) => link.send_notif(bytes),
         }
     }
 
     fn on_timeout(&self, batch: &Batch) {
         match self {
             Self::Tcp(link) => link.on_timeout(batch),
+            #[cfg(feature = "verbs")]
+            Self::Verbs(link) => link.on_timeout(batch),
         }
     }
 
     fn close(&self) {
         match self {
             Self::Tcp(link) => link.close(),
+            #[cfg(feature = "verbs")]
+            Self::Verbs(link) => link.close(),
+        }
+    }
+
+    /// Reaps completions of backends whose NIC completes reads (verbs); TCP completes
+    /// on its own threads.
+    fn progress(&self) {
+        match self {
+            Self::Tcp(_) => {}
+            #[cfg(feature = "verbs")]
+            Self::Verbs(link) => link.progress(),
         }
     }
 }
@@ -359,6 +388,13 @@ impl Agent {
             addr: config.listen,
             source,
         })?;
+        #[cfg(feature = "verbs")]
+        let verbs = crate::verbs::link::start_for(
+            &config.backend,
+            &config.auth_token,
+            config.advertise.unwrap_or(local_addr).ip(),
+            &config.limits,
+        );
         let inner = Arc::new(Inner {
             name: config.name,
             token: config.auth_token,
@@ -376,7 +412,13 @@ impl Agent {
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
             backend_meta: Mutex::new(BTreeMap::new()),
+            #[cfg(feature = "verbs")]
+            verbs,
         });
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &inner.verbs {
+            inner.set_backend_metadata("verbs", Some(v.metadata()));
+        }
         let listener =
             tcp::server::spawn_listener(inner.clone(), listener).map_err(AgentError::Thread)?;
         tracing::info!(name = %inner.name, addr = %local_addr, "transport agent listening");
@@ -413,6 +455,14 @@ impl Agent {
             key,
         };
         tracing::debug!(id = desc.id, len = desc.len, kind = %region.kind(), "region registered");
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &self.inner.verbs {
+            // Peers fall back to TCP reads of a region that verbs could not register.
+            if let Err(e) = v.register(desc.id, region.clone()) {
+                tracing::warn!(id = desc.id, "verbs registration failed (TCP only): {e}");
+            }
+            self.inner.set_backend_metadata("verbs", Some(v.metadata()));
+        }
         self.inner
             .regions
             .write()
@@ -427,6 +477,11 @@ impl Agent {
     /// # Errors
     /// [`RegisterError::Unknown`] when `id` is not registered.
     pub fn deregister(&self, id: RegionId) -> Result<(), RegisterError> {
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &self.inner.verbs {
+            v.deregister(id.0);
+            self.inner.set_backend_metadata("verbs", Some(v.metadata()));
+        }
         self.inner
             .regions
             .write()
@@ -472,22 +527,38 @@ impl Agent {
     /// asked for and cannot be used.
     pub fn connect(&self, metadata: &[u8]) -> Result<PeerId, ConnectError> {
         let meta = decode_metadata(metadata)?;
-        let link = match self.inner.backend {
-            BackendChoice::Tcp => self.connect_tcp(&meta)?,
-            BackendChoice::Verbs => {
-                return Err(ConnectError::BackendUnavailable {
-                    backend: "verbs",
-                    peer: meta.name,
-                    reason: "the verbs backend is not wired into the agent in this build".into(),
-                });
-            }
-            BackendChoice::Auto => {
-                // The verbs selection plugs in here (see `PeerLink`).
-                tracing::info!(
-                    peer = %meta.name,
-                    "backend auto: verbs not available for this peer; using TCP"
-                );
-                self.connect_tcp(&meta)?
+        let (link, backend) = match self.inner.backend {
+            BackendChoice::Tcp => (
+                self.connect_tcp(&meta)?,
+                ("tcp", "backend tcp was asked for".to_owned()),
+            ),
+            BackendChoice::Verbs | BackendChoice::Auto => {
+                let tcp = tcp::client::connect(&self.inner, &meta)?;
+                match self.connect_verbs(&meta, &tcp) {
+                    Ok(link) => {
+                        tracing::info!(peer = %meta.name, "backend: verbs (RDMA READ over an RC queue pair)");
+                        (
+                            link,
+                            (
+                                "verbs",
+                                "both sides have a usable RDMA device and the queue pair connected"
+                                    .to_owned(),
+                            ),
+                        )
+                    }
+                    Err(reason) if self.inner.backend == BackendChoice::Verbs => {
+                        tcp.close();
+                        return Err(ConnectError::BackendUnavailable {
+                            backend: "verbs",
+                            peer: meta.name,
+                            reason,
+                        });
+                    }
+                    Err(reason) => {
+                        tracing::info!(peer = %meta.name, %reason, "backend auto: verbs unusable for this peer; using TCP");
+                        (PeerLink::Tcp(tcp), ("tcp", reason))
+                    }
+                }
             }
         };
         let id = self.inner.fresh_id();
@@ -495,9 +566,39 @@ impl Agent {
             name: meta.name.clone(),
             meta,
             link,
+            backend,
         });
         lock(&self.inner.peers).insert(id, peer);
         Ok(PeerId(id))
+    }
+
+    /// Which backend `peer` got (`"tcp"` or `"verbs"`) and why (for `auto`: the reason
+    /// verbs was not used, e.g. "no RDMA device: ...").
+    pub fn peer_backend(&self, peer: PeerId) -> Option<(&'static str, String)> {
+        lock(&self.inner.peers)
+            .get(&peer.0)
+            .map(|p| p.backend.clone())
+    }
+
+    #[cfg(feature = "verbs")]
+    fn connect_verbs(
+        &self,
+        meta: &AgentMetadata,
+        tcp: &Arc<tcp::TcpLink>,
+    ) -> Result<PeerLink, String> {
+        let backend = self.inner.verbs.as_ref().map_err(Clone::clone)?;
+        let link = backend.connect(&self.inner.name, meta, Arc::clone(tcp))?;
+        Ok(PeerLink::Verbs(Arc::new(link)))
+    }
+
+    #[cfg(not(feature = "verbs"))]
+    #[allow(clippy::unused_self, reason = "same shape as the verbs build")]
+    fn connect_verbs(
+        &self,
+        _meta: &AgentMetadata,
+        _tcp: &Arc<tcp::TcpLink>,
+    ) -> Result<PeerLink, String> {
+        Err("this build has no verbs backend (feature `verbs` off)".into())
     }
 
     fn connect_tcp(&self, meta: &AgentMetadata) -> Result<PeerLink, ConnectError> {
@@ -642,6 +743,7 @@ impl Agent {
             .get(&batch.0)
             .cloned()
             .ok_or(TransferError::UnknownBatch(batch))?;
+        peer.link.progress();
         let mut st = b.lock();
         if Instant::now() >= b.deadline {
             st.fail(TransferError::Timeout {

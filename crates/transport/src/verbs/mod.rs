@@ -23,6 +23,7 @@
 mod device;
 mod endpoint;
 mod error;
+pub(crate) mod link;
 mod memory;
 
 pub use device::{Device, DeviceConfig, Gid};

@@ -1,0 +1,99 @@
+//! RDMA READ throughput of the verbs backend between two local devices (in CI: rxeP and
+//! rxeD inside the SoftRoCE VM; `scripts/bench/verbs.sh` runs it next to perftest's
+//! `ib_read_bw` on the same pair).
+//!
+//! usage: verbs_read_bw [P_DEV] [D_DEV] [SIZE] [ITERS] [BATCH]
+//! (defaults rxeP rxeD 1048576 128 64). Prints `key=value` lines:
+//! `verbs_read_<size>_gbit_s`, `verbs_read_<size>_mb_s`, `verbs_read_<size>_secs`.
+#![cfg_attr(not(feature = "verbs"), allow(unused))]
+
+#[cfg(not(feature = "verbs"))]
+fn main() {
+    eprintln!("verbs_read_bw: built without the verbs feature");
+    std::process::exit(2);
+}
+
+#[cfg(feature = "verbs")]
+fn main() -> anyhow::Result<()> {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use anyhow::{Context, bail};
+    use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
+    use kvlease_transport::verbs::{
+        BatchStatus, ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointConfig, ReadOp,
+    };
+
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize, d: &str| args.get(i).cloned().unwrap_or_else(|| d.to_owned());
+    let (p_name, d_name) = (arg(1, "rxeP"), arg(2, "rxeD"));
+    let size: u64 = arg(3, "1048576").parse().context("SIZE")?;
+    let iters: u64 = arg(4, "128").parse().context("ITERS")?;
+    let per_batch: u64 = arg(5, "64").parse().context("BATCH")?;
+
+    let p_dev = Device::open(&DeviceConfig::named(p_name))?;
+    let d_dev = Device::open(&DeviceConfig::named(d_name))?;
+    let (p_pd, d_pd) = (p_dev.alloc_pd()?, d_dev.alloc_pd()?);
+    let mut p = Endpoint::new(&p_pd, EndpointConfig::default())?;
+    let mut d = Endpoint::new(&d_pd, EndpointConfig::default())?;
+    p.connect(&ConnectionInfo::decode(&d.local_info().encode())?)?;
+    d.connect(&ConnectionInfo::decode(&p.local_info().encode())?)?;
+
+    // Source and destination: 16 MiB (or one block, if larger), reused cyclically.
+    let span = size.max(16 << 20);
+    let src = Arc::new(HostRegion::new(span as usize)?);
+    src.write_from(0, &vec![0xa5; span as usize])?;
+    let dst = Arc::new(HostRegion::new(span as usize)?);
+    let src_mr = p_pd.register(Arc::clone(&src) as Arc<dyn DmaRegion>)?;
+    let dst_mr = d_pd.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
+    let slots = span / size;
+    let ops: Vec<ReadOp> = (0..iters)
+        .map(|i| ReadOp {
+            local: dst_mr.clone(),
+            local_offset: (i % slots) * size,
+            remote: src_mr.remote(),
+            remote_offset: ((i + 1) % slots) * size,
+            len: size,
+        })
+        .collect();
+
+    let t0 = Instant::now();
+    let mut ids = Vec::new();
+    for batch in ops.chunks(per_batch.max(1) as usize) {
+        ids.push(d.post_read_batch(batch, None, None)?);
+    }
+    let deadline = t0 + Duration::from_secs(600);
+    for id in ids {
+        loop {
+            // Only D needs polling (P's NIC serves the reads). Yield when nothing completed:
+            // under emulation the kernel's rxe threads need the CPU we would spin on.
+            if d.poll()? == 0 {
+                std::thread::yield_now();
+            }
+            match d.poll_batch(id) {
+                Some(BatchStatus::Pending) => {}
+                Some(BatchStatus::Done) => break,
+                other => bail!("batch {id:?}: {other:?}"),
+            }
+            if Instant::now() > deadline {
+                bail!("timed out");
+            }
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let bytes = (size * iters) as f64;
+    let mut check = vec![0u8; size as usize];
+    dst.read_into(0, &mut check)?;
+    if check.iter().any(|&b| b != 0xa5) {
+        bail!("destination bytes differ from the source");
+    }
+    let label = if size.is_multiple_of(1 << 20) {
+        format!("{}m", size >> 20)
+    } else {
+        format!("{}k", size >> 10)
+    };
+    println!("verbs_read_{label}_gbit_s={:.3}", bytes * 8.0 / 1e9 / secs);
+    println!("verbs_read_{label}_mb_s={:.1}", bytes / 1e6 / secs);
+    println!("verbs_read_{label}_secs={secs:.2}");
+    Ok(())
+}

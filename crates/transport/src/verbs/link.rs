@@ -1,0 +1,625 @@
+//! The verbs backend inside the [`Agent`](crate::Agent): a per-agent [`Backend`] (device,
+//! protection domain, registrations, the queue-pair side channel listener) and a per-peer
+//! [`Link`] (one RC queue pair; notifications stay on the peer's TCP link).
+//!
+//! Queue pair info travels over a small TCP side channel of this module (P listens on
+//! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
+//! same channel carries the reconnect after a queue pair error. Messages, all fixed
+//! layout: D → P `KVVC` + u16 name length + name + [`ConnectionInfo`] (connect) or `KVVR`
+//! + info (reset); P → D `KVVA` + info, or `KVVE` + u16 length + reason.
+//!
+//! The side channel is not authenticated yet: with a cluster token configured the
+//! backend is not offered (TCP, which authenticates, is used) — issue 4.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
+
+use super::{
+    BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
+    Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion,
+};
+use crate::agent::FenceRead;
+use crate::batch::{Batch, Next};
+use crate::error::TransferError;
+use crate::metadata::AgentMetadata;
+use crate::tcp::{self, TcpLink};
+
+const CONNECT: &[u8; 4] = b"KVVC";
+const RESET: &[u8; 4] = b"KVVR";
+const ACCEPT: &[u8; 4] = b"KVVA";
+const REFUSE: &[u8; 4] = b"KVVE";
+const INFO_LEN: usize = 40;
+/// Fence words per link (8 bytes each): batches with a fence in flight at once.
+const FENCE_SLOTS: u32 = 512;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections leave the data consistent before anything that can panic.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The agent's verbs state: present when a usable device was found.
+#[derive(Debug)]
+pub(crate) struct Backend {
+    pd: ProtectionDomain,
+    regions: Mutex<HashMap<u64, MemoryRegion>>,
+    listen: SocketAddr,
+    endpoint: EndpointConfig,
+    timeout: Duration,
+    shutdown: Arc<AtomicBool>,
+}
+
+impl Backend {
+    /// Opens the device whose RoCE v2 GID carries `ip` (any device if `ip` is
+    /// unspecified or loopback) and starts the side-channel listener on `ip`.
+    pub(crate) fn start(ip: IpAddr, timeout: Duration) -> Result<Self, String> {
+        let mut config = DeviceConfig::any();
+        if let IpAddr::V4(v4) = ip
+            && !v4.is_unspecified()
+            && !v4.is_loopback()
+        {
+            config = config.with_ipv4(v4);
+        }
+        let device = Device::open(&config).map_err(|e| e.to_string())?;
+        let pd = device.alloc_pd().map_err(|e| e.to_string())?;
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("side channel bind: {e}"))?;
+        let listen = listener.local_addr().map_err(|e| e.to_string())?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("side channel: {e}"))?;
+        // Notifications stay on the TCP link; the receive ring only has to exist.
+        let endpoint = EndpointConfig {
+            recv_slots: 4,
+            notif_slot_size: 64,
+            ..EndpointConfig::default()
+        };
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let serve = Server {
+            pd: pd.clone(),
+            endpoint: endpoint.clone(),
+            timeout,
+            shutdown: Arc::clone(&shutdown),
+        };
+        std::thread::Builder::new()
+            .name("kvlease-verbs-listen".into())
+            .spawn(move || serve.accept_loop(listener))
+            .map_err(|e| format!("side channel thread: {e}"))?;
+        tracing::info!(device = device.name(), gid = %device.gid(), side_channel = %listen, "verbs backend ready");
+        Ok(Self {
+            pd,
+            regions: Mutex::new(HashMap::new()),
+            listen,
+            endpoint,
+            timeout,
+            shutdown,
+        })
+    }
+
+    /// Registers a region of the agent (whole, once).
+    pub(crate) fn register(&self, id: u64, region: Arc<dyn DmaRegion>) -> Result<(), String> {
+        let mr = self.pd.register(region).map_err(|e| e.to_string())?;
+        lock(&self.regions).insert(id, mr);
+        Ok(())
+    }
+
+    /// Forgets a region (it is deregistered once no work request references it).
+    pub(crate) fn deregister(&self, id: u64) {
+        lock(&self.regions).remove(&id);
+    }
+
+    /// This agent's metadata entry: side channel, GID, and the rkey of every region.
+    pub(crate) fn metadata(&self) -> serde_json::Value {
+        let rkeys: serde_json::Map<String, serde_json::Value> = lock(&self.regions)
+            .iter()
+            .map(|(id, mr)| (id.to_string(), serde_json::Value::from(mr.rkey())))
+            .collect();
+        serde_json::json!({
+            "addr": self.listen.to_string(),
+            "device": self.pd.device().name(),
+            "gid": self.pd.device().gid().to_string(),
+            "rkeys": rkeys,
+        })
+    }
+
+    /// Connects a verbs link to `meta`'s agent, or says why not.
+    pub(crate) fn connect(
+        &self,
+        own_name: &str,
+        meta: &AgentMetadata,
+        tcp: Arc<TcpLink>,
+    ) -> Result<Link, String> {
+        let entry = meta
+            .backends
+            .get("verbs")
+            .ok_or("the peer offers no verbs backend (no RDMA device there)")?;
+        let addr: SocketAddr = entry
+            .get("addr")
+            .and_then(|a| a.as_str())
+            .and_then(|a| a.parse().ok())
+            .ok_or("the peer's verbs entry has no side-channel address")?;
+        let rkeys: HashMap<u64, u32> = entry
+            .get("rkeys")
+            .and_then(|r| r.as_object())
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.parse().ok()?, u32::try_from(v.as_u64()?).ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut side = TcpStream::connect_timeout(&addr, self.timeout)
+            .map_err(|e| format!("side channel {addr}: {e}"))?;
+        side.set_read_timeout(Some(self.timeout))
+            .map_err(|e| e.to_string())?;
+        side.set_write_timeout(Some(self.timeout))
+            .map_err(|e| e.to_string())?;
+        let mut ep = Endpoint::new(&self.pd, self.endpoint.clone()).map_err(|e| e.to_string())?;
+        let name = own_name.as_bytes();
+        let mut req = Vec::with_capacity(6 + name.len() + INFO_LEN);
+        req.extend_from_slice(CONNECT);
+        req.extend_from_slice(&u16::try_from(name.len()).unwrap_or(u16::MAX).to_be_bytes());
+        req.extend_from_slice(&name[..name.len().min(usize::from(u16::MAX))]);
+        req.extend_from_slice(&ep.local_info().encode());
+        side.write_all(&req)
+            .map_err(|e| format!("side channel: {e}"))?;
+        let remote = read_reply(&mut side)?;
+        ep.connect(&remote).map_err(|e| e.to_string())?;
+        let fence_words =
+            Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| e.to_string())?);
+        let fence_mr = self
+            .pd
+            .register(Arc::clone(&fence_words) as Arc<dyn DmaRegion>)
+            .map_err(|e| e.to_string())?;
+        let regions = lock(&self.regions).clone();
+        Ok(Link {
+            peer: meta.name.clone(),
+            meta: meta.clone(),
+            rkeys,
+            local: regions,
+            tcp,
+            state: Mutex::new(LinkState {
+                ep,
+                side,
+                tracked: HashMap::new(),
+                free_fence: (0..FENCE_SLOTS).collect(),
+            }),
+            fence_words,
+            fence_mr,
+        })
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+    }
+}
+
+fn read_reply(side: &mut TcpStream) -> Result<ConnectionInfo, String> {
+    let mut tag = [0u8; 4];
+    side.read_exact(&mut tag)
+        .map_err(|e| format!("side channel: {e}"))?;
+    if &tag == ACCEPT {
+        let mut info = [0u8; INFO_LEN];
+        side.read_exact(&mut info)
+            .map_err(|e| format!("side channel: {e}"))?;
+        return ConnectionInfo::decode(&info).map_err(|e| e.to_string());
+    }
+    if &tag == REFUSE {
+        let mut len = [0u8; 2];
+        side.read_exact(&mut len)
+            .map_err(|e| format!("side channel: {e}"))?;
+        let mut why = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        side.read_exact(&mut why)
+            .map_err(|e| format!("side channel: {e}"))?;
+        return Err(format!("peer refused: {}", String::from_utf8_lossy(&why)));
+    }
+    Err("side channel: unknown reply".into())
+}
+
+/// P's side of the side channel: one thread per connecting peer, owning its endpoint.
+#[derive(Clone)]
+struct Server {
+    pd: ProtectionDomain,
+    endpoint: EndpointConfig,
+    timeout: Duration,
+    shutdown: Arc<AtomicBool>,
+}
+
+impl Server {
+    fn accept_loop(self, listener: TcpListener) {
+        while !self.shutdown.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let s = self.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("kvlease-verbs-peer".into())
+                        .spawn(move || {
+                            if let Err(e) = s.serve(stream) {
+                                tracing::warn!(%from, "verbs side channel closed: {e}");
+                            }
+                        });
+                    if let Err(e) = spawned {
+                        tracing::error!("verbs side channel thread: {e}");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    tracing::warn!("verbs side channel accept: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    fn serve(&self, mut s: TcpStream) -> Result<(), String> {
+        let io = |e: std::io::Error| e.to_string();
+        s.set_nonblocking(false).map_err(io)?;
+        s.set_read_timeout(Some(self.timeout)).map_err(io)?;
+        s.set_write_timeout(Some(self.timeout)).map_err(io)?;
+        let mut tag = [0u8; 4];
+        s.read_exact(&mut tag).map_err(io)?;
+        if &tag != CONNECT {
+            return Err("not a verbs connect request".into());
+        }
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len).map_err(io)?;
+        let mut name = vec![0u8; usize::from(u16::from_be_bytes(len)).min(1024)];
+        s.read_exact(&mut name).map_err(io)?;
+        let name = String::from_utf8_lossy(&name).into_owned();
+        let remote = read_info(&mut s)?;
+        let mut ep = match Endpoint::new(&self.pd, self.endpoint.clone()) {
+            Ok(ep) => ep,
+            Err(e) => return refuse(&mut s, &e.to_string()),
+        };
+        if let Err(e) = ep.connect(&remote) {
+            return refuse(&mut s, &e.to_string());
+        }
+        accept(&mut s, &ep.local_info())?;
+        tracing::info!(peer = %name, qpn = ep.qpn(), "verbs queue pair served");
+        // Requests from now on: resets. Poll the endpoint meanwhile (it only serves
+        // RDMA READs, which need no CPU; polling notices a failed QP early).
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .map_err(io)?;
+        loop {
+            if self.shutdown.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            match s.read_exact(&mut tag) {
+                Ok(()) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    // A partial tag read cannot happen in practice (4 bytes, one write).
+                    if let Err(e) = ep.poll() {
+                        tracing::warn!(peer = %name, "verbs poll: {e}");
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e.to_string()),
+            }
+            if &tag != RESET {
+                return Err("unknown side-channel request".into());
+            }
+            s.set_read_timeout(Some(self.timeout)).map_err(io)?;
+            let remote = read_info(&mut s)?;
+            s.set_read_timeout(Some(Duration::from_millis(200)))
+                .map_err(io)?;
+            let reconnected = ep
+                .reset()
+                .and_then(|info| ep.connect(&remote).map(|()| info));
+            match reconnected {
+                Ok(_) => accept(&mut s, &ep.local_info())?,
+                Err(e) => refuse(&mut s, &e.to_string())?,
+            }
+            tracing::info!(peer = %name, "verbs queue pair reconnected");
+        }
+    }
+}
+
+fn read_info(s: &mut TcpStream) -> Result<ConnectionInfo, String> {
+    let mut info = [0u8; INFO_LEN];
+    s.read_exact(&mut info).map_err(|e| e.to_string())?;
+    ConnectionInfo::decode(&info).map_err(|e| e.to_string())
+}
+
+fn accept(s: &mut TcpStream, info: &ConnectionInfo) -> Result<(), String> {
+    let mut out = ACCEPT.to_vec();
+    out.extend_from_slice(&info.encode());
+    s.write_all(&out).map_err(|e| e.to_string())
+}
+
+fn refuse(s: &mut TcpStream, why: &str) -> Result<(), String> {
+    let why = &why.as_bytes()[..why.len().min(1024)];
+    let mut out = REFUSE.to_vec();
+    out.extend_from_slice(&u16::try_from(why.len()).unwrap_or(0).to_be_bytes());
+    out.extend_from_slice(why);
+    s.write_all(&out).map_err(|e| e.to_string())?;
+    Err(format!("refused: {}", String::from_utf8_lossy(why)))
+}
+
+/// A verbs link to one peer (D's side): RDMA READs on the queue pair, notifications on
+/// the TCP link.
+#[derive(Debug)]
+pub(crate) struct Link {
+    peer: String,
+    meta: AgentMetadata,
+    rkeys: HashMap<u64, u32>,
+    /// This agent's registrations at connect time (destinations of reads).
+    local: HashMap<u64, MemoryRegion>,
+    tcp: Arc<TcpLink>,
+    state: Mutex<LinkState>,
+    fence_words: Arc<HostRegion>,
+    fence_mr: MemoryRegion,
+}
+
+#[derive(Debug)]
+struct LinkState {
+    ep: Endpoint,
+    side: TcpStream,
+    tracked: HashMap<VerbsBatchId, Tracked>,
+    free_fence: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    batch: Arc<Batch>,
+    chunk_lens: Vec<u64>,
+    fence: Option<(u32, FenceRead)>,
+}
+
+impl Link {
+    fn remote(&self, range: &crate::agent::RemoteRange) -> Result<RemoteRegion, TransferError> {
+        let invalid = |reason: String| TransferError::InvalidBatch {
+            peer: self.peer.clone(),
+            reason,
+        };
+        let desc = self
+            .meta
+            .regions
+            .iter()
+            .find(|r| r.id == range.region)
+            .ok_or_else(|| invalid(format!("peer region {} is unknown", range.region)))?;
+        if desc.key != range.key {
+            return Err(TransferError::Refused {
+                peer: self.peer.clone(),
+                region: range.region,
+                offset: range.offset,
+                len: 0,
+                reason: crate::error::Refusal::BadKey,
+            });
+        }
+        let rkey = self
+            .rkeys
+            .get(&range.region)
+            .ok_or_else(|| invalid(format!("peer region {} has no rkey", range.region)))?;
+        Ok(RemoteRegion::new(desc.base, desc.len, *rkey))
+    }
+
+    fn local_mr(&self, dest: &Arc<dyn DmaRegion>) -> Result<MemoryRegion, TransferError> {
+        self.local
+            .values()
+            .find(|mr| Arc::ptr_eq(mr.region(), dest))
+            .cloned()
+            .ok_or_else(|| TransferError::InvalidBatch {
+                peer: self.peer.clone(),
+                reason: "destination region was registered after connect (reconnect the peer)"
+                    .into(),
+            })
+    }
+
+    fn rdma_failed(&self, reason: String) -> TransferError {
+        TransferError::Disconnected {
+            peer: self.peer.clone(),
+            reason: format!("verbs: {reason}"),
+        }
+    }
+
+    pub(crate) fn post(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<tcp::Chunk>,
+    ) -> Result<(), TransferError> {
+        let mut ops = Vec::with_capacity(chunks.len());
+        let mut lens = Vec::with_capacity(chunks.len());
+        for c in &chunks {
+            ops.push(ReadOp {
+                local: self.local_mr(&c.dest)?,
+                local_offset: c.dest_offset,
+                remote: self.remote(&c.remote)?,
+                remote_offset: c.remote.offset,
+                len: c.len,
+            });
+            lens.push(c.len);
+        }
+        let mut st = lock(&self.state);
+        let fence = match batch.lock().fence {
+            Some(f) => {
+                let slot = st
+                    .free_fence
+                    .pop()
+                    .ok_or_else(|| TransferError::InvalidBatch {
+                        peer: self.peer.clone(),
+                        reason: format!("more than {FENCE_SLOTS} fenced batches in flight"),
+                    })?;
+                Some((slot, f))
+            }
+            None => None,
+        };
+        let fence_op = match &fence {
+            Some((slot, f)) => Some(ReadOp {
+                local: self.fence_mr.clone(),
+                local_offset: u64::from(*slot) * 8,
+                remote: self.remote(&f.remote)?,
+                remote_offset: f.remote.offset,
+                len: 8,
+            }),
+            None => None,
+        };
+        match st.ep.post_read_batch(&ops, fence_op.as_ref(), None) {
+            Ok(id) => {
+                st.tracked.insert(
+                    id,
+                    Tracked {
+                        batch: Arc::clone(batch),
+                        chunk_lens: lens,
+                        fence,
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => {
+                if let Some((slot, _)) = fence {
+                    st.free_fence.push(slot);
+                }
+                Err(self.rdma_failed(e.to_string()))
+            }
+        }
+    }
+
+    /// Reaps completions and advances finished batches; reconnects a failed queue pair.
+    /// Called from the agent's `poll_batch` (no thread of our own).
+    pub(crate) fn progress(&self) {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        if let Err(e) = st.ep.poll() {
+            tracing::warn!(peer = %self.peer, "verbs poll: {e}");
+        }
+        if st.ep.state() == EndpointState::NeedsReconnect {
+            if let Err(e) = reconnect(st) {
+                tracing::warn!(peer = %self.peer, "verbs reconnect failed: {e}");
+                for (_, t) in st.tracked.drain() {
+                    t.batch
+                        .lock()
+                        .fail(self.rdma_failed(format!("reconnect failed: {e}")));
+                }
+                return;
+            }
+            tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
+        }
+        let ids: Vec<VerbsBatchId> = st.tracked.keys().copied().collect();
+        for id in ids {
+            let status = match st.ep.poll_batch(id) {
+                None | Some(VerbsStatus::Pending) => continue,
+                Some(s) => s,
+            };
+            let Some(t) = st.tracked.remove(&id) else {
+                continue;
+            };
+            if let Some((slot, _)) = t.fence {
+                st.free_fence.push(slot);
+            }
+            let mut bst = t.batch.lock();
+            match status {
+                VerbsStatus::Done => {
+                    let mut next = Next::Nothing;
+                    for len in &t.chunk_lens {
+                        next = bst.chunk_done(*len);
+                    }
+                    if let Next::Fence(f) = next {
+                        let word = t
+                            .fence
+                            .and_then(|(slot, _)| {
+                                self.fence_words.load_u64(u64::from(slot) * 8).ok()
+                            })
+                            .unwrap_or(0);
+                        next = bst.fence_done(&self.peer, f.expected, word);
+                    }
+                    match next {
+                        Next::Notify(n) => match self.tcp.send_notif(n) {
+                            Ok(()) => bst.finish(),
+                            Err(e) => {
+                                bst.fail(e);
+                            }
+                        },
+                        Next::Finish => bst.finish(),
+                        Next::Nothing | Next::Fence(_) => {}
+                    }
+                }
+                VerbsStatus::Failed(e) => {
+                    bst.fail(self.rdma_failed(e.to_string()));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        self.tcp.send_notif(bytes)
+    }
+
+    /// The batch timed out: stop every transfer into its memory by resetting the queue
+    /// pair (the other batches' reads are re-posted after the reconnect).
+    pub(crate) fn on_timeout(&self, batch: &Batch) {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        let ids: Vec<VerbsBatchId> = st
+            .tracked
+            .iter()
+            .filter(|(_, t)| t.batch.id == batch.id)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            st.ep.abandon_batch(id);
+            if let Some(t) = st.tracked.remove(&id)
+                && let Some((slot, _)) = t.fence
+            {
+                st.free_fence.push(slot);
+            }
+        }
+        if let Err(e) = st.ep.reset() {
+            tracing::warn!(peer = %self.peer, "verbs reset after timeout: {e}");
+        }
+    }
+
+    pub(crate) fn close(&self) {
+        let st = lock(&self.state);
+        let _ = st.side.shutdown(std::net::Shutdown::Both);
+        self.tcp.close();
+    }
+}
+
+fn reconnect(st: &mut LinkState) -> Result<(), String> {
+    let info = st.ep.reset().map_err(|e| e.to_string())?;
+    let mut req = RESET.to_vec();
+    req.extend_from_slice(&info.encode());
+    st.side
+        .write_all(&req)
+        .map_err(|e| format!("side channel: {e}"))?;
+    let remote = read_reply(&mut st.side)?;
+    st.ep.connect(&remote).map_err(|e| e.to_string())
+}
+
+/// The agent's verbs backend for `choice`, or why there is none.
+pub(crate) fn start_for(
+    choice: &crate::config::BackendChoice,
+    token: &Option<Vec<u8>>,
+    ip: IpAddr,
+    limits: &crate::config::Limits,
+) -> Result<Backend, String> {
+    use crate::config::BackendChoice;
+    if *choice == BackendChoice::Tcp {
+        return Err("backend tcp was asked for".into());
+    }
+    if token.is_some() {
+        return Err(
+            "the verbs side channel is not authenticated yet, so a cluster token keeps the agent on TCP"
+                .into(),
+        );
+    }
+    let backend = Backend::start(ip, limits.handshake_timeout);
+    if let Err(reason) = &backend {
+        tracing::info!(%reason, "verbs backend unavailable");
+    }
+    backend
+}
