@@ -2,6 +2,7 @@
 //! prefill (P) and decode (D) engines with forward loops, plus the routing proxy.
 //!
 //! - [`kv`]: the deterministic KV content generator, its pool layout and `kv_digest`;
+//! - [`bidir`]: bidirectional multi-turn mode (D keeps a turn's blocks, P pulls them);
 //! - [`api`]: HTTP request and response bodies, OpenAI-shaped errors;
 //! - [`sidechannel`]: P's handshake and metadata endpoint (like vLLM's NIXL side channel);
 //! - [`prefill`] / [`decode`]: the P and D engines and their forward loops;
@@ -12,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod api;
+pub mod bidir;
 pub mod config;
 pub mod decode;
 pub mod http;
