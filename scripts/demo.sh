@@ -8,7 +8,8 @@
 #
 # Prints key=value lines, then a short summary. Exits non-zero when anything went wrong:
 # a failed or wrong answer outside the kill window, a digest mismatch, no lease
-# outstanding at the kill, or P not reclaiming within extension + interval + 1 s.
+# outstanding at the kill, a lease expiring while D is alive, or P not reclaiming within
+# extension + interval + 1 s.
 # Logs stay in the directory printed as demo.logs=.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +18,10 @@ REQUESTS=${DEMO_REQUESTS:-200}        # split over the phases before and after t
 CONCURRENCY=${DEMO_CONCURRENCY:-4}
 LEASE_S=${DEMO_LEASE_S:-3}            # kv_lease_duration: interval = /6, extension = 2/3
 PROFILE=${DEMO_PROFILE:-release}
-BURST=${DEMO_BURST:-12}               # requests in flight when D is killed
+QUEUE=${DEMO_QUEUE:-16}               # long requests that wait in D's queue (phase 2)
+BURST=${DEMO_BURST:-12}               # long requests in flight when D is killed (phase 3)
 STEP_MS=10                            # D forward step; D runs 2 requests at a time
-KILL_MAX_TOKENS=64                    # long decodes, so requests queue on D at the kill
+LONG_TOKENS=64                        # 64 steps each: 16 queued drain in ~5 s > the lease
 
 step() { echo "--- $*" >&2; }
 fail() { echo "demo: FAILED: $*" >&2; exit 1; }
@@ -98,12 +100,21 @@ step "phase 1: $BEFORE requests, $CONCURRENCY concurrent"
 "$LOAD" load --url "$X_URL" --label before --requests "$BEFORE" --concurrency "$CONCURRENCY" \
   | tee -a "$OUT" || fail "requests before the kill failed"
 
-step "phase 2: $BURST long requests in flight, then kill -9 D"
+step "phase 2: $QUEUE long requests queue on D (2 run at a time) longer than the ${LEASE_S}s lease"
+EXPIRED_Q0=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+"$LOAD" load --url "$X_URL" --label queue --requests "$QUEUE" --concurrency "$QUEUE" \
+  --max-tokens "$LONG_TOKENS" --stream-every 0 | tee -a "$OUT" || fail "queued requests failed"
+EXPIRED_Q1=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+emit queue.leases_expired "$(awk -v a="$EXPIRED_Q1" -v b="$EXPIRED_Q0" 'BEGIN { print a - b }')"
+
+step "phase 3: $BURST long requests in flight; once P has renewed leases, kill -9 D"
+EXT0=$(metric "$P_URL" kvlease_lease_extensions_total)
 "$LOAD" load --url "$X_URL" --label burst --requests "$BURST" --concurrency "$BURST" \
-  --max-tokens "$KILL_MAX_TOKENS" --stream-every 0 --allow-failures >"$WORK/burst.txt" &
+  --max-tokens "$LONG_TOKENS" --stream-every 0 --allow-failures >"$WORK/burst.txt" &
 BURST_PID=$!; PIDS+=("$BURST_PID")
-"$LOAD" wait-metric --url "$P_URL" --name kvlease_leases_active --at-least 4 --timeout-secs 30 \
-  --label kill.leases_wait >/dev/null || fail "no leases outstanding on P to kill D over"
+"$LOAD" wait-metric --url "$P_URL" --name kvlease_lease_extensions_total \
+  --at-least "$(awk -v e="$EXT0" 'BEGIN { print e + 3 }')" --timeout-secs 30 \
+  --label kill.extensions_wait >/dev/null || fail "P renewed no lease while requests queued on D"
 D_HB_SENT=$(metric "$D_URL" kvlease_heartbeats_sent_total)
 LEASES_AT_KILL=$(metric "$P_URL" kvlease_leases_active)
 HELD_AT_KILL=$(metric "$P_URL" kvlease_blocks_held)
@@ -135,16 +146,16 @@ step "restart D"
 start_d 1
 "$LOAD" wait-health --url "$D_URL" --timeout-secs 30 || fail "D did not restart (see $WORK/decode.log)"
 
-step "phase 3: $AFTER requests"
+step "phase 4: $AFTER requests"
 "$LOAD" load --url "$X_URL" --label after --requests "$AFTER" --concurrency "$CONCURRENCY" \
   | tee -a "$OUT" || fail "requests after the restart failed"
 
 key() { sed -n "s/^$1=//p" "$OUT" | tail -1; }
-SERVED=$(( $(key before.ok) + $(key after.ok) + $(key burst.ok) ))
-BYTES=$(( $(key before.bytes) + $(key after.bytes) + $(key burst.bytes) ))
+SERVED=$(( $(key before.ok) + $(key queue.ok) + $(key after.ok) + $(key burst.ok) ))
+BYTES=$(( $(key before.bytes) + $(key queue.bytes) + $(key after.bytes) + $(key burst.bytes) ))
 emit total.requests_served "$SERVED"
 emit total.bytes_moved "$BYTES"
-emit total.digest_mismatches "$(( $(key before.digest_mismatch) + $(key after.digest_mismatch) + $(key burst.digest_mismatch) ))"
+emit total.digest_mismatches "$(( $(key before.digest_mismatch) + $(key queue.digest_mismatch) + $(key after.digest_mismatch) + $(key burst.digest_mismatch) ))"
 emit total.failed_in_kill_window "$(key burst.failed)"
 emit p.leases_granted "$(metric "$P_URL" kvlease_leases_granted_total)"
 emit p.leases_completed "$(metric "$P_URL" 'kvlease_leases_released_total{reason="completed"}')"
@@ -162,12 +173,15 @@ ok=1
 awk -v w="$RECLAIM_WALL" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
   || { echo "demo: reclaim took ${RECLAIM_WALL}s > bound ${BOUND}s" >&2; ok=0; }
 [ "$(key reclaim.leases_expired)" -gt 0 ] 2>/dev/null || { echo "demo: no lease expired after the kill" >&2; ok=0; }
+[ "$(key queue.leases_expired)" = 0 ] || { echo "demo: leases expired while D was alive and queueing" >&2; ok=0; }
 
 cat <<EOF
 
 kvlease demo summary
-  served $SERVED requests through the proxy (${BEFORE} before the kill, ${AFTER} after the restart,
-    $(key burst.ok) of the $BURST in flight at the kill); every KV digest checked against the prompt
+  served $SERVED requests through the proxy (${BEFORE} + ${QUEUE} queued before the kill, ${AFTER} after
+    the restart, $(key burst.ok) of the $BURST in flight at the kill); every KV digest checked against the prompt
+  queue: requests waited up to $(key queue.max_queue_ms) ms on D with a ${LEASE_S}s lease and
+    $(key queue.leases_expired) leases expired (heartbeats kept them alive)
   moved $BYTES KV bytes over TCP; $(key p.leases_granted) leases granted, renewed by
     $(key p.heartbeats_received) heartbeats ($(key p.lease_extensions) extensions)
   killed D with $LEASES_AT_KILL leases / $HELD_AT_KILL blocks outstanding on P:

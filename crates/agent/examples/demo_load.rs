@@ -126,6 +126,7 @@ struct Tally {
     bad_answer: u64,
     streamed: u64,
     bytes: u64,
+    max_queue_ms: f64,
     latencies_ms: Vec<f64>,
     failures: std::collections::BTreeMap<String, u64>,
 }
@@ -278,6 +279,7 @@ async fn load(args: LoadArgs) -> Result<bool> {
                         t.latencies_ms.push(elapsed_ms);
                         t.streamed += u64::from(stream);
                         t.bytes += answer.bytes;
+                        t.max_queue_ms = t.max_queue_ms.max(answer.queue_ms);
                         if answer.digest != expected {
                             t.digest_mismatch += 1;
                             eprintln!(
@@ -330,6 +332,7 @@ async fn load(args: LoadArgs) -> Result<bool> {
     println!("{l}.bad_answer={}", t.bad_answer);
     println!("{l}.streamed={}", t.streamed);
     println!("{l}.bytes={}", t.bytes);
+    println!("{l}.max_queue_ms={:.1}", t.max_queue_ms);
     println!("{l}.wall_s={wall:.3}");
     println!("{l}.req_per_s={:.1}", t.ok as f64 / wall.max(1e-9));
     println!("{l}.p50_ms={:.1}", pct(0.5));
@@ -361,6 +364,8 @@ struct Answer {
     digest: String,
     completion_tokens: u64,
     bytes: u64,
+    /// D's arrival-to-scheduling time for the request.
+    queue_ms: f64,
 }
 
 async fn one(
@@ -395,6 +400,9 @@ async fn one(
             digest: v["kv_digest"].as_str().unwrap_or("").to_owned(),
             completion_tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
             bytes: v["kv_transfer_stats"]["bytes"].as_u64().unwrap_or(0),
+            queue_ms: v["kv_transfer_stats"]["queue_time_ms"]
+                .as_f64()
+                .unwrap_or(0.0),
         });
     }
     // Server-sent events: `data: {chunk}` lines, the last chunk carrying usage and the
@@ -404,6 +412,7 @@ async fn one(
         digest: String::new(),
         completion_tokens: 0,
         bytes: 0,
+        queue_ms: 0.0,
     };
     let mut done = false;
     let mut text_tokens = 0u64;
@@ -428,6 +437,9 @@ async fn one(
         }
         if let Some(b) = chunk["kv_transfer_stats"]["bytes"].as_u64() {
             answer.bytes = b;
+        }
+        if let Some(q) = chunk["kv_transfer_stats"]["queue_time_ms"].as_f64() {
+            answer.queue_ms = q;
         }
     }
     if !done {
