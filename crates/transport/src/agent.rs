@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -200,6 +200,8 @@ pub(crate) struct Inner {
     peers: Mutex<HashMap<u64, Arc<Peer>>>,
     batches: Mutex<HashMap<u64, BatchEntry>>,
     pub(crate) inbox: Mutex<Inbox>,
+    /// Messages in the inbox, readable without the lock (see `get_new_notifs`).
+    inbox_len: AtomicUsize,
     pub(crate) counters: Counters,
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
@@ -246,6 +248,7 @@ impl Inner {
             return;
         }
         inbox.count += 1;
+        self.inbox_len.store(inbox.count, Ordering::Release);
         match inbox.groups.iter_mut().find(|(name, _)| name == from) {
             Some((_, msgs)) => msgs.push(bytes),
             None => inbox.groups.push((from.to_owned(), vec![bytes])),
@@ -408,6 +411,7 @@ impl Agent {
             peers: Mutex::new(HashMap::new()),
             batches: Mutex::new(HashMap::new()),
             inbox: Mutex::new(Inbox::default()),
+            inbox_len: AtomicUsize::new(0),
             counters: Counters::default(),
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
@@ -744,8 +748,12 @@ impl Agent {
             .cloned()
             .ok_or(TransferError::UnknownBatch(batch))?;
         peer.link.progress();
+        let expired = Instant::now() >= b.deadline;
+        if !expired && !b.is_settled() {
+            return Ok(BatchStatus::Pending);
+        }
         let mut st = b.lock();
-        if Instant::now() >= b.deadline {
+        if expired {
             st.fail(TransferError::Timeout {
                 peer: b.peer.clone(),
                 timeout: b.timeout,
@@ -800,8 +808,14 @@ impl Agent {
     /// that completed the handshake are heard; others' notifications are dropped and
     /// counted.
     pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+        // The fast path keeps a polling loop from starving the connection threads of the
+        // inbox lock.
+        if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
+            return Vec::new();
+        }
         let mut inbox = lock(&self.inner.inbox);
         inbox.count = 0;
+        self.inner.inbox_len.store(0, Ordering::Release);
         std::mem::take(&mut inbox.groups)
     }
 
