@@ -873,3 +873,80 @@ async fn stale_read_is_fenced_and_chat_works() -> Result<()> {
     assert_nothing_leaks(&c, &p, &d, Duration::from_secs(3)).await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_pool_waits_bounded_then_503() -> Result<()> {
+    let c = client();
+    // 4 blocks; a 40-token prompt needs 3.
+    let long = "p".repeat(40);
+    let short_lease = kv_config("kv_producer", json!({"kv_lease_duration": 0.5}));
+    let long_lease = kv_config("kv_producer", json!({"kv_lease_duration": 30}));
+    let mut waits = prefill(
+        "p-pool-wait",
+        &[
+            "--num-blocks",
+            "4",
+            "--pool-wait-ms",
+            "5000",
+            "--kv-transfer-config",
+            &short_lease,
+        ],
+    )?;
+    let mut full = prefill(
+        "p-pool-full",
+        &[
+            "--num-blocks",
+            "4",
+            "--pool-wait-ms",
+            "300",
+            "--kv-transfer-config",
+            &long_lease,
+        ],
+    )?;
+    wait_healthy(&c, &mut waits).await?;
+    wait_healthy(&c, &mut full).await?;
+
+    // The second request waits until the first (never read) lease expires, then runs.
+    do_prefill(&c, &waits, &long).await?;
+    let started = Instant::now();
+    let second = do_prefill(&c, &waits, &format!("{long}!")).await?;
+    let waited = started.elapsed();
+    ensure!(waited >= Duration::from_millis(300), "no wait: {waited:?}");
+    ensure!(
+        second["kvlease"]["pool_wait_ms"].as_f64().unwrap_or(0.0) > 200.0,
+        "{second}"
+    );
+
+    // With a 30 s lease the wait is bounded by --pool-wait-ms: 503 overloaded.
+    do_prefill(&c, &full, &long).await?;
+    let started = Instant::now();
+    let (s, v) = post(
+        &c,
+        &full.url,
+        &json!({"prompt": format!("{long}?"), "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await?;
+    ensure!(
+        s == 503 && v["error"]["type"] == "overloaded" && v["error"]["retryable"] == true,
+        "{s} {v}"
+    );
+    ensure!(
+        started.elapsed() >= Duration::from_millis(300),
+        "answered before the pool wait"
+    );
+    // A prompt that can never fit is a 400 naming the prompt, at once.
+    let (s, v) = post(
+        &c,
+        &full.url,
+        &json!({"prompt": "q".repeat(100), "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await?;
+    ensure!(s == 400 && v["error"]["param"] == "prompt", "{s} {v}");
+    let pm = metrics(&c, &full).await?;
+    assert_eq!(
+        metric(&pm, "kvlease_requests_total{outcome=\"overloaded\"}"),
+        1.0
+    );
+    assert_eq!(metric(&pm, "kvlease_blocks_held"), 3.0);
+    Ok(())
+}
