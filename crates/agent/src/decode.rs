@@ -37,7 +37,7 @@ use crate::config::LoadFailurePolicy;
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
 use crate::metrics::{HandshakeOutcome, Metrics};
-use crate::prefill::{EngineError, EngineInfo};
+use crate::prefill::{EngineError, EngineInfo, rank_pool};
 use crate::sidechannel;
 
 /// A decode request handed from HTTP to the engine.
@@ -194,26 +194,8 @@ impl DecodeEngine {
     pub fn new(cfg: DecodeConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
-            let heads = cfg
-                .shape
-                .heads_of_rank(cfg.tp_size, rank)
-                .map_err(|e| EngineError::setup("tp split", e))?;
-            let layout = RankLayout {
-                shape: cfg.shape,
-                heads,
-                num_blocks: cfg.num_blocks,
-            };
-            let kv_layout = KvLayout::new(
-                cfg.shape.num_layers,
-                cfg.num_blocks,
-                layout.local_heads(),
-                cfg.shape.block_size,
-                cfg.shape.head_dim,
-                kv::DTYPE_BYTES as u32,
-            )
-            .map_err(|e| EngineError::setup("kv layout", e))?;
-            let pool = BlockPool::new(kv_layout, cfg.memory)
-                .map_err(|e| EngineError::setup("block pool", e))?;
+            let (layout, pool) =
+                rank_pool(cfg.shape, cfg.tp_size, rank, cfg.num_blocks, cfg.memory)?;
             let agent = Arc::new(link::agent(
                 &cfg.link,
                 &format!("{}/d{rank}", cfg.engine_id),

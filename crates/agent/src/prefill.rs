@@ -167,6 +167,39 @@ pub struct PrefillEngine {
     d_peers: HashMap<String, PeerId>,
 }
 
+/// One TP rank's heads and its block pool: the setup both engines share.
+///
+/// # Errors
+/// [`EngineError`] naming the step that failed (tp split, kv layout or block pool).
+pub(crate) fn rank_pool(
+    shape: KvShape,
+    tp_size: u32,
+    rank: u32,
+    num_blocks: u32,
+    memory: MemoryRequest,
+) -> Result<(RankLayout, BlockPool), EngineError> {
+    let heads = shape
+        .heads_of_rank(tp_size, rank)
+        .map_err(|e| EngineError::setup("tp split", e))?;
+    let layout = RankLayout {
+        shape,
+        heads,
+        num_blocks,
+    };
+    let kv_layout = KvLayout::new(
+        shape.num_layers,
+        num_blocks,
+        layout.local_heads(),
+        shape.block_size,
+        shape.head_dim,
+        kv::DTYPE_BYTES as u32,
+    )
+    .map_err(|e| EngineError::setup("kv layout", e))?;
+    let pool =
+        BlockPool::new(kv_layout, memory).map_err(|e| EngineError::setup("block pool", e))?;
+    Ok((layout, pool))
+}
+
 impl PrefillEngine {
     /// Allocates the pools and fence tables, starts the transport endpoints and registers
     /// the memory.
@@ -176,26 +209,8 @@ impl PrefillEngine {
     pub fn new(cfg: PrefillConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
-            let heads = cfg
-                .shape
-                .heads_of_rank(cfg.tp_size, rank)
-                .map_err(|e| EngineError::setup("tp split", e))?;
-            let layout = RankLayout {
-                shape: cfg.shape,
-                heads,
-                num_blocks: cfg.num_blocks,
-            };
-            let kv_layout = KvLayout::new(
-                cfg.shape.num_layers,
-                cfg.num_blocks,
-                layout.local_heads(),
-                cfg.shape.block_size,
-                cfg.shape.head_dim,
-                kv::DTYPE_BYTES as u32,
-            )
-            .map_err(|e| EngineError::setup("kv layout", e))?;
-            let pool = BlockPool::new(kv_layout, cfg.memory)
-                .map_err(|e| EngineError::setup("block pool", e))?;
+            let (layout, pool) =
+                rank_pool(cfg.shape, cfg.tp_size, rank, cfg.num_blocks, cfg.memory)?;
             let fence = FenceTable::new(cfg.num_blocks)
                 .map_err(|e| EngineError::setup("fence table", e))?;
             let agent = link::agent(&cfg.link, &format!("{}/p{rank}", cfg.engine_id))?;
