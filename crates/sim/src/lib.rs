@@ -64,13 +64,20 @@
 //! runs seeds `0..N` of the sweep (default 64; CI runs 256); the named scenarios run a fixed
 //! number of seeds each, and `KVLEASE_SIM_SEED` replays one seed in any of them. The same
 //! seed gives the same trace hash.
+//!
+//! # Bidirectional mode
+//! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
+//! and compares how P learns their deadline: absolute D timestamps converted with the
+//! clock-offset estimate, or relative TTLs on the wire (see [`BidirConfig`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bidir;
 mod config;
 mod rng;
 mod world;
 
+pub use bidir::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, run_bidir};
 pub use config::{Bug, Crash, NetConfig, Partition, WorldConfig};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};

@@ -1,0 +1,317 @@
+//! Bidirectional mode under clock skew: how P learns the deadline of D's cached turn.
+//!
+//! D keeps a finished turn's blocks in the real [`DecoderCache`] with a TTL on D's clock and
+//! tells P the deadline, either as
+//! - [`DeadlineBasis::ClockOffset`]: the absolute deadline on D's clock, which P converts
+//!   with the real [`ClockOffsetEstimator`] (lowest-RTT sample) fed by probes over the
+//!   simulated network (asymmetric one-way delays, jitter) at the handshake, using
+//!   [`ClockOffset::deadline_leaves`] (worst case within the rtt/2 error bound); or
+//! - [`DeadlineBasis::RelativeTtl`]: the remaining TTL at the moment D sends. The message
+//!   ages in flight by its one-way delay, which P cannot know; P ages the TTL by its own
+//!   elapsed time since receipt and, conservatively, subtracts the **whole** lowest probe
+//!   round trip as the flight time (the one-way delay of a message on the fast path is at
+//!   most the round trip; jitter above it is for the margin to cover).
+//!
+//! The next turn arrives at P after a think time drawn around the TTL, so that many
+//! decisions fall near the deadline. P pulls when the estimated deadline leaves
+//! `margin + pull_time` after now, else recomputes. A pull's request travels to D (one-way
+//! delay up + jitter), then reads for `pull_time`. The oracle is D's own cache: at the end
+//! of the read D's clock is fed to [`DecoderCache::handle_timeout`]; if the entry is gone the
+//! read saw freed blocks (**unsafe**). A decline whose read would have ended with the entry
+//! still cached is a **needless recompute**.
+//!
+//! Clocks: P local = base + true; D local = base + skew + true × (1 + drift). Everything is
+//! drawn from the seed, so the same config gives the same [`BidirReport`].
+
+use std::time::Duration;
+
+use kvlease_lease::{
+    BlockId, ClockOffset, ClockOffsetEstimator, DecoderCache, DecoderTtl, PeerTimestamp, RequestId,
+    Timestamp,
+};
+
+use crate::rng::Rng;
+
+/// How P turns D's deadline into "time left" (the same two choices as the agent's
+/// `DeadlineBasis`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadlineBasis {
+    /// Absolute D-clock deadline converted with the lowest-RTT clock offset.
+    ClockOffset,
+    /// Remaining TTL on the wire, aged by P's elapsed time and the whole lowest RTT.
+    RelativeTtl,
+}
+
+/// A deliberate bug in P's deadline estimate, to prove that the oracle catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BidirBug {
+    /// Offset basis: P reads D's timestamp as if it were its own clock (no conversion).
+    IgnoreOffset,
+    /// Relative basis: P never ages the TTL (neither flight time nor time since receipt).
+    UnagedTtl,
+}
+
+/// One bidirectional world. The same config gives the same run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BidirConfig {
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// D's clock minus P's clock, in milliseconds (either sign).
+    pub skew_ms: i64,
+    /// D's clock drift relative to true time, in parts per million (either sign).
+    pub drift_ppm: i64,
+    /// Smallest one-way delay P → D.
+    pub delay_up: Duration,
+    /// Smallest one-way delay D → P.
+    pub delay_down: Duration,
+    /// Extra delay per message, uniform in `0..=jitter`.
+    pub jitter: Duration,
+    /// `decoder_kv_blocks_ttl`.
+    pub ttl: Duration,
+    /// `pull_safety_margin`.
+    pub margin: Duration,
+    /// Time of the pull's read on D (P's expected transfer time, added to the margin).
+    pub pull_time: Duration,
+    /// Probes of D's clock at the handshake.
+    pub probes: u32,
+    /// Conversations (each one finished turn and one next turn).
+    pub conversations: u32,
+    /// The basis P uses.
+    pub basis: DeadlineBasis,
+    /// A deliberate bug, for the oracle's own tests.
+    pub bug: Option<BidirBug>,
+}
+
+impl BidirConfig {
+    /// A realistic world: D ±10 s skewed, ±200 ppm drift, delays 0.2–5 ms asymmetric with
+    /// up to 10 ms jitter, the default 480 s TTL and 5 s margin, 200 ms pulls, all drawn
+    /// from `seed`.
+    pub fn realistic(seed: u64, basis: DeadlineBasis) -> Self {
+        let mut rng = Rng::new(seed ^ 0xb1d1_77e1);
+        let skew_ms = rng.range(0, 20_000) as i64 - 10_000;
+        let drift_ppm = rng.range(0, 400) as i64 - 200;
+        Self {
+            seed,
+            skew_ms,
+            drift_ppm,
+            delay_up: Duration::from_micros(rng.range(200, 5_000)),
+            delay_down: Duration::from_micros(rng.range(200, 5_000)),
+            jitter: Duration::from_micros(rng.range(0, 10_000)),
+            ttl: Duration::from_secs(480),
+            margin: Duration::from_secs(5),
+            pull_time: Duration::from_millis(200),
+            probes: 8,
+            conversations: 200,
+            basis,
+            bug: None,
+        }
+    }
+
+    /// The same world with `bug` planted.
+    pub fn with_bug(mut self, bug: BidirBug) -> Self {
+        self.bug = Some(bug);
+        self
+    }
+}
+
+/// The outcome of one bidirectional run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BidirReport {
+    /// The seed.
+    pub seed: u64,
+    /// Decisions taken (one per conversation).
+    pub decisions: u64,
+    /// Pulls whose read ended after D freed the blocks (the unsafe outcome).
+    pub unsafe_pulls: u64,
+    /// Pulls that read live blocks.
+    pub safe_pulls: u64,
+    /// Declines whose read would have ended with the blocks still live.
+    pub needless_recomputes: u64,
+    /// Declines of blocks that would indeed have been freed.
+    pub needed_recomputes: u64,
+    /// Per decision: P's estimated deadline minus the true deadline, both on P's clock, in
+    /// nanoseconds (positive = P thinks it has more time than it has: the dangerous side).
+    pub deadline_errors_ns: Vec<i64>,
+    /// Every broken rule with its conversation (only unsafe pulls are failures).
+    pub failures: Vec<String>,
+}
+
+/// A clock: local = base + offset + true × (1 + drift), in nanoseconds.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    offset_ns: i128,
+    drift_ppm: i128,
+}
+
+/// Every clock starts this far from zero so that a negative skew stays representable.
+const BASE_NS: i128 = 1_000_000_000_000;
+
+impl Clock {
+    fn local_ns(&self, true_ns: u64) -> i128 {
+        let t = i128::from(true_ns);
+        BASE_NS + self.offset_ns + t + t * self.drift_ppm / 1_000_000
+    }
+
+    fn local(&self, true_ns: u64) -> Timestamp {
+        Timestamp::from_nanos(u64::try_from(self.local_ns(true_ns).max(0)).unwrap_or(u64::MAX))
+    }
+
+    /// The first true time at which the local clock reads at least `local_ns`.
+    fn true_at(&self, local_ns: i128) -> u64 {
+        let want = local_ns - BASE_NS - self.offset_ns;
+        let scale = 1_000_000 + self.drift_ppm;
+        // Start from the rounded inverse and step to the first true time that reaches it.
+        let mut t = (want * 1_000_000 / scale).max(0);
+        while t > 0 && self.local_ns(t as u64 - 1) >= local_ns {
+            t -= 1;
+        }
+        while self.local_ns(t as u64) < local_ns {
+            t += 1;
+        }
+        u64::try_from(t).unwrap_or(u64::MAX)
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn signed_ns(t: Timestamp) -> i128 {
+    i128::from(t.as_nanos_saturating())
+}
+
+/// Runs one bidirectional world.
+pub fn run_bidir(config: &BidirConfig) -> BidirReport {
+    let mut rng = Rng::new(config.seed);
+    let p_clock = Clock {
+        offset_ns: 0,
+        drift_ppm: 0,
+    };
+    let d_clock = Clock {
+        offset_ns: i128::from(config.skew_ms) * 1_000_000,
+        drift_ppm: i128::from(config.drift_ppm.clamp(-100_000, 100_000)),
+    };
+    let jitter = nanos(config.jitter);
+    let up = |rng: &mut Rng| nanos(config.delay_up) + rng.range(0, jitter);
+    let down = |rng: &mut Rng| nanos(config.delay_down) + rng.range(0, jitter);
+    let mut report = BidirReport {
+        seed: config.seed,
+        ..BidirReport::default()
+    };
+    let Ok(ttl) = DecoderTtl::from_duration(config.ttl) else {
+        report
+            .failures
+            .push(format!("TTL {:?} out of range", config.ttl));
+        return report;
+    };
+
+    // The handshake: probes 10 ms apart, each (t0, D's clock on arrival, t1).
+    let mut est = ClockOffsetEstimator::new();
+    let mut now: u64 = 1_000_000_000;
+    for _ in 0..config.probes.max(1) {
+        let t0 = now;
+        let at_d = t0 + up(&mut rng);
+        let t1 = at_d + down(&mut rng);
+        let remote = PeerTimestamp::from_nanos(d_clock.local(at_d).as_nanos_saturating());
+        // t1 > t0 always (delays are non-negative), so the sample is accepted or ignored.
+        let _ = est.add_sample(p_clock.local(t0), remote, p_clock.local(t1));
+        now = t1 + 10_000_000;
+    }
+    let Some(offset) = est.offset() else {
+        report.failures.push("no clock sample".into());
+        return report;
+    };
+    let rtt = offset.rtt();
+
+    for conv in 0..config.conversations {
+        // D finishes a turn and caches its blocks, then answers P with the deadline.
+        now += rng.range(0, 2_000_000_000);
+        let finish = now;
+        let mut cache = DecoderCache::new(ttl);
+        let Ok(request) = RequestId::new(&format!("conv-{conv}")) else {
+            report.failures.push(format!("conv {conv}: bad request id"));
+            continue;
+        };
+        let d_now = d_clock.local(finish);
+        let Ok(cached) = cache.insert(d_now, request.clone(), vec![BlockId(conv)]) else {
+            report.failures.push(format!("conv {conv}: insert failed"));
+            continue;
+        };
+        let deadline_peer = PeerTimestamp::from_nanos(cached.deadline.as_nanos_saturating());
+        let remaining = cached.deadline.saturating_duration_since(d_now);
+        let received = finish + down(&mut rng);
+        let p_received = p_clock.local(received);
+
+        // The next turn arrives after a think time around the TTL.
+        let ttl_ns = nanos(config.ttl);
+        let think = rng.range(
+            ttl_ns.saturating_sub(20_000_000_000),
+            ttl_ns + 5_000_000_000,
+        );
+        let decide = received + think;
+        let p_now = p_clock.local(decide);
+
+        // P's estimate of the deadline, on its own clock.
+        let estimate: Timestamp = match (config.basis, config.bug) {
+            (DeadlineBasis::ClockOffset, Some(BidirBug::IgnoreOffset)) => {
+                ClockOffset::from_nanos(0).to_local(deadline_peer)
+            }
+            (DeadlineBasis::ClockOffset, _) => offset.to_local_earliest(deadline_peer),
+            (DeadlineBasis::RelativeTtl, Some(BidirBug::UnagedTtl)) => p_now + remaining,
+            (DeadlineBasis::RelativeTtl, _) => (p_received + remaining) - rtt,
+        };
+        let needed = config.margin.saturating_add(config.pull_time);
+        let pull = p_now.checked_add(needed).is_some_and(|n| estimate >= n);
+
+        // The oracle: the true deadline on P's clock, and D's cache at the read's end.
+        let free_true = d_clock.true_at(signed_ns(cached.deadline));
+        let true_deadline_p = p_clock.local_ns(free_true);
+        let err = signed_ns(estimate) - true_deadline_p;
+        report
+            .deadline_errors_ns
+            .push(i64::try_from(err).unwrap_or(i64::MAX));
+        let read_end = decide + up(&mut rng) + nanos(config.pull_time);
+        cache.handle_timeout(d_clock.local(read_end));
+        let live = cache.deadline(&request).is_some();
+        report.decisions += 1;
+        match (pull, live) {
+            (true, true) => report.safe_pulls += 1,
+            (true, false) => {
+                report.unsafe_pulls += 1;
+                if report.failures.len() < 20 {
+                    report.failures.push(format!(
+                        "conv {conv}: pull read freed blocks: read ended {:.3} s after D freed \
+                         them (estimate error {:+.3} s)",
+                        read_end.saturating_sub(free_true) as f64 / 1e9,
+                        err as f64 / 1e9
+                    ));
+                }
+            }
+            (false, true) => report.needless_recomputes += 1,
+            (false, false) => report.needed_recomputes += 1,
+        }
+    }
+    report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_inverse_is_the_first_true_time() {
+        for drift in [-200, 0, 200] {
+            let c = Clock {
+                offset_ns: -10_000_000_000,
+                drift_ppm: drift,
+            };
+            let target = c.local_ns(123_456_789_012);
+            let t = c.true_at(target);
+            assert!(c.local_ns(t) >= target);
+            assert!(c.local_ns(t - 1) < target);
+        }
+    }
+}
