@@ -226,6 +226,43 @@ unsafe impl DmaRegion for HostRegion {
     }
 }
 
+/// A [`HostRegion`] whose [`kind`](DmaRegion::kind) is [`MemoryKind::StagedHost`]: host
+/// memory that the transport must move through the staging pipeline as if it were device
+/// memory. [`RegionBytes`](crate::RegionBytes) refuses it; the staging module's
+/// [`write_region`](crate::staging::write_region) /
+/// [`read_region`](crate::staging::read_region) and
+/// [`HostCopier`](crate::staging::HostCopier) reach its bytes. For tests and benchmarks of
+/// the device paths on machines without a GPU.
+#[derive(Debug)]
+pub struct StagedHostRegion(HostRegion);
+
+impl StagedHostRegion {
+    /// A zero-filled staged region of `len` bytes (base pages).
+    ///
+    /// # Errors
+    /// As [`HostRegion::with_policy`].
+    pub fn new(len: usize) -> Result<Self, HostAllocError> {
+        HostRegion::with_policy(len, HugePagePolicy::Never).map(Self)
+    }
+}
+
+// SAFETY: delegates to the inner `HostRegion`, whose mapping is valid, fixed and host
+// memory for `len` bytes while `self` lives; only the reported kind differs, and the
+// `DmaRegion` contract requires the same of `StagedHost` as of `Host`.
+unsafe impl DmaRegion for StagedHostRegion {
+    fn base_ptr(&self) -> *mut u8 {
+        self.0.base_ptr()
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::StagedHost
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

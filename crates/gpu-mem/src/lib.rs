@@ -35,6 +35,7 @@ mod pool;
 pub use alloc::{AllocError, BlockAllocator};
 pub use host::{
     HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_HOST_REGION, PageKind,
+    StagedHostRegion,
 };
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
 pub use pool::{BlockPool, FenceTable, MemoryRequest, PoolError};

@@ -15,6 +15,12 @@ pub enum MemoryKind {
         /// The CUDA device ordinal.
         ordinal: u32,
     },
+    /// Host memory that is treated as **not** host-accessible: the transport moves it only
+    /// through the staging pipeline ([`crate::staging::Stager`], with a
+    /// [`crate::staging::HostCopier`] in place of the CUDA copier), exactly as it moves
+    /// device memory. It exists so that the device paths run, and are tested and
+    /// measured, on machines without a GPU ([`crate::StagedHostRegion`]).
+    StagedHost,
 }
 
 impl MemoryKind {
@@ -30,6 +36,7 @@ impl fmt::Display for MemoryKind {
             Self::Host => f.write_str("host"),
             Self::CudaPinned => f.write_str("cuda-pinned"),
             Self::CudaDevice { ordinal } => write!(f, "cuda:{ordinal}"),
+            Self::StagedHost => f.write_str("staged-host"),
         }
     }
 }
@@ -75,6 +82,8 @@ pub enum RegionAccessError {
 ///   not freed) for as long as the value lives, and neither moves nor shrinks;
 /// - for [`MemoryKind::Host`] and [`MemoryKind::CudaPinned`], that range is host memory
 ///   that may be read and written through raw pointers from any thread;
+/// - for [`MemoryKind::StagedHost`], the same holds as for `Host` (the kind only tells
+///   the transport to stage it);
 /// - for [`MemoryKind::CudaDevice`], `base_ptr()` is the device address (a `CUdeviceptr`)
 ///   and is never dereferenced on the host.
 pub unsafe trait DmaRegion: Send + Sync + fmt::Debug {
@@ -182,6 +191,15 @@ fn host_ptr<T: DmaRegion + ?Sized>(
     if !kind.is_host_accessible() {
         return Err(RegionAccessError::NotHostAccessible { kind });
     }
+    range_ptr(region, offset, len)
+}
+
+/// Checks only the range (not the kind) and returns its start pointer.
+fn range_ptr<T: DmaRegion + ?Sized>(
+    region: &T,
+    offset: u64,
+    len: u64,
+) -> Result<*mut u8, RegionAccessError> {
     let region_len = region.len() as u64;
     match offset.checked_add(len) {
         Some(end) if end <= region_len => {}
@@ -195,6 +213,45 @@ fn host_ptr<T: DmaRegion + ?Sized>(
     }
     // `offset <= region_len`, which is a `usize`, so the cast is lossless.
     Ok(region.base_ptr().wrapping_add(offset as usize))
+}
+
+/// The start of `offset..offset + len` of a region whose bytes are host memory, including
+/// [`MemoryKind::StagedHost`] (which [`RegionBytes`] refuses on purpose): the staging
+/// copier's access.
+fn staged_ptr(region: &dyn DmaRegion, offset: u64, len: u64) -> Result<*mut u8, RegionAccessError> {
+    let kind = region.kind();
+    if !(kind.is_host_accessible() || kind == MemoryKind::StagedHost) {
+        return Err(RegionAccessError::NotHostAccessible { kind });
+    }
+    range_ptr(region, offset, len)
+}
+
+/// Copies `dst.len()` bytes at `offset` of a host-memory region (any host kind, staged
+/// host included) into `dst`.
+pub(crate) fn staged_read(
+    region: &dyn DmaRegion,
+    offset: u64,
+    dst: &mut [u8],
+) -> Result<(), RegionAccessError> {
+    let src = staged_ptr(region, offset, dst.len() as u64)?;
+    // SAFETY: `staged_ptr` checked that the range lies inside the region and that the
+    // region's kind is host memory (Host, CudaPinned or StagedHost, whose `DmaRegion`
+    // implementors guarantee host memory valid for reads from any thread while they live).
+    unsafe { std::ptr::copy(src, dst.as_mut_ptr(), dst.len()) };
+    Ok(())
+}
+
+/// Copies `src` into a host-memory region (any host kind, staged host included) at `offset`.
+pub(crate) fn staged_write(
+    region: &dyn DmaRegion,
+    offset: u64,
+    src: &[u8],
+) -> Result<(), RegionAccessError> {
+    let dst = staged_ptr(region, offset, src.len() as u64)?;
+    // SAFETY: as in `staged_read`: in bounds, host memory writable from any thread while
+    // the region lives; `copy` tolerates overlap with `src`.
+    unsafe { std::ptr::copy(src.as_ptr(), dst, src.len()) };
+    Ok(())
 }
 
 fn word_ptr<T: DmaRegion + ?Sized>(region: &T, offset: u64) -> Result<*mut u64, RegionAccessError> {

@@ -36,7 +36,9 @@
 //!
 //! For host-accessible memory ([`MemoryKind::is_host_accessible`]) the stager moves the
 //! bytes straight between the region and the socket; for CUDA device memory it runs the
-//! pipeline above with a `cuda::CudaCopier` it creates on first use. The lower-level
+//! pipeline above with a `cuda::CudaCopier` it creates on first use, and for
+//! [`MemoryKind::StagedHost`] (host memory posing as device memory, for tests and
+//! benchmarks without a GPU) the same pipeline with a [`HostCopier`]. The lower-level
 //! [`send`] / [`recv`] take any [`Copier`]. [`write_region`] / [`read_region`] copy between
 //! a host buffer and a region of any kind (how P fills and D verifies device blocks).
 //!
@@ -391,6 +393,9 @@ pub fn write_region(region: &dyn DmaRegion, offset: usize, src: &[u8]) -> Result
     if kind.is_host_accessible() {
         return Ok(region.write_from(offset as u64, src)?);
     }
+    if kind == MemoryKind::StagedHost {
+        return Ok(crate::region::staged_write(region, offset as u64, src)?);
+    }
     check_range(offset, src.len(), region.len())?;
     #[cfg(feature = "cuda")]
     {
@@ -416,6 +421,9 @@ pub fn read_region(
     let kind = region.kind();
     if kind.is_host_accessible() {
         return Ok(region.read_into(offset as u64, dst)?);
+    }
+    if kind == MemoryKind::StagedHost {
+        return Ok(crate::region::staged_read(region, offset as u64, dst)?);
     }
     check_range(offset, dst.len(), region.len())?;
     #[cfg(feature = "cuda")]
@@ -446,6 +454,8 @@ fn device_error(err: crate::cuda::CudaError) -> StagingError {
 #[derive(Debug)]
 pub struct Stager {
     config: StagingConfig,
+    /// The pipeline for [`MemoryKind::StagedHost`] regions.
+    host: Option<HostCopier>,
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda::CudaCopier>,
 }
@@ -456,6 +466,7 @@ impl Stager {
     pub fn new(config: StagingConfig) -> Self {
         Self {
             config,
+            host: None,
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -490,6 +501,9 @@ impl Stager {
                     source,
                 });
         }
+        if region.kind() == MemoryKind::StagedHost {
+            return send(self.host_copier(region)?, offset, len, sink);
+        }
         self.device_send(region, offset, len, sink)
     }
 
@@ -516,7 +530,26 @@ impl Stager {
                     source,
                 });
         }
+        if region.kind() == MemoryKind::StagedHost {
+            return recv(self.host_copier(region)?, offset, len, source);
+        }
         self.device_recv(region, offset, len, source)
+    }
+
+    /// The host-copier pipeline for a [`MemoryKind::StagedHost`] region, its slots reused
+    /// across regions.
+    fn host_copier(
+        &mut self,
+        region: &Arc<dyn DmaRegion>,
+    ) -> Result<&mut HostCopier, StagingError> {
+        let copier = match self.host.take() {
+            Some(mut copier) => {
+                copier.region = Arc::clone(region);
+                copier
+            }
+            None => HostCopier::new(Arc::clone(region), self.config)?,
+        };
+        Ok(self.host.insert(copier))
     }
 
     #[cfg(feature = "cuda")]
@@ -594,9 +627,8 @@ impl Stager {
     }
 }
 
-/// The copier for host-accessible memory ([`MemoryKind::Host`],
-/// [`MemoryKind::CudaPinned`]): `memcpy` between a region
-/// and owned slots, through the region's bounds-checked accessors ([`RegionBytes`]).
+/// The copier for host memory ([`MemoryKind::Host`], [`MemoryKind::CudaPinned`] and
+/// [`MemoryKind::StagedHost`]): bounds-checked `memcpy` between a region and owned slots.
 ///
 /// Its copies are complete when `stage_out`/`stage_in` return, so it overlaps nothing;
 /// see the module docs for why it exists.
@@ -617,7 +649,7 @@ impl HostCopier {
         config: StagingConfig,
     ) -> Result<Self, RegionAccessError> {
         let kind = region.kind();
-        if !kind.is_host_accessible() {
+        if !(kind.is_host_accessible() || kind == MemoryKind::StagedHost) {
             return Err(RegionAccessError::NotHostAccessible { kind });
         }
         let slots = (0..config.depth)
@@ -660,15 +692,13 @@ impl Copier for HostCopier {
 
     fn stage_out(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), SlotError> {
         check_copy(slot, offset, len, self.config, self.memory_len())?;
-        self.region
-            .read_into(offset as u64, &mut self.slots[slot][..len])?;
+        crate::region::staged_read(&*self.region, offset as u64, &mut self.slots[slot][..len])?;
         Ok(())
     }
 
     fn stage_in(&mut self, slot: usize, offset: usize, len: usize) -> Result<(), SlotError> {
         check_copy(slot, offset, len, self.config, self.memory_len())?;
-        self.region
-            .write_from(offset as u64, &self.slots[slot][..len])?;
+        crate::region::staged_write(&*self.region, offset as u64, &self.slots[slot][..len])?;
         Ok(())
     }
 
@@ -1178,6 +1208,41 @@ mod tests {
             ),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn stager_pipelines_staged_host_regions_in_chunks() {
+        let src = pattern(10_000);
+        let from: Arc<dyn DmaRegion> = Arc::new(crate::StagedHostRegion::new(10_000).unwrap());
+        let to: Arc<dyn DmaRegion> = Arc::new(crate::StagedHostRegion::new(10_000).unwrap());
+        // The bytes are refused by RegionBytes, as device memory is.
+        assert!(matches!(
+            from.check_host_range(0, 1),
+            Err(RegionAccessError::NotHostAccessible { .. })
+        ));
+        write_region(from.as_ref(), 0, &src).unwrap();
+        let mut stager = Stager::new(config(64, 3));
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let mut sink = LoggedSink {
+            log: Rc::clone(&log),
+            bytes: Vec::new(),
+            limit: usize::MAX,
+        };
+        stager.send(&from, 123, 9_000, &mut sink).unwrap();
+        assert_eq!(sink.bytes, src[123..9_123]);
+        // Chunked writes (one per 64-byte chunk) show that the pipeline ran.
+        assert_eq!(log.borrow().len(), 9_000usize.div_ceil(64));
+        stager
+            .recv(&to, 7, 9_000, &mut Cursor::new(&sink.bytes))
+            .unwrap();
+        let mut got = vec![0; 10_000];
+        read_region(to.as_ref(), 0, &mut got).unwrap();
+        assert_eq!(got[7..9_007], src[123..9_123]);
+        assert!(got[..7].iter().chain(&got[9_007..]).all(|&b| b == 0));
+        let err = stager
+            .recv(&to, 0, 100, &mut Cursor::new(&src[..99]))
+            .unwrap_err();
+        assert!(matches!(err, StagingError::Io { chunk: 1, .. }), "{err:?}");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::{DmaRegion, RegionBytes};
+use kvlease_gpu_mem::{DmaRegion, RegionAccessError, RegionBytes};
 
 use crate::batch::{Batch, Outcome};
 use crate::config::{AgentConfig, BackendChoice, Limits};
@@ -690,13 +690,31 @@ impl Agent {
                         op.local.region
                     ))
                 })?;
-                local
-                    .region
-                    .check_host_range(op.local.offset, op.local.len)
-                    .map_err(|source| TransferError::Local {
+                match local.region.check_host_range(op.local.offset, op.local.len) {
+                    // Device memory: the TCP reader stages it into the region.
+                    Err(RegionAccessError::NotHostAccessible { .. }) => {
+                        let region_len = local.region.len() as u64;
+                        if op
+                            .local
+                            .offset
+                            .checked_add(op.local.len)
+                            .is_none_or(|end| end > region_len)
+                        {
+                            return Err(TransferError::Local {
+                                peer: p.name.clone(),
+                                source: RegionAccessError::OutOfBounds {
+                                    offset: op.local.offset,
+                                    len: op.local.len,
+                                    region_len,
+                                },
+                            });
+                        }
+                    }
+                    r => r.map_err(|source| TransferError::Local {
                         peer: p.name.clone(),
                         source,
-                    })?;
+                    })?,
+                }
                 if op.local.len == 0 {
                     return Err(invalid("a read of zero bytes".into()));
                 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{Receiver, Sender};
+use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{DmaRegion, RegionBytes};
 
 use super::wire::{self, Body, FrameError};
@@ -387,6 +388,8 @@ fn read_loop(inner: &Inner, link: &TcpLink, conn: &Conn, stream: TcpStream) {
 
 fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<(), FrameError> {
     let mut scratch = Vec::new();
+    // Device (not host-accessible) destinations are filled through pinned bounce buffers.
+    let mut stager = Stager::new(StagingConfig::default());
     loop {
         let (ty, len) = wire::read_header(r, &[wire::READ_RESP, wire::READ_ERR], |ty| {
             if ty == wire::READ_RESP {
@@ -443,10 +446,20 @@ fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<
             conn.receiving.store(op.batch.id, Ordering::SeqCst);
         }
         let result = match &op.dest {
-            Dest::Data { region, offset } => region
+            Dest::Data { region, offset } if region.kind().is_host_accessible() => region
                 .with_bytes_mut(*offset, n, |buf| r.read_exact(buf))
                 .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
                 .map(|()| None),
+            Dest::Data { region, offset } => match (usize::try_from(*offset), usize::try_from(n)) {
+                // The pipelined stager: the read of chunk i+1 overlaps the copy of chunk i.
+                (Ok(off), Ok(len)) => stager
+                    .recv(region, off, len, r)
+                    .map_err(|e| io::Error::other(e.to_string()))
+                    .map(|()| None),
+                _ => Err(io::Error::other(
+                    "destination range beyond the address space",
+                )),
+            },
             Dest::Fence { .. } => {
                 let mut w = [0u8; 8];
                 r.read_exact(&mut w).map(|()| Some(u64::from_ne_bytes(w)))

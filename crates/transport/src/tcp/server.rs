@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 
+use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
 
 use super::wire::{self, Body, FrameError};
@@ -96,6 +97,8 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
     let mut out = stream.try_clone()?;
     let mut r = BufReader::with_capacity(64 * 1024, stream);
     let mut phase = Phase::Hello;
+    // Device (not host-accessible) regions are served through pinned bounce buffers.
+    let mut stager = Stager::new(StagingConfig::default());
     let max_notif = inner.limits.max_notif_len;
     loop {
         let allowed: &[u8] = match phase {
@@ -192,7 +195,17 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
                 let len = b.u64()?;
                 b.finish()?;
                 let authed = matches!(phase, Phase::Authenticated { .. });
-                serve_read(inner, &mut out, authed, req, region, key, offset, len)?;
+                serve_read(
+                    inner,
+                    &mut out,
+                    &mut stager,
+                    authed,
+                    req,
+                    region,
+                    key,
+                    offset,
+                    len,
+                )?;
             }
             wire::NOTIF => match &phase {
                 Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
@@ -210,6 +223,7 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
 fn serve_read(
     inner: &Inner,
     out: &mut TcpStream,
+    stager: &mut Stager,
     authed: bool,
     req: u64,
     region_id: u64,
@@ -246,14 +260,34 @@ fn serve_read(
     let Some(region) = region else {
         return refuse(out, Refusal::UnknownRegion);
     };
-    match region.check_host_range(offset, len) {
-        Ok(()) => {}
-        Err(RegionAccessError::NotHostAccessible { .. }) => {
-            return refuse(out, Refusal::NotHostAccessible);
-        }
+    let staged = match region.check_host_range(offset, len) {
+        Ok(()) => false,
+        Err(RegionAccessError::NotHostAccessible { .. }) => match offset.checked_add(len) {
+            Some(end) if end <= region.len() as u64 => true,
+            _ => return refuse(out, Refusal::OutOfBounds),
+        },
         Err(_) => return refuse(out, Refusal::OutOfBounds),
-    }
+    };
     let header = wire::read_resp_header(req, len);
+    if staged {
+        // Device memory: the header, then the bytes through the pipelined stager (the copy
+        // of chunk i+1 overlaps the send of chunk i). A failure after the header leaves
+        // the stream mid-response, so the connection is closed and the reader fails the
+        // read as disconnected.
+        out.write_all(&header)?;
+        // Bounds were checked above against the region's length, a `usize`.
+        let (off, n) = (offset as usize, len as usize);
+        stager.send(&region, off, n, out).map_err(|err| {
+            tracing::warn!(region_id, offset, len, %err, "staged read failed; connection closed");
+            io::Error::other(err.to_string())
+        })?;
+        bump(&inner.counters.reads_served);
+        inner
+            .counters
+            .bytes_served
+            .fetch_add(len, Ordering::Relaxed);
+        return Ok(());
+    }
     // A generation word is read atomically, so that it never tears against P's store.
     let word = if len == 8 {
         region.load_u64(offset).ok()
