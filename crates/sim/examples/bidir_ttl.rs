@@ -8,12 +8,13 @@
 //!
 //! Grid: skew {-30,-10,0,10,30} s × drift {-200,0,200} ppm × one-way delays (up/down)
 //! {0.5/0.5, 0.5/20, 20/0.5} ms × jitter {0, 5, 50} ms, each run with `seeds` seeds of 200
-//! conversations (TTL 480 s, pull 200 ms, 8 handshake probes), for both bases and margins
+//! conversations (TTL 480 s, pull 200 ms, 8 handshake probes), for both bases (the relative
+//! TTL also with half or no RTT subtracted for the flight) and margins
 //! {5 s, 1 s, 100 ms, 10 ms, 0}. Deterministic per seed.
 
 use std::time::Duration;
 
-use kvlease_sim::{BidirConfig, BidirReport, DeadlineBasis, run_bidir};
+use kvlease_sim::{BidirConfig, BidirReport, DeadlineBasis, FlightAllowance, run_bidir};
 
 fn seeds() -> u64 {
     std::env::var("BIDIR_TTL_SEEDS")
@@ -43,7 +44,7 @@ struct Totals {
     unsafe_by_jitter: [u64; 3],
 }
 
-fn grid(basis: DeadlineBasis, margin: Duration) -> Totals {
+fn grid(basis: DeadlineBasis, flight: FlightAllowance, margin: Duration) -> Totals {
     let mut t = Totals::default();
     let mut world = 0u64;
     for (si, &skew) in SKEWS_MS.iter().enumerate() {
@@ -60,6 +61,7 @@ fn grid(basis: DeadlineBasis, margin: Duration) -> Totals {
                         c.delay_down = Duration::from_micros(down);
                         c.jitter = Duration::from_micros(jitter);
                         c.margin = margin;
+                        c.flight = flight;
                         let r: BidirReport = run_bidir(&c);
                         t.decisions += r.decisions;
                         t.unsafe_pulls += r.unsafe_pulls;
@@ -88,20 +90,28 @@ fn pct(sorted: &[i64], p: f64) -> f64 {
     sorted[i] as f64 / 1e6
 }
 
-fn name(basis: DeadlineBasis) -> &'static str {
-    match basis {
-        DeadlineBasis::ClockOffset => "clock_offset",
-        DeadlineBasis::RelativeTtl => "relative_ttl",
+fn name(basis: DeadlineBasis, flight: FlightAllowance) -> &'static str {
+    match (basis, flight) {
+        (DeadlineBasis::ClockOffset, _) => "clock_offset",
+        (DeadlineBasis::RelativeTtl, FlightAllowance::FullRtt) => "relative_ttl",
+        (DeadlineBasis::RelativeTtl, FlightAllowance::HalfRtt) => "relative_ttl_half_rtt",
+        (DeadlineBasis::RelativeTtl, FlightAllowance::None) => "relative_ttl_no_flight",
     }
 }
 
 fn main() {
     println!("seeds_per_world={}", seeds());
     let mut rows = Vec::new();
-    for basis in [DeadlineBasis::ClockOffset, DeadlineBasis::RelativeTtl] {
+    let variants = [
+        (DeadlineBasis::ClockOffset, FlightAllowance::FullRtt),
+        (DeadlineBasis::RelativeTtl, FlightAllowance::FullRtt),
+        (DeadlineBasis::RelativeTtl, FlightAllowance::HalfRtt),
+        (DeadlineBasis::RelativeTtl, FlightAllowance::None),
+    ];
+    for (basis, flight) in variants {
         for margin_ms in MARGINS_MS {
-            let t = grid(basis, Duration::from_millis(margin_ms));
-            let k = format!("{}.margin_ms_{margin_ms}", name(basis));
+            let t = grid(basis, flight, Duration::from_millis(margin_ms));
+            let k = format!("{}.margin_ms_{margin_ms}", name(basis, flight));
             println!("{k}.decisions={}", t.decisions);
             println!("{k}.unsafe_pulls={}", t.unsafe_pulls);
             println!("{k}.safe_pulls={}", t.safe_pulls);
@@ -126,7 +136,7 @@ fn main() {
             for (i, v) in JITTERS_US.iter().enumerate() {
                 println!("{k}.unsafe_by_jitter_us_{v}={}", t.unsafe_by_jitter[i]);
             }
-            rows.push((basis, margin_ms, t));
+            rows.push((basis, flight, margin_ms, t));
         }
     }
     println!();
@@ -134,10 +144,10 @@ fn main() {
         "| basis | margin | decisions | unsafe | needless recompute | err p1 ms | err p50 ms | err max ms |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    for (basis, margin_ms, t) in &rows {
+    for (basis, flight, margin_ms, t) in &rows {
         println!(
             "| {} | {} ms | {} | {} | {} | {:.3} | {:.3} | {:.3} |",
-            name(*basis),
+            name(*basis, *flight),
             margin_ms,
             t.decisions,
             t.unsafe_pulls,

@@ -9,7 +9,7 @@
 //! - [`DeadlineBasis::RelativeTtl`]: the remaining TTL at the moment D sends. The message
 //!   ages in flight by its one-way delay, which P cannot know; P ages the TTL by its own
 //!   elapsed time since receipt and, conservatively, subtracts the **whole** lowest probe
-//!   round trip as the flight time (the one-way delay of a message on the fast path is at
+//!   round trip as the flight time ([`FlightAllowance::FullRtt`], the default; the one-way delay of a message on the fast path is at
 //!   most the round trip; jitter above it is for the margin to cover).
 //!
 //! The next turn arrives at P after a think time drawn around the TTL, so that many
@@ -40,6 +40,17 @@ pub enum DeadlineBasis {
     ClockOffset,
     /// Remaining TTL on the wire, aged by P's elapsed time and the whole lowest RTT.
     RelativeTtl,
+}
+
+/// What P subtracts from a relative TTL for its unknown time in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlightAllowance {
+    /// Nothing (the margin covers the flight; what the agent's `plan_pull` does).
+    None,
+    /// Half the lowest probe RTT (exact only for symmetric paths).
+    HalfRtt,
+    /// The whole lowest probe RTT (the default: covers any asymmetry on the fast path).
+    FullRtt,
 }
 
 /// A deliberate bug in P's deadline estimate, to prove that the oracle catches it.
@@ -80,6 +91,8 @@ pub struct BidirConfig {
     pub conversations: u32,
     /// The basis P uses.
     pub basis: DeadlineBasis,
+    /// With [`DeadlineBasis::RelativeTtl`]: what P subtracts for the flight.
+    pub flight: FlightAllowance,
     /// A deliberate bug, for the oracle's own tests.
     pub bug: Option<BidirBug>,
 }
@@ -105,6 +118,7 @@ impl BidirConfig {
             probes: 8,
             conversations: 200,
             basis,
+            flight: FlightAllowance::FullRtt,
             bug: None,
         }
     }
@@ -261,7 +275,14 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
             }
             (DeadlineBasis::ClockOffset, _) => offset.to_local_earliest(deadline_peer),
             (DeadlineBasis::RelativeTtl, Some(BidirBug::UnagedTtl)) => p_now + remaining,
-            (DeadlineBasis::RelativeTtl, _) => (p_received + remaining) - rtt,
+            (DeadlineBasis::RelativeTtl, _) => {
+                let allowance = match config.flight {
+                    FlightAllowance::None => Duration::ZERO,
+                    FlightAllowance::HalfRtt => rtt / 2,
+                    FlightAllowance::FullRtt => rtt,
+                };
+                (p_received + remaining) - allowance
+            }
         };
         let needed = config.margin.saturating_add(config.pull_time);
         let pull = p_now.checked_add(needed).is_some_and(|n| estimate >= n);

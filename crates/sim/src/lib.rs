@@ -77,7 +77,7 @@ mod config;
 mod rng;
 mod world;
 
-pub use bidir::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, run_bidir};
+pub use bidir::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, FlightAllowance, run_bidir};
 pub use config::{Bug, Crash, NetConfig, Partition, WorldConfig};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
