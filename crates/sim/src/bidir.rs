@@ -9,8 +9,9 @@
 //! - [`DeadlineBasis::RelativeTtl`]: the remaining TTL at the moment D sends. The message
 //!   ages in flight by its one-way delay, which P cannot know; P ages the TTL by its own
 //!   elapsed time since receipt and, conservatively, subtracts the **whole** lowest probe
-//!   round trip as the flight time ([`FlightAllowance::FullRtt`], the default; the one-way delay of a message on the fast path is at
-//!   most the round trip; jitter above it is for the margin to cover).
+//!   round trip as the flight time ([`FlightAllowance::FullRtt`], the default: the one-way
+//!   delay of a message on the fast path is at most the round trip; jitter above it is for
+//!   the margin to cover).
 //!
 //! The next turn arrives at P after a think time drawn around the TTL, so that many
 //! decisions fall near the deadline. P pulls when the estimated deadline leaves
