@@ -128,6 +128,10 @@ pub struct CompletionRequest {
     /// A request id chosen by the client (vLLM's proxies use `X-Request-Id` instead).
     #[serde(default)]
     pub request_id: Option<String>,
+    /// The conversation the turn belongs to (bidirectional mode; D echoes it in its
+    /// cached-blocks params).
+    #[serde(default)]
+    pub conversation_id: Option<String>,
 }
 
 /// One chat message.
@@ -156,6 +160,9 @@ pub struct ChatRequest {
     /// The connector's parameters.
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+    /// The conversation the turn belongs to (bidirectional mode).
+    #[serde(default)]
+    pub conversation_id: Option<String>,
 }
 
 impl ChatRequest {
@@ -179,6 +186,7 @@ impl ChatRequest {
             stream: self.stream,
             kv_transfer_params: self.kv_transfer_params,
             request_id: None,
+            conversation_id: self.conversation_id,
         }
     }
 }

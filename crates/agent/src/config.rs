@@ -36,7 +36,7 @@ pub const IGNORED_TOP_LEVEL_KEYS: [&str; 8] = [
 ];
 
 /// The keys `kv_connector_extra_config` may hold.
-pub const EXTRA_CONFIG_KEYS: [&str; 8] = [
+pub const EXTRA_CONFIG_KEYS: [&str; 9] = [
     "kv_lease_duration",
     "decoder_kv_blocks_ttl",
     "bidirectional_kv_xfer",
@@ -45,6 +45,7 @@ pub const EXTRA_CONFIG_KEYS: [&str; 8] = [
     "abort_request_timeout",
     "kv_recompute_threshold",
     "pull_safety_margin",
+    "symmetric_decoder_lease",
 ];
 
 /// Default `kv_lease_duration`.
@@ -258,6 +259,10 @@ pub struct KvTransferConfig {
     pub decoder_kv_blocks_ttl: Duration,
     /// `bidirectional_kv_xfer`.
     pub bidirectional_kv_xfer: bool,
+    /// `symmetric_decoder_lease` (default false): in bidirectional mode, P's heartbeats
+    /// extend D's cached blocks while a next-turn request waits on P, instead of the
+    /// fixed `decoder_kv_blocks_ttl` alone.
+    pub symmetric_decoder_lease: bool,
     /// `kv_load_failure_policy` (inside `kv_connector_extra_config`, or vLLM's top-level key).
     pub load_failure_policy: LoadFailurePolicy,
     /// `lease_mode`.
@@ -285,6 +290,7 @@ impl KvTransferConfig {
             lease_duration: DEFAULT_LEASE_DURATION,
             decoder_kv_blocks_ttl: DEFAULT_DECODER_KV_BLOCKS_TTL,
             bidirectional_kv_xfer: false,
+            symmetric_decoder_lease: false,
             load_failure_policy: LoadFailurePolicy::Recompute,
             lease_mode: LeaseModeSetting::Lease,
             abort_request_timeout: DEFAULT_ABORT_REQUEST_TIMEOUT,
@@ -434,6 +440,11 @@ impl KvTransferConfig {
                 }
                 "bidirectional_kv_xfer" => {
                     self.bidirectional_kv_xfer = value
+                        .as_bool()
+                        .ok_or_else(|| wrong_type(key, "true or false", value))?;
+                }
+                "symmetric_decoder_lease" => {
+                    self.symmetric_decoder_lease = value
                         .as_bool()
                         .ok_or_else(|| wrong_type(key, "true or false", value))?;
                 }
@@ -630,6 +641,9 @@ pub enum MemoryChoice {
     Pinned,
     /// Page-aligned host memory.
     Host,
+    /// Host memory moved as if it were device memory (staged fill, pipelined TCP staging,
+    /// copy-back verify): the CUDA paths without a GPU, for tests and comparisons.
+    Staged,
 }
 
 /// `--log-format`.

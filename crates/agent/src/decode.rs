@@ -24,20 +24,22 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use kvlease_gpu_mem::staging::read_region;
-use kvlease_gpu_mem::{BlockAllocator, BlockPool, KvHalf, KvLayout, MemoryRequest};
+use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
-    BlockId, ConsumerId, EngineId, HeartbeatTracker, LeaseConfig, RequestId, Timestamp,
+    BlockId, ConsumerId, DecoderTtl, EngineId, Event, Generation, HeartbeatTracker, LeaseConfig,
+    ReleaseReason, RequestId, Timestamp,
 };
 use kvlease_notif::{Abort, Notif, ReadComplete};
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{ApiError, RemoteParams, TransferStats};
+use crate::bidir::{self, DecoderHold, DecoderKvParams, PeerClock};
 use crate::config::LoadFailurePolicy;
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
 use crate::metrics::{HandshakeOutcome, Metrics};
-use crate::prefill::{EngineError, EngineInfo, rank_pool};
+use crate::prefill::{EngineError, EngineInfo, WorkerInfo, rank_pool};
 use crate::sidechannel;
 
 /// A decode request handed from HTTP to the engine.
@@ -51,6 +53,8 @@ pub struct DecodeJob {
     pub max_tokens: u32,
     /// P's `kv_transfer_params`.
     pub params: RemoteParams,
+    /// The request's `conversation_id` (bidirectional mode echoes it).
+    pub conversation_id: Option<String>,
     /// When the HTTP layer got it.
     pub arrived: Instant,
     /// Tokens, then the end or the error.
@@ -89,6 +93,27 @@ pub struct Summary {
     pub kv_digest: String,
     /// Transfer statistics.
     pub stats: TransferStats,
+    /// Bidirectional mode: D's cached-blocks params ([`DecoderKvParams`]) for P's next
+    /// turn; `None` when D does not keep the turn.
+    pub kv_transfer_params: Option<serde_json::Value>,
+}
+
+/// D's bidirectional mode (`bidirectional_kv_xfer: true`, `kv_role: kv_both`): keep a
+/// finished turn's blocks for P to pull.
+#[derive(Debug, Clone)]
+pub struct DecodeBidir {
+    /// `decoder_kv_blocks_ttl`.
+    pub ttl: DecoderTtl,
+    /// The symmetric lease: P's heartbeats extend the cached blocks.
+    pub symmetric: bool,
+    /// The clock D's deadlines are on (the one its clock probe answers with).
+    pub clock: PeerClock,
+    /// Host P should reach D's side channel on.
+    pub advertise_host: String,
+    /// D's side-channel port.
+    pub side_channel_port: u16,
+    /// D's clock-probe port.
+    pub clock_port: u16,
 }
 
 /// How to build a D engine.
@@ -118,6 +143,8 @@ pub struct DecodeConfig {
     pub link: LinkConfig,
     /// Limit for one read batch.
     pub read_timeout: Duration,
+    /// Bidirectional mode; `None` frees a finished request's blocks at once.
+    pub bidir: Option<DecodeBidir>,
 }
 
 struct Worker {
@@ -125,6 +152,8 @@ struct Worker {
     pool: BlockPool,
     agent: Arc<Agent>,
     pool_desc: RegionDesc,
+    /// Bidirectional mode: the fence words of cached blocks, P's pulls check them.
+    fence: Option<(FenceTable, RegionDesc)>,
 }
 
 /// A handshaken P engine: its info and, per D worker, a peer per P worker.
@@ -184,6 +213,8 @@ pub struct DecodeEngine {
     by_remote: HashMap<RequestId, RequestId>,
     epoch: Instant,
     worker_metadata: Vec<Vec<u8>>,
+    /// Bidirectional mode: finished turns kept for P (on [`DecodeBidir::clock`]).
+    hold: Option<DecoderHold>,
 }
 
 impl DecodeEngine {
@@ -203,11 +234,23 @@ impl DecodeEngine {
             let pool_desc = agent
                 .register(Arc::clone(pool.region()))
                 .map_err(|e| EngineError::setup("register pool", e))?;
+            let fence = match cfg.bidir {
+                Some(_) => {
+                    let f = FenceTable::new(cfg.num_blocks)
+                        .map_err(|e| EngineError::setup("fence table", e))?;
+                    let d = agent
+                        .register(f.region())
+                        .map_err(|e| EngineError::setup("register fence", e))?;
+                    Some((f, d))
+                }
+                None => None,
+            };
             workers.push(Worker {
                 layout,
                 pool,
                 agent,
                 pool_desc,
+                fence,
             });
         }
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
@@ -221,6 +264,10 @@ impl DecodeEngine {
             by_remote: HashMap::new(),
             epoch: Instant::now(),
             worker_metadata,
+            hold: cfg
+                .bidir
+                .as_ref()
+                .map(|b| DecoderHold::new(b.ttl, b.symmetric)),
             cfg,
             metrics,
             workers,
@@ -229,6 +276,29 @@ impl DecodeEngine {
 
     fn now(&self) -> Timestamp {
         Timestamp::from_duration(self.epoch.elapsed())
+    }
+
+    /// What D's side channel serves to P in bidirectional mode (P reads cached blocks with
+    /// it); `None` without bidirectional mode.
+    pub fn info(&self) -> Option<EngineInfo> {
+        self.cfg.bidir.as_ref()?;
+        let mut workers = Vec::new();
+        for (rank, w) in self.workers.iter().enumerate() {
+            let (_, fence) = w.fence.as_ref()?;
+            workers.push(WorkerInfo {
+                rank: rank as u32,
+                metadata: sidechannel::to_hex(&w.agent.metadata()),
+                pool: w.pool_desc,
+                fence: *fence,
+            });
+        }
+        Some(EngineInfo {
+            engine_id: self.cfg.engine_id.to_string(),
+            tp_size: self.cfg.tp_size,
+            shape: self.cfg.shape,
+            num_blocks: self.cfg.num_blocks,
+            workers,
+        })
     }
 
     /// The forward loop; returns when `stop` is set or every job sender is gone.
@@ -263,6 +333,7 @@ impl DecodeEngine {
         self.schedule();
         self.finish_loads();
         self.decode_tokens();
+        self.expire_cache();
         self.metrics.requests_tracked.set(self.tracker.len() as i64);
         self.metrics.requests_waiting.set(self.queue.len() as i64);
         self.metrics
@@ -541,6 +612,8 @@ impl DecodeEngine {
 
     fn poll_notifs(&mut self) {
         let mut notices = Vec::new();
+        let mut pulled = Vec::new();
+        let mut cache_heartbeats: Vec<RequestId> = Vec::new();
         for w in &self.workers {
             for (from, msgs) in w.agent.get_new_notifs() {
                 for m in msgs {
@@ -551,6 +624,13 @@ impl DecodeEngine {
                                 leases.into_iter().map(|l| (l.request, l.generation.word())),
                             );
                         }
+                        Ok(Notif::ReadComplete(rc)) if self.hold.is_some() => {
+                            pulled.push(rc.request);
+                        }
+                        Ok(Notif::Heartbeat(ids)) if self.hold.is_some() => {
+                            cache_heartbeats
+                                .extend(ids.iter().filter_map(|i| RequestId::new(i).ok()));
+                        }
                         Ok(other) => tracing::debug!(?other, %from, "notification ignored"),
                         Err(e) => {
                             self.metrics.notif_malformed.inc();
@@ -559,6 +639,18 @@ impl DecodeEngine {
                     }
                 }
             }
+        }
+        if let (Some(b), Some(hold)) = (&self.cfg.bidir, self.hold.as_mut()) {
+            let now = b.clock.now();
+            if !cache_heartbeats.is_empty() {
+                hold.heartbeat(now, &cache_heartbeats);
+            }
+            for r in &pulled {
+                if hold.read_complete(now, r) {
+                    self.metrics.decoder_cache_pulled.inc();
+                }
+            }
+            self.drain_cache();
         }
         for (remote_id, generation) in notices {
             let Some(id) = self.by_remote.get(&remote_id).cloned() else {
@@ -758,7 +850,7 @@ impl DecodeEngine {
                         let first = p.remote_block_ids.first().copied().unwrap_or(0);
                         let fence = link::Fence {
                             region: pw.fence,
-                            offset: u64::from(first) * kvlease_gpu_mem::FenceTable::WORD_BYTES,
+                            offset: u64::from(first) * FenceTable::WORD_BYTES,
                             expected: p.kvlease_generation,
                         };
                         match link::post_read(
@@ -914,6 +1006,7 @@ impl DecodeEngine {
                         read_time_ms: read_time.as_secs_f64() * 1e3,
                         remote_workers: batches.len() as u32,
                     },
+                    kv_transfer_params: None,
                 };
                 req.phase = Phase::Decoding {
                     blocks,
@@ -991,9 +1084,107 @@ impl DecodeEngine {
             let Phase::Decoding { summary, .. } = &req.phase else {
                 continue;
             };
-            let s = summary.clone();
+            let mut s = summary.clone();
+            s.kv_transfer_params = self.keep_for_next_turn(&id);
             self.finish(&id, Ok(s));
         }
+    }
+}
+
+impl DecodeEngine {
+    // ------------------------------------------------------------ bidirectional mode
+
+    /// Moves a finished request's blocks into the hold and answers D's cached-blocks
+    /// params; `None` (the blocks stay with the request and are freed) without
+    /// bidirectional mode or when the hold refuses.
+    fn keep_for_next_turn(&mut self, id: &RequestId) -> Option<serde_json::Value> {
+        let b = self.cfg.bidir.as_ref()?;
+        let hold = self.hold.as_mut()?;
+        let req = self.reqs.get_mut(id)?;
+        let Phase::Decoding { blocks, .. } = &mut req.phase else {
+            return None;
+        };
+        let cache_id = RequestId::new(&format!("turn-{}", req.job.id)).ok()?;
+        let now = b.clock.now();
+        let held = match hold.insert(now, cache_id.clone(), blocks.clone()) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(request = %id, error = %e, "cannot keep the turn's blocks; freeing them");
+                return None;
+            }
+        };
+        let blocks = std::mem::take(blocks);
+        for w in &self.workers {
+            if let Some((f, _)) = &w.fence
+                && let Err(e) = f.publish(&blocks, held.generation.word())
+            {
+                tracing::error!(error = %e, "fence publish failed");
+            }
+        }
+        let tokens = &req.job.tokens;
+        let bs = self.cfg.shape.block_size;
+        let deadline_ns = held.deadline.as_nanos_saturating();
+        let params = DecoderKvParams {
+            kvlease_bidir: true,
+            remote_engine_id: self.cfg.engine_id.to_string(),
+            remote_host: b.advertise_host.clone(),
+            remote_port: b.side_channel_port,
+            kvlease_clock_port: b.clock_port,
+            remote_block_ids: blocks.iter().map(|b| b.0).collect(),
+            remote_request_id: cache_id.to_string(),
+            tp_size: self.cfg.tp_size,
+            kvlease_generation: held.generation.word(),
+            conversation_id: req.job.conversation_id.clone().unwrap_or_default(),
+            kvlease_num_tokens: tokens.len() as u32,
+            kvlease_block_size: bs,
+            kvlease_block_hashes: bidir::block_hashes(tokens, bs)
+                .into_iter()
+                .map(|h| format!("{h:016x}"))
+                .collect(),
+            kvlease_deadline_ns: deadline_ns,
+            kvlease_ttl_remaining_ms: deadline_ns.saturating_sub(now.as_nanos_saturating())
+                / 1_000_000,
+        };
+        self.metrics
+            .decoder_cached_blocks
+            .set(hold.blocks_held() as i64);
+        Some(params.to_value())
+    }
+
+    /// Frees the cached turns whose TTL passed.
+    fn expire_cache(&mut self) {
+        if let (Some(b), Some(hold)) = (&self.cfg.bidir, self.hold.as_mut()) {
+            hold.handle_timeout(b.clock.now());
+            self.drain_cache();
+        }
+    }
+
+    /// Frees what the hold released: the free word first (a pull still in flight fails its
+    /// fence), then the blocks.
+    fn drain_cache(&mut self) {
+        let Some(hold) = self.hold.as_mut() else {
+            return;
+        };
+        let mut released = Vec::new();
+        while let Some(Event::Released(r)) = hold.poll_event() {
+            released.push(r);
+        }
+        let held = hold.blocks_held();
+        for r in released {
+            for w in &self.workers {
+                if let Some((f, _)) = &w.fence
+                    && let Err(e) = f.publish(&r.blocks, Generation::FREE_WORD)
+                {
+                    tracing::error!(error = %e, "fence publish failed");
+                }
+            }
+            self.free_blocks(&r.blocks);
+            if r.reason == ReleaseReason::Expired {
+                self.metrics.decoder_cache_expired.inc();
+                tracing::info!(request = %r.request, "cached turn expired; blocks freed");
+            }
+        }
+        self.metrics.decoder_cached_blocks.set(held as i64);
     }
 }
 
@@ -1038,7 +1229,7 @@ fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDig
 /// (whose first global head is `p_first`) into D worker `w`'s blocks.
 fn build_ops(
     w: &Worker,
-    pw: &crate::prefill::WorkerInfo,
+    pw: &WorkerInfo,
     info: &EngineInfo,
     d_blocks: &[BlockId],
     p_blocks: &[u32],

@@ -240,6 +240,13 @@ async fn p_run(
     object: &str,
 ) -> Result<Value, ApiError> {
     api::prefill_params(req.kv_transfer_params.as_ref())?;
+    // Bidirectional mode: D's cached-blocks params of the previous turn, passed by the proxy.
+    let decoder = match req.kv_transfer_params.as_ref() {
+        Some(v) if crate::bidir::is_decoder_params(Some(v)) => {
+            Some(crate::bidir::DecoderKvParams::from_value(v)?)
+        }
+        _ => None,
+    };
     let tokens = req.tokens()?;
     req.max_tokens()?;
     let id = request_id(headers, req.request_id.as_deref())?;
@@ -250,6 +257,7 @@ async fn p_run(
             id: id.clone(),
             tokens,
             arrived: Instant::now(),
+            decoder,
             reply,
         })
         .map_err(|_| engine_gone())?;
@@ -261,9 +269,11 @@ async fn p_run(
     let mut body = completion_body(id.as_str(), model, object, &first, prompt_tokens, 1);
     body["kv_transfer_params"] = serde_json::to_value(&done.params).map_err(internal)?;
     body["kv_digest"] = Value::String(done.params.kv_digest.clone());
+    body["cached_tokens_pulled"] = json!(done.cached_tokens_pulled);
     body["kvlease"] = json!({
         "prefill_time_ms": done.prefill_ms,
         "pool_wait_ms": done.pool_wait_ms,
+        "cached_tokens_pulled": done.cached_tokens_pulled,
     });
     Ok(body)
 }
@@ -411,6 +421,7 @@ fn d_submit(
             tokens: tokens.clone(),
             max_tokens,
             params,
+            conversation_id: req.conversation_id.clone(),
             arrived: Instant::now(),
             events: tx,
         })))
@@ -469,6 +480,9 @@ async fn d_serve(
                 body["kv_digest"] = Value::String(summary.kv_digest.clone());
                 body["kv_transfer_stats"] =
                     serde_json::to_value(&summary.stats).unwrap_or(Value::Null);
+                if let Some(p) = summary.kv_transfer_params {
+                    body["kv_transfer_params"] = p;
+                }
                 return axum::Json(body).into_response();
             }
             Some(DecodeEvent::Failed(e)) => return outcome.fail(e).into_response(),
@@ -521,6 +535,9 @@ fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
                         last["kv_digest"] = Value::String(summary.kv_digest.clone());
                         last["kv_transfer_stats"] =
                             serde_json::to_value(&summary.stats).unwrap_or(Value::Null);
+                        if let Some(p) = summary.kv_transfer_params {
+                            last["kv_transfer_params"] = p;
+                        }
                         (format!("data: {last}\n\ndata: [DONE]\n\n"), true)
                     }
                     Some(DecodeEvent::Failed(e)) => {

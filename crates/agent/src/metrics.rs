@@ -279,6 +279,20 @@ pub struct Metrics {
     /// `kvlease_handshakes_total{outcome}`: use [`Metrics::handshake`].
     handshakes: Family<HandshakeLabel, Counter>,
 
+    // Bidirectional mode.
+    /// `kvlease_decoder_cached_blocks` (gauge): blocks D keeps for a next turn (D).
+    pub decoder_cached_blocks: Gauge,
+    /// `kvlease_decoder_cache_expired_total`: cached turns D freed at their TTL (D).
+    pub decoder_cache_expired: Counter,
+    /// `kvlease_decoder_cache_pulled_total`: cached turns P reported read, freed (D).
+    pub decoder_cache_pulled: Counter,
+    /// `kvlease_cached_tokens_pulled_total`: prompt tokens P read from D instead of
+    /// computing them (P).
+    pub cached_tokens_pulled: Counter,
+    /// `kvlease_pull_recomputes_total`: next-turn requests with D's params that P
+    /// recomputed instead (deadline too close, prefix diverged, below threshold, D gone).
+    pub pull_recomputes: Counter,
+
     // Both.
     /// `kvlease_requests_total{outcome}`: use [`Metrics::request`].
     requests: Family<OutcomeLabel, Counter>,
@@ -462,6 +476,31 @@ impl Metrics {
                 "Side-channel handshakes, by outcome",
             ),
             requests: family(r, "kvlease_requests", "HTTP requests, by outcome"),
+            decoder_cached_blocks: gauge(
+                r,
+                "kvlease_decoder_cached_blocks",
+                "KV blocks D keeps for a next turn (bidirectional mode)",
+            ),
+            decoder_cache_expired: counter(
+                r,
+                "kvlease_decoder_cache_expired",
+                "Cached turns D freed at decoder_kv_blocks_ttl",
+            ),
+            decoder_cache_pulled: counter(
+                r,
+                "kvlease_decoder_cache_pulled",
+                "Cached turns P reported read, then freed by D",
+            ),
+            cached_tokens_pulled: counter(
+                r,
+                "kvlease_cached_tokens_pulled",
+                "Prompt tokens P read from D instead of computing them",
+            ),
+            pull_recomputes: counter(
+                r,
+                "kvlease_pull_recomputes",
+                "Next-turn requests with D's params that P recomputed",
+            ),
             notif_malformed: counter(
                 r,
                 "kvlease_notif_malformed",

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::staging::write_region;
+use kvlease_gpu_mem::staging::{read_region, write_region};
 use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Event, Generation, LeaseConfig, LeaseTable, ReleaseReason, Released,
@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::api::{ApiError, RemoteParams};
+use crate::bidir::{DecoderKvParams, PeerClock, PullDecision, PullPolicy, plan_pull, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{Metrics, ReleaseReason as MetricReason};
@@ -46,6 +47,9 @@ pub struct Job {
     pub tokens: Vec<u32>,
     /// When the HTTP layer got it.
     pub arrived: Instant,
+    /// Bidirectional mode: D's cached-blocks params of the previous turn, to pull the
+    /// shared prefix from.
+    pub decoder: Option<DecoderKvParams>,
     /// Where the answer goes.
     pub reply: oneshot::Sender<Result<Prefilled, ApiError>>,
 }
@@ -59,6 +63,30 @@ pub struct Prefilled {
     pub prefill_ms: f64,
     /// Time spent waiting for free blocks.
     pub pool_wait_ms: f64,
+    /// Prompt tokens whose KV was read from D's cached turn instead of computed.
+    pub cached_tokens_pulled: u32,
+}
+
+/// P's bidirectional mode: pull a next turn's shared prefix from D.
+#[derive(Debug, Clone)]
+pub struct PrefillBidir {
+    /// Threshold, safety margin and deadline basis.
+    pub policy: PullPolicy,
+    /// P's clock (the deadline check and the clock probe use it).
+    pub clock: PeerClock,
+    /// Limit for the pull's reads.
+    pub read_timeout: Duration,
+}
+
+/// Clock-probe round trips per pull (the lowest-RTT one is kept).
+const PROBE_SAMPLES: u32 = 8;
+/// Bandwidth assumed for the expected transfer time that the safety margin adds.
+const ASSUMED_PULL_BYTES_PER_SEC: f64 = 1e9;
+
+/// A handshaken D engine: per P worker, a peer on D's worker of the same rank.
+struct DRemote {
+    info: EngineInfo,
+    peers: Vec<PeerId>,
 }
 
 /// How to build a P engine.
@@ -86,6 +114,8 @@ pub struct PrefillConfig {
     pub memory: MemoryRequest,
     /// Transport settings.
     pub link: LinkConfig,
+    /// Bidirectional mode; `None` ignores D's cached-blocks params (always computes).
+    pub bidir: Option<PrefillBidir>,
 }
 
 /// Why an engine could not start.
@@ -165,6 +195,8 @@ pub struct PrefillEngine {
     last_heartbeater: HashMap<RequestId, String>,
     /// D workers reachable for expiry notices, by transport name (connected from worker 0).
     d_peers: HashMap<String, PeerId>,
+    /// Bidirectional mode: D engines handshaken for pulls, by engine id.
+    d_caches: HashMap<String, DRemote>,
 }
 
 /// One TP rank's heads and its block pool: the setup both engines share.
@@ -249,6 +281,7 @@ impl PrefillEngine {
             epoch: Instant::now(),
             last_heartbeater: HashMap::new(),
             d_peers: HashMap::new(),
+            d_caches: HashMap::new(),
             cfg,
             metrics,
             workers,
@@ -400,11 +433,40 @@ impl PrefillEngine {
             .pool_wait_seconds
             .observe(pool_wait.as_secs_f64());
         let started = Instant::now();
-        let tokens = &w.job.tokens;
-        // The model's compute, as configured.
-        std::thread::sleep(self.cfg.cost_per_token.saturating_mul(tokens.len() as u32));
         let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-        let digest = match fill_workers(&self.workers, &ids, tokens) {
+        let pulled_blocks = match w.job.decoder.as_ref() {
+            Some(params) if self.cfg.bidir.is_some() => {
+                let n = self.pull(params, &w.job.tokens, &ids);
+                if n == 0 {
+                    self.metrics.pull_recomputes.inc();
+                }
+                n
+            }
+            _ => 0,
+        };
+        let tokens = &w.job.tokens;
+        let bs = self.cfg.shape.block_size as usize;
+        let mut pulled_tokens = (pulled_blocks * bs).min(tokens.len());
+        // The model's compute, as configured, for the tokens not pulled.
+        std::thread::sleep(
+            self.cfg
+                .cost_per_token
+                .saturating_mul((tokens.len() - pulled_tokens) as u32),
+        );
+        let mut filled = fill_workers(&self.workers, &ids, tokens, pulled_blocks);
+        if pulled_blocks > 0 && filled.is_err() {
+            // The pulled bytes did not verify: never use them, compute everything.
+            tracing::warn!(request = %w.job.id, "pulled KV did not verify; recomputing");
+            self.metrics.pull_recomputes.inc();
+            pulled_tokens = 0;
+            std::thread::sleep(
+                self.cfg
+                    .cost_per_token
+                    .saturating_mul((pulled_blocks * bs).min(tokens.len()) as u32),
+            );
+            filled = fill_workers(&self.workers, &ids, tokens, 0);
+        }
+        let digest = match filled {
             Ok(d) => d,
             Err(e) => {
                 self.free_blocks(&blocks);
@@ -412,6 +474,9 @@ impl PrefillEngine {
                 return;
             }
         };
+        self.metrics
+            .cached_tokens_pulled
+            .inc_by(pulled_tokens as u64);
         let now = self.now();
         if self.table.abort(now, &w.job.id) {
             // The same request id prefilled again (a proxy's retry after a failed load):
@@ -462,6 +527,7 @@ impl PrefillEngine {
             params,
             prefill_ms: started.elapsed().as_secs_f64() * 1e3,
             pool_wait_ms: pool_wait.as_secs_f64() * 1e3,
+            cached_tokens_pulled: pulled_tokens as u32,
         };
         if w.job.reply.send(Ok(done)).is_err() {
             // The client is gone: nobody will read these blocks.
@@ -598,16 +664,240 @@ impl PrefillEngine {
     }
 }
 
+impl PrefillEngine {
+    /// Bidirectional mode: reads the common whole blocks of D's cached turn into the
+    /// first of `ids`, when [`plan_pull`] allows; returns how many blocks it read (zero:
+    /// compute everything). Blocks the engine thread for at most the probe and read
+    /// timeouts.
+    fn pull(&mut self, params: &DecoderKvParams, tokens: &[u32], ids: &[u32]) -> usize {
+        let Some(b) = self.cfg.bidir.clone() else {
+            return 0;
+        };
+        let engine = params.remote_engine_id.clone();
+        if params.tp_size != self.cfg.tp_size {
+            tracing::info!(%engine, "D's TP size differs; recomputing instead of pulling");
+            return 0;
+        }
+        let host = if params.remote_host.contains(':') && !params.remote_host.starts_with('[') {
+            format!("[{}]", params.remote_host)
+        } else {
+            params.remote_host.clone()
+        };
+        let mut est = kvlease_lease::ClockOffsetEstimator::new();
+        let clock = b.clock;
+        let probe = format!("{host}:{}", params.kvlease_clock_port)
+            .parse()
+            .map_err(|e| format!("{e}"))
+            .and_then(|addr| {
+                probe_clock(addr, PROBE_SAMPLES, &|| clock.now(), &mut est)
+                    .map_err(|e| e.to_string())
+            });
+        if let Err(e) = probe {
+            tracing::info!(%engine, error = %e, "clock probe of D failed");
+        }
+        let bytes = self
+            .workers
+            .iter()
+            .map(|w| w.layout.block_bytes())
+            .sum::<usize>() as f64
+            * params.remote_block_ids.len() as f64;
+        let expected = Duration::from_secs_f64(bytes / ASSUMED_PULL_BYTES_PER_SEC);
+        let decision = plan_pull(
+            &b.policy,
+            params,
+            tokens,
+            self.cfg.shape.block_size,
+            clock.now(),
+            est.offset(),
+            expected,
+        );
+        let (d_blocks, diverged) = match decision {
+            PullDecision::Pull {
+                blocks, diverged, ..
+            } => (blocks, diverged),
+            PullDecision::Recompute(reason) => {
+                tracing::info!(%engine, ?reason, "recomputing instead of pulling");
+                return 0;
+            }
+        };
+        let n = d_blocks.len().min(ids.len());
+        if let Err(e) = self.ensure_d_remote(&engine, &format!("{host}:{}", params.remote_port)) {
+            tracing::warn!(%engine, error = %e, "cannot reach D for a pull; recomputing");
+            return 0;
+        }
+        match self.read_from_d(&engine, params, &d_blocks[..n], &ids[..n], b.read_timeout) {
+            Ok(()) => {
+                tracing::info!(%engine, blocks = n, diverged, "pulled the shared prefix from D");
+                n
+            }
+            Err(e) => {
+                tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
+                0
+            }
+        }
+    }
+
+    fn ensure_d_remote(&mut self, engine: &str, addr: &str) -> Result<(), String> {
+        if self.d_caches.contains_key(engine) {
+            return Ok(());
+        }
+        let mds: Vec<Vec<u8>> = self.workers.iter().map(|w| w.agent.metadata()).collect();
+        let welcome = sidechannel::handshake(
+            addr,
+            self.cfg.link.auth_token.as_deref(),
+            self.cfg.engine_id.as_str(),
+            self.cfg.tp_size,
+            &mds,
+        )
+        .map_err(|e| format!("side channel at {addr}: {e}"))?;
+        let info: EngineInfo = serde_json::from_value(welcome.info)
+            .map_err(|e| format!("side channel at {addr} sent bad engine info: {e}"))?;
+        if info.engine_id != engine {
+            return Err(format!(
+                "{addr} serves engine {}, not {engine}",
+                info.engine_id
+            ));
+        }
+        if info.shape != self.cfg.shape || info.tp_size != self.cfg.tp_size {
+            return Err(format!(
+                "engine {engine} has another model shape or TP size"
+            ));
+        }
+        let mut peers = Vec::new();
+        for (w, dw) in self.workers.iter().zip(&info.workers) {
+            let md = sidechannel::from_hex(&dw.metadata)
+                .ok_or_else(|| format!("engine {engine}: bad worker metadata"))?;
+            peers.push(
+                w.agent
+                    .connect(&md)
+                    .map_err(|e| format!("connect to {engine} worker {}: {e}", dw.rank))?,
+            );
+        }
+        self.d_caches
+            .insert(engine.to_owned(), DRemote { info, peers });
+        Ok(())
+    }
+
+    /// Reads D's `d_blocks` into P's `p_blocks` on every worker (fenced by the cached
+    /// entry's generation), then tells D it has read.
+    fn read_from_d(
+        &mut self,
+        engine: &str,
+        params: &DecoderKvParams,
+        d_blocks: &[BlockId],
+        p_blocks: &[u32],
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let remote = self
+            .d_caches
+            .get(engine)
+            .ok_or_else(|| format!("engine {engine} not handshaken"))?;
+        let mut batches = Vec::new();
+        for (w, (dw, &peer)) in self
+            .workers
+            .iter()
+            .zip(remote.info.workers.iter().zip(&remote.peers))
+        {
+            let d_layout = KvLayout::new(
+                remote.info.shape.num_layers,
+                remote.info.num_blocks,
+                w.layout.local_heads(),
+                remote.info.shape.block_size,
+                remote.info.shape.head_dim,
+                kv::DTYPE_BYTES as u32,
+            )
+            .map_err(|e| e.to_string())?;
+            let mut ops = Vec::new();
+            for layer in 0..self.cfg.shape.num_layers {
+                for (&db, &pb) in d_blocks.iter().zip(p_blocks) {
+                    let local = w
+                        .pool
+                        .layout()
+                        .block_range(layer, BlockId(pb))
+                        .map_err(|e| e.to_string())?;
+                    let far = d_layout
+                        .block_range(layer, db)
+                        .map_err(|e| format!("D block {}: {e}", db.0))?;
+                    ops.push(link::ReadOp {
+                        local: w.info.pool,
+                        local_offset: local.start,
+                        remote: dw.pool,
+                        remote_offset: far.start,
+                        len: local.end - local.start,
+                    });
+                }
+            }
+            let first = d_blocks.first().map_or(0, |b| b.0);
+            let fence = link::Fence {
+                region: dw.fence,
+                offset: u64::from(first) * FenceTable::WORD_BYTES,
+                expected: params.kvlease_generation,
+            };
+            let batch = link::post_read(&w.agent, peer, ops, None, Some(fence), timeout)?;
+            batches.push((w, batch));
+        }
+        let until = Instant::now() + timeout + Duration::from_secs(1);
+        let mut result = Ok(());
+        for (w, batch) in batches {
+            loop {
+                match link::poll(&w.agent, batch) {
+                    link::LinkStatus::Pending if Instant::now() < until => {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    link::LinkStatus::Pending => {
+                        result = Err("the pull's reads timed out".to_owned());
+                        break;
+                    }
+                    link::LinkStatus::Done { bytes } => {
+                        self.metrics.transfer_bytes.inc_by(bytes);
+                        break;
+                    }
+                    link::LinkStatus::Failed(f) => {
+                        if f.stale {
+                            self.metrics.stale_reads.inc();
+                        }
+                        result = Err(f.message);
+                        break;
+                    }
+                }
+            }
+        }
+        // Read (or failed for good): D may free the cached turn now.
+        if let (Some(w0), Some(&peer), Ok(request)) = (
+            self.workers.first(),
+            remote.peers.first(),
+            RequestId::new(&params.remote_request_id),
+        ) {
+            let msg = kvlease_notif::ReadComplete {
+                request,
+                consumer: kvlease_lease::ConsumerId::new(self.cfg.engine_id.clone(), 0),
+                consumers_total: 1,
+            }
+            .encode();
+            if let Err(e) = w0.agent.send_notif(peer, msg) {
+                tracing::warn!(%engine, error = %e, "read-done notice to D not sent");
+            }
+        }
+        result
+    }
+}
+
 /// Fills the request's blocks on every worker (one thread per worker) and returns the
-/// whole digest.
-fn fill_workers(workers: &[Worker], blocks: &[u32], tokens: &[u32]) -> Result<KvDigest, ApiError> {
+/// whole digest. The first `pulled` blocks already hold KV read from D: they are verified
+/// against the tokens byte by byte and digested instead of filled.
+fn fill_workers(
+    workers: &[Worker],
+    blocks: &[u32],
+    tokens: &[u32],
+    pulled: usize,
+) -> Result<KvDigest, ApiError> {
     let hashes = kv::prefix_hashes(tokens);
     let results: Vec<Result<KvDigest, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = workers
             .iter()
             .map(|w| {
                 let hashes = &hashes;
-                s.spawn(move || fill_worker(w, blocks, hashes))
+                s.spawn(move || fill_worker(w, blocks, hashes, pulled))
             })
             .collect();
         handles
@@ -631,12 +921,41 @@ fn fill_workers(workers: &[Worker], blocks: &[u32], tokens: &[u32]) -> Result<Kv
     Ok(digest)
 }
 
-fn fill_worker(w: &Worker, blocks: &[u32], hashes: &[u64]) -> Result<KvDigest, String> {
+fn fill_worker(
+    w: &Worker,
+    blocks: &[u32],
+    hashes: &[u64],
+    pulled: usize,
+) -> Result<KvDigest, String> {
     let mut digest = KvDigest::default();
     let mut buf = vec![0u8; w.layout.block_bytes()];
     let mut result = Ok(());
     kv::for_each_block(&w.layout.shape, hashes, |layer, i, first, hs| {
         if result.is_err() {
+            return;
+        }
+        if i < pulled {
+            result = w
+                .pool
+                .layout()
+                .block_range(layer, BlockId(blocks[i]))
+                .map_err(|e| e.to_string())
+                .and_then(|r| {
+                    let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
+                    read_region(&**w.pool.region(), off, &mut buf).map_err(|e| e.to_string())
+                })
+                .and_then(
+                    |()| match kv::verify_block(&w.layout, &buf, layer, first, hs) {
+                        None => Ok(()),
+                        Some(m) => Err(format!(
+                            "pulled KV mismatch at layer {} position {}",
+                            m.layer, m.pos
+                        )),
+                    },
+                );
+            if result.is_ok() {
+                digest.add(kv::digest_block(&w.layout, &buf, layer, first, hs.len()));
+            }
             return;
         }
         buf.fill(0);

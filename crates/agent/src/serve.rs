@@ -12,18 +12,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvlease_gpu_mem::MemoryRequest;
-use kvlease_lease::{LeaseConfig, LeaseMode};
+use kvlease_lease::{DecoderTtl, LeaseConfig, LeaseMode};
 use kvlease_transport::BackendChoice;
 
-use crate::config::{
-    AgentRole, CommonArgs, DecodeArgs, LeaseModeSetting, MemoryChoice, PrefillArgs, TransportChoice,
+use crate::bidir::{
+    ClockProbeServer, DeadlineBasis, PeerClock, PullPolicy, test_clock_offset_from_env,
 };
-use crate::decode::{DecodeConfig, DecodeEngine};
+use crate::config::{
+    AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, MemoryChoice, PrefillArgs,
+    TransportChoice,
+};
+use crate::decode::{DecodeBidir, DecodeConfig, DecodeEngine};
 use crate::http::{self, DecodeApi, PrefillApi};
 use crate::kv::KvShape;
 use crate::link::LinkConfig;
 use crate::metrics::Metrics;
-use crate::prefill::{EngineError, PrefillConfig, PrefillEngine};
+use crate::prefill::{EngineError, PrefillBidir, PrefillConfig, PrefillEngine};
 use crate::sidechannel;
 
 /// Jobs the HTTP layer may queue to an engine before handlers wait (back-pressure).
@@ -69,6 +73,7 @@ fn memory(c: &CommonArgs) -> MemoryRequest {
         MemoryChoice::Host => MemoryRequest::Host,
         MemoryChoice::Pinned => MemoryRequest::Pinned,
         MemoryChoice::Cuda => MemoryRequest::Cuda { ordinal: 0 },
+        MemoryChoice::Staged => MemoryRequest::StagedHost,
         _ => MemoryRequest::Auto,
     }
 }
@@ -153,6 +158,27 @@ async fn bind_http(c: &CommonArgs) -> Result<tokio::net::TcpListener, ServeError
         })
 }
 
+/// P's bidirectional mode: on with `bidirectional_kv_xfer: true` and `kv_role: kv_both`.
+fn prefill_bidir(c: &CommonArgs) -> Result<Option<PrefillBidir>, ServeError> {
+    let kv = c.kv_config(AgentRole::Prefill);
+    if !(kv.bidirectional_kv_xfer && kv.role == KvRole::Both) {
+        return Ok(None);
+    }
+    let offset = test_clock_offset_from_env().map_err(|e| ServeError::Flag {
+        flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
+        message: e.to_string(),
+    })?;
+    Ok(Some(PrefillBidir {
+        policy: PullPolicy {
+            threshold_tokens: kv.recompute_threshold_tokens,
+            safety_margin: kv.pull_safety_margin,
+            basis: DeadlineBasis::ClockOffset,
+        },
+        clock: PeerClock::new(offset),
+        read_timeout: Duration::from_secs(10),
+    }))
+}
+
 /// Runs `prefill-agent` until a signal.
 ///
 /// # Errors
@@ -173,6 +199,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         side_channel_port: c.side_channel_port,
         memory: memory(c),
         link: link(c)?,
+        bidir: prefill_bidir(c)?,
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
@@ -251,7 +278,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     let metrics = Metrics::new();
     let engine_id = c.engine_id();
     let kv = c.kv_config(AgentRole::Decode);
-    let cfg = DecodeConfig {
+    let mut cfg = DecodeConfig {
         engine_id: engine_id.clone(),
         tp_size: c.tp_size,
         shape: shape(c),
@@ -264,8 +291,67 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         memory: memory(c),
         link: link(c)?,
         read_timeout: Duration::from_secs(30),
+        bidir: None,
     };
+    let listen_ip = cfg.link.listen_ip;
+    let token = cfg.link.auth_token.clone();
+    // Bidirectional mode: a clock probe (ephemeral port, advertised in the params) and a
+    // side channel serving D's cached-block regions to P.
+    let mut probe = None;
+    if kv.bidirectional_kv_xfer && kv.role == KvRole::Both {
+        let clock = PeerClock::new(test_clock_offset_from_env().map_err(|e| ServeError::Flag {
+            flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
+            message: e.to_string(),
+        })?);
+        let ttl =
+            DecoderTtl::from_duration(kv.decoder_kv_blocks_ttl).map_err(|e| ServeError::Flag {
+                flag: "--kv-transfer-config",
+                message: format!("decoder_kv_blocks_ttl: {e}"),
+            })?;
+        let handle = ClockProbeServer { clock }
+            .spawn(SocketAddr::new(listen_ip, 0))
+            .map_err(|source| ServeError::Io {
+                what: "clock probe: cannot listen".into(),
+                source,
+            })?;
+        cfg.bidir = Some(DecodeBidir {
+            ttl,
+            symmetric: kv.symmetric_decoder_lease,
+            clock,
+            advertise_host: c.host.clone(),
+            side_channel_port: c.side_channel_port,
+            clock_port: handle.addr.port(),
+        });
+        probe = Some(handle);
+    }
     let engine = DecodeEngine::new(cfg, metrics.clone())?;
+    let side = match engine.info() {
+        Some(info) => {
+            let info = serde_json::to_value(info).map_err(|e| ServeError::Flag {
+                flag: "--engine-id",
+                message: e.to_string(),
+            })?;
+            let epoch = std::time::SystemTime::UNIX_EPOCH;
+            let handle = sidechannel::Server {
+                info,
+                token,
+                // P's pulls need nothing back from D but the notifications on the
+                // transport, which P's connection carries.
+                on_peer: Box::new(|_| {}),
+                clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
+            }
+            .spawn(SocketAddr::new(listen_ip, c.side_channel_port))
+            .map_err(|source| ServeError::Io {
+                what: format!(
+                    "--side-channel-port: cannot listen on {}",
+                    c.side_channel_port
+                ),
+                source,
+            })?;
+            Some(handle)
+        }
+        None => None,
+    };
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = Arc::clone(&stop);
@@ -305,5 +391,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     stop.store(true, Ordering::Relaxed);
     rt.shutdown_timeout(Duration::from_secs(2));
     let _ = engine_thread.join();
+    drop(side);
+    drop(probe);
     served
 }

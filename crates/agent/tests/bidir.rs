@@ -1,0 +1,392 @@
+//! Bidirectional multi-turn KV transfer (issue 8), end to end: real `prefill-agent` and
+//! `decode-agent` processes on loopback over TCP, both `kv_role: kv_both` with
+//! `bidirectional_kv_xfer: true`. The test plays the proxy: it sends turn N's D answer's
+//! `kv_transfer_params` (D's cached-blocks params) to P with turn N+1.
+//!
+//! Every wait has a timeout, children are killed on drop, ports are picked free
+//! (`KVLEASE_SYSTEM_LOGS=1` prints each agent's log tail when it is dropped).
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvlease_agent::kv::{self, KvShape};
+use serde_json::{Value, json};
+
+const SHAPE: KvShape = KvShape {
+    num_layers: 2,
+    num_kv_heads: 4,
+    block_size: 16,
+    head_dim: 64,
+};
+
+fn free_port() -> u16 {
+    // Invariant: binding port 0 on loopback succeeds on any test host.
+    #[allow(clippy::expect_used)]
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    #[allow(clippy::expect_used)]
+    l.local_addr().expect("bound socket has an address").port()
+}
+
+/// A child process killed (SIGKILL) on drop.
+struct Proc {
+    child: Child,
+    name: String,
+    log: std::path::PathBuf,
+}
+
+impl Proc {
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() || std::env::var_os("KVLEASE_SYSTEM_LOGS").is_some() {
+            eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
+        }
+    }
+}
+
+struct Agent {
+    proc: Proc,
+    url: String,
+}
+
+/// Starts `bin` in bidirectional mode with `extra` in `kv_connector_extra_config` and the
+/// test clock offset `skew_ms`.
+fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64) -> Result<Agent> {
+    let port = free_port();
+    let side_port = free_port();
+    let log = std::env::temp_dir().join(format!("kvlease-bidir-{}-{name}.log", std::process::id()));
+    let file = std::fs::File::create(&log)?;
+    let mut cfg = json!({"bidirectional_kv_xfer": true, "kv_lease_duration": 5});
+    if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let kv_cfg =
+        json!({"kv_connector": "kvlease", "kv_role": "kv_both", "kv_connector_extra_config": cfg})
+            .to_string();
+    let mut cmd = Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--side-channel-port", &side_port.to_string()])
+        .args(["--engine-id", name])
+        .args(["--num-layers", "2", "--num-kv-heads", "4"])
+        .args(["--head-dim", "64", "--block-size", "16"])
+        .args(["--transport", "tcp", "--memory", "host"])
+        .args(["--kv-transfer-config", &kv_cfg])
+        .env("RUST_LOG", "info")
+        .env("KVLEASE_TEST_CLOCK_OFFSET_MS", skew_ms.to_string())
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file.try_clone()?);
+    let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
+    Ok(Agent {
+        proc: Proc {
+            child,
+            name: name.to_owned(),
+            log,
+        },
+        url: format!("http://127.0.0.1:{port}"),
+    })
+}
+
+fn client() -> reqwest::Client {
+    // Invariant: a default client with a timeout always builds.
+    #[allow(clippy::expect_used)]
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+async fn wait_healthy(c: &reqwest::Client, a: &mut Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = c.get(format!("{}/health", a.url)).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = a.proc.child.try_wait() {
+            bail!(
+                "{} exited with {status}: {}",
+                a.proc.name,
+                a.proc.log_tail()
+            );
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} not healthy in 20 s",
+            a.proc.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A P and a D, both healthy.
+async fn pair(
+    c: &reqwest::Client,
+    tag: &str,
+    extra: Value,
+    p_skew_ms: i64,
+    d_skew_ms: i64,
+) -> Result<(Agent, Agent)> {
+    let mut p = spawn(
+        env!("CARGO_BIN_EXE_prefill-agent"),
+        &format!("p-{tag}"),
+        &extra,
+        p_skew_ms,
+    )?;
+    let mut d = spawn(
+        env!("CARGO_BIN_EXE_decode-agent"),
+        &format!("d-{tag}"),
+        &extra,
+        d_skew_ms,
+    )?;
+    wait_healthy(c, &mut p).await?;
+    wait_healthy(c, &mut d).await?;
+    Ok((p, d))
+}
+
+/// The value of the series `series` (name plus labels, exactly as exposed).
+async fn metric(c: &reqwest::Client, a: &Agent, series: &str) -> Result<f64> {
+    let text = c
+        .get(format!("{}/metrics", a.url))
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(f64::NAN))
+}
+
+/// Polls `series` until `pred` holds, or fails after `timeout`.
+async fn wait_metric(
+    c: &reqwest::Client,
+    a: &Agent,
+    series: &str,
+    timeout: Duration,
+    pred: impl Fn(f64) -> bool,
+) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let v = metric(c, a, series).await?;
+        if pred(v) {
+            return Ok(());
+        }
+        ensure!(
+            start.elapsed() < timeout,
+            "{series} = {v} after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<Value> {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let text = r.text().await?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
+    ensure!(status == 200, "{url}: {status} {v}");
+    Ok(v)
+}
+
+/// One turn through P then D, as the proxy runs it; `cached` is D's params of the previous
+/// turn. Returns (P's answer, D's answer); checks both digests against a full recompute.
+async fn turn(
+    c: &reqwest::Client,
+    p: &Agent,
+    d: &Agent,
+    prompt: &str,
+    cached: Option<&Value>,
+) -> Result<(Value, Value)> {
+    let mut params = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    if let (Some(m), Some(Value::Object(cached))) = (params.as_object_mut(), cached) {
+        m.extend(cached.clone());
+    }
+    let pa = post(
+        c,
+        &p.url,
+        &json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params,
+            "conversation_id": "conv-1"}),
+    )
+    .await?;
+    let da = post(
+        c,
+        &d.url,
+        &json!({"prompt": prompt, "max_tokens": 4, "conversation_id": "conv-1",
+            "kv_transfer_params": pa["kv_transfer_params"]}),
+    )
+    .await?;
+    let want = kv::expected_digest(&SHAPE, &kv::tokenize(prompt)).to_string();
+    ensure!(
+        pa["kv_digest"] == want,
+        "P digest {} != recompute {want}",
+        pa["kv_digest"]
+    );
+    ensure!(
+        da["kv_digest"] == want,
+        "D digest {} != recompute {want}",
+        da["kv_digest"]
+    );
+    ensure!(
+        da["kv_transfer_params"]["kvlease_bidir"] == true,
+        "D kept no blocks: {}",
+        da["kv_transfer_params"]
+    );
+    ensure!(da["kv_transfer_params"]["conversation_id"] == "conv-1");
+    Ok((pa, da))
+}
+
+fn first_prompt() -> String {
+    format!(
+        "<|user|>\nTell me about leases. {}\n<|assistant|>\n",
+        "Why do KV blocks need them? ".repeat(4)
+    )
+}
+
+fn next_prompt(first: &str, answer: &Value) -> String {
+    let text = answer["choices"][0]["text"].as_str().unwrap_or("");
+    format!("{first}{text}\n<|user|>\nAnd what about heartbeats?\n<|assistant|>\n")
+}
+
+fn pulled(pa: &Value) -> u64 {
+    pa["cached_tokens_pulled"].as_u64().unwrap_or(u64::MAX)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_turns_pull_the_shared_prefix_and_digests_match_recompute() -> Result<()> {
+    let c = client();
+    let (p, d) = pair(&c, "pull", json!({"kv_recompute_threshold": 16}), 0, 0).await?;
+    let first = first_prompt();
+    let (pa1, da1) = turn(&c, &p, &d, &first, None).await?;
+    ensure!(pulled(&pa1) == 0, "turn 1 pulled {}", pa1);
+    let blocks1 = SHAPE.blocks_for(first.len()) as f64;
+    ensure!(
+        metric(&c, &d, "kvlease_decoder_cached_blocks").await? == blocks1,
+        "D should hold turn 1's {blocks1} blocks"
+    );
+    let second = next_prompt(&first, &da1);
+    let (pa2, _da2) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    let whole = (first.len() / 16 * 16) as u64;
+    ensure!(pulled(&pa2) == whole, "turn 2 pulled {} of {whole}", pa2);
+    ensure!(metric(&c, &p, "kvlease_cached_tokens_pulled_total").await? == whole as f64);
+    // P told D it read turn 1: D freed it and now holds turn 2 only.
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_decoder_cache_pulled_total",
+        Duration::from_secs(5),
+        |v| v == 1.0,
+    )
+    .await?;
+    let blocks2 = SHAPE.blocks_for(second.len()) as f64;
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_decoder_cached_blocks",
+        Duration::from_secs(5),
+        |v| v == blocks2,
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_expiry_frees_d_and_the_next_turn_recomputes() -> Result<()> {
+    let c = client();
+    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 1.0,
+        "pull_safety_margin": 0.2});
+    let (p, d) = pair(&c, "ttl", extra, 0, 0).await?;
+    let first = first_prompt();
+    let (_, da1) = turn(&c, &p, &d, &first, None).await?;
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_decoder_cache_expired_total",
+        Duration::from_secs(5),
+        |v| v == 1.0,
+    )
+    .await?;
+    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 0.0);
+    let second = next_prompt(&first, &da1);
+    let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    ensure!(pulled(&pa2) == 0, "pulled after the TTL: {pa2}");
+    ensure!(metric(&c, &p, "kvlease_pull_recomputes_total").await? == 1.0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_seconds_of_skew_still_give_the_right_decision() -> Result<()> {
+    let c = client();
+    // D's clock 10 s behind: its deadline (D's now + 25 s) reads as P's now + 15 s, so a
+    // naive comparison would refuse with a 20 s margin; the offset-corrected view (25 s
+    // left) pulls.
+    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 25.0,
+        "pull_safety_margin": 20.0});
+    let (p, d) = pair(&c, "skew-behind", extra, 0, -10_000).await?;
+    let first = first_prompt();
+    let (_, da1) = turn(&c, &p, &d, &first, None).await?;
+    let second = next_prompt(&first, &da1);
+    let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    ensure!(pulled(&pa2) > 0, "skewed D behind: should pull, {pa2}");
+    drop((p, d));
+
+    // D's clock 10 s ahead: 1.5 s after turn 1, 3.5 s of the 5 s TTL are left, below the
+    // 4.5 s margin; a naive comparison would see 13.5 s and pull.
+    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 5.0,
+        "pull_safety_margin": 4.5});
+    let (p, d) = pair(&c, "skew-ahead", extra, 0, 10_000).await?;
+    let (_, da1) = turn(&c, &p, &d, &first, None).await?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    ensure!(
+        pulled(&pa2) == 0,
+        "deadline too close: should recompute, {pa2}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_diverging_inside_the_cached_prefix_pulls_only_common_blocks() -> Result<()> {
+    let c = client();
+    let (p, d) = pair(&c, "diverge", json!({"kv_recompute_threshold": 16}), 0, 0).await?;
+    let first = first_prompt();
+    let (_, da1) = turn(&c, &p, &d, &first, None).await?;
+    // Same length, one byte changed at position 40: blocks 0 and 1 (tokens 0..32) match.
+    let mut bytes = first.clone().into_bytes();
+    bytes[40] = if bytes[40] == b'X' { b'Y' } else { b'X' };
+    let edited = String::from_utf8(bytes)?;
+    let second = next_prompt(&edited, &da1);
+    let (pa2, da2) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    ensure!(
+        pulled(&pa2) == 32,
+        "should pull the 2 common blocks only: {pa2}"
+    );
+
+    // Diverging in the first block pulls nothing.
+    let mut bytes = second.clone().into_bytes();
+    bytes[3] = if bytes[3] == b'X' { b'Y' } else { b'X' };
+    let third = String::from_utf8(bytes)?;
+    let (pa3, _) = turn(&c, &p, &d, &third, Some(&da2["kv_transfer_params"])).await?;
+    ensure!(pulled(&pa3) == 0, "first block differs: {pa3}");
+    Ok(())
+}
