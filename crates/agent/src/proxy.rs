@@ -13,17 +13,23 @@
 //! 3. when D answers with a retryable KV failure ([`is_retryable_kv_failure`]: HTTP 503 with
 //!    `{"error": {"type": "kv_load_failed", "retryable": true}}`, the body of
 //!    [`crate::api::ApiError::kv_load_failed`]), the request is prefilled again on the next
-//!    P and sent to the next D, once, and `kvlease_proxy_retries_total` counts it.
+//!    P and sent to the next D, once, and `kvlease_proxy_retries_total` counts it;
+//! 4. bidirectional mode: when D's (non-streamed) answer carries its cached-blocks params
+//!    ([`DecoderKvParams`]), they are remembered for the conversation
+//!    ([`conversation_key`]: `conversation_id`, else a hash of the first message) and merged
+//!    into the `kv_transfer_params` P gets with the conversation's next turn (aged by the
+//!    time held); P's `cached_tokens_pulled` is added to D's answer.
 //!
 //! An unreachable upstream is a 502, an upstream that does not answer in time a 504, both
 //! in the OpenAI error shape; P's own errors (400, 503 ...) are passed through. The proxy
-//! keeps no per-request state: a client that disconnects drops the upstream request, which
-//! D sees as an abort.
+//! keeps no per-request state (only the bounded per-conversation params of step 4): a
+//! client that disconnects drops the upstream request, which D sees as an abort.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::bidir::{ConversationStore, DecoderKvParams, conversation_key, is_decoder_params};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -356,12 +362,25 @@ struct Inner {
     next_decode: AtomicUsize,
     next_id: AtomicU64,
     id_prefix: String,
+    /// Bidirectional mode: D's cached-blocks params of each conversation's last turn.
+    conversations: Mutex<ConversationStore>,
 }
+
+/// Conversations whose D params the proxy remembers at once (the oldest goes first).
+pub const MAX_CONVERSATIONS: usize = 65_536;
 
 /// The proxy: cheap to clone, every clone shares the upstream rotation and the metrics.
 #[derive(Debug, Clone)]
 pub struct Proxy {
     inner: Arc<Inner>,
+}
+
+/// What the decode step of one turn needs to know for bidirectional mode.
+struct Turn {
+    /// The conversation ([`conversation_key`]), if the request names one.
+    key: Option<String>,
+    /// P's `cached_tokens_pulled`, added to D's (non-streamed) answer.
+    cached_tokens_pulled: Option<u64>,
 }
 
 /// Why one upstream exchange did not produce an answer to pass through.
@@ -400,6 +419,7 @@ impl Proxy {
                 next_decode: AtomicUsize::new(0),
                 next_id: AtomicU64::new(0),
                 id_prefix,
+                conversations: Mutex::new(ConversationStore::new(MAX_CONVERSATIONS)),
             }),
         })
     }
@@ -499,6 +519,15 @@ impl Proxy {
         };
         let auth = headers.get(header::AUTHORIZATION).cloned();
         let base_id = self.request_id(headers);
+        // Bidirectional mode: the previous turn's D params go to P with this turn.
+        let key = conversation_key(&Value::Object(request.clone()));
+        let mut cached = key.as_ref().and_then(|k| {
+            self.inner
+                .conversations
+                .lock()
+                .ok()
+                .and_then(|mut s| s.take(k, Instant::now()))
+        });
         let mut last = None;
         for attempt in 0..2u32 {
             let id = if attempt == 0 {
@@ -506,10 +535,20 @@ impl Proxy {
             } else {
                 format!("{base_id}-retry{attempt}")
             };
-            let params = self.prefill(path, &request, &id, auth.as_ref()).await?;
+            // A retry prefills from scratch: the cached turn may be gone by now.
+            let (params, pulled) = self
+                .prefill(path, &request, &id, auth.as_ref(), cached.take())
+                .await?;
             let mut to_decode = request.clone();
             to_decode.insert("kv_transfer_params".to_owned(), params);
-            match self.decode(path, &to_decode, &id, auth.as_ref()).await {
+            let turn = Turn {
+                key: key.clone(),
+                cached_tokens_pulled: pulled,
+            };
+            match self
+                .decode(path, &to_decode, &id, auth.as_ref(), &turn)
+                .await
+            {
                 Ok(response) => return Ok((response, attempt > 0)),
                 Err(Failure::RetryableKv(status, body)) if attempt == 0 => {
                     self.inner.metrics.retries.inc();
@@ -524,27 +563,33 @@ impl Proxy {
         Err(Failure::RetryableKv(status, body))
     }
 
-    /// Sends the prefill request; returns P's `kv_transfer_params`.
+    /// Sends the prefill request (with D's params of the previous turn, if any); returns
+    /// P's `kv_transfer_params` and its `cached_tokens_pulled`.
     async fn prefill(
         &self,
         path: &str,
         request: &Map<String, Value>,
         id: &str,
         auth: Option<&HeaderValue>,
-    ) -> Result<Value, Failure> {
+        cached: Option<DecoderKvParams>,
+    ) -> Result<(Value, Option<u64>), Failure> {
         let url = self.next_url(false, path);
         let mut body = request.clone();
-        body.insert(
-            "kv_transfer_params".to_owned(),
-            json!({
-                "do_remote_decode": true,
-                "do_remote_prefill": false,
-                "remote_engine_id": null,
-                "remote_block_ids": null,
-                "remote_host": null,
-                "remote_port": null,
-            }),
-        );
+        let mut params = json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+        });
+        if let (Some(Value::Object(d)), Some(p)) =
+            (cached.map(|c| c.to_value()), params.as_object_mut())
+        {
+            p.extend(d);
+            p.insert("do_remote_decode".to_owned(), json!(true));
+        }
+        body.insert("kv_transfer_params".to_owned(), params);
         body.insert("max_tokens".to_owned(), json!(1));
         if body.contains_key("max_completion_tokens") {
             body.insert("max_completion_tokens".to_owned(), json!(1));
@@ -573,8 +618,9 @@ impl Proxy {
         }
         let answer: Value = serde_json::from_slice(&bytes)
             .map_err(|e| bad_gateway(&format!("prefill {url} answered with invalid JSON: {e}")))?;
+        let pulled = answer.get("cached_tokens_pulled").and_then(Value::as_u64);
         match answer.get("kv_transfer_params") {
-            Some(params @ Value::Object(_)) => Ok(params.clone()),
+            Some(params @ Value::Object(_)) => Ok((params.clone(), pulled)),
             _ => Err(bad_gateway(&format!(
                 "prefill {url} answered without kv_transfer_params (is it a kvlease prefill agent?)"
             ))),
@@ -589,6 +635,7 @@ impl Proxy {
         body: &Map<String, Value>,
         id: &str,
         auth: Option<&HeaderValue>,
+        turn: &Turn,
     ) -> Result<Response, Failure> {
         let url = self.next_url(true, path);
         let streaming = body.get("stream") == Some(&Value::Bool(true));
@@ -633,7 +680,38 @@ impl Proxy {
             .bytes()
             .await
             .map_err(|e| upstream_failure("decode", &url, &e))?;
+        if status.is_success()
+            && let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(&bytes)
+            && is_decoder_params(answer.get("kv_transfer_params"))
+        {
+            self.remember_turn(turn, &answer);
+            if let Some(n) = turn.cached_tokens_pulled {
+                answer.insert("cached_tokens_pulled".to_owned(), json!(n));
+            }
+            if let Ok(out) = serde_json::to_vec(&answer) {
+                return Ok(passthrough(status, content_type, Bytes::from(out)));
+            }
+        }
         Ok(passthrough(status, content_type, bytes))
+    }
+
+    /// Bidirectional mode: keeps D's cached-blocks params of a finished turn for the
+    /// conversation's next one.
+    fn remember_turn(&self, turn: &Turn, answer: &Map<String, Value>) {
+        let (Some(key), Some(v)) = (&turn.key, answer.get("kv_transfer_params")) else {
+            return;
+        };
+        if !is_decoder_params(Some(v)) {
+            return;
+        }
+        match DecoderKvParams::from_value(v) {
+            Ok(p) => {
+                if let Ok(mut store) = self.inner.conversations.lock() {
+                    store.remember(key.clone(), p, Instant::now());
+                }
+            }
+            Err(e) => tracing::debug!(error = %e.message, "D's cached-blocks params ignored"),
+        }
     }
 
     fn send(

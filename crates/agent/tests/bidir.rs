@@ -390,3 +390,92 @@ async fn a_prompt_diverging_inside_the_cached_prefix_pulls_only_common_blocks() 
     ensure!(pulled(&pa3) == 0, "first block differs: {pa3}");
     Ok(())
 }
+
+/// Starts `kvlease-proxy` in front of `p` and `d`.
+async fn proxy(c: &reqwest::Client, p: &Agent, d: &Agent) -> Result<Agent> {
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("kvlease-bidir-{}-proxy.log", std::process::id()));
+    let file = std::fs::File::create(&log)?;
+    let child = Command::new(env!("CARGO_BIN_EXE_kvlease-proxy"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--prefill", &p.url, "--decode", &d.url])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(file)
+        .spawn()
+        .context("spawn kvlease-proxy")?;
+    let mut a = Agent {
+        proc: Proc {
+            child,
+            name: "proxy".to_owned(),
+            log,
+        },
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    wait_healthy(c, &mut a).await?;
+    Ok(a)
+}
+
+async fn chat(c: &reqwest::Client, url: &str, messages: &Value) -> Result<Value> {
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&json!({"messages": messages, "max_tokens": 4}))
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    let text = r.text().await?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
+    ensure!(status == 200, "{url}: {status} {v}");
+    Ok(v)
+}
+
+/// The prompt P and D build from chat messages (`ChatRequest::into_completion`).
+fn chat_prompt(messages: &Value) -> String {
+    let mut s = String::new();
+    for m in messages.as_array().into_iter().flatten() {
+        let role = m["role"].as_str().unwrap_or("");
+        let content = m["content"].as_str().unwrap_or("");
+        s.push_str(&format!("<|{role}|>\n{content}\n"));
+    }
+    s.push_str("<|assistant|>\n");
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_carries_d_params_to_the_next_turn_by_first_message() -> Result<()> {
+    let c = client();
+    let (p, d) = pair(&c, "proxy", json!({"kv_recompute_threshold": 16}), 0, 0).await?;
+    let px = proxy(&c, &p, &d).await?;
+    let first = format!(
+        "Tell me about leases. {}",
+        "Why do KV blocks need them? ".repeat(4)
+    );
+    let mut messages = json!([{"role": "user", "content": first}]);
+    let a1 = chat(&c, &px.url, &messages).await?;
+    ensure!(a1["cached_tokens_pulled"] == 0, "turn 1: {a1}");
+    let reply = a1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    if let Some(m) = messages.as_array_mut() {
+        m.push(json!({"role": "assistant", "content": reply}));
+        m.push(json!({"role": "user", "content": "And heartbeats?"}));
+    }
+    let a2 = chat(&c, &px.url, &messages).await?;
+    let turn1 = chat_prompt(&json!([{"role": "user", "content": first}]));
+    // Turn 1's prompt ends with "<|assistant|>\n"; turn 2 has the same bytes up to there.
+    let whole = (turn1.len() / 16 * 16) as u64;
+    ensure!(
+        a2["cached_tokens_pulled"] == whole,
+        "turn 2 pulled {} of {whole}",
+        a2["cached_tokens_pulled"]
+    );
+    let want = kv::expected_digest(&SHAPE, &kv::tokenize(&chat_prompt(&messages))).to_string();
+    ensure!(
+        a2["kv_digest"] == want,
+        "digest {} != recompute {want}",
+        a2["kv_digest"]
+    );
+    Ok(())
+}
