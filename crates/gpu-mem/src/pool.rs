@@ -24,6 +24,10 @@ pub enum MemoryRequest {
     },
     /// The best CUDA kind available; host memory, with a log line, where CUDA is not.
     Auto,
+    /// Host memory that the transport stages as if it were device memory
+    /// ([`MemoryKind::StagedHost`], [`StagedHostRegion`](crate::StagedHostRegion)): runs the
+    /// device paths (staged fill, pipelined TCP staging, copy-back verify) without a GPU.
+    StagedHost,
 }
 
 /// Why a pool could not be built.
@@ -46,7 +50,7 @@ pub enum PoolError {
         request: MemoryRequest,
     },
     /// The CUDA allocation failed (no driver, no device, out of memory, ...).
-    #[error("CUDA allocation of {bytes} bytes ({request:?}) failed")]
+    #[error("CUDA allocation of {bytes} bytes ({request:?}) failed: {source}")]
     Cuda {
         /// What was requested.
         request: MemoryRequest,
@@ -94,6 +98,7 @@ impl BlockPool {
         })?;
         let region: Arc<dyn DmaRegion> = match request {
             MemoryRequest::Host => Arc::new(HostRegion::new(bytes)?),
+            MemoryRequest::StagedHost => Arc::new(crate::host::StagedHostRegion::new(bytes)?),
             MemoryRequest::Auto => match alloc_cuda(request, bytes) {
                 Ok(region) => region,
                 Err(err) => {
