@@ -158,6 +158,11 @@ pub struct DecoderKvParams {
     /// The same deadline relative to when D answered: milliseconds left then. Whoever
     /// holds the params between turns ages it ([`DecoderKvParams::aged_by`]).
     pub kvlease_ttl_remaining_ms: u64,
+    /// Symmetric lease (`symmetric_decoder_lease`): how far each of P's heartbeats for the
+    /// entry moves its expiry (from when D receives it), in milliseconds; zero for the
+    /// fixed TTL (heartbeats are ignored).
+    #[serde(default)]
+    pub kvlease_renew_extension_ms: u64,
 }
 
 /// The per-whole-block prefix hashes of `tokens` for `block_size`-token blocks.

@@ -1144,6 +1144,10 @@ impl DecodeEngine {
             kvlease_deadline_ns: deadline_ns,
             kvlease_ttl_remaining_ms: deadline_ns.saturating_sub(now.as_nanos_saturating())
                 / 1_000_000,
+            kvlease_renew_extension_ms: match &*hold {
+                DecoderHold::Symmetric(t) => t.config().extension().as_millis() as u64,
+                DecoderHold::Fixed(_) => 0,
+            },
         };
         self.metrics
             .decoder_cached_blocks

@@ -76,7 +76,13 @@ pub struct PrefillBidir {
     pub clock: PeerClock,
     /// Limit for the pull's reads.
     pub read_timeout: Duration,
+    /// `symmetric_decoder_lease`: heartbeat D's cached entries while their next-turn
+    /// requests wait on P.
+    pub symmetric: bool,
 }
+
+/// Fewest heartbeats P sends a cached entry per renewal extension (symmetric lease).
+const CACHE_HEARTBEATS_PER_EXTENSION: u32 = 4;
 
 /// Clock-probe round trips per pull (the lowest-RTT one is kept).
 const PROBE_SAMPLES: u32 = 8;
@@ -197,6 +203,9 @@ pub struct PrefillEngine {
     d_peers: HashMap<String, PeerId>,
     /// Bidirectional mode: D engines handshaken for pulls, by engine id.
     d_caches: HashMap<String, DRemote>,
+    /// Symmetric lease: when (P's clock) P last heartbeated each cached entry of D, by
+    /// `remote_request_id`.
+    cache_heartbeats: HashMap<String, Timestamp>,
 }
 
 /// One TP rank's heads and its block pool: the setup both engines share.
@@ -282,6 +291,7 @@ impl PrefillEngine {
             last_heartbeater: HashMap::new(),
             d_peers: HashMap::new(),
             d_caches: HashMap::new(),
+            cache_heartbeats: HashMap::new(),
             cfg,
             metrics,
             workers,
@@ -333,6 +343,7 @@ impl PrefillEngine {
             }
             // 2. Prefill.
             self.prefill_waiting();
+            self.heartbeat_cached();
             // 3. Notifications (heartbeats, completions, aborts).
             self.poll_notifs();
             // 4. Reaper.
@@ -695,6 +706,27 @@ impl PrefillEngine {
         if let Err(e) = probe {
             tracing::info!(%engine, error = %e, "clock probe of D failed");
         }
+        // Symmetric lease: a heartbeat sent at t0 keeps the entry until at least
+        // t0 (on D's clock) + the extension.
+        let renewed;
+        let mut params = params;
+        if let (Some(&t0), Some(offset)) = (
+            self.cache_heartbeats.get(&params.remote_request_id),
+            est.offset(),
+        ) && params.kvlease_renew_extension_ms > 0
+        {
+            let until = offset
+                .to_peer(t0)
+                .as_nanos_saturating()
+                .saturating_add(params.kvlease_renew_extension_ms.saturating_mul(1_000_000));
+            if until > params.kvlease_deadline_ns {
+                let mut p = params.clone();
+                p.kvlease_deadline_ns = until;
+                renewed = p;
+                params = &renewed;
+            }
+        }
+        self.cache_heartbeats.remove(&params.remote_request_id);
         let bytes = self
             .workers
             .iter()
@@ -733,6 +765,75 @@ impl PrefillEngine {
             Err(e) => {
                 tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
                 0
+            }
+        }
+    }
+
+    /// Symmetric lease: heartbeats D's cached entries whose next-turn requests wait here,
+    /// `CACHE_HEARTBEATS_PER_EXTENSION` times per extension.
+    fn heartbeat_cached(&mut self) {
+        let Some(b) = &self.cfg.bidir else { return };
+        if !b.symmetric {
+            return;
+        }
+        let now = b.clock.now();
+        // Forget entries whose requests no longer wait (prefilled, refused, gone).
+        let waiting: std::collections::HashSet<&str> = self
+            .waiting
+            .iter()
+            .filter_map(|w| w.job.decoder.as_ref())
+            .map(|p| p.remote_request_id.as_str())
+            .collect();
+        self.cache_heartbeats
+            .retain(|k, _| waiting.contains(k.as_str()));
+        let due: Vec<(String, String, String)> = self
+            .waiting
+            .iter()
+            .filter_map(|w| w.job.decoder.as_ref())
+            .filter(|p| p.kvlease_renew_extension_ms > 0)
+            .filter(|p| {
+                let every = Duration::from_millis(p.kvlease_renew_extension_ms)
+                    / CACHE_HEARTBEATS_PER_EXTENSION;
+                self.cache_heartbeats
+                    .get(&p.remote_request_id)
+                    .is_none_or(|&last| now.saturating_duration_since(last) >= every)
+            })
+            .map(|p| {
+                (
+                    p.remote_engine_id.clone(),
+                    format!("{}:{}", p.remote_host, p.remote_port),
+                    p.remote_request_id.clone(),
+                )
+            })
+            .collect();
+        for (engine, addr, request) in due {
+            if let Err(e) = self.ensure_d_remote(&engine, &addr) {
+                tracing::debug!(%engine, error = %e, "cannot heartbeat D's cached blocks");
+                continue;
+            }
+            let Ok(id) = RequestId::new(&request) else {
+                continue;
+            };
+            let (Some(w0), Some(&peer)) = (
+                self.workers.first(),
+                self.d_caches.get(&engine).and_then(|r| r.peers.first()),
+            ) else {
+                continue;
+            };
+            let Ok(msgs) = kvlease_notif::encode_heartbeats([&id], kvlease_notif::MAX_NOTIF_LEN)
+            else {
+                continue;
+            };
+            let mut sent = true;
+            for m in msgs {
+                if let Err(e) = w0.agent.send_notif(peer, m) {
+                    tracing::debug!(%engine, error = %e, "cached-blocks heartbeat not sent");
+                    sent = false;
+                }
+            }
+            if sent {
+                self.metrics.heartbeats_sent.inc();
+                self.cache_heartbeats.insert(request, now);
             }
         }
     }

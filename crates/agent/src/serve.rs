@@ -176,6 +176,7 @@ fn prefill_bidir(c: &CommonArgs) -> Result<Option<PrefillBidir>, ServeError> {
         },
         clock: PeerClock::new(offset),
         read_timeout: Duration::from_secs(10),
+        symmetric: kv.symmetric_decoder_lease,
     }))
 }
 

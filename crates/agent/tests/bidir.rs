@@ -61,7 +61,7 @@ struct Agent {
 
 /// Starts `bin` in bidirectional mode with `extra` in `kv_connector_extra_config` and the
 /// test clock offset `skew_ms`.
-fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64) -> Result<Agent> {
+fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64, cli: &[&str]) -> Result<Agent> {
     let port = free_port();
     let side_port = free_port();
     let log = std::env::temp_dir().join(format!("kvlease-bidir-{}-{name}.log", std::process::id()));
@@ -81,6 +81,7 @@ fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64) -> Result<Agent> {
         .args(["--head-dim", "64", "--block-size", "16"])
         .args(["--transport", "tcp", "--memory", "host"])
         .args(["--kv-transfer-config", &kv_cfg])
+        .args(cli)
         .env("RUST_LOG", "info")
         .env("KVLEASE_TEST_CLOCK_OFFSET_MS", skew_ms.to_string())
         .env_remove("KVLEASE_AUTH_TOKEN")
@@ -144,12 +145,14 @@ async fn pair(
         &format!("p-{tag}"),
         &extra,
         p_skew_ms,
+        &[],
     )?;
     let mut d = spawn(
         env!("CARGO_BIN_EXE_decode-agent"),
         &format!("d-{tag}"),
         &extra,
         d_skew_ms,
+        &[],
     )?;
     wait_healthy(c, &mut p).await?;
     wait_healthy(c, &mut d).await?;
@@ -476,6 +479,63 @@ async fn the_proxy_carries_d_params_to_the_next_turn_by_first_message() -> Resul
         a2["kv_digest"] == want,
         "digest {} != recompute {want}",
         a2["kv_digest"]
+    );
+    Ok(())
+}
+
+/// Symmetric lease: while turn 2 waits on P (P's pool is held by a lease nobody reads), P
+/// heartbeats D's cached turn 1 past its 1.5 s TTL, and then pulls it. Without the option
+/// the same schedule recomputes.
+async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
+    let c = client();
+    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 1.5,
+        "pull_safety_margin": 0.3, "kv_lease_duration": 3, "symmetric_decoder_lease": symmetric});
+    let tag = if symmetric { "sym" } else { "fixed" };
+    let mut p = spawn(
+        env!("CARGO_BIN_EXE_prefill-agent"),
+        &format!("p-{tag}"),
+        &extra,
+        0,
+        &["--num-blocks", "16"],
+    )?;
+    let mut d = spawn(
+        env!("CARGO_BIN_EXE_decode-agent"),
+        &format!("d-{tag}"),
+        &extra,
+        0,
+        &[],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    let first = first_prompt();
+    let (_, da1) = turn(&c, &p, &d, &first, None).await?;
+    // A prefill nobody decodes takes all 16 blocks until its 3 s lease expires.
+    post(
+        &c,
+        &p.url,
+        &json!({"prompt": "h".repeat(256), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true}}),
+    )
+    .await?;
+    let second = next_prompt(&first, &da1);
+    let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
+    let expired = metric(&c, &d, "kvlease_decoder_cache_expired_total").await?;
+    Ok((pa2, expired))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn symmetric_lease_keeps_the_cached_turn_while_the_next_waits_on_p() -> Result<()> {
+    let (pa2, expired) = waits_on_p(true).await?;
+    ensure!(pulled(&pa2) > 0, "symmetric: should pull, {pa2}");
+    ensure!(
+        expired == 0.0,
+        "symmetric: D expired {expired} cached turns"
+    );
+    let (pa2, expired) = waits_on_p(false).await?;
+    ensure!(pulled(&pa2) == 0, "fixed TTL: should recompute, {pa2}");
+    ensure!(
+        expired == 1.0,
+        "fixed TTL: D expired {expired} cached turns"
     );
     Ok(())
 }

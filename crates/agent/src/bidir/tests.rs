@@ -29,6 +29,7 @@ fn params(turn: &[u32], d_now: PeerTimestamp, ttl: Duration) -> DecoderKvParams 
             .collect(),
         kvlease_deadline_ns: (d_now.as_duration() + ttl).as_nanos() as u64,
         kvlease_ttl_remaining_ms: ttl.as_millis() as u64,
+        kvlease_renew_extension_ms: 0,
     }
 }
 
