@@ -215,6 +215,8 @@ pub struct DecodeEngine {
     worker_metadata: Vec<Vec<u8>>,
     /// Bidirectional mode: finished turns kept for P (on [`DecodeBidir::clock`]).
     hold: Option<DecoderHold>,
+    /// Cached turns in insertion order (some may be gone already), for eviction.
+    cache_order: VecDeque<RequestId>,
 }
 
 impl DecodeEngine {
@@ -268,6 +270,7 @@ impl DecodeEngine {
                 .bidir
                 .as_ref()
                 .map(|b| DecoderHold::new(b.ttl, b.symmetric)),
+            cache_order: VecDeque::new(),
             cfg,
             metrics,
             workers,
@@ -781,6 +784,8 @@ impl DecodeEngine {
                 continue;
             }
             let needed = req.job.params.remote_block_ids.len();
+            // Cached turns give way to new requests, oldest first.
+            while self.alloc.free_count() < needed && self.evict_oldest_cached() {}
             let Ok(blocks) = self.alloc.alloc(needed) else {
                 // D's pool is full: wait for running requests to finish.
                 return;
@@ -1114,6 +1119,7 @@ impl DecodeEngine {
             }
         };
         let blocks = std::mem::take(blocks);
+        self.cache_order.push_back(cache_id.clone());
         for w in &self.workers {
             if let Some((f, _)) = &w.fence
                 && let Err(e) = f.publish(&blocks, held.generation.word())
@@ -1155,6 +1161,27 @@ impl DecodeEngine {
         Some(params.to_value())
     }
 
+    /// Frees the oldest cached turn still held, so that a new request gets its blocks;
+    /// false when none is left.
+    fn evict_oldest_cached(&mut self) -> bool {
+        let Some(b) = &self.cfg.bidir else {
+            return false;
+        };
+        let now = b.clock.now();
+        let Some(hold) = self.hold.as_mut() else {
+            return false;
+        };
+        while let Some(id) = self.cache_order.pop_front() {
+            if hold.read_complete(now, &id) {
+                self.metrics.decoder_cache_evicted.inc();
+                tracing::info!(request = %id, "cached turn evicted for a new request");
+                self.drain_cache();
+                return true;
+            }
+        }
+        false
+    }
+
     /// Frees the cached turns whose TTL passed.
     fn expire_cache(&mut self) {
         if let (Some(b), Some(hold)) = (&self.cfg.bidir, self.hold.as_mut()) {
@@ -1174,6 +1201,9 @@ impl DecodeEngine {
             released.push(r);
         }
         let held = hold.blocks_held();
+        if held == 0 {
+            self.cache_order.clear();
+        }
         for r in released {
             for w in &self.workers {
                 if let Some((f, _)) = &w.fence

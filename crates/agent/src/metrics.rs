@@ -286,6 +286,9 @@ pub struct Metrics {
     pub decoder_cache_expired: Counter,
     /// `kvlease_decoder_cache_pulled_total`: cached turns P reported read, freed (D).
     pub decoder_cache_pulled: Counter,
+    /// `kvlease_decoder_cache_evicted_total`: cached turns D freed early because a new
+    /// request needed the blocks (D).
+    pub decoder_cache_evicted: Counter,
     /// `kvlease_cached_tokens_pulled_total`: prompt tokens P read from D instead of
     /// computing them (P).
     pub cached_tokens_pulled: Counter,
@@ -490,6 +493,11 @@ impl Metrics {
                 r,
                 "kvlease_decoder_cache_pulled",
                 "Cached turns P reported read, then freed by D",
+            ),
+            decoder_cache_evicted: counter(
+                r,
+                "kvlease_decoder_cache_evicted",
+                "Cached turns D freed early because a new request needed the blocks",
             ),
             cached_tokens_pulled: counter(
                 r,

@@ -539,3 +539,34 @@ async fn symmetric_lease_keeps_the_cached_turn_while_the_next_waits_on_p() -> Re
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_turns_give_way_to_new_requests_on_a_full_d() -> Result<()> {
+    let c = client();
+    let extra = json!({"kv_recompute_threshold": 16});
+    let mut p = spawn(
+        env!("CARGO_BIN_EXE_prefill-agent"),
+        "p-evict",
+        &extra,
+        0,
+        &[],
+    )?;
+    let mut d = spawn(
+        env!("CARGO_BIN_EXE_decode-agent"),
+        "d-evict",
+        &extra,
+        0,
+        &["--num-blocks", "16"],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    let first = first_prompt();
+    turn(&c, &p, &d, &first, None).await?;
+    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 10.0);
+    // 13 blocks fit only when turn 1's 10 cached blocks go (the default TTL is 480 s).
+    let other = format!("another conversation {}", "y".repeat(180));
+    turn(&c, &p, &d, &other, None).await?;
+    ensure!(metric(&c, &d, "kvlease_decoder_cache_evicted_total").await? == 1.0);
+    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 13.0);
+    Ok(())
+}
