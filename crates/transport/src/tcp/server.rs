@@ -173,6 +173,11 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
                         (ok, answer)
                     }
                 };
+                if !ok {
+                    // Counted before the answer, so a peer that sees the refusal sees it
+                    // counted too.
+                    bump(&inner.counters.auth_failures);
+                }
                 out.write_all(&wire::frame(
                     wire::AUTH_RESULT,
                     &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
@@ -183,7 +188,6 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
                     r.get_ref().set_read_timeout(None)?;
                     phase = Phase::Authenticated { client_name };
                 } else {
-                    bump(&inner.counters.auth_failures);
                     tracing::warn!(peer = %client_name, "inbound peer failed the token proof");
                 }
             }
