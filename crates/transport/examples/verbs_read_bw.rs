@@ -5,6 +5,11 @@
 //! usage: verbs_read_bw [P_DEV] [D_DEV] [SIZE] [ITERS] [BATCH]
 //! (defaults rxeP rxeD 1048576 128 64). Prints `key=value` lines:
 //! `verbs_read_<size>_gbit_s`, `verbs_read_<size>_mb_s`, `verbs_read_<size>_secs`.
+//!
+//! The endpoints use the library's [`EndpointConfig::default`]; for experiments the env
+//! variables `KV_BENCH_OUTSTANDING`, `KV_BENCH_SIGNAL_EVERY`, `KV_BENCH_DOORBELL` and
+//! `KV_BENCH_MAX_WR_BYTES` override its fields, and `KV_BENCH_SPIN=1` busy-polls instead of
+//! yielding when a poll reaped nothing.
 #![cfg_attr(not(feature = "verbs"), allow(unused))]
 
 #[cfg(not(feature = "verbs"))]
@@ -31,11 +36,27 @@ fn main() -> anyhow::Result<()> {
     let iters: u64 = arg(4, "128").parse().context("ITERS")?;
     let per_batch: u64 = arg(5, "64").parse().context("BATCH")?;
 
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    let mut config = EndpointConfig::default();
+    if let Some(v) = env("KV_BENCH_OUTSTANDING") {
+        config.max_outstanding_reads = v;
+    }
+    if let Some(v) = env("KV_BENCH_SIGNAL_EVERY") {
+        config.signal_every = v;
+    }
+    if let Some(v) = env("KV_BENCH_DOORBELL") {
+        config.wrs_per_doorbell = v;
+    }
+    if let Some(v) = env("KV_BENCH_MAX_WR_BYTES") {
+        config.max_wr_bytes = v;
+    }
+    let spin = env("KV_BENCH_SPIN") == Some(1);
+
     let p_dev = Device::open(&DeviceConfig::named(p_name))?;
     let d_dev = Device::open(&DeviceConfig::named(d_name))?;
     let (p_pd, d_pd) = (p_dev.alloc_pd()?, d_dev.alloc_pd()?);
-    let mut p = Endpoint::new(&p_pd, EndpointConfig::default())?;
-    let mut d = Endpoint::new(&d_pd, EndpointConfig::default())?;
+    let mut p = Endpoint::new(&p_pd, config.clone())?;
+    let mut d = Endpoint::new(&d_pd, config)?;
     p.connect(&ConnectionInfo::decode(&d.local_info().encode())?)?;
     d.connect(&ConnectionInfo::decode(&p.local_info().encode())?)?;
 
@@ -67,7 +88,7 @@ fn main() -> anyhow::Result<()> {
         loop {
             // Only D needs polling (P's NIC serves the reads). Yield when nothing completed:
             // under emulation the kernel's rxe threads need the CPU we would spin on.
-            if d.poll()? == 0 {
+            if d.poll()? == 0 && !spin {
                 std::thread::yield_now();
             }
             match d.poll_batch(id) {

@@ -5,11 +5,16 @@
 //! Queue pair info travels over a small TCP side channel of this module (P listens on
 //! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
 //! same channel carries the reconnect after a queue pair error. Messages, all fixed
-//! layout: D → P `KVVC` + u16 name length + name + [`ConnectionInfo`] (connect) or `KVVR`
-//! + info (reset); P → D `KVVA` + info, or `KVVE` + u16 length + reason.
+//! layout: D → P `KVVC` + u16 name length + name + [`ConnectionInfo`] + 32-byte nonce
+//! (connect) or `KVVR` + info (reset); P → D `KVVA` + info [+ 32-byte proof], or `KVVE` +
+//! u16 length + reason.
 //!
-//! The side channel is not authenticated yet: with a cluster token configured the
-//! backend is not offered (TCP, which authenticates, is used) — issue 4.
+//! With a cluster token, P answers a connect with `KVVN` + its own 32-byte nonce, D
+//! replies `KVVP` + proof, and P accepts only a correct proof; its `KVVA` then carries
+//! P's proof, which D checks. Proofs are the TCP handshake's HMAC-SHA256
+//! ([`tcp::wire::proof`]) under roles of this channel, so a proof of one channel never
+//! passes on the other. A peer without the token, or with another one, gets no queue pair;
+//! a D with a token refuses a P that cannot prove it. Resets ride the authenticated stream.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -34,6 +39,10 @@ const CONNECT: &[u8; 4] = b"KVVC";
 const RESET: &[u8; 4] = b"KVVR";
 const ACCEPT: &[u8; 4] = b"KVVA";
 const REFUSE: &[u8; 4] = b"KVVE";
+const CHALLENGE: &[u8; 4] = b"KVVN";
+const PROOF: &[u8; 4] = b"KVVP";
+const CLIENT_ROLE: &[u8] = b"verbs-client";
+const SERVER_ROLE: &[u8] = b"verbs-server";
 const INFO_LEN: usize = 40;
 /// Fence words per link (8 bytes each): batches with a fence in flight at once.
 const FENCE_SLOTS: u32 = 512;
@@ -51,13 +60,19 @@ pub(crate) struct Backend {
     listen: SocketAddr,
     endpoint: EndpointConfig,
     timeout: Duration,
+    token: Option<Vec<u8>>,
     shutdown: Arc<AtomicBool>,
 }
 
 impl Backend {
     /// Opens the device whose RoCE v2 GID carries `ip` (any device if `ip` is
-    /// unspecified or loopback) and starts the side-channel listener on `ip`.
-    pub(crate) fn start(ip: IpAddr, timeout: Duration) -> Result<Self, String> {
+    /// unspecified or loopback) and starts the side-channel listener on `ip`; with a
+    /// `token`, the side channel requires and gives the token proof.
+    pub(crate) fn start(
+        ip: IpAddr,
+        timeout: Duration,
+        token: Option<Vec<u8>>,
+    ) -> Result<Self, String> {
         let mut config = DeviceConfig::any();
         if let IpAddr::V4(v4) = ip
             && !v4.is_unspecified()
@@ -83,6 +98,7 @@ impl Backend {
             pd: pd.clone(),
             endpoint: endpoint.clone(),
             timeout,
+            token: token.clone(),
             shutdown: Arc::clone(&shutdown),
         };
         std::thread::Builder::new()
@@ -96,6 +112,7 @@ impl Backend {
             listen,
             endpoint,
             timeout,
+            token,
             shutdown,
         })
     }
@@ -164,9 +181,11 @@ impl Backend {
         req.extend_from_slice(&u16::try_from(name.len()).unwrap_or(u16::MAX).to_be_bytes());
         req.extend_from_slice(&name[..name.len().min(usize::from(u16::MAX))]);
         req.extend_from_slice(&ep.local_info().encode());
+        let nonce = tcp::wire::random_nonce().map_err(|e| format!("random nonce: {e}"))?;
+        req.extend_from_slice(&nonce);
         side.write_all(&req)
             .map_err(|e| format!("side channel: {e}"))?;
-        let remote = read_reply(&mut side)?;
+        let remote = self.authenticated_reply(&mut side, own_name, &nonce)?;
         ep.connect(&remote).map_err(|e| e.to_string())?;
         let fence_words =
             Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| e.to_string())?);
@@ -193,6 +212,56 @@ impl Backend {
     }
 }
 
+impl Backend {
+    /// D's side of the connect reply: answers P's challenge (with a token) and checks
+    /// P's proof; a D with a token refuses a P that does not prove it.
+    fn authenticated_reply(
+        &self,
+        side: &mut TcpStream,
+        own_name: &str,
+        nonce: &tcp::wire::Nonce,
+    ) -> Result<ConnectionInfo, String> {
+        let io = |e: std::io::Error| format!("side channel: {e}");
+        let mut tag = [0u8; 4];
+        side.read_exact(&mut tag).map_err(io)?;
+        let mut server_nonce = None;
+        if &tag == CHALLENGE {
+            let mut theirs = [0u8; 32];
+            side.read_exact(&mut theirs).map_err(io)?;
+            let Some(token) = &self.token else {
+                return Err("the peer's verbs side channel requires the cluster token; \
+                     configure the same auth token on this agent"
+                    .into());
+            };
+            let proof = tcp::wire::proof(token, CLIENT_ROLE, nonce, &theirs, own_name, "");
+            let mut out = PROOF.to_vec();
+            out.extend_from_slice(&proof);
+            side.write_all(&out).map_err(io)?;
+            server_nonce = Some(theirs);
+            side.read_exact(&mut tag).map_err(io)?;
+        }
+        let info = read_reply_after(side, tag)?;
+        if let Some(token) = &self.token {
+            let Some(theirs) = server_nonce else {
+                return Err(
+                    "the peer's verbs side channel did not ask for the cluster token \
+                     (the peer has none configured): refusing an unauthenticated peer"
+                        .into(),
+                );
+            };
+            let mut got = [0u8; 32];
+            side.read_exact(&mut got).map_err(io)?;
+            let want = tcp::wire::proof(token, SERVER_ROLE, nonce, &theirs, "", own_name);
+            if !tcp::wire::proofs_equal(&got, &want) {
+                return Err("the peer's verbs side channel proof is wrong: \
+                     it holds a different cluster token"
+                    .into());
+            }
+        }
+        Ok(info)
+    }
+}
+
 impl Drop for Backend {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::SeqCst);
@@ -203,6 +272,11 @@ fn read_reply(side: &mut TcpStream) -> Result<ConnectionInfo, String> {
     let mut tag = [0u8; 4];
     side.read_exact(&mut tag)
         .map_err(|e| format!("side channel: {e}"))?;
+    read_reply_after(side, tag)
+}
+
+/// The rest of an `ACCEPT` / `REFUSE` reply whose tag was read.
+fn read_reply_after(side: &mut TcpStream, tag: [u8; 4]) -> Result<ConnectionInfo, String> {
     if &tag == ACCEPT {
         let mut info = [0u8; INFO_LEN];
         side.read_exact(&mut info)
@@ -227,6 +301,7 @@ struct Server {
     pd: ProtectionDomain,
     endpoint: EndpointConfig,
     timeout: Duration,
+    token: Option<Vec<u8>>,
     shutdown: Arc<AtomicBool>,
 }
 
@@ -274,6 +349,31 @@ impl Server {
         s.read_exact(&mut name).map_err(io)?;
         let name = String::from_utf8_lossy(&name).into_owned();
         let remote = read_info(&mut s)?;
+        let mut client_nonce = [0u8; 32];
+        s.read_exact(&mut client_nonce).map_err(io)?;
+        let server_nonce = match &self.token {
+            Some(token) => {
+                let ours = tcp::wire::random_nonce().map_err(|e| format!("random nonce: {e}"))?;
+                let mut out = CHALLENGE.to_vec();
+                out.extend_from_slice(&ours);
+                s.write_all(&out).map_err(io)?;
+                s.read_exact(&mut tag).map_err(io)?;
+                if &tag != PROOF {
+                    return Err(format!("peer {name:?} sent no token proof"));
+                }
+                let mut got = [0u8; 32];
+                s.read_exact(&mut got).map_err(io)?;
+                let want = tcp::wire::proof(token, CLIENT_ROLE, &client_nonce, &ours, &name, "");
+                if !tcp::wire::proofs_equal(&got, &want) {
+                    return refuse(
+                        &mut s,
+                        "cluster token proof failed: configure the same auth token on both agents",
+                    );
+                }
+                Some(ours)
+            }
+            None => None,
+        };
         let mut ep = match Endpoint::new(&self.pd, self.endpoint.clone()) {
             Ok(ep) => ep,
             Err(e) => return refuse(&mut s, &e.to_string()),
@@ -281,8 +381,20 @@ impl Server {
         if let Err(e) = ep.connect(&remote) {
             return refuse(&mut s, &e.to_string());
         }
-        accept(&mut s, &ep.local_info())?;
-        tracing::info!(peer = %name, qpn = ep.qpn(), "verbs queue pair served");
+        let mut out = ACCEPT.to_vec();
+        out.extend_from_slice(&ep.local_info().encode());
+        if let (Some(token), Some(ours)) = (&self.token, &server_nonce) {
+            out.extend_from_slice(&tcp::wire::proof(
+                token,
+                SERVER_ROLE,
+                &client_nonce,
+                ours,
+                "",
+                &name,
+            ));
+        }
+        s.write_all(&out).map_err(io)?;
+        tracing::info!(peer = %name, qpn = ep.qpn(), authenticated = server_nonce.is_some(), "verbs queue pair served");
         // Requests from now on: resets. Poll the endpoint meanwhile (it only serves
         // RDMA READs, which need no CPU; polling notices a failed QP early).
         s.set_read_timeout(Some(Duration::from_millis(200)))
@@ -611,13 +723,7 @@ pub(crate) fn start_for(
     if *choice == BackendChoice::Tcp {
         return Err("backend tcp was asked for".into());
     }
-    if token.is_some() {
-        return Err(
-            "the verbs side channel is not authenticated yet, so a cluster token keeps the agent on TCP"
-                .into(),
-        );
-    }
-    let backend = Backend::start(ip, limits.handshake_timeout);
+    let backend = Backend::start(ip, limits.handshake_timeout, token.clone());
     if let Err(reason) = &backend {
         tracing::info!(%reason, "verbs backend unavailable");
     }
