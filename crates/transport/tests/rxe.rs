@@ -604,3 +604,72 @@ mod agent {
         Ok(())
     }
 }
+
+// ----- side channel authentication -----
+
+/// With a cluster token on both agents the link is verbs (the side channel's proofs
+/// pass); a peer on P's side channel with a wrong proof gets a refusal naming the token.
+#[test]
+fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
+    use std::io::{Read, Write};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+
+    use kvlease_transport::verbs::{Endpoint, EndpointConfig};
+    use kvlease_transport::{Agent, AgentConfig, BackendChoice};
+
+    let Some((_p_dev, d_dev)) = devices("verbs_side_channel_requires_the_cluster_token") else {
+        return Ok(());
+    };
+    let ip = |var: &str, d: [u8; 4]| -> IpAddr {
+        std::env::var(var)
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| IpAddr::V4(Ipv4Addr::from(d)))
+    };
+    let agent = |name: &str, addr: IpAddr| -> Result<Agent> {
+        let mut c = AgentConfig::new(name);
+        c.listen = SocketAddr::new(addr, 0);
+        c.backend = BackendChoice::Verbs;
+        c.auth_token = Some(b"rxe-test-token".to_vec());
+        Ok(Agent::new(c)?)
+    };
+    let p = agent("p", ip("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
+    let d = agent("d", ip("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]))?;
+    let peer = d.connect(&p.metadata())?;
+    let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
+    anyhow::ensure!(backend == "verbs", "backend {backend}: {why}");
+
+    // A peer without the token: valid connect request, wrong proof.
+    let meta = kvlease_transport::metadata::decode_metadata(&p.metadata())?;
+    let addr: SocketAddr = meta.backends["verbs"]["addr"]
+        .as_str()
+        .context("verbs addr")?
+        .parse()?;
+    let pd = d_dev.alloc_pd()?;
+    let ep = Endpoint::new(&pd, EndpointConfig::default())?;
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut req = b"KVVC".to_vec();
+    req.extend_from_slice(&5u16.to_be_bytes());
+    req.extend_from_slice(b"intrd");
+    req.extend_from_slice(&ep.local_info().encode());
+    req.extend_from_slice(&[7u8; 32]);
+    s.write_all(&req)?;
+    let mut challenge = [0u8; 36];
+    s.read_exact(&mut challenge)?;
+    anyhow::ensure!(
+        &challenge[..4] == b"KVVN",
+        "no challenge: {:?}",
+        &challenge[..4]
+    );
+    let mut proof = b"KVVP".to_vec();
+    proof.extend_from_slice(&[0u8; 32]);
+    s.write_all(&proof)?;
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    anyhow::ensure!(reply.starts_with(b"KVVE"), "not refused: {reply:?}");
+    let why = String::from_utf8_lossy(&reply[6..]).into_owned();
+    anyhow::ensure!(why.contains("token"), "refusal {why:?}");
+    println!("refused: {why}");
+    Ok(())
+}
