@@ -6,65 +6,25 @@
 //! Every wait has a timeout, children are killed on drop, ports are picked free
 //! (`KVLEASE_SYSTEM_LOGS=1` prints each agent's log tail when it is dropped).
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-use anyhow::{Context, Result, bail, ensure};
-use kvlease_agent::kv::{self, KvShape};
-use serde_json::{Value, json};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-const SHAPE: KvShape = KvShape {
-    num_layers: 2,
-    num_kv_heads: 4,
-    block_size: 16,
-    head_dim: 64,
+use anyhow::{Context, Result, ensure};
+use common::{
+    Agent, Proc, SHAPE, agent_command, client, free_port, log_path, metric_of, wait_healthy,
+    wait_metric,
 };
-
-fn free_port() -> u16 {
-    // Invariant: binding port 0 on loopback succeeds on any test host.
-    #[allow(clippy::expect_used)]
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    #[allow(clippy::expect_used)]
-    l.local_addr().expect("bound socket has an address").port()
-}
-
-/// A child process killed (SIGKILL) on drop.
-struct Proc {
-    child: Child,
-    name: String,
-    log: std::path::PathBuf,
-}
-
-impl Proc {
-    fn log_tail(&self) -> String {
-        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() || std::env::var_os("KVLEASE_SYSTEM_LOGS").is_some() {
-            eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
-        }
-    }
-}
-
-struct Agent {
-    proc: Proc,
-    url: String,
-}
+use kvlease_agent::kv;
+use serde_json::{Value, json};
 
 /// Starts `bin` in bidirectional mode with `extra` in `kv_connector_extra_config` and the
 /// test clock offset `skew_ms`.
 fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64, cli: &[&str]) -> Result<Agent> {
     let port = free_port();
     let side_port = free_port();
-    let log = std::env::temp_dir().join(format!("kvlease-bidir-{}-{name}.log", std::process::id()));
+    let log = log_path("bidir", name);
     let file = std::fs::File::create(&log)?;
     let mut cfg = json!({"bidirectional_kv_xfer": true, "kv_lease_duration": 5});
     if let (Some(c), Some(e)) = (cfg.as_object_mut(), extra.as_object()) {
@@ -73,21 +33,10 @@ fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64, cli: &[&str]) -> Re
     let kv_cfg =
         json!({"kv_connector": "kvlease", "kv_role": "kv_both", "kv_connector_extra_config": cfg})
             .to_string();
-    let mut cmd = Command::new(bin);
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--side-channel-port", &side_port.to_string()])
-        .args(["--engine-id", name])
-        .args(["--num-layers", "2", "--num-kv-heads", "4"])
-        .args(["--head-dim", "64", "--block-size", "16"])
-        .args(["--transport", "tcp", "--memory", "host"])
-        .args(["--kv-transfer-config", &kv_cfg])
+    let mut cmd = agent_command(bin, name, port, side_port, "host", file);
+    cmd.args(["--kv-transfer-config", &kv_cfg])
         .args(cli)
-        .env("RUST_LOG", "info")
-        .env("KVLEASE_TEST_CLOCK_OFFSET_MS", skew_ms.to_string())
-        .env_remove("KVLEASE_AUTH_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(file.try_clone()?);
+        .env("KVLEASE_TEST_CLOCK_OFFSET_MS", skew_ms.to_string());
     let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
     Ok(Agent {
         proc: Proc {
@@ -97,39 +46,6 @@ fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64, cli: &[&str]) -> Re
         },
         url: format!("http://127.0.0.1:{port}"),
     })
-}
-
-fn client() -> reqwest::Client {
-    // Invariant: a default client with a timeout always builds.
-    #[allow(clippy::expect_used)]
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("reqwest client")
-}
-
-async fn wait_healthy(c: &reqwest::Client, a: &mut Agent) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(r) = c.get(format!("{}/health", a.url)).send().await
-            && r.status().is_success()
-        {
-            return Ok(());
-        }
-        if let Ok(Some(status)) = a.proc.child.try_wait() {
-            bail!(
-                "{} exited with {status}: {}",
-                a.proc.name,
-                a.proc.log_tail()
-            );
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "{} not healthy in 20 s",
-            a.proc.name
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// A P and a D, both healthy.
@@ -157,46 +73,6 @@ async fn pair(
     wait_healthy(c, &mut p).await?;
     wait_healthy(c, &mut d).await?;
     Ok((p, d))
-}
-
-/// The value of the series `series` (name plus labels, exactly as exposed).
-async fn metric(c: &reqwest::Client, a: &Agent, series: &str) -> Result<f64> {
-    let text = c
-        .get(format!("{}/metrics", a.url))
-        .send()
-        .await?
-        .text()
-        .await?;
-    Ok(text
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or(f64::NAN))
-}
-
-/// Polls `series` until `pred` holds, or fails after `timeout`.
-async fn wait_metric(
-    c: &reqwest::Client,
-    a: &Agent,
-    series: &str,
-    timeout: Duration,
-    pred: impl Fn(f64) -> bool,
-) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        let v = metric(c, a, series).await?;
-        if pred(v) {
-            return Ok(());
-        }
-        ensure!(
-            start.elapsed() < timeout,
-            "{series} = {v} after {timeout:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<Value> {
@@ -284,14 +160,14 @@ async fn two_turns_pull_the_shared_prefix_and_digests_match_recompute() -> Resul
     ensure!(pulled(&pa1) == 0, "turn 1 pulled {}", pa1);
     let blocks1 = SHAPE.blocks_for(first.len()) as f64;
     ensure!(
-        metric(&c, &d, "kvlease_decoder_cached_blocks").await? == blocks1,
+        metric_of(&c, &d, "kvlease_decoder_cached_blocks").await? == blocks1,
         "D should hold turn 1's {blocks1} blocks"
     );
     let second = next_prompt(&first, &da1);
     let (pa2, _da2) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
     let whole = (first.len() / 16 * 16) as u64;
     ensure!(pulled(&pa2) == whole, "turn 2 pulled {} of {whole}", pa2);
-    ensure!(metric(&c, &p, "kvlease_cached_tokens_pulled_total").await? == whole as f64);
+    ensure!(metric_of(&c, &p, "kvlease_cached_tokens_pulled_total").await? == whole as f64);
     // P told D it read turn 1: D freed it and now holds turn 2 only.
     wait_metric(
         &c,
@@ -329,11 +205,11 @@ async fn ttl_expiry_frees_d_and_the_next_turn_recomputes() -> Result<()> {
         |v| v == 1.0,
     )
     .await?;
-    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 0.0);
+    ensure!(metric_of(&c, &d, "kvlease_decoder_cached_blocks").await? == 0.0);
     let second = next_prompt(&first, &da1);
     let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
     ensure!(pulled(&pa2) == 0, "pulled after the TTL: {pa2}");
-    ensure!(metric(&c, &p, "kvlease_pull_recomputes_total").await? == 1.0);
+    ensure!(metric_of(&c, &p, "kvlease_pull_recomputes_total").await? == 1.0);
     Ok(())
 }
 
@@ -397,7 +273,7 @@ async fn a_prompt_diverging_inside_the_cached_prefix_pulls_only_common_blocks() 
 /// Starts `kvlease-proxy` in front of `p` and `d`.
 async fn proxy(c: &reqwest::Client, p: &Agent, d: &Agent) -> Result<Agent> {
     let port = free_port();
-    let log = std::env::temp_dir().join(format!("kvlease-bidir-{}-proxy.log", std::process::id()));
+    let log = log_path("bidir", "proxy");
     let file = std::fs::File::create(&log)?;
     let child = Command::new(env!("CARGO_BIN_EXE_kvlease-proxy"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
@@ -519,7 +395,7 @@ async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
     .await?;
     let second = next_prompt(&first, &da1);
     let (pa2, _) = turn(&c, &p, &d, &second, Some(&da1["kv_transfer_params"])).await?;
-    let expired = metric(&c, &d, "kvlease_decoder_cache_expired_total").await?;
+    let expired = metric_of(&c, &d, "kvlease_decoder_cache_expired_total").await?;
     Ok((pa2, expired))
 }
 
@@ -562,11 +438,11 @@ async fn cached_turns_give_way_to_new_requests_on_a_full_d() -> Result<()> {
     wait_healthy(&c, &mut d).await?;
     let first = first_prompt();
     turn(&c, &p, &d, &first, None).await?;
-    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 10.0);
+    ensure!(metric_of(&c, &d, "kvlease_decoder_cached_blocks").await? == 10.0);
     // 13 blocks fit only when turn 1's 10 cached blocks go (the default TTL is 480 s).
     let other = format!("another conversation {}", "y".repeat(180));
     turn(&c, &p, &d, &other, None).await?;
-    ensure!(metric(&c, &d, "kvlease_decoder_cache_evicted_total").await? == 1.0);
-    ensure!(metric(&c, &d, "kvlease_decoder_cached_blocks").await? == 13.0);
+    ensure!(metric_of(&c, &d, "kvlease_decoder_cache_evicted_total").await? == 1.0);
+    ensure!(metric_of(&c, &d, "kvlease_decoder_cached_blocks").await? == 13.0);
     Ok(())
 }

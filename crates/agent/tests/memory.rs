@@ -9,23 +9,18 @@
 //!   ones the generator makes, whatever the kinds on either side. On a machine with a GPU
 //!   the same runs with `--memory cuda`.
 
-use std::net::TcpListener;
+mod common;
+
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_agent::kv::{self, KvShape};
+use common::{SHAPE, agent_command, free_port, log_path, shape_args};
+use kvlease_agent::kv;
 use serde_json::{Value, json};
 
 const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
 const DECODE: &str = env!("CARGO_BIN_EXE_decode-agent");
-
-const SHAPE: KvShape = KvShape {
-    num_layers: 2,
-    num_kv_heads: 4,
-    block_size: 16,
-    head_dim: 64,
-};
 
 /// Whether this machine has a usable CUDA GPU (the probe checks for libcuda first).
 fn gpu_present() -> bool {
@@ -40,23 +35,6 @@ fn gpu_present() -> bool {
     {
         false
     }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn shape_args() -> [&'static str; 8] {
-    [
-        "--num-layers",
-        "2",
-        "--num-kv-heads",
-        "4",
-        "--head-dim",
-        "64",
-        "--block-size",
-        "16",
-    ]
 }
 
 /// Runs `bin` with `args` to its exit, killing it after 20 s.
@@ -90,8 +68,8 @@ fn cuda_and_pinned_without_a_gpu_fail_naming_the_cause() -> Result<()> {
     }
     for bin in [PREFILL, DECODE] {
         for memory in ["cuda", "pinned"] {
-            let port = free_port()?.to_string();
-            let side = free_port()?.to_string();
+            let port = free_port().to_string();
+            let side = free_port().to_string();
             let mut args = vec!["--host", "127.0.0.1", "--port", &port];
             args.extend(["--side-channel-port", &side, "--memory", memory]);
             args.extend(shape_args());
@@ -141,33 +119,12 @@ impl Drop for Proc {
 }
 
 fn spawn(bin: &str, name: &str, memory: &str) -> Result<Proc> {
-    let port = free_port()?;
-    let side = free_port()?;
-    let log =
-        std::env::temp_dir().join(format!("kvlease-memory-{}-{name}.log", std::process::id()));
+    let port = free_port();
+    let side = free_port();
+    let log = log_path("memory", name);
     let file = std::fs::File::create(&log)?;
-    let child = Command::new(bin)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--side-channel-port",
-            &side.to_string(),
-            "--engine-id",
-            name,
-        ])
-        .args(shape_args())
-        .args([
-            "--transport",
-            "tcp",
-            "--memory",
-            memory,
-            "--num-blocks",
-            "128",
-        ])
-        .env("RUST_LOG", "info")
-        .env_remove("KVLEASE_AUTH_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(file)
+    let child = agent_command(bin, name, port, side, memory, file)
+        .args(["--num-blocks", "128"])
         .spawn()
         .with_context(|| format!("spawn {bin}"))?;
     Ok(Proc {

@@ -5,94 +5,25 @@
 //! are small (2 layers, 4 KV heads, head_dim 64, block_size 16) and leases short so that
 //! the whole binary runs in well under a minute on two cores.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
-use kvlease_agent::kv::{self, KvShape};
-use serde_json::{Value, json};
-
-const SHAPE: KvShape = KvShape {
-    num_layers: 2,
-    num_kv_heads: 4,
-    block_size: 16,
-    head_dim: 64,
+use anyhow::{Context, Result, ensure};
+use common::{
+    Agent, Proc, SHAPE, agent_command, client, free_port, log_path, metric, metric_of, metrics,
+    wait_healthy, wait_metric,
 };
-
-fn free_port() -> u16 {
-    // Invariant: binding port 0 on loopback succeeds on any test host.
-    #[allow(clippy::expect_used)]
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    #[allow(clippy::expect_used)]
-    l.local_addr().expect("bound socket has an address").port()
-}
-
-/// A child process killed (SIGKILL) on drop.
-struct Proc {
-    child: Child,
-    name: String,
-    log: std::path::PathBuf,
-}
-
-impl Proc {
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn log_tail(&self) -> String {
-        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-        if std::thread::panicking() || std::env::var_os("KVLEASE_SYSTEM_LOGS").is_some() {
-            eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
-        }
-    }
-}
-
-struct Agent {
-    proc: Proc,
-    url: String,
-}
+use kvlease_agent::kv;
+use serde_json::{Value, json};
 
 fn spawn(bin: &str, name: &str, args: &[String]) -> Result<Agent> {
     let port = free_port();
     let side_port = free_port();
-    let log =
-        std::env::temp_dir().join(format!("kvlease-system-{}-{name}.log", std::process::id()));
+    let log = log_path("system", name);
     let file = std::fs::File::create(&log)?;
-    let mut cmd = Command::new(bin);
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args([
-            "--side-channel-port",
-            &side_port.to_string(),
-            "--engine-id",
-            name,
-        ])
-        .args([
-            "--num-layers",
-            "2",
-            "--num-kv-heads",
-            "4",
-            "--head-dim",
-            "64",
-            "--block-size",
-            "16",
-        ])
-        .args(["--transport", "tcp", "--memory", "host"])
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env_remove("KVLEASE_AUTH_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(file.try_clone()?);
+    let mut cmd = agent_command(bin, name, port, side_port, "host", file);
+    cmd.args(args);
     let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
     Ok(Agent {
         proc: Proc {
@@ -117,84 +48,6 @@ fn decode(name: &str, args: &[&str]) -> Result<Agent> {
 fn kv_config(role: &str, extra: Value) -> String {
     json!({"kv_connector": "kvlease", "kv_role": role, "kv_connector_extra_config": extra})
         .to_string()
-}
-
-fn client() -> reqwest::Client {
-    // Invariant: a default client with a timeout always builds.
-    #[allow(clippy::expect_used)]
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("reqwest client")
-}
-
-async fn wait_healthy(c: &reqwest::Client, a: &mut Agent) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(r) = c.get(format!("{}/health", a.url)).send().await
-            && r.status().is_success()
-        {
-            return Ok(());
-        }
-        if let Ok(Some(status)) = a.proc.child.try_wait() {
-            bail!(
-                "{} exited with {status}: {}",
-                a.proc.name,
-                a.proc.log_tail()
-            );
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "{} not healthy in 20 s",
-            a.proc.name
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn metrics(c: &reqwest::Client, a: &Agent) -> Result<String> {
-    Ok(c.get(format!("{}/metrics", a.url))
-        .send()
-        .await?
-        .text()
-        .await?)
-}
-
-/// The value of the series `series` (name plus labels, exactly as exposed).
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or(f64::NAN)
-}
-
-async fn metric_of(c: &reqwest::Client, a: &Agent, series: &str) -> Result<f64> {
-    Ok(metric(&metrics(c, a).await?, series))
-}
-
-/// Polls `series` until `pred` holds, or fails after `timeout`.
-async fn wait_metric(
-    c: &reqwest::Client,
-    a: &Agent,
-    series: &str,
-    timeout: Duration,
-    pred: impl Fn(f64) -> bool,
-) -> Result<Duration> {
-    let start = Instant::now();
-    loop {
-        let v = metric_of(c, a, series).await?;
-        if pred(v) {
-            return Ok(start.elapsed());
-        }
-        ensure!(
-            start.elapsed() < timeout,
-            "{series} = {v} after {timeout:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
 }
 
 fn prompt(i: usize) -> String {

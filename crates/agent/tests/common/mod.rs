@@ -1,0 +1,192 @@
+//! Helpers shared by the real-process test binaries (`system`, `bidir`, `memory`): the
+//! small model shape, free ports, the child-process guard and the agent command line.
+//!
+//! Each test binary compiles this module on its own and uses only a subset of it, so the
+//! items the other binaries use would warn as dead code here.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use kvlease_agent::kv::KvShape;
+
+/// The model every test agent runs (matches [`shape_args`]).
+pub(crate) const SHAPE: KvShape = KvShape {
+    num_layers: 2,
+    num_kv_heads: 4,
+    block_size: 16,
+    head_dim: 64,
+};
+
+/// The command-line flags for [`SHAPE`].
+pub(crate) fn shape_args() -> [&'static str; 8] {
+    [
+        "--num-layers",
+        "2",
+        "--num-kv-heads",
+        "4",
+        "--head-dim",
+        "64",
+        "--block-size",
+        "16",
+    ]
+}
+
+/// A free loopback port.
+pub(crate) fn free_port() -> u16 {
+    // Invariant: binding port 0 on loopback succeeds on any test host.
+    #[allow(clippy::expect_used)]
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    #[allow(clippy::expect_used)]
+    l.local_addr().expect("bound socket has an address").port()
+}
+
+/// The log file path for child `name` of test binary `suite`.
+pub(crate) fn log_path(suite: &str, name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("kvlease-{suite}-{}-{name}.log", std::process::id()))
+}
+
+/// The common agent command line: loopback `port`, `side_port`, engine id `name`, the
+/// [`SHAPE`] flags, TCP transport with `memory`, logging at info to `log`, no auth token.
+/// Callers append their own flags.
+pub(crate) fn agent_command(
+    bin: &str,
+    name: &str,
+    port: u16,
+    side_port: u16,
+    memory: &str,
+    log: std::fs::File,
+) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args([
+            "--side-channel-port",
+            &side_port.to_string(),
+            "--engine-id",
+            name,
+        ])
+        .args(shape_args())
+        .args(["--transport", "tcp", "--memory", memory])
+        .env("RUST_LOG", "info")
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    cmd
+}
+
+/// A child process killed (SIGKILL) on drop.
+pub(crate) struct Proc {
+    pub(crate) child: Child,
+    pub(crate) name: String,
+    pub(crate) log: PathBuf,
+}
+
+impl Proc {
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub(crate) fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() || std::env::var_os("KVLEASE_SYSTEM_LOGS").is_some() {
+            eprintln!("--- {} log tail ---\n{}", self.name, self.log_tail());
+        }
+    }
+}
+
+/// A running process serving HTTP at `url`.
+pub(crate) struct Agent {
+    pub(crate) proc: Proc,
+    pub(crate) url: String,
+}
+
+pub(crate) fn client() -> reqwest::Client {
+    // Invariant: a default client with a timeout always builds.
+    #[allow(clippy::expect_used)]
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+pub(crate) async fn wait_healthy(c: &reqwest::Client, a: &mut Agent) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = c.get(format!("{}/health", a.url)).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = a.proc.child.try_wait() {
+            bail!(
+                "{} exited with {status}: {}",
+                a.proc.name,
+                a.proc.log_tail()
+            );
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} not healthy in 20 s",
+            a.proc.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub(crate) async fn metrics(c: &reqwest::Client, a: &Agent) -> Result<String> {
+    Ok(c.get(format!("{}/metrics", a.url))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
+/// The value of the series `series` (name plus labels, exactly as exposed).
+pub(crate) fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or(f64::NAN)
+}
+
+pub(crate) async fn metric_of(c: &reqwest::Client, a: &Agent, series: &str) -> Result<f64> {
+    Ok(metric(&metrics(c, a).await?, series))
+}
+
+/// Polls `series` until `pred` holds, or fails after `timeout`.
+pub(crate) async fn wait_metric(
+    c: &reqwest::Client,
+    a: &Agent,
+    series: &str,
+    timeout: Duration,
+    pred: impl Fn(f64) -> bool,
+) -> Result<Duration> {
+    let start = Instant::now();
+    loop {
+        let v = metric_of(c, a, series).await?;
+        if pred(v) {
+            return Ok(start.elapsed());
+        }
+        ensure!(
+            start.elapsed() < timeout,
+            "{series} = {v} after {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
