@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::{
-    Agent, Proc, SHAPE, agent_command, client, free_port, log_path, metric_of, wait_healthy,
-    wait_metric,
+    Agent, SHAPE, agent_command, client, free_port, log_path, metric_of, post_completion,
+    wait_healthy, wait_metric,
 };
 use kvlease_agent::kv;
 use serde_json::{Value, json};
@@ -38,14 +38,7 @@ fn spawn(bin: &str, name: &str, extra: &Value, skew_ms: i64, cli: &[&str]) -> Re
         .args(cli)
         .env("KVLEASE_TEST_CLOCK_OFFSET_MS", skew_ms.to_string());
     let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
-    Ok(Agent {
-        proc: Proc {
-            child,
-            name: name.to_owned(),
-            log,
-        },
-        url: format!("http://127.0.0.1:{port}"),
-    })
+    Ok(Agent::new(child, name, log, port))
 }
 
 /// A P and a D, both healthy.
@@ -76,13 +69,7 @@ async fn pair(
 }
 
 async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<Value> {
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await?;
-    let status = r.status().as_u16();
-    let text = r.text().await?;
+    let (status, text) = post_completion(c, url, body).await?;
     let v: Value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
     ensure!(status == 200, "{url}: {status} {v}");
     Ok(v)
@@ -284,14 +271,7 @@ async fn proxy(c: &reqwest::Client, p: &Agent, d: &Agent) -> Result<Agent> {
         .stderr(file)
         .spawn()
         .context("spawn kvlease-proxy")?;
-    let mut a = Agent {
-        proc: Proc {
-            child,
-            name: "proxy".to_owned(),
-            log,
-        },
-        url: format!("http://127.0.0.1:{port}"),
-    };
+    let mut a = Agent::new(child, "proxy", log, port);
     wait_healthy(c, &mut a).await?;
     Ok(a)
 }

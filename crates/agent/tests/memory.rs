@@ -15,7 +15,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use common::{SHAPE, agent_command, free_port, log_path, shape_args};
+use common::{SHAPE, agent_command, free_port, log_path, post_completion, shape_args};
 use kvlease_agent::kv;
 use serde_json::{Value, json};
 
@@ -155,13 +155,7 @@ async fn wait_healthy(c: &reqwest::Client, p: &mut Proc) -> Result<()> {
 }
 
 async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<Value> {
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await?;
-    let status = r.status().as_u16();
-    let text = r.text().await?;
+    let (status, text) = post_completion(c, url, body).await?;
     ensure!(status == 200, "{url}: {status} {text}");
     serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))
 }

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use common::{
-    Agent, Proc, SHAPE, agent_command, client, free_port, log_path, metric, metric_of, metrics,
-    wait_healthy, wait_metric,
+    Agent, SHAPE, agent_command, client, free_port, log_path, metric, metric_of, metrics,
+    post_completion, wait_healthy, wait_metric,
 };
 use kvlease_agent::kv;
 use serde_json::{Value, json};
@@ -25,14 +25,7 @@ fn spawn(bin: &str, name: &str, args: &[String]) -> Result<Agent> {
     let mut cmd = agent_command(bin, name, port, side_port, "host", file);
     cmd.args(args);
     let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
-    Ok(Agent {
-        proc: Proc {
-            child,
-            name: name.to_owned(),
-            log,
-        },
-        url: format!("http://127.0.0.1:{port}"),
-    })
+    Ok(Agent::new(child, name, log, port))
 }
 
 fn prefill(name: &str, args: &[&str]) -> Result<Agent> {
@@ -58,13 +51,7 @@ fn prompt(i: usize) -> String {
 }
 
 async fn post(c: &reqwest::Client, url: &str, body: &Value) -> Result<(u16, Value)> {
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(body)
-        .send()
-        .await?;
-    let status = r.status().as_u16();
-    let text = r.text().await?;
+    let (status, text) = post_completion(c, url, body).await?;
     let v = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
     Ok((status, v))
 }

@@ -190,3 +190,32 @@ pub(crate) async fn wait_metric(
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+impl Agent {
+    /// Guards `child` (logging to `log`) serving HTTP on loopback `port`.
+    pub(crate) fn new(child: Child, name: &str, log: PathBuf, port: u16) -> Self {
+        Self {
+            proc: Proc {
+                child,
+                name: name.to_owned(),
+                log,
+            },
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+}
+
+/// POSTs `body` to `{url}/v1/completions`; returns the status and the body text.
+pub(crate) async fn post_completion(
+    c: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<(u16, String)> {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await?;
+    let status = r.status().as_u16();
+    Ok((status, r.text().await?))
+}
