@@ -1,12 +1,15 @@
 //! The binaries, run for real: bad flags and bad `--kv-transfer-config` exit non-zero with
 //! a message that names the flag or the key; good flags start a server.
 
+mod common;
+
 use std::io::Read as _;
 use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
+use common::run_to_exit;
 
 const PROXY: &str = env!("CARGO_BIN_EXE_kvlease-proxy");
 const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
@@ -18,31 +21,9 @@ fn kv_config(role: &str, extra: &str) -> String {
     )
 }
 
-/// Runs `bin` with `args`, killing it after 20 s (a bad-flag run must exit at once).
-fn run(bin: &str, args: &[&str]) -> Result<Output> {
-    let mut child = Command::new(bin)
-        .args(args)
-        .env_remove("KVLEASE_AUTH_TOKEN")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawning {bin}"))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            child.kill()?;
-            bail!("{bin} {args:?} did not exit within 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(child.wait_with_output()?)
-}
-
 /// Asserts that `bin args` fails and that its stderr holds every one of `needles`.
 fn assert_rejected(bin: &str, args: &[&str], needles: &[&str]) -> Result<()> {
-    let out = run(bin, args)?;
+    let out = run_to_exit(bin, args)?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),

@@ -11,11 +11,11 @@
 
 mod common;
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use common::{SHAPE, agent_command, free_port, log_path, post_completion, shape_args};
+use common::{SHAPE, agent_command, free_port, log_path, post_completion, run_to_exit, shape_args};
 use kvlease_agent::kv;
 use serde_json::{Value, json};
 
@@ -35,29 +35,6 @@ fn gpu_present() -> bool {
     {
         false
     }
-}
-
-/// Runs `bin` with `args` to its exit, killing it after 20 s.
-fn run_to_exit(bin: &str, args: &[&str]) -> Result<Output> {
-    let mut child = Command::new(bin)
-        .args(args)
-        .env_remove("KVLEASE_AUTH_TOKEN")
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("spawning {bin}"))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while child.try_wait()?.is_none() {
-        if Instant::now() > deadline {
-            child.kill()?;
-            let _ = child.wait();
-            bail!("{bin} {args:?} did not exit within 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(child.wait_with_output()?)
 }
 
 #[test]

@@ -7,10 +7,10 @@
 
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use kvlease_agent::kv::KvShape;
 
 /// The model every test agent runs (matches [`shape_args`]).
@@ -218,4 +218,27 @@ pub(crate) async fn post_completion(
         .await?;
     let status = r.status().as_u16();
     Ok((status, r.text().await?))
+}
+
+/// Runs `bin` with `args` to its exit, killing it after 20 s.
+pub(crate) fn run_to_exit(bin: &str, args: &[&str]) -> Result<Output> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {bin}"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            child.kill()?;
+            let _ = child.wait();
+            bail!("{bin} {args:?} did not exit within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child.wait_with_output()?)
 }
