@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use kvlease_gpu_mem::staging::read_region;
 use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, ConsumerId, DecoderTtl, EngineId, Event, Generation, HeartbeatTracker, LeaseConfig,
@@ -1230,16 +1229,11 @@ fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDig
         if result.is_err() {
             return;
         }
+        // Host memory directly, device memory through a staged copy.
         let r = w
             .pool
-            .layout()
-            .block_range(layer, blocks[i])
-            .map_err(|e| e.to_string())
-            .and_then(|r| {
-                let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
-                // Host memory directly, device memory through a staged copy.
-                read_region(&**w.pool.region(), off, &mut buf).map_err(|e| e.to_string())
-            });
+            .read_block(layer, blocks[i], &mut buf)
+            .map_err(|e| e.to_string());
         if let Err(e) = r {
             result = Err(e);
             return;

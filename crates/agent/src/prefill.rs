@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::staging::{read_region, write_region};
 use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Event, Generation, LeaseConfig, LeaseTable, ReleaseReason, Released,
@@ -1038,13 +1037,8 @@ fn fill_worker(
         if i < pulled {
             result = w
                 .pool
-                .layout()
-                .block_range(layer, BlockId(blocks[i]))
+                .read_block(layer, BlockId(blocks[i]), &mut buf)
                 .map_err(|e| e.to_string())
-                .and_then(|r| {
-                    let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
-                    read_region(&**w.pool.region(), off, &mut buf).map_err(|e| e.to_string())
-                })
                 .and_then(
                     |()| match kv::verify_block(&w.layout, &buf, layer, first, hs) {
                         None => Ok(()),
@@ -1061,16 +1055,11 @@ fn fill_worker(
         }
         buf.fill(0);
         digest.add(kv::fill_block(&w.layout, &mut buf, layer, first, hs));
+        // Host memory directly, device memory through a staged copy.
         result = w
             .pool
-            .layout()
-            .block_range(layer, BlockId(blocks[i]))
-            .map_err(|e| e.to_string())
-            .and_then(|r| {
-                let off = usize::try_from(r.start).map_err(|e| e.to_string())?;
-                // Host memory directly, device memory through a staged copy.
-                write_region(&**w.pool.region(), off, &buf).map_err(|e| e.to_string())
-            });
+            .write_block(layer, BlockId(blocks[i]), &buf)
+            .map_err(|e| e.to_string());
     });
     result.map(|()| digest)
 }

@@ -38,5 +38,5 @@ pub use host::{
     StagedHostRegion,
 };
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
-pub use pool::{BlockPool, FenceTable, MemoryRequest, PoolError};
+pub use pool::{BlockCopyError, BlockPool, FenceTable, MemoryRequest, PoolError};
 pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};

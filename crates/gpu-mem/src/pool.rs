@@ -151,6 +151,56 @@ impl BlockPool {
     pub fn layer_range(&self, layer: u32) -> Result<Range<u64>, LayoutError> {
         self.layout.layer_range(layer)
     }
+
+    /// Copies block `block` of `layer` into `out` (the first `out.len()` bytes of the
+    /// block), whatever the memory kind: host memory directly, device memory through a
+    /// staged copy ([`read_region`](crate::staging::read_region)).
+    ///
+    /// # Errors
+    /// [`BlockCopyError::Layout`] for a layer or block outside the layout,
+    /// [`BlockCopyError::Copy`] when the copy fails.
+    pub fn read_block(
+        &self,
+        layer: u32,
+        block: BlockId,
+        out: &mut [u8],
+    ) -> Result<(), BlockCopyError> {
+        let offset = self.block_offset(layer, block)?;
+        Ok(crate::staging::read_region(&*self.region, offset, out)?)
+    }
+
+    /// Copies `src` into block `block` of `layer`, whatever the memory kind (the
+    /// counterpart of [`read_block`](Self::read_block)).
+    ///
+    /// # Errors
+    /// As [`read_block`](Self::read_block).
+    pub fn write_block(
+        &self,
+        layer: u32,
+        block: BlockId,
+        src: &[u8],
+    ) -> Result<(), BlockCopyError> {
+        let offset = self.block_offset(layer, block)?;
+        Ok(crate::staging::write_region(&*self.region, offset, src)?)
+    }
+
+    fn block_offset(&self, layer: u32, block: BlockId) -> Result<usize, BlockCopyError> {
+        let start = self.layout.block_range(layer, block)?.start;
+        // The pool's length was checked against usize at construction.
+        usize::try_from(start).map_err(|_| BlockCopyError::Layout(LayoutError::TooLarge))
+    }
+}
+
+/// Why [`BlockPool::read_block`] or [`BlockPool::write_block`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlockCopyError {
+    /// The layer or block is outside the pool's layout.
+    #[error("block outside the pool layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// The copy into or out of the pool's memory failed.
+    #[error("block copy failed: {0}")]
+    Copy(#[from] crate::staging::StagingError),
 }
 
 #[cfg(feature = "cuda")]
