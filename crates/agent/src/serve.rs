@@ -210,23 +210,15 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         message: e.to_string(),
     })?;
     let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
-    let epoch = std::time::SystemTime::UNIX_EPOCH;
-    let side = sidechannel::Server {
+    let side = spawn_side_channel(
         info,
         token,
-        on_peer: Box::new(move |h| {
+        Box::new(move |h| {
             let _ = hello_tx.send(h);
         }),
-        clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
-    }
-    .spawn(SocketAddr::new(listen_ip, c.side_channel_port))
-    .map_err(|source| ServeError::Io {
-        what: format!(
-            "--side-channel-port: cannot listen on {}",
-            c.side_channel_port
-        ),
-        source,
-    })?;
+        listen_ip,
+        c.side_channel_port,
+    )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = Arc::clone(&stop);
@@ -332,23 +324,15 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
                 flag: "--engine-id",
                 message: e.to_string(),
             })?;
-            let epoch = std::time::SystemTime::UNIX_EPOCH;
-            let handle = sidechannel::Server {
+            // P's pulls need nothing back from D but the notifications on the
+            // transport, which P's connection carries.
+            let handle = spawn_side_channel(
                 info,
                 token,
-                // P's pulls need nothing back from D but the notifications on the
-                // transport, which P's connection carries.
-                on_peer: Box::new(|_| {}),
-                clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
-            }
-            .spawn(SocketAddr::new(listen_ip, c.side_channel_port))
-            .map_err(|source| ServeError::Io {
-                what: format!(
-                    "--side-channel-port: cannot listen on {}",
-                    c.side_channel_port
-                ),
-                source,
-            })?;
+                Box::new(|_| {}),
+                listen_ip,
+                c.side_channel_port,
+            )?;
             Some(handle)
         }
         None => None,
@@ -395,4 +379,26 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     drop(side);
     drop(probe);
     served
+}
+
+/// Starts an agent's side channel on `listen_ip:port`, reporting this host's wall clock.
+fn spawn_side_channel(
+    info: serde_json::Value,
+    token: Option<String>,
+    on_peer: Box<dyn Fn(sidechannel::Hello) + Send + Sync>,
+    listen_ip: IpAddr,
+    port: u16,
+) -> Result<sidechannel::ServerHandle, ServeError> {
+    let epoch = std::time::SystemTime::UNIX_EPOCH;
+    sidechannel::Server {
+        info,
+        token,
+        on_peer,
+        clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
+    }
+    .spawn(SocketAddr::new(listen_ip, port))
+    .map_err(|source| ServeError::Io {
+        what: format!("--side-channel-port: cannot listen on {port}"),
+        source,
+    })
 }
