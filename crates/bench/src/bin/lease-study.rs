@@ -114,6 +114,16 @@ fn metric(text: &str, name: &str) -> f64 {
     parse_metric(text, name).unwrap_or(0.0)
 }
 
+/// The flags P and D share: localhost, TCP, host memory.
+const AGENT_ARGS: [&str; 6] = [
+    "--host",
+    "127.0.0.1",
+    "--transport",
+    "tcp",
+    "--memory",
+    "host",
+];
+
 const EXPIRED: &str = "kvlease_leases_released_total{reason=\"expired\"}";
 
 /// The lease settings of one side-by-side arm.
@@ -179,16 +189,8 @@ impl Cluster {
             free_port()?,
             free_port()?,
         );
-        let common = [
-            "--host",
-            "127.0.0.1",
-            "--transport",
-            "tcp",
-            "--memory",
-            "host",
-        ];
         let p = Command::new(bin.join("prefill-agent"))
-            .args(common)
+            .args(AGENT_ARGS)
             .args([
                 "--port",
                 &p_port.to_string(),
@@ -239,14 +241,7 @@ impl Cluster {
 
     fn start_d(&mut self) -> anyhow::Result<()> {
         let d = Command::new(self.bin.join("decode-agent"))
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--transport",
-                "tcp",
-                "--memory",
-                "host",
-            ])
+            .args(AGENT_ARGS)
             .args([
                 "--port",
                 &self.d_port.to_string(),
