@@ -185,6 +185,8 @@ struct Pending {
     worker: usize,
     p_rank: u32,
     batch: link::BatchId,
+    /// The backend of the peer the batch reads from (`"verbs"` or `"tcp"`).
+    backend: &'static str,
     done: Option<Result<u64, link::Failure>>,
 }
 
@@ -520,11 +522,19 @@ impl DecodeEngine {
         }
         for engine in ready {
             self.metrics.handshake(HandshakeOutcome::Ok).inc();
-            if let Some(w0) = self.workers.first() {
-                let backend = link::backend_metric(link::backend_name(&w0.agent));
-                self.metrics.set_peer_backend(engine.as_str(), backend);
+            let first_peer = match self.remotes.get(&engine) {
+                Some(Remote::Ready(r)) => r.peers.first().and_then(|p| p.first()).copied(),
+                _ => None,
+            };
+            if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
+                let name = link::backend_name(&w0.agent, peer);
+                self.metrics
+                    .set_peer_backend(engine.as_str(), link::backend_metric(name));
+                let reason = link::backend_reason(&w0.agent, peer);
+                tracing::info!(%engine, backend = name, %reason, "handshake complete");
+            } else {
+                tracing::info!(%engine, "handshake complete");
             }
-            tracing::info!(%engine, "handshake complete");
             // Heartbeat the engine's requests now rather than an interval later.
             self.tracker.defer(&engine, self.now());
         }
@@ -869,6 +879,7 @@ impl DecodeEngine {
                                 worker: wi,
                                 p_rank,
                                 batch,
+                                backend: link::backend_name(&w.agent, peer),
                                 done: None,
                             }),
                             Err(e) => {
@@ -996,7 +1007,12 @@ impl DecodeEngine {
                 //= ../shared/docs/SPEC.md#semantics
                 //# Tracking stops when the KV transfer completes
                 self.tracker.untrack(&req.remote_id);
-                let backend = link::backend_name(&self.workers[0].agent);
+                // One transfer per request: verbs when every batch of it went over verbs.
+                let backend = if batches.iter().all(|b| b.backend == "verbs") {
+                    "verbs"
+                } else {
+                    "tcp"
+                };
                 self.metrics.transfer(link::backend_metric(backend)).inc();
                 let queue_ms = req.scheduled.map_or(0.0, |s| {
                     s.duration_since(req.job.arrived).as_secs_f64() * 1e3

@@ -149,11 +149,17 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
     }
 }
 
-/// The backend name reported in transfer stats.
-pub fn backend_name(_agent: &Agent) -> &'static str {
-    // The transport's `Agent::connect` selects TCP for every peer in this build (verbs is
-    // not wired into it yet) and has no per-peer backend query; revisit when it does.
-    "tcp"
+/// The backend `peer` was connected with (`"verbs"` or `"tcp"`), as the transport's
+/// `Agent::connect` chose it; `"tcp"` for a peer the agent no longer knows.
+pub fn backend_name(agent: &Agent, peer: PeerId) -> &'static str {
+    agent.peer_backend(peer).map_or("tcp", |(name, _)| name)
+}
+
+/// Why the transport chose `peer`'s backend (for `auto`: the reason verbs was not used).
+pub fn backend_reason(agent: &Agent, peer: PeerId) -> String {
+    agent
+        .peer_backend(peer)
+        .map_or_else(|| "unknown peer".to_owned(), |(_, why)| why)
 }
 
 /// The metric label of a backend name.
