@@ -673,3 +673,165 @@ fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
     println!("refused: {why}");
     Ok(())
 }
+
+// ----- memory verbs cannot register -----
+
+/// Memory that is not host memory and has no dmabuf path (here the staged test kind,
+/// which stands for CUDA device memory without dmabuf support) is refused by verbs
+/// registration with a reason that names the kind and the TCP path peers take instead.
+#[test]
+fn device_memory_without_dmabuf_is_refused_with_the_reason() -> Result<()> {
+    let Some((p_dev, _)) = devices("device_memory_without_dmabuf_is_refused_with_the_reason")
+    else {
+        return Ok(());
+    };
+    let pd = p_dev.alloc_pd()?;
+    let staged = Arc::new(kvlease_gpu_mem::StagedHostRegion::new(1 << 20)?);
+    match pd.register(staged as Arc<dyn DmaRegion>) {
+        Err(e @ VerbsError::UnsupportedMemory { .. }) => {
+            let msg = e.to_string();
+            ensure!(msg.contains("staged-host"), "{msg}");
+            ensure!(msg.contains("over TCP"), "{msg}");
+            println!("refused: {msg}");
+        }
+        other => bail!("staged memory registered with verbs: {other:?}"),
+    }
+    // Host memory on the same PD is registered directly, not through dmabuf.
+    let (_r, mr) = region(&pd, 4096, 0)?;
+    ensure!(!mr.is_dmabuf());
+    Ok(())
+}
+
+/// On a verbs link, a batch touching memory verbs could not register (P's staged source,
+/// D's staged destination) goes over the link's TCP connection, staged on both sides, and
+/// is byte-exact; fences still apply; batches between host regions stay on verbs (their
+/// bytes arrive too). The peer's backend stays "verbs" throughout.
+#[test]
+fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+    use kvlease_gpu_mem::{StagedHostRegion, staging};
+    use kvlease_transport::{
+        Agent, AgentConfig, BackendChoice, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId,
+    };
+
+    if devices("batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link").is_none() {
+        return Ok(());
+    }
+    let addr = |var: &str, default: [u8; 4]| {
+        std::env::var(var)
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| IpAddr::V4(Ipv4Addr::from(default)))
+    };
+    let agent = |name: &str, ip: IpAddr| -> Result<Agent> {
+        let mut c = AgentConfig::new(name);
+        c.listen = SocketAddr::new(ip, 0);
+        c.backend = BackendChoice::Verbs;
+        Ok(Agent::new(c)?)
+    };
+    let p = agent("p", addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
+    let d = agent("d", addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]))?;
+    const LEN: usize = 3 << 20;
+    let data = pattern(LEN, 29);
+    let staged_src = Arc::new(StagedHostRegion::new(LEN)?);
+    staging::write_region(staged_src.as_ref(), 0, &data)?;
+    let host_src = Arc::new(HostRegion::new(LEN)?);
+    host_src.write_from(0, &data)?;
+    let fences = Arc::new(HostRegion::new(4096)?);
+    fences.store_u64(8, 5)?;
+    let staged_src_d = p.register(Arc::clone(&staged_src) as Arc<dyn DmaRegion>)?;
+    let host_src_d = p.register(Arc::clone(&host_src) as Arc<dyn DmaRegion>)?;
+    let fence_d = p.register(Arc::clone(&fences) as Arc<dyn DmaRegion>)?;
+    let staged_dst = Arc::new(StagedHostRegion::new(LEN)?);
+    let host_dst = Arc::new(HostRegion::new(LEN)?);
+    let staged_dst_d = d.register(Arc::clone(&staged_dst) as Arc<dyn DmaRegion>)?;
+    let host_dst_d = d.register(Arc::clone(&host_dst) as Arc<dyn DmaRegion>)?;
+    let peer = d.connect(&p.metadata())?;
+    let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
+    ensure!(backend == "verbs", "backend {backend}: {why}");
+
+    let read = |dst: u64, src: &kvlease_transport::RegionDesc, expected: u64| -> Result<bool> {
+        let batch = ReadBatch {
+            ops: vec![ReadOp {
+                local: LocalRange {
+                    region: RegionId(dst),
+                    offset: 0,
+                    len: LEN as u64,
+                },
+                remote: src.at(0),
+            }],
+            notif: None,
+            fence: Some(FenceRead {
+                remote: fence_d.at(8),
+                expected,
+            }),
+        };
+        let id = d.post_read(peer, batch, TIMEOUT)?;
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match d.poll_batch(id)? {
+                kvlease_transport::BatchStatus::Done(s) => {
+                    ensure!(s.fence_word == Some(expected));
+                    return Ok(true);
+                }
+                kvlease_transport::BatchStatus::Failed(e) => {
+                    println!("batch failed: {e}");
+                    return Ok(false);
+                }
+                _ => {}
+            }
+            ensure!(Instant::now() < deadline, "batch still pending");
+        }
+    };
+    let staged_bytes = |r: &StagedHostRegion| -> Result<Vec<u8>> {
+        let mut v = vec![0u8; LEN];
+        staging::read_region(r, 0, &mut v)?;
+        Ok(v)
+    };
+    // staged -> host, host -> staged, staged -> staged, host -> host (verbs).
+    ensure!(
+        read(host_dst_d.id, &staged_src_d, 5)?,
+        "staged -> host failed"
+    );
+    ensure!(
+        bytes(&host_dst, 0, LEN)? == data,
+        "staged -> host bytes differ"
+    );
+    ensure!(
+        read(staged_dst_d.id, &host_src_d, 5)?,
+        "host -> staged failed"
+    );
+    ensure!(
+        staged_bytes(&staged_dst)? == data,
+        "host -> staged bytes differ"
+    );
+    staging::write_region(staged_dst.as_ref(), 0, &vec![0u8; LEN])?;
+    ensure!(
+        read(staged_dst_d.id, &staged_src_d, 5)?,
+        "staged -> staged failed"
+    );
+    ensure!(
+        staged_bytes(&staged_dst)? == data,
+        "staged -> staged bytes differ"
+    );
+    host_dst.write_from(0, &vec![0u8; LEN])?;
+    ensure!(read(host_dst_d.id, &host_src_d, 5)?, "host -> host failed");
+    ensure!(
+        bytes(&host_dst, 0, LEN)? == data,
+        "host -> host bytes differ"
+    );
+    // A changed generation fails the staged batch as it fails a verbs one.
+    fences.store_u64(8, 6)?;
+    ensure!(
+        !read(host_dst_d.id, &staged_src_d, 5)?,
+        "stale fence accepted over TCP"
+    );
+    ensure!(
+        !read(host_dst_d.id, &host_src_d, 5)?,
+        "stale fence accepted over verbs"
+    );
+    let (backend, _) = d.peer_backend(peer).unwrap_or(("?", String::new()));
+    ensure!(backend == "verbs", "backend changed to {backend}");
+    Ok(())
+}

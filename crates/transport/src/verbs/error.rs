@@ -54,11 +54,20 @@ pub enum VerbsError {
         #[source]
         source: io::Error,
     },
-    /// This kind of memory cannot be registered by this backend (yet).
-    #[error("{kind} memory cannot be registered with the verbs backend")]
+    /// This kind of memory cannot be registered by this backend: it is not host memory
+    /// and, for CUDA device memory, dmabuf registration is not possible (`why` says
+    /// which step failed). The transport agent then serves the region over TCP, staged
+    /// through pinned buffers.
+    #[error(
+        "{kind} memory cannot be registered with the verbs backend ({why}); peers read it \
+         over TCP, staged through pinned buffers"
+    )]
     UnsupportedMemory {
         /// The region's kind.
         kind: MemoryKind,
+        /// Why: not host memory and no dmabuf path, or what the dmabuf export or
+        /// `ibv_reg_dmabuf_mr` answered.
+        why: String,
     },
     /// A queue pair operation (create, state change, query, post) failed.
     #[error("queue pair {qpn:#x}: {op} failed")]

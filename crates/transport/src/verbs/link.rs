@@ -530,6 +530,41 @@ impl Link {
             })
     }
 
+    /// Why this batch cannot go over the queue pair (then it goes over TCP), if so: a
+    /// remote region (or fence region) the peer could not register with verbs, or a local
+    /// destination this link has no registration of.
+    fn needs_tcp(&self, batch: &Batch, chunks: &[tcp::Chunk]) -> Option<String> {
+        let unregistered = |region: u64| {
+            !self.rkeys.contains_key(&region) && self.meta.regions.iter().any(|r| r.id == region)
+        };
+        if let Some(c) = chunks.iter().find(|c| unregistered(c.remote.region)) {
+            return Some(format!(
+                "peer region {} has no verbs registration",
+                c.remote.region
+            ));
+        }
+        if let Some(f) = batch.lock().fence
+            && unregistered(f.remote.region)
+        {
+            return Some(format!(
+                "peer fence region {} has no verbs registration",
+                f.remote.region
+            ));
+        }
+        if let Some(c) = chunks.iter().find(|c| {
+            !self
+                .local
+                .values()
+                .any(|mr| Arc::ptr_eq(mr.region(), &c.dest))
+        }) {
+            return Some(format!(
+                "local {} region has no verbs registration on this link",
+                c.dest.kind()
+            ));
+        }
+        None
+    }
+
     fn rdma_failed(&self, reason: String) -> TransferError {
         TransferError::Disconnected {
             peer: self.peer.clone(),
@@ -542,6 +577,13 @@ impl Link {
         batch: &Arc<Batch>,
         chunks: Vec<tcp::Chunk>,
     ) -> Result<(), TransferError> {
+        if let Some(why) = self.needs_tcp(batch, &chunks) {
+            // Memory verbs could not register (device memory without dmabuf) or a local
+            // region registered after connect: the TCP link reads it instead, staging
+            // device memory through pinned buffers on both sides.
+            tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
+            return self.tcp.post(batch, chunks);
+        }
         let mut ops = Vec::with_capacity(chunks.len());
         let mut lens = Vec::with_capacity(chunks.len());
         for c in &chunks {
@@ -673,6 +715,8 @@ impl Link {
     /// The batch timed out: stop every transfer into its memory by resetting the queue
     /// pair (the other batches' reads are re-posted after the reconnect).
     pub(crate) fn on_timeout(&self, batch: &Batch) {
+        // A batch that went over TCP (see `needs_tcp`) is cancelled there.
+        self.tcp.on_timeout(batch);
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         let ids: Vec<VerbsBatchId> = st

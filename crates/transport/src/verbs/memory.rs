@@ -48,17 +48,24 @@ impl ProtectionDomain {
     /// Registers a whole region for local writes (the destination of our reads) and remote
     /// reads (the source of a peer's reads). Register each pool once, not per block.
     ///
-    /// The returned [`MemoryRegion`] keeps `region` alive; the memory is deregistered
-    /// before `region` is dropped.
+    /// Host and CUDA pinned memory go through `ibv_reg_mr`. CUDA device memory (with the
+    /// `cuda` feature) is exported as a dmabuf (`cuMemGetHandleForAddressRange`, where the
+    /// device reports `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`) and registered with
+    /// `ibv_reg_dmabuf_mr`, its iova set to the device address so peers name it like any
+    /// other region. Other kinds are refused.
+    ///
+    /// The returned [`MemoryRegion`] keeps `region` (and a dmabuf's fd) alive; the memory
+    /// is deregistered before either is let go.
     ///
     /// # Errors
-    /// [`VerbsError::UnsupportedMemory`] for CUDA device memory (not yet: it needs dmabuf
-    /// or peer memory), [`VerbsError::MemlockLimit`] when `ibv_reg_mr` says ENOMEM (the
+    /// [`VerbsError::UnsupportedMemory`] for memory that is neither host memory nor CUDA
+    /// device memory this device and driver can register through dmabuf (the reason says
+    /// which step failed); [`VerbsError::MemlockLimit`] when `ibv_reg_mr` says ENOMEM (the
     /// RLIMIT_MEMLOCK limit), [`VerbsError::Register`] otherwise.
     pub fn register(&self, region: Arc<dyn DmaRegion>) -> Result<MemoryRegion, VerbsError> {
         let kind = region.kind();
         if !kind.is_host_accessible() {
-            return Err(VerbsError::UnsupportedMemory { kind });
+            return self.register_device(region);
         }
         let len = region.len();
         let access = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
@@ -71,33 +78,111 @@ impl ProtectionDomain {
                 .pd
                 .reg_mr(region.base_ptr() as usize, len, access)
         };
-        let mr = result.map_err(|e| {
-            let device = self.inner.device.inner.name.clone();
-            let source = match e.0 {
-                RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
-                other => io::Error::other(other.to_string()),
-            };
-            if source.raw_os_error() == Some(libc::ENOMEM) {
-                VerbsError::MemlockLimit {
-                    device,
-                    len,
-                    source,
-                }
-            } else {
-                VerbsError::Register {
-                    device,
-                    len,
-                    source,
-                }
-            }
-        })?;
+        let mr = result.map_err(|e| self.register_error(len, e.0))?;
         Ok(MemoryRegion {
             inner: Arc::new(MrInner {
                 mr,
+                dmabuf: None,
                 region,
                 pd: self.clone(),
             }),
         })
+    }
+
+    /// Device memory: dmabuf where the CUDA driver and the RDMA provider support it.
+    #[cfg(feature = "cuda")]
+    fn register_device(&self, region: Arc<dyn DmaRegion>) -> Result<MemoryRegion, VerbsError> {
+        use std::os::fd::AsRawFd;
+        let kind = region.kind();
+        if !matches!(kind, MemoryKind::CudaDevice { .. }) {
+            return Err(VerbsError::UnsupportedMemory {
+                kind,
+                why: "not host memory, and only CUDA device memory has a dmabuf path".into(),
+            });
+        }
+        let handle = kvlease_gpu_mem::cuda::export_dmabuf(&region).map_err(|e| {
+            VerbsError::UnsupportedMemory {
+                kind,
+                why: format!("dmabuf export: {e}"),
+            }
+        })?;
+        let len = region.len();
+        let iova = region.base_ptr() as u64;
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteRead;
+        // SAFETY: `handle.fd` is a dmabuf the CUDA driver exported for this region's pages
+        // (`handle.offset..+len` lies inside it, export_dmabuf's contract); the MrInner
+        // built below owns both the handle (which holds the region) and the registration,
+        // and drops the registration first, so neither the fd nor the device memory goes
+        // away while the NIC may access it. The iova is the device address, so the
+        // addresses this module computes (`base_ptr() + offset`) fall inside the MR.
+        let result = unsafe {
+            self.inner
+                .pd
+                .reg_dmabuf_mr(handle.offset, len, iova, handle.fd.as_raw_fd(), access)
+        };
+        let mr = result.map_err(|e| {
+            let source = match e.0 {
+                RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
+                other => io::Error::other(other.to_string()),
+            };
+            match source.raw_os_error() {
+                // The provider (rxe, older mlx5 kernels) has no dmabuf MRs.
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::EPROTONOSUPPORT | libc::EINVAL) => {
+                    VerbsError::UnsupportedMemory {
+                        kind,
+                        why: format!(
+                            "ibv_reg_dmabuf_mr on {}: {source}",
+                            self.inner.device.inner.name
+                        ),
+                    }
+                }
+                _ => self.register_error(len, RegisterMemoryRegionErrorKind::Ibverbs(source)),
+            }
+        })?;
+        tracing::info!(
+            device = %self.inner.device.inner.name,
+            %kind,
+            len,
+            "device memory registered through dmabuf"
+        );
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner {
+                mr,
+                dmabuf: Some(handle),
+                region,
+                pd: self.clone(),
+            }),
+        })
+    }
+
+    /// Device memory without the `cuda` feature: no dmabuf path.
+    #[cfg(not(feature = "cuda"))]
+    fn register_device(&self, region: Arc<dyn DmaRegion>) -> Result<MemoryRegion, VerbsError> {
+        Err(VerbsError::UnsupportedMemory {
+            kind: region.kind(),
+            why: "not host memory, and this build has no `cuda` feature for dmabuf".into(),
+        })
+    }
+
+    fn register_error(&self, len: usize, e: RegisterMemoryRegionErrorKind) -> VerbsError {
+        let device = self.inner.device.inner.name.clone();
+        let source = match e {
+            RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
+            other => io::Error::other(other.to_string()),
+        };
+        if source.raw_os_error() == Some(libc::ENOMEM) {
+            VerbsError::MemlockLimit {
+                device,
+                len,
+                source,
+            }
+        } else {
+            VerbsError::Register {
+                device,
+                len,
+                source,
+            }
+        }
     }
 
     pub(crate) fn same(&self, other: &Self) -> bool {
@@ -120,9 +205,15 @@ pub struct MemoryRegion {
 }
 
 pub(crate) struct MrInner {
-    // Drop order matters: the registration (`ibv_dereg_mr`) first, then the memory, then
-    // the protection domain.
+    // Drop order matters: the registration (`ibv_dereg_mr`) first, then the dmabuf fd,
+    // then the memory, then the protection domain.
     pub(crate) mr: Arc<RawMemoryRegion>,
+    /// The dmabuf a device-memory registration was made from (its fd closes after the
+    /// deregistration above).
+    #[cfg(feature = "cuda")]
+    pub(crate) dmabuf: Option<kvlease_gpu_mem::cuda::DmabufHandle>,
+    #[cfg(not(feature = "cuda"))]
+    pub(crate) dmabuf: Option<std::convert::Infallible>,
     pub(crate) region: Arc<dyn DmaRegion>,
     pub(crate) pd: ProtectionDomain,
 }
@@ -146,6 +237,11 @@ impl MemoryRegion {
     /// Whether the region is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether the registration was made from a dmabuf (CUDA device memory).
+    pub fn is_dmabuf(&self) -> bool {
+        self.inner.dmabuf.is_some()
     }
 
     /// The region that was registered.
@@ -183,6 +279,7 @@ impl fmt::Debug for MemoryRegion {
             .field("len", &self.len())
             .field("rkey", &self.rkey())
             .field("kind", &self.inner.region.kind())
+            .field("dmabuf", &self.is_dmabuf())
             .finish_non_exhaustive()
     }
 }
