@@ -1,0 +1,203 @@
+#!/bin/bash
+# Guest side of agents.sh (runs inside the VM, after guest-rxe-setup.sh): the real
+# prefill-agent (P, 10.77.2.1 -> rxeP), decode-agent (D, 10.77.2.2 -> rxeD) and
+# kvlease-proxy, with --transport verbs (no TCP fallback), driven by demo_load.
+# Per memory kind in $AG_MEMORIES (e.g. "host staged"):
+#   1. $AG_REQUESTS requests through the proxy: all ok, every kv_digest equal to the one
+#      computed from the prompt; D's kvlease_peer_backend names verbs for P and every
+#      transfer counted under backend="verbs"; P's held blocks back to 0 by read-done
+#      notifications (leases released "completed", none "expired").
+#   2. (first memory kind only) long requests queue on D, kill -9 D with leases
+#      outstanding: P must free every block within the lease TTL + 1 s.
+#   3. D restarted, a few more requests; then SIGTERM to D, proxy, P: each must exit 0.
+# Prints key=value lines; the last line is "agents: OK" or "agents: FAILED ...".
+# Inputs (env, set by agents.sh): AG_BIN (dir of the agent binaries), AG_LOAD (demo_load),
+# AG_REQUESTS, AG_LEASE_S, AG_MEMORIES, AG_LOGS (log dir).
+set -uo pipefail
+BIN=${AG_BIN:?}
+LOAD=${AG_LOAD:?}
+REQUESTS=${AG_REQUESTS:-24}
+LEASE_S=${AG_LEASE_S:-3}
+MEMORIES=${AG_MEMORIES:-host}
+LOGS=${AG_LOGS:-/tmp/kvlease-agents}
+mkdir -p "$LOGS"
+P_IP=10.77.2.1
+D_IP=10.77.2.2
+P_URL="http://$P_IP:8100"
+D_URL="http://$D_IP:8200"
+X_URL="http://127.0.0.1:8300"
+T0=$(date +%s.%N)
+PIDS=()
+
+fail() {
+  echo "agents: FAILED: $*"
+  for f in "$LOGS"/*.log; do
+    [ -f "$f" ] || continue
+    echo "----- tail of $f"
+    tail -n 25 "$f"
+  done
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
+  exit 1
+}
+emit() { echo "$1=$2"; }
+metric() { timeout 20 "$LOAD" metric --url "$1" --name "$2"; }
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }'; }
+num_eq() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a + 0 == b + 0) }'; }
+key() { sed -n "s/^$2=//p" "$1" | tail -1; }
+
+kv_config() { # role
+  printf '{"kv_connector":"kvlease","kv_role":"%s","engine_id":null,"kv_connector_extra_config":{"kv_lease_duration":%s}}' \
+    "$1" "$LEASE_S"
+}
+
+start_p() { # memory
+  "$BIN/prefill-agent" --host "$P_IP" --port 8100 --side-channel-port 5600 \
+    --transport verbs --memory "$1" --engine-id agents-p \
+    --kv-transfer-config "$(kv_config kv_producer)" >>"$LOGS/prefill.log" 2>&1 &
+  P_PID=$!; PIDS+=("$P_PID")
+}
+start_d() { # memory generation
+  "$BIN/decode-agent" --host "$D_IP" --port 8200 --side-channel-port 5700 \
+    --transport verbs --memory "$1" --engine-id "agents-d$2" --max-running 2 --step-ms 10 \
+    --kv-transfer-config "$(kv_config kv_consumer)" >>"$LOGS/decode.log" 2>&1 &
+  D_PID=$!; PIDS+=("$D_PID")
+}
+start_proxy() {
+  "$BIN/kvlease-proxy" --host 127.0.0.1 --port 8300 --prefill "$P_URL" --decode "$D_URL" \
+    --timeout-secs 60 >>"$LOGS/proxy.log" 2>&1 &
+  X_PID=$!; PIDS+=("$X_PID")
+}
+wait_up() { # url what
+  timeout 100 "$LOAD" wait-health --url "$1" --timeout-secs 90 >/dev/null \
+    || fail "$2 ($1) did not answer /health within 90 s"
+}
+# SIGTERM, then wait (bounded) and require exit status 0.
+stop_clean() { # pid what
+  local t
+  kill -TERM "$1" 2>/dev/null || fail "$2 was not running at shutdown"
+  t=$(date +%s.%N)
+  for _ in $(seq 200); do
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$1" 2>/dev/null; then
+    kill -9 "$1"
+    fail "$2 did not exit within 20 s of SIGTERM"
+  fi
+  wait "$1"
+  local rc=$?
+  emit "$3.exit_code" "$rc"
+  emit "$3.exit_s" "$(since "$t")"
+  [ "$rc" = 0 ] || fail "$2 exited with status $rc after SIGTERM"
+}
+# demo_load load; checks that all ok, no digest mismatch, and prints its key=value lines.
+load_ok() { # label requests concurrency [extra args]
+  local label=$1 n=$2 c=$3 out="$LOGS/$1.txt"
+  shift 3
+  timeout 300 "$LOAD" load --url "$X_URL" --label "$label" --requests "$n" --concurrency "$c" \
+    --timeout-secs 120 "$@" >"$out" 2>"$LOGS/$label.err"
+  local rc=$?
+  cat "$out"
+  [ "$rc" = 0 ] || { cat "$LOGS/$label.err"; fail "$label: load exited $rc"; }
+  [ "$(key "$out" "$label.ok")" = "$n" ] || fail "$label: $(key "$out" "$label.ok") of $n requests ok"
+  [ "$(key "$out" "$label.digest_mismatch")" = 0 ] || fail "$label: kv_digest mismatches"
+  [ "$(key "$out" "$label.bad_answer")" = 0 ] || fail "$label: bad answers"
+}
+# P's lease state after a batch of completed requests: no held blocks, nothing expired.
+check_released() { # label
+  timeout 40 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
+    --timeout-secs 30 --label "$1.p_blocks_held_zero" || fail "$1: P still holds blocks 30 s after the requests"
+  local granted completed expired active
+  granted=$(metric "$P_URL" kvlease_leases_granted_total)
+  completed=$(metric "$P_URL" 'kvlease_leases_released_total{reason="completed"}')
+  expired=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+  active=$(metric "$P_URL" kvlease_leases_active)
+  emit "$1.p_leases_granted" "$granted"
+  emit "$1.p_leases_completed" "$completed"
+  emit "$1.p_leases_expired" "$expired"
+  emit "$1.p_leases_active" "$active"
+  num_eq "$active" 0 || fail "$1: P has $active active leases"
+  num_eq "$granted" "$completed" || fail "$1: $granted leases granted but $completed released by read-done"
+  num_eq "$expired" 0 || fail "$1: $expired leases expired with D alive"
+}
+# D's view of the backend: P's engine on verbs, every transfer over verbs.
+check_verbs() { # label expected_transfers
+  local gauge tcp_gauge verbs tcp
+  gauge=$(metric "$D_URL" 'kvlease_peer_backend{peer="agents-p",backend="verbs"}')
+  tcp_gauge=$(metric "$D_URL" 'kvlease_peer_backend{peer="agents-p",backend="tcp"}')
+  verbs=$(metric "$D_URL" 'kvlease_transfers_total{backend="verbs"}')
+  tcp=$(metric "$D_URL" 'kvlease_transfers_total{backend="tcp"}')
+  emit "$1.d_peer_backend_verbs" "$gauge"
+  emit "$1.d_transfers_verbs" "$verbs"
+  emit "$1.d_transfers_tcp" "$tcp"
+  num_eq "$gauge" 1 && num_eq "$tcp_gauge" 0 || fail "$1: D's kvlease_peer_backend for agents-p is not verbs"
+  num_eq "$verbs" "$2" || fail "$1: $verbs verbs transfers on D, expected $2"
+  num_eq "$tcp" 0 || fail "$1: $tcp transfers went over TCP"
+  grep -q 'backend: verbs' "$LOGS/decode.log" || fail "$1: D's log has no 'backend: verbs' line"
+}
+
+for mem in $MEMORIES; do
+  rm -f "$LOGS"/*.log
+  T=$(date +%s.%N)
+  emit run.memory "$mem"
+  start_p "$mem"
+  start_d "$mem" 0
+  start_proxy
+  wait_up "$P_URL" P; wait_up "$D_URL" D; wait_up "$X_URL" proxy
+  emit "$mem.startup_s" "$(since "$T")"
+  grep -q 'verbs backend ready' "$LOGS/prefill.log" || fail "P did not start the verbs backend"
+  grep 'verbs backend ready' "$LOGS/prefill.log" | sed -n 's/.*device=\([^ ]*\).*/p.rdma_device=\1/p' | head -1
+  grep 'verbs backend ready' "$LOGS/decode.log" | sed -n 's/.*device=\([^ ]*\).*/d.rdma_device=\1/p' | head -1
+
+  load_ok "$mem.requests" "$REQUESTS" 4
+  check_verbs "$mem" "$REQUESTS"
+  check_released "$mem"
+
+  if [ "$mem" = "${MEMORIES%% *}" ]; then
+    # Long requests: D runs 2 at a time, the rest wait with their leases held on P.
+    BURST=8
+    timeout 300 "$LOAD" load --url "$X_URL" --label kill --requests "$BURST" --concurrency "$BURST" \
+      --max-tokens 400 --stream-every 0 --allow-failures --timeout-secs 120 \
+      >"$LOGS/kill.txt" 2>"$LOGS/kill.err" &
+    BURST_PID=$!; PIDS+=("$BURST_PID")
+    timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_leases_active --at-least 3 \
+      --timeout-secs 60 --label kill.leases_wait >/dev/null || fail "no leases outstanding on P before the kill"
+    HELD=$(metric "$P_URL" kvlease_blocks_held)
+    ACTIVE=$(metric "$P_URL" kvlease_leases_active)
+    EXP0=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+    kill -9 "$D_PID"
+    KILL_T=$(date +%s.%N)
+    { wait "$D_PID"; } 2>/dev/null
+    emit kill.d_exit_code "$?"
+    emit kill.leases_outstanding "$ACTIVE"
+    emit kill.blocks_held "$HELD"
+    timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
+      --timeout-secs 60 --label kill.reclaim >/dev/null || fail "P did not free D's blocks within 60 s of kill -9"
+    RECLAIM=$(since "$KILL_T")
+    BOUND=$(awk -v d="$LEASE_S" 'BEGIN { printf "%.3f", d + 1 }')
+    EXP1=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+    emit kill.reclaim_s "$RECLAIM"
+    emit kill.reclaim_bound_s "$BOUND"
+    emit kill.leases_expired "$(awk -v a="$EXP1" -v b="$EXP0" 'BEGIN { print a - b }')"
+    num_eq "$(metric "$P_URL" kvlease_leases_active)" 0 || fail "P still has active leases after the reclaim"
+    awk -v a="$EXP1" -v b="$EXP0" 'BEGIN { exit !(a - b > 0) }' || fail "no lease expired after kill -9 D"
+    awk -v w="$RECLAIM" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
+      || fail "P reclaimed ${RECLAIM}s after the kill, bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
+    wait "$BURST_PID"
+    sed -n 's/^\(kill\.\(ok\|failed\|digest_mismatch\)\)=/\1=/p' "$LOGS/kill.txt"
+    [ "$(key "$LOGS/kill.txt" kill.digest_mismatch)" = 0 ] || fail "kill: kv_digest mismatch on a request that succeeded"
+
+    start_d "$mem" 1
+    wait_up "$D_URL" "restarted D"
+    load_ok "$mem.after" 8 4
+  fi
+
+  stop_clean "$D_PID" D "$mem.d"
+  stop_clean "$X_PID" proxy "$mem.proxy"
+  stop_clean "$P_PID" P "$mem.p"
+  PIDS=()
+  p50=$(key "$LOGS/$mem.requests.txt" "$mem.requests.p50_ms")
+  emit "$mem.result" "ok requests=$REQUESTS backend=verbs p50_ms=$p50 wall_s=$(since "$T")"
+done
+emit agents.wall_s "$(since "$T0")"
+echo "agents: OK"
