@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs, then runs every check CI runs.
-#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VM)
+#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VM: rxe tests, agents over verbs)
 #   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +31,7 @@ RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items
 if [ "${KVLEASE_SKIP_RDMA:-0}" != 1 ]; then
   step "SoftRoCE tests in a qemu VM"
   bash scripts/softroce/test.sh
+  step "agents over SoftRoCE (verbs) in a qemu VM"
+  bash scripts/softroce/agents.sh
 fi
 step "all checks passed"
