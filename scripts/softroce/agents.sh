@@ -19,7 +19,8 @@
 #          these binaries already, with the same workspace feature set; measured under TCG:
 #          debug VM run 69 s, p50 3.0 s per request; release 28 s, p50 0.35 s, but a release
 #          build from clean costs minutes), AG_REQUESTS (24), AG_LEASE_S (3),
-#        AG_MEMORIES ("host"; "host staged" adds a run with --memory staged on P and D),
+#        AG_MEMORIES (default "host staged": a run with host memory, then one with --memory staged
+#        on P and D, whose batches go over the verbs link's TCP connection through the stager),
 #        SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg).
 # Run it under `flock /tmp/kvlease-vm.lock` where several users share the machine.
 set -uo pipefail
@@ -46,7 +47,7 @@ done
 [ -x "$AG_LOAD" ] || { echo "softroce/agents.sh: $AG_LOAD missing" >&2; exit 1; }
 echo "softroce/agents.sh: built ($PROFILE) in $(( $(date +%s) - T0 )) s"
 
-export AG_REQUESTS=${AG_REQUESTS:-24} AG_LEASE_S=${AG_LEASE_S:-3} AG_MEMORIES=${AG_MEMORIES:-host}
+export AG_REQUESTS=${AG_REQUESTS:-24} AG_LEASE_S=${AG_LEASE_S:-3} AG_MEMORIES=${AG_MEMORIES:-host staged}
 export AG_LOGS=/tmp/kvlease-agents RUST_BACKTRACE=1
 export SR_TIMEOUT=${SR_TEST_TIMEOUT:-240}
 LOG=$(mktemp /tmp/kvlease-agents.XXXXXX.log)

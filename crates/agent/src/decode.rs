@@ -185,7 +185,9 @@ struct Pending {
     worker: usize,
     p_rank: u32,
     batch: link::BatchId,
-    /// The backend of the peer the batch reads from (`"verbs"` or `"tcp"`).
+    /// The backend of the peer the batch reads from (`"verbs"` or `"tcp"`), replaced at
+    /// completion by the one that moved its bytes (a verbs peer's batches on memory verbs
+    /// could not register go over TCP).
     backend: &'static str,
     done: Option<Result<u64, link::Failure>>,
 }
@@ -937,7 +939,10 @@ impl DecodeEngine {
                     let agent = &self.workers[b.worker].agent;
                     match link::poll(agent, b.batch) {
                         LinkStatus::Pending => all_done = false,
-                        LinkStatus::Done { bytes } => b.done = Some(Ok(bytes)),
+                        LinkStatus::Done { bytes, backend } => {
+                            b.backend = backend;
+                            b.done = Some(Ok(bytes));
+                        }
                         LinkStatus::Failed(f) => b.done = Some(Err(f)),
                     }
                 }

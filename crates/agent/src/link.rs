@@ -92,6 +92,8 @@ pub enum LinkStatus {
     Done {
         /// Bytes.
         bytes: u64,
+        /// The backend that moved them (`"verbs"` or `"tcp"`).
+        backend: &'static str,
     },
     /// Failed.
     Failed(Failure),
@@ -137,7 +139,10 @@ pub fn post_read(
 pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
     match agent.poll_batch(batch) {
         Ok(BatchStatus::Pending) => LinkStatus::Pending,
-        Ok(BatchStatus::Done(stats)) => LinkStatus::Done { bytes: stats.bytes },
+        Ok(BatchStatus::Done(stats)) => LinkStatus::Done {
+            bytes: stats.bytes,
+            backend: stats.backend,
+        },
         Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure {
             stale: matches!(e, TransferError::FenceMismatch { .. }),
             message: e.to_string(),

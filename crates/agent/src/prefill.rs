@@ -948,7 +948,7 @@ impl PrefillEngine {
                         result = Err("the pull's reads timed out".to_owned());
                         break;
                     }
-                    link::LinkStatus::Done { bytes } => {
+                    link::LinkStatus::Done { bytes, .. } => {
                         self.metrics.transfer_bytes.inc_by(bytes);
                         break;
                     }

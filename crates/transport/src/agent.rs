@@ -108,6 +108,10 @@ pub struct BatchStats {
     pub ops: usize,
     /// The fence word read, when the batch had a fence.
     pub fence_word: Option<u64>,
+    /// The backend that moved the bytes: `"verbs"` (RDMA READ) or `"tcp"`. A peer
+    /// connected over verbs still has batches that touch memory verbs could not register
+    /// (device memory without dmabuf) moved over TCP.
+    pub backend: &'static str,
 }
 
 /// Where a batch stands.

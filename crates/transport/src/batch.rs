@@ -39,6 +39,9 @@ pub(crate) struct BatchState {
     pub(crate) bytes: u64,
     pub(crate) ops: usize,
     pub(crate) fence_word: Option<u64>,
+    /// The backend that moves the bytes (`"tcp"` unless the verbs link posts it to its
+    /// queue pair).
+    pub(crate) backend: &'static str,
 }
 
 /// What the backend must do after a data chunk completed.
@@ -106,6 +109,7 @@ impl BatchState {
                 bytes: self.bytes,
                 ops: self.ops,
                 fence_word: self.fence_word,
+                backend: self.backend,
             });
         }
     }
@@ -189,6 +193,7 @@ impl Batch {
                 bytes: 0,
                 ops,
                 fence_word: None,
+                backend: "tcp",
             }),
             settled: AtomicBool::new(false),
         }

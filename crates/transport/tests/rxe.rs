@@ -751,7 +751,11 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
     let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
     ensure!(backend == "verbs", "backend {backend}: {why}");
 
-    let read = |dst: u64, src: &kvlease_transport::RegionDesc, expected: u64| -> Result<bool> {
+    // The backend that moved the batch, or None when it failed.
+    let read = |dst: u64,
+                src: &kvlease_transport::RegionDesc,
+                expected: u64|
+     -> Result<Option<&'static str>> {
         let batch = ReadBatch {
             ops: vec![ReadOp {
                 local: LocalRange {
@@ -773,11 +777,11 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
             match d.poll_batch(id)? {
                 kvlease_transport::BatchStatus::Done(s) => {
                     ensure!(s.fence_word == Some(expected));
-                    return Ok(true);
+                    return Ok(Some(s.backend));
                 }
                 kvlease_transport::BatchStatus::Failed(e) => {
                     println!("batch failed: {e}");
-                    return Ok(false);
+                    return Ok(None);
                 }
                 _ => {}
             }
@@ -791,16 +795,16 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
     };
     // staged -> host, host -> staged, staged -> staged, host -> host (verbs).
     ensure!(
-        read(host_dst_d.id, &staged_src_d, 5)?,
-        "staged -> host failed"
+        read(host_dst_d.id, &staged_src_d, 5)? == Some("tcp"),
+        "staged -> host"
     );
     ensure!(
         bytes(&host_dst, 0, LEN)? == data,
         "staged -> host bytes differ"
     );
     ensure!(
-        read(staged_dst_d.id, &host_src_d, 5)?,
-        "host -> staged failed"
+        read(staged_dst_d.id, &host_src_d, 5)? == Some("tcp"),
+        "host -> staged"
     );
     ensure!(
         staged_bytes(&staged_dst)? == data,
@@ -808,15 +812,18 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
     );
     staging::write_region(staged_dst.as_ref(), 0, &vec![0u8; LEN])?;
     ensure!(
-        read(staged_dst_d.id, &staged_src_d, 5)?,
-        "staged -> staged failed"
+        read(staged_dst_d.id, &staged_src_d, 5)? == Some("tcp"),
+        "staged -> staged"
     );
     ensure!(
         staged_bytes(&staged_dst)? == data,
         "staged -> staged bytes differ"
     );
     host_dst.write_from(0, &vec![0u8; LEN])?;
-    ensure!(read(host_dst_d.id, &host_src_d, 5)?, "host -> host failed");
+    ensure!(
+        read(host_dst_d.id, &host_src_d, 5)? == Some("verbs"),
+        "host -> host"
+    );
     ensure!(
         bytes(&host_dst, 0, LEN)? == data,
         "host -> host bytes differ"
@@ -824,11 +831,11 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
     // A changed generation fails the staged batch as it fails a verbs one.
     fences.store_u64(8, 6)?;
     ensure!(
-        !read(host_dst_d.id, &staged_src_d, 5)?,
+        read(host_dst_d.id, &staged_src_d, 5)?.is_none(),
         "stale fence accepted over TCP"
     );
     ensure!(
-        !read(host_dst_d.id, &host_src_d, 5)?,
+        read(host_dst_d.id, &host_src_d, 5)?.is_none(),
         "stale fence accepted over verbs"
     );
     let (backend, _) = d.peer_backend(peer).unwrap_or(("?", String::new()));

@@ -622,6 +622,7 @@ impl Link {
         };
         match st.ep.post_read_batch(&ops, fence_op.as_ref(), None) {
             Ok(id) => {
+                batch.lock().backend = "verbs";
                 st.tracked.insert(
                     id,
                     Tracked {
