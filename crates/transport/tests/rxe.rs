@@ -441,14 +441,14 @@ mod agent {
         ReadBatch, ReadOp, RegionId,
     };
 
-    fn addr(var: &str, default: [u8; 4]) -> IpAddr {
+    pub(super) fn addr(var: &str, default: [u8; 4]) -> IpAddr {
         std::env::var(var)
             .ok()
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| IpAddr::V4(Ipv4Addr::from(default)))
     }
 
-    fn agent(name: &str, ip: IpAddr, backend: BackendChoice) -> Result<Agent> {
+    pub(super) fn agent(name: &str, ip: IpAddr, backend: BackendChoice) -> Result<Agent> {
         let mut c = AgentConfig::new(name);
         c.listen = SocketAddr::new(ip, 0);
         c.backend = backend;
@@ -708,30 +708,16 @@ fn device_memory_without_dmabuf_is_refused_with_the_reason() -> Result<()> {
 /// bytes arrive too). The peer's backend stays "verbs" throughout.
 #[test]
 fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
-    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-
     use kvlease_gpu_mem::{StagedHostRegion, staging};
-    use kvlease_transport::{
-        Agent, AgentConfig, BackendChoice, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId,
-    };
+    use kvlease_transport::{BackendChoice, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId};
 
     if devices("batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link").is_none() {
         return Ok(());
     }
-    let addr = |var: &str, default: [u8; 4]| {
-        std::env::var(var)
-            .ok()
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| IpAddr::V4(Ipv4Addr::from(default)))
-    };
-    let agent = |name: &str, ip: IpAddr| -> Result<Agent> {
-        let mut c = AgentConfig::new(name);
-        c.listen = SocketAddr::new(ip, 0);
-        c.backend = BackendChoice::Verbs;
-        Ok(Agent::new(c)?)
-    };
-    let p = agent("p", addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
-    let d = agent("d", addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]))?;
+    let p_ip = agent::addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]);
+    let d_ip = agent::addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]);
+    let p = agent::agent("p", p_ip, BackendChoice::Verbs)?;
+    let d = agent::agent("d", d_ip, BackendChoice::Verbs)?;
     const LEN: usize = 3 << 20;
     let data = pattern(LEN, 29);
     let staged_src = Arc::new(StagedHostRegion::new(LEN)?);
@@ -788,46 +774,43 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
             ensure!(Instant::now() < deadline, "batch still pending");
         }
     };
-    let staged_bytes = |r: &StagedHostRegion| -> Result<Vec<u8>> {
+    // Each destination as D reads it back (staged memory through the staging copy).
+    let dst_bytes = |staged: bool| -> Result<Vec<u8>> {
         let mut v = vec![0u8; LEN];
-        staging::read_region(r, 0, &mut v)?;
+        if staged {
+            staging::read_region(staged_dst.as_ref(), 0, &mut v)?;
+        } else {
+            host_dst.read_into(0, &mut v)?;
+        }
         Ok(v)
     };
-    // staged -> host, host -> staged, staged -> staged, host -> host (verbs).
-    ensure!(
-        read(host_dst_d.id, &staged_src_d, 5)? == Some("tcp"),
-        "staged -> host"
-    );
-    ensure!(
-        bytes(&host_dst, 0, LEN)? == data,
-        "staged -> host bytes differ"
-    );
-    ensure!(
-        read(staged_dst_d.id, &host_src_d, 5)? == Some("tcp"),
-        "host -> staged"
-    );
-    ensure!(
-        staged_bytes(&staged_dst)? == data,
-        "host -> staged bytes differ"
-    );
-    staging::write_region(staged_dst.as_ref(), 0, &vec![0u8; LEN])?;
-    ensure!(
-        read(staged_dst_d.id, &staged_src_d, 5)? == Some("tcp"),
-        "staged -> staged"
-    );
-    ensure!(
-        staged_bytes(&staged_dst)? == data,
-        "staged -> staged bytes differ"
-    );
-    host_dst.write_from(0, &vec![0u8; LEN])?;
-    ensure!(
-        read(host_dst_d.id, &host_src_d, 5)? == Some("verbs"),
-        "host -> host"
-    );
-    ensure!(
-        bytes(&host_dst, 0, LEN)? == data,
-        "host -> host bytes differ"
-    );
+    let zero = vec![0u8; LEN];
+    // (destination staged, source staged, the backend that must move the batch)
+    for (dst_staged, src_staged, backend) in [
+        (false, true, "tcp"),
+        (true, false, "tcp"),
+        (true, true, "tcp"),
+        (false, false, "verbs"),
+    ] {
+        let label = format!("staged dst {dst_staged}, staged src {src_staged}");
+        staging::write_region(staged_dst.as_ref(), 0, &zero)?;
+        host_dst.write_from(0, &zero)?;
+        let dst = if dst_staged {
+            &staged_dst_d
+        } else {
+            &host_dst_d
+        };
+        let src = if src_staged {
+            &staged_src_d
+        } else {
+            &host_src_d
+        };
+        ensure!(
+            read(dst.id, src, 5)? == Some(backend),
+            "{label}: not moved by {backend}"
+        );
+        ensure!(dst_bytes(dst_staged)? == data, "{label}: bytes differ");
+    }
     // A changed generation fails the staged batch as it fails a verbs one.
     fences.store_u64(8, 6)?;
     ensure!(
