@@ -620,9 +620,10 @@ impl Link {
             }),
             None => None,
         };
+        // Set before posting, so a timeout racing the post finds it on the queue pair.
+        batch.lock().backend = "verbs";
         match st.ep.post_read_batch(&ops, fence_op.as_ref(), None) {
             Ok(id) => {
-                batch.lock().backend = "verbs";
                 st.tracked.insert(
                     id,
                     Tracked {
@@ -716,8 +717,12 @@ impl Link {
     /// The batch timed out: stop every transfer into its memory by resetting the queue
     /// pair (the other batches' reads are re-posted after the reconnect).
     pub(crate) fn on_timeout(&self, batch: &Batch) {
-        // A batch that went over TCP (see `needs_tcp`) is cancelled there.
-        self.tcp.on_timeout(batch);
+        // A batch that went over TCP (see `needs_tcp`) is cancelled there; the queue pair
+        // has nothing of it to stop.
+        if batch.lock().backend == "tcp" {
+            self.tcp.on_timeout(batch);
+            return;
+        }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
         let ids: Vec<VerbsBatchId> = st
