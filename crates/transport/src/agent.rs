@@ -110,7 +110,7 @@ pub struct BatchStats {
     pub fence_word: Option<u64>,
     /// The backend that moved the bytes: `"verbs"` (RDMA READ) or `"tcp"`. A peer
     /// connected over verbs still has batches that touch memory verbs could not register
-    /// (device memory without dmabuf) moved over TCP.
+    /// (not even through a host mirror, or registered after connect) moved over TCP.
     pub backend: &'static str,
 }
 
@@ -465,7 +465,8 @@ impl Agent {
         tracing::debug!(id = desc.id, len = desc.len, kind = %region.kind(), "region registered");
         #[cfg(feature = "verbs")]
         if let Ok(v) = &self.inner.verbs {
-            // Peers fall back to TCP reads of a region that verbs could not register.
+            // Directly, through dmabuf, or through a host mirror; peers fall back to TCP
+            // reads of a region that none of these could register.
             if let Err(e) = v.register(desc.id, region.clone()) {
                 tracing::warn!(id = desc.id, "verbs registration failed (TCP only): {e}");
             }
@@ -477,6 +478,67 @@ impl Agent {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(desc.id, Registered { region, desc });
         Ok(desc)
+    }
+
+    /// Makes `len` bytes at `offset` of `region` visible to peers that read it over
+    /// verbs: call it after writing data that peers will read, and before telling them to
+    /// read it (before publishing the fence generation that lets them read).
+    ///
+    /// Memory verbs cannot register directly or through dmabuf (CUDA device memory
+    /// without dmabuf support, staged host memory) is served to verbs peers from a
+    /// registered host mirror of the same length; this copies the range region → mirror
+    /// (device → host for CUDA memory). Until then, verbs peers read the mirror's old
+    /// bytes. For regions served directly (host, pinned, dmabuf-registered device
+    /// memory), for regions verbs did not register at all, and on an agent without a
+    /// verbs backend it only checks the range: TCP peers are always served from the
+    /// region itself.
+    ///
+    /// # Errors
+    /// [`RegisterError::Unknown`] when `region` is not registered,
+    /// [`RegisterError::Range`] for a range outside it, [`RegisterError::Mirror`] when the
+    /// copy fails.
+    pub fn sync_for_peers(
+        &self,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), RegisterError> {
+        let region_len = self
+            .inner
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&region.0)
+            .map(|r| r.desc.len)
+            .ok_or(RegisterError::Unknown(region))?;
+        if offset.checked_add(len).is_none_or(|end| end > region_len) {
+            return Err(RegisterError::Range {
+                region,
+                source: RegionAccessError::OutOfBounds {
+                    offset,
+                    len,
+                    region_len,
+                },
+            });
+        }
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &self.inner.verbs {
+            v.sync_out(region.0, offset, len)
+                .map_err(|reason| RegisterError::Mirror { region, reason })?;
+        }
+        Ok(())
+    }
+
+    /// Whether verbs peers read `region` from a host mirror (so that writes to it reach
+    /// them only through [`sync_for_peers`](Self::sync_for_peers)). False without a verbs
+    /// backend.
+    pub fn is_mirrored(&self, region: RegionId) -> bool {
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &self.inner.verbs {
+            return v.is_mirrored(region.0);
+        }
+        let _ = region;
+        false
     }
 
     /// Removes a registration: later reads of it are refused (reads being served right

@@ -38,6 +38,25 @@ pub enum RegisterError {
     /// The OS random source failed (keys must be unguessable).
     #[error("random source failed: {0}")]
     Random(getrandom::Error),
+    /// A range given to [`Agent::sync_for_peers`](crate::Agent::sync_for_peers) lies
+    /// outside the region.
+    #[error("range of region {region:?} is unusable")]
+    Range {
+        /// The region.
+        region: RegionId,
+        /// Why.
+        #[source]
+        source: RegionAccessError,
+    },
+    /// Copying a region's range into the host mirror that verbs peers read failed
+    /// (a CUDA copy error); peers must not be told to read that range.
+    #[error("copying region {region:?} into its verbs mirror failed: {reason}")]
+    Mirror {
+        /// The region.
+        region: RegionId,
+        /// What the copy said.
+        reason: String,
+    },
 }
 
 /// Why peer metadata could not be loaded.
@@ -250,6 +269,16 @@ pub enum TransferError {
         len: usize,
         /// The limit.
         max: usize,
+    },
+    /// The reads completed into a host mirror of a local destination (memory verbs can
+    /// register only through a mirror), and copying them on into the destination failed;
+    /// the destination bytes are unspecified.
+    #[error("copying the bytes read from peer {peer} out of the verbs mirror failed: {reason}")]
+    LocalCopy {
+        /// Peer name.
+        peer: String,
+        /// What the copy said.
+        reason: String,
     },
     /// The backend cannot do this (e.g. a verbs peer without the feature).
     #[error("backend of peer {peer} cannot do this: {reason}")]

@@ -54,13 +54,15 @@ pub enum VerbsError {
         #[source]
         source: io::Error,
     },
-    /// This kind of memory cannot be registered by this backend: it is not host memory
-    /// and, for CUDA device memory, dmabuf registration is not possible (`why` says
-    /// which step failed). The transport agent then serves the region over TCP, staged
-    /// through pinned buffers.
+    /// [`ProtectionDomain::register`](super::ProtectionDomain::register) cannot register
+    /// this memory itself: it is not host memory and, for CUDA device memory, dmabuf
+    /// registration is not possible (`why` says which step failed). The transport agent
+    /// then registers a host mirror of the region instead (pinned memory for CUDA
+    /// regions) and copies through it; only where that fails too do peers read the
+    /// region over TCP.
     #[error(
-        "{kind} memory cannot be registered with the verbs backend ({why}); peers read it \
-         over TCP, staged through pinned buffers"
+        "{kind} memory cannot be registered with the verbs backend itself ({why}); \
+         register a host mirror of it instead (the transport agent does)"
     )]
     UnsupportedMemory {
         /// The region's kind.

@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 
+use super::mirror::Registration;
 use super::{
     BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
     Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion,
@@ -56,7 +57,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug)]
 pub(crate) struct Backend {
     pd: ProtectionDomain,
-    regions: Mutex<HashMap<u64, MemoryRegion>>,
+    regions: Mutex<HashMap<u64, Registration>>,
     listen: SocketAddr,
     endpoint: EndpointConfig,
     timeout: Duration,
@@ -117,11 +118,30 @@ impl Backend {
         })
     }
 
-    /// Registers a region of the agent (whole, once).
+    /// Registers a region of the agent (whole, once): directly, through dmabuf, or
+    /// through a registered host mirror (see [`super::mirror`]).
     pub(crate) fn register(&self, id: u64, region: Arc<dyn DmaRegion>) -> Result<(), String> {
-        let mr = self.pd.register(region).map_err(|e| e.to_string())?;
-        lock(&self.regions).insert(id, mr);
+        let reg = Registration::new(&self.pd, region)?;
+        lock(&self.regions).insert(id, reg);
         Ok(())
+    }
+
+    /// Copies `offset..offset + len` of region `id` into its mirror, so that peers' READs
+    /// see it. Ok without a mirror, and for a region verbs did not register (peers read
+    /// that one over TCP, from the region itself).
+    pub(crate) fn sync_out(&self, id: u64, offset: u64, len: u64) -> Result<(), String> {
+        let reg = lock(&self.regions).get(&id).cloned();
+        match reg {
+            Some(reg) => reg.sync_out(offset, len),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether region `id` is served through a mirror.
+    pub(crate) fn is_mirrored(&self, id: u64) -> bool {
+        lock(&self.regions)
+            .get(&id)
+            .is_some_and(Registration::is_mirror)
     }
 
     /// Forgets a region (it is deregistered once no work request references it).
@@ -129,17 +149,26 @@ impl Backend {
         lock(&self.regions).remove(&id);
     }
 
-    /// This agent's metadata entry: side channel, GID, and the rkey of every region.
+    /// This agent's metadata entry: side channel, GID, the rkey of every region, and
+    /// for mirrored regions the mirror's address (peers read there instead of at the
+    /// region's own base).
     pub(crate) fn metadata(&self) -> serde_json::Value {
-        let rkeys: serde_json::Map<String, serde_json::Value> = lock(&self.regions)
+        let regions = lock(&self.regions);
+        let rkeys: serde_json::Map<String, serde_json::Value> = regions
             .iter()
-            .map(|(id, mr)| (id.to_string(), serde_json::Value::from(mr.rkey())))
+            .map(|(id, reg)| (id.to_string(), serde_json::Value::from(reg.mr().rkey())))
+            .collect();
+        let mirrors: serde_json::Map<String, serde_json::Value> = regions
+            .iter()
+            .filter(|(_, reg)| reg.is_mirror())
+            .map(|(id, reg)| (id.to_string(), serde_json::Value::from(reg.remote_base())))
             .collect();
         serde_json::json!({
             "addr": self.listen.to_string(),
             "device": self.pd.device().name(),
             "gid": self.pd.device().gid().to_string(),
             "rkeys": rkeys,
+            "mirrors": mirrors,
         })
     }
 
@@ -165,6 +194,16 @@ impl Backend {
             .map(|m| {
                 m.iter()
                     .filter_map(|(k, v)| Some((k.parse().ok()?, u32::try_from(v.as_u64()?).ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // Mirrored regions: the address the peer's NIC serves them at.
+        let bases: HashMap<u64, u64> = entry
+            .get("mirrors")
+            .and_then(|r| r.as_object())
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.parse().ok()?, v.as_u64()?)))
                     .collect()
             })
             .unwrap_or_default();
@@ -198,6 +237,7 @@ impl Backend {
             peer: meta.name.clone(),
             meta: meta.clone(),
             rkeys,
+            bases,
             local: regions,
             tcp,
             state: Mutex::new(LinkState {
@@ -467,8 +507,10 @@ pub(crate) struct Link {
     peer: String,
     meta: AgentMetadata,
     rkeys: HashMap<u64, u32>,
+    /// The peer's mirrored regions: where its NIC serves them.
+    bases: HashMap<u64, u64>,
     /// This agent's registrations at connect time (destinations of reads).
-    local: HashMap<u64, MemoryRegion>,
+    local: HashMap<u64, Registration>,
     tcp: Arc<TcpLink>,
     state: Mutex<LinkState>,
     fence_words: Arc<HostRegion>,
@@ -488,6 +530,9 @@ struct Tracked {
     batch: Arc<Batch>,
     chunk_lens: Vec<u64>,
     fence: Option<(u32, FenceRead)>,
+    /// Ranges of mirrored destinations the reads land in, copied mirror → region before
+    /// the batch is done (adjacent chunks merged).
+    copy_back: Vec<(Registration, u64, u64)>,
 }
 
 impl Link {
@@ -515,13 +560,14 @@ impl Link {
             .rkeys
             .get(&range.region)
             .ok_or_else(|| invalid(format!("peer region {} has no rkey", range.region)))?;
-        Ok(RemoteRegion::new(desc.base, desc.len, *rkey))
+        let base = self.bases.get(&range.region).copied().unwrap_or(desc.base);
+        Ok(RemoteRegion::new(base, desc.len, *rkey))
     }
 
-    fn local_mr(&self, dest: &Arc<dyn DmaRegion>) -> Result<MemoryRegion, TransferError> {
+    fn local_reg(&self, dest: &Arc<dyn DmaRegion>) -> Result<Registration, TransferError> {
         self.local
             .values()
-            .find(|mr| Arc::ptr_eq(mr.region(), dest))
+            .find(|reg| Arc::ptr_eq(reg.region(), dest))
             .cloned()
             .ok_or_else(|| TransferError::InvalidBatch {
                 peer: self.peer.clone(),
@@ -555,7 +601,7 @@ impl Link {
             !self
                 .local
                 .values()
-                .any(|mr| Arc::ptr_eq(mr.region(), &c.dest))
+                .any(|reg| Arc::ptr_eq(reg.region(), &c.dest))
         }) {
             return Some(format!(
                 "local {} region has no verbs registration on this link",
@@ -578,23 +624,37 @@ impl Link {
         chunks: Vec<tcp::Chunk>,
     ) -> Result<(), TransferError> {
         if let Some(why) = self.needs_tcp(batch, &chunks) {
-            // Memory verbs could not register (device memory without dmabuf) or a local
-            // region registered after connect: the TCP link reads it instead, staging
-            // device memory through pinned buffers on both sides.
+            // Memory verbs could register neither directly, nor through dmabuf, nor through
+            // a mirror (the mirror's allocation failed), or a local region registered after
+            // connect: the TCP link reads it instead, staging device memory through pinned
+            // buffers on both sides.
             tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
             return self.tcp.post(batch, chunks);
         }
         let mut ops = Vec::with_capacity(chunks.len());
         let mut lens = Vec::with_capacity(chunks.len());
+        let mut copy_back: Vec<(Registration, u64, u64)> = Vec::new();
         for c in &chunks {
+            let reg = self.local_reg(&c.dest)?;
             ops.push(ReadOp {
-                local: self.local_mr(&c.dest)?,
+                local: reg.mr().clone(),
                 local_offset: c.dest_offset,
                 remote: self.remote(&c.remote)?,
                 remote_offset: c.remote.offset,
                 len: c.len,
             });
             lens.push(c.len);
+            if reg.is_mirror() {
+                match copy_back.last_mut() {
+                    Some((last, off, len))
+                        if Arc::ptr_eq(last.region(), reg.region())
+                            && *off + *len == c.dest_offset =>
+                    {
+                        *len += c.len;
+                    }
+                    _ => copy_back.push((reg, c.dest_offset, c.len)),
+                }
+            }
         }
         let mut st = lock(&self.state);
         let fence = match batch.lock().fence {
@@ -630,6 +690,7 @@ impl Link {
                         batch: Arc::clone(batch),
                         chunk_lens: lens,
                         fence,
+                        copy_back,
                     },
                 );
                 Ok(())
@@ -645,36 +706,49 @@ impl Link {
 
     /// Reaps completions and advances finished batches; reconnects a failed queue pair.
     /// Called from the agent's `poll_batch` (no thread of our own).
+    ///
+    /// A batch whose reads landed in mirrors is copied mirror → region (under the batch
+    /// lock, outside the queue pair's) before it is marked done and before its
+    /// notification goes out: the peer may free the source on that notification.
     pub(crate) fn progress(&self) {
-        let mut guard = lock(&self.state);
-        let st = &mut *guard;
-        if let Err(e) = st.ep.poll() {
-            tracing::warn!(peer = %self.peer, "verbs poll: {e}");
-        }
-        if st.ep.state() == EndpointState::NeedsReconnect {
-            if let Err(e) = reconnect(st) {
-                tracing::warn!(peer = %self.peer, "verbs reconnect failed: {e}");
-                for (_, t) in st.tracked.drain() {
-                    t.batch
-                        .lock()
-                        .fail(self.rdma_failed(format!("reconnect failed: {e}")));
+        let mut finished = Vec::new();
+        {
+            let mut guard = lock(&self.state);
+            let st = &mut *guard;
+            if let Err(e) = st.ep.poll() {
+                tracing::warn!(peer = %self.peer, "verbs poll: {e}");
+            }
+            if st.ep.state() == EndpointState::NeedsReconnect {
+                if let Err(e) = reconnect(st) {
+                    tracing::warn!(peer = %self.peer, "verbs reconnect failed: {e}");
+                    for (_, t) in st.tracked.drain() {
+                        t.batch
+                            .lock()
+                            .fail(self.rdma_failed(format!("reconnect failed: {e}")));
+                    }
+                    return;
                 }
-                return;
+                tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
             }
-            tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
+            let ids: Vec<VerbsBatchId> = st.tracked.keys().copied().collect();
+            for id in ids {
+                let status = match st.ep.poll_batch(id) {
+                    None | Some(VerbsStatus::Pending) => continue,
+                    Some(s) => s,
+                };
+                let Some(t) = st.tracked.remove(&id) else {
+                    continue;
+                };
+                // The word is read before its slot is free for another batch.
+                let word = t.fence.and_then(|(slot, _)| {
+                    let word = self.fence_words.load_u64(u64::from(slot) * 8).ok();
+                    st.free_fence.push(slot);
+                    word
+                });
+                finished.push((t, status, word));
+            }
         }
-        let ids: Vec<VerbsBatchId> = st.tracked.keys().copied().collect();
-        for id in ids {
-            let status = match st.ep.poll_batch(id) {
-                None | Some(VerbsStatus::Pending) => continue,
-                Some(s) => s,
-            };
-            let Some(t) = st.tracked.remove(&id) else {
-                continue;
-            };
-            if let Some((slot, _)) = t.fence {
-                st.free_fence.push(slot);
-            }
+        for (t, status, word) in finished {
             let mut bst = t.batch.lock();
             match status {
                 VerbsStatus::Done => {
@@ -683,13 +757,16 @@ impl Link {
                         next = bst.chunk_done(*len);
                     }
                     if let Next::Fence(f) = next {
-                        let word = t
-                            .fence
-                            .and_then(|(slot, _)| {
-                                self.fence_words.load_u64(u64::from(slot) * 8).ok()
-                            })
-                            .unwrap_or(0);
-                        next = bst.fence_done(&self.peer, f.expected, word);
+                        next = bst.fence_done(&self.peer, f.expected, word.unwrap_or(0));
+                    }
+                    if matches!(next, Next::Notify(_) | Next::Finish)
+                        && let Err(e) = copy_back(&t.copy_back)
+                    {
+                        bst.fail(TransferError::LocalCopy {
+                            peer: self.peer.clone(),
+                            reason: e,
+                        });
+                        continue;
                     }
                     match next {
                         Next::Notify(n) => match self.tcp.send_notif(n) {
@@ -749,6 +826,15 @@ impl Link {
         let _ = st.side.shutdown(std::net::Shutdown::Both);
         self.tcp.close();
     }
+}
+
+/// Copies each range that a batch read into a mirror over to its region.
+fn copy_back(ranges: &[(Registration, u64, u64)]) -> Result<(), String> {
+    for (reg, offset, len) in ranges {
+        reg.sync_in(*offset, *len)
+            .map_err(|e| format!("after the verbs read of [{offset}+{len}]: {e}"))?;
+    }
+    Ok(())
 }
 
 fn reconnect(st: &mut LinkState) -> Result<(), String> {

@@ -25,6 +25,7 @@ mod endpoint;
 mod error;
 pub(crate) mod link;
 mod memory;
+pub(crate) mod mirror;
 
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{

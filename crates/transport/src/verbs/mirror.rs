@@ -1,0 +1,228 @@
+//! How an agent's region becomes readable (and writable) over verbs: one of three paths.
+//!
+//! - **Direct**: host-accessible memory (host, CUDA pinned) is registered with
+//!   `ibv_reg_mr`; the NIC reads and writes the region itself.
+//! - **Dmabuf**: CUDA device memory (with the `cuda` feature) is exported as a dmabuf and
+//!   registered with `ibv_reg_dmabuf_mr` ([`ProtectionDomain::register`]); the NIC reads and
+//!   writes device memory (GPUDirect RDMA), no copy.
+//! - **Mirror**: memory neither path can register (CUDA device memory without dmabuf
+//!   support, [`MemoryKind::StagedHost`]) gets a host mirror of the same length (CUDA pinned
+//!   memory for CUDA regions, host memory for staged host regions), and the mirror is
+//!   registered instead. Its address and rkey stand for the region in the agent's verbs
+//!   metadata (`"mirrors"`, `"rkeys"`). The source copies region → mirror
+//!   ([`Registration::sync_out`], `Agent::sync_for_peers`) before peers read; a read into
+//!   a mirror-backed destination lands in the mirror and is copied mirror → region
+//!   ([`Registration::sync_in`]) before its batch is reported done. This is vLLM
+//!   NixlConnector's `kv_buffer_device=cpu`: host transfer buffers the size of the KV cache,
+//!   a device→host copy after prefill, a host→device copy after the read. It costs host
+//!   memory equal to the region (pinned, and counted against `RLIMIT_MEMLOCK`) and one copy
+//!   on each side of a transfer.
+
+use std::sync::Arc;
+
+use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionBytes, staging};
+
+use super::{MemoryRegion, ProtectionDomain, VerbsError};
+
+/// The registration path a memory kind tries first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// `ibv_reg_mr` on the region.
+    Direct,
+    /// dmabuf export + `ibv_reg_dmabuf_mr` (falls back to [`Path::Mirror`] when refused).
+    Dmabuf,
+    /// A registered host mirror.
+    Mirror,
+}
+
+/// The memory a mirror of a `kind` region is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MirrorMemory {
+    /// Page-aligned host memory.
+    Host,
+    /// CUDA pinned memory in the primary context of device `ordinal` (DMA-able by the
+    /// GPU's copy engines at full speed).
+    CudaPinned {
+        /// The CUDA device ordinal.
+        ordinal: u32,
+    },
+}
+
+/// The first path for `kind` (in a build with or without the `cuda` feature).
+pub(crate) fn first_path(kind: MemoryKind, cuda: bool) -> Path {
+    if kind.is_host_accessible() {
+        Path::Direct
+    } else if cuda && matches!(kind, MemoryKind::CudaDevice { .. }) {
+        Path::Dmabuf
+    } else {
+        Path::Mirror
+    }
+}
+
+/// The memory a mirror of a `kind` region is made of, or `None` for kinds that need none.
+pub(crate) fn mirror_memory(kind: MemoryKind) -> Option<MirrorMemory> {
+    match kind {
+        MemoryKind::CudaDevice { ordinal } => Some(MirrorMemory::CudaPinned { ordinal }),
+        MemoryKind::StagedHost => Some(MirrorMemory::Host),
+        _ => None,
+    }
+}
+
+/// Allocates a zeroed mirror of `len` bytes.
+fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, String> {
+    match memory {
+        MirrorMemory::Host => HostRegion::new(len)
+            .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
+            .map_err(|e| format!("host mirror of {len} bytes: {e}")),
+        #[cfg(feature = "cuda")]
+        MirrorMemory::CudaPinned { ordinal } => {
+            kvlease_gpu_mem::cuda::CudaPinnedRegion::new(ordinal, len)
+                .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
+                .map_err(|e| format!("pinned mirror of {len} bytes on cuda:{ordinal}: {e}"))
+        }
+        #[cfg(not(feature = "cuda"))]
+        MirrorMemory::CudaPinned { ordinal } => Err(format!(
+            "pinned mirror on cuda:{ordinal}: this build has no `cuda` feature"
+        )),
+    }
+}
+
+/// A region of the agent as the verbs backend serves it.
+#[derive(Clone, Debug)]
+pub(crate) struct Registration {
+    /// The agent's region.
+    region: Arc<dyn DmaRegion>,
+    /// The NIC's registration: of `region` itself, or of its mirror.
+    mr: MemoryRegion,
+}
+
+impl Registration {
+    /// Registers `region` on the first path its kind allows, a mirror where that is
+    /// refused; the error says why neither worked.
+    pub(crate) fn new(pd: &ProtectionDomain, region: Arc<dyn DmaRegion>) -> Result<Self, String> {
+        let kind = region.kind();
+        let why = match first_path(kind, cfg!(feature = "cuda")) {
+            Path::Direct | Path::Dmabuf => match pd.register(Arc::clone(&region)) {
+                Ok(mr) => return Ok(Self { region, mr }),
+                Err(VerbsError::UnsupportedMemory { why, .. }) => why,
+                Err(e) => return Err(e.to_string()),
+            },
+            Path::Mirror => format!("{kind} memory has neither a direct nor a dmabuf path"),
+        };
+        let memory = mirror_memory(kind)
+            .ok_or_else(|| format!("{kind} memory cannot be registered ({why}) nor mirrored"))?;
+        let len = region.len();
+        let mirror = alloc_mirror(memory, len)?;
+        let mr = pd.register(mirror).map_err(|e| e.to_string())?;
+        tracing::info!(
+            %kind,
+            len,
+            mirror = ?memory,
+            reason = %why,
+            "verbs: region served through a registered host mirror of the same length \
+             (copied region->mirror by sync_for_peers, mirror->region after each read)"
+        );
+        Ok(Self { region, mr })
+    }
+
+    /// The agent's region.
+    pub(crate) fn region(&self) -> &Arc<dyn DmaRegion> {
+        &self.region
+    }
+
+    /// The registration the NIC uses (the mirror's, for a mirrored region).
+    pub(crate) fn mr(&self) -> &MemoryRegion {
+        &self.mr
+    }
+
+    /// Whether the NIC works on a mirror rather than on the region.
+    pub(crate) fn is_mirror(&self) -> bool {
+        !Arc::ptr_eq(self.mr.region(), &self.region)
+    }
+
+    /// The address peers name in their reads (the mirror's, for a mirrored region).
+    pub(crate) fn remote_base(&self) -> u64 {
+        self.mr.region().base_ptr() as u64
+    }
+
+    /// Copies `offset..offset + len` region → mirror (device → host for CUDA memory), so
+    /// that peers' reads see it. A no-op without a mirror.
+    pub(crate) fn sync_out(&self, offset: u64, len: u64) -> Result<(), String> {
+        if !self.is_mirror() || len == 0 {
+            return Ok(());
+        }
+        let region = &*self.region;
+        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
+        self.mr
+            .region()
+            .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("copying {} region -> mirror: {e}", region.kind()))
+    }
+
+    /// Copies `offset..offset + len` mirror → region (host → device for CUDA memory), after
+    /// a read landed in the mirror. A no-op without a mirror.
+    pub(crate) fn sync_in(&self, offset: u64, len: u64) -> Result<(), String> {
+        if !self.is_mirror() || len == 0 {
+            return Ok(());
+        }
+        let region = &*self.region;
+        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
+        self.mr
+            .region()
+            .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("copying mirror -> {} region: {e}", region.kind()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_accessible_kinds_register_directly() {
+        for cuda in [false, true] {
+            assert_eq!(first_path(MemoryKind::Host, cuda), Path::Direct);
+            assert_eq!(first_path(MemoryKind::CudaPinned, cuda), Path::Direct);
+        }
+        assert_eq!(mirror_memory(MemoryKind::Host), None);
+        assert_eq!(mirror_memory(MemoryKind::CudaPinned), None);
+    }
+
+    #[test]
+    fn device_memory_tries_dmabuf_then_a_pinned_mirror_on_its_device() {
+        let kind = MemoryKind::CudaDevice { ordinal: 3 };
+        assert_eq!(first_path(kind, true), Path::Dmabuf);
+        assert_eq!(first_path(kind, false), Path::Mirror);
+        assert_eq!(
+            mirror_memory(kind),
+            Some(MirrorMemory::CudaPinned { ordinal: 3 })
+        );
+    }
+
+    #[test]
+    fn staged_host_memory_is_mirrored_in_host_memory() {
+        for cuda in [false, true] {
+            assert_eq!(first_path(MemoryKind::StagedHost, cuda), Path::Mirror);
+        }
+        assert_eq!(
+            mirror_memory(MemoryKind::StagedHost),
+            Some(MirrorMemory::Host)
+        );
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_pinned_mirror_needs_the_cuda_feature() {
+        let err = alloc_mirror(MirrorMemory::CudaPinned { ordinal: 0 }, 4096).unwrap_err();
+        assert!(err.contains("`cuda` feature"), "{err}");
+    }
+
+    #[test]
+    fn a_host_mirror_is_host_memory_of_the_same_length() {
+        let m = alloc_mirror(MirrorMemory::Host, 3 * 4096 + 5).unwrap();
+        assert_eq!(m.kind(), MemoryKind::Host);
+        assert_eq!(m.len(), 3 * 4096 + 5);
+    }
+}
