@@ -1130,6 +1130,16 @@ impl DecodeEngine {
             return None;
         };
         let cache_id = RequestId::new(&format!("turn-{}", req.job.id)).ok()?;
+        // P pulls these blocks: a verbs-mirrored pool must hold them in its mirror (reads
+        // that came over TCP wrote the pool only).
+        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+        for w in &self.workers {
+            let region = kvlease_transport::RegionId(w.pool_desc.id);
+            if let Err(e) = crate::prefill::sync_blocks_for_peers(&w.agent, region, &w.pool, &ids) {
+                tracing::warn!(request = %id, error = %e, "cannot sync the turn's blocks for peers; freeing them");
+                return None;
+            }
+        }
         let now = b.clock.now();
         let held = match hold.insert(now, cache_id.clone(), blocks.clone()) {
             Ok(h) => h,

@@ -26,7 +26,7 @@ use kvlease_lease::{
     RequestId, Timestamp,
 };
 use kvlease_notif::{ExpiredLease, Notif};
-use kvlease_transport::{Agent, PeerId, RegionDesc};
+use kvlease_transport::{Agent, PeerId, RegionDesc, RegionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -1061,5 +1061,51 @@ fn fill_worker(
             .write_block(layer, BlockId(blocks[i]), &buf)
             .map_err(|e| e.to_string());
     });
-    result.map(|()| digest)
+    result?;
+    // Before the fence generation is published: verbs peers of a mirrored pool read the
+    // mirror (the pulled blocks too, which may have arrived over TCP into the pool only).
+    sync_blocks_for_peers(&w.agent, RegionId(w.info.pool.id), &w.pool, blocks)?;
+    Ok(digest)
+}
+
+/// Copies `blocks` (every layer) of `pool`, registered as `region`, into the transport's
+/// verbs mirror of it, so that peers' RDMA READs see what was just written. A no-op unless
+/// verbs serves the pool through a host mirror (device memory without dmabuf, staged
+/// memory). Call it after writing blocks and before publishing their fence generation.
+pub(crate) fn sync_blocks_for_peers(
+    agent: &Agent,
+    region: RegionId,
+    pool: &BlockPool,
+    blocks: &[u32],
+) -> Result<(), String> {
+    if !agent.is_mirrored(region) {
+        return Ok(());
+    }
+    let layout = pool.layout();
+    let sync = |r: std::ops::Range<u64>| {
+        agent
+            .sync_for_peers(region, r.start, r.end - r.start)
+            .map_err(|e| e.to_string())
+    };
+    for layer in 0..layout.num_layers() {
+        // Adjacent blocks are copied in one go.
+        let mut run: Option<std::ops::Range<u64>> = None;
+        for &b in blocks {
+            let r = layout
+                .block_range(layer, BlockId(b))
+                .map_err(|e| e.to_string())?;
+            run = match run {
+                Some(cur) if cur.end == r.start => Some(cur.start..r.end),
+                Some(cur) => {
+                    sync(cur)?;
+                    Some(r)
+                }
+                None => Some(r),
+            };
+        }
+        if let Some(cur) = run {
+            sync(cur)?;
+        }
+    }
+    Ok(())
 }
