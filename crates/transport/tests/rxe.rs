@@ -691,7 +691,7 @@ fn device_memory_without_dmabuf_is_refused_with_the_reason() -> Result<()> {
         Err(e @ VerbsError::UnsupportedMemory { .. }) => {
             let msg = e.to_string();
             ensure!(msg.contains("staged-host"), "{msg}");
-            ensure!(msg.contains("over TCP"), "{msg}");
+            ensure!(msg.contains("mirror"), "{msg}");
             println!("refused: {msg}");
         }
         other => bail!("staged memory registered with verbs: {other:?}"),
@@ -702,16 +702,63 @@ fn device_memory_without_dmabuf_is_refused_with_the_reason() -> Result<()> {
     Ok(())
 }
 
-/// On a verbs link, a batch touching memory verbs could not register (P's staged source,
-/// D's staged destination) goes over the link's TCP connection, staged on both sides, and
-/// is byte-exact; fences still apply; batches between host regions stay on verbs (their
-/// bytes arrive too). The peer's backend stays "verbs" throughout.
-#[test]
-fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
-    use kvlease_gpu_mem::{StagedHostRegion, staging};
-    use kvlease_transport::{BackendChoice, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId};
+/// Reads `len` bytes at 0 of `src` into `dst` (D's region ids) with a fence on P's word 8
+/// expecting `expected`: the backend that moved the batch, or None when it failed.
+fn agent_read(
+    d: &kvlease_transport::Agent,
+    peer: kvlease_transport::PeerId,
+    dst: u64,
+    src: &kvlease_transport::RegionDesc,
+    fence: &kvlease_transport::RegionDesc,
+    len: usize,
+    expected: u64,
+) -> Result<Option<&'static str>> {
+    use kvlease_transport::{BatchStatus, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId};
+    let batch = ReadBatch {
+        ops: vec![ReadOp {
+            local: LocalRange {
+                region: RegionId(dst),
+                offset: 0,
+                len: len as u64,
+            },
+            remote: src.at(0),
+        }],
+        notif: None,
+        fence: Some(FenceRead {
+            remote: fence.at(8),
+            expected,
+        }),
+    };
+    let id = d.post_read(peer, batch, TIMEOUT)?;
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        match d.poll_batch(id)? {
+            BatchStatus::Done(s) => {
+                ensure!(s.fence_word == Some(expected));
+                return Ok(Some(s.backend));
+            }
+            BatchStatus::Failed(e) => {
+                println!("batch failed: {e}");
+                return Ok(None);
+            }
+            _ => {}
+        }
+        ensure!(Instant::now() < deadline, "batch still pending");
+    }
+}
 
-    if devices("batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link").is_none() {
+/// On a verbs link, memory verbs cannot register itself (staged host memory, which
+/// stands for CUDA device memory without dmabuf) is served through registered host
+/// mirrors: P's staged source after `sync_for_peers`, D's staged destination copied out
+/// of its mirror before the batch is done. Every src/dst mix moves over verbs (RDMA
+/// READ, not the link's TCP) and is byte-exact as read back through the staging copy; a
+/// changed fence generation fails a mirrored batch.
+#[test]
+fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
+    use kvlease_gpu_mem::{StagedHostRegion, staging};
+    use kvlease_transport::{BackendChoice, RegionId};
+
+    if devices("staged_memory_moves_over_verbs_through_host_mirrors").is_none() {
         return Ok(());
     }
     let p_ip = agent::addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]);
@@ -729,51 +776,29 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
     let staged_src_d = p.register(Arc::clone(&staged_src) as Arc<dyn DmaRegion>)?;
     let host_src_d = p.register(Arc::clone(&host_src) as Arc<dyn DmaRegion>)?;
     let fence_d = p.register(Arc::clone(&fences) as Arc<dyn DmaRegion>)?;
+    ensure!(
+        p.is_mirrored(RegionId(staged_src_d.id)),
+        "staged source not mirrored"
+    );
+    ensure!(
+        !p.is_mirrored(RegionId(host_src_d.id)),
+        "host source mirrored"
+    );
+    ensure!(!p.is_mirrored(RegionId(fence_d.id)), "fence words mirrored");
+    // Written before registration: the mirror gets it through the sync only.
+    p.sync_for_peers(RegionId(staged_src_d.id), 0, LEN as u64)?;
     let staged_dst = Arc::new(StagedHostRegion::new(LEN)?);
     let host_dst = Arc::new(HostRegion::new(LEN)?);
     let staged_dst_d = d.register(Arc::clone(&staged_dst) as Arc<dyn DmaRegion>)?;
     let host_dst_d = d.register(Arc::clone(&host_dst) as Arc<dyn DmaRegion>)?;
+    ensure!(
+        d.is_mirrored(RegionId(staged_dst_d.id)),
+        "staged destination not mirrored"
+    );
     let peer = d.connect(&p.metadata())?;
     let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
     ensure!(backend == "verbs", "backend {backend}: {why}");
 
-    // The backend that moved the batch, or None when it failed.
-    let read = |dst: u64,
-                src: &kvlease_transport::RegionDesc,
-                expected: u64|
-     -> Result<Option<&'static str>> {
-        let batch = ReadBatch {
-            ops: vec![ReadOp {
-                local: LocalRange {
-                    region: RegionId(dst),
-                    offset: 0,
-                    len: LEN as u64,
-                },
-                remote: src.at(0),
-            }],
-            notif: None,
-            fence: Some(FenceRead {
-                remote: fence_d.at(8),
-                expected,
-            }),
-        };
-        let id = d.post_read(peer, batch, TIMEOUT)?;
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            match d.poll_batch(id)? {
-                kvlease_transport::BatchStatus::Done(s) => {
-                    ensure!(s.fence_word == Some(expected));
-                    return Ok(Some(s.backend));
-                }
-                kvlease_transport::BatchStatus::Failed(e) => {
-                    println!("batch failed: {e}");
-                    return Ok(None);
-                }
-                _ => {}
-            }
-            ensure!(Instant::now() < deadline, "batch still pending");
-        }
-    };
     // Each destination as D reads it back (staged memory through the staging copy).
     let dst_bytes = |staged: bool| -> Result<Vec<u8>> {
         let mut v = vec![0u8; LEN];
@@ -785,13 +810,8 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
         Ok(v)
     };
     let zero = vec![0u8; LEN];
-    // (destination staged, source staged, the backend that must move the batch)
-    for (dst_staged, src_staged, backend) in [
-        (false, true, "tcp"),
-        (true, false, "tcp"),
-        (true, true, "tcp"),
-        (false, false, "verbs"),
-    ] {
+    // (destination staged, source staged)
+    for (dst_staged, src_staged) in [(false, true), (true, false), (true, true), (false, false)] {
         let label = format!("staged dst {dst_staged}, staged src {src_staged}");
         staging::write_region(staged_dst.as_ref(), 0, &zero)?;
         host_dst.write_from(0, &zero)?;
@@ -805,23 +825,109 @@ fn batches_on_unregistrable_memory_go_over_tcp_on_a_verbs_link() -> Result<()> {
         } else {
             &host_src_d
         };
+        let moved = agent_read(&d, peer, dst.id, src, &fence_d, LEN, 5)?;
         ensure!(
-            read(dst.id, src, 5)? == Some(backend),
-            "{label}: not moved by {backend}"
+            moved == Some("verbs"),
+            "{label}: moved by {moved:?}, not verbs"
         );
         ensure!(dst_bytes(dst_staged)? == data, "{label}: bytes differ");
     }
-    // A changed generation fails the staged batch as it fails a verbs one.
+    // A changed generation fails a mirrored batch, and its bytes are not copied out of
+    // the mirror into the staged destination.
+    staging::write_region(staged_dst.as_ref(), 0, &zero)?;
     fences.store_u64(8, 6)?;
     ensure!(
-        read(host_dst_d.id, &staged_src_d, 5)?.is_none(),
-        "stale fence accepted over TCP"
+        agent_read(&d, peer, staged_dst_d.id, &staged_src_d, &fence_d, LEN, 5)?.is_none(),
+        "stale fence accepted on a mirrored source"
     );
     ensure!(
-        read(host_dst_d.id, &host_src_d, 5)?.is_none(),
-        "stale fence accepted over verbs"
+        dst_bytes(true)? == zero,
+        "a failed batch was copied into its destination"
     );
-    let (backend, _) = d.peer_backend(peer).unwrap_or(("?", String::new()));
-    ensure!(backend == "verbs", "backend changed to {backend}");
+    ensure!(
+        agent_read(&d, peer, staged_dst_d.id, &staged_src_d, &fence_d, LEN, 6)? == Some("verbs"),
+        "the current generation is refused"
+    );
+    ensure!(
+        dst_bytes(true)? == data,
+        "bytes differ after the fence change"
+    );
+    // Out-of-range and unknown syncs are errors, not panics.
+    ensure!(
+        p.sync_for_peers(RegionId(staged_src_d.id), 1, LEN as u64)
+            .is_err()
+    );
+    ensure!(p.sync_for_peers(RegionId(u64::MAX), 0, 1).is_err());
+    // Syncing host memory is a no-op that checks the range.
+    p.sync_for_peers(RegionId(host_src_d.id), 0, LEN as u64)?;
+    Ok(())
+}
+
+/// The mirror contract: bytes written into a mirrored region reach verbs peers only after
+/// `sync_for_peers` of their range. Before it, a verbs read returns the mirror's old bytes
+/// (the mirror is real memory, not an alias of the region); a TCP peer reads the region
+/// itself and sees the new bytes at once. Syncing a sub-range updates only that range.
+#[test]
+fn verbs_peers_see_a_mirrored_write_only_after_sync_for_peers() -> Result<()> {
+    use kvlease_gpu_mem::{StagedHostRegion, staging};
+    use kvlease_transport::{BackendChoice, RegionId};
+
+    if devices("verbs_peers_see_a_mirrored_write_only_after_sync_for_peers").is_none() {
+        return Ok(());
+    }
+    let p_ip = agent::addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]);
+    let d_ip = agent::addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]);
+    let p = agent::agent("p", p_ip, BackendChoice::Verbs)?;
+    let d = agent::agent("d", d_ip, BackendChoice::Verbs)?;
+    let d_tcp = agent::agent("d-tcp", d_ip, BackendChoice::Tcp)?;
+    const LEN: usize = 1 << 20;
+    let old = pattern(LEN, 41);
+    let new = pattern(LEN, 42);
+    let src = Arc::new(StagedHostRegion::new(LEN)?);
+    staging::write_region(src.as_ref(), 0, &old)?;
+    let fences = Arc::new(HostRegion::new(4096)?);
+    fences.store_u64(8, 1)?;
+    let src_d = p.register(Arc::clone(&src) as Arc<dyn DmaRegion>)?;
+    let fence_d = p.register(Arc::clone(&fences) as Arc<dyn DmaRegion>)?;
+    let id = RegionId(src_d.id);
+    p.sync_for_peers(id, 0, LEN as u64)?;
+    let dst = Arc::new(HostRegion::new(LEN)?);
+    let dst_d = d.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
+    let tcp_dst = Arc::new(HostRegion::new(LEN)?);
+    let tcp_dst_d = d_tcp.register(Arc::clone(&tcp_dst) as Arc<dyn DmaRegion>)?;
+    let peer = d.connect(&p.metadata())?;
+    let tcp_peer = d_tcp.connect(&p.metadata())?;
+    ensure!(d.peer_backend(peer).is_some_and(|(b, _)| b == "verbs"));
+    ensure!(
+        d_tcp
+            .peer_backend(tcp_peer)
+            .is_some_and(|(b, _)| b == "tcp")
+    );
+
+    let via_verbs = || -> Result<Vec<u8>> {
+        let moved = agent_read(&d, peer, dst_d.id, &src_d, &fence_d, LEN, 1)?;
+        ensure!(moved == Some("verbs"), "moved by {moved:?}");
+        bytes(&dst, 0, LEN)
+    };
+    let via_tcp = || -> Result<Vec<u8>> {
+        let moved = agent_read(&d_tcp, tcp_peer, tcp_dst_d.id, &src_d, &fence_d, LEN, 1)?;
+        ensure!(moved == Some("tcp"), "moved by {moved:?}");
+        bytes(&tcp_dst, 0, LEN)
+    };
+    ensure!(via_verbs()? == old, "first read");
+    staging::write_region(src.as_ref(), 0, &new)?;
+    ensure!(
+        via_verbs()? == old,
+        "verbs saw the write before sync_for_peers"
+    );
+    ensure!(via_tcp()? == new, "TCP did not read the region itself");
+    // Half the range synced: the other half stays old.
+    let half = LEN / 2;
+    p.sync_for_peers(id, 0, half as u64)?;
+    let got = via_verbs()?;
+    ensure!(got[..half] == new[..half], "synced half differs");
+    ensure!(got[half..] == old[half..], "unsynced half changed");
+    p.sync_for_peers(id, half as u64, (LEN - half) as u64)?;
+    ensure!(via_verbs()? == new, "after the full sync");
     Ok(())
 }
