@@ -20,7 +20,7 @@
 #          debug VM run 69 s, p50 3.0 s per request; release 28 s, p50 0.35 s, but a release
 #          build from clean costs minutes), AG_REQUESTS (24), AG_LEASE_S (3),
 #        AG_MEMORIES (default "host staged": a run with host memory, then one with --memory staged
-#        on P and D, whose batches go over the verbs link's TCP connection through the stager),
+#        on P and D, whose batches go over verbs through registered host mirrors),
 #        SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg).
 # Run it under `flock /tmp/kvlease-vm.lock` where several users share the machine.
 set -uo pipefail

@@ -5,9 +5,8 @@
 # Per memory kind in $AG_MEMORIES (e.g. "host staged"):
 #   1. $AG_REQUESTS requests through the proxy: all ok, every kv_digest equal to the one
 #      computed from the prompt; D's kvlease_peer_backend names verbs for P and every
-#      transfer counted under backend="verbs" (for staged memory, which verbs cannot
-#      register: under "tcp", moved over the verbs link's TCP connection through the
-#      stager); P's held blocks back to 0 by read-done
+#      transfer counted under backend="verbs" (staged memory too: verbs serves it through
+#      registered host mirrors); P's held blocks back to 0 by read-done
 #      notifications (leases released "completed", none "expired").
 #   2. (first memory kind only) long requests queue on D, kill -9 D with leases
 #      outstanding: P must free every block within the lease TTL + 1 s.
@@ -122,9 +121,8 @@ check_released() { # label
   num_eq "$granted" "$completed" || fail "$1: $granted leases granted but $completed released by read-done"
   num_eq "$expired" 0 || fail "$1: $expired leases expired with D alive"
 }
-# D's view of the backend: P's engine on verbs; host memory moves over the queue pair,
-# staged memory (standing for device memory without dmabuf) over the verbs link's TCP
-# connection, so its transfers count under backend="tcp".
+# D's view of the backend: P's engine on verbs; host memory and staged memory (standing
+# for device memory without dmabuf, served through host mirrors) move over the queue pair.
 check_verbs() { # label expected_verbs_transfers expected_tcp_transfers
   local gauge tcp_gauge verbs tcp
   gauge=$(metric "$D_URL" 'kvlease_peer_backend{peer="agents-p",backend="verbs"}')
@@ -154,11 +152,7 @@ for mem in $MEMORIES; do
   grep 'verbs backend ready' "$LOGS/decode.log" | sed -n 's/.*device=\([^ ]*\).*/d.rdma_device=\1/p' | head -1
 
   load_ok "$mem.requests" "$REQUESTS" 4
-  if [ "$mem" = staged ]; then
-    check_verbs "$mem" 0 "$REQUESTS"
-  else
-    check_verbs "$mem" "$REQUESTS" 0
-  fi
+  check_verbs "$mem" "$REQUESTS" 0
   check_released "$mem"
 
   if [ "$mem" = "${MEMORIES%% *}" ]; then
