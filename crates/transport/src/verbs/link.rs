@@ -564,27 +564,19 @@ impl Link {
         Ok(RemoteRegion::new(base, desc.len, *rkey))
     }
 
-    fn local_reg(&self, dest: &Arc<dyn DmaRegion>) -> Result<Registration, TransferError> {
-        self.local
-            .values()
-            .find(|reg| Arc::ptr_eq(reg.region(), dest))
-            .cloned()
-            .ok_or_else(|| TransferError::InvalidBatch {
-                peer: self.peer.clone(),
-                reason: "destination region was registered after connect (reconnect the peer)"
-                    .into(),
-            })
-    }
-
-    /// Why this batch cannot go over the queue pair (then it goes over TCP), if so: a
-    /// remote region (or fence region) the peer could not register with verbs, or a local
-    /// destination this link has no registration of.
-    fn needs_tcp(&self, batch: &Batch, chunks: &[tcp::Chunk]) -> Option<String> {
+    /// The registration of each chunk's destination, or why this batch cannot go over the
+    /// queue pair (then it goes over TCP): a remote region (or fence region) the peer could
+    /// not register with verbs, or a local destination this link has no registration of.
+    fn verbs_route(
+        &self,
+        batch: &Batch,
+        chunks: &[tcp::Chunk],
+    ) -> Result<Vec<Registration>, String> {
         let unregistered = |region: u64| {
             !self.rkeys.contains_key(&region) && self.meta.regions.iter().any(|r| r.id == region)
         };
         if let Some(c) = chunks.iter().find(|c| unregistered(c.remote.region)) {
-            return Some(format!(
+            return Err(format!(
                 "peer region {} has no verbs registration",
                 c.remote.region
             ));
@@ -592,23 +584,26 @@ impl Link {
         if let Some(f) = batch.lock().fence
             && unregistered(f.remote.region)
         {
-            return Some(format!(
+            return Err(format!(
                 "peer fence region {} has no verbs registration",
                 f.remote.region
             ));
         }
-        if let Some(c) = chunks.iter().find(|c| {
-            !self
-                .local
-                .values()
-                .any(|reg| Arc::ptr_eq(reg.region(), &c.dest))
-        }) {
-            return Some(format!(
-                "local {} region has no verbs registration on this link",
-                c.dest.kind()
-            ));
-        }
-        None
+        chunks
+            .iter()
+            .map(|c| {
+                self.local
+                    .values()
+                    .find(|reg| Arc::ptr_eq(reg.region(), &c.dest))
+                    .cloned()
+                    .ok_or_else(|| {
+                        format!(
+                            "local {} region has no verbs registration on this link",
+                            c.dest.kind()
+                        )
+                    })
+            })
+            .collect()
     }
 
     fn rdma_failed(&self, reason: String) -> TransferError {
@@ -623,19 +618,21 @@ impl Link {
         batch: &Arc<Batch>,
         chunks: Vec<tcp::Chunk>,
     ) -> Result<(), TransferError> {
-        if let Some(why) = self.needs_tcp(batch, &chunks) {
-            // Memory verbs could register neither directly, nor through dmabuf, nor through
-            // a mirror (the mirror's allocation failed), or a local region registered after
-            // connect: the TCP link reads it instead, staging device memory through pinned
-            // buffers on both sides.
-            tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
-            return self.tcp.post(batch, chunks);
-        }
+        let regs = match self.verbs_route(batch, &chunks) {
+            Ok(regs) => regs,
+            Err(why) => {
+                // Memory verbs could register neither directly, nor through dmabuf, nor through
+                // a mirror (the mirror's allocation failed), or a local region registered after
+                // connect: the TCP link reads it instead, staging device memory through pinned
+                // buffers on both sides.
+                tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
+                return self.tcp.post(batch, chunks);
+            }
+        };
         let mut ops = Vec::with_capacity(chunks.len());
         let mut lens = Vec::with_capacity(chunks.len());
         let mut copy_back: Vec<(Registration, u64, u64)> = Vec::new();
-        for c in &chunks {
-            let reg = self.local_reg(&c.dest)?;
+        for (c, reg) in chunks.iter().zip(regs) {
             ops.push(ReadOp {
                 local: reg.mr().clone(),
                 local_offset: c.dest_offset,
@@ -794,7 +791,7 @@ impl Link {
     /// The batch timed out: stop every transfer into its memory by resetting the queue
     /// pair (the other batches' reads are re-posted after the reconnect).
     pub(crate) fn on_timeout(&self, batch: &Batch) {
-        // A batch that went over TCP (see `needs_tcp`) is cancelled there; the queue pair
+        // A batch that went over TCP (see `verbs_route`) is cancelled there; the queue pair
         // has nothing of it to stop.
         if batch.lock().backend == "tcp" {
             self.tcp.on_timeout(batch);
