@@ -455,6 +455,18 @@ mod agent {
         Ok(Agent::new(c)?)
     }
 
+    /// D's address (on rxeD's side of the pair).
+    pub(super) fn d_addr() -> IpAddr {
+        addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2])
+    }
+
+    /// P (on rxeP's address) and D (on rxeD's), both asking for `backend`.
+    pub(super) fn pair(backend: BackendChoice) -> Result<(Agent, Agent)> {
+        let p = agent("p", addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]), backend)?;
+        let d = agent("d", d_addr(), backend)?;
+        Ok((p, d))
+    }
+
     fn wait(d: &Agent, id: kvlease_transport::BatchId) -> Result<BatchStatus> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -538,16 +550,7 @@ mod agent {
         if super::devices("auto_uses_verbs_when_both_sides_have_a_device").is_none() {
             return Ok(());
         }
-        let p = agent(
-            "p",
-            addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]),
-            BackendChoice::Auto,
-        )?;
-        let d = agent(
-            "d",
-            addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]),
-            BackendChoice::Auto,
-        )?;
+        let (p, d) = pair(BackendChoice::Auto)?;
         read_through(&p, &d)?;
         let peer = d.connect(&p.metadata())?;
         let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
@@ -761,10 +764,7 @@ fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
     if devices("staged_memory_moves_over_verbs_through_host_mirrors").is_none() {
         return Ok(());
     }
-    let p_ip = agent::addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]);
-    let d_ip = agent::addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]);
-    let p = agent::agent("p", p_ip, BackendChoice::Verbs)?;
-    let d = agent::agent("d", d_ip, BackendChoice::Verbs)?;
+    let (p, d) = agent::pair(BackendChoice::Verbs)?;
     const LEN: usize = 3 << 20;
     let data = pattern(LEN, 29);
     let staged_src = Arc::new(StagedHostRegion::new(LEN)?);
@@ -875,11 +875,8 @@ fn verbs_peers_see_a_mirrored_write_only_after_sync_for_peers() -> Result<()> {
     if devices("verbs_peers_see_a_mirrored_write_only_after_sync_for_peers").is_none() {
         return Ok(());
     }
-    let p_ip = agent::addr("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]);
-    let d_ip = agent::addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]);
-    let p = agent::agent("p", p_ip, BackendChoice::Verbs)?;
-    let d = agent::agent("d", d_ip, BackendChoice::Verbs)?;
-    let d_tcp = agent::agent("d-tcp", d_ip, BackendChoice::Tcp)?;
+    let (p, d) = agent::pair(BackendChoice::Verbs)?;
+    let d_tcp = agent::agent("d-tcp", agent::d_addr(), BackendChoice::Tcp)?;
     const LEN: usize = 1 << 20;
     let old = pattern(LEN, 41);
     let new = pattern(LEN, 42);
