@@ -430,7 +430,7 @@ impl DecodeEngine {
             return Err((job, e));
         }
         let now = self.now();
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#tracking
         //# heartbeating starts when a request with `do_remote_prefill=true` enters
         //# D's scheduler (`on_new_request`), not when it is scheduled
         if let Err(e) = self
@@ -1009,7 +1009,7 @@ impl DecodeEngine {
                 let Some(req) = self.reqs.get_mut(id) else {
                     return;
                 };
-                //= ../shared/docs/SPEC.md#semantics
+                //= docs/spec.md#tracking
                 //# Tracking stops when the KV transfer completes
                 self.tracker.untrack(&req.remote_id);
                 // One transfer per request: verbs when every batch of it went over verbs.

@@ -28,15 +28,16 @@ mod host;
 pub mod cuda;
 pub mod staging;
 
-mod alloc;
 mod layout;
 mod pool;
 
-pub use alloc::{AllocError, BlockAllocator};
 pub use host::{
     HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_HOST_REGION, PageKind,
     StagedHostRegion,
 };
+/// The free list of block ids lives in the sans-IO `kvlease-lease` crate (the engine cores
+/// allocate blocks); re-exported here where the pools are.
+pub use kvlease_lease::{AllocError, BlockAllocator};
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
 pub use pool::{BlockCopyError, BlockPool, FenceTable, MemoryRequest, PoolError};
 pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};

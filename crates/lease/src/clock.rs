@@ -144,7 +144,7 @@ impl ClockOffsetEstimator {
         if self.best.is_some_and(|b| b.rtt <= rtt) {
             return Ok(false);
         }
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#bidirectional-mode
         //# keep the lowest-RTT sample: offset = t_remote − (t0 + t1) / 2
         let t0 = i128::from(t0.as_nanos_saturating());
         let mid = t0 + i128::from(duration_nanos(rtt)) / 2;

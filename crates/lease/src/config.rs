@@ -109,7 +109,7 @@ impl LeaseConfig {
 
     /// The derived values of an already validated `duration`.
     pub(crate) fn derive(duration: Duration) -> Self {
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#lease-timing
         //# Derived: heartbeat interval = duration / 6 [5 s];
         //# extension = duration × 2 / 3 [20 s]. Compute in milliseconds or finer
         let nanos = duration.as_nanos();

@@ -61,7 +61,7 @@ impl DecoderCache {
         request: RequestId,
         blocks: Vec<BlockId>,
     ) -> Result<Cached, GrantError> {
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#bidirectional-mode
         //# The next turn depends on the client, so heartbeats do not apply:
         //# a fixed `decoder_kv_blocks_ttl` [480 s] holds them on D.
         let generation = self.table.grant(now, request, blocks, 1)?;

@@ -43,6 +43,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod alloc;
 mod clock;
 mod config;
 mod decoder;
@@ -52,6 +53,7 @@ mod table;
 mod time;
 mod tracker;
 
+pub use alloc::{AllocError, BlockAllocator};
 pub use clock::{ClockOffset, ClockOffsetEstimator, ClockSampleError};
 pub use config::{
     ConfigError, DEFAULT_DECODER_TTL, DEFAULT_LEASE_DURATION, DecoderTtl, LeaseConfig, LeaseMode,

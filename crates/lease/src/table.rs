@@ -424,7 +424,7 @@ impl LeaseTable {
         {
             return Err(GrantError::Duplicate { request });
         }
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#grant
         //# P pins its blocks with expiry = now + duration
         let Some(expiry) = now
             .checked_add(self.config.duration())
@@ -530,7 +530,7 @@ impl LeaseTable {
         }
         out.held = out.held.saturating_add(1);
         lease.last_heartbeat = now_ns;
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#renewal
         //# for each id P holds, expiry = max(old expiry, now + extension) — never shortened.
         if let Some(renewed) = renewed
             && renewed > lease.expiry
@@ -585,7 +585,7 @@ impl LeaseTable {
                 ReadCompleteOutcome::Waiting { remaining }
             };
         }
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#release
         //# P frees after the expected number of consumers has reported.
         self.release(slot, ReleaseReason::Completed, now);
         ReadCompleteOutcome::Released
@@ -610,7 +610,7 @@ impl LeaseTable {
     pub fn handle_timeout(&mut self, now: Timestamp) -> usize {
         let now_ns = now.as_nanos_saturating();
         let mut expired = 0;
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#expiry
         //# The reaper must find *every* expired lease (ordered by deadline, not by grant order
         while let Some(&Reverse(due)) = self.heap.peek() {
             if due.deadline > now_ns {

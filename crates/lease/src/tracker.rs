@@ -190,7 +190,7 @@ impl HeartbeatTracker {
         engine: EngineId,
         peers: u32,
     ) -> Result<(), TrackError> {
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#tracking
         //# heartbeating starts when a request with `do_remote_prefill=true` enters
         //# D's scheduler (`on_new_request`), not when it is scheduled
         if peers == 0 {
@@ -227,7 +227,7 @@ impl HeartbeatTracker {
 
     /// Stops heartbeating `request`. Returns whether it was tracked. O(1).
     pub fn untrack(&mut self, request: &RequestId) -> bool {
-        //= ../shared/docs/SPEC.md#semantics
+        //= docs/spec.md#tracking
         //# Tracking stops when the KV transfer
         //# completes, or the request finishes or is aborted.
         let Some(pos) = self.positions.remove(request.as_str()) else {
@@ -273,7 +273,7 @@ impl HeartbeatTracker {
                 self.free_engines.push(slot);
                 continue;
             }
-            //= ../shared/docs/SPEC.md#semantics
+            //= docs/spec.md#tracking
             //# one batched message per P worker per interval renews all of that engine's requests.
             e.due = now_ns.saturating_add(self.interval_ns);
             self.due.insert((e.due, slot));

@@ -1057,7 +1057,7 @@ impl World {
             self.fail(msg);
         }
         if !legit_early {
-            //= ../shared/docs/SPEC.md#semantics
+            //= docs/spec.md#tracking
             //# Expire (P): blocks whose lease passed are reclaimed.
             if local_ns < lease.expiry_ns {
                 let msg = format!(
@@ -1220,7 +1220,7 @@ impl World {
         let p_id = self.p[transfer.p].id.clone();
         let mut errors = Vec::new();
         for rank in &mut engine.ranks {
-            //= ../shared/docs/SPEC.md#semantics
+            //= docs/spec.md#tracking
             //# heartbeating starts when a request with `do_remote_prefill=true` enters
             //# D's scheduler (`on_new_request`), not when it is scheduled
             if let Err(e) = rank.tracker.track(
@@ -1335,10 +1335,10 @@ impl World {
                     ));
                     continue;
                 };
-                //= ../shared/docs/SPEC.md#semantics
+                //= docs/spec.md#preemptive-handshake
                 //# if D must heartbeat a P engine it has not handshaken with yet
-                //# (common for queued requests), it starts the handshake on a background thread and sends
-                //# the heartbeat on a later step.
+                //# (common for queued requests),
+                //# it starts the handshake off the engine thread and sends the heartbeat on a later step.
                 let retry =
                     Timestamp::from_nanos(local.as_nanos_saturating() + nanos(self.config.d_step));
                 match self.d[d].handshakes.get(&p) {

@@ -1,6 +1,6 @@
 //! The free list of block ids.
 
-use kvlease_lease::BlockId;
+use crate::ids::BlockId;
 
 /// Why an allocation or a free was refused. A refused call changes nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,0 +1,1267 @@
+//! The decode core ([`DecodeCore`]): which requests are tracked and heartbeated, when one
+//! is scheduled and read, and how each one ends.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvlease_lease::{
+    BlockAllocator, BlockId, ConsumerId, EngineId, HeartbeatTracker, LeaseConfig, RequestId,
+    Timestamp, TrackError,
+};
+use kvlease_notif::{Abort, DecodeError, Notif, ReadComplete};
+
+/// A shell's error, kept as the typed cause of an outcome (a transport or handshake error).
+pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// How to build a [`DecodeCore`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DecodeConfig {
+    /// This engine.
+    pub engine_id: EngineId,
+    /// Workers (TP ranks).
+    pub tp_size: u32,
+    /// Global KV heads of the model (split over the workers).
+    pub num_kv_heads: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Blocks per worker pool.
+    pub num_blocks: u32,
+    /// Heartbeat timing.
+    pub lease: LeaseConfig,
+    /// Requests loading or decoding at once.
+    pub max_running: u32,
+    /// Waiting queue length bound.
+    pub max_waiting: u32,
+    /// How long a heartbeat batch for an engine still handshaking is deferred.
+    pub retry: Duration,
+}
+
+impl DecodeConfig {
+    /// A config with 64 running, 1,024 waiting and a 5 ms handshake retry.
+    pub fn new(
+        engine_id: EngineId,
+        tp_size: u32,
+        num_kv_heads: u32,
+        block_size: u32,
+        num_blocks: u32,
+        lease: LeaseConfig,
+    ) -> Self {
+        Self {
+            engine_id,
+            tp_size,
+            num_kv_heads,
+            block_size,
+            num_blocks,
+            lease,
+            max_running: 64,
+            max_waiting: 1024,
+            retry: Duration::from_millis(5),
+        }
+    }
+
+    /// Sets the running and waiting bounds.
+    #[must_use]
+    pub fn with_limits(mut self, max_running: u32, max_waiting: u32) -> Self {
+        self.max_running = max_running.max(1);
+        self.max_waiting = max_waiting;
+        self
+    }
+
+    /// Sets [`retry`](Self::retry).
+    #[must_use]
+    pub fn with_retry(mut self, retry: Duration) -> Self {
+        self.retry = retry;
+        self
+    }
+}
+
+/// Where a request's KV lives on P: the typed core of `kv_transfer_params`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RemoteKv {
+    /// P's engine (`remote_engine_id`).
+    pub engine: EngineId,
+    /// P's id of the request (`remote_request_id`).
+    pub request: RequestId,
+    /// P's block ids, the same on every P worker.
+    pub blocks: Vec<BlockId>,
+    /// The lease's fencing token.
+    pub generation: u64,
+    /// P's TP size.
+    pub tp_size: u32,
+    /// Tokens P prefilled.
+    pub num_tokens: u32,
+    /// P's side channel (`remote_host`, `remote_port`), for the handshake.
+    pub host: String,
+    /// P's side-channel port.
+    pub port: u16,
+}
+
+impl RemoteKv {
+    /// The remote coordinates.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine: EngineId,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        generation: u64,
+        tp_size: u32,
+        num_tokens: u32,
+        host: String,
+        port: u16,
+    ) -> Self {
+        Self {
+            engine,
+            request,
+            blocks,
+            generation,
+            tp_size,
+            num_tokens,
+            host,
+            port,
+        }
+    }
+}
+
+/// Why D refused a request on arrival. Nothing is tracked; when the request named valid P
+/// coordinates and P is connected, an abort frees P's lease at once.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdmitError {
+    /// The prompt is not the one P prefilled.
+    #[error("P prefilled {prefilled} tokens but this prompt has {prompt}")]
+    TokenCount {
+        /// Tokens P prefilled.
+        prefilled: u32,
+        /// Tokens of this prompt.
+        prompt: usize,
+    },
+    /// The block list does not fit the prompt.
+    #[error("{got} block ids for {tokens} tokens (need {need})")]
+    BlockCount {
+        /// Ids given.
+        got: usize,
+        /// Tokens.
+        tokens: usize,
+        /// Ids needed.
+        need: usize,
+    },
+    /// A P block id is outside P's pool (known after the handshake).
+    #[error("block id {block} is outside P's pool of {pool} blocks")]
+    BlockOutOfRange {
+        /// The id.
+        block: u32,
+        /// P's pool size.
+        pool: u32,
+    },
+    /// The prompt needs more blocks than D's pool has.
+    #[error("{needed} blocks exceed this engine's pool of {pool}")]
+    PromptTooLong {
+        /// Blocks needed.
+        needed: usize,
+        /// D's pool.
+        pool: u32,
+    },
+    /// P's TP size does not divide the model's heads.
+    #[error("{p_tp} does not divide num_kv_heads {heads}")]
+    TpSize {
+        /// P's TP size.
+        p_tp: u32,
+        /// Heads.
+        heads: u32,
+    },
+    /// The request (or P's lease of it) is already running here.
+    #[error("request {request} is already running")]
+    Duplicate {
+        /// The request.
+        request: RequestId,
+    },
+    /// The waiting queue is full.
+    #[error("the waiting queue is full ({max} requests)")]
+    QueueFull {
+        /// The bound.
+        max: u32,
+    },
+    /// The heartbeat tracker refused.
+    #[error(transparent)]
+    Track(#[from] TrackError),
+}
+
+impl AdmitError {
+    /// The `kv_transfer_params` field at fault, when there is one.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            Self::TokenCount { .. } => Some("kvlease_num_tokens"),
+            Self::BlockCount { .. } | Self::BlockOutOfRange { .. } => Some("remote_block_ids"),
+            Self::TpSize { .. } => Some("tp_size"),
+            _ => None,
+        }
+    }
+
+    /// Whether the client may retry later (D is busy, not the request wrong).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::QueueFull { .. })
+    }
+}
+
+/// Why a request's KV load failed. The request produced no output.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// P reclaimed the lease before D read it (an expiry notice).
+    #[error("P reclaimed the lease of {request} before it was read")]
+    Expired {
+        /// P's id of the request.
+        request: RequestId,
+    },
+    /// A read's fence did not match: P released the lease while D read.
+    #[error("read from P worker {p_rank}: the lease was released (fence changed)")]
+    Stale {
+        /// The P worker.
+        p_rank: u32,
+    },
+    /// A read failed.
+    #[error("read from P worker {p_rank} failed")]
+    Read {
+        /// The P worker.
+        p_rank: u32,
+        /// The transport's error.
+        #[source]
+        source: Cause,
+    },
+    /// The reads could not be posted.
+    #[error("cannot post the reads")]
+    Post {
+        /// The transport's error.
+        #[source]
+        source: Cause,
+    },
+    /// The bytes read did not verify.
+    #[error("the KV read did not verify")]
+    Verify {
+        /// What did not match.
+        #[source]
+        source: Cause,
+    },
+    /// The handshake with P failed.
+    #[error("handshake with engine {engine} failed")]
+    Handshake {
+        /// P's engine.
+        engine: EngineId,
+        /// Whether P refused our proof (wrong cluster token).
+        auth: bool,
+        /// The cause.
+        #[source]
+        source: Cause,
+    },
+    /// The connection to P was lost (P restarted or died) before the KV was read.
+    #[error("engine {engine} went away before the KV was read")]
+    PeerLost {
+        /// P's engine.
+        engine: EngineId,
+    },
+}
+
+impl LoadError {
+    /// Whether the request may be prefilled again and succeed (every load failure but a
+    /// wrong cluster token).
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Self::Handshake { auth: true, .. })
+    }
+}
+
+/// How a request admitted by [`DecodeCore::on_new_request`] ended. Every admitted
+/// request ends in exactly one.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Decoded to the end.
+    Done,
+    /// The KV load failed; no output was produced.
+    Failed(LoadError),
+    /// The client or the operator aborted it.
+    Aborted,
+    /// The engine shut down.
+    Shutdown,
+}
+
+/// One read batch to post: from D worker `d_worker`, read P worker `p_rank`'s part of
+/// `heads` (global head numbers) of every block and layer, fenced by P's fence word of the
+/// request's first block, and send `notif` to that P worker when it completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchPlan {
+    /// D worker posting the batch.
+    pub d_worker: u32,
+    /// P worker read from.
+    pub p_rank: u32,
+    /// Global heads read.
+    pub heads: Range<u32>,
+    /// The first global head of P worker `p_rank`.
+    pub p_first_head: u32,
+    /// The read-completion notification for P (one consumer of the lease).
+    pub notif: Vec<u8>,
+}
+
+/// A request scheduled for loading: allocate-and-read plan of
+/// [`DecodeCore::poll_load`] (vLLM: `start_load_kv`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadPlan {
+    /// D's id of the request.
+    pub request: RequestId,
+    /// D's blocks, the same on every D worker.
+    pub blocks: Vec<BlockId>,
+    /// Where the KV is.
+    pub remote: RemoteKv,
+    /// The fence every batch checks: P's word of `remote.blocks[0]` must hold this.
+    pub fence_generation: u64,
+    /// One entry per batch; report each with [`DecodeCore::handle_batch_done`].
+    pub batches: Vec<BatchPlan>,
+}
+
+/// How one read batch ended, reported by the shell.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum BatchResult {
+    /// Every byte arrived under a matching fence.
+    Done {
+        /// Bytes moved.
+        bytes: u64,
+    },
+    /// The fence did not match: nothing was used.
+    Stale,
+    /// The transport failed.
+    Failed(Cause),
+}
+
+/// A notification for P, drained with [`DecodeCore::poll_transmit`]: send `bytes` to every
+/// worker of P engine `engine` (from D worker 0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Transmit {
+    /// P's engine.
+    pub engine: EngineId,
+    /// How many P workers to send it to.
+    pub workers: u32,
+    /// The encoded notification.
+    pub bytes: Vec<u8>,
+    /// What it is.
+    pub kind: TransmitKind,
+}
+
+/// What a [`Transmit`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransmitKind {
+    /// A heartbeat naming `ids` requests.
+    Heartbeat {
+        /// Ids in this message.
+        ids: u32,
+    },
+    /// An abort (notify-only completion) of a lease nobody will read.
+    Abort,
+}
+
+/// A handshake to start (off the engine thread): connect to P's side channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HandshakeStart {
+    /// P's engine.
+    pub engine: EngineId,
+    /// P's side-channel host.
+    pub host: String,
+    /// P's side-channel port.
+    pub port: u16,
+}
+
+/// What a finished handshake learned of P.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RemoteEngine {
+    /// P's TP size.
+    pub tp_size: u32,
+    /// Blocks per P worker pool.
+    pub num_blocks: u32,
+}
+
+impl RemoteEngine {
+    /// What a handshake learned.
+    pub fn new(tp_size: u32, num_blocks: u32) -> Self {
+        Self {
+            tp_size,
+            num_blocks,
+        }
+    }
+}
+
+/// What the core reports, drained with [`DecodeCore::poll_event`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum DecodeEvent {
+    /// Every batch of a request ended well (vLLM: `get_finished` reports it): verify the
+    /// bytes in `blocks` now and report with [`DecodeCore::handle_verified`] before any
+    /// other input.
+    Loaded {
+        /// D's id.
+        request: RequestId,
+        /// D's blocks.
+        blocks: Vec<BlockId>,
+        /// Bytes moved.
+        bytes: u64,
+    },
+    /// A handshake finished well; its engine's requests may be scheduled.
+    HandshakeDone {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// A request ended (answer its client).
+    Finished {
+        /// D's id.
+        request: RequestId,
+        /// How.
+        outcome: Outcome,
+    },
+}
+
+/// What [`DecodeCore::handle_notif`] did with one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeNotif {
+    /// An expiry notice from the engine that holds the leases: `failed` waiting requests
+    /// ended in [`LoadError::Expired`].
+    Expired {
+        /// Leases named.
+        leases: u32,
+        /// Requests failed by it.
+        failed: u32,
+    },
+    /// An expiry notice naming leases of another engine than its sender: ignored.
+    Foreign,
+    /// Bidirectional mode: P heartbeats D's cached turns (for the shell's hold).
+    CacheHeartbeat(Vec<RequestId>),
+    /// Bidirectional mode: P read a cached turn (for the shell's hold).
+    CacheReadComplete(RequestId),
+    /// A message D does not expect: ignored.
+    Ignored,
+    /// Malformed: ignored.
+    Malformed(DecodeError),
+}
+
+/// Counters of a [`DecodeCore`], cumulative.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DecodeStats {
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused on arrival.
+    pub refused: u64,
+    /// Outcomes: done, failed, aborted.
+    pub done: u64,
+    /// Failed loads.
+    pub failed: u64,
+    /// Aborted requests.
+    pub aborted: u64,
+    /// Stale reads (fence mismatch).
+    pub stale_reads: u64,
+    /// Heartbeat messages handed out (each goes to every P worker of its engine).
+    pub heartbeat_messages: u64,
+    /// Ids in those messages.
+    pub heartbeat_ids: u64,
+    /// Heartbeat batches deferred while their engine handshakes.
+    pub deferred_batches: u64,
+    /// Aborts sent to P.
+    pub aborts_sent: u64,
+    /// Handshakes started.
+    pub handshakes: u64,
+    /// Expiry notices received from the engine holding the lease.
+    pub expiry_notices: u64,
+    /// Notifications ignored as forged (naming another engine's leases).
+    pub foreign_notifs: u64,
+    /// Malformed notifications.
+    pub malformed_notifs: u64,
+}
+
+#[derive(Debug)]
+enum Remote {
+    Handshaking,
+    Ready(RemoteEngine),
+}
+
+#[derive(Debug)]
+enum Phase {
+    Waiting,
+    Loading {
+        blocks: Vec<BlockId>,
+        results: Vec<Option<BatchResult>>,
+    },
+    Verifying {
+        blocks: Vec<BlockId>,
+    },
+    Decoding {
+        blocks: Vec<BlockId>,
+    },
+}
+
+#[derive(Debug)]
+struct Req {
+    remote: RemoteKv,
+    phase: Phase,
+    /// Answered already (aborted while its reads ran): drop what the reads bring.
+    answered: bool,
+}
+
+/// Everything a decode engine (D) decides, and nothing it does.
+///
+/// # Call order (one forward-loop step)
+/// 1. [`on_new_request`](Self::on_new_request) for each arrival (tracked at once: its
+///    heartbeats start before it is scheduled), [`abort`](Self::abort) for each abort;
+///    [`poll_handshake`](Self::poll_handshake) until `None` and start each one off the
+///    engine thread; report with [`handle_handshake`](Self::handle_handshake);
+/// 2. [`poll_transmit`](Self::poll_transmit) until `None`: heartbeats (one batch per P
+///    engine and interval) and aborts, each to every worker of its P engine;
+/// 3. [`handle_notif`](Self::handle_notif) for each notification (expiry notices);
+/// 4. [`poll_load`](Self::poll_load) until `None`: post each plan's batches;
+///    [`handle_batch_done`](Self::handle_batch_done) as they end; on
+///    [`DecodeEvent::Loaded`] verify and call [`handle_verified`](Self::handle_verified);
+/// 5. the model decodes; [`request_finished`](Self::request_finished) frees a finished
+///    request's blocks;
+/// 6. after every input: [`poll_event`](Self::poll_event) until `None`.
+#[derive(Debug)]
+pub struct DecodeCore {
+    config: DecodeConfig,
+    tracker: HeartbeatTracker,
+    alloc: BlockAllocator,
+    remotes: HashMap<EngineId, Remote>,
+    reqs: HashMap<RequestId, Req>,
+    /// D ids in arrival order, of requests not yet scheduled.
+    queue: VecDeque<RequestId>,
+    by_remote: HashMap<RequestId, RequestId>,
+    handshakes: VecDeque<HandshakeStart>,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<DecodeEvent>,
+    stats: DecodeStats,
+}
+
+impl DecodeCore {
+    /// A core with every block free and nothing tracked.
+    pub fn new(config: DecodeConfig) -> Self {
+        Self {
+            tracker: HeartbeatTracker::new(&config.lease),
+            alloc: BlockAllocator::new(config.num_blocks),
+            remotes: HashMap::new(),
+            reqs: HashMap::new(),
+            queue: VecDeque::new(),
+            by_remote: HashMap::new(),
+            handshakes: VecDeque::new(),
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: DecodeStats::default(),
+            config,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecodeConfig {
+        &self.config
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> DecodeStats {
+        self.stats
+    }
+
+    /// Requests tracked for heartbeats.
+    pub fn tracked(&self) -> usize {
+        self.tracker.len()
+    }
+
+    /// Requests waiting to be scheduled.
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Requests loading or decoding (and aborted ones whose reads still run).
+    pub fn running(&self) -> usize {
+        self.reqs.len() - self.queue.len()
+    }
+
+    /// Blocks allocated.
+    pub fn blocks_allocated(&self) -> usize {
+        self.alloc.allocated_count()
+    }
+
+    /// Free blocks.
+    pub fn blocks_free(&self) -> usize {
+        self.alloc.free_count()
+    }
+
+    /// Whether nothing is admitted, tracked or allocated.
+    pub fn is_idle(&self) -> bool {
+        self.reqs.is_empty() && self.tracker.is_empty() && self.alloc.allocated_count() == 0
+    }
+
+    /// Whether `engine` is handshaken.
+    pub fn is_ready(&self, engine: &EngineId) -> bool {
+        matches!(self.remotes.get(engine), Some(Remote::Ready(_)))
+    }
+
+    /// D's id of the request whose P id is `remote`.
+    pub fn local_id(&self, remote: &RequestId) -> Option<&RequestId> {
+        self.by_remote.get(remote)
+    }
+
+    /// The remote coordinates of an admitted request.
+    pub fn remote_of(&self, request: &RequestId) -> Option<&RemoteKv> {
+        self.reqs.get(request).map(|r| &r.remote)
+    }
+
+    // ------------------------------------------------------------------ inputs
+
+    /// A request prefilled by P arrived (vLLM: the scheduler's `on_new_request`,
+    /// `get_num_new_matched_tokens` and `update_state_after_alloc` of a
+    /// `do_remote_prefill` request). It is tracked at once and queued; an unknown P engine
+    /// gets a handshake ([`poll_handshake`](Self::poll_handshake)).
+    ///
+    /// # Errors
+    /// [`AdmitError`]; the request is refused. When its coordinates were valid and P is
+    /// connected, an abort tells P to free the lease now.
+    pub fn on_new_request(
+        &mut self,
+        now: Timestamp,
+        id: RequestId,
+        num_tokens: usize,
+        remote: RemoteKv,
+    ) -> Result<(), AdmitError> {
+        let result = self.admit(now, id, num_tokens, remote);
+        match &result {
+            Ok(()) => self.stats.admitted += 1,
+            Err(_) => self.stats.refused += 1,
+        }
+        result
+    }
+
+    fn admit(
+        &mut self,
+        now: Timestamp,
+        id: RequestId,
+        num_tokens: usize,
+        remote: RemoteKv,
+    ) -> Result<(), AdmitError> {
+        if self.reqs.contains_key(&id) || self.by_remote.contains_key(&remote.request) {
+            // Never abort here: the lease belongs to the request already running.
+            return Err(AdmitError::Duplicate { request: id });
+        }
+        let need = num_tokens.div_ceil(self.config.block_size.max(1) as usize);
+        let refused = if remote.num_tokens as usize != num_tokens {
+            Some(AdmitError::TokenCount {
+                prefilled: remote.num_tokens,
+                prompt: num_tokens,
+            })
+        } else if remote.blocks.len() != need {
+            Some(AdmitError::BlockCount {
+                got: remote.blocks.len(),
+                tokens: num_tokens,
+                need,
+            })
+        } else if need > self.config.num_blocks as usize {
+            Some(AdmitError::PromptTooLong {
+                needed: need,
+                pool: self.config.num_blocks,
+            })
+        } else if remote.tp_size == 0 || !self.config.num_kv_heads.is_multiple_of(remote.tp_size) {
+            Some(AdmitError::TpSize {
+                p_tp: remote.tp_size,
+                heads: self.config.num_kv_heads,
+            })
+        } else if let Some(Remote::Ready(p)) = self.remotes.get(&remote.engine)
+            && let Some(b) = remote.blocks.iter().find(|b| b.0 >= p.num_blocks)
+        {
+            Some(AdmitError::BlockOutOfRange {
+                block: b.0,
+                pool: p.num_blocks,
+            })
+        } else if self.queue.len() >= self.config.max_waiting as usize {
+            Some(AdmitError::QueueFull {
+                max: self.config.max_waiting,
+            })
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            // Every refusal frees what it strands: nobody here will read P's blocks.
+            self.send_abort(&remote.engine, &remote.request);
+            return Err(e);
+        }
+        //= docs/spec.md#tracking
+        //# heartbeating starts when a request with `do_remote_prefill=true` enters
+        //# D's scheduler (`on_new_request`), not when it is scheduled
+        self.tracker.track(
+            now,
+            remote.request.clone(),
+            remote.engine.clone(),
+            remote.tp_size,
+        )?;
+        if !self.remotes.contains_key(&remote.engine) {
+            self.remotes
+                .insert(remote.engine.clone(), Remote::Handshaking);
+            self.stats.handshakes += 1;
+            self.handshakes.push_back(HandshakeStart {
+                engine: remote.engine.clone(),
+                host: remote.host.clone(),
+                port: remote.port,
+            });
+        }
+        self.by_remote.insert(remote.request.clone(), id.clone());
+        self.queue.push_back(id.clone());
+        self.reqs.insert(
+            id,
+            Req {
+                remote,
+                phase: Phase::Waiting,
+                answered: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// A handshake with `engine` ended. On success its heartbeats go out at the next
+    /// [`poll_transmit`](Self::poll_transmit) and its requests may be scheduled; on
+    /// failure every request for it ends in [`LoadError::Handshake`] and the engine is
+    /// forgotten (the next request handshakes again).
+    pub fn handle_handshake(
+        &mut self,
+        now: Timestamp,
+        engine: &EngineId,
+        result: Result<RemoteEngine, (bool, Cause)>,
+    ) {
+        match result {
+            Ok(info) => {
+                self.remotes.insert(engine.clone(), Remote::Ready(info));
+                // Heartbeat the engine's requests now rather than an interval later.
+                self.tracker.defer(engine, now);
+                // Requests whose block ids P's pool cannot hold fail now.
+                let bad: Vec<(RequestId, u32)> = self
+                    .reqs
+                    .iter()
+                    .filter(|(_, r)| {
+                        &r.remote.engine == engine && matches!(r.phase, Phase::Waiting)
+                    })
+                    .filter_map(|(id, r)| {
+                        let b = r.remote.blocks.iter().find(|b| b.0 >= info.num_blocks)?;
+                        Some((id.clone(), b.0))
+                    })
+                    .collect();
+                self.events.push_back(DecodeEvent::HandshakeDone {
+                    engine: engine.clone(),
+                });
+                for (id, block) in bad {
+                    let source: Cause = Arc::new(AdmitError::BlockOutOfRange {
+                        block,
+                        pool: info.num_blocks,
+                    });
+                    self.end(&id, Outcome::Failed(LoadError::Post { source }));
+                }
+            }
+            Err((auth, source)) => {
+                self.remotes.remove(engine);
+                let victims: Vec<RequestId> = self
+                    .reqs
+                    .iter()
+                    .filter(|(_, r)| &r.remote.engine == engine)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in victims {
+                    let e = LoadError::Handshake {
+                        engine: engine.clone(),
+                        auth,
+                        source: Arc::clone(&source),
+                    };
+                    self.end(&id, Outcome::Failed(e));
+                }
+            }
+        }
+    }
+
+    /// The connection to `engine` is gone (P restarted or died): forget it, so that the
+    /// next request handshakes again. Requests waiting for it end in
+    /// [`LoadError::PeerLost`]; reads in flight end through their batches.
+    pub fn forget_engine(&mut self, engine: &EngineId) {
+        if self.remotes.remove(engine).is_none() {
+            return;
+        }
+        let victims: Vec<RequestId> = self
+            .reqs
+            .iter()
+            .filter(|(_, r)| &r.remote.engine == engine && matches!(r.phase, Phase::Waiting))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in victims {
+            let e = LoadError::PeerLost {
+                engine: engine.clone(),
+            };
+            self.end(&id, Outcome::Failed(e));
+        }
+    }
+
+    /// A notification from an endpoint of P engine `from`. Expiry notices fail the waiting
+    /// requests they name (never read; recompute) when they come from the engine that
+    /// holds those leases and name the generation D was given. Never panics.
+    pub fn handle_notif(&mut self, from: &EngineId, bytes: &[u8]) -> DecodeNotif {
+        match kvlease_notif::decode(bytes) {
+            Ok(Notif::Expired(leases)) => {
+                let n = u32::try_from(leases.len()).unwrap_or(u32::MAX);
+                let mut failed = 0;
+                let mut foreign = false;
+                for lease in leases {
+                    let Some(id) = self.by_remote.get(&lease.request).cloned() else {
+                        continue;
+                    };
+                    let Some(req) = self.reqs.get(&id) else {
+                        continue;
+                    };
+                    if &req.remote.engine != from {
+                        foreign = true;
+                        continue;
+                    }
+                    if req.remote.generation != lease.generation.word() {
+                        continue;
+                    }
+                    // In flight: the fence decides (P publishes the free word before it
+                    // frees the blocks). Already read: the notice came late.
+                    if matches!(req.phase, Phase::Waiting) && !req.answered {
+                        failed += 1;
+                        let e = LoadError::Expired {
+                            request: lease.request,
+                        };
+                        self.end(&id, Outcome::Failed(e));
+                    }
+                }
+                if foreign {
+                    self.stats.foreign_notifs += 1;
+                    return DecodeNotif::Foreign;
+                }
+                self.stats.expiry_notices += 1;
+                DecodeNotif::Expired { leases: n, failed }
+            }
+            Ok(Notif::Heartbeat(ids)) => DecodeNotif::CacheHeartbeat(
+                ids.iter().filter_map(|i| RequestId::new(i).ok()).collect(),
+            ),
+            Ok(Notif::ReadComplete(rc)) => DecodeNotif::CacheReadComplete(rc.request),
+            Ok(_) => DecodeNotif::Ignored,
+            Err(e) => {
+                self.stats.malformed_notifs += 1;
+                DecodeNotif::Malformed(e)
+            }
+        }
+    }
+
+    /// Aborts a request, by D's id or P's `remote_request_id` (the client went away, or
+    /// `POST /v1/abort`). P is told when it had not been read. Returns whether it was
+    /// known.
+    pub fn abort(&mut self, id: &RequestId) -> bool {
+        let id = if self.reqs.contains_key(id) {
+            id.clone()
+        } else if let Some(d) = self.by_remote.get(id) {
+            d.clone()
+        } else {
+            return false;
+        };
+        if self.reqs.get(&id).is_some_and(|r| r.answered) {
+            return false;
+        }
+        self.end(&id, Outcome::Aborted);
+        true
+    }
+
+    /// A read batch of a request ended (vLLM: the worker's `get_finished`).
+    pub fn handle_batch_done(&mut self, request: &RequestId, batch: usize, result: BatchResult) {
+        let Some(req) = self.reqs.get_mut(request) else {
+            return;
+        };
+        let Phase::Loading { results, .. } = &mut req.phase else {
+            return;
+        };
+        let Some(slot) = results.get_mut(batch) else {
+            return;
+        };
+        if slot.is_some() {
+            return;
+        }
+        *slot = Some(result);
+        if results.iter().any(Option::is_none) {
+            return;
+        }
+        self.complete_load(request);
+    }
+
+    /// The verification after [`DecodeEvent::Loaded`]: `Ok` starts decoding, `Err` ends
+    /// the request in [`LoadError::Verify`].
+    pub fn handle_verified(&mut self, request: &RequestId, result: Result<(), Cause>) {
+        let Some(req) = self.reqs.get_mut(request) else {
+            return;
+        };
+        let Phase::Verifying { blocks } = &mut req.phase else {
+            return;
+        };
+        let blocks = std::mem::take(blocks);
+        if req.answered {
+            self.remove(request, &blocks);
+            return;
+        }
+        match result {
+            Ok(()) => req.phase = Phase::Decoding { blocks },
+            Err(source) => {
+                req.phase = Phase::Decoding { blocks };
+                self.end(request, Outcome::Failed(LoadError::Verify { source }));
+            }
+        }
+    }
+
+    /// The model finished decoding `request` (vLLM: `request_finished` on D): its blocks
+    /// are freed and it ends [`Outcome::Done`]. Returns whether it was decoding.
+    pub fn request_finished(&mut self, request: &RequestId) -> bool {
+        match self.request_finished_keep(request) {
+            Some(blocks) => {
+                self.free(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Like [`request_finished`](Self::request_finished), but hands the request's blocks to
+    /// the caller (bidirectional mode keeps a turn for P to pull); give them back with
+    /// [`free_blocks`](Self::free_blocks).
+    pub fn request_finished_keep(&mut self, request: &RequestId) -> Option<Vec<BlockId>> {
+        let req = self.reqs.get_mut(request)?;
+        let Phase::Decoding { blocks } = &mut req.phase else {
+            return None;
+        };
+        if req.answered {
+            return None;
+        }
+        let blocks = std::mem::take(blocks);
+        self.end(request, Outcome::Done);
+        Some(blocks)
+    }
+
+    /// Gives back blocks taken with [`request_finished_keep`](Self::request_finished_keep).
+    pub fn free_blocks(&mut self, blocks: &[BlockId]) {
+        self.free(blocks);
+    }
+
+    /// Ends every request ([`Outcome::Shutdown`]), for a shell that stops.
+    pub fn shutdown(&mut self) {
+        let ids: Vec<RequestId> = self.reqs.keys().cloned().collect();
+        for id in ids {
+            if self.reqs.get(&id).is_some_and(|r| !r.answered) {
+                self.end(&id, Outcome::Shutdown);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ outputs
+
+    /// The next handshake to start.
+    #[must_use]
+    pub fn poll_handshake(&mut self) -> Option<HandshakeStart> {
+        self.handshakes.pop_front()
+    }
+
+    /// The next notification for P: aborts first, then every heartbeat batch due at `now`
+    /// (vLLM: `build_connector_meta` carries them, `start_load_kv` sends them). A batch for
+    /// an engine still handshaking is deferred by [`DecodeConfig::retry`].
+    #[must_use]
+    pub fn poll_transmit(&mut self, now: Timestamp) -> Option<Transmit> {
+        loop {
+            if let Some(t) = self.transmits.pop_front() {
+                return Some(t);
+            }
+            let batch = self.tracker.poll_heartbeat(now)?;
+            if !self.is_ready(&batch.engine) {
+                let retry = now.checked_add(self.config.retry).unwrap_or(now);
+                self.tracker.defer(&batch.engine, retry);
+                self.stats.deferred_batches += 1;
+                continue;
+            }
+            // Ids validated on entry always encode; an error would only skip one round.
+            let Ok(msgs) =
+                kvlease_notif::encode_heartbeats(&batch.requests, kvlease_notif::MAX_NOTIF_LEN)
+            else {
+                continue;
+            };
+            for bytes in msgs {
+                let ids = kvlease_notif::decode(&bytes)
+                    .ok()
+                    .and_then(|n| match n {
+                        Notif::Heartbeat(ids) => u32::try_from(ids.len()).ok(),
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                self.stats.heartbeat_messages += 1;
+                self.stats.heartbeat_ids += u64::from(ids);
+                self.transmits.push_back(Transmit {
+                    engine: batch.engine.clone(),
+                    workers: batch.workers,
+                    bytes,
+                    kind: TransmitKind::Heartbeat { ids },
+                });
+            }
+        }
+    }
+
+    /// The next request to load, in arrival order, while fewer than `max_running` run:
+    /// D's blocks are allocated and the batches planned. `None` when nothing can start
+    /// (no request whose engine is ready, the running bound, or too few free blocks: see
+    /// [`blocks_short`](Self::blocks_short)).
+    #[must_use]
+    pub fn poll_load(&mut self) -> Option<LoadPlan> {
+        if self.running() >= self.config.max_running as usize {
+            return None;
+        }
+        let i = self.queue.iter().position(|id| {
+            self.reqs
+                .get(id)
+                .is_some_and(|r| self.is_ready(&r.remote.engine))
+        })?;
+        let id = self.queue.get(i)?.clone();
+        let req = self.reqs.get(&id)?;
+        let blocks = self.alloc.alloc(req.remote.blocks.len()).ok()?;
+        self.queue.remove(i);
+        let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
+            return None;
+        };
+        let batches = self.plan_batches(&req.remote, p.tp_size);
+        let plan = LoadPlan {
+            request: id.clone(),
+            blocks: blocks.clone(),
+            remote: req.remote.clone(),
+            fence_generation: req.remote.generation,
+            batches,
+        };
+        if let Some(req) = self.reqs.get_mut(&id) {
+            req.phase = Phase::Loading {
+                blocks,
+                results: vec![None; plan.batches.len()],
+            };
+        }
+        Some(plan)
+    }
+
+    /// Blocks the first schedulable request needs beyond those free, or `None` (a shell
+    /// with evictable cached blocks frees that many, then polls again).
+    pub fn blocks_short(&self) -> Option<usize> {
+        if self.running() >= self.config.max_running as usize {
+            return None;
+        }
+        let id = self.queue.iter().find(|id| {
+            self.reqs
+                .get(*id)
+                .is_some_and(|r| self.is_ready(&r.remote.engine))
+        })?;
+        let need = self.reqs.get(id)?.remote.blocks.len();
+        need.checked_sub(self.alloc.free_count()).filter(|&n| n > 0)
+    }
+
+    /// When to call [`poll_transmit`](Self::poll_transmit) next; `None` when nothing is
+    /// tracked.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.tracker.poll_timeout()
+    }
+
+    /// The next event, in order.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<DecodeEvent> {
+        self.events.pop_front()
+    }
+
+    // ------------------------------------------------------------------ internals
+
+    /// The heads of D worker `rank`.
+    fn heads_of(&self, tp: u32, rank: u32) -> Range<u32> {
+        let per = self.config.num_kv_heads / tp.max(1);
+        rank * per..(rank + 1) * per
+    }
+
+    /// Every (D worker, P worker) pair whose heads overlap is one read batch and one
+    /// consumer of the lease: P must not free before the last of them reported, or the
+    /// fence of a batch still running on another P worker would (rightly) fail it.
+    fn plan_batches(&self, remote: &RemoteKv, p_tp: u32) -> Vec<BatchPlan> {
+        let mut pairs = Vec::new();
+        for w in 0..self.config.tp_size {
+            let mine = self.heads_of(self.config.tp_size, w);
+            for p in 0..p_tp {
+                let theirs = self.heads_of(p_tp, p);
+                let lo = mine.start.max(theirs.start);
+                let hi = mine.end.min(theirs.end);
+                if lo < hi {
+                    pairs.push((w, p, lo..hi, theirs.start));
+                }
+            }
+        }
+        let total = u32::try_from(pairs.len()).unwrap_or(u32::MAX).max(1);
+        pairs
+            .into_iter()
+            .map(|(w, p, heads, p_first_head)| BatchPlan {
+                d_worker: w,
+                p_rank: p,
+                heads,
+                p_first_head,
+                notif: ReadComplete {
+                    request: remote.request.clone(),
+                    consumer: ConsumerId::new(
+                        self.config.engine_id.clone(),
+                        w.saturating_mul(p_tp).saturating_add(p),
+                    ),
+                    consumers_total: total,
+                }
+                .encode(),
+            })
+            .collect()
+    }
+
+    fn complete_load(&mut self, id: &RequestId) {
+        let Some(req) = self.reqs.get_mut(id) else {
+            return;
+        };
+        let Phase::Loading { blocks, results } = &mut req.phase else {
+            return;
+        };
+        let blocks = std::mem::take(blocks);
+        let results = std::mem::take(results);
+        if req.answered {
+            // Answered already; the reads are over, so the blocks can go.
+            self.remove(id, &blocks);
+            return;
+        }
+        let mut bytes = 0;
+        let mut failure = None;
+        for (i, r) in results.into_iter().enumerate() {
+            let p_rank = self.batch_rank(id, i);
+            match r {
+                Some(BatchResult::Done { bytes: n }) => bytes += n,
+                Some(BatchResult::Stale) => {
+                    self.stats.stale_reads += 1;
+                    failure.get_or_insert(LoadError::Stale { p_rank });
+                }
+                Some(BatchResult::Failed(source)) => {
+                    failure.get_or_insert(LoadError::Read { p_rank, source });
+                }
+                None => {}
+            }
+        }
+        let Some(req) = self.reqs.get_mut(id) else {
+            return;
+        };
+        match failure {
+            Some(e) => {
+                req.phase = Phase::Decoding { blocks };
+                self.end(id, Outcome::Failed(e));
+            }
+            None => {
+                //= docs/spec.md#tracking
+                //# Tracking stops when the KV transfer completes
+                self.tracker.untrack(&req.remote.request);
+                req.phase = Phase::Verifying {
+                    blocks: blocks.clone(),
+                };
+                self.events.push_back(DecodeEvent::Loaded {
+                    request: id.clone(),
+                    blocks,
+                    bytes,
+                });
+            }
+        }
+    }
+
+    /// The P rank of batch `i` of `id`'s plan (for error messages).
+    fn batch_rank(&self, id: &RequestId, i: usize) -> u32 {
+        let Some(req) = self.reqs.get(id) else {
+            return 0;
+        };
+        let p_tp = match self.remotes.get(&req.remote.engine) {
+            Some(Remote::Ready(p)) => p.tp_size,
+            _ => req.remote.tp_size,
+        };
+        self.plan_batches(&req.remote, p_tp)
+            .get(i)
+            .map_or(0, |b| b.p_rank)
+    }
+
+    /// Ends a request: untracks it, tells P when it had not been read, reports the
+    /// outcome, frees its blocks (at once, or when its reads in flight end).
+    fn end(&mut self, id: &RequestId, outcome: Outcome) {
+        let Some(req) = self.reqs.get_mut(id) else {
+            return;
+        };
+        if req.answered {
+            return;
+        }
+        let was_tracked = self.tracker.untrack(&req.remote.request);
+        match &outcome {
+            Outcome::Done => self.stats.done += 1,
+            Outcome::Failed(_) => self.stats.failed += 1,
+            Outcome::Aborted | Outcome::Shutdown => self.stats.aborted += 1,
+        }
+        let (engine, remote) = (req.remote.engine.clone(), req.remote.request.clone());
+        // What to free now: nothing while the transport (or the verifier) still uses the
+        // blocks; they go when it is done.
+        let free_now = match &mut req.phase {
+            Phase::Loading { .. } | Phase::Verifying { .. } => {
+                req.answered = true;
+                None
+            }
+            Phase::Waiting => Some(Vec::new()),
+            Phase::Decoding { blocks } => Some(std::mem::take(blocks)),
+        };
+        self.events.push_back(DecodeEvent::Finished {
+            request: id.clone(),
+            outcome,
+        });
+        if was_tracked {
+            // Not (wholly) read: P may free at once.
+            self.send_abort(&engine, &remote);
+        }
+        if let Some(blocks) = free_now {
+            self.queue.retain(|q| q != id);
+            self.remove(id, &blocks);
+        }
+    }
+
+    fn remove(&mut self, id: &RequestId, blocks: &[BlockId]) {
+        if let Some(req) = self.reqs.remove(id) {
+            self.by_remote.remove(&req.remote.request);
+        }
+        self.free(blocks);
+    }
+
+    fn send_abort(&mut self, engine: &EngineId, remote: &RequestId) {
+        let Some(Remote::Ready(p)) = self.remotes.get(engine) else {
+            return;
+        };
+        self.stats.aborts_sent += 1;
+        self.transmits.push_back(Transmit {
+            engine: engine.clone(),
+            workers: p.tp_size,
+            bytes: Abort {
+                request: remote.clone(),
+                consumer: ConsumerId::new(self.config.engine_id.clone(), 0),
+            }
+            .encode(),
+            kind: TransmitKind::Abort,
+        });
+    }
+
+    fn free(&mut self, blocks: &[BlockId]) {
+        let freed = self.alloc.free(blocks);
+        debug_assert!(freed.is_ok(), "block accounting: {freed:?}");
+    }
+}
+
+#[cfg(test)]
+mod tests;

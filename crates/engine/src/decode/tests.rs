@@ -1,0 +1,296 @@
+use std::time::Duration;
+
+use kvlease_lease::Generation;
+use kvlease_notif::ExpiredLease;
+
+use super::*;
+
+fn id(s: &str) -> RequestId {
+    RequestId::new(s).unwrap()
+}
+
+fn engine(s: &str) -> EngineId {
+    EngineId::new(s).unwrap()
+}
+
+fn at(ms: u64) -> Timestamp {
+    Timestamp::from_nanos(ms * 1_000_000)
+}
+
+/// D with TP 2 over 4 heads, 16-token blocks, 8 blocks.
+fn core() -> DecodeCore {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    DecodeCore::new(DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease).with_limits(1, 2))
+}
+
+fn remote(req: &str, p_tp: u32, blocks: u32) -> RemoteKv {
+    RemoteKv::new(
+        engine("p"),
+        id(req),
+        (0..blocks).map(BlockId).collect(),
+        7,
+        p_tp,
+        blocks * 16,
+        "127.0.0.1".into(),
+        1,
+    )
+}
+
+fn ready(c: &mut DecodeCore, now: Timestamp, p_tp: u32) {
+    let hs = c.poll_handshake().unwrap();
+    assert_eq!(hs.engine, engine("p"));
+    c.handle_handshake(now, &engine("p"), Ok(RemoteEngine::new(p_tp, 64)));
+}
+
+fn finished(c: &mut DecodeCore) -> Vec<(RequestId, Outcome)> {
+    std::iter::from_fn(|| c.poll_event())
+        .filter_map(|e| match e {
+            DecodeEvent::Finished { request, outcome } => Some((request, outcome)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn transmits(c: &mut DecodeCore, now: Timestamp) -> Vec<Transmit> {
+    std::iter::from_fn(|| c.poll_transmit(now)).collect()
+}
+
+#[test]
+fn heartbeats_wait_for_the_handshake_then_go_at_once() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 32, remote("ra", 2, 2))
+        .unwrap();
+    assert!(
+        transmits(&mut c, at(0)).is_empty(),
+        "deferred: still handshaking"
+    );
+    assert_eq!(c.stats().deferred_batches, 1);
+    ready(&mut c, at(1), 2);
+    let t = transmits(&mut c, at(1));
+    assert!(matches!(
+        &t[..],
+        [Transmit {
+            kind: TransmitKind::Heartbeat { ids: 1 },
+            workers: 2,
+            ..
+        }]
+    ));
+    assert!(
+        transmits(&mut c, at(2)).is_empty(),
+        "throttled to one batch per interval"
+    );
+}
+
+#[test]
+fn heterogeneous_tp_plans_one_consumer_per_overlapping_pair() {
+    // D TP 2 reading P TP 4: each D worker overlaps two P workers.
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 32, remote("ra", 4, 2))
+        .unwrap();
+    ready(&mut c, at(0), 4);
+    let plan = c.poll_load().unwrap();
+    assert_eq!(plan.batches.len(), 4);
+    let pairs: Vec<(u32, u32)> = plan
+        .batches
+        .iter()
+        .map(|b| (b.d_worker, b.p_rank))
+        .collect();
+    assert_eq!(pairs, [(0, 0), (0, 1), (1, 2), (1, 3)]);
+    assert_eq!(plan.batches[3].heads, 3..4);
+    // P TP 1: both D workers read P worker 0.
+    let mut c = core();
+    c.on_new_request(at(0), id("b"), 16, remote("rb", 1, 1))
+        .unwrap();
+    ready(&mut c, at(0), 1);
+    let plan = c.poll_load().unwrap();
+    let pairs: Vec<(u32, u32)> = plan
+        .batches
+        .iter()
+        .map(|b| (b.d_worker, b.p_rank))
+        .collect();
+    assert_eq!(pairs, [(0, 0), (1, 0)]);
+}
+
+#[test]
+fn a_good_load_verifies_decodes_and_ends_done_once() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 32, remote("ra", 2, 2))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    let plan = c.poll_load().unwrap();
+    assert_eq!(c.blocks_allocated(), 2);
+    for i in 0..plan.batches.len() {
+        c.handle_batch_done(&id("a"), i, BatchResult::Done { bytes: 10 });
+    }
+    let loaded =
+        std::iter::from_fn(|| c.poll_event()).find(|e| matches!(e, DecodeEvent::Loaded { .. }));
+    assert!(matches!(
+        loaded,
+        Some(DecodeEvent::Loaded { bytes: 20, .. })
+    ));
+    assert_eq!(c.tracked(), 0, "tracking stops when the transfer completes");
+    c.handle_verified(&id("a"), Ok(()));
+    assert!(c.request_finished(&id("a")));
+    assert!(!c.request_finished(&id("a")));
+    let f = finished(&mut c);
+    assert!(matches!(&f[..], [(_, Outcome::Done)]));
+    assert!(c.is_idle());
+}
+
+#[test]
+fn a_stale_batch_fails_the_request_and_frees_p() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    transmits(&mut c, at(0));
+    let plan = c.poll_load().unwrap();
+    c.handle_batch_done(&id("a"), 0, BatchResult::Done { bytes: 1 });
+    c.handle_batch_done(&id("a"), 1, BatchResult::Stale);
+    let f = finished(&mut c);
+    assert!(matches!(
+        &f[..],
+        [(_, Outcome::Failed(LoadError::Stale { p_rank: 1 }))]
+    ));
+    let t = transmits(&mut c, at(1));
+    assert!(t.iter().any(|t| t.kind == TransmitKind::Abort));
+    assert_eq!(plan.batches.len(), 2);
+    assert!(c.is_idle());
+}
+
+#[test]
+fn abort_while_loading_answers_once_and_frees_after_the_reads() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    c.poll_load().unwrap();
+    assert!(c.abort(&id("ra")), "by P's id");
+    assert!(!c.abort(&id("a")), "answered already");
+    assert_eq!(c.blocks_allocated(), 1, "the transport still writes");
+    c.handle_batch_done(&id("a"), 0, BatchResult::Done { bytes: 1 });
+    c.handle_batch_done(&id("a"), 1, BatchResult::Done { bytes: 1 });
+    assert!(c.is_idle());
+    let f = finished(&mut c);
+    assert!(matches!(&f[..], [(_, Outcome::Aborted)]));
+}
+
+#[test]
+fn expiry_notices_fail_waiting_requests_only_from_their_engine() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    c.on_new_request(at(0), id("b"), 16, remote("rb", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    c.poll_load().unwrap(); // a loads, b waits (max_running 1)
+    let notice = |req: &str| {
+        kvlease_notif::encode_expired(
+            &[ExpiredLease {
+                request: id(req),
+                generation: Generation(std::num::NonZeroU64::new(7).unwrap()),
+            }],
+            kvlease_notif::MAX_NOTIF_LEN,
+        )
+        .unwrap()
+        .remove(0)
+    };
+    assert_eq!(
+        c.handle_notif(&engine("evil"), &notice("rb")),
+        DecodeNotif::Foreign
+    );
+    assert!(finished(&mut c).is_empty());
+    let out = c.handle_notif(&engine("p"), &notice("rb"));
+    assert_eq!(
+        out,
+        DecodeNotif::Expired {
+            leases: 1,
+            failed: 1
+        }
+    );
+    let out = c.handle_notif(&engine("p"), &notice("ra"));
+    assert_eq!(
+        out,
+        DecodeNotif::Expired {
+            leases: 1,
+            failed: 0
+        },
+        "in flight: the fence decides"
+    );
+    let f = finished(&mut c);
+    assert!(matches!(&f[..], [(r, Outcome::Failed(LoadError::Expired { .. }))] if r == &id("b")));
+}
+
+#[test]
+fn refusals_with_valid_coordinates_tell_a_connected_p() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    transmits(&mut c, at(0));
+    let e = c
+        .on_new_request(at(1), id("b"), 17, remote("rb", 2, 1))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::TokenCount { .. }));
+    assert_eq!(e.field(), Some("kvlease_num_tokens"));
+    let mut bad = remote("rc", 2, 1);
+    bad.blocks = vec![BlockId(64)];
+    let e = c.on_new_request(at(1), id("c"), 16, bad).unwrap_err();
+    assert!(matches!(
+        e,
+        AdmitError::BlockOutOfRange {
+            block: 64,
+            pool: 64
+        }
+    ));
+    c.on_new_request(at(1), id("d"), 16, remote("rd", 2, 1))
+        .unwrap();
+    let e = c
+        .on_new_request(at(1), id("e"), 16, remote("re", 2, 1))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::QueueFull { max: 2 }));
+    let aborts = transmits(&mut c, at(1))
+        .into_iter()
+        .filter(|t| t.kind == TransmitKind::Abort)
+        .count();
+    assert_eq!(aborts, 3);
+    // A duplicate never aborts: the lease is the running request's.
+    let e = c
+        .on_new_request(at(1), id("a"), 16, remote("ra", 2, 1))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::Duplicate { .. }));
+    assert!(transmits(&mut c, at(1)).is_empty());
+}
+
+#[test]
+fn a_failed_handshake_fails_its_requests_and_the_next_one_retries() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    c.poll_handshake().unwrap();
+    let cause: Cause = Arc::new(std::io::Error::other("refused"));
+    c.handle_handshake(at(1), &engine("p"), Err((false, cause)));
+    let f = finished(&mut c);
+    assert!(matches!(&f[..], [(_, Outcome::Failed(e))] if e.is_retryable()));
+    assert!(c.is_idle());
+    c.on_new_request(at(2), id("b"), 16, remote("rb", 2, 1))
+        .unwrap();
+    assert!(c.poll_handshake().is_some());
+}
+
+#[test]
+fn a_lost_engine_fails_waiting_requests_and_handshakes_again() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    c.on_new_request(at(0), id("b"), 16, remote("rb", 2, 1))
+        .unwrap();
+    c.poll_load().unwrap();
+    c.forget_engine(&engine("p"));
+    let f = finished(&mut c);
+    assert!(matches!(&f[..], [(r, Outcome::Failed(LoadError::PeerLost { .. }))] if r == &id("b")));
+    c.on_new_request(at(1), id("c"), 16, remote("rc", 2, 1))
+        .unwrap();
+    assert!(c.poll_handshake().is_some());
+}

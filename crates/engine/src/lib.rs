@@ -1,0 +1,56 @@
+//! The engine cores of kvlease: [`PrefillCore`] and [`DecodeCore`] hold everything a
+//! prefill (P) and a decode (D) engine **decide** — which blocks a request gets, when a
+//! lease is granted, renewed, released and announced, which requests D tracks and
+//! heartbeats, when one is scheduled and read, and how every request ends — and nothing
+//! they **do**.
+//!
+//! This crate does not take care of threads, clocks, sockets, HTTP, memory or the
+//! environment: time is an argument (a [`Timestamp`](kvlease_lease::Timestamp) on the
+//! engine's own clock), inputs come in through `handle_*` / `on_*` methods, outputs are
+//! drained through `poll_*` methods, as in quinn-proto's `Connection`. Two drivers run the
+//! same cores: the agents (`prefill-agent`, `decode-agent`: real threads, transports and
+//! HTTP) and the deterministic simulator (`kvlease-sim`: virtual time and network, faults,
+//! oracles), so that the simulator checks the code users run.
+//!
+//! # The serving engine's hooks
+//! vLLM's KV connector splits the work into scheduler-side and worker-side hooks; a
+//! serving engine that embeds these cores calls them at the same points:
+//!
+//! | vLLM connector hook | P ([`PrefillCore`]) | D ([`DecodeCore`]) |
+//! | --- | --- | --- |
+//! | scheduler `on_new_request` | [`handle_job`](PrefillCore::handle_job) | [`on_new_request`](DecodeCore::on_new_request) (tracked at once) |
+//! | `get_num_new_matched_tokens` | — | [`on_new_request`](DecodeCore::on_new_request) validates P's coordinates: all prompt tokens load remotely |
+//! | `update_state_after_alloc` | [`poll_prefill`](PrefillCore::poll_prefill) (blocks allocated) | [`poll_load`](DecodeCore::poll_load) (blocks allocated, reads planned) |
+//! | `build_connector_meta` | — | [`poll_transmit`](DecodeCore::poll_transmit) (throttled heartbeats, aborts) and the [`LoadPlan`]s |
+//! | `request_finished` | [`handle_prefill_done`](PrefillCore::handle_prefill_done) grants the lease | [`request_finished`](DecodeCore::request_finished) frees D's blocks |
+//! | `update_connector_output` | [`poll_event`](PrefillCore::poll_event) | [`poll_event`](DecodeCore::poll_event) ([`DecodeEvent::Finished`]) |
+//! | worker `start_load_kv` | — | post each [`BatchPlan`]; send each [`Transmit`] |
+//! | worker `get_finished` | [`handle_notif`](PrefillCore::handle_notif) (read completions release) | [`handle_batch_done`](DecodeCore::handle_batch_done), [`DecodeEvent::Loaded`] |
+//! | `get_block_ids_with_load_errors` | — | [`Outcome::Failed`] (a stale fence never produces output) |
+//! | the reaper (none in vLLM) | [`handle_timeout`](PrefillCore::handle_timeout) | — |
+//!
+//! # Ownership of a lease
+//! A lease belongs to the first D engine that heartbeats, reads or aborts it; P ignores
+//! (and counts) notifications about it from any other engine, and D ignores expiry notices
+//! from any engine but the one holding the request's lease.
+//!
+//! # Every request ends once
+//! On D, every request admitted by [`DecodeCore::on_new_request`] ends in exactly one
+//! [`DecodeEvent::Finished`]. On P, every job ends in an error from
+//! [`PrefillCore::handle_job`] or [`PrefillCore::handle_prefill_done`], a
+//! [`PrefillEvent::Refused`], or a grant whose lease is released exactly once.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod decode;
+mod prefill;
+
+pub use decode::{
+    AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
+    DecodeStats, HandshakeStart, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv, Transmit,
+    TransmitKind,
+};
+pub use prefill::{
+    Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,
+    PrefillNotif, PrefillStart, PrefillStats,
+};

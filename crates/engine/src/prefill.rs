@@ -1,0 +1,769 @@
+//! The prefill core ([`PrefillCore`]): which request gets which blocks, when its lease is
+//! granted, renewed and released, and who is told.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::Hash;
+use std::time::Duration;
+
+use kvlease_lease::{
+    AllocError, BlockAllocator, BlockId, ConsumerId, EngineId, Event, Generation, GrantError,
+    HeartbeatOutcome, LeaseConfig, LeaseTable, ReadCompleteOutcome, ReleaseReason, Released,
+    RequestId, Timestamp,
+};
+use kvlease_notif::{DecodeError, ExpiredLease, Notif, PrefillRouter};
+
+/// The sender of a notification, as the transport authenticated it: the engine it belongs
+/// to and the shell's own address of that endpoint (a transport peer name in the agent, a
+/// virtual address in the simulator).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Peer<A> {
+    /// The engine the sender belongs to.
+    pub engine: EngineId,
+    /// Where replies to it go (expiry notices).
+    pub addr: A,
+}
+
+/// How to build a [`PrefillCore`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PrefillConfig {
+    /// This engine.
+    pub engine_id: EngineId,
+    /// Workers (TP ranks); every worker holds the same block ids of a request.
+    pub tp_size: u32,
+    /// Blocks per worker pool.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Lease timing and mode.
+    pub lease: LeaseConfig,
+    /// How long a request may wait at the head of the queue for free blocks.
+    pub pool_wait: Duration,
+    /// The first lease generation. A restarted P must start above every generation an old
+    /// reader could still hold (the agent uses the wall clock in microseconds).
+    pub first_generation: Generation,
+    /// The most consumers a read-completion may claim (`consumers_total`): a forged or
+    /// broken report cannot make a lease wait for more readers than can exist.
+    pub max_consumers: u32,
+}
+
+impl PrefillConfig {
+    /// A config with the defaults for everything but the engine's shape: no pool wait,
+    /// generations from 1, at most `max(tp_size, 64)` consumers.
+    pub fn new(
+        engine_id: EngineId,
+        tp_size: u32,
+        num_blocks: u32,
+        block_size: u32,
+        lease: LeaseConfig,
+    ) -> Self {
+        Self {
+            engine_id,
+            tp_size,
+            num_blocks,
+            block_size,
+            lease,
+            pool_wait: Duration::ZERO,
+            first_generation: Generation(std::num::NonZeroU64::MIN),
+            max_consumers: tp_size.max(64),
+        }
+    }
+
+    /// Sets [`pool_wait`](Self::pool_wait).
+    #[must_use]
+    pub fn with_pool_wait(mut self, wait: Duration) -> Self {
+        self.pool_wait = wait;
+        self
+    }
+
+    /// Sets [`first_generation`](Self::first_generation).
+    #[must_use]
+    pub fn with_first_generation(mut self, first: Generation) -> Self {
+        self.first_generation = first;
+        self
+    }
+
+    /// Sets [`max_consumers`](Self::max_consumers) (at least 1).
+    #[must_use]
+    pub fn with_max_consumers(mut self, max: u32) -> Self {
+        self.max_consumers = max.max(1);
+        self
+    }
+}
+
+/// Why P refused or could not finish a request. Typed: the HTTP edge maps it to a status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrefillError {
+    /// The prompt needs more blocks than a pool has.
+    #[error("the prompt needs {needed} blocks, the pool has {pool}")]
+    PromptTooLong {
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks per pool.
+        pool: u32,
+    },
+    /// The prompt is empty: nothing to prefill.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// The request is already queued or being prefilled here.
+    #[error("request {request} is already being prefilled")]
+    Duplicate {
+        /// The request.
+        request: RequestId,
+    },
+    /// No blocks came free within the pool wait.
+    #[error("no free KV blocks for {needed} blocks within {} ms", waited.as_millis())]
+    PoolWaitTimeout {
+        /// Blocks needed.
+        needed: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// [`PrefillCore::handle_prefill_done`] for a request the core is not prefilling.
+    #[error("request {request} is not being prefilled")]
+    NotPrefilling {
+        /// The request.
+        request: RequestId,
+    },
+    /// The lease table refused the grant.
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// The engine is shutting down.
+    #[error("the prefill engine is shutting down")]
+    ShuttingDown,
+}
+
+impl PrefillError {
+    /// Whether the client may retry the same request later (the engine is busy, not the
+    /// request wrong).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::PoolWaitTimeout { .. } | Self::ShuttingDown)
+    }
+}
+
+/// A request whose blocks were allocated: compute and fill them, then call
+/// [`PrefillCore::handle_prefill_done`] (or [`handle_prefill_failed`](PrefillCore::handle_prefill_failed)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PrefillStart {
+    /// The request.
+    pub request: RequestId,
+    /// Its blocks, the same ids on every worker.
+    pub blocks: Vec<BlockId>,
+    /// How long it waited for them.
+    pub waited: Duration,
+}
+
+/// A granted lease: publish `generation` in every worker's fence words of `blocks`, then
+/// answer with the request's transfer parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Granted {
+    /// The request.
+    pub request: RequestId,
+    /// Its blocks.
+    pub blocks: Vec<BlockId>,
+    /// The lease's fencing token.
+    pub generation: Generation,
+    /// Whether the grant replaced an older lease of the same request id (a retry).
+    pub superseded: bool,
+}
+
+/// Something the shell must do, drained with [`PrefillCore::poll_action`] after every
+/// input and before the next [`poll_prefill`](PrefillCore::poll_prefill).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PrefillAction<A> {
+    /// A lease ended: publish [`Generation::FREE_WORD`] in every worker's fence words of
+    /// `blocks` **now**. The core hands the blocks to the next allocation only after this
+    /// action was polled, so a reader still holding the old generation sees its read was
+    /// fenced off before any byte is reused.
+    ClearFences {
+        /// The lease that ended.
+        released: Released,
+    },
+    /// Send `bytes` (an expiry notice) to the D endpoint `to`.
+    Transmit {
+        /// The D endpoint.
+        to: A,
+        /// The encoded notification.
+        bytes: Vec<u8>,
+    },
+}
+
+/// What [`PrefillCore::handle_notif`] did with one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PrefillNotif {
+    /// A heartbeat. Ids of leases another D engine owns were not applied.
+    Heartbeat {
+        /// Ids the message named.
+        ids: u32,
+        /// What the table did with the ids applied.
+        outcome: HeartbeatOutcome,
+        /// Ids of leases owned by another D engine (ignored).
+        foreign: u32,
+    },
+    /// A read completion.
+    ReadComplete {
+        /// The request.
+        request: RequestId,
+        /// What the table did.
+        outcome: ReadCompleteOutcome,
+    },
+    /// An abort; `held` says whether it released a lease.
+    Abort {
+        /// The request.
+        request: RequestId,
+        /// Whether a lease was released.
+        held: bool,
+    },
+    /// A completion or abort for a lease another D engine owns, or whose consumer names
+    /// another engine than its sender, or that claims more consumers than can exist:
+    /// ignored.
+    Foreign {
+        /// The request named.
+        request: RequestId,
+    },
+    /// A message P never expects (an expiry notice) or an application message: ignored.
+    Ignored,
+    /// A malformed message: ignored.
+    Malformed(DecodeError),
+}
+
+/// Counters of a [`PrefillCore`], cumulative.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefillStats {
+    /// Jobs taken.
+    pub jobs: u64,
+    /// Leases granted.
+    pub granted: u64,
+    /// Requests refused (before or after waiting).
+    pub refused: u64,
+    /// Leases released because every consumer reported.
+    pub released_completed: u64,
+    /// Leases released by the reaper.
+    pub released_expired: u64,
+    /// Leases released by an abort (D's, the client's, or a superseding grant).
+    pub released_aborted: u64,
+    /// Notifications from a D engine about a lease another engine owns (ignored).
+    pub foreign_notifs: u64,
+    /// Malformed notifications.
+    pub malformed_notifs: u64,
+    /// Expiry notices sent (messages).
+    pub expiry_notices: u64,
+}
+
+/// A lease's owner: the first D engine that heartbeated, read or aborted it, and the
+/// endpoint of that engine that heartbeated it last (where an expiry notice goes).
+#[derive(Debug, Clone)]
+struct Claim<A> {
+    engine: EngineId,
+    heartbeater: Option<A>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    request: RequestId,
+    needed: usize,
+    since: Timestamp,
+}
+
+/// Everything a prefill engine (P) decides, and nothing it does.
+///
+/// One core per P engine, whatever its TP size: a request has the same block ids on every
+/// worker and one lease (read by every reader that overlaps its heads).
+///
+/// # Call order (one forward-loop step)
+/// 1. [`handle_job`](Self::handle_job) for every new request (errors refuse it at once);
+/// 2. [`poll_prefill`](Self::poll_prefill) until `None`: each start is computed and filled
+///    by the shell, then [`handle_prefill_done`](Self::handle_prefill_done) grants its
+///    lease (publish the generation, answer the client);
+/// 3. [`handle_notif`](Self::handle_notif) for every notification received;
+/// 4. [`handle_timeout`](Self::handle_timeout) (the reaper);
+/// 5. after **every** input: [`poll_action`](Self::poll_action) until `None` (clear fences,
+///    send expiry notices) and [`poll_event`](Self::poll_event) until `None` (refusals and
+///    releases, for the client and the metrics).
+///
+/// There is no heartbeat thread: heartbeats are handled in step 3.
+#[derive(Debug)]
+pub struct PrefillCore<A> {
+    config: PrefillConfig,
+    table: LeaseTable,
+    alloc: BlockAllocator,
+    waiting: VecDeque<Waiting>,
+    prefilling: HashMap<RequestId, Vec<BlockId>>,
+    claims: HashMap<RequestId, Claim<A>>,
+    actions: VecDeque<PrefillAction<A>>,
+    events: VecDeque<PrefillEvent>,
+    /// Blocks of released leases whose fence-clear action has not been polled yet.
+    unfenced: usize,
+    stats: PrefillStats,
+}
+
+/// What the core reports, drained with [`PrefillCore::poll_event`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PrefillEvent {
+    /// A queued request was refused (no blocks within the pool wait, shutdown): answer the
+    /// client with `error`. Every job ends in exactly one of this, an error from
+    /// [`PrefillCore::handle_job`] or [`PrefillCore::handle_prefill_done`], or a grant.
+    Refused {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        error: PrefillError,
+    },
+    /// A lease ended (its fences are cleared through [`PrefillAction::ClearFences`]).
+    Released(Released),
+}
+
+impl<A: Clone + Eq + Hash> PrefillCore<A> {
+    /// A core with every block free and no lease.
+    pub fn new(config: PrefillConfig) -> Self {
+        Self {
+            table: LeaseTable::with_first_generation(config.lease, config.first_generation),
+            alloc: BlockAllocator::new(config.num_blocks),
+            waiting: VecDeque::new(),
+            prefilling: HashMap::new(),
+            claims: HashMap::new(),
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+            unfenced: 0,
+            stats: PrefillStats::default(),
+            config,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PrefillConfig {
+        &self.config
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PrefillStats {
+        self.stats
+    }
+
+    /// The lease table (read only).
+    pub fn table(&self) -> &LeaseTable {
+        &self.table
+    }
+
+    /// Leases held.
+    pub fn leases(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Blocks held by leases.
+    pub fn blocks_leased(&self) -> usize {
+        self.table.blocks_held()
+    }
+
+    /// Blocks allocated (leased, being prefilled, or awaiting their fence clear).
+    pub fn blocks_allocated(&self) -> usize {
+        self.alloc.allocated_count()
+    }
+
+    /// Requests waiting for blocks.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests between [`poll_prefill`](Self::poll_prefill) and their
+    /// [`handle_prefill_done`](Self::handle_prefill_done).
+    pub fn prefilling(&self) -> usize {
+        self.prefilling.len()
+    }
+
+    /// The D engine that owns `request`'s lease, once one heartbeated, read or aborted it.
+    pub fn owner(&self, request: &RequestId) -> Option<&EngineId> {
+        self.claims.get(request).map(|c| &c.engine)
+    }
+
+    /// Whether nothing is queued, prefilling or leased, and every block is free.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty()
+            && self.prefilling.is_empty()
+            && self.table.is_empty()
+            && self.alloc.allocated_count() == 0
+    }
+
+    /// Blocks needed for `num_tokens`.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.config.block_size.max(1) as usize)
+    }
+
+    // ------------------------------------------------------------------ inputs
+
+    /// A request arrived (vLLM: the scheduler's `add_request`); it waits for blocks.
+    ///
+    /// # Errors
+    /// [`PrefillError::EmptyPrompt`], [`PrefillError::PromptTooLong`] or
+    /// [`PrefillError::Duplicate`]; the request is refused and nothing changed.
+    pub fn handle_job(
+        &mut self,
+        now: Timestamp,
+        request: RequestId,
+        num_tokens: usize,
+    ) -> Result<(), PrefillError> {
+        self.stats.jobs += 1;
+        let needed = self.blocks_for(num_tokens);
+        let refused = if needed == 0 {
+            Some(PrefillError::EmptyPrompt)
+        } else if needed > self.config.num_blocks as usize {
+            Some(PrefillError::PromptTooLong {
+                needed,
+                pool: self.config.num_blocks,
+            })
+        } else if self.prefilling.contains_key(&request)
+            || self.waiting.iter().any(|w| w.request == request)
+        {
+            Some(PrefillError::Duplicate {
+                request: request.clone(),
+            })
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            self.stats.refused += 1;
+            return Err(e);
+        }
+        self.waiting.push_back(Waiting {
+            request,
+            needed,
+            since: now,
+        });
+        Ok(())
+    }
+
+    /// The next request to prefill, with its blocks, in arrival order; `None` when the
+    /// queue is empty or its head waits for blocks. A head that waited longer than the
+    /// pool wait is refused ([`PrefillEvent::Refused`]) and the next one is tried.
+    ///
+    /// Returns `None` while fence clears are undrained ([`poll_action`](Self::poll_action)).
+    pub fn poll_prefill(&mut self, now: Timestamp) -> Option<PrefillStart> {
+        if self.unfenced > 0 {
+            return None;
+        }
+        while let Some(head) = self.waiting.front() {
+            let waited = now.saturating_duration_since(head.since);
+            match self.alloc.alloc(head.needed) {
+                Ok(blocks) => {
+                    let head = self.waiting.pop_front()?;
+                    self.prefilling.insert(head.request.clone(), blocks.clone());
+                    return Some(PrefillStart {
+                        request: head.request,
+                        blocks,
+                        waited,
+                    });
+                }
+                Err(AllocError::Exhausted { .. }) if waited < self.config.pool_wait => {
+                    // Head of line waits for releases.
+                    return None;
+                }
+                Err(_) => {
+                    let head = self.waiting.pop_front()?;
+                    self.stats.refused += 1;
+                    self.events.push_back(PrefillEvent::Refused {
+                        request: head.request,
+                        error: PrefillError::PoolWaitTimeout {
+                            needed: head.needed,
+                            waited,
+                        },
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    /// The prefill of `request` is computed and its blocks filled on every worker (vLLM:
+    /// the scheduler's `request_finished` on P): grant the lease. The caller publishes
+    /// [`Granted::generation`] in the fence words and answers the client. A lease still
+    /// held under the same request id (a retry after a failed load) is aborted first.
+    ///
+    /// # Errors
+    /// [`PrefillError::NotPrefilling`] for an unknown request; [`PrefillError::Grant`]
+    /// when the table refuses (the blocks are freed).
+    pub fn handle_prefill_done(
+        &mut self,
+        now: Timestamp,
+        request: &RequestId,
+    ) -> Result<Granted, PrefillError> {
+        let Some(blocks) = self.prefilling.remove(request) else {
+            return Err(PrefillError::NotPrefilling {
+                request: request.clone(),
+            });
+        };
+        let superseded = self.table.abort(now, request);
+        if superseded {
+            self.drain_table();
+        }
+        match self.table.grant(
+            now,
+            request.clone(),
+            blocks.clone(),
+            self.config.tp_size.max(1),
+        ) {
+            Ok(generation) => {
+                self.stats.granted += 1;
+                self.claims.remove(request);
+                Ok(Granted {
+                    request: request.clone(),
+                    blocks,
+                    generation,
+                    superseded,
+                })
+            }
+            Err(e) => {
+                self.stats.refused += 1;
+                self.free(&blocks);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The prefill of `request` failed (compute or fill error): its blocks go back. No
+    /// generation was published for them.
+    pub fn handle_prefill_failed(&mut self, request: &RequestId) -> bool {
+        match self.prefilling.remove(request) {
+            Some(blocks) => {
+                self.stats.refused += 1;
+                self.free(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The client of `request` is gone after its grant (nobody will read it), or the
+    /// operator aborts it: releases the lease at once. Also drops it from the queue.
+    pub fn abort(&mut self, now: Timestamp, request: &RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|w| &w.request == request) {
+            self.waiting.remove(i);
+            return true;
+        }
+        let held = self.table.abort(now, request);
+        self.drain_table();
+        held
+    }
+
+    /// Refuses every queued request ([`PrefillError::ShuttingDown`]), for a shell that
+    /// stops.
+    pub fn shutdown(&mut self) {
+        for w in self.waiting.drain(..) {
+            self.stats.refused += 1;
+            self.events.push_back(PrefillEvent::Refused {
+                request: w.request,
+                error: PrefillError::ShuttingDown,
+            });
+        }
+    }
+
+    /// A notification from the authenticated D endpoint `from`.
+    ///
+    /// `HB:` renews the leases it names, read completions and aborts release them. A lease
+    /// belongs to the first D engine that heartbeats, reads or aborts it; messages about it
+    /// from any other engine are ignored and counted ([`PrefillStats::foreign_notifs`]).
+    /// Never panics; malformed input changes nothing.
+    pub fn handle_notif(&mut self, now: Timestamp, from: &Peer<A>, bytes: &[u8]) -> PrefillNotif {
+        let handled = match kvlease_notif::decode(bytes) {
+            Ok(Notif::Heartbeat(ids)) => {
+                let mut foreign = 0u32;
+                let mut count = 0u32;
+                let mut mine: Vec<&str> = Vec::with_capacity(ids.len());
+                for id in ids.iter() {
+                    count = count.saturating_add(1);
+                    match self.claims.get(id) {
+                        Some(c) if c.engine != from.engine => foreign += 1,
+                        _ => mine.push(id),
+                    }
+                }
+                let outcome = self.table.handle_heartbeat(now, mine.iter());
+                if outcome.held > 0 {
+                    for id in mine {
+                        self.claim(id, from, true);
+                    }
+                }
+                self.stats.foreign_notifs += u64::from(foreign > 0);
+                PrefillNotif::Heartbeat {
+                    ids: count,
+                    outcome,
+                    foreign,
+                }
+            }
+            Ok(Notif::ReadComplete(rc)) => {
+                if !self.may_act(&rc.request, from, Some(&rc.consumer))
+                    || rc.consumers_total > self.config.max_consumers
+                {
+                    self.stats.foreign_notifs += 1;
+                    PrefillNotif::Foreign {
+                        request: rc.request,
+                    }
+                } else {
+                    self.claim(rc.request.as_str(), from, false);
+                    let outcome = self.table.handle_read_complete(
+                        now,
+                        &rc.request,
+                        rc.consumer,
+                        Some(rc.consumers_total),
+                    );
+                    PrefillNotif::ReadComplete {
+                        request: rc.request,
+                        outcome,
+                    }
+                }
+            }
+            Ok(Notif::Abort(a)) => {
+                if self.may_act(&a.request, from, Some(&a.consumer)) {
+                    let held = self.table.abort(now, &a.request);
+                    PrefillNotif::Abort {
+                        request: a.request,
+                        held,
+                    }
+                } else {
+                    self.stats.foreign_notifs += 1;
+                    PrefillNotif::Foreign { request: a.request }
+                }
+            }
+            Ok(_) => PrefillNotif::Ignored,
+            Err(e) => {
+                self.stats.malformed_notifs += 1;
+                PrefillNotif::Malformed(e)
+            }
+        };
+        self.drain_table();
+        handled
+    }
+
+    /// The reaper: releases every lease past its expiry; an expired lease that a D engine
+    /// heartbeated is announced to it ([`PrefillAction::Transmit`]).
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.table.handle_timeout(now);
+        self.drain_table();
+    }
+
+    // ------------------------------------------------------------------ outputs
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) (or
+    /// [`poll_prefill`](Self::poll_prefill), for a head of line whose pool wait ends)
+    /// next; `None` when nothing is timed.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        let pool = self
+            .waiting
+            .front()
+            .and_then(|w| w.since.checked_add(self.config.pool_wait));
+        match (self.table.poll_timeout(), pool) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The next action for the shell, in order.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<PrefillAction<A>> {
+        let action = self.actions.pop_front()?;
+        if let PrefillAction::ClearFences { released } = &action {
+            // The shell publishes the free word now; from here the blocks may be reused.
+            self.unfenced -= 1;
+            let blocks = released.blocks.clone();
+            self.free(&blocks);
+        }
+        Some(action)
+    }
+
+    /// The next event, in order.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<PrefillEvent> {
+        self.events.pop_front()
+    }
+
+    // ------------------------------------------------------------------ internals
+
+    /// Whether `from` may complete or abort `request`: no other engine owns it, and the
+    /// consumer it names is of its own engine.
+    fn may_act(&self, request: &RequestId, from: &Peer<A>, consumer: Option<&ConsumerId>) -> bool {
+        if consumer.is_some_and(|c| c.engine != from.engine) {
+            return false;
+        }
+        self.claims
+            .get(request)
+            .is_none_or(|c| c.engine == from.engine)
+    }
+
+    fn claim(&mut self, id: &str, from: &Peer<A>, heartbeat: bool) {
+        if let Some(c) = self.claims.get_mut(id) {
+            if heartbeat && c.engine == from.engine && c.heartbeater.as_ref() != Some(&from.addr) {
+                c.heartbeater = Some(from.addr.clone());
+            }
+            return;
+        }
+        let Ok(request) = RequestId::new(id) else {
+            return;
+        };
+        if self.table.blocks(&request).is_none() {
+            return;
+        }
+        self.claims.insert(
+            request,
+            Claim {
+                engine: from.engine.clone(),
+                heartbeater: heartbeat.then(|| from.addr.clone()),
+            },
+        );
+    }
+
+    fn free(&mut self, blocks: &[BlockId]) {
+        // Every id freed here was handed out by this allocator exactly once; a refusal
+        // would be a bug of the core, kept out of release builds' way.
+        let freed = self.alloc.free(blocks);
+        debug_assert!(freed.is_ok(), "block accounting: {freed:?}");
+    }
+
+    /// Turns the table's releases into fence clears, expiry notices and events.
+    fn drain_table(&mut self) {
+        let mut notices: Vec<(A, Vec<ExpiredLease>)> = Vec::new();
+        while let Some(Event::Released(r)) = self.table.poll_event() {
+            let claim = self.claims.remove(&r.request);
+            match r.reason {
+                ReleaseReason::Completed => self.stats.released_completed += 1,
+                ReleaseReason::Expired => self.stats.released_expired += 1,
+                ReleaseReason::Aborted => self.stats.released_aborted += 1,
+            }
+            if let (Some(notice), Some(to)) = (
+                PrefillRouter::<A>::expiry_notice(&r),
+                claim.and_then(|c| c.heartbeater),
+            ) {
+                match notices.iter_mut().find(|(a, _)| *a == to) {
+                    Some((_, v)) => v.push(notice),
+                    None => notices.push((to, vec![notice])),
+                }
+            }
+            self.unfenced += 1;
+            self.actions.push_back(PrefillAction::ClearFences {
+                released: r.clone(),
+            });
+            self.events.push_back(PrefillEvent::Released(r));
+        }
+        for (to, leases) in notices {
+            // Expiry notices of valid ids always encode; a failure would only drop a hint
+            // (D's fenced read still catches the reuse).
+            if let Ok(msgs) = kvlease_notif::encode_expired(&leases, kvlease_notif::MAX_NOTIF_LEN) {
+                for bytes in msgs {
+                    self.stats.expiry_notices += 1;
+                    self.actions.push_back(PrefillAction::Transmit {
+                        to: to.clone(),
+                        bytes,
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
