@@ -1,20 +1,19 @@
 //! The decode engine (D): one engine thread runs the forward loop over `tp_size` workers,
-//! each with its own block pool and transport endpoint.
+//! each with its own block pool and transport endpoint. Every decision — tracking,
+//! heartbeats, scheduling, which reads to post, how a request ends — is the
+//! [`DecodeCore`]'s (`kvlease-engine`); this module is its IO shell.
 //!
-//! A request is **tracked on arrival** (its heartbeats start before it is scheduled: the
-//! waiting time is unbounded) and queued; the waiting queue is bounded in length. One step,
-//! every `step`:
-//! 1. take new requests and aborts from the HTTP layer; an unknown P engine starts the
-//!    side-channel handshake on a background thread (preemptive handshake);
-//! 2. `start_load_kv`: send every heartbeat batch that is due, one `HB:` message per P
-//!    worker of the engine (an engine still handshaking is deferred to a later step);
-//! 3. poll notifications: an expiry notice from P fails the request (never output);
-//! 4. schedule waiting requests up to `max_running`: allocate D blocks and post, from every
-//!    D worker, one fenced read batch per P worker that holds its heads;
-//! 5. finish loads: when every batch is done, verify every byte against the request's
-//!    tokens and the digest against P's, untrack, report the read complete to each P
-//!    worker read from (the batch's notification); a fence mismatch, an expiry notice or a
-//!    read failure ends in the failure policy;
+//! One step, every `step`:
+//! 1. take new requests and aborts from the HTTP layer (the core tracks a request on
+//!    arrival); start the handshakes the core asks for on background threads;
+//! 2. `start_load_kv`: send what the core has for P (heartbeat batches, aborts) to every
+//!    P worker of the engine;
+//! 3. poll notifications and hand them to the core (an expiry notice fails a waiting
+//!    request: never output);
+//! 4. post the read batches of every request the core schedules (one per overlapping
+//!    (D worker, P worker) pair, fenced; the batch's notification is the read completion);
+//! 5. report finished batches; verify a loaded request's bytes against its tokens and the
+//!    digest against P's;
 //! 6. decode one token for every running request; a finished one frees its blocks.
 
 use std::collections::{HashMap, VecDeque};
@@ -23,12 +22,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
-use kvlease_lease::{
-    BlockId, ConsumerId, DecoderTtl, EngineId, Event, Generation, HeartbeatTracker, LeaseConfig,
-    ReleaseReason, RequestId, Timestamp,
+use kvlease_engine::{
+    AdmitError, BatchResult, Cause, DecodeConfig as CoreConfig, DecodeCore,
+    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, LoadError, LoadPlan, Outcome, RemoteEngine,
+    RemoteKv, TransmitKind,
 };
-use kvlease_notif::{Abort, Notif, ReadComplete};
+use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
+use kvlease_lease::{
+    BlockId, DecoderTtl, EngineId, Event, Generation, LeaseConfig, ReleaseReason, RequestId,
+    Timestamp,
+};
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
 
@@ -161,65 +164,155 @@ struct Ready {
     peers: Vec<Vec<PeerId>>,
 }
 
+/// The shell's side of a remote P engine (the core decides when to handshake).
 enum Remote {
-    Handshaking(crossbeam_channel::Receiver<Result<Ready, ApiError>>),
+    Handshaking(crossbeam_channel::Receiver<Result<Ready, HandshakeFailure>>),
     Ready(Ready),
 }
 
-enum Phase {
-    Waiting,
-    Loading {
-        blocks: Vec<BlockId>,
-        batches: Vec<Pending>,
-        started: Instant,
+/// Why a handshake with P failed. Mapped to an HTTP error only at the edge
+/// ([`HandshakeFailure::to_api`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeFailure {
+    /// P refused our proof, or we refused P's (cluster token).
+    #[error(
+        "unknown engine {engine}: {source} (check --auth-token / KVLEASE_AUTH_TOKEN on both sides)"
+    )]
+    Auth {
+        /// P's engine.
+        engine: EngineId,
+        /// The side channel's error.
+        #[source]
+        source: sidechannel::HandshakeError,
     },
-    Decoding {
-        blocks: Vec<BlockId>,
-        text: Vec<String>,
-        next: usize,
-        summary: Summary,
+    /// The side channel could not be reached or failed.
+    #[error("unknown engine {engine}: side channel at {addr} failed: {source}")]
+    SideChannel {
+        /// P's engine.
+        engine: EngineId,
+        /// The address tried.
+        addr: String,
+        /// The side channel's error.
+        #[source]
+        source: sidechannel::HandshakeError,
     },
+    /// P's engine info did not parse.
+    #[error("side channel at {addr} sent bad engine info: {source}")]
+    BadInfo {
+        /// The address.
+        addr: String,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The side channel serves another engine.
+    #[error("unknown engine {engine}: the side channel at {addr} serves engine {serves}")]
+    WrongEngine {
+        /// The engine asked for.
+        engine: EngineId,
+        /// The address.
+        addr: String,
+        /// The engine it serves.
+        serves: String,
+    },
+    /// P's model shape differs.
+    #[error("engine {engine} has model shape {theirs:?}, this engine {ours:?}")]
+    Shape {
+        /// P's engine.
+        engine: EngineId,
+        /// P's shape.
+        theirs: KvShape,
+        /// D's shape.
+        ours: KvShape,
+    },
+    /// A worker's transport metadata is not hex.
+    #[error("engine {engine}: bad worker metadata")]
+    Metadata {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// A transport connection to a P worker failed.
+    #[error("cannot connect to engine {engine} worker {rank}: {source}")]
+    Connect {
+        /// P's engine.
+        engine: EngineId,
+        /// P's worker.
+        rank: u32,
+        /// The transport's error.
+        #[source]
+        source: kvlease_transport::ConnectError,
+    },
+    /// The handshake thread died or could not start.
+    #[error("the handshake thread died")]
+    Thread,
 }
 
-struct Pending {
+impl HandshakeFailure {
+    /// The HTTP answer.
+    pub fn to_api(&self) -> ApiError {
+        match self {
+            Self::Auth { .. } => {
+                ApiError::new(StatusCode::FORBIDDEN, "peer_auth_failed", self.to_string())
+            }
+            Self::Connect { .. } | Self::Thread => ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "handshake_failed",
+                self.to_string(),
+            ),
+            _ => ApiError::bad_field("kv_transfer_params.remote_engine_id", self.to_string()),
+        }
+    }
+
+    fn is_auth(&self) -> bool {
+        matches!(self, Self::Auth { .. })
+    }
+}
+
+/// One posted read batch, as the shell polls it.
+struct Posted {
     worker: usize,
-    p_rank: u32,
     batch: link::BatchId,
-    /// The backend of the peer the batch reads from (`"verbs"` or `"tcp"`), replaced at
-    /// completion by the one that moved its bytes (a verbs peer's batches on memory verbs
-    /// could not register go over TCP).
+    /// The backend of the peer the batch reads from, replaced at completion by the one
+    /// that moved its bytes (a verbs peer's batches on memory verbs could not register go
+    /// over TCP).
     backend: &'static str,
-    done: Option<Result<u64, link::Failure>>,
+    done: bool,
 }
 
+/// What the shell keeps of a request beside the core's state.
 struct Req {
     job: DecodeJob,
-    remote_id: RequestId,
-    engine: EngineId,
-    phase: Phase,
     scheduled: Option<Instant>,
-    /// The client aborted while reads were in flight: drop the result.
-    aborted: bool,
+    /// By batch index of the plan; `None` for a batch that could not be posted.
+    posted: Vec<Option<Posted>>,
+    load_started: Option<Instant>,
+    /// Decoding: the text to stream, the next token, and the summary for the end.
+    decoding: Option<(Vec<String>, usize, Summary)>,
 }
 
-/// The D engine; [`run`](Self::run) is its forward loop.
+/// The D engine; [`run`](Self::run) is its forward loop. It drives a [`DecodeCore`] (every
+/// decision) and does the IO: transport endpoints, handshakes, reads, verification, the
+/// model's tokens and the client's events.
 pub struct DecodeEngine {
     cfg: DecodeConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
-    tracker: HeartbeatTracker,
-    alloc: BlockAllocator,
+    core: DecodeCore,
     remotes: HashMap<EngineId, Remote>,
     reqs: HashMap<RequestId, Req>,
-    /// D ids in arrival order, of requests not yet scheduled.
-    queue: VecDeque<RequestId>,
-    by_remote: HashMap<RequestId, RequestId>,
     epoch: Instant,
     worker_metadata: Vec<Vec<u8>>,
     /// Bidirectional mode: finished turns kept for P (on [`DecodeBidir::clock`]).
     hold: Option<DecoderHold>,
     /// Cached turns in insertion order (some may be gone already), for eviction.
     cache_order: VecDeque<RequestId>,
+}
+
+/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`).
+pub(crate) fn engine_of_peer(name: &str) -> Option<EngineId> {
+    let engine = name.rsplit_once('/').map_or(name, |(e, _)| e);
+    EngineId::new(engine).ok()
 }
 
 impl DecodeEngine {
@@ -260,13 +353,22 @@ impl DecodeEngine {
         }
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
         let worker_metadata = workers.iter().map(|w| w.agent.metadata()).collect();
+        let core = DecodeCore::new(
+            CoreConfig::new(
+                cfg.engine_id.clone(),
+                cfg.tp_size,
+                cfg.shape.num_kv_heads,
+                cfg.shape.block_size,
+                cfg.num_blocks,
+                cfg.lease,
+            )
+            .with_limits(cfg.max_running, cfg.max_waiting)
+            .with_retry(cfg.step),
+        );
         Ok(Self {
-            tracker: HeartbeatTracker::new(&cfg.lease),
-            alloc: BlockAllocator::new(cfg.num_blocks),
+            core,
             remotes: HashMap::new(),
             reqs: HashMap::new(),
-            queue: VecDeque::new(),
-            by_remote: HashMap::new(),
             epoch: Instant::now(),
             worker_metadata,
             hold: cfg
@@ -320,7 +422,10 @@ impl DecodeEngine {
                 match jobs.recv_timeout(left) {
                     Ok(j) => self.intake(j),
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => break,
-                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                        self.shutdown();
+                        return;
+                    }
                 }
             }
             next_step = Instant::now() + self.cfg.step;
@@ -329,6 +434,12 @@ impl DecodeEngine {
             }
             self.step();
         }
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.core.shutdown();
+        self.drain_events();
     }
 
     fn step(&mut self) {
@@ -340,14 +451,18 @@ impl DecodeEngine {
         self.finish_loads();
         self.decode_tokens();
         self.expire_cache();
-        self.metrics.requests_tracked.set(self.tracker.len() as i64);
-        self.metrics.requests_waiting.set(self.queue.len() as i64);
+        self.metrics
+            .requests_tracked
+            .set(self.core.tracked() as i64);
+        self.metrics
+            .requests_waiting
+            .set(self.core.waiting() as i64);
         self.metrics
             .requests_running
-            .set((self.reqs.len() - self.queue.len()) as i64);
+            .set(self.core.running() as i64);
         self.metrics
             .blocks_held
-            .set(self.alloc.allocated_count() as i64);
+            .set(self.core.blocks_allocated() as i64);
     }
 
     // ------------------------------------------------------------ intake
@@ -358,9 +473,12 @@ impl DecodeEngine {
                 if let Err((job, e)) = self.admit(job) {
                     let _ = job.events.send(DecodeEvent::Failed(e));
                 }
+                self.start_handshakes();
+                self.drain_events();
             }
             Job::Abort { id, reply } => {
-                let known = self.abort(&id);
+                let known = self.core.abort(&id);
+                self.drain_events();
                 if let Some(reply) = reply {
                     let _ = reply.send(known);
                 }
@@ -368,6 +486,8 @@ impl DecodeEngine {
         }
     }
 
+    /// Validates the request's `kv_transfer_params` into typed coordinates and hands it to
+    /// the core; refusals become HTTP errors here, at the edge.
     fn admit(&mut self, job: Box<DecodeJob>) -> Result<(), (Box<DecodeJob>, ApiError)> {
         let p = &job.params;
         let bad = |field: &str, msg: String| {
@@ -381,243 +501,168 @@ impl DecodeEngine {
             Ok(r) => r,
             Err(e) => return Err((job, bad("remote_request_id", e.to_string()))),
         };
-        if p.kvlease_num_tokens as usize != job.tokens.len() {
-            let msg = format!(
-                "P prefilled {} tokens but this prompt has {}",
-                p.kvlease_num_tokens,
-                job.tokens.len()
-            );
-            return Err((job, bad("kvlease_num_tokens", msg)));
-        }
-        let needed = self.cfg.shape.blocks_for(job.tokens.len());
-        if p.remote_block_ids.len() != needed {
-            let msg = format!(
-                "{} block ids for {} tokens (need {needed})",
-                p.remote_block_ids.len(),
-                job.tokens.len()
-            );
-            return Err((job, bad("remote_block_ids", msg)));
-        }
-        if needed > self.cfg.num_blocks as usize {
-            let msg = format!(
-                "{needed} blocks exceed this engine's pool of {}",
-                self.cfg.num_blocks
-            );
-            return Err((job, ApiError::bad_field("prompt", msg)));
-        }
-        if !self.cfg.shape.num_kv_heads.is_multiple_of(p.tp_size) {
-            let msg = format!(
-                "{} does not divide num_kv_heads {}",
-                p.tp_size, self.cfg.shape.num_kv_heads
-            );
-            return Err((job, bad("tp_size", msg)));
-        }
-        if self.reqs.contains_key(&job.id) || self.by_remote.contains_key(&remote_id) {
-            let e = ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!("request {} is already running", job.id),
-            );
-            return Err((job, e));
-        }
-        if self.queue.len() >= self.cfg.max_waiting as usize {
-            // Tell P at once that nobody will read these blocks.
-            self.send_abort(&engine, &remote_id);
-            let e = ApiError::overloaded(format!(
-                "the waiting queue is full ({} requests)",
-                self.cfg.max_waiting
-            ));
-            return Err((job, e));
-        }
-        let now = self.now();
-        //= docs/spec.md#tracking
-        //# heartbeating starts when a request with `do_remote_prefill=true` enters
-        //# D's scheduler (`on_new_request`), not when it is scheduled
-        if let Err(e) = self
-            .tracker
-            .track(now, remote_id.clone(), engine.clone(), p.tp_size)
-        {
-            let e = ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string());
-            return Err((job, e));
-        }
-        if !self.remotes.contains_key(&engine) {
-            self.start_handshake(&engine, &p.remote_host, p.remote_port);
-        }
-        self.by_remote.insert(remote_id.clone(), job.id.clone());
-        self.queue.push_back(job.id.clone());
-        self.reqs.insert(
-            job.id.clone(),
-            Req {
-                job: *job,
-                remote_id,
-                engine,
-                phase: Phase::Waiting,
-                scheduled: None,
-                aborted: false,
-            },
+        let remote = RemoteKv::new(
+            engine,
+            remote_id,
+            p.remote_block_ids.iter().copied().map(BlockId).collect(),
+            p.kvlease_generation,
+            p.tp_size,
+            p.kvlease_num_tokens,
+            p.remote_host.clone(),
+            p.remote_port,
         );
-        Ok(())
+        let now = self.now();
+        match self
+            .core
+            .on_new_request(now, job.id.clone(), job.tokens.len(), remote)
+        {
+            Ok(()) => {
+                self.reqs.insert(
+                    job.id.clone(),
+                    Req {
+                        job: *job,
+                        scheduled: None,
+                        posted: Vec::new(),
+                        load_started: None,
+                        decoding: None,
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => {
+                // A refusal with valid coordinates queued an abort for P: send it now.
+                self.send_transmits(now);
+                Err((job, admit_error(&e)))
+            }
+        }
     }
 
     // ------------------------------------------------------------ handshake
 
-    fn start_handshake(&mut self, engine: &EngineId, host: &str, port: u16) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let addr = if host.contains(':') && !host.starts_with('[') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
-        let want = engine.clone();
-        let token = self.cfg.link.auth_token.clone();
-        let me = self.cfg.engine_id.to_string();
-        let tp = self.cfg.tp_size;
-        let mds = self.worker_metadata.clone();
-        let agents: Vec<Arc<Agent>> = self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
-        let shape = self.cfg.shape;
-        let spawned = std::thread::Builder::new()
-            .name("d-handshake".into())
-            .spawn(move || {
-                let r = handshake(
-                    &addr,
-                    token.as_deref(),
-                    &me,
-                    tp,
-                    &mds,
-                    &want,
-                    shape,
-                    &agents,
-                );
-                let _ = tx.send(r);
-            });
-        match spawned {
-            Ok(_) => {
-                self.remotes.insert(engine.clone(), Remote::Handshaking(rx));
+    fn start_handshakes(&mut self) {
+        while let Some(hs) = self.core.poll_handshake() {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let addr = host_port(&hs.host, hs.port);
+            let want = hs.engine.clone();
+            let token = self.cfg.link.auth_token.clone();
+            let me = self.cfg.engine_id.to_string();
+            let tp = self.cfg.tp_size;
+            let mds = self.worker_metadata.clone();
+            let agents: Vec<Arc<Agent>> =
+                self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
+            let shape = self.cfg.shape;
+            let spawned = std::thread::Builder::new()
+                .name("d-handshake".into())
+                .spawn(move || {
+                    let r = handshake(
+                        &addr,
+                        token.as_deref(),
+                        &me,
+                        tp,
+                        &mds,
+                        &want,
+                        shape,
+                        &agents,
+                    );
+                    let _ = tx.send(r);
+                });
+            match spawned {
+                Ok(_) => {
+                    self.remotes.insert(hs.engine, Remote::Handshaking(rx));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot spawn the handshake thread");
+                    let now = self.now();
+                    let cause: Cause = Arc::new(HandshakeFailure::Thread);
+                    self.core
+                        .handle_handshake(now, &hs.engine, Err((false, cause)));
+                }
             }
-            Err(e) => tracing::error!(error = %e, "cannot spawn the handshake thread"),
         }
     }
 
     fn poll_handshakes(&mut self) {
-        let mut failed = Vec::new();
-        let mut ready = Vec::new();
+        let mut ended = Vec::new();
         for (engine, remote) in &mut self.remotes {
             let Remote::Handshaking(rx) = remote else {
                 continue;
             };
             match rx.try_recv() {
-                Ok(Ok(r)) => {
-                    *remote = Remote::Ready(r);
-                    ready.push(engine.clone());
-                }
-                Ok(Err(e)) => failed.push((engine.clone(), e)),
+                Ok(r) => ended.push((engine.clone(), r)),
                 Err(crossbeam_channel::TryRecvError::Empty) => {}
-                Err(crossbeam_channel::TryRecvError::Disconnected) => failed.push((
-                    engine.clone(),
-                    ApiError::new(
-                        StatusCode::BAD_GATEWAY,
-                        "handshake_failed",
-                        "handshake thread died",
-                    ),
-                )),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    ended.push((engine.clone(), Err(HandshakeFailure::Thread)));
+                }
             }
         }
-        for engine in ready {
-            self.metrics.handshake(HandshakeOutcome::Ok).inc();
-            let first_peer = match self.remotes.get(&engine) {
-                Some(Remote::Ready(r)) => r.peers.first().and_then(|p| p.first()).copied(),
-                _ => None,
-            };
-            if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
-                let name = link::backend_name(&w0.agent, peer);
-                self.metrics
-                    .set_peer_backend(engine.as_str(), link::backend_metric(name));
-                let reason = link::backend_reason(&w0.agent, peer);
-                tracing::info!(%engine, backend = name, %reason, "handshake complete");
-            } else {
-                tracing::info!(%engine, "handshake complete");
-            }
-            // Heartbeat the engine's requests now rather than an interval later.
-            self.tracker.defer(&engine, self.now());
-        }
-        for (engine, e) in failed {
-            let outcome = if e.kind == "peer_auth_failed" {
-                HandshakeOutcome::AuthFailed
-            } else {
-                HandshakeOutcome::Failed
-            };
-            self.metrics.handshake(outcome).inc();
-            tracing::warn!(%engine, error = %e.message, "handshake failed");
-            self.remotes.remove(&engine);
-            let victims: Vec<RequestId> = self
-                .reqs
-                .iter()
-                .filter(|(_, r)| r.engine == engine)
-                .map(|(id, _)| id.clone())
-                .collect();
-            for id in victims {
-                self.finish(&id, Err(e.clone()));
+        let now = self.now();
+        for (engine, result) in ended {
+            match result {
+                Ok(ready) => {
+                    self.metrics.handshake(HandshakeOutcome::Ok).inc();
+                    let info = RemoteEngine::new(ready.info.tp_size, ready.info.num_blocks);
+                    let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
+                    if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
+                        let name = link::backend_name(&w0.agent, peer);
+                        self.metrics
+                            .set_peer_backend(engine.as_str(), link::backend_metric(name));
+                        let reason = link::backend_reason(&w0.agent, peer);
+                        tracing::info!(%engine, backend = name, %reason, "handshake complete");
+                    } else {
+                        tracing::info!(%engine, "handshake complete");
+                    }
+                    self.remotes.insert(engine.clone(), Remote::Ready(ready));
+                    self.core.handle_handshake(now, &engine, Ok(info));
+                }
+                Err(e) => {
+                    let outcome = if e.is_auth() {
+                        HandshakeOutcome::AuthFailed
+                    } else {
+                        HandshakeOutcome::Failed
+                    };
+                    self.metrics.handshake(outcome).inc();
+                    tracing::warn!(%engine, error = %e, "handshake failed");
+                    self.remotes.remove(&engine);
+                    let auth = e.is_auth();
+                    let cause: Cause = Arc::new(e);
+                    self.core.handle_handshake(now, &engine, Err((auth, cause)));
+                }
             }
         }
+        self.drain_events();
     }
 
-    // ------------------------------------------------------------ heartbeats
+    // ------------------------------------------------------------ heartbeats and aborts
 
     fn start_load_kv(&mut self) {
         let now = self.now();
-        let retry = now + self.cfg.step;
-        while let Some(batch) = self.tracker.poll_heartbeat(now) {
-            let Some(Remote::Ready(ready)) = self.remotes.get(&batch.engine) else {
-                // Still handshaking: heartbeat on a later step (preemptive handshake).
-                self.tracker.defer(&batch.engine, retry);
+        self.send_transmits(now);
+    }
+
+    /// Sends what the core has for P: every heartbeat batch due and every abort, each to
+    /// every P worker of its engine, from D worker 0.
+    fn send_transmits(&mut self, now: Timestamp) {
+        while let Some(t) = self.core.poll_transmit(now) {
+            let (Some(w0), Some(Remote::Ready(ready))) =
+                (self.workers.first(), self.remotes.get(&t.engine))
+            else {
                 continue;
             };
-            let msgs = match kvlease_notif::encode_heartbeats(
-                &batch.requests,
-                kvlease_notif::MAX_NOTIF_LEN,
-            ) {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot encode heartbeats");
-                    continue;
-                }
-            };
-            let (Some(w0), Some(peers)) = (self.workers.first(), ready.peers.first()) else {
+            let Some(peers) = ready.peers.first() else {
                 continue;
             };
             for &peer in peers {
-                for m in &msgs {
-                    match w0.agent.send_notif(peer, m.clone()) {
-                        Ok(()) => {
+                match w0.agent.send_notif(peer, t.bytes.clone()) {
+                    Ok(()) => {
+                        if let TransmitKind::Heartbeat { ids } = t.kind {
                             self.metrics.heartbeats_sent.inc();
-                        }
-                        Err(e) => {
-                            tracing::warn!(engine = %batch.engine, error = %e, "heartbeat not sent")
+                            self.metrics.heartbeat_ids_sent.inc_by(u64::from(ids));
                         }
                     }
+                    Err(e) => {
+                        tracing::warn!(engine = %t.engine, kind = ?t.kind, error = %e, "notification not sent")
+                    }
                 }
-            }
-            self.metrics
-                .heartbeat_ids_sent
-                .inc_by((batch.requests.len() * peers.len()) as u64);
-        }
-    }
-
-    fn send_abort(&self, engine: &EngineId, remote_id: &RequestId) {
-        let Some(Remote::Ready(ready)) = self.remotes.get(engine) else {
-            return;
-        };
-        let (Some(w0), Some(peers)) = (self.workers.first(), ready.peers.first()) else {
-            return;
-        };
-        let msg = Abort {
-            request: remote_id.clone(),
-            consumer: ConsumerId::new(self.cfg.engine_id.clone(), 0),
-        }
-        .encode();
-        for &peer in peers {
-            if let Err(e) = w0.agent.send_notif(peer, msg.clone()) {
-                tracing::warn!(%engine, error = %e, "abort notice not sent");
             }
         }
     }
@@ -625,32 +670,31 @@ impl DecodeEngine {
     // ------------------------------------------------------------ notifications
 
     fn poll_notifs(&mut self) {
-        let mut notices = Vec::new();
-        let mut pulled = Vec::new();
-        let mut cache_heartbeats: Vec<RequestId> = Vec::new();
+        let mut received = Vec::new();
         for w in &self.workers {
-            for (from, msgs) in w.agent.get_new_notifs() {
-                for m in msgs {
-                    match kvlease_notif::decode(&m) {
-                        Ok(Notif::Expired(leases)) => {
-                            self.metrics.expiry_notices_received.inc();
-                            notices.extend(
-                                leases.into_iter().map(|l| (l.request, l.generation.word())),
-                            );
-                        }
-                        Ok(Notif::ReadComplete(rc)) if self.hold.is_some() => {
-                            pulled.push(rc.request);
-                        }
-                        Ok(Notif::Heartbeat(ids)) if self.hold.is_some() => {
-                            cache_heartbeats
-                                .extend(ids.iter().filter_map(|i| RequestId::new(i).ok()));
-                        }
-                        Ok(other) => tracing::debug!(?other, %from, "notification ignored"),
-                        Err(e) => {
-                            self.metrics.notif_malformed.inc();
-                            tracing::debug!(error = %e, %from, "malformed notification");
-                        }
+            received.extend(w.agent.get_new_notifs());
+        }
+        let mut cache_heartbeats: Vec<RequestId> = Vec::new();
+        let mut pulled = Vec::new();
+        for (from, msgs) in received {
+            let Some(engine) = engine_of_peer(&from) else {
+                self.metrics.notif_malformed.inc();
+                continue;
+            };
+            for m in msgs {
+                match self.core.handle_notif(&engine, &m) {
+                    CoreNotif::Expired { .. } => {
+                        self.metrics.expiry_notices_received.inc();
                     }
+                    CoreNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
+                        cache_heartbeats.extend(ids);
+                    }
+                    CoreNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
+                    CoreNotif::Malformed(e) => {
+                        self.metrics.notif_malformed.inc();
+                        tracing::debug!(error = %e, %from, "malformed notification");
+                    }
+                    other => tracing::debug!(?other, %from, "notification ignored"),
                 }
             }
         }
@@ -666,354 +710,185 @@ impl DecodeEngine {
             }
             self.drain_cache();
         }
-        for (remote_id, generation) in notices {
-            let Some(id) = self.by_remote.get(&remote_id).cloned() else {
-                continue;
-            };
-            let Some(req) = self.reqs.get_mut(&id) else {
-                continue;
-            };
-            if req.job.params.kvlease_generation != generation {
-                continue;
-            }
-            match req.phase {
-                Phase::Waiting => {
-                    let e = self.load_failure(format!(
-                        "P reclaimed the lease of {remote_id} before it was read"
-                    ));
-                    self.finish(&id, Err(e));
-                }
-                // In flight: the fence decides. P publishes the free word before it frees
-                // the blocks, so a read that still matched its fence never saw a reused
-                // byte, whenever the notice arrives.
-                Phase::Loading { .. } => {}
-                // Already read and verified: the notice came late and changes nothing.
-                Phase::Decoding { .. } => {}
-            }
-        }
-    }
-
-    fn load_failure(&self, message: String) -> ApiError {
-        self.metrics.kv_load_failures.inc();
-        match self.cfg.policy {
-            LoadFailurePolicy::Recompute => ApiError::kv_load_failed(message),
-            _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "kv_load_error", message),
-        }
-    }
-
-    // ------------------------------------------------------------ abort and cleanup
-
-    fn abort(&mut self, id: &RequestId) -> bool {
-        let id = if self.reqs.contains_key(id) {
-            id.clone()
-        } else if let Some(d) = self.by_remote.get(id) {
-            d.clone()
-        } else {
-            return false;
-        };
-        let e = ApiError::new(
-            StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
-            "aborted",
-            format!("request {id} was aborted"),
-        );
-        self.finish(&id, Err(e));
-        true
+        self.drain_events();
     }
 
     fn drop_gone_clients(&mut self) {
         let gone: Vec<RequestId> = self
             .reqs
             .iter()
-            .filter(|(_, r)| r.job.events.is_closed() && !r.aborted)
+            .filter(|(_, r)| r.job.events.is_closed())
             .map(|(id, _)| id.clone())
             .collect();
         for id in gone {
-            self.abort(&id);
+            self.core.abort(&id);
         }
-    }
-
-    /// Ends a request: untracks it, tells P when it had not read yet, answers the client,
-    /// frees D's blocks (at once, or when reads in flight complete).
-    fn finish(&mut self, id: &RequestId, result: Result<Summary, ApiError>) {
-        let Some(req) = self.reqs.get_mut(id) else {
-            return;
-        };
-        let was_tracked = self.tracker.untrack(&req.remote_id);
-        let (engine, remote_id) = (req.engine.clone(), req.remote_id.clone());
-        match &result {
-            Ok(s) => {
-                let _ = req.job.events.send(DecodeEvent::Done(s.clone()));
-            }
-            Err(e) => {
-                let _ = req.job.events.send(DecodeEvent::Failed(e.clone()));
-            }
-        }
-        if matches!(req.phase, Phase::Loading { .. }) {
-            // The transport still writes into our blocks: keep them until the batches end.
-            req.aborted = true;
-            if was_tracked {
-                self.send_abort(&engine, &remote_id);
-            }
-            return;
-        }
-        let Some(req) = self.reqs.remove(id) else {
-            return;
-        };
-        self.by_remote.remove(&req.remote_id);
-        self.queue.retain(|q| q != id);
-        if let Phase::Decoding { blocks, .. } = &req.phase {
-            self.free_blocks(blocks);
-        }
-        if was_tracked && result.is_err() {
-            // Not read (waiting) and P still holds it: a notify-only completion.
-            self.send_abort(&engine, &remote_id);
-        }
-    }
-
-    fn free_blocks(&mut self, blocks: &[BlockId]) {
-        if let Err(e) = self.alloc.free(blocks) {
-            tracing::error!(error = %e, "block accounting error");
-        }
+        self.drain_events();
     }
 
     // ------------------------------------------------------------ scheduling and reads
 
-    fn running(&self) -> usize {
-        self.reqs.len() - self.queue.len()
-    }
-
     fn schedule(&mut self) {
-        let mut i = 0;
-        while i < self.queue.len() && self.running() < self.cfg.max_running as usize {
-            let id = self.queue[i].clone();
-            let Some(req) = self.reqs.get(&id) else {
-                self.queue.remove(i);
-                continue;
-            };
-            if !matches!(self.remotes.get(&req.engine), Some(Remote::Ready(_))) {
-                i += 1;
+        loop {
+            if let Some(plan) = self.core.poll_load() {
+                self.post_reads(plan);
                 continue;
             }
-            let needed = req.job.params.remote_block_ids.len();
             // Cached turns give way to new requests, oldest first.
-            while self.alloc.free_count() < needed && self.evict_oldest_cached() {}
-            let Ok(blocks) = self.alloc.alloc(needed) else {
-                // D's pool is full: wait for running requests to finish.
-                return;
-            };
-            self.queue.remove(i);
-            self.start_reads(&id, blocks);
+            if self.core.blocks_short().is_some() && self.evict_oldest_cached() {
+                continue;
+            }
+            break;
         }
+        self.drain_events();
     }
 
-    fn start_reads(&mut self, id: &RequestId, blocks: Vec<BlockId>) {
-        let Some(req) = self.reqs.get(id) else { return };
-        let Some(Remote::Ready(ready)) = self.remotes.get(&req.engine) else {
+    fn post_reads(&mut self, plan: LoadPlan) {
+        let Some(Remote::Ready(ready)) = self.remotes.get(&plan.remote.engine) else {
+            // The core plans only for ready engines; fail every batch if the shell lost it.
+            for i in 0..plan.batches.len() {
+                let cause: Cause = Arc::new(HandshakeFailure::Thread);
+                self.core
+                    .handle_batch_done(&plan.request, i, BatchResult::Failed(cause));
+            }
             return;
         };
-        let p = &req.job.params;
-        let p_tp = ready.info.tp_size;
-        let p_heads = self.cfg.shape.num_kv_heads / p_tp.max(1);
-        // Every (D worker, P worker) pair whose heads overlap is one read batch and one
-        // consumer of the lease: P must not free before the last of them reported, or the
-        // fence of a batch still running on another P worker would (rightly) fail it.
-        let overlaps = |w: &Worker, p_rank: u32| {
-            let (lo, hi) = (p_rank * p_heads, (p_rank + 1) * p_heads);
-            w.layout.heads.start.max(lo) < w.layout.heads.end.min(hi)
-        };
-        let consumers_total = self
-            .workers
-            .iter()
-            .map(|w| (0..p_tp).filter(|&p| overlaps(w, p)).count() as u32)
-            .sum::<u32>()
-            .max(1);
-        let mut batches = Vec::new();
-        let mut error = None;
-        'workers: for (wi, w) in self.workers.iter().enumerate() {
-            for p_rank in 0..p_tp {
-                let p_range = p_rank * p_heads..(p_rank + 1) * p_heads;
-                let lo = w.layout.heads.start.max(p_range.start);
-                let hi = w.layout.heads.end.min(p_range.end);
-                if lo >= hi {
+        let p_blocks: Vec<u32> = plan.remote.blocks.iter().map(|b| b.0).collect();
+        let mut posted = Vec::new();
+        let mut failed = Vec::new();
+        for (i, b) in plan.batches.iter().enumerate() {
+            let wi = b.d_worker as usize;
+            let (Some(w), Some(pw), Some(&peer)) = (
+                self.workers.get(wi),
+                ready.info.workers.get(b.p_rank as usize),
+                ready.peers.get(wi).and_then(|v| v.get(b.p_rank as usize)),
+            ) else {
+                failed.push((i, ReadSetupError::NotConnected { p_rank: b.p_rank }));
+                continue;
+            };
+            let ops = match build_ops(
+                w,
+                pw,
+                &ready.info,
+                &plan.blocks,
+                &p_blocks,
+                b.heads.clone(),
+                b.p_first_head,
+            ) {
+                Ok(ops) => ops,
+                Err(e) => {
+                    failed.push((i, e));
                     continue;
                 }
-                let (Some(pw), Some(&peer)) = (
-                    ready.info.workers.get(p_rank as usize),
-                    ready.peers.get(wi).and_then(|v| v.get(p_rank as usize)),
-                ) else {
-                    error = Some(format!("P worker {p_rank} is not connected"));
-                    break 'workers;
-                };
-                match build_ops(
-                    w,
-                    pw,
-                    &ready.info,
-                    &blocks,
-                    &p.remote_block_ids,
-                    lo..hi,
-                    p_range.start,
-                ) {
-                    Ok(ops) => {
-                        let notif = ReadComplete {
-                            request: req.remote_id.clone(),
-                            consumer: ConsumerId::new(
-                                self.cfg.engine_id.clone(),
-                                wi as u32 * p_tp + p_rank,
-                            ),
-                            consumers_total,
-                        }
-                        .encode();
-                        let first = p.remote_block_ids.first().copied().unwrap_or(0);
-                        let fence = link::Fence {
-                            region: pw.fence,
-                            offset: u64::from(first) * FenceTable::WORD_BYTES,
-                            expected: p.kvlease_generation,
-                        };
-                        match link::post_read(
-                            &w.agent,
-                            peer,
-                            ops,
-                            Some(notif),
-                            Some(fence),
-                            self.cfg.read_timeout,
-                        ) {
-                            Ok(batch) => batches.push(Pending {
-                                worker: wi,
-                                p_rank,
-                                batch,
-                                backend: link::backend_name(&w.agent, peer),
-                                done: None,
-                            }),
-                            Err(e) => {
-                                error = Some(e);
-                                break 'workers;
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        error = Some(e);
-                        break 'workers;
-                    }
-                }
+            };
+            let first = p_blocks.first().copied().unwrap_or(0);
+            let fence = link::Fence {
+                region: pw.fence,
+                offset: u64::from(first) * FenceTable::WORD_BYTES,
+                expected: plan.fence_generation,
+            };
+            match link::post_read(
+                &w.agent,
+                peer,
+                ops,
+                Some(b.notif.clone()),
+                Some(fence),
+                self.cfg.read_timeout,
+            ) {
+                Ok(batch) => posted.push(Posted {
+                    worker: wi,
+                    batch,
+                    backend: link::backend_name(&w.agent, peer),
+                    done: false,
+                }),
+                Err(e) => failed.push((i, ReadSetupError::Post { message: e })),
             }
         }
-        if let Some(e) = error
-            && batches.is_empty()
-        {
-            self.free_blocks(&blocks);
-            let err = self.load_failure(format!("cannot post the reads: {e}"));
-            self.finish(id, Err(err));
-            return;
-        }
-        if let Some(req) = self.reqs.get_mut(id) {
-            let now = Instant::now();
+        let now = Instant::now();
+        if let Some(req) = self.reqs.get_mut(&plan.request) {
             self.metrics
                 .queue_wait_seconds
                 .observe(now.duration_since(req.job.arrived).as_secs_f64());
             req.scheduled = Some(now);
-            req.phase = Phase::Loading {
-                blocks,
-                batches,
-                started: now,
-            };
+            req.load_started = Some(now);
+            // Batches are reported by their index in the plan.
+            let mut posted = posted.into_iter();
+            req.posted = (0..plan.batches.len())
+                .map(|i| {
+                    if failed.iter().any(|(f, _)| *f == i) {
+                        None
+                    } else {
+                        posted.next()
+                    }
+                })
+                .collect();
+        }
+        for (i, e) in failed {
+            let cause: Cause = Arc::new(e);
+            self.core
+                .handle_batch_done(&plan.request, i, BatchResult::Failed(cause));
         }
     }
 
     fn finish_loads(&mut self) {
-        let loading: Vec<RequestId> = self
-            .reqs
-            .iter()
-            .filter(|(_, r)| matches!(r.phase, Phase::Loading { .. }))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in loading {
-            let Some(req) = self.reqs.get_mut(&id) else {
-                continue;
-            };
-            let Phase::Loading { batches, .. } = &mut req.phase else {
-                continue;
-            };
-            let mut all_done = true;
-            for b in batches.iter_mut() {
-                if b.done.is_none() {
-                    let agent = &self.workers[b.worker].agent;
-                    match link::poll(agent, b.batch) {
-                        LinkStatus::Pending => all_done = false,
-                        LinkStatus::Done { bytes, backend } => {
-                            b.backend = backend;
-                            b.done = Some(Ok(bytes));
-                        }
-                        LinkStatus::Failed(f) => b.done = Some(Err(f)),
+        let mut results = Vec::new();
+        for (id, req) in &mut self.reqs {
+            for (i, p) in req.posted.iter_mut().enumerate() {
+                let Some(p) = p else { continue };
+                if p.done {
+                    continue;
+                }
+                let Some(w) = self.workers.get(p.worker) else {
+                    continue;
+                };
+                match link::poll(&w.agent, p.batch) {
+                    LinkStatus::Pending => {}
+                    LinkStatus::Done { bytes, backend } => {
+                        p.backend = backend;
+                        p.done = true;
+                        results.push((id.clone(), i, BatchResult::Done { bytes }));
+                    }
+                    LinkStatus::Failed(f) => {
+                        p.done = true;
+                        let r = if f.stale {
+                            self.metrics.stale_reads.inc();
+                            BatchResult::Stale
+                        } else {
+                            let cause: Cause =
+                                Arc::new(ReadSetupError::Transfer { message: f.message });
+                            BatchResult::Failed(cause)
+                        };
+                        results.push((id.clone(), i, r));
                     }
                 }
             }
-            if all_done {
-                self.complete_load(&id);
+        }
+        for (id, i, r) in results {
+            if let BatchResult::Done { bytes } = &r {
+                self.metrics.transfer_bytes.inc_by(*bytes);
             }
+            self.core.handle_batch_done(&id, i, r);
+            self.drain_events();
         }
     }
 
-    fn complete_load(&mut self, id: &RequestId) {
-        let Some(mut req) = self.reqs.remove(id) else {
+    /// Verifies a loaded request's bytes against its tokens and P's digest, then starts
+    /// its decode.
+    fn on_loaded(&mut self, id: &RequestId, blocks: &[BlockId], bytes: u64) {
+        let Some(req) = self.reqs.get(id) else {
+            self.core.handle_verified(id, Ok(()));
             return;
         };
-        let Phase::Loading {
-            blocks,
-            batches,
-            started,
-        } = std::mem::replace(&mut req.phase, Phase::Waiting)
-        else {
-            self.reqs.insert(id.clone(), req);
-            return;
-        };
-        let read_time = started.elapsed();
+        let read_time = req.load_started.map_or(Duration::ZERO, |s| s.elapsed());
         self.metrics.read_seconds.observe(read_time.as_secs_f64());
-        if req.aborted {
-            // Answered already; the reads are over, so the blocks can go.
-            self.by_remote.remove(&req.remote_id);
-            self.free_blocks(&blocks);
-            return;
-        }
-        let mut bytes = 0u64;
-        let mut failure = None;
-        for b in &batches {
-            match &b.done {
-                Some(Ok(n)) => bytes += n,
-                Some(Err(f)) => {
-                    if f.stale {
-                        self.metrics.stale_reads.inc();
-                    }
-                    failure.get_or_insert_with(|| {
-                        format!("read from P worker {}: {}", b.p_rank, f.message)
-                    });
-                }
-                None => {}
-            }
-        }
-        self.metrics.transfer_bytes.inc_by(bytes);
-        let result = match failure {
-            Some(f) => Err(f),
-            None => self.verify(&req, &blocks),
-        };
-        self.reqs.insert(id.clone(), req);
-        match result {
-            Err(message) => {
-                self.free_blocks(&blocks);
-                if let Some(r) = self.reqs.get_mut(id) {
-                    r.phase = Phase::Waiting;
-                }
-                let e = self.load_failure(message);
-                self.finish_unscheduled(id, e);
+        match self.verify(req, blocks) {
+            Err(e) => {
+                let cause: Cause = Arc::new(e);
+                self.core.handle_verified(id, Err(cause));
             }
             Ok(digest) => {
-                let Some(req) = self.reqs.get_mut(id) else {
-                    return;
-                };
-                //= docs/spec.md#tracking
-                //# Tracking stops when the KV transfer completes
-                self.tracker.untrack(&req.remote_id);
                 // One transfer per request: verbs when every batch of it went over verbs.
-                let backend = if batches.iter().all(|b| b.backend == "verbs") {
+                let backend = if req.posted.iter().flatten().all(|b| b.backend == "verbs") {
                     "verbs"
                 } else {
                     "tcp"
@@ -1029,35 +904,22 @@ impl DecodeEngine {
                         backend: backend.to_owned(),
                         queue_time_ms: queue_ms,
                         read_time_ms: read_time.as_secs_f64() * 1e3,
-                        remote_workers: batches.len() as u32,
+                        remote_workers: req.posted.len() as u32,
                     },
                     kv_transfer_params: None,
                 };
-                req.phase = Phase::Decoding {
-                    blocks,
-                    text: kv::decode_text(digest, req.job.max_tokens as usize),
-                    next: 0,
-                    summary,
-                };
+                let text = kv::decode_text(digest, req.job.max_tokens as usize);
+                if let Some(req) = self.reqs.get_mut(id) {
+                    req.decoding = Some((text, 0, summary));
+                }
+                self.core.handle_verified(id, Ok(()));
             }
         }
     }
 
-    /// Fails a request whose D blocks were already freed.
-    fn finish_unscheduled(&mut self, id: &RequestId, e: ApiError) {
-        let Some(req) = self.reqs.remove(id) else {
-            return;
-        };
-        self.tracker.untrack(&req.remote_id);
-        self.by_remote.remove(&req.remote_id);
-        let _ = req.job.events.send(DecodeEvent::Failed(e));
-        // P's lease: released by the completions already sent (the batch notification) or
-        // expired; nothing more to tell it.
-    }
-
-    fn verify(&self, req: &Req, blocks: &[BlockId]) -> Result<KvDigest, String> {
+    fn verify(&self, req: &Req, blocks: &[BlockId]) -> Result<KvDigest, VerifyError> {
         let hashes = kv::prefix_hashes(&req.job.tokens);
-        let results: Vec<Result<KvDigest, String>> = std::thread::scope(|s| {
+        let results: Vec<Result<KvDigest, VerifyError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .workers
                 .iter()
@@ -1068,10 +930,7 @@ impl DecodeEngine {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err("verify thread panicked".to_owned()))
-                })
+                .map(|h| h.join().unwrap_or(Err(VerifyError::Panicked)))
                 .collect()
         });
         let mut digest = KvDigest::default();
@@ -1080,9 +939,7 @@ impl DecodeEngine {
         }
         let want = KvDigest::parse(&req.job.params.kv_digest).unwrap_or_default();
         if digest != want {
-            return Err(format!(
-                "kv_digest mismatch: read {digest}, P published {want}"
-            ));
+            return Err(VerifyError::Digest { read: digest, want });
         }
         Ok(digest)
     }
@@ -1090,7 +947,7 @@ impl DecodeEngine {
     fn decode_tokens(&mut self) {
         let mut done = Vec::new();
         for (id, req) in &mut self.reqs {
-            let Phase::Decoding { text, next, .. } = &mut req.phase else {
+            let Some((text, next, _)) = &mut req.decoding else {
                 continue;
             };
             if let Some(t) = text.get(*next) {
@@ -1103,19 +960,182 @@ impl DecodeEngine {
             }
         }
         for id in done {
-            let Some(req) = self.reqs.get(&id) else {
-                continue;
-            };
-            let Phase::Decoding { summary, .. } = &req.phase else {
-                continue;
-            };
-            let mut s = summary.clone();
-            s.kv_transfer_params = self.keep_for_next_turn(&id);
-            self.finish(&id, Ok(s));
+            let kept = self.keep_for_next_turn(&id);
+            if let Some(req) = self.reqs.get_mut(&id)
+                && let Some((_, _, summary)) = &mut req.decoding
+            {
+                summary.kv_transfer_params = kept;
+            }
+            self.drain_events();
+        }
+    }
+
+    // ------------------------------------------------------------ outcomes
+
+    /// Drains the core's events: verifies loads, answers finished requests.
+    fn drain_events(&mut self) {
+        while let Some(ev) = self.core.poll_event() {
+            match ev {
+                CoreEvent::Loaded {
+                    request,
+                    blocks,
+                    bytes,
+                } => self.on_loaded(&request, &blocks, bytes),
+                CoreEvent::HandshakeDone { engine } => {
+                    tracing::debug!(%engine, "requests of the engine may be scheduled");
+                }
+                CoreEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
+                _ => {}
+            }
+        }
+    }
+
+    fn on_finished(&mut self, id: &RequestId, outcome: Outcome) {
+        let Some(req) = self.reqs.remove(id) else {
+            return;
+        };
+        let event = match outcome {
+            Outcome::Done => match req.decoding {
+                Some((_, _, summary)) => DecodeEvent::Done(summary),
+                None => DecodeEvent::Failed(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    "finished without a decode",
+                )),
+            },
+            Outcome::Failed(e) => DecodeEvent::Failed(self.load_error(&e)),
+            Outcome::Aborted => DecodeEvent::Failed(ApiError::new(
+                StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+                "aborted",
+                format!("request {id} was aborted"),
+            )),
+            _ => DecodeEvent::Failed(ApiError::overloaded("the decode engine is shutting down")),
+        };
+        let _ = req.job.events.send(event);
+    }
+
+    /// The HTTP answer to a failed load, by `load_failure_policy`.
+    fn load_error(&self, e: &LoadError) -> ApiError {
+        if let LoadError::Handshake { source, .. } = e
+            && let Some(h) = source.downcast_ref::<HandshakeFailure>()
+        {
+            return h.to_api();
+        }
+        self.metrics.kv_load_failures.inc();
+        let message = error_chain(e);
+        match self.cfg.policy {
+            LoadFailurePolicy::Recompute => ApiError::kv_load_failed(message),
+            _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "kv_load_error", message),
         }
     }
 }
 
+/// An error and its causes, `: `-joined, for a human.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
+/// The HTTP answer to a refusal on arrival.
+fn admit_error(e: &AdmitError) -> ApiError {
+    match e {
+        AdmitError::QueueFull { .. } => ApiError::overloaded(e.to_string()),
+        AdmitError::PromptTooLong { .. } => ApiError::bad_field("prompt", e.to_string()),
+        AdmitError::Duplicate { .. } | AdmitError::Track(_) => {
+            ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
+        }
+        _ => match e.field() {
+            Some(f) => ApiError::bad_field(format!("kv_transfer_params.{f}"), e.to_string()),
+            None => ApiError::bad_field("kv_transfer_params", e.to_string()),
+        },
+    }
+}
+
+/// `host:port`, with IPv6 literals in brackets.
+pub(crate) fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Why a read batch could not be set up or failed in the transport.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadSetupError {
+    /// No connection to that P worker.
+    #[error("P worker {p_rank} is not connected")]
+    NotConnected {
+        /// The P worker.
+        p_rank: u32,
+    },
+    /// A block or head range is outside a pool.
+    #[error("{what}: {source}")]
+    Layout {
+        /// Which side.
+        what: &'static str,
+        /// The layout's error.
+        #[source]
+        source: kvlease_gpu_mem::LayoutError,
+    },
+    /// The transport refused the batch.
+    #[error("{message}")]
+    Post {
+        /// The transport's refusal.
+        message: String,
+    },
+    /// The transport failed the batch.
+    #[error("{message}")]
+    Transfer {
+        /// The transport's error.
+        message: String,
+    },
+}
+
+/// Why the bytes read did not verify.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VerifyError {
+    /// A block could not be read back from the pool.
+    #[error("reading back block {block}: {source}")]
+    ReadBack {
+        /// The block.
+        block: u32,
+        /// The pool's error.
+        #[source]
+        source: kvlease_gpu_mem::BlockCopyError,
+    },
+    /// A value differs from the one the tokens give.
+    #[error("KV mismatch at layer {layer} position {pos} {half} head {head}")]
+    Mismatch {
+        /// Layer.
+        layer: u32,
+        /// Token position.
+        pos: usize,
+        /// `K` or `V`.
+        half: &'static str,
+        /// Head.
+        head: u32,
+    },
+    /// The digest differs from P's.
+    #[error("kv_digest mismatch: read {read}, P published {want}")]
+    Digest {
+        /// What was read.
+        read: KvDigest,
+        /// What P published.
+        want: KvDigest,
+    },
+    /// A verify thread panicked.
+    #[error("verify thread panicked")]
+    Panicked,
+}
 impl DecodeEngine {
     // ------------------------------------------------------------ bidirectional mode
 
@@ -1123,12 +1143,24 @@ impl DecodeEngine {
     /// params; `None` (the blocks stay with the request and are freed) without
     /// bidirectional mode or when the hold refuses.
     fn keep_for_next_turn(&mut self, id: &RequestId) -> Option<serde_json::Value> {
+        if self.cfg.bidir.is_none() || self.hold.is_none() {
+            self.core.request_finished(id);
+            return None;
+        }
+        let blocks = self.core.request_finished_keep(id)?;
+        let kept = self.hold_turn(id, &blocks);
+        if kept.is_none() {
+            self.core.free_blocks(&blocks);
+        }
+        kept
+    }
+
+    /// Puts a finished turn's `blocks` into the hold; `None` (the caller frees them) when
+    /// the hold refuses.
+    fn hold_turn(&mut self, id: &RequestId, blocks: &[BlockId]) -> Option<serde_json::Value> {
         let b = self.cfg.bidir.as_ref()?;
         let hold = self.hold.as_mut()?;
-        let req = self.reqs.get_mut(id)?;
-        let Phase::Decoding { blocks, .. } = &mut req.phase else {
-            return None;
-        };
+        let req = self.reqs.get(id)?;
         let cache_id = RequestId::new(&format!("turn-{}", req.job.id)).ok()?;
         // P pulls these blocks: a verbs-mirrored pool must hold them in its mirror (reads
         // that came over TCP wrote the pool only).
@@ -1141,18 +1173,17 @@ impl DecodeEngine {
             }
         }
         let now = b.clock.now();
-        let held = match hold.insert(now, cache_id.clone(), blocks.clone()) {
+        let held = match hold.insert(now, cache_id.clone(), blocks.to_vec()) {
             Ok(h) => h,
             Err(e) => {
                 tracing::warn!(request = %id, error = %e, "cannot keep the turn's blocks; freeing them");
                 return None;
             }
         };
-        let blocks = std::mem::take(blocks);
         self.cache_order.push_back(cache_id.clone());
         for w in &self.workers {
             if let Some((f, _)) = &w.fence
-                && let Err(e) = f.publish(&blocks, held.generation.word())
+                && let Err(e) = f.publish(blocks, held.generation.word())
             {
                 tracing::error!(error = %e, "fence publish failed");
             }
@@ -1242,7 +1273,7 @@ impl DecodeEngine {
                     tracing::error!(error = %e, "fence publish failed");
                 }
             }
-            self.free_blocks(&r.blocks);
+            self.core.free_blocks(&r.blocks);
             if r.reason == ReleaseReason::Expired {
                 self.metrics.decoder_cache_expired.inc();
                 tracing::info!(request = %r.request, "cached turn expired; blocks freed");
@@ -1252,7 +1283,7 @@ impl DecodeEngine {
     }
 }
 
-fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDigest, String> {
+fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDigest, VerifyError> {
     let mut digest = KvDigest::default();
     let mut buf = vec![0u8; w.layout.block_bytes()];
     let mut result = Ok(());
@@ -1264,19 +1295,21 @@ fn verify_worker(w: &Worker, blocks: &[BlockId], hashes: &[u64]) -> Result<KvDig
         let r = w
             .pool
             .read_block(layer, blocks[i], &mut buf)
-            .map_err(|e| e.to_string());
+            .map_err(|source| VerifyError::ReadBack {
+                block: blocks[i].0,
+                source,
+            });
         if let Err(e) = r {
             result = Err(e);
             return;
         }
         if let Some(m) = kv::verify_block(&w.layout, &buf, layer, first, hs) {
-            result = Err(format!(
-                "KV mismatch at layer {} position {} {} head {}",
-                m.layer,
-                m.pos,
-                if m.kv == 0 { "K" } else { "V" },
-                m.head
-            ));
+            result = Err(VerifyError::Mismatch {
+                layer: m.layer,
+                pos: m.pos,
+                half: if m.kv == 0 { "K" } else { "V" },
+                head: m.head,
+            });
             return;
         }
         digest.add(kv::digest_block(&w.layout, &buf, layer, first, hs.len()));
@@ -1294,7 +1327,7 @@ fn build_ops(
     p_blocks: &[u32],
     heads: std::ops::Range<u32>,
     p_first: u32,
-) -> Result<Vec<ReadOp>, String> {
+) -> Result<Vec<ReadOp>, ReadSetupError> {
     let p_layout = KvLayout::new(
         info.shape.num_layers,
         info.num_blocks,
@@ -1303,7 +1336,10 @@ fn build_ops(
         info.shape.head_dim,
         kv::DTYPE_BYTES as u32,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|source| ReadSetupError::Layout {
+        what: "P's layout",
+        source,
+    })?;
     let d_first = w.layout.heads.start;
     let d_range = heads.start - d_first..heads.end - d_first;
     let p_range = heads.start - p_first..heads.end - p_first;
@@ -1315,10 +1351,16 @@ fn build_ops(
                     .pool
                     .layout()
                     .heads_range(layer, db, half, d_range.clone())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|source| ReadSetupError::Layout {
+                        what: "D block",
+                        source,
+                    })?;
                 let remote = p_layout
                     .heads_range(layer, BlockId(pb), half, p_range.clone())
-                    .map_err(|e| format!("remote block {pb}: {e}"))?;
+                    .map_err(|source| ReadSetupError::Layout {
+                        what: "P block",
+                        source,
+                    })?;
                 ops.push(ReadOp {
                     local: w.pool_desc,
                     local_offset: local.start,
@@ -1342,51 +1384,52 @@ fn handshake(
     want: &EngineId,
     shape: KvShape,
     agents: &[Arc<Agent>],
-) -> Result<Ready, ApiError> {
-    let unknown = |msg: String| {
-        let mut e = ApiError::bad_field("kv_transfer_params.remote_engine_id", msg);
-        e.status = StatusCode::BAD_REQUEST;
-        e
-    };
+) -> Result<Ready, HandshakeFailure> {
     let welcome = sidechannel::handshake(addr, token, me, tp, mds).map_err(|e| match e {
-        sidechannel::HandshakeError::Auth { .. } => ApiError::new(
-            StatusCode::FORBIDDEN,
-            "peer_auth_failed",
-            format!(
-                "unknown engine {want}: {e} (check --auth-token / KVLEASE_AUTH_TOKEN on both sides)"
-            ),
-        ),
-        other => unknown(format!(
-            "unknown engine {want}: side channel at {addr} failed: {other}"
-        )),
+        e @ sidechannel::HandshakeError::Auth { .. } => HandshakeFailure::Auth {
+            engine: want.clone(),
+            source: e,
+        },
+        e => HandshakeFailure::SideChannel {
+            engine: want.clone(),
+            addr: addr.to_owned(),
+            source: e,
+        },
     })?;
-    let info: EngineInfo = serde_json::from_value(welcome.info)
-        .map_err(|e| unknown(format!("side channel at {addr} sent bad engine info: {e}")))?;
+    let info: EngineInfo =
+        serde_json::from_value(welcome.info).map_err(|source| HandshakeFailure::BadInfo {
+            addr: addr.to_owned(),
+            source,
+        })?;
     if info.engine_id != want.as_str() {
-        return Err(unknown(format!(
-            "unknown engine {want}: the side channel at {addr} serves engine {}",
-            info.engine_id
-        )));
+        return Err(HandshakeFailure::WrongEngine {
+            engine: want.clone(),
+            addr: addr.to_owned(),
+            serves: info.engine_id,
+        });
     }
     if info.shape != shape {
-        return Err(unknown(format!(
-            "engine {want} has model shape {:?}, this engine {shape:?}",
-            info.shape
-        )));
+        return Err(HandshakeFailure::Shape {
+            engine: want.clone(),
+            theirs: info.shape,
+            ours: shape,
+        });
     }
     let mut peers = Vec::new();
     for agent in agents {
         let mut row = Vec::new();
         for w in &info.workers {
-            let md = sidechannel::from_hex(&w.metadata)
-                .ok_or_else(|| unknown(format!("engine {want}: bad worker metadata")))?;
-            let peer = agent.connect(&md).map_err(|e| {
-                ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "handshake_failed",
-                    format!("cannot connect to engine {want} worker {}: {e}", w.rank),
-                )
-            })?;
+            let md =
+                sidechannel::from_hex(&w.metadata).ok_or_else(|| HandshakeFailure::Metadata {
+                    engine: want.clone(),
+                })?;
+            let peer = agent
+                .connect(&md)
+                .map_err(|source| HandshakeFailure::Connect {
+                    engine: want.clone(),
+                    rank: w.rank,
+                    source,
+                })?;
             row.push(peer);
         }
         peers.push(row);

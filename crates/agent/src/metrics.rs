@@ -304,6 +304,9 @@ pub struct Metrics {
     /// `kvlease_notifs_refused_total`: notifications from peers that did not complete an
     /// authenticated handshake.
     pub notifs_refused: Counter,
+    /// `kvlease_notifs_foreign_total` (P): heartbeats, completions and aborts about a
+    /// lease another D engine owns (ignored).
+    pub notifs_foreign: Counter,
 }
 
 impl Default for Metrics {
@@ -518,6 +521,11 @@ impl Metrics {
                 r,
                 "kvlease_notifs_refused",
                 "Notifications refused from unauthenticated peers",
+            ),
+            notifs_foreign: counter(
+                r,
+                "kvlease_notifs_foreign",
+                "Notifications about a lease another D engine owns (ignored)",
             ),
             registry: Arc::new(registry),
         };

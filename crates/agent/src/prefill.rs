@@ -15,17 +15,19 @@
 //!
 //! There is no heartbeat thread: heartbeats are handled in step 3 (SPEC, "Forward loop").
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::{BlockAllocator, BlockPool, FenceTable, KvLayout, MemoryRequest};
-use kvlease_lease::{
-    BlockId, EngineId, Event, Generation, LeaseConfig, LeaseTable, ReleaseReason, Released,
-    RequestId, Timestamp,
+use kvlease_engine::{
+    Peer, PrefillAction, PrefillConfig as CoreConfig, PrefillCore, PrefillError, PrefillEvent,
+    PrefillNotif,
 };
-use kvlease_notif::{ExpiredLease, Notif};
+use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
+use kvlease_lease::{
+    BlockId, EngineId, Generation, LeaseConfig, ReleaseReason, Released, RequestId, Timestamp,
+};
 use kvlease_transport::{Agent, PeerId, RegionDesc, RegionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
@@ -182,22 +184,23 @@ struct Worker {
     info: WorkerInfo,
 }
 
-struct Waiting {
+/// The shell's side of a request the core holds (queued or prefilling).
+struct Pending {
     job: Job,
     since: Instant,
 }
 
-/// The P engine; [`run`](Self::run) is its forward loop.
+/// The P engine; [`run`](Self::run) is its forward loop. It drives a [`PrefillCore`] (every
+/// lease decision) and does the IO: pools, fence words, transport endpoints, the compute
+/// stand-in, the client's answer.
 pub struct PrefillEngine {
     cfg: PrefillConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
-    table: LeaseTable,
-    alloc: BlockAllocator,
-    waiting: VecDeque<Waiting>,
+    core: PrefillCore<String>,
+    /// Jobs the core holds, by request id.
+    jobs: HashMap<RequestId, Pending>,
     epoch: Instant,
-    /// The transport name of the D worker that last heartbeated each lease.
-    last_heartbeater: HashMap<RequestId, String>,
     /// D workers reachable for expiry notices, by transport name (connected from worker 0).
     d_peers: HashMap<String, PeerId>,
     /// Bidirectional mode: D engines handshaken for pulls, by engine id.
@@ -282,12 +285,23 @@ impl PrefillEngine {
             .ok()
             .and_then(|d| std::num::NonZeroU64::new(d.as_micros() as u64))
             .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
+        let max_consumers = cfg.shape.num_kv_heads.max(cfg.tp_size);
+        let core = PrefillCore::new(
+            CoreConfig::new(
+                cfg.engine_id.clone(),
+                cfg.tp_size,
+                cfg.num_blocks,
+                cfg.shape.block_size,
+                cfg.lease,
+            )
+            .with_pool_wait(cfg.pool_wait)
+            .with_first_generation(first)
+            .with_max_consumers(max_consumers),
+        );
         Ok(Self {
-            table: LeaseTable::with_first_generation(cfg.lease, first),
-            alloc: BlockAllocator::new(cfg.num_blocks),
-            waiting: VecDeque::new(),
+            core,
+            jobs: HashMap::new(),
             epoch: Instant::now(),
-            last_heartbeater: HashMap::new(),
             d_peers: HashMap::new(),
             d_caches: HashMap::new(),
             cache_heartbeats: HashMap::new(),
@@ -322,7 +336,7 @@ impl PrefillEngine {
         let idle = Duration::from_millis(1);
         while !stop.load(Ordering::Relaxed) {
             // 1. Intake: block briefly only when there is nothing to prefill.
-            let first = if self.waiting.is_empty() {
+            let first = if self.jobs.is_empty() {
                 match jobs.recv_timeout(idle) {
                     Ok(j) => Some(j),
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
@@ -332,33 +346,62 @@ impl PrefillEngine {
                 None
             };
             for job in first.into_iter().chain(jobs.try_iter()) {
-                self.waiting.push_back(Waiting {
-                    job,
-                    since: Instant::now(),
-                });
+                self.intake(job);
             }
             for hello in hellos.try_iter() {
                 self.connect_d(&hello);
             }
             // 2. Prefill.
+            self.drop_gone_clients();
             self.prefill_waiting();
             self.heartbeat_cached();
             // 3. Notifications (heartbeats, completions, aborts).
             self.poll_notifs();
             // 4. Reaper.
             let now = self.now();
-            self.table.handle_timeout(now);
-            self.drain_events();
+            self.core.handle_timeout(now);
+            self.drain();
             self.metrics
                 .blocks_held
-                .set(self.table.blocks_held() as i64);
-            self.metrics.leases_active.set(self.table.len() as i64);
+                .set(self.core.blocks_leased() as i64);
+            self.metrics.leases_active.set(self.core.leases() as i64);
         }
         // Shutdown: answer whoever still waits.
-        for w in self.waiting.drain(..) {
-            let _ = w.job.reply.send(Err(ApiError::overloaded(
-                "the prefill engine is shutting down",
-            )));
+        self.core.shutdown();
+        self.drain();
+    }
+
+    fn intake(&mut self, job: Job) {
+        let now = self.now();
+        match self.core.handle_job(now, job.id.clone(), job.tokens.len()) {
+            Ok(()) => {
+                self.jobs.insert(
+                    job.id.clone(),
+                    Pending {
+                        job,
+                        since: Instant::now(),
+                    },
+                );
+            }
+            Err(e) => {
+                let _ = job.reply.send(Err(prefill_error(&e, job.tokens.len())));
+            }
+        }
+    }
+
+    /// A client that went away before its prefill started is dropped from the queue.
+    fn drop_gone_clients(&mut self) {
+        let now = self.now();
+        let gone: Vec<RequestId> = self
+            .jobs
+            .iter()
+            .filter(|(_, p)| p.job.reply.is_closed())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            if self.core.abort(now, &id) {
+                self.jobs.remove(&id);
+            }
         }
     }
 
@@ -390,54 +433,23 @@ impl PrefillEngine {
     }
 
     fn prefill_waiting(&mut self) {
-        while let Some(head) = self.waiting.front() {
-            let needed = self.cfg.shape.blocks_for(head.job.tokens.len());
-            if needed > self.cfg.num_blocks as usize {
-                let w = self.waiting.pop_front();
-                if let Some(w) = w {
-                    let _ = w.job.reply.send(Err(ApiError::bad_field(
-                        "prompt",
-                        format!(
-                            "{} tokens need {needed} blocks; the pool has {}",
-                            w.job.tokens.len(),
-                            self.cfg.num_blocks
-                        ),
-                    )));
-                }
-                continue;
-            }
-            if head.job.reply.is_closed() {
-                // The client went away before its prefill started.
-                self.waiting.pop_front();
-                continue;
-            }
-            match self.alloc.alloc(needed) {
-                Ok(blocks) => {
-                    if let Some(w) = self.waiting.pop_front() {
-                        self.prefill(w, blocks);
-                    }
-                }
-                Err(_) => {
-                    if head.since.elapsed() >= self.cfg.pool_wait {
-                        if let Some(w) = self.waiting.pop_front() {
-                            self.metrics
-                                .pool_wait_seconds
-                                .observe(w.since.elapsed().as_secs_f64());
-                            let _ = w.job.reply.send(Err(ApiError::overloaded(format!(
-                                "no free KV blocks for {needed} blocks within {} ms",
-                                self.cfg.pool_wait.as_millis()
-                            ))));
-                        }
-                        continue;
-                    }
-                    // Head of line waits for releases.
-                    return;
+        loop {
+            self.drain();
+            let now = self.now();
+            let Some(start) = self.core.poll_prefill(now) else {
+                break;
+            };
+            match self.jobs.remove(&start.request) {
+                Some(p) => self.prefill(p, start.blocks),
+                None => {
+                    self.core.handle_prefill_failed(&start.request);
                 }
             }
         }
+        self.drain();
     }
 
-    fn prefill(&mut self, w: Waiting, blocks: Vec<BlockId>) {
+    fn prefill(&mut self, w: Pending, blocks: Vec<BlockId>) {
         let pool_wait = w.since.elapsed();
         self.metrics
             .pool_wait_seconds
@@ -479,7 +491,7 @@ impl PrefillEngine {
         let digest = match filled {
             Ok(d) => d,
             Err(e) => {
-                self.free_blocks(&blocks);
+                self.core.handle_prefill_failed(&w.job.id);
                 let _ = w.job.reply.send(Err(e));
                 return;
             }
@@ -488,35 +500,21 @@ impl PrefillEngine {
             .cached_tokens_pulled
             .inc_by(pulled_tokens as u64);
         let now = self.now();
-        if self.table.abort(now, &w.job.id) {
-            // The same request id prefilled again (a proxy's retry after a failed load):
-            // the new prefill supersedes the old lease.
-            self.drain_events();
-        }
-        let generation = match self.table.grant(
-            now,
-            w.job.id.clone(),
-            blocks.clone(),
-            self.cfg.tp_size.max(1),
-        ) {
+        let granted = match self.core.handle_prefill_done(now, &w.job.id) {
             Ok(g) => g,
             Err(e) => {
-                self.free_blocks(&blocks);
-                let _ = w.job.reply.send(Err(ApiError::new(
-                    axum::http::StatusCode::CONFLICT,
-                    "conflict",
-                    e.to_string(),
-                )));
+                let _ = w.job.reply.send(Err(prefill_error(&e, tokens.len())));
                 return;
             }
         };
+        // A superseded lease's fences are cleared before this one's are published.
+        self.drain();
+        let generation = granted.generation;
         for worker in &self.workers {
             if let Err(e) = worker.fence.publish(&blocks, generation.word()) {
                 tracing::error!(error = %e, "fence publish failed");
             }
         }
-        self.last_heartbeater
-            .insert(w.job.id.clone(), String::new());
         self.metrics.leases_granted.inc();
         self.metrics.prefill_tokens.inc_by(tokens.len() as u64);
         let params = RemoteParams {
@@ -541,14 +539,8 @@ impl PrefillEngine {
         };
         if w.job.reply.send(Ok(done)).is_err() {
             // The client is gone: nobody will read these blocks.
-            self.table.abort(now, &w.job.id);
-            self.drain_events();
-        }
-    }
-
-    fn free_blocks(&mut self, blocks: &[BlockId]) {
-        if let Err(e) = self.alloc.free(blocks) {
-            tracing::error!(error = %e, "block accounting error");
+            self.core.abort(now, &w.job.id);
+            self.drain();
         }
     }
 
@@ -559,82 +551,89 @@ impl PrefillEngine {
             batches.extend(w.agent.get_new_notifs());
         }
         for (from, msgs) in batches {
+            let Some(engine) = crate::decode::engine_of_peer(&from) else {
+                self.metrics.notif_malformed.inc();
+                continue;
+            };
+            let peer = Peer { engine, addr: from };
             for msg in msgs {
-                self.handle_notif(now, &from, &msg);
+                self.handle_notif(now, &peer, &msg);
             }
         }
     }
 
-    fn handle_notif(&mut self, now: Timestamp, from: &str, msg: &[u8]) {
-        match kvlease_notif::decode(msg) {
-            Ok(Notif::Heartbeat(ids)) => {
+    fn handle_notif(&mut self, now: Timestamp, from: &Peer<String>, msg: &[u8]) {
+        match self.core.handle_notif(now, from, msg) {
+            PrefillNotif::Heartbeat {
+                ids,
+                outcome,
+                foreign,
+            } => {
                 self.metrics.heartbeats_received.inc();
-                self.metrics.heartbeat_ids_received.inc_by(ids.len() as u64);
-                let out = self.table.handle_heartbeat(now, ids.iter());
+                self.metrics.heartbeat_ids_received.inc_by(u64::from(ids));
                 self.metrics
                     .heartbeat_unknown_ids
-                    .inc_by(u64::from(out.unknown));
+                    .inc_by(u64::from(outcome.unknown));
                 self.metrics
                     .lease_extensions
-                    .inc_by(u64::from(out.extended));
-                if out.held > 0 {
-                    for id in ids.iter() {
-                        if let Some(last) = self.last_heartbeater.get_mut(id)
-                            && last != from
-                        {
-                            from.clone_into(last);
+                    .inc_by(u64::from(outcome.extended));
+                if foreign > 0 {
+                    self.metrics.notifs_foreign.inc();
+                    tracing::debug!(from = %from.addr, foreign, "heartbeat ids of leases another D engine owns");
+                }
+            }
+            PrefillNotif::Foreign { request } => {
+                self.metrics.notifs_foreign.inc();
+                tracing::debug!(from = %from.addr, %request, "notification about a lease another D engine owns");
+            }
+            PrefillNotif::Malformed(e) => {
+                self.metrics.notif_malformed.inc();
+                tracing::debug!(error = %e, from = %from.addr, "malformed notification");
+            }
+            other => tracing::trace!(?other, from = %from.addr, "notification"),
+        }
+        self.drain();
+    }
+
+    /// Does what the core asks (clear fences before blocks are reused, send expiry
+    /// notices) and answers what it decided (refusals, releases).
+    fn drain(&mut self) {
+        while let Some(action) = self.core.poll_action() {
+            match action {
+                PrefillAction::ClearFences { released } => {
+                    // Publish the free word on every worker *before* the blocks can be
+                    // reused, so that a reader still holding the old generation sees its
+                    // read was fenced off.
+                    for w in &self.workers {
+                        if let Err(e) = w.fence.publish(&released.blocks, Generation::FREE_WORD) {
+                            tracing::error!(error = %e, "fence publish failed");
                         }
                     }
                 }
-            }
-            Ok(Notif::ReadComplete(rc)) => {
-                self.table.handle_read_complete(
-                    now,
-                    &rc.request,
-                    rc.consumer,
-                    Some(rc.consumers_total),
-                );
-            }
-            Ok(Notif::Abort(a)) => {
-                self.table.abort(now, &a.request);
-            }
-            Ok(other) => tracing::debug!(?other, %from, "notification ignored"),
-            Err(e) => {
-                self.metrics.notif_malformed.inc();
-                tracing::debug!(error = %e, %from, "malformed notification");
+                PrefillAction::Transmit { to, bytes } => self.send_expired(&to, bytes),
+                _ => {}
             }
         }
-        self.drain_events();
-    }
-
-    fn drain_events(&mut self) {
-        let mut expired_by_peer: HashMap<String, Vec<ExpiredLease>> = HashMap::new();
-        while let Some(Event::Released(r)) = self.table.poll_event() {
-            let heartbeater = self.last_heartbeater.remove(&r.request);
-            self.release(&r);
-            if r.reason == ReleaseReason::Expired
-                && let Some(peer) = heartbeater.filter(|p| !p.is_empty())
-            {
-                expired_by_peer.entry(peer).or_default().push(ExpiredLease {
-                    request: r.request.clone(),
-                    generation: r.generation,
-                });
+        while let Some(event) = self.core.poll_event() {
+            match event {
+                PrefillEvent::Refused { request, error } => {
+                    if let Some(p) = self.jobs.remove(&request) {
+                        self.metrics
+                            .pool_wait_seconds
+                            .observe(p.since.elapsed().as_secs_f64());
+                        let _ = p
+                            .job
+                            .reply
+                            .send(Err(prefill_error(&error, p.job.tokens.len())));
+                    }
+                }
+                PrefillEvent::Released(r) => self.release(&r),
+                _ => {}
             }
-        }
-        for (peer_name, leases) in expired_by_peer {
-            self.send_expired(&peer_name, &leases);
         }
     }
 
     fn release(&mut self, r: &Released) {
-        // Publish the free word on every worker *before* the blocks can be reused, so that
-        // a reader still holding the old generation sees its read was fenced off.
-        for w in &self.workers {
-            if let Err(e) = w.fence.publish(&r.blocks, Generation::FREE_WORD) {
-                tracing::error!(error = %e, "fence publish failed");
-            }
-        }
-        self.free_blocks(&r.blocks);
         let reason = match r.reason {
             ReleaseReason::Completed => MetricReason::Completed,
             ReleaseReason::Expired => MetricReason::Expired,
@@ -650,7 +649,7 @@ impl PrefillEngine {
         }
     }
 
-    fn send_expired(&mut self, peer_name: &str, leases: &[ExpiredLease]) {
+    fn send_expired(&mut self, peer_name: &str, msg: Vec<u8>) {
         let Some(&peer) = self.d_peers.get(peer_name) else {
             tracing::debug!(%peer_name, "no connection to the D worker for an expiry notice");
             return;
@@ -658,19 +657,34 @@ impl PrefillEngine {
         let Some(w0) = self.workers.first() else {
             return;
         };
-        match kvlease_notif::encode_expired(leases, kvlease_notif::MAX_NOTIF_LEN) {
-            Ok(msgs) => {
-                for m in msgs {
-                    match w0.agent.send_notif(peer, m) {
-                        Ok(()) => {
-                            self.metrics.expiry_notices_sent.inc();
-                        }
-                        Err(e) => tracing::warn!(%peer_name, error = %e, "expiry notice not sent"),
-                    }
-                }
+        match w0.agent.send_notif(peer, msg) {
+            Ok(()) => {
+                self.metrics.expiry_notices_sent.inc();
             }
-            Err(e) => tracing::error!(error = %e, "cannot encode expiry notice"),
+            Err(e) => tracing::warn!(%peer_name, error = %e, "expiry notice not sent"),
         }
+    }
+}
+
+/// The HTTP answer to a refused or failed prefill.
+fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
+    match e {
+        PrefillError::PromptTooLong { needed, pool } => ApiError::bad_field(
+            "prompt",
+            format!("{tokens} tokens need {needed} blocks; the pool has {pool}"),
+        ),
+        PrefillError::EmptyPrompt => ApiError::bad_field("prompt", e.to_string()),
+        PrefillError::Duplicate { .. } | PrefillError::Grant(_) => {
+            ApiError::new(axum::http::StatusCode::CONFLICT, "conflict", e.to_string())
+        }
+        PrefillError::PoolWaitTimeout { .. } | PrefillError::ShuttingDown => {
+            ApiError::overloaded(e.to_string())
+        }
+        _ => ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        ),
     }
 }
 
@@ -778,16 +792,16 @@ impl PrefillEngine {
         let now = b.clock.now();
         // Forget entries whose requests no longer wait (prefilled, refused, gone).
         let waiting: std::collections::HashSet<&str> = self
-            .waiting
-            .iter()
+            .jobs
+            .values()
             .filter_map(|w| w.job.decoder.as_ref())
             .map(|p| p.remote_request_id.as_str())
             .collect();
         self.cache_heartbeats
             .retain(|k, _| waiting.contains(k.as_str()));
         let due: Vec<(String, String, String)> = self
-            .waiting
-            .iter()
+            .jobs
+            .values()
             .filter_map(|w| w.job.decoder.as_ref())
             .filter(|p| p.kvlease_renew_extension_ms > 0)
             .filter(|p| {
