@@ -8,7 +8,8 @@
 //! - [`prefill`] / [`decode`]: the P and D engines and their forward loops;
 //! - [`http`]: the OpenAI-shaped HTTP API on axum;
 //! - [`link`]: how the engines use the transport;
-//! - [`serve`]: what the `prefill-agent` and `decode-agent` binaries run.
+//! - [`serve`]: what the `prefill-agent` and `decode-agent` binaries run;
+//! - [`shell`]: what the P and D shells share (pool setup, peer names, addresses).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -23,5 +24,6 @@ pub mod metrics;
 pub mod prefill;
 pub mod proxy;
 pub mod serve;
+pub mod shell;
 pub mod sidechannel;
 pub mod telemetry;

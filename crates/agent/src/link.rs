@@ -9,7 +9,7 @@ use kvlease_transport::{
 };
 
 use crate::metrics::Backend;
-use crate::prefill::EngineError;
+use crate::shell::EngineError;
 
 pub use kvlease_transport::BatchId;
 

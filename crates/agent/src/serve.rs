@@ -27,7 +27,8 @@ use crate::http::{self, DecodeApi, PrefillApi};
 use crate::kv::KvShape;
 use crate::link::LinkConfig;
 use crate::metrics::Metrics;
-use crate::prefill::{EngineError, PrefillBidir, PrefillConfig, PrefillEngine};
+use crate::prefill::{PrefillBidir, PrefillConfig, PrefillEngine};
+use crate::shell::EngineError;
 use crate::sidechannel;
 
 /// Jobs the HTTP layer may queue to an engine before handlers wait (back-pressure).

@@ -1,4 +1,7 @@
+use std::time::Instant;
+
 use super::*;
+use crate::proxy::{ConversationStore, conversation_key};
 use serde_json::json;
 
 const BS: u32 = 16;

@@ -29,7 +29,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::bidir::{ConversationStore, DecoderKvParams, conversation_key, is_decoder_params};
+use crate::bidir::{DecoderKvParams, is_decoder_params};
+
+mod store;
+
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -43,6 +46,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use reqwest::Url;
 use serde_json::{Map, Value, json};
+pub use store::{ConversationStore, conversation_key};
 
 use crate::api::{ApiError, KV_LOAD_FAILED};
 use crate::config::LogFormat;
@@ -818,95 +822,4 @@ async fn metrics(State(proxy): State<Proxy>) -> Response {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retryable_kv_failure_is_exactly_the_documented_shape() {
-        let body = ApiError::kv_load_failed("stale").body().to_string();
-        assert!(is_retryable_kv_failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            body.as_bytes()
-        ));
-        assert!(!is_retryable_kv_failure(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            body.as_bytes()
-        ));
-        let overloaded = ApiError::overloaded("queue full").body().to_string();
-        assert!(!is_retryable_kv_failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            overloaded.as_bytes()
-        ));
-        let not_retryable = br#"{"error":{"type":"kv_load_failed","retryable":false}}"#;
-        assert!(!is_retryable_kv_failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            not_retryable
-        ));
-        assert!(!is_retryable_kv_failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            b"<html>"
-        ));
-    }
-
-    fn args(extra: &[&str]) -> ProxyArgs {
-        let base = [
-            "kvlease-proxy",
-            "--prefill",
-            "http://127.0.0.1:1",
-            "--decode",
-        ];
-        ProxyArgs::try_parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
-    }
-
-    #[test]
-    fn flags_are_checked_and_errors_name_them() {
-        let c = args(&["http://127.0.0.1:2/", "http://localhost:3/base"])
-            .config()
-            .unwrap();
-        assert_eq!(c.decode.len(), 2);
-        assert_eq!(
-            join(&c.decode[0], "/v1/completions").as_str(),
-            "http://127.0.0.1:2/v1/completions"
-        );
-        assert_eq!(
-            join(&c.decode[1], "/v1/completions").as_str(),
-            "http://localhost:3/base/v1/completions"
-        );
-        for (extra, start) in [
-            (
-                &["https://x:1"][..],
-                "--decode: \"https://x:1\": only http://",
-            ),
-            (&["not a url"][..], "--decode: \"not a url\""),
-            (
-                &["http://x:1", "--timeout-secs", "0"][..],
-                "--timeout-secs: must be > 0",
-            ),
-            (
-                &["http://x:1", "--timeout-secs", "NaN"][..],
-                "--timeout-secs: must be > 0",
-            ),
-            (
-                &["http://x:1", "--connect-timeout-ms", "0"][..],
-                "--connect-timeout-ms",
-            ),
-            (&["http://x:1", "--port", "0"][..], "--port"),
-        ] {
-            let message = args(extra).config().unwrap_err().to_string();
-            assert!(message.starts_with(start), "{extra:?}: {message}");
-        }
-        assert!(ProxyArgs::try_parse_from(["kvlease-proxy", "--prefill", "http://a:1"]).is_err());
-    }
-
-    #[test]
-    fn proxy_metrics_expose_the_retry_counter() {
-        let m = ProxyMetrics::new();
-        m.retries.inc();
-        m.request(ProxyOutcome::OkAfterRetry).inc();
-        let text = m.encode();
-        assert!(text.contains("# TYPE kvlease_proxy_retries counter\n"));
-        assert!(text.contains("\nkvlease_proxy_retries_total 1\n"), "{text}");
-        assert!(text.contains("kvlease_proxy_requests_total{outcome=\"ok_after_retry\"} 1\n"));
-        assert!(text.contains("kvlease_proxy_requests_total{outcome=\"bad_gateway\"} 0\n"));
-    }
-}
+mod tests;

@@ -1,0 +1,119 @@
+//! The IO of a load: the handshake with P, the read ops of a batch, and the verification
+//! of the bytes read.
+
+use super::*;
+use crate::shell::{connect_worker, remote_engine};
+
+pub(super) fn verify_worker(
+    w: &Worker,
+    blocks: &[BlockId],
+    hashes: &[u64],
+) -> Result<KvDigest, VerifyError> {
+    let mut digest = KvDigest::default();
+    let mut buf = vec![0u8; w.layout.block_bytes()];
+    let mut result = Ok(());
+    kv::for_each_block(&w.layout.shape, hashes, |layer, i, first, hs| {
+        if result.is_err() {
+            return;
+        }
+        // Host memory directly, device memory through a staged copy.
+        let r = w
+            .pool
+            .read_block(layer, blocks[i], &mut buf)
+            .map_err(|source| VerifyError::ReadBack {
+                block: blocks[i].0,
+                source,
+            });
+        if let Err(e) = r {
+            result = Err(e);
+            return;
+        }
+        if let Some(m) = kv::verify_block(&w.layout, &buf, layer, first, hs) {
+            result = Err(VerifyError::Mismatch {
+                layer: m.layer,
+                pos: m.pos,
+                half: if m.kv == 0 { "K" } else { "V" },
+                head: m.head,
+            });
+            return;
+        }
+        digest.add(kv::digest_block(&w.layout, &buf, layer, first, hs.len()));
+    });
+    result.map(|()| digest)
+}
+
+/// The read ops that copy global heads `heads` of the request's blocks from P worker `pw`
+/// (whose first global head is `p_first`) into D worker `w`'s blocks.
+pub(super) fn build_ops(
+    w: &Worker,
+    pw: &WorkerInfo,
+    info: &EngineInfo,
+    d_blocks: &[BlockId],
+    p_blocks: &[u32],
+    heads: std::ops::Range<u32>,
+    p_first: u32,
+) -> Result<Vec<ReadOp>, ReadSetupError> {
+    let p_layout = KvLayout::new(
+        info.shape.num_layers,
+        info.num_blocks,
+        info.shape.num_kv_heads / info.tp_size.max(1),
+        info.shape.block_size,
+        info.shape.head_dim,
+        kv::DTYPE_BYTES as u32,
+    )
+    .map_err(|source| ReadSetupError::Layout {
+        what: "P's layout",
+        source,
+    })?;
+    let d_first = w.layout.heads.start;
+    let d_range = heads.start - d_first..heads.end - d_first;
+    let p_range = heads.start - p_first..heads.end - p_first;
+    let mut ops = Vec::new();
+    for layer in 0..info.shape.num_layers {
+        for (&db, &pb) in d_blocks.iter().zip(p_blocks) {
+            for half in [KvHalf::K, KvHalf::V] {
+                let local = w
+                    .pool
+                    .layout()
+                    .heads_range(layer, db, half, d_range.clone())
+                    .map_err(|source| ReadSetupError::Layout {
+                        what: "D block",
+                        source,
+                    })?;
+                let remote = p_layout
+                    .heads_range(layer, BlockId(pb), half, p_range.clone())
+                    .map_err(|source| ReadSetupError::Layout {
+                        what: "P block",
+                        source,
+                    })?;
+                ops.push(ReadOp {
+                    local: w.pool_desc,
+                    local_offset: local.start,
+                    remote: pw.pool,
+                    remote_offset: remote.start,
+                    len: local.end - local.start,
+                });
+            }
+        }
+    }
+    Ok(ops)
+}
+
+/// The handshake with P (on a background thread): every D worker connects to every P
+/// worker.
+pub(super) fn handshake(
+    addr: &str,
+    me: &Me<'_>,
+    want: &EngineId,
+    agents: &[Arc<Agent>],
+) -> Result<Ready, HandshakeFailure> {
+    let info = remote_engine(addr, me, want)?;
+    let mut peers = Vec::new();
+    for agent in agents {
+        let row = (0..info.tp_size)
+            .map(|rank| connect_worker(agent, &info, rank, want))
+            .collect::<Result<Vec<_>, _>>()?;
+        peers.push(row);
+    }
+    Ok(Ready { info, peers })
+}

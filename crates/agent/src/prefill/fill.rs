@@ -1,0 +1,132 @@
+//! Filling a prefilled request's blocks on every worker (and verifying pulled ones), and
+//! syncing them into the verbs mirror before their generation is published.
+
+use super::*;
+
+/// Fills the request's blocks on every worker (one thread per worker) and returns the
+/// whole digest. The first `pulled` blocks already hold KV read from D: they are verified
+/// against the tokens byte by byte and digested instead of filled.
+pub(super) fn fill_workers(
+    workers: &[Worker],
+    blocks: &[u32],
+    tokens: &[u32],
+    pulled: usize,
+) -> Result<KvDigest, ApiError> {
+    let hashes = kv::prefix_hashes(tokens);
+    let results: Vec<Result<KvDigest, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = workers
+            .iter()
+            .map(|w| {
+                let hashes = &hashes;
+                s.spawn(move || fill_worker(w, blocks, hashes, pulled))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("fill thread panicked".to_owned()))
+            })
+            .collect()
+    });
+    let mut digest = KvDigest::default();
+    for r in results {
+        digest.add(r.map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                e,
+            )
+        })?);
+    }
+    Ok(digest)
+}
+
+pub(super) fn fill_worker(
+    w: &Worker,
+    blocks: &[u32],
+    hashes: &[u64],
+    pulled: usize,
+) -> Result<KvDigest, String> {
+    let mut digest = KvDigest::default();
+    let mut buf = vec![0u8; w.layout.block_bytes()];
+    let mut result = Ok(());
+    kv::for_each_block(&w.layout.shape, hashes, |layer, i, first, hs| {
+        if result.is_err() {
+            return;
+        }
+        if i < pulled {
+            result = w
+                .pool
+                .read_block(layer, BlockId(blocks[i]), &mut buf)
+                .map_err(|e| e.to_string())
+                .and_then(
+                    |()| match kv::verify_block(&w.layout, &buf, layer, first, hs) {
+                        None => Ok(()),
+                        Some(m) => Err(format!(
+                            "pulled KV mismatch at layer {} position {}",
+                            m.layer, m.pos
+                        )),
+                    },
+                );
+            if result.is_ok() {
+                digest.add(kv::digest_block(&w.layout, &buf, layer, first, hs.len()));
+            }
+            return;
+        }
+        buf.fill(0);
+        digest.add(kv::fill_block(&w.layout, &mut buf, layer, first, hs));
+        // Host memory directly, device memory through a staged copy.
+        result = w
+            .pool
+            .write_block(layer, BlockId(blocks[i]), &buf)
+            .map_err(|e| e.to_string());
+    });
+    result?;
+    // Before the fence generation is published: verbs peers of a mirrored pool read the
+    // mirror (the pulled blocks too, which may have arrived over TCP into the pool only).
+    sync_blocks_for_peers(&w.agent, RegionId(w.info.pool.id), &w.pool, blocks)?;
+    Ok(digest)
+}
+
+/// Copies `blocks` (every layer) of `pool`, registered as `region`, into the transport's
+/// verbs mirror of it, so that peers' RDMA READs see what was just written. A no-op unless
+/// verbs serves the pool through a host mirror (device memory without dmabuf, staged
+/// memory). Call it after writing blocks and before publishing their fence generation.
+pub(crate) fn sync_blocks_for_peers(
+    agent: &Agent,
+    region: RegionId,
+    pool: &BlockPool,
+    blocks: &[u32],
+) -> Result<(), String> {
+    if !agent.is_mirrored(region) {
+        return Ok(());
+    }
+    let layout = pool.layout();
+    let sync = |r: std::ops::Range<u64>| {
+        agent
+            .sync_for_peers(region, r.start, r.end - r.start)
+            .map_err(|e| e.to_string())
+    };
+    for layer in 0..layout.num_layers() {
+        // Adjacent blocks are copied in one go.
+        let mut run: Option<std::ops::Range<u64>> = None;
+        for &b in blocks {
+            let r = layout
+                .block_range(layer, BlockId(b))
+                .map_err(|e| e.to_string())?;
+            run = match run {
+                Some(cur) if cur.end == r.start => Some(cur.start..r.end),
+                Some(cur) => {
+                    sync(cur)?;
+                    Some(r)
+                }
+                None => Some(r),
+            };
+        }
+        if let Some(cur) = run {
+            sync(cur)?;
+        }
+    }
+    Ok(())
+}

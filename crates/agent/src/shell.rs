@@ -1,0 +1,279 @@
+//! What the prefill and decode shells share: the per-rank pool setup, the engine setup
+//! error, and the peer naming and address formatting of the remote-engine handshakes.
+
+use axum::http::StatusCode;
+use kvlease_gpu_mem::{BlockPool, KvLayout, MemoryRequest};
+use kvlease_lease::EngineId;
+use kvlease_transport::{Agent, PeerId};
+
+use crate::api::ApiError;
+use crate::kv::{self, KvShape, RankLayout};
+use crate::prefill::EngineInfo;
+use crate::sidechannel;
+
+/// Why an engine could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A setup step failed.
+    #[error("{what}: {message}")]
+    Setup {
+        /// The step.
+        what: &'static str,
+        /// The cause.
+        message: String,
+    },
+}
+
+impl EngineError {
+    pub(crate) fn setup(what: &'static str, e: impl std::fmt::Display) -> Self {
+        Self::Setup {
+            what,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// One TP rank's heads and its block pool: the setup both engines share.
+///
+/// # Errors
+/// [`EngineError`] naming the step that failed (tp split, kv layout or block pool).
+pub(crate) fn rank_pool(
+    shape: KvShape,
+    tp_size: u32,
+    rank: u32,
+    num_blocks: u32,
+    memory: MemoryRequest,
+) -> Result<(RankLayout, BlockPool), EngineError> {
+    let heads = shape
+        .heads_of_rank(tp_size, rank)
+        .map_err(|e| EngineError::setup("tp split", e))?;
+    let layout = RankLayout {
+        shape,
+        heads,
+        num_blocks,
+    };
+    let kv_layout = KvLayout::new(
+        shape.num_layers,
+        num_blocks,
+        layout.local_heads(),
+        shape.block_size,
+        shape.head_dim,
+        kv::DTYPE_BYTES as u32,
+    )
+    .map_err(|e| EngineError::setup("kv layout", e))?;
+    let pool =
+        BlockPool::new(kv_layout, memory).map_err(|e| EngineError::setup("block pool", e))?;
+    Ok((layout, pool))
+}
+
+/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`).
+pub(crate) fn engine_of_peer(name: &str) -> Option<EngineId> {
+    let engine = name.rsplit_once('/').map_or(name, |(e, _)| e);
+    EngineId::new(engine).ok()
+}
+
+/// `host:port`, with IPv6 literals in brackets.
+pub(crate) fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Why a handshake with a remote engine (P for D; D for P's pulls) failed. Mapped to an HTTP error only at the edge
+/// ([`HandshakeFailure::to_api`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeFailure {
+    /// P refused our proof, or we refused P's (cluster token).
+    #[error(
+        "unknown engine {engine}: {source} (check --auth-token / KVLEASE_AUTH_TOKEN on both sides)"
+    )]
+    Auth {
+        /// P's engine.
+        engine: EngineId,
+        /// The side channel's error.
+        #[source]
+        source: sidechannel::HandshakeError,
+    },
+    /// The side channel could not be reached or failed.
+    #[error("unknown engine {engine}: side channel at {addr} failed: {source}")]
+    SideChannel {
+        /// P's engine.
+        engine: EngineId,
+        /// The address tried.
+        addr: String,
+        /// The side channel's error.
+        #[source]
+        source: sidechannel::HandshakeError,
+    },
+    /// P's engine info did not parse.
+    #[error("side channel at {addr} sent bad engine info: {source}")]
+    BadInfo {
+        /// The address.
+        addr: String,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The side channel serves another engine.
+    #[error("unknown engine {engine}: the side channel at {addr} serves engine {serves}")]
+    WrongEngine {
+        /// The engine asked for.
+        engine: EngineId,
+        /// The address.
+        addr: String,
+        /// The engine it serves.
+        serves: String,
+    },
+    /// P's model shape differs.
+    #[error("engine {engine} has model shape {theirs:?}, this engine {ours:?}")]
+    Shape {
+        /// P's engine.
+        engine: EngineId,
+        /// P's shape.
+        theirs: KvShape,
+        /// D's shape.
+        ours: KvShape,
+    },
+    /// The remote engine's TP size differs where it must match (P's pulls).
+    #[error("engine {engine} has TP size {theirs}, this engine {ours}")]
+    TpSize {
+        /// The remote engine.
+        engine: EngineId,
+        /// Its TP size.
+        theirs: u32,
+        /// Ours.
+        ours: u32,
+    },
+    /// A worker's transport metadata is not hex.
+    #[error("engine {engine}: bad worker metadata")]
+    Metadata {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// A transport connection to a P worker failed.
+    #[error("cannot connect to engine {engine} worker {rank}: {source}")]
+    Connect {
+        /// P's engine.
+        engine: EngineId,
+        /// P's worker.
+        rank: u32,
+        /// The transport's error.
+        #[source]
+        source: kvlease_transport::ConnectError,
+    },
+    /// The handshake thread died or could not start.
+    #[error("the handshake thread died")]
+    Thread,
+}
+
+impl HandshakeFailure {
+    /// The HTTP answer.
+    pub fn to_api(&self) -> ApiError {
+        match self {
+            Self::Auth { .. } => {
+                ApiError::new(StatusCode::FORBIDDEN, "peer_auth_failed", self.to_string())
+            }
+            Self::Connect { .. } | Self::Thread => ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "handshake_failed",
+                self.to_string(),
+            ),
+            _ => ApiError::bad_field("kv_transfer_params.remote_engine_id", self.to_string()),
+        }
+    }
+
+    pub(crate) fn is_auth(&self) -> bool {
+        matches!(self, Self::Auth { .. })
+    }
+}
+
+/// This engine's side of a handshake: who it is and what its workers' transports are.
+pub(crate) struct Me<'a> {
+    /// The cluster token.
+    pub(crate) token: Option<&'a str>,
+    /// This engine's id.
+    pub(crate) engine: &'a str,
+    /// This engine's TP size.
+    pub(crate) tp_size: u32,
+    /// Each worker's transport metadata.
+    pub(crate) metadata: &'a [Vec<u8>],
+    /// This engine's model shape (the remote's must match).
+    pub(crate) shape: KvShape,
+}
+
+/// The one remote-engine handshake: authenticates on the side channel at `addr` and checks
+/// that it serves engine `want` with our model shape. Connect its workers with
+/// [`connect_worker`] (D connects every worker to every P worker; P's pulls connect worker
+/// i to D's worker i).
+///
+/// # Errors
+/// [`HandshakeFailure`] naming the step that failed.
+pub(crate) fn remote_engine(
+    addr: &str,
+    me: &Me<'_>,
+    want: &EngineId,
+) -> Result<EngineInfo, HandshakeFailure> {
+    let welcome = sidechannel::handshake(addr, me.token, me.engine, me.tp_size, me.metadata)
+        .map_err(|e| match e {
+            e @ sidechannel::HandshakeError::Auth { .. } => HandshakeFailure::Auth {
+                engine: want.clone(),
+                source: e,
+            },
+            e => HandshakeFailure::SideChannel {
+                engine: want.clone(),
+                addr: addr.to_owned(),
+                source: e,
+            },
+        })?;
+    let info: EngineInfo =
+        serde_json::from_value(welcome.info).map_err(|source| HandshakeFailure::BadInfo {
+            addr: addr.to_owned(),
+            source,
+        })?;
+    if info.engine_id != want.as_str() {
+        return Err(HandshakeFailure::WrongEngine {
+            engine: want.clone(),
+            addr: addr.to_owned(),
+            serves: info.engine_id,
+        });
+    }
+    if info.shape != me.shape {
+        return Err(HandshakeFailure::Shape {
+            engine: want.clone(),
+            theirs: info.shape,
+            ours: me.shape,
+        });
+    }
+    Ok(info)
+}
+
+/// Connects `agent` to worker `rank` of the remote engine `info` describes.
+///
+/// # Errors
+/// [`HandshakeFailure::Metadata`] for a missing or garbled worker,
+/// [`HandshakeFailure::Connect`] when the transport fails.
+pub(crate) fn connect_worker(
+    agent: &Agent,
+    info: &EngineInfo,
+    rank: u32,
+    want: &EngineId,
+) -> Result<PeerId, HandshakeFailure> {
+    let md = info
+        .workers
+        .get(rank as usize)
+        .and_then(|w| sidechannel::from_hex(&w.metadata))
+        .ok_or_else(|| HandshakeFailure::Metadata {
+            engine: want.clone(),
+        })?;
+    agent
+        .connect(&md)
+        .map_err(|source| HandshakeFailure::Connect {
+            engine: want.clone(),
+            rank,
+            source,
+        })
+}
