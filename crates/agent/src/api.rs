@@ -7,6 +7,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use kvlease_lease::{EngineId, RequestId};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -260,7 +261,7 @@ pub struct RemoteParams {
     /// Always false in P's answer.
     pub do_remote_decode: bool,
     /// P's engine id.
-    pub remote_engine_id: String,
+    pub remote_engine_id: EngineId,
     /// P's block ids holding the request, in token order (the same ids on every P rank).
     pub remote_block_ids: Vec<u32>,
     /// Host of P's side channel.
@@ -268,7 +269,7 @@ pub struct RemoteParams {
     /// Port of P's side channel.
     pub remote_port: u16,
     /// P's id of the request (heartbeats and completions name it).
-    pub remote_request_id: String,
+    pub remote_request_id: RequestId,
     /// P's TP size.
     pub tp_size: u32,
     /// The lease's fencing generation, published per block in each P rank's fence region.
@@ -278,7 +279,7 @@ pub struct RemoteParams {
     /// Initial lease in milliseconds (informational: D heartbeats per its own config).
     pub kvlease_lease_ms: u64,
     /// The order-independent digest of the whole KV (all ranks).
-    pub kv_digest: String,
+    pub kv_digest: kv::KvDigest,
 }
 
 impl RemoteParams {
@@ -305,6 +306,12 @@ impl RemoteParams {
                 format!("kv_transfer_params.{name}"),
                 format!("must be {what}"),
             )
+        };
+        let typed = |name: &str, what: &str| -> Result<&str, ApiError> {
+            field(name)?.as_str().ok_or_else(|| bad(name, what))
+        };
+        let id_err = |name: &str, e: kvlease_lease::InvalidId| {
+            ApiError::bad_field(format!("kv_transfer_params.{name}"), e.to_string())
         };
         let string = |name: &str| -> Result<String, ApiError> {
             field(name)?
@@ -334,12 +341,14 @@ impl RemoteParams {
                 .get("do_remote_decode")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            remote_engine_id: string("remote_engine_id")?,
+            remote_engine_id: EngineId::new(typed("remote_engine_id", "a string")?)
+                .map_err(|e| id_err("remote_engine_id", e))?,
             remote_block_ids: blocks,
             remote_host: string("remote_host")?,
             // Bounds checked by `uint`.
             remote_port: uint("remote_port", u64::from(u16::MAX))? as u16,
-            remote_request_id: string("remote_request_id")?,
+            remote_request_id: RequestId::new(typed("remote_request_id", "a string")?)
+                .map_err(|e| id_err("remote_request_id", e))?,
             tp_size: uint("tp_size", 1024)? as u32,
             kvlease_generation: uint("kvlease_generation", u64::MAX)?,
             kvlease_num_tokens: uint("kvlease_num_tokens", u64::from(u32::MAX))? as u32,
@@ -347,7 +356,8 @@ impl RemoteParams {
                 .get("kvlease_lease_ms")
                 .and_then(Value::as_u64)
                 .unwrap_or(0),
-            kv_digest: string("kv_digest")?,
+            kv_digest: kv::KvDigest::parse(typed("kv_digest", "kvd-<16 hex digits>")?)
+                .ok_or_else(|| bad("kv_digest", "kvd-<16 hex digits>"))?,
         };
         if !p.do_remote_prefill {
             return Err(bad("do_remote_prefill", "true on D"));
@@ -357,9 +367,6 @@ impl RemoteParams {
         }
         if p.kvlease_generation == 0 {
             return Err(bad("kvlease_generation", "a non-zero generation"));
-        }
-        if kv::KvDigest::parse(&p.kv_digest).is_none() {
-            return Err(bad("kv_digest", "kvd-<16 hex digits>"));
         }
         Ok(p)
     }
@@ -445,6 +452,16 @@ mod tests {
             ),
             ("kv_digest", json!("x"), "kv_transfer_params.kv_digest"),
             (
+                "remote_engine_id",
+                json!("p 0"),
+                "kv_transfer_params.remote_engine_id",
+            ),
+            (
+                "remote_request_id",
+                json!(""),
+                "kv_transfer_params.remote_request_id",
+            ),
+            (
                 "do_remote_prefill",
                 json!(false),
                 "kv_transfer_params.do_remote_prefill",
@@ -456,6 +473,10 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(e.param.as_deref(), Some(param), "{key}");
         }
+        // Serde validates the typed fields too.
+        let mut v = p_answer();
+        v["remote_request_id"] = json!("a b");
+        assert!(serde_json::from_value::<RemoteParams>(v).is_err());
     }
 
     #[test]

@@ -264,11 +264,11 @@ async fn p_run(
     let done = await_engine(rx).await??;
     let model = req.model.as_deref().unwrap_or(&api.model);
     // The one token a prefill produces is the first output token (vLLM returns it too).
-    let digest = crate::kv::KvDigest::parse(&done.params.kv_digest).unwrap_or_default();
+    let digest = done.params.kv_digest;
     let first = crate::kv::decode_text(digest, 1).concat();
     let mut body = completion_body(id.as_str(), model, object, &first, prompt_tokens, 1);
     body["kv_transfer_params"] = serde_json::to_value(&done.params).map_err(internal)?;
-    body["kv_digest"] = Value::String(done.params.kv_digest.clone());
+    body["kv_digest"] = Value::String(done.params.kv_digest.to_string());
     body["cached_tokens_pulled"] = json!(done.cached_tokens_pulled);
     body["kvlease"] = json!({
         "prefill_time_ms": done.prefill_ms,

@@ -251,6 +251,20 @@ impl fmt::Display for KvDigest {
     }
 }
 
+impl serde::Serialize for KvDigest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// Deserializing validates the `kvd-<16 hex>` form.
+impl<'de> serde::Deserialize<'de> for KvDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
+        Self::parse(&s).ok_or_else(|| serde::de::Error::custom("expected kvd-<16 hex digits>"))
+    }
+}
+
 /// The digest of the whole model's KV for `tokens`, computed from the generator alone
 /// (what any correct producer or reader must arrive at).
 pub fn expected_digest(shape: &KvShape, tokens: &[u32]) -> KvDigest {

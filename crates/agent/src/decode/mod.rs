@@ -393,17 +393,7 @@ impl DecodeEngine {
     /// the core; refusals become HTTP errors here, at the edge.
     fn admit(&mut self, job: Box<DecodeJob>) -> Result<(), (Box<DecodeJob>, ApiError)> {
         let p = &job.params;
-        let bad = |field: &str, msg: String| {
-            ApiError::bad_field(format!("kv_transfer_params.{field}"), msg)
-        };
-        let engine = match EngineId::new(&p.remote_engine_id) {
-            Ok(e) => e,
-            Err(e) => return Err((job, bad("remote_engine_id", e.to_string()))),
-        };
-        let remote_id = match RequestId::new(&p.remote_request_id) {
-            Ok(r) => r,
-            Err(e) => return Err((job, bad("remote_request_id", e.to_string()))),
-        };
+        let (engine, remote_id) = (p.remote_engine_id.clone(), p.remote_request_id.clone());
         let remote = RemoteKv::new(
             engine,
             remote_id,
@@ -838,7 +828,7 @@ impl DecodeEngine {
         for r in results {
             digest.add(r?);
         }
-        let want = KvDigest::parse(&req.job.params.kv_digest).unwrap_or_default();
+        let want = req.job.params.kv_digest;
         if digest != want {
             return Err(VerifyError::Digest { read: digest, want });
         }

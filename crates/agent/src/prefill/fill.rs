@@ -3,6 +3,40 @@
 
 use super::*;
 
+/// Why filling (or syncing) a request's blocks failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FillError {
+    /// A block could not be written or read back.
+    #[error("block {block} of layer {layer}: {source}")]
+    Copy {
+        /// Layer.
+        layer: u32,
+        /// Block.
+        block: u32,
+        /// The pool's error.
+        #[source]
+        source: kvlease_gpu_mem::BlockCopyError,
+    },
+    /// A block pulled from D does not hold the KV of the tokens.
+    #[error("pulled KV mismatch at layer {layer} position {pos}")]
+    PulledMismatch {
+        /// Layer.
+        layer: u32,
+        /// Token position.
+        pos: usize,
+    },
+    /// A block id is outside the pool.
+    #[error("block range: {0}")]
+    Layout(#[from] kvlease_gpu_mem::LayoutError),
+    /// The verbs mirror could not be synced.
+    #[error("syncing the verbs mirror: {0}")]
+    Sync(#[from] kvlease_transport::RegisterError),
+    /// A fill thread panicked.
+    #[error("fill thread panicked")]
+    Panicked,
+}
+
 /// Fills the request's blocks on every worker (one thread per worker) and returns the
 /// whole digest. The first `pulled` blocks already hold KV read from D: they are verified
 /// against the tokens byte by byte and digested instead of filled.
@@ -11,9 +45,9 @@ pub(super) fn fill_workers(
     blocks: &[u32],
     tokens: &[u32],
     pulled: usize,
-) -> Result<KvDigest, ApiError> {
+) -> Result<KvDigest, FillError> {
     let hashes = kv::prefix_hashes(tokens);
-    let results: Vec<Result<KvDigest, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<KvDigest, FillError>> = std::thread::scope(|s| {
         let handles: Vec<_> = workers
             .iter()
             .map(|w| {
@@ -23,21 +57,12 @@ pub(super) fn fill_workers(
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err("fill thread panicked".to_owned()))
-            })
+            .map(|h| h.join().unwrap_or(Err(FillError::Panicked)))
             .collect()
     });
     let mut digest = KvDigest::default();
     for r in results {
-        digest.add(r.map_err(|e| {
-            ApiError::new(
-                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                e,
-            )
-        })?);
+        digest.add(r?);
     }
     Ok(digest)
 }
@@ -47,7 +72,7 @@ pub(super) fn fill_worker(
     blocks: &[u32],
     hashes: &[u64],
     pulled: usize,
-) -> Result<KvDigest, String> {
+) -> Result<KvDigest, FillError> {
     let mut digest = KvDigest::default();
     let mut buf = vec![0u8; w.layout.block_bytes()];
     let mut result = Ok(());
@@ -59,14 +84,18 @@ pub(super) fn fill_worker(
             result = w
                 .pool
                 .read_block(layer, BlockId(blocks[i]), &mut buf)
-                .map_err(|e| e.to_string())
+                .map_err(|source| FillError::Copy {
+                    layer,
+                    block: blocks[i],
+                    source,
+                })
                 .and_then(
                     |()| match kv::verify_block(&w.layout, &buf, layer, first, hs) {
                         None => Ok(()),
-                        Some(m) => Err(format!(
-                            "pulled KV mismatch at layer {} position {}",
-                            m.layer, m.pos
-                        )),
+                        Some(m) => Err(FillError::PulledMismatch {
+                            layer: m.layer,
+                            pos: m.pos,
+                        }),
                     },
                 );
             if result.is_ok() {
@@ -80,7 +109,11 @@ pub(super) fn fill_worker(
         result = w
             .pool
             .write_block(layer, BlockId(blocks[i]), &buf)
-            .map_err(|e| e.to_string());
+            .map_err(|source| FillError::Copy {
+                layer,
+                block: blocks[i],
+                source,
+            });
     });
     result?;
     // Before the fence generation is published: verbs peers of a mirrored pool read the
@@ -98,23 +131,17 @@ pub(crate) fn sync_blocks_for_peers(
     region: RegionId,
     pool: &BlockPool,
     blocks: &[u32],
-) -> Result<(), String> {
+) -> Result<(), FillError> {
     if !agent.is_mirrored(region) {
         return Ok(());
     }
     let layout = pool.layout();
-    let sync = |r: std::ops::Range<u64>| {
-        agent
-            .sync_for_peers(region, r.start, r.end - r.start)
-            .map_err(|e| e.to_string())
-    };
+    let sync = |r: std::ops::Range<u64>| agent.sync_for_peers(region, r.start, r.end - r.start);
     for layer in 0..layout.num_layers() {
         // Adjacent blocks are copied in one go.
         let mut run: Option<std::ops::Range<u64>> = None;
         for &b in blocks {
-            let r = layout
-                .block_range(layer, BlockId(b))
-                .map_err(|e| e.to_string())?;
+            let r = layout.block_range(layer, BlockId(b))?;
             run = match run {
                 Some(cur) if cur.end == r.start => Some(cur.start..r.end),
                 Some(cur) => {

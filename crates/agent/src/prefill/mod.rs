@@ -43,6 +43,7 @@ use crate::sidechannel::{self, Hello};
 mod fill;
 mod pull;
 
+pub use fill::FillError;
 use fill::fill_workers;
 pub(crate) use fill::sync_blocks_for_peers;
 
@@ -443,7 +444,12 @@ impl PrefillEngine {
             Ok(d) => d,
             Err(e) => {
                 self.core.handle_prefill_failed(&w.job.id);
-                let _ = w.job.reply.send(Err(e));
+                tracing::error!(request = %w.job.id, error = %e, "prefill fill failed");
+                let _ = w.job.reply.send(Err(ApiError::new(
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    e.to_string(),
+                )));
                 return;
             }
         };
@@ -471,16 +477,16 @@ impl PrefillEngine {
         let params = RemoteParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            remote_engine_id: self.cfg.engine_id.to_string(),
+            remote_engine_id: self.cfg.engine_id.clone(),
             remote_block_ids: ids,
             remote_host: self.cfg.advertise_host.clone(),
             remote_port: self.cfg.side_channel_port,
-            remote_request_id: w.job.id.to_string(),
+            remote_request_id: w.job.id.clone(),
             tp_size: self.cfg.tp_size,
             kvlease_generation: generation.word(),
             kvlease_num_tokens: tokens.len() as u32,
             kvlease_lease_ms: self.cfg.lease.duration().as_millis() as u64,
-            kv_digest: digest.to_string(),
+            kv_digest: digest,
         };
         let done = Prefilled {
             params,
