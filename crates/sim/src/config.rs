@@ -7,18 +7,32 @@ use kvlease_lease::LeaseMode;
 
 use crate::rng::Rng;
 
-/// A deliberate protocol bug, to prove that the checker catches it.
+/// A deliberate bug planted in a shell (the code around the engine cores that the agents
+/// and the simulator each write), to prove that the checker catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Bug {
-    /// P decodes heartbeats but never feeds them to its lease table (no extension).
+    /// The P shell drops heartbeats instead of feeding them to its core (no extension).
     IgnoreHeartbeats,
-    /// P does not run the table's reaper; it walks its leases in grant order and stops at
-    /// the first live one (vLLM #58222), freeing the expired ones it reaches.
+    /// The P shell never calls the core's reaper; it walks its leases in grant order and
+    /// stops at the first live one (vLLM #58222), aborting the expired ones it reaches.
     GrantOrderReaper,
-    /// D reports `consumers_total = 1` whatever the TP ratio, so P frees after the first
-    /// of several consumers.
+    /// The D shell rewrites each read completion to `consumers_total = 1` whatever the TP
+    /// ratio, so P frees after the first of several consumers.
     UnderreportConsumers,
+    /// The P shell drains `ClearFences` but publishes neither the free word nor poison:
+    /// a reused block keeps the old generation while the next prefill writes it.
+    SkipFenceClear,
+    /// The D shell reports every read that reached P as done, whatever its fence word.
+    IgnoreFence,
+    /// The D shell never calls `forget_engine`: a restarted P stays "connected" through a
+    /// dead connection.
+    NeverForget,
+    /// The P shell drops the core's `Refused` events (the client is never answered).
+    DropRefusals,
+    /// The D shell drops the read results of a request aborted while its reads ran (its
+    /// blocks are never given back).
+    SkipAbortedReads,
 }
 
 /// The notification network between every pair of endpoints.
@@ -47,6 +61,18 @@ pub struct Crash {
     pub restart_after: Option<Duration>,
 }
 
+/// An engine that takes no steps and handles no messages during `[at, at + duration)`:
+/// its messages, arrivals and handshake results queue up, then it resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stall {
+    /// Which engine (index among the P or D engines).
+    pub engine: usize,
+    /// When, in virtual time since the start.
+    pub at: Duration,
+    /// How long.
+    pub duration: Duration,
+}
+
 /// A network partition between one D engine and one P engine: every message between
 /// them, both ways, is dropped during `[at, at + duration)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,13 +97,15 @@ pub struct WorldConfig {
     pub lease: Duration,
     /// Number of P engines.
     pub p_engines: usize,
-    /// Workers (TP ranks) per P engine; each holds its own lease table and block pool.
+    /// Workers (TP ranks) per P engine; each holds its own block pool (fence and content
+    /// words), every worker the same block ids.
     pub p_tp: u32,
     /// Blocks in each P worker's pool.
     pub blocks_per_worker: u32,
     /// Number of D engines.
     pub d_engines: usize,
-    /// Ranks per D engine; each tracks and heartbeats on its own.
+    /// Workers (TP ranks) per D engine; every (D worker, P worker) pair whose heads
+    /// overlap reads one batch and is one consumer of the lease.
     pub d_tp: u32,
     /// Requests a D engine reads and decodes at once (its running slots).
     pub d_slots: usize,
@@ -101,7 +129,8 @@ pub struct WorldConfig {
     pub blocks_per_request: (u32, u32),
     /// Delay from P's grant to the request's arrival at D (router and proxy).
     pub transfer_delay: Duration,
-    /// Time of D's handshake with a P engine it has not met; its heartbeats wait for it.
+    /// Time of D's handshake with a P engine it has not met (its heartbeats wait for it),
+    /// and the time D takes to notice that a connection broke (P crashed).
     pub handshake: Duration,
     /// The notification network.
     pub net: NetConfig,
@@ -115,10 +144,16 @@ pub struct WorldConfig {
     pub p_crashes: Vec<Crash>,
     /// Partitions between a D and a P engine.
     pub partitions: Vec<Partition>,
-    /// Probability per D step that the client aborts the oldest waiting request, per million.
+    /// Stalls of P engines (longer than the lease in the random worlds).
+    pub p_stalls: Vec<Stall>,
+    /// Stalls of D engines.
+    pub d_stalls: Vec<Stall>,
+    /// Mean gap between forged notifications from a rogue endpoint (heartbeats, read
+    /// completions and aborts for real request ids to P, expiry notices to D); `None`: no
+    /// rogue.
+    pub forged_gap: Option<Duration>,
+    /// Probability per D step that the client aborts one of D's requests, per million.
     pub client_abort_per_million: u32,
-    /// Byte limit of one heartbeat message (small values exercise the splitting).
-    pub heartbeat_max_len: usize,
     /// Check that no lease expires while its D engine is alive and tracks it.
     pub expect_no_expiry_while_tracked: bool,
     /// A deliberate bug, for the checker's own tests.
@@ -182,6 +217,22 @@ impl WorldConfig {
                 duration: Duration::from_nanos(rng.range(nanos_of(lease) / 4, nanos_of(lease) * 2)),
             });
         }
+        let stall = |rng: &mut Rng, engines: usize| Stall {
+            engine: rng.index(engines),
+            at: Duration::from_nanos(rng.range(0, span)),
+            duration: Duration::from_nanos(
+                rng.range(nanos_of(lease) * 6 / 5, nanos_of(lease) * 5 / 2),
+            ),
+        };
+        let mut p_stalls = Vec::new();
+        if rng.chance(150_000) {
+            p_stalls.push(stall(&mut rng, p_engines));
+        }
+        let mut d_stalls = Vec::new();
+        if rng.chance(150_000) {
+            d_stalls.push(stall(&mut rng, d_engines));
+        }
+        let forged_gap = rng.chance(300_000).then(|| ms(rng.range(20, 200)));
         let loss = [0, 0, 10_000, 50_000, 200_000][rng.index(5)];
         Self {
             seed,
@@ -215,12 +266,10 @@ impl WorldConfig {
             d_crashes,
             p_crashes,
             partitions,
+            p_stalls,
+            d_stalls,
+            forged_gap,
             client_abort_per_million: [0, 2_000, 10_000][rng.index(3)],
-            heartbeat_max_len: [
-                kvlease_notif::MIN_SPLIT_LEN,
-                1024,
-                kvlease_notif::MAX_NOTIF_LEN,
-            ][rng.index(3)],
             expect_no_expiry_while_tracked: false,
             bug: None,
             mode: LeaseMode::Lease,
@@ -244,10 +293,9 @@ impl WorldConfig {
         c.d_crashes.clear();
         c.p_crashes.clear();
         c.partitions.clear();
+        c.p_stalls.clear();
+        c.d_stalls.clear();
         c.client_abort_per_million = 0;
-        // One message per batch, so that "2 messages in a row" is "2 heartbeats in a row"
-        // for every request.
-        c.heartbeat_max_len = kvlease_notif::MAX_NOTIF_LEN;
         c.blocks_per_worker = 256;
         c.expect_no_expiry_while_tracked = true;
         c
@@ -269,6 +317,9 @@ impl WorldConfig {
             restart_after: None,
         }];
         c.p_crashes.clear();
+        c.p_stalls.clear();
+        c.d_stalls.clear();
+        c.partitions.clear();
         c
     }
 
@@ -293,6 +344,60 @@ impl WorldConfig {
         c.read = ms(1);
         c.d_crashes.clear();
         c.p_crashes.clear();
+        c
+    }
+
+    /// One P engine crashes and restarts under the same engine id while requests keep
+    /// arriving: D must notice the lost connection, handshake again, and the first request
+    /// routed to it after restart + handshake + lease duration must complete.
+    pub fn p_restart(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        c.lease = ms(1_500);
+        c.p_engines = 1 + (seed % 2) as usize;
+        c.requests = 100;
+        c.arrival_gap = ms(40);
+        c.decode = (ms(10), ms(200));
+        c.p_crashes = vec![Crash {
+            engine: 0,
+            at: ms(800 + (seed % 7) * 100),
+            restart_after: Some(ms(200 + (seed % 5) * 100)),
+        }];
+        c.d_crashes.clear();
+        c.partitions.clear();
+        c.p_stalls.clear();
+        c.d_stalls.clear();
+        c.net.loss_per_million = 0;
+        c.client_abort_per_million = 0;
+        c
+    }
+
+    /// Blocks change hands fast while readers fall behind: a small P pool, long prefills
+    /// (a reused block is written long before its new generation is published), D
+    /// overloaded under the fixed-timeout baseline, a lossy network (expiry notices lost,
+    /// so D reads released blocks), a rogue, and frequent client aborts.
+    pub fn churn(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        c.mode = LeaseMode::Fixed;
+        c.lease = ms(1_200);
+        c.p_engines = 1;
+        c.d_engines = 1;
+        c.d_slots = 1;
+        c.blocks_per_worker = 64;
+        c.blocks_per_request = (1, 4);
+        c.prefill = ms(300);
+        c.read = ms(40);
+        c.requests = 120;
+        c.arrival_gap = ms(25);
+        c.decode = (ms(400), ms(800));
+        c.net.loss_per_million = 400_000;
+        c.net.max_consecutive_losses = None;
+        c.client_abort_per_million = 30_000;
+        c.forged_gap = Some(ms(30));
+        c.d_crashes.clear();
+        c.p_crashes.clear();
+        c.partitions.clear();
+        c.p_stalls.clear();
+        c.d_stalls.clear();
         c
     }
 

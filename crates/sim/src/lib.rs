@@ -1,69 +1,112 @@
 //! Deterministic simulation of many prefill (P) and decode (D) engines on virtual time,
-//! driving the real `kvlease-lease` state machines ([`LeaseTable`](kvlease_lease::LeaseTable),
-//! [`HeartbeatTracker`](kvlease_lease::HeartbeatTracker)) through the real `kvlease-notif`
-//! codec and routers. Nothing of the lease rules is reimplemented to drive the world; the
-//! checker keeps its own small reference model (the oracle) only to judge the outcome.
+//! driving the engine cores users run: one [`PrefillCore`](kvlease_engine::PrefillCore) per
+//! P engine and one [`DecodeCore`](kvlease_engine::DecodeCore) per D engine, through the
+//! real `kvlease-notif` codec. The world is their shell, as the agents are: it owns the
+//! (virtual) memory, network, clocks and threads, and decides nothing about leases or
+//! requests. The checker keeps its own small reference model (the oracle) only to judge
+//! the outcome. The simulator does not simulate the transports, the GPU, the HTTP edge or
+//! the model: a read is a copy out of a vector, a decode a timer.
 //!
 //! # World model
-//! - **P engines**, each with `p_tp` workers. A worker has its own lease table, router and
-//!   block pool: every block has a fence word (the generation of the lease that holds it,
-//!   `0` when free) and a content word. Requests arrive at random P engines, get blocks on
-//!   every worker (or are turned away when a pool is full), prefill for a fixed time, and
-//!   are granted on every worker at the next P step; P then hands them (through a reliable
-//!   "proxy" delay) to a random D engine. On release P *poisons* the blocks (fence word 0,
-//!   content garbage) and returns them to the free list, where the next grant reuses them.
-//! - **D engines**, each with `d_tp` ranks; each rank tracks (on arrival, not on
-//!   scheduling) and heartbeats on its own. A D engine has a waiting queue and `d_slots`
-//!   running slots; forward-loop steps of fixed length plus jitter. A scheduled request is
-//!   read (a one-sided read of P's pool, checked after the fact like a fenced read),
-//!   then decodes for a while. A successful read sends `KVL1:RC:` from every D rank to the
-//!   P workers it read (heterogeneous TP: P TP=4 → D TP=2 means rank r reads workers 2r and
-//!   2r+1, one consumer each; P TP=1 → D TP=2 means both ranks read worker 0, two
-//!   consumers). A read that finds a changed generation ends in recompute and is counted;
-//!   so does a read from a crashed P. Clients abort waiting requests at random (notify-only
-//!   completion `KVL1:AB:`). Expiry notices from P (`KVL1:EX:`) make D recompute instead of
-//!   reading.
-//! - **Steps** feed every message received since the previous step, then run the state
-//!   machines, like the agents' forward loops: P routes, grants, reaps and drains events;
-//!   D routes, finishes reads, admits, and sends the due heartbeat batches (split with
-//!   `encode_heartbeats`). The first batch for a P engine D has not met starts a handshake
-//!   (SPEC, "Preemptive handshake"); the batch is deferred
-//!   ([`HeartbeatTracker::defer`](kvlease_lease::HeartbeatTracker::defer)) until it is done.
+//! - **P engines**, each with `p_tp` workers. Every worker has its own pool of fence words
+//!   (the generation of the lease that holds a block, `0` when free) and content words;
+//!   every worker holds the same block ids of a request. The P shell does what the
+//!   prefill agent does: `handle_job` when a request arrives; `poll_prefill` starts a
+//!   prefill, which writes the request's content into every worker's blocks from its
+//!   start; `prefill` later, `handle_prefill_done` grants the lease, the shell publishes
+//!   the generation into every worker's fence words and hands the transfer
+//!   ([`RemoteKv`](kvlease_engine::RemoteKv)) to a random D after the proxy delay
+//!   (`transfer_delay`, reliable). Each step it feeds every notification received
+//!   (`handle_notif` with the sender's authenticated engine and address) and runs the
+//!   reaper (`handle_timeout`), draining `poll_action` after every input:
+//!   `ClearFences` writes the free word and poison into every worker's blocks before
+//!   anything else (the core hands those blocks out again only after that), `Transmit`
+//!   sends an expiry notice over the network.
+//! - **D engines**, each with `d_tp` workers. The D shell does what the decode agent
+//!   does: `on_new_request` when a transfer arrives (tracked at once); `poll_handshake`
+//!   starts a handshake that ends `handshake` later in `handle_handshake` (an error when
+//!   P is down or cut off then); `poll_transmit` sends each heartbeat or abort to every
+//!   worker of its P engine; `poll_load` plans a load: one batch per (D worker, P worker)
+//!   pair whose heads overlap (heterogeneous TP; each is one consumer of the lease). A
+//!   batch is a one-sided read: it copies P worker `p_rank`'s content words when it is
+//!   posted and checks the fence word of the request's first block when it ends, `read`
+//!   later: a changed fence is `Stale`, a P that is down, restarted or cut off is
+//!   `Failed`, else `Done`, and the batch's read completion goes to that P worker. On
+//!   `Loaded` the shell verifies the bytes (the oracle below), then `handle_verified`;
+//!   the request decodes for a while, then `request_finished`. Clients abort requests at
+//!   random (`abort`). The shell calls `forget_engine` when a read or send to a P fails
+//!   or its connection breaks (P crashed: noticed a `handshake` time later), so that the
+//!   next request handshakes again.
+//! - **Steps**: every engine runs a forward loop of `p_step` / `d_step` (plus jitter);
+//!   messages, arrivals and handshake results wait in its inbox for the next step. The
+//!   cores see only their engine's local clock.
 //!
 //! # Fault model
 //! - Network between every pair of endpoints: delay + uniform jitter (so messages
 //!   reorder), loss (optionally never more than N in a row per link and stream),
 //!   duplication.
 //! - Clocks: every engine maps true time through its own offset (up to 10 s) and drift (up
-//!   to ±200 ppm); the state machines only ever see their engine's local time.
-//! - D crash: its queue, slots and trackers vanish, it sends nothing more; messages to it
-//!   are dropped; optionally it restarts empty. P crash: its leases and pools vanish; reads
-//!   from it fail and recompute; optionally it restarts with generations above the old ones.
-//! - Partitions: every message between one D and one P engine is dropped for a while
-//!   (leases may expire; D's fenced reads then detect it and recompute).
+//!   to ±200 ppm).
+//! - P crash: its core, memory, queue and prefills vanish; requests it had not granted are
+//!   lost with it; reads from it fail. Restart under the **same engine id**: a new core
+//!   whose first generation is above every earlier one, fresh memory.
+//! - D crash: its core, queue, reads and decodes vanish; its requests are lost with it.
+//!   Restart under the same engine id with a new core.
+//! - Stall of a P or a D engine (longer than the lease in the random worlds): no steps, no
+//!   messages handled for `duration`; its inbox queues up, then it resumes. One-sided
+//!   reads of a stalled P's memory still complete.
+//! - Partition: every message between one D and one P engine is dropped for a while, and
+//!   reads and handshakes between them fail.
+//! - A rogue endpoint, authenticated as its own engine, sniffs real request ids and sends
+//!   heartbeats, read completions (naming its own or the owner's consumer, any
+//!   `consumers_total`) and aborts to P workers, and expiry notices to D. It mostly
+//!   targets leases an honest D already owns; sometimes any lease, and it may then claim
+//!   one first: it owns that lease like any reader would (the transport authenticates
+//!   engines, not roles), so it can end it early or keep it alive. That lease is exempt
+//!   from the early-release checks; the fence still keeps its honest reader from wrong
+//!   output.
 //!
 //! # What is checked, in every run
-//! - A lease is freed before its expiry (the oracle's, on P's clock) only when all its
-//!   expected consumers reported (completed) or D aborted it; an expired lease is freed
-//!   no later than one P step after its expiry, and no lease stays overdue.
-//! - A D read that finds a changed fence word while the oracle says the lease is live, or
-//!   poisoned / foreign content under a matching fence word, fails the run.
-//! - D sends at most one heartbeat batch per (engine, P worker) and interval.
-//! - Every heartbeat's outcome (held / late / unknown ids) equals the oracle's: a late
-//!   heartbeat after completion changes nothing.
-//! - After a D crash, every lease it held is reclaimed no earlier than the extension
+//! - **No wrong output.** A request reaches `Loaded` only if every batch read under its
+//!   matching fence word (else the run fails: "output from a read whose fence did not
+//!   match"), and every block copied holds the request's own content (else: "wrong
+//!   output", poisoned or foreign content under a matching fence).
+//! - **Every request ends in exactly one outcome**: refused at P, refused at D, lost with
+//!   a crashed P, lost with a crashed D, or D's `Done`, `Failed` or `Aborted`. Two
+//!   outcomes, or none at the end, fail the run.
+//! - **Ownership and leases** (the oracle's own model of ownership and expiry, on P's
+//!   clock): every answer of P's core to a message (held / late / unknown / foreign ids of
+//!   a heartbeat, completions and aborts accepted or ignored as another engine's) is the
+//!   oracle's; a lease is freed before its expiry only when all its consumers reported
+//!   (completed) or its owner aborted it; an expired lease is freed no later than one P
+//!   step after its expiry (or after the end of a P stall), and none stays overdue.
+//! - At most one heartbeat batch per (D engine, P engine) and interval.
+//! - After a D crash, every lease it tracked is reclaimed no earlier than the extension
 //!   after its last delivered heartbeat and no later than extension + interval + one step
 //!   (+ network delay) after the crash.
+//! - **Restart bound**: the first request that arrives at a restarted P at or after
+//!   restart + `handshake` + lease duration ends `Done` unless another fault (crash,
+//!   restart, stall, partition) overlapped its life, the client aborted it or an engine
+//!   refused it. D notices the broken connection a `handshake` time after the crash,
+//!   forgets the engine, and the next request handshakes again (a `handshake` time).
 //! - With `expect_no_expiry_while_tracked` (the overload scenario): no lease expires while
 //!   its D is alive and tracks it.
-//! - At the end, after the world drained: every table empty, every block free.
+//! - **Nothing leaks**: at the end every live core is idle (no lease, job, prefill,
+//!   request, tracked id or allocated block), every fence word is free, no read or decode
+//!   is left in a shell.
+//!
+//! Each check has a planted-bug test ([`Bug`]) that proves it can fail.
 //!
 //! # Reproducing a failure
 //! A failing seed prints the command that replays it, e.g.
 //! `KVLEASE_SIM_SEED=1234 cargo test -p kvlease-sim --test sim sim_seeds`. `KVLEASE_SIM_SEEDS=N`
 //! runs seeds `0..N` of the sweep (default 64; CI runs 256); the named scenarios run a fixed
 //! number of seeds each, and `KVLEASE_SIM_SEED` replays one seed in any of them. The same
-//! seed gives the same trace hash.
+//! seed gives the same trace hash (the shell sorts what the cores hand out in hash-map
+//! order). With `KVLEASE_SIM_SEEDS` set, the sweep prints one line,
+//! `sim: seeds=N p_restarts=.. d_restarts=.. stalls=.. partitions=.. forged=.. requests=..
+//! outcomes_ok=..` (counts over all seeds), and from 256 seeds on it asserts that every
+//! fault occurred.
 //!
 //! # Bidirectional mode
 //! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
@@ -78,7 +121,7 @@ mod rng;
 mod world;
 
 pub use bidir::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, FlightAllowance, run_bidir};
-pub use config::{Bug, Crash, NetConfig, Partition, WorldConfig};
+pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
 

@@ -34,6 +34,35 @@ fn total(reports: &[Report], f: impl Fn(&Report) -> u64) -> u64 {
 #[test]
 fn sim_seeds() {
     let reports = sweep("sim_seeds", seeds_from_env(64), WorldConfig::random);
+    let n = reports.len();
+    let faults = [
+        ("p_restarts", total(&reports, |r| r.stats.p_restarts)),
+        ("d_restarts", total(&reports, |r| r.stats.d_restarts)),
+        ("stalls", total(&reports, |r| r.stats.stalls)),
+        ("partitions", total(&reports, |r| r.stats.partitions)),
+        ("forged", total(&reports, |r| r.stats.forged)),
+    ];
+    if std::env::var_os("KVLEASE_SIM_SEEDS").is_some() {
+        let mut line = format!("sim: seeds={n}");
+        for (name, count) in faults {
+            line += &format!(" {name}={count}");
+        }
+        line += &format!(
+            " requests={} outcomes_ok={}",
+            total(&reports, |r| r.stats.arrived),
+            total(&reports, |r| r.stats.outcomes_ok)
+        );
+        println!("{line}");
+    }
+    if n >= 256 {
+        for (name, count) in faults {
+            assert!(count > 0, "{name}: no such fault in {n} seeds");
+        }
+    }
+    assert_eq!(
+        total(&reports, |r| r.stats.arrived),
+        total(&reports, |r| r.stats.outcomes_ok)
+    );
     // The sweep exercised what it claims to (over all seeds together).
     if reports.len() >= 32 {
         assert!(total(&reports, |r| r.stats.reads_ok) > 0);
@@ -46,6 +75,10 @@ fn sim_seeds() {
         assert!(total(&reports, |r| r.stats.deferred_batches) > 0);
         assert!(total(&reports, |r| r.stats.expiry_notices) > 0);
         assert!(total(&reports, |r| r.stats.failed_reads + r.stats.stale_reads) > 0);
+        assert!(total(&reports, |r| r.stats.forged_ignored) > 0);
+        assert!(total(&reports, |r| r.stats.lost_with_d) > 0);
+        assert!(total(&reports, |r| r.stats.lost_with_p) > 0);
+        assert!(total(&reports, |r| r.stats.forgotten_engines) > 0);
     }
 }
 
@@ -121,6 +154,11 @@ fn overloaded_d_keeps_its_leases() {
             r.stats.max_queue_wait
         );
         assert!(r.stats.messages_lost > 0);
+        assert_eq!(
+            r.stats.done, r.stats.arrived,
+            "seed {}: {:?}",
+            r.seed, r.stats
+        );
         assert_eq!(r.stats.stale_reads, 0);
         assert_eq!(r.stats.recomputed_after_notice, 0);
     }
@@ -149,20 +187,52 @@ fn late_heartbeats_after_completion_change_nothing() {
     assert!(total(&reports, |r| r.stats.released_completed) > 0);
 }
 
-/// Runs seeds until one fails; returns its failures.
-fn first_failure(make: impl Fn(u64) -> WorldConfig) -> Vec<String> {
+#[test]
+fn restarted_p_serves_again_within_bound() {
+    let reports = sweep(
+        "restarted_p_serves_again_within_bound",
+        scenario_seeds(8),
+        WorldConfig::p_restart,
+    );
+    assert!(total(&reports, |r| r.stats.p_restarts) >= reports.len() as u64);
+    assert!(total(&reports, |r| r.stats.restart_checks) > 0);
+    assert!(total(&reports, |r| r.stats.forgotten_engines) > 0);
+}
+
+#[test]
+fn churn_with_forgers_produces_no_wrong_output() {
+    let reports = sweep(
+        "churn_with_forgers_produces_no_wrong_output",
+        scenario_seeds(8),
+        WorldConfig::churn,
+    );
+    assert!(total(&reports, |r| r.stats.stale_reads) > 0);
+    assert!(total(&reports, |r| r.stats.forged_ignored) > 0);
+    assert!(total(&reports, |r| r.stats.rogue_owned) > 0);
+    assert!(total(&reports, |r| r.stats.refused_at_p) > 0);
+}
+
+/// Runs seeds until one fails with a failure that contains `expect`; returns every
+/// failure seen (the test asserts that one contains `expect`).
+fn first_failure(make: impl Fn(u64) -> WorldConfig, expect: &str) -> Vec<String> {
+    let mut seen = Vec::new();
     for seed in 0..16 {
         let report = run(make(seed));
-        if !report.failures.is_empty() {
-            return report.failures;
+        let caught = report.failures.iter().any(|f| f.contains(expect));
+        seen.extend(report.failures);
+        if caught {
+            break;
         }
     }
-    Vec::new()
+    seen
 }
 
 #[test]
 fn checker_catches_ignored_heartbeats() {
-    let failures = first_failure(|s| WorldConfig::overloaded(s).with_bug(Bug::IgnoreHeartbeats));
+    let failures = first_failure(
+        |s| WorldConfig::overloaded(s).with_bug(Bug::IgnoreHeartbeats),
+        "before its expiry",
+    );
     assert!(
         failures.iter().any(|f| f.contains("before its expiry")),
         "{failures:?}"
@@ -171,7 +241,10 @@ fn checker_catches_ignored_heartbeats() {
 
 #[test]
 fn checker_catches_grant_order_reaper() {
-    let failures = first_failure(|s| WorldConfig::d_crash(s).with_bug(Bug::GrantOrderReaper));
+    let failures = first_failure(
+        |s| WorldConfig::d_crash(s).with_bug(Bug::GrantOrderReaper),
+        "not reclaimed",
+    );
     assert!(
         failures
             .iter()
@@ -182,12 +255,71 @@ fn checker_catches_grant_order_reaper() {
 
 #[test]
 fn checker_catches_underreported_consumers() {
-    let failures =
-        first_failure(|s| WorldConfig::hetero_tp(s, 1, 2).with_bug(Bug::UnderreportConsumers));
+    let failures = first_failure(
+        |s| WorldConfig::hetero_tp(s, 1, 2).with_bug(Bug::UnderreportConsumers),
+        "consumers reported",
+    );
     assert!(
         failures.iter().any(|f| f.contains("consumers reported")),
         "{failures:?}"
     );
+}
+
+#[test]
+fn checker_catches_skipped_fence_clear() {
+    let failures = first_failure(
+        |s| WorldConfig::churn(s).with_bug(Bug::SkipFenceClear),
+        "wrong output",
+    );
+    assert!(
+        failures.iter().any(|f| f.contains("wrong output")),
+        "{failures:?}"
+    );
+}
+
+#[test]
+fn checker_catches_ignored_fence() {
+    let failures = first_failure(
+        |s| WorldConfig::churn(s).with_bug(Bug::IgnoreFence),
+        "fence did not match",
+    );
+    assert!(
+        failures.iter().any(|f| f.contains("fence did not match")),
+        "{failures:?}"
+    );
+}
+
+#[test]
+fn checker_catches_a_stale_connection() {
+    let failures = first_failure(
+        |s| WorldConfig::p_restart(s).with_bug(Bug::NeverForget),
+        "restart:",
+    );
+    assert!(
+        failures.iter().any(|f| f.contains("restart:")),
+        "{failures:?}"
+    );
+}
+
+#[test]
+fn checker_catches_dropped_refusals() {
+    let failures = first_failure(
+        |s| WorldConfig::churn(s).with_bug(Bug::DropRefusals),
+        "no outcome",
+    );
+    assert!(
+        failures.iter().any(|f| f.contains("no outcome")),
+        "{failures:?}"
+    );
+}
+
+#[test]
+fn checker_catches_leaked_reads() {
+    let failures = first_failure(
+        |s| WorldConfig::churn(s).with_bug(Bug::SkipAbortedReads),
+        "leak:",
+    );
+    assert!(failures.iter().any(|f| f.contains("leak:")), "{failures:?}");
 }
 
 #[test]
