@@ -280,6 +280,10 @@ pub struct RemoteParams {
     pub kvlease_lease_ms: u64,
     /// The order-independent digest of the whole KV (all ranks).
     pub kv_digest: kv::KvDigest,
+    /// The P instance that granted the lease (its start time in microseconds): D finds a
+    /// restarted P by it. 0 (or absent) when unknown.
+    #[serde(default)]
+    pub kvlease_instance: u64,
 }
 
 impl RemoteParams {
@@ -358,6 +362,10 @@ impl RemoteParams {
                 .unwrap_or(0),
             kv_digest: kv::KvDigest::parse(typed("kv_digest", "kvd-<16 hex digits>")?)
                 .ok_or_else(|| bad("kv_digest", "kvd-<16 hex digits>"))?,
+            kvlease_instance: match obj.get("kvlease_instance") {
+                None | Some(Value::Null) => 0,
+                Some(_) => uint("kvlease_instance", u64::MAX)?,
+            },
         };
         if !p.do_remote_prefill {
             return Err(bad("do_remote_prefill", "true on D"));
@@ -426,7 +434,7 @@ mod tests {
             "remote_host": "127.0.0.1", "remote_port": 5600,
             "remote_request_id": "r1", "tp_size": 2,
             "kvlease_generation": 9, "kvlease_num_tokens": 20, "kvlease_lease_ms": 3000,
-            "kv_digest": "kvd-00000000000000ff",
+            "kv_digest": "kvd-00000000000000ff", "kvlease_instance": 5,
         })
     }
 

@@ -203,6 +203,18 @@ pub(crate) struct Me<'a> {
     pub(crate) metadata: &'a [Vec<u8>],
     /// This engine's model shape (the remote's must match).
     pub(crate) shape: KvShape,
+    /// This engine's instance ([`instance_now`]).
+    pub(crate) instance: u64,
+}
+
+/// A new instance number: the wall clock in microseconds, so that a restarted engine
+/// (under the same engine id) has a larger one than every earlier instance.
+pub(crate) fn instance_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| {
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+        })
 }
 
 /// The one remote-engine handshake: authenticates on the side channel at `addr` and checks
@@ -217,18 +229,25 @@ pub(crate) fn remote_engine(
     me: &Me<'_>,
     want: &EngineId,
 ) -> Result<EngineInfo, HandshakeFailure> {
-    let welcome = sidechannel::handshake(addr, me.token, me.engine, me.tp_size, me.metadata)
-        .map_err(|e| match e {
-            e @ sidechannel::HandshakeError::Auth { .. } => HandshakeFailure::Auth {
-                engine: want.clone(),
-                source: e,
-            },
-            e => HandshakeFailure::SideChannel {
-                engine: want.clone(),
-                addr: addr.to_owned(),
-                source: e,
-            },
-        })?;
+    let welcome = sidechannel::handshake(
+        addr,
+        me.token,
+        me.engine,
+        me.tp_size,
+        me.metadata,
+        me.instance,
+    )
+    .map_err(|e| match e {
+        e @ sidechannel::HandshakeError::Auth { .. } => HandshakeFailure::Auth {
+            engine: want.clone(),
+            source: e,
+        },
+        e => HandshakeFailure::SideChannel {
+            engine: want.clone(),
+            addr: addr.to_owned(),
+            source: e,
+        },
+    })?;
     let info: EngineInfo =
         serde_json::from_value(welcome.info).map_err(|source| HandshakeFailure::BadInfo {
             addr: addr.to_owned(),

@@ -72,6 +72,10 @@ pub struct Hello {
     pub nonce: String,
     /// Hex transport metadata of each D worker, by rank.
     pub workers: Vec<String>,
+    /// D's instance (its start time in microseconds): a restarted D under the same engine
+    /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -310,6 +314,7 @@ pub fn handshake(
     engine_id: &str,
     tp_size: u32,
     workers: &[Vec<u8>],
+    instance: u64,
 ) -> Result<Welcome, HandshakeError> {
     let io_err = |source| HandshakeError::Io {
         addr: addr.to_owned(),
@@ -333,6 +338,7 @@ pub fn handshake(
         tp_size,
         nonce: to_hex(&d_nonce),
         workers: workers.iter().map(|w| to_hex(w)).collect(),
+        instance,
     };
     write_frame(&mut s, &Frame::Hello(hello)).map_err(io_err)?;
     let (p_nonce, p_proof) = match read_frame(&mut s).map_err(io_err)? {
@@ -398,30 +404,31 @@ mod tests {
     fn token_is_proven_both_ways_and_mismatches_are_refused() {
         let (h, peers) = serve(Some("s3cret"));
         let addr = h.addr.to_string();
-        let w =
-            handshake(&addr, Some("s3cret"), "d0", 2, &[vec![1, 2], vec![3]]).expect("handshake");
+        let w = handshake(&addr, Some("s3cret"), "d0", 2, &[vec![1, 2], vec![3]], 7)
+            .expect("handshake");
         assert_eq!(w.info["engine_id"], "p0");
         assert_eq!(w.server_time_ns, 42);
         {
             let v = peers.lock().expect("not poisoned");
             assert_eq!(v.len(), 1);
             assert_eq!(v[0].workers, vec!["0102".to_owned(), "03".to_owned()]);
+            assert_eq!(v[0].instance, 7);
         }
         // Wrong token: P's proof fails on D's side first.
         assert!(matches!(
-            handshake(&addr, Some("wrong"), "d0", 2, &[]),
+            handshake(&addr, Some("wrong"), "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         // No token at all against a server that requires one: P refuses.
         assert!(matches!(
-            handshake(&addr, None, "d0", 2, &[]),
+            handshake(&addr, None, "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         assert_eq!(peers.lock().expect("not poisoned").len(), 1);
 
         let (open, _) = serve(None);
-        assert!(handshake(&open.addr.to_string(), None, "d1", 1, &[]).is_ok());
-        assert!(handshake(&open.addr.to_string(), Some("x"), "d1", 1, &[]).is_err());
+        assert!(handshake(&open.addr.to_string(), None, "d1", 1, &[], 7).is_ok());
+        assert!(handshake(&open.addr.to_string(), Some("x"), "d1", 1, &[], 7).is_err());
     }
 
     #[test]

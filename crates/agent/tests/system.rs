@@ -790,3 +790,55 @@ async fn full_pool_waits_bounded_then_503() -> Result<()> {
     assert_eq!(metric(&pm, "kvlease_blocks_held"), 3.0);
     Ok(())
 }
+
+/// P killed and restarted under the same engine id (and ports) while D is connected to the
+/// old instance: the request caught in the restart ends in one retryable error, and the
+/// next request (naming the new instance) makes D handshake again and succeeds. Before the
+/// engine cores knew instances, D answered 503 "no live connection" until it restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_restart_under_the_same_engine_id() -> Result<()> {
+    let c = client();
+    let (port, side_port) = (free_port(), free_port());
+    let start_p = |n: u32| -> Result<Agent> {
+        let log = log_path("system", &format!("p-restart-{n}"));
+        let file = std::fs::File::create(&log)?;
+        let mut cmd = agent_command(
+            env!("CARGO_BIN_EXE_prefill-agent"),
+            "p-restart",
+            port,
+            side_port,
+            "host",
+            file,
+        );
+        cmd.args(["--num-blocks", "64"]);
+        let child = cmd.spawn().context("spawn prefill-agent")?;
+        Ok(Agent::new(child, "p-restart", log, port))
+    };
+    let mut p = start_p(1)?;
+    let mut d = decode("d-restart", &["--num-blocks", "64"])?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    let pa = do_prefill(&c, &p, &prompt(1)).await?;
+    let (s, v) = post(&c, &d.url, &d_body(&prompt(1), 2, &pa)).await?;
+    ensure!(s == 200, "before the restart: {s} {v}");
+    // A lease granted by the old instance, then P dies and comes back.
+    let caught = do_prefill(&c, &p, &prompt(2)).await?;
+    p.proc.kill();
+    let mut p = start_p(2)?;
+    wait_healthy(&c, &mut p).await?;
+    let (s, v) = post(&c, &d.url, &d_body(&prompt(2), 2, &caught)).await?;
+    ensure!(
+        s == 503 && v["error"]["retryable"] == true,
+        "a request caught in the restart ends in one retryable error: {s} {v}"
+    );
+    for i in 3..6 {
+        let pa = do_prefill(&c, &p, &prompt(i)).await?;
+        let (s, v) = post(&c, &d.url, &d_body(&prompt(i), 2, &pa)).await?;
+        ensure!(s == 200, "after the restart, request {i}: {s} {v}");
+        check_answer(&prompt(i), 2, &pa, &v)?;
+    }
+    let handshakes = metric_of(&c, &d, "kvlease_handshakes_total{outcome=\"ok\"}").await?;
+    ensure!(handshakes == 2.0, "D handshook {handshakes} times, want 2");
+    assert_nothing_leaks(&c, &p, &d, Duration::from_secs(4)).await?;
+    Ok(())
+}

@@ -98,6 +98,9 @@ pub struct RemoteKv {
     pub host: String,
     /// P's side-channel port.
     pub port: u16,
+    /// The P instance that granted the lease (its start time in microseconds, so a
+    /// restarted P has a larger one); 0 when P did not say.
+    pub instance: u64,
 }
 
 impl RemoteKv {
@@ -122,7 +125,15 @@ impl RemoteKv {
             num_tokens,
             host,
             port,
+            instance: 0,
         }
+    }
+
+    /// Sets [`instance`](Self::instance).
+    #[must_use]
+    pub fn with_instance(mut self, instance: u64) -> Self {
+        self.instance = instance;
+        self
     }
 }
 
@@ -185,6 +196,19 @@ pub enum AdmitError {
         /// The bound.
         max: u32,
     },
+    /// The request names a P instance older than the one D is connected to: P restarted
+    /// since it granted the lease, which is gone with the old instance. Prefill again.
+    #[error(
+        "engine {engine} restarted since it prefilled this request (instance {theirs}, now {current})"
+    )]
+    StaleInstance {
+        /// P's engine.
+        engine: EngineId,
+        /// The instance the request names.
+        theirs: u64,
+        /// The instance D is connected to.
+        current: u64,
+    },
     /// The heartbeat tracker refused.
     #[error(transparent)]
     Track(#[from] TrackError),
@@ -203,7 +227,7 @@ impl AdmitError {
 
     /// Whether the client may retry later (D is busy, not the request wrong).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::QueueFull { .. })
+        matches!(self, Self::QueueFull { .. } | Self::StaleInstance { .. })
     }
 }
 
@@ -257,8 +281,8 @@ pub enum LoadError {
         #[source]
         source: Cause,
     },
-    /// The connection to P was lost (P restarted or died) before the KV was read.
-    #[error("engine {engine} went away before the KV was read")]
+    /// The connection to P was lost, or P restarted, before the KV was read.
+    #[error("engine {engine} went away or restarted before the KV was read")]
     PeerLost {
         /// P's engine.
         engine: EngineId,
@@ -386,6 +410,8 @@ pub struct RemoteEngine {
     pub tp_size: u32,
     /// Blocks per P worker pool.
     pub num_blocks: u32,
+    /// P's instance (0: P did not say).
+    pub instance: u64,
 }
 
 impl RemoteEngine {
@@ -394,7 +420,15 @@ impl RemoteEngine {
         Self {
             tp_size,
             num_blocks,
+            instance: 0,
         }
+    }
+
+    /// Sets [`instance`](Self::instance).
+    #[must_use]
+    pub fn with_instance(mut self, instance: u64) -> Self {
+        self.instance = instance;
+        self
     }
 }
 
@@ -483,6 +517,8 @@ pub struct DecodeStats {
     pub foreign_notifs: u64,
     /// Malformed notifications.
     pub malformed_notifs: u64,
+    /// Times a P engine was found restarted (a request named a newer instance).
+    pub peer_restarts: u64,
 }
 
 #[derive(Debug)]
@@ -655,6 +691,23 @@ impl DecodeCore {
             // Never abort here: the lease belongs to the request already running.
             return Err(AdmitError::Duplicate { request: id });
         }
+        if let Some(Remote::Ready(p)) = self.remotes.get(&remote.engine)
+            && remote.instance != 0
+            && p.instance != 0
+            && remote.instance != p.instance
+        {
+            if remote.instance < p.instance {
+                return Err(AdmitError::StaleInstance {
+                    engine: remote.engine.clone(),
+                    theirs: remote.instance,
+                    current: p.instance,
+                });
+            }
+            // P restarted under the same engine id: the connection is to the old
+            // instance. Forget it; this request handshakes with the new one.
+            self.stats.peer_restarts += 1;
+            self.forget_engine(&remote.engine);
+        }
         let need = num_tokens.div_ceil(self.config.block_size.max(1) as usize);
         let refused = if remote.num_tokens as usize != num_tokens {
             Some(AdmitError::TokenCount {
@@ -743,6 +796,26 @@ impl DecodeCore {
                 self.remotes.insert(engine.clone(), Remote::Ready(info));
                 // Heartbeat the engine's requests now rather than an interval later.
                 self.tracker.defer(engine, now);
+                // Requests granted by another instance of P than the one answering lost
+                // their leases with it (P restarted): they fail now, retryably.
+                let gone: Vec<RequestId> = self
+                    .reqs
+                    .iter()
+                    .filter(|(_, r)| {
+                        &r.remote.engine == engine
+                            && matches!(r.phase, Phase::Waiting)
+                            && r.remote.instance != 0
+                            && info.instance != 0
+                            && r.remote.instance != info.instance
+                    })
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in gone {
+                    let e = LoadError::PeerLost {
+                        engine: engine.clone(),
+                    };
+                    self.end(&id, Outcome::Failed(e));
+                }
                 // Requests whose block ids P's pool cannot hold fail now.
                 let bad: Vec<(RequestId, u32)> = self
                     .reqs

@@ -42,7 +42,9 @@ use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
 use crate::metrics::{HandshakeOutcome, Metrics};
 use crate::prefill::{EngineInfo, WorkerInfo};
-use crate::shell::{EngineError, HandshakeFailure, Me, engine_of_peer, host_port, rank_pool};
+use crate::shell::{
+    EngineError, HandshakeFailure, Me, engine_of_peer, host_port, instance_now, rank_pool,
+};
 use crate::sidechannel;
 
 mod errors;
@@ -208,6 +210,8 @@ pub struct DecodeEngine {
     metrics: Metrics,
     workers: Vec<Worker>,
     core: DecodeCore,
+    /// This instance ([`instance_now`] at start), told to P in the handshake.
+    instance: u64,
     remotes: HashMap<EngineId, Remote>,
     reqs: HashMap<RequestId, Req>,
     epoch: Instant,
@@ -270,6 +274,7 @@ impl DecodeEngine {
         );
         Ok(Self {
             core,
+            instance: instance_now(),
             remotes: HashMap::new(),
             reqs: HashMap::new(),
             epoch: Instant::now(),
@@ -309,6 +314,7 @@ impl DecodeEngine {
             shape: self.cfg.shape,
             num_blocks: self.cfg.num_blocks,
             workers,
+            instance: self.instance,
         })
     }
 
@@ -403,7 +409,8 @@ impl DecodeEngine {
             p.kvlease_num_tokens,
             p.remote_host.clone(),
             p.remote_port,
-        );
+        )
+        .with_instance(p.kvlease_instance);
         let now = self.now();
         match self
             .core
@@ -444,6 +451,7 @@ impl DecodeEngine {
             let agents: Vec<Arc<Agent>> =
                 self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
             let shape = self.cfg.shape;
+            let instance = self.instance;
             let spawned = std::thread::Builder::new()
                 .name("d-handshake".into())
                 .spawn(move || {
@@ -453,6 +461,7 @@ impl DecodeEngine {
                         tp_size: tp,
                         metadata: &mds,
                         shape,
+                        instance,
                     };
                     let r = handshake(&addr, &me, &want, &agents);
                     let _ = tx.send(r);
@@ -491,7 +500,8 @@ impl DecodeEngine {
             match result {
                 Ok(ready) => {
                     self.metrics.handshake(HandshakeOutcome::Ok).inc();
-                    let info = RemoteEngine::new(ready.info.tp_size, ready.info.num_blocks);
+                    let info = RemoteEngine::new(ready.info.tp_size, ready.info.num_blocks)
+                        .with_instance(ready.info.instance);
                     let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
                     if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
                         let name = link::backend_name(&w0.agent, peer);
@@ -937,6 +947,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 fn admit_error(e: &AdmitError) -> ApiError {
     match e {
         AdmitError::QueueFull { .. } => ApiError::overloaded(e.to_string()),
+        AdmitError::StaleInstance { .. } => ApiError::kv_load_failed(e.to_string()),
         AdmitError::PromptTooLong { .. } => ApiError::bad_field("prompt", e.to_string()),
         AdmitError::Duplicate { .. } | AdmitError::Track(_) => {
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())

@@ -37,7 +37,7 @@ use crate::bidir::{DecoderKvParams, PeerClock, PullDecision, PullPolicy, plan_pu
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{Metrics, ReleaseReason as MetricReason};
-use crate::shell::{EngineError, engine_of_peer, rank_pool};
+use crate::shell::{EngineError, engine_of_peer, instance_now, rank_pool};
 use crate::sidechannel::{self, Hello};
 
 mod fill;
@@ -159,14 +159,26 @@ pub struct EngineInfo {
     pub num_blocks: u32,
     /// Workers by rank.
     pub workers: Vec<WorkerInfo>,
+    /// This instance of the engine ([`crate::shell::instance_now`] at start): a peer that
+    /// sees a larger one knows the engine restarted. 0 when unsaid.
+    #[serde(default)]
+    pub instance: u64,
 }
 
 struct Worker {
     layout: RankLayout,
     pool: BlockPool,
     fence: FenceTable,
-    agent: Agent,
+    agent: Arc<Agent>,
     info: WorkerInfo,
+}
+
+/// A connection back to a D worker, made off the engine thread.
+struct ConnectedBack {
+    engine: String,
+    instance: u64,
+    name: String,
+    peer: Option<PeerId>,
 }
 
 /// The shell's side of a request the core holds (queued or prefilling).
@@ -183,11 +195,22 @@ pub struct PrefillEngine {
     metrics: Metrics,
     workers: Vec<Worker>,
     core: PrefillCore<String>,
+    /// This instance ([`instance_now`] at start).
+    instance: u64,
     /// Jobs the core holds, by request id.
     jobs: HashMap<RequestId, Pending>,
     epoch: Instant,
     /// D workers reachable for expiry notices, by transport name (connected from worker 0).
     d_peers: HashMap<String, PeerId>,
+    /// The newest instance of each D engine that said hello.
+    d_instances: HashMap<String, u64>,
+    /// D workers being connected to (off the engine thread).
+    connecting: std::collections::HashSet<String>,
+    /// Connections made off the engine thread: (D instance, worker name, peer).
+    connected: (
+        crossbeam_channel::Sender<ConnectedBack>,
+        crossbeam_channel::Receiver<ConnectedBack>,
+    ),
     /// Bidirectional mode: D engines handshaken for pulls, by engine id.
     d_caches: HashMap<String, DRemote>,
     /// Symmetric lease: when (P's clock) P last heartbeated each cached entry of D, by
@@ -208,7 +231,10 @@ impl PrefillEngine {
                 rank_pool(cfg.shape, cfg.tp_size, rank, cfg.num_blocks, cfg.memory)?;
             let fence = FenceTable::new(cfg.num_blocks)
                 .map_err(|e| EngineError::setup("fence table", e))?;
-            let agent = link::agent(&cfg.link, &format!("{}/p{rank}", cfg.engine_id))?;
+            let agent = Arc::new(link::agent(
+                &cfg.link,
+                &format!("{}/p{rank}", cfg.engine_id),
+            )?);
             let pool_desc = agent
                 .register(Arc::clone(pool.region()))
                 .map_err(|e| EngineError::setup("register pool", e))?;
@@ -232,10 +258,11 @@ impl PrefillEngine {
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
         // A restarted P must never hand out a generation an old reader could still hold:
         // start from the wall clock in microseconds.
-        let first = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .ok()
-            .and_then(|d| std::num::NonZeroU64::new(d.as_micros() as u64))
+        // The instance is the wall clock in microseconds: a restarted P has a larger one,
+        // and starting the generations there means it never hands out one an old reader
+        // could still hold.
+        let instance = instance_now();
+        let first = std::num::NonZeroU64::new(instance)
             .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
         let max_consumers = cfg.shape.num_kv_heads.max(cfg.tp_size);
         let core = PrefillCore::new(
@@ -252,9 +279,13 @@ impl PrefillEngine {
         );
         Ok(Self {
             core,
+            instance,
             jobs: HashMap::new(),
             epoch: Instant::now(),
             d_peers: HashMap::new(),
+            d_instances: HashMap::new(),
+            connecting: std::collections::HashSet::new(),
+            connected: crossbeam_channel::unbounded(),
             d_caches: HashMap::new(),
             cache_heartbeats: HashMap::new(),
             cfg,
@@ -271,6 +302,7 @@ impl PrefillEngine {
             shape: self.cfg.shape,
             num_blocks: self.cfg.num_blocks,
             workers: self.workers.iter().map(|w| w.info.clone()).collect(),
+            instance: self.instance,
         }
     }
 
@@ -303,6 +335,7 @@ impl PrefillEngine {
             for hello in hellos.try_iter() {
                 self.connect_d(&hello);
             }
+            self.take_connected();
             // 2. Prefill.
             self.drop_gone_clients();
             self.prefill_waiting();
@@ -357,10 +390,28 @@ impl PrefillEngine {
         }
     }
 
+    /// A D engine said hello: connect back to its workers (for expiry notices) on a
+    /// background thread, so that a D whose workers P cannot reach delays nothing here. A
+    /// newer instance of a D engine (restarted under the same id) replaces the connections
+    /// to the old one.
     fn connect_d(&mut self, hello: &Hello) {
         let Some(w0) = self.workers.first() else {
             return;
         };
+        let known = self.d_instances.get(&hello.engine_id).copied().unwrap_or(0);
+        if hello.instance > known {
+            if known != 0 {
+                tracing::info!(engine = %hello.engine_id, "D engine restarted; reconnecting to it");
+                let prefix = format!("{}/", hello.engine_id);
+                self.d_peers.retain(|name, _| !name.starts_with(&prefix));
+            }
+            self.d_instances
+                .insert(hello.engine_id.clone(), hello.instance);
+        } else if hello.instance < known {
+            tracing::debug!(engine = %hello.engine_id, "hello from an older D instance ignored");
+            return;
+        }
+        let mut todo = Vec::new();
         for md in &hello.workers {
             let Some(bytes) = sidechannel::from_hex(md) else {
                 continue;
@@ -372,14 +423,48 @@ impl PrefillEngine {
                     continue;
                 }
             };
-            if self.d_peers.contains_key(&name) {
+            if self.d_peers.contains_key(&name) || !self.connecting.insert(name.clone()) {
                 continue;
             }
-            match w0.agent.connect(&bytes) {
-                Ok(peer) => {
-                    self.d_peers.insert(name, peer);
+            todo.push((name, bytes));
+        }
+        if todo.is_empty() {
+            return;
+        }
+        let agent = Arc::clone(&w0.agent);
+        let tx = self.connected.0.clone();
+        let instance = hello.instance;
+        let engine = hello.engine_id.clone();
+        let spawned = std::thread::Builder::new()
+            .name("p-connect-back".into())
+            .spawn(move || {
+                for (name, bytes) in todo {
+                    let peer = agent.connect(&bytes);
+                    if let Err(e) = &peer {
+                        tracing::warn!(%name, error = %e, "cannot connect back to D worker");
+                    }
+                    let _ = tx.send(ConnectedBack {
+                        engine: engine.clone(),
+                        instance,
+                        name,
+                        peer: peer.ok(),
+                    });
                 }
-                Err(e) => tracing::warn!(%name, error = %e, "cannot connect back to D worker"),
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot spawn the connect-back thread");
+        }
+    }
+
+    /// Takes the connections made off the engine thread.
+    fn take_connected(&mut self) {
+        while let Ok(c) = self.connected.1.try_recv() {
+            self.connecting.remove(&c.name);
+            let current = self.d_instances.get(&c.engine).copied().unwrap_or(0);
+            if let Some(peer) = c.peer
+                && c.instance == current
+            {
+                self.d_peers.insert(c.name, peer);
             }
         }
     }
@@ -487,6 +572,7 @@ impl PrefillEngine {
             kvlease_num_tokens: tokens.len() as u32,
             kvlease_lease_ms: self.cfg.lease.duration().as_millis() as u64,
             kv_digest: digest,
+            kvlease_instance: self.instance,
         };
         let done = Prefilled {
             params,

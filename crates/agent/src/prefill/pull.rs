@@ -185,6 +185,7 @@ impl PrefillEngine {
             tp_size: self.cfg.tp_size,
             metadata: &mds,
             shape: self.cfg.shape,
+            instance: self.instance,
         };
         let info = remote_engine(addr, &me, &want)?;
         if info.tp_size != self.cfg.tp_size {

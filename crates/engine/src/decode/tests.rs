@@ -294,3 +294,59 @@ fn a_lost_engine_fails_waiting_requests_and_handshakes_again() {
         .unwrap();
     assert!(c.poll_handshake().is_some());
 }
+
+#[test]
+fn a_restarted_p_is_found_by_its_instance_and_handshaken_again() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1).with_instance(100))
+        .unwrap();
+    let hs = c.poll_handshake().unwrap();
+    c.handle_handshake(
+        at(0),
+        &hs.engine,
+        Ok(RemoteEngine::new(2, 64).with_instance(100)),
+    );
+    c.on_new_request(at(1), id("b"), 16, remote("rb", 2, 1).with_instance(100))
+        .unwrap();
+    c.poll_load().unwrap(); // a loads; b waits
+    // P restarts: a request names the new instance.
+    c.on_new_request(at(2), id("c"), 16, remote("rc", 2, 1).with_instance(200))
+        .unwrap();
+    assert_eq!(c.stats().peer_restarts, 1);
+    let f = finished(&mut c);
+    assert!(
+        matches!(&f[..], [(r, Outcome::Failed(e @ LoadError::PeerLost { .. }))] if r == &id("b") && e.is_retryable())
+    );
+    let hs = c.poll_handshake().expect("a new handshake");
+    c.handle_handshake(
+        at(3),
+        &hs.engine,
+        Ok(RemoteEngine::new(2, 64).with_instance(200)),
+    );
+    // Old-instance params arriving late are refused, retryably.
+    let e = c
+        .on_new_request(at(4), id("d"), 16, remote("rd", 2, 1).with_instance(100))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::StaleInstance { .. }) && e.is_retryable());
+    // The new instance's request loads.
+    assert_eq!(c.poll_load().map(|p| p.request), None, "a is still running");
+}
+
+#[test]
+fn a_handshake_with_a_newer_instance_fails_requests_of_the_old_one() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1).with_instance(100))
+        .unwrap();
+    let hs = c.poll_handshake().unwrap();
+    c.handle_handshake(
+        at(1),
+        &hs.engine,
+        Ok(RemoteEngine::new(2, 64).with_instance(200)),
+    );
+    let f = finished(&mut c);
+    assert!(matches!(
+        &f[..],
+        [(_, Outcome::Failed(LoadError::PeerLost { .. }))]
+    ));
+    assert!(c.is_idle());
+}
