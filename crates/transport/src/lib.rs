@@ -40,8 +40,9 @@ mod error;
 pub mod metadata;
 mod tcp;
 
+// `unsafe` is allowed only in the two verbs modules that hand raw memory to libibverbs
+// (`verbs::memory`, `verbs::endpoint`); they carry their own `#[allow(unsafe_code)]`.
 #[cfg(feature = "verbs")]
-#[allow(unsafe_code)]
 pub mod verbs;
 
 pub use agent::{

@@ -21,9 +21,15 @@
 //! TCP side channel, not rdma_cm (which does not work inside network namespaces on rxe).
 
 mod device;
+// Builds work requests whose scatter-gather entries name registered memory (sideway's
+// `setup_sge` is `unsafe`) and takes the CQ out of its `ManuallyDrop` in Drop.
+#[allow(unsafe_code)]
 mod endpoint;
 mod error;
 pub(crate) mod link;
+// `ibv_reg_mr`/`ibv_reg_dmabuf_mr` on raw addresses, and the notification rings' heap
+// buffer.
+#[allow(unsafe_code)]
 mod memory;
 pub(crate) mod mirror;
 
