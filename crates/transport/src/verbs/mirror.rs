@@ -18,7 +18,7 @@
 //!   memory equal to the region (pinned, and counted against `RLIMIT_MEMLOCK`) and one copy
 //!   on each side of a transfer.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionBytes, staging};
 
@@ -94,6 +94,11 @@ pub(crate) struct Registration {
     region: Arc<dyn DmaRegion>,
     /// The NIC's registration: of `region` itself, or of its mirror.
     mr: MemoryRegion,
+    /// Held (by every clone) while [`sync_out`](Self::sync_out) or
+    /// [`sync_in`](Self::sync_in) borrows the mirror's bytes: the one thing that keeps
+    /// two syncs of overlapping ranges (`Agent::sync_for_peers` may run on several
+    /// threads at once) from aliasing a `&mut` of the mirror.
+    mirror_lock: Arc<Mutex<()>>,
 }
 
 impl Registration {
@@ -103,7 +108,7 @@ impl Registration {
         let kind = region.kind();
         let why = match first_path(kind, cfg!(feature = "cuda")) {
             Path::Direct | Path::Dmabuf => match pd.register(Arc::clone(&region)) {
-                Ok(mr) => return Ok(Self { region, mr }),
+                Ok(mr) => return Ok(Self::with_mr(region, mr)),
                 Err(VerbsError::UnsupportedMemory { why, .. }) => why,
                 Err(e) => return Err(e.to_string()),
             },
@@ -122,7 +127,15 @@ impl Registration {
             "verbs: region served through a registered host mirror of the same length \
              (copied region->mirror by sync_for_peers, mirror->region after each read)"
         );
-        Ok(Self { region, mr })
+        Ok(Self::with_mr(region, mr))
+    }
+
+    fn with_mr(region: Arc<dyn DmaRegion>, mr: MemoryRegion) -> Self {
+        Self {
+            region,
+            mr,
+            mirror_lock: Arc::default(),
+        }
     }
 
     /// The agent's region.
@@ -153,11 +166,23 @@ impl Registration {
         }
         let region = &*self.region;
         let off = usize::try_from(offset).map_err(|e| e.to_string())?;
-        self.mr
-            .region()
-            .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("copying {} region -> mirror: {e}", region.kind()))
+        let _mirror = self
+            .mirror_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: no other Rust code touches this range of the mirror while the slice
+        // lives. The mirror is private to this registration (created in `new`; only its
+        // address and rkey leave it, for the NIC), and the only Rust accesses to its bytes
+        // are `sync_out` and `sync_in`, serialized by `mirror_lock`, held here. The NIC's
+        // writes (a local read landing in this mirror) are DMA, outside the Rust memory
+        // model, and a protocol error (syncing a range that is also being read into).
+        unsafe {
+            self.mr
+                .region()
+                .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
+        }
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("copying {} region -> mirror: {e}", region.kind()))
     }
 
     /// Copies `offset..offset + len` mirror → region (host → device for CUDA memory), after
@@ -168,11 +193,21 @@ impl Registration {
         }
         let region = &*self.region;
         let off = usize::try_from(offset).map_err(|e| e.to_string())?;
-        self.mr
-            .region()
-            .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("copying mirror -> {} region: {e}", region.kind()))
+        let _mirror = self
+            .mirror_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: no Rust code writes this range of the mirror while the slice lives: the
+        // mirror is private to this registration, and its only Rust writer, `sync_out`,
+        // waits for `mirror_lock`, held here. The NIC finished writing the range (the
+        // reads into it completed before their batch copies back).
+        unsafe {
+            self.mr
+                .region()
+                .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
+        }
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("copying mirror -> {} region: {e}", region.kind()))
     }
 }
 

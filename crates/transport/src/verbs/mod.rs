@@ -31,6 +31,9 @@ pub(crate) mod link;
 // buffer.
 #[allow(unsafe_code)]
 mod memory;
+// Lends a mirror's bytes to the staging copy (`RegionBytes::with_bytes{,_mut}` are
+// `unsafe`; the registration's lock keeps the borrows unique).
+#[allow(unsafe_code)]
 pub(crate) mod mirror;
 
 pub use device::{Device, DeviceConfig, Gid};
