@@ -49,6 +49,8 @@ pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
     ReadBatch, ReadOp, RegionId, RemoteRange, TransportStats,
 };
-pub use config::{AgentConfig, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
-pub use error::{AgentError, ConnectError, MetadataError, Refusal, RegisterError, TransferError};
+pub use config::{AgentConfig, Backend, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
+pub use error::{
+    AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,
+};
 pub use metadata::{AgentMetadata, RegionDesc};

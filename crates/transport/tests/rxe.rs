@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
+use kvlease_transport::Backend;
 use kvlease_transport::verbs::{
     BatchId, BatchStatus, Device, DeviceConfig, Endpoint, EndpointConfig, EndpointState,
     MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion, VerbsError, WorkCompletionStatus,
@@ -433,8 +434,9 @@ mod agent {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use anyhow::{Result, bail, ensure};
+    use anyhow::{Context, Result, bail, ensure};
     use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
+    use kvlease_transport::Backend;
     use kvlease_transport::{
         Agent, AgentConfig, BackendChoice, BatchStatus, ConnectError, FenceRead, LocalRange,
         ReadBatch, ReadOp, RegionId,
@@ -455,6 +457,17 @@ mod agent {
     }
 
     /// D's address (on rxeD's side of the pair).
+    /// An error and its causes, joined with ": ".
+    fn error_chain(e: &dyn std::error::Error) -> String {
+        let mut out = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            out = format!("{out}: {c}");
+            cause = c.source();
+        }
+        out
+    }
+
     pub(super) fn d_addr() -> IpAddr {
         addr("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2])
     }
@@ -551,8 +564,8 @@ mod agent {
         let (p, d) = pair(BackendChoice::Auto)?;
         read_through(&p, &d)?;
         let peer = d.connect(&p.metadata())?;
-        let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
-        ensure!(backend == "verbs", "backend {backend}: {why}");
+        let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
+        ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
         Ok(())
     }
 
@@ -587,8 +600,8 @@ mod agent {
         let p = agent("p", pip, p_choice)?;
         let d = agent("d", dip, BackendChoice::Auto)?;
         let peer = d.connect(&p.metadata())?;
-        let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
-        ensure!(backend == "tcp", "backend {backend}");
+        let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
+        ensure!(backend == Backend::Tcp, "backend {backend}");
         let expected = if rdma {
             "no verbs backend"
         } else {
@@ -600,11 +613,13 @@ mod agent {
         // `verbs` forced against a TCP-only peer is an error naming the reason.
         let strict = agent("d-strict", dip, BackendChoice::Verbs)?;
         match strict.connect(&p.metadata()) {
-            Err(ConnectError::BackendUnavailable {
-                backend: "verbs",
-                reason,
-                ..
-            }) => {
+            Err(
+                e @ ConnectError::BackendUnavailable {
+                    backend: Backend::Verbs,
+                    ..
+                },
+            ) => {
+                let reason = error_chain(&e);
                 ensure!(reason.contains(expected), "{reason}");
             }
             other => bail!("forced verbs: {other:?}"),
@@ -643,8 +658,8 @@ fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
     let p = agent("p", ip("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
     let d = agent("d", ip("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]))?;
     let peer = d.connect(&p.metadata())?;
-    let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
-    anyhow::ensure!(backend == "verbs", "backend {backend}: {why}");
+    let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
+    anyhow::ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
 
     // A peer without the token: valid connect request, wrong proof.
     let meta = kvlease_transport::metadata::decode_metadata(&p.metadata())?;
@@ -717,7 +732,7 @@ fn agent_read(
     fence: &kvlease_transport::RegionDesc,
     len: usize,
     expected: u64,
-) -> Result<Option<&'static str>> {
+) -> Result<Option<Backend>> {
     use kvlease_transport::{BatchStatus, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId};
     let batch = ReadBatch {
         ops: vec![ReadOp {
@@ -797,8 +812,8 @@ fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
         "staged destination not mirrored"
     );
     let peer = d.connect(&p.metadata())?;
-    let (backend, why) = d.peer_backend(peer).unwrap_or(("?", String::new()));
-    ensure!(backend == "verbs", "backend {backend}: {why}");
+    let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
+    ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
 
     // Each destination as D reads it back (staged memory through the staging copy).
     let dst_bytes = |staged: bool| -> Result<Vec<u8>> {
@@ -828,7 +843,7 @@ fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
         };
         let moved = agent_read(&d, peer, dst.id, src, &fence_d, LEN, 5)?;
         ensure!(
-            moved == Some("verbs"),
+            moved == Some(Backend::Verbs),
             "{label}: moved by {moved:?}, not verbs"
         );
         ensure!(dst_bytes(dst_staged)? == data, "{label}: bytes differ");
@@ -846,7 +861,8 @@ fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
         "a failed batch was copied into its destination"
     );
     ensure!(
-        agent_read(&d, peer, staged_dst_d.id, &staged_src_d, &fence_d, LEN, 6)? == Some("verbs"),
+        agent_read(&d, peer, staged_dst_d.id, &staged_src_d, &fence_d, LEN, 6)?
+            == Some(Backend::Verbs),
         "the current generation is refused"
     );
     ensure!(
@@ -894,21 +910,24 @@ fn verbs_peers_see_a_mirrored_write_only_after_sync_for_peers() -> Result<()> {
     let tcp_dst_d = d_tcp.register(Arc::clone(&tcp_dst) as Arc<dyn DmaRegion>)?;
     let peer = d.connect(&p.metadata())?;
     let tcp_peer = d_tcp.connect(&p.metadata())?;
-    ensure!(d.peer_backend(peer).is_some_and(|(b, _)| b == "verbs"));
+    ensure!(
+        d.peer_backend(peer)
+            .is_some_and(|(b, _)| b == Backend::Verbs)
+    );
     ensure!(
         d_tcp
             .peer_backend(tcp_peer)
-            .is_some_and(|(b, _)| b == "tcp")
+            .is_some_and(|(b, _)| b == Backend::Tcp)
     );
 
     let via_verbs = || -> Result<Vec<u8>> {
         let moved = agent_read(&d, peer, dst_d.id, &src_d, &fence_d, LEN, 1)?;
-        ensure!(moved == Some("verbs"), "moved by {moved:?}");
+        ensure!(moved == Some(Backend::Verbs), "moved by {moved:?}");
         bytes(&dst, 0, LEN)
     };
     let via_tcp = || -> Result<Vec<u8>> {
         let moved = agent_read(&d_tcp, tcp_peer, tcp_dst_d.id, &src_d, &fence_d, LEN, 1)?;
-        ensure!(moved == Some("tcp"), "moved by {moved:?}");
+        ensure!(moved == Some(Backend::Tcp), "moved by {moved:?}");
         bytes(&tcp_dst, 0, LEN)
     };
     ensure!(via_verbs()? == old, "first read");

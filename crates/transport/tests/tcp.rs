@@ -1099,4 +1099,13 @@ fn public_types_are_send_and_sync() {
     send_sync::<kvlease_transport::RegisterError>();
     send_sync::<kvlease_transport::MetadataError>();
     send_sync::<TransferError>();
+    send_sync::<kvlease_transport::LinkError>();
+    send_sync::<kvlease_transport::Backend>();
+}
+
+#[test]
+fn backend_names() {
+    use kvlease_transport::Backend;
+    assert_eq!(Backend::Verbs.as_str(), "verbs");
+    assert_eq!(Backend::Tcp.to_string(), "tcp");
 }

@@ -20,9 +20,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionBytes, staging};
+use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionAccessError, RegionBytes, staging};
 
 use super::{MemoryRegion, ProtectionDomain, VerbsError};
+use crate::error::LinkError;
 
 /// The registration path a memory kind tries first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,21 +70,27 @@ pub(crate) fn mirror_memory(kind: MemoryKind) -> Option<MirrorMemory> {
 }
 
 /// Allocates a zeroed mirror of `len` bytes.
-fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, String> {
+fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, LinkError> {
     match memory {
         MirrorMemory::Host => HostRegion::new(len)
             .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-            .map_err(|e| format!("host mirror of {len} bytes: {e}")),
+            .map_err(|e| LinkError::MirrorAlloc {
+                memory: "host",
+                len,
+                source: Box::new(e),
+            }),
         #[cfg(feature = "cuda")]
         MirrorMemory::CudaPinned { ordinal } => {
             kvlease_gpu_mem::cuda::CudaPinnedRegion::new(ordinal, len)
                 .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-                .map_err(|e| format!("pinned mirror of {len} bytes on cuda:{ordinal}: {e}"))
+                .map_err(|e| LinkError::MirrorAlloc {
+                    memory: "cuda-pinned",
+                    len,
+                    source: Box::new(e),
+                })
         }
         #[cfg(not(feature = "cuda"))]
-        MirrorMemory::CudaPinned { ordinal } => Err(format!(
-            "pinned mirror on cuda:{ordinal}: this build has no `cuda` feature"
-        )),
+        MirrorMemory::CudaPinned { ordinal } => Err(LinkError::NoCudaMirror { ordinal }),
     }
 }
 
@@ -104,21 +111,40 @@ pub(crate) struct Registration {
 impl Registration {
     /// Registers `region` on the first path its kind allows, a mirror where that is
     /// refused; the error says why neither worked.
-    pub(crate) fn new(pd: &ProtectionDomain, region: Arc<dyn DmaRegion>) -> Result<Self, String> {
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        region: Arc<dyn DmaRegion>,
+    ) -> Result<Self, LinkError> {
         let kind = region.kind();
-        let why = match first_path(kind, cfg!(feature = "cuda")) {
+        let refused = match first_path(kind, cfg!(feature = "cuda")) {
             Path::Direct | Path::Dmabuf => match pd.register(Arc::clone(&region)) {
                 Ok(mr) => return Ok(Self::with_mr(region, mr)),
-                Err(VerbsError::UnsupportedMemory { why, .. }) => why,
-                Err(e) => return Err(e.to_string()),
+                Err(e @ VerbsError::UnsupportedMemory { .. }) => Some(e),
+                Err(source) => {
+                    return Err(LinkError::Verbs {
+                        op: "registering a region",
+                        source,
+                    });
+                }
             },
-            Path::Mirror => format!("{kind} memory has neither a direct nor a dmabuf path"),
+            Path::Mirror => None,
         };
-        let memory = mirror_memory(kind)
-            .ok_or_else(|| format!("{kind} memory cannot be registered ({why}) nor mirrored"))?;
+        let Some(memory) = mirror_memory(kind) else {
+            return Err(LinkError::NotMirrorable {
+                kind,
+                source: refused,
+            });
+        };
+        let why = refused.map_or_else(
+            || format!("{kind} memory has neither a direct nor a dmabuf path"),
+            |e| e.to_string(),
+        );
         let len = region.len();
         let mirror = alloc_mirror(memory, len)?;
-        let mr = pd.register(mirror).map_err(|e| e.to_string())?;
+        let mr = pd.register(mirror).map_err(|source| LinkError::Verbs {
+            op: "registering a host mirror",
+            source,
+        })?;
         tracing::info!(
             %kind,
             len,
@@ -160,12 +186,12 @@ impl Registration {
 
     /// Copies `offset..offset + len` region → mirror (device → host for CUDA memory), so
     /// that peers' reads see it. A no-op without a mirror.
-    pub(crate) fn sync_out(&self, offset: u64, len: u64) -> Result<(), String> {
+    pub(crate) fn sync_out(&self, offset: u64, len: u64) -> Result<(), LinkError> {
         if !self.is_mirror() || len == 0 {
             return Ok(());
         }
         let region = &*self.region;
-        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
+        let off = mirror_offset(offset, len, self.mr.len())?;
         let _mirror = self
             .mirror_lock
             .lock()
@@ -181,18 +207,27 @@ impl Registration {
                 .region()
                 .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
         }
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("copying {} region -> mirror: {e}", region.kind()))
+        .map_err(|source| LinkError::MirrorRange {
+            offset,
+            len,
+            source,
+        })?
+        .map_err(|source| LinkError::SyncOut {
+            kind: region.kind(),
+            offset,
+            len,
+            source,
+        })
     }
 
     /// Copies `offset..offset + len` mirror → region (host → device for CUDA memory), after
     /// a read landed in the mirror. A no-op without a mirror.
-    pub(crate) fn sync_in(&self, offset: u64, len: u64) -> Result<(), String> {
+    pub(crate) fn sync_in(&self, offset: u64, len: u64) -> Result<(), LinkError> {
         if !self.is_mirror() || len == 0 {
             return Ok(());
         }
         let region = &*self.region;
-        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
+        let off = mirror_offset(offset, len, self.mr.len())?;
         let _mirror = self
             .mirror_lock
             .lock()
@@ -206,9 +241,33 @@ impl Registration {
                 .region()
                 .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
         }
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("copying mirror -> {} region: {e}", region.kind()))
+        .map_err(|source| LinkError::MirrorRange {
+            offset,
+            len,
+            source,
+        })?
+        .map_err(|source| LinkError::SyncIn {
+            kind: region.kind(),
+            offset,
+            len,
+            source,
+        })
     }
+}
+
+/// `offset` as a `usize`, or the range error that `offset..offset + len` is outside a
+/// region of `region_len` bytes (an offset beyond the address space is outside every
+/// region).
+fn mirror_offset(offset: u64, len: u64, region_len: u64) -> Result<usize, LinkError> {
+    usize::try_from(offset).map_err(|_| LinkError::MirrorRange {
+        offset,
+        len,
+        source: RegionAccessError::OutOfBounds {
+            offset,
+            len,
+            region_len,
+        },
+    })
 }
 
 #[cfg(test)]
@@ -251,7 +310,11 @@ mod tests {
     #[test]
     fn a_pinned_mirror_needs_the_cuda_feature() {
         let err = alloc_mirror(MirrorMemory::CudaPinned { ordinal: 0 }, 4096).unwrap_err();
-        assert!(err.contains("`cuda` feature"), "{err}");
+        assert!(
+            matches!(err, LinkError::NoCudaMirror { ordinal: 0 }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("`cuda` feature"), "{err}");
     }
 
     #[test]
