@@ -16,7 +16,8 @@
 #![warn(missing_docs)]
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
-// contract and its bounds-checked byte accessors), `host` (mmap) and `cuda` (cudarc).
+// contract, its bounds-checked byte accessors and socket IO), `host` (mmap) and `cuda`
+// (cudarc).
 #[allow(unsafe_code)]
 mod region;
 

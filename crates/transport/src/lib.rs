@@ -40,8 +40,9 @@ mod error;
 pub mod metadata;
 mod tcp;
 
-// `unsafe` is allowed only in the two verbs modules that hand raw memory to libibverbs
-// (`verbs::memory`, `verbs::endpoint`); they carry their own `#[allow(unsafe_code)]`.
+// `unsafe` is allowed only in three verbs modules, each with its own
+// `#[allow(unsafe_code)]`: `verbs::memory` and `verbs::endpoint` (raw memory handed to
+// libibverbs) and `verbs::mirror` (a mirror's bytes lent to the staging copy).
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
