@@ -23,10 +23,13 @@
 #   GPU_CHECK_TOKENS    prompt tokens per request (default 2048 = 256 MiB of KV per request)
 #   GPU_CHECK_BLOCKS    KV blocks per pool (default 1024 = 2 GiB per agent)
 #   GPU_CHECK_HOST_ONLY=1  dry run of this script's plumbing on a machine without a GPU:
-#                       only the host-memory steps run (CUDA tests skip; host and staged
+#                       only the host-memory steps run (the GPU tests stay ignored; host and staged
 #                       end-to-end runs), nothing is claimed about CUDA
 #
-# Steps: (1) preflight, (2) build, (3) CUDA tests with KV_TEST_CUDA=1, (4) staging
+# Steps: (1) preflight, (2) build, (3) CUDA tests with KV_TEST_CUDA=1 and --include-ignored
+# (the tests that need a GPU are #[ignore]d, so that a plain `cargo test` lists them as
+# ignored instead of passing having done nothing; the host-only dry run leaves them
+# ignored and says how many), (4) staging
 # benchmark (CUDA copier, host copier), (5) P and D with --memory cuda over TCP on
 # localhost, byte-exact digests, (6) the same with --memory host, (7) and with
 # --memory staged (host memory through the device code paths: staged fill, pipelined TCP
@@ -115,7 +118,7 @@ command -v python3 >/dev/null || die "python3 is needed (HTTP client and JSON pa
 command -v timeout >/dev/null || die "coreutils 'timeout' is needed"
 if [ "$HOST_ONLY" = 1 ]; then
   echo "gpu-check: GPU_CHECK_HOST_ONLY=1: dry run, host memory only" >&2
-  kv host_only 1 # the CUDA test counts below are tests that skipped: no CUDA claim
+  kv host_only 1 # the GPU tests stay ignored (counted below): no CUDA claim
 elif ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
   ls /usr/local/nvidia/lib64/libcuda.so* /usr/lib/x86_64-linux-gnu/libcuda.so* >/dev/null 2>&1 \
     || die "no libcuda.so found (ldconfig, /usr/local/nvidia/lib64, /usr/lib/x86_64-linux-gnu): this is not a CUDA host"
@@ -145,12 +148,21 @@ else
 fi
 kv build_s $(($(date +%s) - T0))
 
-step "CUDA tests (KV_TEST_CUDA=1: a missing driver fails)"
-[ "$HOST_ONLY" = 1 ] || export KV_TEST_CUDA=1
+step "CUDA tests (KV_TEST_CUDA=1 and --include-ignored: a missing driver fails)"
+TEST_ARGS=(--test-threads=4)
+if [ "$HOST_ONLY" != 1 ]; then
+  export KV_TEST_CUDA=1
+  TEST_ARGS+=(--include-ignored)
+fi
 for t in gpu-mem-unit-tests gpu-mem-cuda-tests; do
-  timeout 120 "$BIN/$t" --test-threads=4 >"$LOGS/$t.log" 2>&1 \
+  timeout 120 "$BIN/$t" "${TEST_ARGS[@]}" >"$LOGS/$t.log" 2>&1 \
     || { tail -40 "$LOGS/$t.log" >&2; die "$t failed (log: $LOGS/$t.log)"; }
-  kv "${t//-/_}_passed" "$(grep -Eo '[0-9]+ passed' "$LOGS/$t.log" | tail -1 | cut -d' ' -f1)"
+  summary=$(grep -a '^test result:' "$LOGS/$t.log" | tail -1)
+  ignored=$(printf '%s' "$summary" | grep -Eo '[0-9]+ ignored' | cut -d' ' -f1)
+  # On a GPU host every test runs: one still ignored means the selection went wrong.
+  [ "$HOST_ONLY" = 1 ] || [ "${ignored:-0}" = 0 ] || die "$t: $ignored tests stayed ignored ($summary)"
+  kv "${t//-/_}_passed" "$(printf '%s' "$summary" | grep -Eo '[0-9]+ passed' | cut -d' ' -f1)"
+  kv "${t//-/_}_ignored" "${ignored:-0}"
 done
 
 step "staging benchmark: CUDA copier (device memory) and host copier"

@@ -141,7 +141,7 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
         Ok(BatchStatus::Pending) => LinkStatus::Pending,
         Ok(BatchStatus::Done(stats)) => LinkStatus::Done {
             bytes: stats.bytes,
-            backend: stats.backend,
+            backend: stats.backend.as_str(),
         },
         Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure {
             stale: matches!(e, TransferError::FenceMismatch { .. }),
@@ -154,10 +154,14 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
     }
 }
 
-/// The backend `peer` was connected with (`"verbs"` or `"tcp"`), as the transport's
+/// The name of the backend `peer` was connected with (`"verbs"` or `"tcp"`, the
+/// transport's [`Backend::as_str`](kvlease_transport::Backend::as_str)), as
 /// `Agent::connect` chose it; `"tcp"` for a peer the agent no longer knows.
 pub fn backend_name(agent: &Agent, peer: PeerId) -> &'static str {
-    agent.peer_backend(peer).map_or("tcp", |(name, _)| name)
+    agent
+        .peer_backend(peer)
+        .map_or(kvlease_transport::Backend::Tcp, |(backend, _)| backend)
+        .as_str()
 }
 
 /// Why the transport chose `peer`'s backend (for `auto`: the reason verbs was not used).

@@ -64,18 +64,25 @@ pub enum HostAllocError {
 
 /// One contiguous, page-aligned, zero-filled anonymous mapping, unmapped on drop.
 pub struct HostRegion {
-    ptr: NonNull<u8>,
+    ptr: MapPtr,
     len: usize,
     mapped_len: usize,
     pages: PageKind,
 }
 
-// SAFETY: `HostRegion` owns its private anonymous mapping; the raw pointer is not tied to
-// a thread, and all access to the bytes follows the `DmaRegion` aliasing model.
-unsafe impl Send for HostRegion {}
-// SAFETY: shared references only hand out the pointer and bounds-checked accessors whose
-// concurrency rules are those of `DmaRegion` (DMA-like memory).
-unsafe impl Sync for HostRegion {}
+/// The start of a [`HostRegion`]'s mapping: the only field that needs `unsafe impl
+/// Send/Sync`, so that the public type gets them from its fields.
+struct MapPtr(NonNull<u8>);
+
+// SAFETY: the pointer is the start of a private anonymous mapping owned by exactly one
+// `HostRegion`; mapped memory is not tied to the thread that mapped it, and the region
+// unmaps it (once, in Drop) from whichever thread drops it.
+unsafe impl Send for MapPtr {}
+// SAFETY: `&MapPtr` only yields the address. Every access to the bytes goes through raw
+// pointers under the `DmaRegion` rules (bounds-checked copies, atomic words, the `unsafe`
+// slice lenders with their own `# Safety` contract); no `&`/`&mut` to the bytes is tied
+// to a shared `&HostRegion`.
+unsafe impl Sync for MapPtr {}
 
 impl HostRegion {
     /// Maps `len` bytes with [`HugePagePolicy::Try`].
@@ -104,7 +111,7 @@ impl HostRegion {
                 Ok(ptr) => {
                     tracing::info!(len, mapped_len, "host region: explicit 2 MiB huge pages");
                     return Ok(Self {
-                        ptr,
+                        ptr: MapPtr(ptr),
                         len,
                         mapped_len,
                         pages: PageKind::Huge2M,
@@ -144,7 +151,7 @@ impl HostRegion {
         }
         tracing::info!(len, mapped_len, ?pages, "host region mapped");
         Ok(Self {
-            ptr,
+            ptr: MapPtr(ptr),
             len,
             mapped_len,
             pages,
@@ -190,7 +197,7 @@ impl Drop for HostRegion {
     fn drop(&mut self) {
         // SAFETY: `ptr..ptr + mapped_len` is exactly the mapping created in `with_policy`,
         // owned by `self`, and no borrow of it outlives `self`.
-        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.mapped_len) };
+        let rc = unsafe { libc::munmap(self.ptr.0.as_ptr().cast(), self.mapped_len) };
         if rc != 0 {
             let err = std::io::Error::last_os_error();
             tracing::error!(%err, len = self.mapped_len, "munmap of a host region failed");
@@ -202,7 +209,7 @@ impl Drop for HostRegion {
 impl fmt::Debug for HostRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostRegion")
-            .field("ptr", &self.ptr)
+            .field("ptr", &self.ptr.0)
             .field("len", &self.len)
             .field("mapped_len", &self.mapped_len)
             .field("pages", &self.pages)
@@ -214,7 +221,7 @@ impl fmt::Debug for HostRegion {
 // `len` bytes for as long as `self` lives (it is unmapped only in `drop`).
 unsafe impl DmaRegion for HostRegion {
     fn base_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.ptr.0.as_ptr()
     }
 
     fn len(&self) -> usize {

@@ -16,7 +16,8 @@
 #![warn(missing_docs)]
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
-// contract and its bounds-checked byte accessors), `host` (mmap) and `cuda` (cudarc).
+// contract, its bounds-checked byte accessors and socket IO), `host` (mmap) and `cuda`
+// (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
@@ -41,3 +42,40 @@ pub use kvlease_lease::{AllocError, BlockAllocator};
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
 pub use pool::{BlockCopyError, BlockPool, FenceTable, MemoryRequest, PoolError};
 pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
+
+#[cfg(test)]
+mod tests {
+    //! The public types cross threads (like tokio's `tests/async_send_sync.rs`): the
+    //! `unsafe impl Send/Sync` live only on private pointer types (`host::MapPtr`,
+    //! `cuda::PinnedPtr`), so these hold only as long as those stay correct.
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        send_sync::<HostRegion>();
+        send_sync::<StagedHostRegion>();
+        send_sync::<std::sync::Arc<dyn DmaRegion>>();
+        send_sync::<BlockPool>();
+        send_sync::<FenceTable>();
+        send_sync::<BlockAllocator>();
+        send_sync::<KvLayout>();
+        send_sync::<staging::StagingConfig>();
+        send::<staging::Stager>();
+        send::<staging::HostCopier>();
+        send_sync::<HostAllocError>();
+        send_sync::<RegionAccessError>();
+        send_sync::<PoolError>();
+        send_sync::<staging::StagingError>();
+        #[cfg(feature = "cuda")]
+        {
+            send_sync::<cuda::CudaPinnedRegion>();
+            send_sync::<cuda::CudaDeviceRegion>();
+            send_sync::<cuda::DmabufHandle>();
+            send::<cuda::CudaCopier>();
+            send_sync::<cuda::CudaError>();
+        }
+    }
+}

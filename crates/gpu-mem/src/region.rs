@@ -1,6 +1,8 @@
 //! The seam between memory and the transport.
 
 use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// Where a region's bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -116,13 +118,19 @@ pub unsafe trait DmaRegion: Send + Sync + fmt::Debug {
 /// **fenced reads** detect after the fact when that rule was broken (a lease expired or
 /// was reused mid-read). Concurrent accesses to *disjoint* ranges are always fine.
 ///
-/// The borrows handed to [`with_bytes`](Self::with_bytes) /
-/// [`with_bytes_mut`](Self::with_bytes_mut) last only for the closure and are meant for
-/// IO syscalls (`write`/`read` on a socket) and `memcpy`. If a peer breaks the protocol and
-/// an overlapping range is written concurrently, the bytes seen are unspecified, exactly
-/// as with a NIC; callers must not rely on such a borrow being immutable beyond copying
-/// it. Generation words that must not tear go through [`load_u64`](Self::load_u64) /
-/// [`store_u64`](Self::store_u64), which are atomic.
+/// The safe methods never create a Rust reference to region bytes: they copy through raw
+/// pointers ([`read_into`](Self::read_into), [`write_from`](Self::write_from)), hand the
+/// range to the kernel ([`write_to_fd`](Self::write_to_fd),
+/// [`read_from_fd`](Self::read_from_fd): zero-copy socket IO, the kernel copying as a
+/// NIC would), or access one word atomically ([`load_u64`](Self::load_u64) /
+/// [`store_u64`](Self::store_u64), for generation words that must not tear). So a peer or
+/// a thread that breaks the protocol can make the bytes seen unspecified, as with a NIC,
+/// but cannot make safe code alias a `&mut`.
+///
+/// [`with_bytes`](Self::with_bytes) / [`with_bytes_mut`](Self::with_bytes_mut) do lend
+/// `&[u8]` / `&mut [u8]`, and are `unsafe`: Rust's aliasing rules for those borrows cannot
+/// be met by the DMA model above, so the caller must rule out overlapping access from
+/// Rust code for as long as the closure runs (see their `# Safety` sections).
 pub trait RegionBytes {
     /// Checks that `offset..offset + len` is inside the region and host-accessible.
     ///
@@ -142,25 +150,85 @@ pub trait RegionBytes {
     /// As [`check_host_range`](Self::check_host_range).
     fn write_from(&self, offset: u64, src: &[u8]) -> Result<(), RegionAccessError>;
 
-    /// Lends `offset..offset + len` as a shared slice for the duration of `f` (zero-copy
-    /// send). See the aliasing model in the trait doc.
+    /// Writes `header` and then `offset..offset + len` of the region to `fd` (a socket),
+    /// with `writev` straight from the region: no staging copy, and no Rust reference to
+    /// the region's bytes (the kernel reads them, as a NIC's RDMA READ would).
+    ///
+    /// The inner result is the IO outcome: the first error other than `EINTR`
+    /// (`WouldBlock` when a send timeout expires), or `WriteZero`.
+    ///
+    /// # Errors
+    /// As [`check_host_range`](Self::check_host_range); nothing is written then.
+    fn write_to_fd(
+        &self,
+        header: &[u8],
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<io::Result<()>, RegionAccessError>;
+
+    /// Reads exactly `len` bytes from `fd` (a socket) into `offset..offset + len` of the
+    /// region, with `read` straight into the region: no staging copy, and no Rust
+    /// reference to the region's bytes (the kernel writes them, as a NIC's RDMA READ into
+    /// a local destination would).
+    ///
+    /// The inner result is the IO outcome: the first error other than `EINTR`
+    /// (`WouldBlock` when a receive timeout expires), or `UnexpectedEof` when the stream
+    /// ends early (the bytes that arrived are in the region).
+    ///
+    /// # Errors
+    /// As [`check_host_range`](Self::check_host_range); nothing is read then.
+    fn read_from_fd(
+        &self,
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<io::Result<()>, RegionAccessError>;
+
+    /// Lends `offset..offset + len` as a shared slice for the duration of `f`.
+    ///
+    /// Prefer [`read_into`](Self::read_into) or [`write_to_fd`](Self::write_to_fd), which
+    /// are safe.
+    ///
+    /// # Safety
+    /// While `f` runs, no Rust code may write any byte of `offset..offset + len` of this
+    /// memory: no [`write_from`](Self::write_from), [`store_u64`](Self::store_u64),
+    /// [`read_from_fd`](Self::read_from_fd) or `with_bytes_mut` of an overlapping range,
+    /// on any thread and through any handle of the same memory (an `Arc` clone, another
+    /// `DmaRegion` over it). A shared slice promises the compiler that its bytes do not
+    /// change; the caller must make that true. (Writes by hardware — a NIC's DMA — are
+    /// outside the Rust memory model; they are the lease protocol's business and make the
+    /// bytes unspecified, as for any DMA buffer.)
     ///
     /// # Errors
     /// As [`check_host_range`](Self::check_host_range); `f` is not called then.
-    fn with_bytes<R>(
+    unsafe fn with_bytes<R>(
         &self,
         offset: u64,
         len: u64,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, RegionAccessError>;
 
-    /// Lends `offset..offset + len` as a mutable slice for the duration of `f` (zero-copy
-    /// receive). See the aliasing model in the trait doc: callers keep concurrent users of
-    /// the same bytes apart (the transport gives each in-flight read its own range).
+    /// Lends `offset..offset + len` as a mutable slice for the duration of `f`.
+    ///
+    /// Prefer [`write_from`](Self::write_from) or [`read_from_fd`](Self::read_from_fd),
+    /// which are safe.
+    ///
+    /// # Safety
+    /// While `f` runs, no Rust code other than `f` may read or write any byte of
+    /// `offset..offset + len` of this memory: no other `with_bytes`/`with_bytes_mut` of
+    /// an overlapping range and no [`read_into`](Self::read_into),
+    /// [`write_from`](Self::write_from), [`load_u64`](Self::load_u64),
+    /// [`store_u64`](Self::store_u64), [`write_to_fd`](Self::write_to_fd) or
+    /// [`read_from_fd`](Self::read_from_fd) on it, on any thread and through any handle
+    /// of the same memory (an `Arc` clone, another `DmaRegion` over it). Two calls on
+    /// clones of one `Arc` would otherwise hand out aliased `&mut [u8]`. (Hardware DMA into
+    /// the range is outside the Rust memory model, as for
+    /// [`with_bytes`](Self::with_bytes).)
     ///
     /// # Errors
     /// As [`check_host_range`](Self::check_host_range); `f` is not called then.
-    fn with_bytes_mut<R>(
+    unsafe fn with_bytes_mut<R>(
         &self,
         offset: u64,
         len: u64,
@@ -254,6 +322,82 @@ pub(crate) fn staged_write(
     Ok(())
 }
 
+/// Writes all of `header`, then `len` bytes at `ptr` (a checked range of a host region),
+/// to `fd` with `writev`, retrying on `EINTR` and after partial writes.
+fn writev_all(
+    fd: BorrowedFd<'_>,
+    mut header: &[u8],
+    mut ptr: *mut u8,
+    mut len: usize,
+) -> io::Result<()> {
+    while !header.is_empty() || len > 0 {
+        let iov = [
+            libc::iovec {
+                iov_base: header.as_ptr().cast_mut().cast(),
+                iov_len: header.len(),
+            },
+            libc::iovec {
+                iov_base: ptr.cast(),
+                iov_len: len,
+            },
+        ];
+        let iov = if header.is_empty() {
+            &iov[1..]
+        } else {
+            &iov[..]
+        };
+        // SAFETY: each iovec names memory valid for reads for the whole call: `header` is
+        // a live borrow, and `ptr..ptr + len` is the unsent tail of a range that
+        // `host_ptr` checked inside a host region the caller borrows (valid while it
+        // lives, `DmaRegion` contract). `writev` only reads them, into the kernel, and
+        // creates no Rust reference to the region. `iov.len()` is 1 or 2.
+        let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+        let Ok(mut n) = usize::try_from(n) else {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_header = n.min(header.len());
+        header = &header[from_header..];
+        n -= from_header;
+        // The kernel wrote at most what it was given: `n <= len`.
+        ptr = ptr.wrapping_add(n);
+        len -= n;
+    }
+    Ok(())
+}
+
+/// Reads exactly `len` bytes from `fd` into `ptr..ptr + len` (a checked range of a host
+/// region), retrying on `EINTR` and after short reads.
+fn read_exact_fd(fd: BorrowedFd<'_>, ptr: *mut u8, len: usize) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        // `read` takes at most `isize::MAX` bytes (the kernel caps it lower anyway).
+        let want = (len - done).min(isize::MAX as usize);
+        // SAFETY: `ptr + done .. ptr + done + want` lies inside a range that `host_ptr`
+        // checked inside a host region the caller borrows, valid for writes from any
+        // thread while it lives (`DmaRegion` contract). The kernel writes it directly (as
+        // a NIC's DMA would); no Rust reference to the region's bytes is created.
+        let n = unsafe { libc::read(fd.as_raw_fd(), ptr.wrapping_add(done).cast(), want) };
+        match usize::try_from(n) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(_) => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    return Err(err);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn word_ptr<T: DmaRegion + ?Sized>(region: &T, offset: u64) -> Result<*mut u64, RegionAccessError> {
     let ptr = host_ptr(region, offset, 8)?;
     if !(ptr as usize).is_multiple_of(8) {
@@ -286,7 +430,30 @@ impl<T: DmaRegion + ?Sized> RegionBytes for T {
         Ok(())
     }
 
-    fn with_bytes<R>(
+    fn write_to_fd(
+        &self,
+        header: &[u8],
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<io::Result<()>, RegionAccessError> {
+        let ptr = host_ptr(self, offset, len)?;
+        // `host_ptr` checked `offset + len <= self.len()`, a `usize`.
+        Ok(writev_all(fd, header, ptr, len as usize))
+    }
+
+    fn read_from_fd(
+        &self,
+        offset: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<io::Result<()>, RegionAccessError> {
+        let ptr = host_ptr(self, offset, len)?;
+        // `host_ptr` checked `offset + len <= self.len()`, a `usize`.
+        Ok(read_exact_fd(fd, ptr, len as usize))
+    }
+
+    unsafe fn with_bytes<R>(
         &self,
         offset: u64,
         len: u64,
@@ -294,23 +461,24 @@ impl<T: DmaRegion + ?Sized> RegionBytes for T {
     ) -> Result<R, RegionAccessError> {
         let ptr = host_ptr(self, offset, len)?;
         // SAFETY: the range is inside the region (checked by `host_ptr`, so `len` fits a
-        // `usize`), valid for reads while `self` is borrowed, which outlives the closure
-        // call; concurrent writers follow the DMA aliasing model in the trait doc.
+        // `usize`) and host memory that the `DmaRegion` contract keeps valid for reads
+        // while `self` is borrowed, which outlives the closure call; the caller
+        // guarantees that no Rust code writes it while the slice lives (`# Safety`).
         let bytes = unsafe { std::slice::from_raw_parts(ptr, len as usize) };
         Ok(f(bytes))
     }
 
-    fn with_bytes_mut<R>(
+    unsafe fn with_bytes_mut<R>(
         &self,
         offset: u64,
         len: u64,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, RegionAccessError> {
         let ptr = host_ptr(self, offset, len)?;
-        // SAFETY: the range is inside the region (checked by `host_ptr`), valid for reads
-        // and writes from any thread while `self` is borrowed, which outlives the closure
-        // call; exclusivity of the range is the caller's part of the DMA aliasing model
-        // in the trait doc.
+        // SAFETY: the range is inside the region (checked by `host_ptr`) and host memory
+        // valid for reads and writes from any thread while `self` is borrowed, which
+        // outlives the closure call; the caller guarantees that no other Rust code
+        // accesses it while the slice lives (`# Safety`), so the `&mut` is unique.
         let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
         Ok(f(bytes))
     }
@@ -331,5 +499,58 @@ impl<T: DmaRegion + ?Sized> RegionBytes for T {
         let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
         word.store(value, std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::HostRegion;
+
+    #[test]
+    fn socket_io_goes_straight_between_region_and_fd() {
+        let src = HostRegion::new(3 << 20).expect("maps");
+        let data: Vec<u8> = (0..src.len()).map(|i| (i % 251) as u8).collect();
+        src.write_from(0, &data).expect("in bounds");
+        let (mut a, b) = UnixStream::pair().expect("socketpair");
+        let len = (2 << 20) + 3;
+        // The writer blocks until the reader drains: run it on its own thread.
+        let writer = std::thread::spawn(move || {
+            let sent = src.write_to_fd(b"HDR", 5, len, b.as_fd());
+            (sent.expect("in bounds").map_err(|e| e.kind()), b)
+        });
+        let mut header = [0; 3];
+        a.read_exact(&mut header).expect("header");
+        assert_eq!(&header, b"HDR");
+        let dst = HostRegion::new(3 << 20).expect("maps");
+        dst.read_from_fd(7, len, a.as_fd())
+            .expect("in bounds")
+            .expect("all bytes arrive");
+        let (sent, mut b) = writer.join().expect("writer");
+        assert_eq!(sent, Ok(()));
+        let mut got = vec![0; len as usize];
+        dst.read_into(7, &mut got).expect("in bounds");
+        assert!(got == data[5..5 + len as usize]);
+
+        // A short stream is UnexpectedEof; a range outside the region is refused first.
+        b.write_all(&[1, 2]).expect("socket open");
+        drop(b);
+        let short = dst.read_from_fd(0, 3, a.as_fd()).expect("in bounds");
+        assert_eq!(
+            short.map_err(|e| e.kind()),
+            Err(io::ErrorKind::UnexpectedEof)
+        );
+        assert!(matches!(
+            dst.read_from_fd(dst.len() as u64 - 1, 2, a.as_fd()),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            dst.write_to_fd(b"", 0, dst.len() as u64 + 1, a.as_fd()),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
     }
 }

@@ -34,11 +34,12 @@
 //! - on D, receiving those bytes into a destination region, after reading the reply
 //!   header: `stager.recv(&region, offset, len, &mut socket)`.
 //!
-//! For host-accessible memory ([`MemoryKind::is_host_accessible`]) the stager moves the
-//! bytes straight between the region and the socket; for CUDA device memory it runs the
-//! pipeline above with a `cuda::CudaCopier` it creates on first use, and for
-//! [`MemoryKind::StagedHost`] (host memory posing as device memory, for tests and
-//! benchmarks without a GPU) the same pipeline with a [`HostCopier`]. The lower-level
+//! For CUDA device memory the stager runs the pipeline above with a `cuda::CudaCopier` it
+//! creates on first use, and for host memory (host-accessible kinds, and
+//! [`MemoryKind::StagedHost`]: host memory posing as device memory, for tests and
+//! benchmarks without a GPU) the same pipeline with a [`HostCopier`]. The TCP backend
+//! itself moves host-accessible memory zero-copy, without a stager
+//! ([`RegionBytes::write_to_fd`] / [`RegionBytes::read_from_fd`]). The lower-level
 //! [`send`] / [`recv`] take any [`Copier`]. [`write_region`] / [`read_region`] copy between
 //! a host buffer and a region of any kind (how P fills and D verifies device blocks).
 //!
@@ -445,9 +446,12 @@ fn device_error(err: crate::cuda::CudaError) -> StagingError {
 }
 
 /// The TCP backend's per-thread entry point: moves a range of any registered region to a
-/// socket or from one. Host-accessible memory goes straight between the region and the
-/// socket (no staging copy); CUDA device memory goes through a `cuda::CudaCopier` pipeline
-/// (module docs), created on first use and reused for later regions of the same device.
+/// socket or from one. CUDA device memory goes through a `cuda::CudaCopier` pipeline
+/// (module docs), created on first use and reused for later regions of the same device;
+/// host memory of every kind through a [`HostCopier`] pipeline (one `memcpy` per chunk).
+/// The sink and source are arbitrary `Write`/`Read` code, so host memory is not lent to
+/// them as a slice (see [`RegionBytes`]); the TCP backend moves host-accessible memory
+/// zero-copy itself, with [`RegionBytes::write_to_fd`] / [`RegionBytes::read_from_fd`].
 ///
 /// Keep one `Stager` per connection thread: it owns pinned staging slots and a CUDA
 /// stream, and is not meant to be shared.
@@ -491,17 +495,7 @@ impl Stager {
         sink: &mut W,
     ) -> Result<(), StagingError> {
         check_range(offset, len, region.len())?;
-        if region.kind().is_host_accessible() {
-            return region
-                .with_bytes(offset as u64, len as u64, |bytes| sink.write_all(bytes))?
-                .map_err(|source| StagingError::Io {
-                    chunk: 0,
-                    offset,
-                    len,
-                    source,
-                });
-        }
-        if region.kind() == MemoryKind::StagedHost {
+        if region.kind().is_host_accessible() || region.kind() == MemoryKind::StagedHost {
             return send(self.host_copier(region)?, offset, len, sink);
         }
         self.device_send(region, offset, len, sink)
@@ -520,17 +514,7 @@ impl Stager {
         source: &mut R,
     ) -> Result<(), StagingError> {
         check_range(offset, len, region.len())?;
-        if region.kind().is_host_accessible() {
-            return region
-                .with_bytes_mut(offset as u64, len as u64, |bytes| source.read_exact(bytes))?
-                .map_err(|source| StagingError::Io {
-                    chunk: 0,
-                    offset,
-                    len,
-                    source,
-                });
-        }
-        if region.kind() == MemoryKind::StagedHost {
+        if region.kind().is_host_accessible() || region.kind() == MemoryKind::StagedHost {
             return recv(self.host_copier(region)?, offset, len, source);
         }
         self.device_recv(region, offset, len, source)
@@ -1169,7 +1153,7 @@ mod tests {
     }
 
     #[test]
-    fn stager_moves_host_regions_directly() {
+    fn stager_moves_host_regions_through_the_host_copier() {
         let src = pattern(10_000);
         let from = host_region(&src);
         let to = host_region(&[0; 10_000]);

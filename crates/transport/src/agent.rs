@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use kvlease_gpu_mem::{DmaRegion, RegionAccessError, RegionBytes};
 
 use crate::batch::{Batch, Outcome};
-use crate::config::{AgentConfig, BackendChoice, Limits};
-use crate::error::{AgentError, ConnectError, RegisterError, TransferError};
+use crate::config::{AgentConfig, Backend, BackendChoice, Limits};
+use crate::error::{AgentError, ConnectError, LinkError, RegisterError, TransferError};
 use crate::metadata::{
     AgentMetadata, METADATA_FORMAT, RegionDesc, decode_metadata, encode_metadata,
 };
@@ -108,10 +108,10 @@ pub struct BatchStats {
     pub ops: usize,
     /// The fence word read, when the batch had a fence.
     pub fence_word: Option<u64>,
-    /// The backend that moved the bytes: `"verbs"` (RDMA READ) or `"tcp"`. A peer
-    /// connected over verbs still has batches that touch memory verbs could not register
-    /// (not even through a host mirror, or registered after connect) moved over TCP.
-    pub backend: &'static str,
+    /// The backend that moved the bytes. A peer connected over verbs still has batches
+    /// that touch memory verbs could not register (not even through a host mirror, or
+    /// registered after connect) moved over TCP.
+    pub backend: Backend,
 }
 
 /// Where a batch stands.
@@ -214,7 +214,7 @@ pub(crate) struct Inner {
     backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
     /// The verbs backend, or why this agent has none.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Result<crate::verbs::link::Backend, String>,
+    pub(crate) verbs: Result<crate::verbs::link::Backend, Arc<LinkError>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -269,7 +269,7 @@ pub(crate) struct Peer {
     pub(crate) meta: AgentMetadata,
     pub(crate) link: PeerLink,
     /// Which backend this peer got and why (see [`Agent::peer_backend`]).
-    pub(crate) backend: (&'static str, String),
+    pub(crate) backend: (Backend, String),
 }
 
 /// The backend seam: how reads and notifications reach one peer.
@@ -401,7 +401,8 @@ impl Agent {
             &config.auth_token,
             config.advertise.unwrap_or(local_addr).ip(),
             &config.limits,
-        );
+        )
+        .map_err(Arc::new);
         let inner = Arc::new(Inner {
             name: config.name,
             token: config.auth_token,
@@ -468,7 +469,11 @@ impl Agent {
             // Directly, through dmabuf, or through a host mirror; peers fall back to TCP
             // reads of a region that none of these could register.
             if let Err(e) = v.register(desc.id, region.clone()) {
-                tracing::warn!(id = desc.id, "verbs registration failed (TCP only): {e}");
+                tracing::warn!(
+                    id = desc.id,
+                    "verbs registration failed (TCP only): {}",
+                    e.chain()
+                );
             }
             self.inner.set_backend_metadata("verbs", Some(v.metadata()));
         }
@@ -524,7 +529,7 @@ impl Agent {
         #[cfg(feature = "verbs")]
         if let Ok(v) = &self.inner.verbs {
             v.sync_out(region.0, offset, len)
-                .map_err(|reason| RegisterError::Mirror { region, reason })?;
+                .map_err(|source| RegisterError::Mirror { region, source })?;
         }
         Ok(())
     }
@@ -600,7 +605,7 @@ impl Agent {
         let (link, backend) = match self.inner.backend {
             BackendChoice::Tcp => (
                 self.connect_tcp(&meta)?,
-                ("tcp", "backend tcp was asked for".to_owned()),
+                (Backend::Tcp, LinkError::TcpRequested.to_string()),
             ),
             BackendChoice::Verbs | BackendChoice::Auto => {
                 let tcp = tcp::client::connect(&self.inner, &meta)?;
@@ -610,23 +615,24 @@ impl Agent {
                         (
                             link,
                             (
-                                "verbs",
+                                Backend::Verbs,
                                 "both sides have a usable RDMA device and the queue pair connected"
                                     .to_owned(),
                             ),
                         )
                     }
-                    Err(reason) if self.inner.backend == BackendChoice::Verbs => {
+                    Err(source) if self.inner.backend == BackendChoice::Verbs => {
                         tcp.close();
                         return Err(ConnectError::BackendUnavailable {
-                            backend: "verbs",
+                            backend: Backend::Verbs,
                             peer: meta.name,
-                            reason,
+                            source,
                         });
                     }
-                    Err(reason) => {
+                    Err(e) => {
+                        let reason = e.chain();
                         tracing::info!(peer = %meta.name, %reason, "backend auto: verbs unusable for this peer; using TCP");
-                        (PeerLink::Tcp(tcp), ("tcp", reason))
+                        (PeerLink::Tcp(tcp), (Backend::Tcp, reason))
                     }
                 }
             }
@@ -642,9 +648,10 @@ impl Agent {
         Ok(PeerId(id))
     }
 
-    /// Which backend `peer` got (`"tcp"` or `"verbs"`) and why (for `auto`: the reason
-    /// verbs was not used, e.g. "no RDMA device: ...").
-    pub fn peer_backend(&self, peer: PeerId) -> Option<(&'static str, String)> {
+    /// Which backend `peer` got and why (for `auto`: the reason verbs was not used, a
+    /// [`LinkError`] with its causes, e.g. "this agent has no verbs backend: verbs:
+    /// opening the device failed: no RDMA device: ...").
+    pub fn peer_backend(&self, peer: PeerId) -> Option<(Backend, String)> {
         lock(&self.inner.peers)
             .get(&peer.0)
             .map(|p| p.backend.clone())
@@ -655,8 +662,12 @@ impl Agent {
         &self,
         meta: &AgentMetadata,
         tcp: &Arc<tcp::TcpLink>,
-    ) -> Result<PeerLink, String> {
-        let backend = self.inner.verbs.as_ref().map_err(Clone::clone)?;
+    ) -> Result<PeerLink, LinkError> {
+        let backend = self
+            .inner
+            .verbs
+            .as_ref()
+            .map_err(|e| LinkError::NoBackend(Arc::clone(e)))?;
         let link = backend.connect(&self.inner.name, meta, Arc::clone(tcp))?;
         Ok(PeerLink::Verbs(Arc::new(link)))
     }
@@ -667,8 +678,8 @@ impl Agent {
         &self,
         _meta: &AgentMetadata,
         _tcp: &Arc<tcp::TcpLink>,
-    ) -> Result<PeerLink, String> {
-        Err("this build has no verbs backend (feature `verbs` off)".into())
+    ) -> Result<PeerLink, LinkError> {
+        Err(LinkError::NotBuilt)
     }
 
     fn connect_tcp(&self, meta: &AgentMetadata) -> Result<PeerLink, ConnectError> {

@@ -39,9 +39,9 @@ pub(crate) struct BatchState {
     pub(crate) bytes: u64,
     pub(crate) ops: usize,
     pub(crate) fence_word: Option<u64>,
-    /// The backend that moves the bytes (`"tcp"` unless the verbs link posts it to its
+    /// The backend that moves the bytes (TCP unless the verbs link posts it to its
     /// queue pair).
-    pub(crate) backend: &'static str,
+    pub(crate) backend: crate::Backend,
 }
 
 /// What the backend must do after a data chunk completed.
@@ -193,7 +193,7 @@ impl Batch {
                 bytes: 0,
                 ops,
                 fence_word: None,
-                backend: "tcp",
+                backend: crate::Backend::Tcp,
             }),
             settled: AtomicBool::new(false),
         }

@@ -22,6 +22,34 @@ pub enum BackendChoice {
     Tcp,
 }
 
+/// The backend that carries a peer's reads, or that moved a batch's bytes
+/// ([`BatchStats::backend`](crate::BatchStats::backend),
+/// [`Agent::peer_backend`](crate::Agent::peer_backend)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Backend {
+    /// RDMA READ over an RC queue pair (the `verbs` feature).
+    Verbs,
+    /// The TCP backend (always built).
+    Tcp,
+}
+
+impl Backend {
+    /// The backend's name as logs and metrics write it: `"verbs"` or `"tcp"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Verbs => "verbs",
+            Self::Tcp => "tcp",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Sizes and timeouts that bound what a peer can make this agent do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -1,6 +1,9 @@
 //! Errors, one enum per operation family.
 
-use kvlease_gpu_mem::RegionAccessError;
+use std::error::Error as StdError;
+use std::io;
+
+use kvlease_gpu_mem::{MemoryKind, RegionAccessError, staging::StagingError};
 
 use crate::agent::{BatchId, PeerId, RegionId};
 
@@ -18,11 +21,11 @@ pub enum AgentError {
         addr: std::net::SocketAddr,
         /// The OS error.
         #[source]
-        source: std::io::Error,
+        source: io::Error,
     },
     /// Starting the listener thread failed.
     #[error("starting the TCP listener thread failed")]
-    Thread(#[source] std::io::Error),
+    Thread(#[source] io::Error),
 }
 
 /// Why a registration call failed.
@@ -50,12 +53,13 @@ pub enum RegisterError {
     },
     /// Copying a region's range into the host mirror that verbs peers read failed
     /// (a CUDA copy error); peers must not be told to read that range.
-    #[error("copying region {region:?} into its verbs mirror failed: {reason}")]
+    #[error("copying region {region:?} into its verbs mirror failed")]
     Mirror {
         /// The region.
         region: RegionId,
         /// What the copy said.
-        reason: String,
+        #[source]
+        source: LinkError,
     },
 }
 
@@ -92,7 +96,7 @@ pub enum ConnectError {
         addr: String,
         /// The OS error.
         #[source]
-        source: std::io::Error,
+        source: io::Error,
     },
     /// The peer speaks another protocol version or broke the handshake.
     #[error("handshake with peer {peer} failed: {reason}")]
@@ -115,21 +119,186 @@ pub enum ConnectError {
         peer: String,
     },
     /// The requested backend cannot reach this peer.
-    #[error("backend {backend} unavailable for peer {peer}: {reason}")]
+    #[error("backend {backend} unavailable for peer {peer}")]
     BackendUnavailable {
-        /// Backend name.
-        backend: &'static str,
+        /// The backend that was asked for.
+        backend: crate::Backend,
         /// Peer name.
         peer: String,
         /// Why.
-        reason: String,
+        #[source]
+        source: LinkError,
     },
     /// The OS random source failed.
     #[error("random source failed: {0}")]
     Random(getrandom::Error),
     /// Starting a connection thread failed.
     #[error("starting a connection thread failed")]
-    Thread(#[source] std::io::Error),
+    Thread(#[source] io::Error),
+}
+
+/// Why the verbs backend cannot serve a peer, a region or a range: the cause of
+/// [`ConnectError::BackendUnavailable`] and [`RegisterError::Mirror`], and (rendered with
+/// its causes) the reason [`Agent::peer_backend`](crate::Agent::peer_backend) gives for a
+/// peer that fell back to TCP.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkError {
+    /// The agent was configured for TCP only.
+    #[error("backend tcp was asked for")]
+    TcpRequested,
+    /// The crate was built without the `verbs` feature.
+    #[error("this build has no verbs backend (feature `verbs` off)")]
+    NotBuilt,
+    /// This agent has no verbs backend: starting it failed (shared by every peer, hence
+    /// the `Arc`).
+    #[error("this agent has no verbs backend")]
+    NoBackend(#[source] std::sync::Arc<Self>),
+    /// A verbs call failed: opening the device, a protection domain, an endpoint, a
+    /// registration, a queue pair transition.
+    #[cfg(feature = "verbs")]
+    #[error("verbs: {op} failed")]
+    Verbs {
+        /// What was done.
+        op: &'static str,
+        /// The verbs error.
+        #[source]
+        source: crate::verbs::VerbsError,
+    },
+    /// IO on the queue-pair side channel (TCP) failed.
+    #[error("verbs side channel: {op} failed")]
+    SideChannel {
+        /// What was done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The OS random source failed (side-channel nonces must be unguessable).
+    #[error("random source failed: {0}")]
+    Random(getrandom::Error),
+    /// The peer's metadata has no verbs entry.
+    #[error("the peer offers no verbs backend (no RDMA device there)")]
+    PeerHasNoVerbs,
+    /// The peer's verbs entry lacks a usable side-channel address.
+    #[error("the peer's verbs entry has no side-channel address")]
+    NoSideChannelAddress,
+    /// The other side refused the queue pair; `reason` is its text.
+    #[error("the peer refused the queue pair: {reason}")]
+    Refused {
+        /// What the peer sent (at most 1 KiB, lossily decoded).
+        reason: String,
+    },
+    /// This side refused a peer's request (P's side channel; logged only).
+    #[error("refused the peer: {reason}")]
+    RefusedPeer {
+        /// What was sent to the peer.
+        reason: String,
+    },
+    /// A side-channel message with an unknown tag.
+    #[error("unexpected side-channel message {tag:?}")]
+    UnexpectedMessage {
+        /// Its 4-byte tag.
+        tag: [u8; 4],
+    },
+    /// The peer sent a connection info that does not decode.
+    #[cfg(feature = "verbs")]
+    #[error("the peer's connection info is malformed")]
+    BadConnectionInfo(#[source] crate::verbs::VerbsError),
+    /// The peer's side channel asks for the cluster token and this agent has none.
+    #[error(
+        "the peer's verbs side channel requires the cluster token; configure the same auth \
+         token on this agent"
+    )]
+    TokenRequired,
+    /// This agent has a token and the peer did not ask for it.
+    #[error(
+        "the peer's verbs side channel did not ask for the cluster token (the peer has none \
+         configured): refusing an unauthenticated peer"
+    )]
+    PeerUnauthenticated,
+    /// The peer's proof of the cluster token is wrong.
+    #[error("the peer's verbs side channel proof is wrong: it holds a different cluster token")]
+    WrongProof,
+    /// Memory that verbs can register neither itself nor through a mirror.
+    #[cfg(feature = "verbs")]
+    #[error("{kind} memory cannot be registered with verbs nor mirrored")]
+    NotMirrorable {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Why verbs refused the region itself, where it was tried.
+        #[source]
+        source: Option<crate::verbs::VerbsError>,
+    },
+    /// Allocating a host mirror failed.
+    #[error("allocating a {memory} mirror of {len} bytes failed")]
+    MirrorAlloc {
+        /// `host` or `cuda-pinned`.
+        memory: &'static str,
+        /// Its length.
+        len: usize,
+        /// The allocator's error.
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// A pinned mirror for CUDA memory in a build without the `cuda` feature.
+    #[error("pinned mirror on cuda:{ordinal}: this build has no `cuda` feature")]
+    NoCudaMirror {
+        /// The CUDA device.
+        ordinal: u32,
+    },
+    /// A range of a mirrored region is unusable.
+    #[error("range [{offset}+{len}] of a mirrored region is unusable")]
+    MirrorRange {
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        #[source]
+        source: RegionAccessError,
+    },
+    /// Copying a range region -> mirror (`sync_for_peers`) failed.
+    #[error("copying [{offset}+{len}] of a {kind} region into its mirror failed")]
+    SyncOut {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The copy's error.
+        #[source]
+        source: StagingError,
+    },
+    /// Copying a range mirror -> region (after a read landed in the mirror) failed.
+    #[error("copying [{offset}+{len}] from the mirror into its {kind} region failed")]
+    SyncIn {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The copy's error.
+        #[source]
+        source: StagingError,
+    },
+}
+
+impl LinkError {
+    /// The error and its causes, joined with `": "` (for the log and
+    /// [`Agent::peer_backend`](crate::Agent::peer_backend)).
+    pub(crate) fn chain(&self) -> String {
+        let mut out = self.to_string();
+        let mut cause = self.source();
+        while let Some(e) = cause {
+            out.push_str(": ");
+            out.push_str(&e.to_string());
+            cause = e.source();
+        }
+        out
+    }
 }
 
 /// Why the target refused one read op.

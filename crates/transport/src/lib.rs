@@ -40,14 +40,18 @@ mod error;
 pub mod metadata;
 mod tcp;
 
+// `unsafe` is allowed only in three verbs modules, each with its own
+// `#[allow(unsafe_code)]`: `verbs::memory` and `verbs::endpoint` (raw memory handed to
+// libibverbs) and `verbs::mirror` (a mirror's bytes lent to the staging copy).
 #[cfg(feature = "verbs")]
-#[allow(unsafe_code)]
 pub mod verbs;
 
 pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
     ReadBatch, ReadOp, RegionId, RemoteRange, TransportStats,
 };
-pub use config::{AgentConfig, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
-pub use error::{AgentError, ConnectError, MetadataError, Refusal, RegisterError, TransferError};
+pub use config::{AgentConfig, Backend, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
+pub use error::{
+    AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,
+};
 pub use metadata::{AgentMetadata, RegionDesc};

@@ -1081,3 +1081,31 @@ fn a_peer_dying_mid_staged_transfer_fails_that_batch_and_staging_goes_on() -> Re
     );
     Ok(())
 }
+
+/// The public types cross threads (like tokio's `tests/async_send_sync.rs`); the verbs
+/// types are checked in `src/verbs/tests.rs`.
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Agent>();
+    send_sync::<AgentConfig>();
+    send_sync::<kvlease_transport::AgentMetadata>();
+    send_sync::<ReadBatch>();
+    send_sync::<BatchStatus>();
+    send_sync::<kvlease_transport::BatchStats>();
+    send_sync::<kvlease_transport::TransportStats>();
+    send_sync::<kvlease_transport::AgentError>();
+    send_sync::<ConnectError>();
+    send_sync::<kvlease_transport::RegisterError>();
+    send_sync::<kvlease_transport::MetadataError>();
+    send_sync::<TransferError>();
+    send_sync::<kvlease_transport::LinkError>();
+    send_sync::<kvlease_transport::Backend>();
+}
+
+#[test]
+fn backend_names() {
+    use kvlease_transport::Backend;
+    assert_eq!(Backend::Verbs.as_str(), "verbs");
+    assert_eq!(Backend::Tcp.to_string(), "tcp");
+}

@@ -1,8 +1,9 @@
 //! The reader side: connections to one peer, striping, completion of chunks.
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -446,10 +447,9 @@ fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<
             conn.receiving.store(op.batch.id, Ordering::SeqCst);
         }
         let result = match &op.dest {
-            Dest::Data { region, offset } if region.kind().is_host_accessible() => region
-                .with_bytes_mut(*offset, n, |buf| r.read_exact(buf))
-                .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
-                .map(|()| None),
+            Dest::Data { region, offset } if region.kind().is_host_accessible() => {
+                receive_into(region.as_ref(), *offset, n, r).map(|()| None)
+            }
             Dest::Data { region, offset } => match (usize::try_from(*offset), usize::try_from(n)) {
                 // The pipelined stager: the read of chunk i+1 overlaps the copy of chunk i.
                 (Ok(off), Ok(len)) => stager
@@ -489,6 +489,32 @@ fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<
         }
         link.advance(&op.batch, next);
     }
+}
+
+/// Receives `n` bytes into `offset..offset + n` of a host-accessible destination: what the
+/// reader already buffered is copied, the rest is read from the socket straight into the
+/// region (no staging copy, and no `&mut` to region bytes that another connection's
+/// reader or the region's owner could alias; see `RegionBytes`).
+fn receive_into(
+    region: &dyn DmaRegion,
+    offset: u64,
+    n: u64,
+    r: &mut BufReader<TcpStream>,
+) -> io::Result<()> {
+    region
+        .check_host_range(offset, n)
+        .map_err(io::Error::other)?;
+    let buffered = r.buffer();
+    // At most `n`, and at most the buffer's length (a `usize`).
+    let from_buffer = n.min(buffered.len() as u64) as usize;
+    region
+        .write_from(offset, &buffered[..from_buffer])
+        .map_err(io::Error::other)?;
+    r.consume(from_buffer);
+    let done = from_buffer as u64;
+    region
+        .read_from_fd(offset + done, n - done, r.get_ref().as_fd())
+        .map_err(io::Error::other)?
 }
 
 fn discard(r: &mut impl Read, mut n: u64, scratch: &mut Vec<u8>) -> io::Result<()> {

@@ -21,7 +21,7 @@
 //! name ‖ 0 ‖ client name`. Both nonces are fresh per connection, so a recorded proof is
 //! worthless on another connection.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -248,21 +248,4 @@ pub(crate) fn keys_equal(a: u64, b: u64) -> bool {
 /// Constant-time comparison of two proofs.
 pub(crate) fn proofs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// Writes all of `bufs` with vectored writes (header + payload without a staging copy).
-pub(crate) fn write_all_vectored(
-    w: &mut impl Write,
-    mut bufs: &mut [io::IoSlice<'_>],
-) -> io::Result<()> {
-    io::IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -29,10 +29,11 @@ use super::mirror::Registration;
 use super::{
     BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
     Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion,
+    VerbsError,
 };
 use crate::agent::FenceRead;
 use crate::batch::{Batch, Next};
-use crate::error::TransferError;
+use crate::error::{LinkError, TransferError};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
 
@@ -73,7 +74,7 @@ impl Backend {
         ip: IpAddr,
         timeout: Duration,
         token: Option<Vec<u8>>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LinkError> {
         let mut config = DeviceConfig::any();
         if let IpAddr::V4(v4) = ip
             && !v4.is_unspecified()
@@ -81,13 +82,15 @@ impl Backend {
         {
             config = config.with_ipv4(v4);
         }
-        let device = Device::open(&config).map_err(|e| e.to_string())?;
-        let pd = device.alloc_pd().map_err(|e| e.to_string())?;
-        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("side channel bind: {e}"))?;
-        let listen = listener.local_addr().map_err(|e| e.to_string())?;
+        let device = Device::open(&config).map_err(verbs("opening the device"))?;
+        let pd = device
+            .alloc_pd()
+            .map_err(verbs("allocating a protection domain"))?;
+        let listener = TcpListener::bind((ip, 0)).map_err(side_io("bind"))?;
+        let listen = listener.local_addr().map_err(side_io("local address"))?;
         listener
             .set_nonblocking(true)
-            .map_err(|e| format!("side channel: {e}"))?;
+            .map_err(side_io("set_nonblocking"))?;
         // Notifications stay on the TCP link; the receive ring only has to exist.
         let endpoint = EndpointConfig {
             recv_slots: 4,
@@ -105,7 +108,7 @@ impl Backend {
         std::thread::Builder::new()
             .name("kvlease-verbs-listen".into())
             .spawn(move || serve.accept_loop(listener))
-            .map_err(|e| format!("side channel thread: {e}"))?;
+            .map_err(side_io("starting the listener thread"))?;
         tracing::info!(device = device.name(), gid = %device.gid(), side_channel = %listen, "verbs backend ready");
         Ok(Self {
             pd,
@@ -120,7 +123,7 @@ impl Backend {
 
     /// Registers a region of the agent (whole, once): directly, through dmabuf, or
     /// through a registered host mirror (see [`super::mirror`]).
-    pub(crate) fn register(&self, id: u64, region: Arc<dyn DmaRegion>) -> Result<(), String> {
+    pub(crate) fn register(&self, id: u64, region: Arc<dyn DmaRegion>) -> Result<(), LinkError> {
         let reg = Registration::new(&self.pd, region)?;
         lock(&self.regions).insert(id, reg);
         Ok(())
@@ -129,7 +132,7 @@ impl Backend {
     /// Copies `offset..offset + len` of region `id` into its mirror, so that peers' READs
     /// see it. Ok without a mirror, and for a region verbs did not register (peers read
     /// that one over TCP, from the region itself).
-    pub(crate) fn sync_out(&self, id: u64, offset: u64, len: u64) -> Result<(), String> {
+    pub(crate) fn sync_out(&self, id: u64, offset: u64, len: u64) -> Result<(), LinkError> {
         let reg = lock(&self.regions).get(&id).cloned();
         match reg {
             Some(reg) => reg.sync_out(offset, len),
@@ -178,16 +181,16 @@ impl Backend {
         own_name: &str,
         meta: &AgentMetadata,
         tcp: Arc<TcpLink>,
-    ) -> Result<Link, String> {
+    ) -> Result<Link, LinkError> {
         let entry = meta
             .backends
             .get("verbs")
-            .ok_or("the peer offers no verbs backend (no RDMA device there)")?;
+            .ok_or(LinkError::PeerHasNoVerbs)?;
         let addr: SocketAddr = entry
             .get("addr")
             .and_then(|a| a.as_str())
             .and_then(|a| a.parse().ok())
-            .ok_or("the peer's verbs entry has no side-channel address")?;
+            .ok_or(LinkError::NoSideChannelAddress)?;
         let rkeys: HashMap<u64, u32> = entry
             .get("rkeys")
             .and_then(|r| r.as_object())
@@ -207,31 +210,38 @@ impl Backend {
                     .collect()
             })
             .unwrap_or_default();
-        let mut side = TcpStream::connect_timeout(&addr, self.timeout)
-            .map_err(|e| format!("side channel {addr}: {e}"))?;
+        let mut side =
+            TcpStream::connect_timeout(&addr, self.timeout).map_err(side_io("connect"))?;
         side.set_read_timeout(Some(self.timeout))
-            .map_err(|e| e.to_string())?;
+            .map_err(side_io("set_read_timeout"))?;
         side.set_write_timeout(Some(self.timeout))
-            .map_err(|e| e.to_string())?;
-        let mut ep = Endpoint::new(&self.pd, self.endpoint.clone()).map_err(|e| e.to_string())?;
+            .map_err(side_io("set_write_timeout"))?;
+        let mut ep = Endpoint::new(&self.pd, self.endpoint.clone())
+            .map_err(verbs("creating an endpoint"))?;
         let name = own_name.as_bytes();
         let mut req = Vec::with_capacity(6 + name.len() + INFO_LEN);
         req.extend_from_slice(CONNECT);
         req.extend_from_slice(&u16::try_from(name.len()).unwrap_or(u16::MAX).to_be_bytes());
         req.extend_from_slice(&name[..name.len().min(usize::from(u16::MAX))]);
         req.extend_from_slice(&ep.local_info().encode());
-        let nonce = tcp::wire::random_nonce().map_err(|e| format!("random nonce: {e}"))?;
+        let nonce = tcp::wire::random_nonce().map_err(LinkError::Random)?;
         req.extend_from_slice(&nonce);
         side.write_all(&req)
-            .map_err(|e| format!("side channel: {e}"))?;
+            .map_err(side_io("sending the request"))?;
         let remote = self.authenticated_reply(&mut side, own_name, &nonce)?;
-        ep.connect(&remote).map_err(|e| e.to_string())?;
-        let fence_words =
-            Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| e.to_string())?);
+        ep.connect(&remote)
+            .map_err(verbs("connecting the queue pair"))?;
+        let fence_words = Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| {
+            LinkError::MirrorAlloc {
+                memory: "host fence-word",
+                len: FENCE_SLOTS as usize * 8,
+                source: Box::new(e),
+            }
+        })?);
         let fence_mr = self
             .pd
             .register(Arc::clone(&fence_words) as Arc<dyn DmaRegion>)
-            .map_err(|e| e.to_string())?;
+            .map_err(verbs("registering the fence words"))?;
         let regions = lock(&self.regions).clone();
         Ok(Link {
             peer: meta.name.clone(),
@@ -260,8 +270,8 @@ impl Backend {
         side: &mut TcpStream,
         own_name: &str,
         nonce: &tcp::wire::Nonce,
-    ) -> Result<ConnectionInfo, String> {
-        let io = |e: std::io::Error| format!("side channel: {e}");
+    ) -> Result<ConnectionInfo, LinkError> {
+        let io = side_io("the authenticated reply");
         let mut tag = [0u8; 4];
         side.read_exact(&mut tag).map_err(io)?;
         let mut server_nonce = None;
@@ -269,9 +279,7 @@ impl Backend {
             let mut theirs = [0u8; 32];
             side.read_exact(&mut theirs).map_err(io)?;
             let Some(token) = &self.token else {
-                return Err("the peer's verbs side channel requires the cluster token; \
-                     configure the same auth token on this agent"
-                    .into());
+                return Err(LinkError::TokenRequired);
             };
             let proof = tcp::wire::proof(token, CLIENT_ROLE, nonce, &theirs, own_name, "");
             let mut out = PROOF.to_vec();
@@ -283,19 +291,13 @@ impl Backend {
         let info = read_reply_after(side, tag)?;
         if let Some(token) = &self.token {
             let Some(theirs) = server_nonce else {
-                return Err(
-                    "the peer's verbs side channel did not ask for the cluster token \
-                     (the peer has none configured): refusing an unauthenticated peer"
-                        .into(),
-                );
+                return Err(LinkError::PeerUnauthenticated);
             };
             let mut got = [0u8; 32];
             side.read_exact(&mut got).map_err(io)?;
             let want = tcp::wire::proof(token, SERVER_ROLE, nonce, &theirs, "", own_name);
             if !tcp::wire::proofs_equal(&got, &want) {
-                return Err("the peer's verbs side channel proof is wrong: \
-                     it holds a different cluster token"
-                    .into());
+                return Err(LinkError::WrongProof);
             }
         }
         Ok(info)
@@ -308,31 +310,42 @@ impl Drop for Backend {
     }
 }
 
-fn read_reply(side: &mut TcpStream) -> Result<ConnectionInfo, String> {
+fn read_reply(stream: &mut TcpStream) -> Result<ConnectionInfo, LinkError> {
     let mut tag = [0u8; 4];
-    side.read_exact(&mut tag)
-        .map_err(|e| format!("side channel: {e}"))?;
-    read_reply_after(side, tag)
+    stream
+        .read_exact(&mut tag)
+        .map_err(side_io("reading a reply"))?;
+    read_reply_after(stream, tag)
 }
 
 /// The rest of an `ACCEPT` / `REFUSE` reply whose tag was read.
-fn read_reply_after(side: &mut TcpStream, tag: [u8; 4]) -> Result<ConnectionInfo, String> {
+fn read_reply_after(stream: &mut TcpStream, tag: [u8; 4]) -> Result<ConnectionInfo, LinkError> {
+    let io = side_io("reading a reply");
     if &tag == ACCEPT {
         let mut info = [0u8; INFO_LEN];
-        side.read_exact(&mut info)
-            .map_err(|e| format!("side channel: {e}"))?;
-        return ConnectionInfo::decode(&info).map_err(|e| e.to_string());
+        stream.read_exact(&mut info).map_err(io)?;
+        return ConnectionInfo::decode(&info).map_err(LinkError::BadConnectionInfo);
     }
     if &tag == REFUSE {
         let mut len = [0u8; 2];
-        side.read_exact(&mut len)
-            .map_err(|e| format!("side channel: {e}"))?;
+        stream.read_exact(&mut len).map_err(io)?;
         let mut why = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        side.read_exact(&mut why)
-            .map_err(|e| format!("side channel: {e}"))?;
-        return Err(format!("peer refused: {}", String::from_utf8_lossy(&why)));
+        stream.read_exact(&mut why).map_err(io)?;
+        return Err(LinkError::Refused {
+            reason: String::from_utf8_lossy(&why).into_owned(),
+        });
     }
-    Err("side channel: unknown reply".into())
+    Err(LinkError::UnexpectedMessage { tag })
+}
+
+/// A `map_err` adapter: IO on the side channel failed while doing `op`.
+fn side_io(op: &'static str) -> impl Fn(std::io::Error) -> LinkError + Copy {
+    move |source| LinkError::SideChannel { op, source }
+}
+
+/// A `map_err` adapter: the verbs call behind `op` failed.
+fn verbs(op: &'static str) -> impl Fn(VerbsError) -> LinkError + Copy {
+    move |source| LinkError::Verbs { op, source }
 }
 
 /// P's side of the side channel: one thread per connecting peer, owning its endpoint.
@@ -355,7 +368,7 @@ impl Server {
                         .name("kvlease-verbs-peer".into())
                         .spawn(move || {
                             if let Err(e) = s.serve(stream) {
-                                tracing::warn!(%from, "verbs side channel closed: {e}");
+                                tracing::warn!(%from, "verbs side channel closed: {}", e.chain());
                             }
                         });
                     if let Err(e) = spawned {
@@ -373,15 +386,15 @@ impl Server {
         }
     }
 
-    fn serve(&self, mut s: TcpStream) -> Result<(), String> {
-        let io = |e: std::io::Error| e.to_string();
+    fn serve(&self, mut s: TcpStream) -> Result<(), LinkError> {
+        let io = side_io("serving a peer");
         s.set_nonblocking(false).map_err(io)?;
         s.set_read_timeout(Some(self.timeout)).map_err(io)?;
         s.set_write_timeout(Some(self.timeout)).map_err(io)?;
         let mut tag = [0u8; 4];
         s.read_exact(&mut tag).map_err(io)?;
         if &tag != CONNECT {
-            return Err("not a verbs connect request".into());
+            return Err(LinkError::UnexpectedMessage { tag });
         }
         let mut len = [0u8; 2];
         s.read_exact(&mut len).map_err(io)?;
@@ -393,13 +406,13 @@ impl Server {
         s.read_exact(&mut client_nonce).map_err(io)?;
         let server_nonce = match &self.token {
             Some(token) => {
-                let ours = tcp::wire::random_nonce().map_err(|e| format!("random nonce: {e}"))?;
+                let ours = tcp::wire::random_nonce().map_err(LinkError::Random)?;
                 let mut out = CHALLENGE.to_vec();
                 out.extend_from_slice(&ours);
                 s.write_all(&out).map_err(io)?;
                 s.read_exact(&mut tag).map_err(io)?;
                 if &tag != PROOF {
-                    return Err(format!("peer {name:?} sent no token proof"));
+                    return refuse(&mut s, "no cluster token proof sent");
                 }
                 let mut got = [0u8; 32];
                 s.read_exact(&mut got).map_err(io)?;
@@ -458,10 +471,10 @@ impl Server {
                     continue;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(io(e)),
             }
             if &tag != RESET {
-                return Err("unknown side-channel request".into());
+                return Err(LinkError::UnexpectedMessage { tag });
             }
             s.set_read_timeout(Some(self.timeout)).map_err(io)?;
             let remote = read_info(&mut s)?;
@@ -479,25 +492,29 @@ impl Server {
     }
 }
 
-fn read_info(s: &mut TcpStream) -> Result<ConnectionInfo, String> {
+fn read_info(s: &mut TcpStream) -> Result<ConnectionInfo, LinkError> {
     let mut info = [0u8; INFO_LEN];
-    s.read_exact(&mut info).map_err(|e| e.to_string())?;
-    ConnectionInfo::decode(&info).map_err(|e| e.to_string())
+    s.read_exact(&mut info)
+        .map_err(side_io("reading connection info"))?;
+    ConnectionInfo::decode(&info).map_err(LinkError::BadConnectionInfo)
 }
 
-fn accept(s: &mut TcpStream, info: &ConnectionInfo) -> Result<(), String> {
+fn accept(s: &mut TcpStream, info: &ConnectionInfo) -> Result<(), LinkError> {
     let mut out = ACCEPT.to_vec();
     out.extend_from_slice(&info.encode());
-    s.write_all(&out).map_err(|e| e.to_string())
+    s.write_all(&out).map_err(side_io("accepting"))
 }
 
-fn refuse(s: &mut TcpStream, why: &str) -> Result<(), String> {
+/// Sends `why` to the peer and returns it as this side's error (for the log).
+fn refuse(s: &mut TcpStream, why: &str) -> Result<(), LinkError> {
     let why = &why.as_bytes()[..why.len().min(1024)];
     let mut out = REFUSE.to_vec();
     out.extend_from_slice(&u16::try_from(why.len()).unwrap_or(0).to_be_bytes());
     out.extend_from_slice(why);
-    s.write_all(&out).map_err(|e| e.to_string())?;
-    Err(format!("refused: {}", String::from_utf8_lossy(why)))
+    s.write_all(&out).map_err(side_io("refusing"))?;
+    Err(LinkError::RefusedPeer {
+        reason: String::from_utf8_lossy(why).into_owned(),
+    })
 }
 
 /// A verbs link to one peer (D's side): RDMA READs on the queue pair, notifications on
@@ -571,23 +588,21 @@ impl Link {
         &self,
         batch: &Batch,
         chunks: &[tcp::Chunk],
-    ) -> Result<Vec<Registration>, String> {
+    ) -> Result<Vec<Registration>, NoVerbsRoute> {
         let unregistered = |region: u64| {
             !self.rkeys.contains_key(&region) && self.meta.regions.iter().any(|r| r.id == region)
         };
         if let Some(c) = chunks.iter().find(|c| unregistered(c.remote.region)) {
-            return Err(format!(
-                "peer region {} has no verbs registration",
-                c.remote.region
-            ));
+            return Err(NoVerbsRoute::PeerRegion {
+                region: c.remote.region,
+            });
         }
         if let Some(f) = batch.lock().fence
             && unregistered(f.remote.region)
         {
-            return Err(format!(
-                "peer fence region {} has no verbs registration",
-                f.remote.region
-            ));
+            return Err(NoVerbsRoute::PeerFenceRegion {
+                region: f.remote.region,
+            });
         }
         chunks
             .iter()
@@ -596,17 +611,14 @@ impl Link {
                     .values()
                     .find(|reg| Arc::ptr_eq(reg.region(), &c.dest))
                     .cloned()
-                    .ok_or_else(|| {
-                        format!(
-                            "local {} region has no verbs registration on this link",
-                            c.dest.kind()
-                        )
+                    .ok_or_else(|| NoVerbsRoute::Local {
+                        kind: c.dest.kind(),
                     })
             })
             .collect()
     }
 
-    fn rdma_failed(&self, reason: String) -> TransferError {
+    fn rdma_failed(&self, reason: &dyn std::fmt::Display) -> TransferError {
         TransferError::Disconnected {
             peer: self.peer.clone(),
             reason: format!("verbs: {reason}"),
@@ -678,7 +690,7 @@ impl Link {
             None => None,
         };
         // Set before posting, so a timeout racing the post finds it on the queue pair.
-        batch.lock().backend = "verbs";
+        batch.lock().backend = crate::Backend::Verbs;
         match st.ep.post_read_batch(&ops, fence_op.as_ref(), None) {
             Ok(id) => {
                 st.tracked.insert(
@@ -696,7 +708,7 @@ impl Link {
                 if let Some((slot, _)) = fence {
                     st.free_fence.push(slot);
                 }
-                Err(self.rdma_failed(e.to_string()))
+                Err(self.rdma_failed(&e))
             }
         }
     }
@@ -717,11 +729,11 @@ impl Link {
             }
             if st.ep.state() == EndpointState::NeedsReconnect {
                 if let Err(e) = reconnect(st) {
-                    tracing::warn!(peer = %self.peer, "verbs reconnect failed: {e}");
+                    tracing::warn!(peer = %self.peer, "verbs reconnect failed: {}", e.chain());
                     for (_, t) in st.tracked.drain() {
-                        t.batch
-                            .lock()
-                            .fail(self.rdma_failed(format!("reconnect failed: {e}")));
+                        t.batch.lock().fail(
+                            self.rdma_failed(&format_args!("reconnect failed: {}", e.chain())),
+                        );
                     }
                     return;
                 }
@@ -761,7 +773,7 @@ impl Link {
                     {
                         bst.fail(TransferError::LocalCopy {
                             peer: self.peer.clone(),
-                            reason: e,
+                            reason: e.chain(),
                         });
                         continue;
                     }
@@ -777,7 +789,7 @@ impl Link {
                     }
                 }
                 VerbsStatus::Failed(e) => {
-                    bst.fail(self.rdma_failed(e.to_string()));
+                    bst.fail(self.rdma_failed(&e));
                 }
                 _ => {}
             }
@@ -793,7 +805,7 @@ impl Link {
     pub(crate) fn on_timeout(&self, batch: &Batch) {
         // A batch that went over TCP (see `verbs_route`) is cancelled there; the queue pair
         // has nothing of it to stop.
-        if batch.lock().backend == "tcp" {
+        if batch.lock().backend == crate::Backend::Tcp {
             self.tcp.on_timeout(batch);
             return;
         }
@@ -826,23 +838,35 @@ impl Link {
 }
 
 /// Copies each range that a batch read into a mirror over to its region.
-fn copy_back(ranges: &[(Registration, u64, u64)]) -> Result<(), String> {
+fn copy_back(ranges: &[(Registration, u64, u64)]) -> Result<(), LinkError> {
     for (reg, offset, len) in ranges {
-        reg.sync_in(*offset, *len)
-            .map_err(|e| format!("after the verbs read of [{offset}+{len}]: {e}"))?;
+        reg.sync_in(*offset, *len)?;
     }
     Ok(())
 }
 
-fn reconnect(st: &mut LinkState) -> Result<(), String> {
-    let info = st.ep.reset().map_err(|e| e.to_string())?;
+fn reconnect(st: &mut LinkState) -> Result<(), LinkError> {
+    let info = st.ep.reset().map_err(verbs("resetting the queue pair"))?;
     let mut req = RESET.to_vec();
     req.extend_from_slice(&info.encode());
     st.side
         .write_all(&req)
-        .map_err(|e| format!("side channel: {e}"))?;
+        .map_err(side_io("sending a reset"))?;
     let remote = read_reply(&mut st.side)?;
-    st.ep.connect(&remote).map_err(|e| e.to_string())
+    st.ep
+        .connect(&remote)
+        .map_err(verbs("reconnecting the queue pair"))
+}
+
+/// Why a batch goes over the peer's TCP link instead of the queue pair (logged).
+#[derive(Debug, thiserror::Error)]
+enum NoVerbsRoute {
+    #[error("peer region {region} has no verbs registration")]
+    PeerRegion { region: u64 },
+    #[error("peer fence region {region} has no verbs registration")]
+    PeerFenceRegion { region: u64 },
+    #[error("local {kind} region has no verbs registration on this link")]
+    Local { kind: kvlease_gpu_mem::MemoryKind },
 }
 
 /// The agent's verbs backend for `choice`, or why there is none.
@@ -851,14 +875,14 @@ pub(crate) fn start_for(
     token: &Option<Vec<u8>>,
     ip: IpAddr,
     limits: &crate::config::Limits,
-) -> Result<Backend, String> {
+) -> Result<Backend, LinkError> {
     use crate::config::BackendChoice;
     if *choice == BackendChoice::Tcp {
-        return Err("backend tcp was asked for".into());
+        return Err(LinkError::TcpRequested);
     }
     let backend = Backend::start(ip, limits.handshake_timeout, token.clone());
-    if let Err(reason) = &backend {
-        tracing::info!(%reason, "verbs backend unavailable");
+    if let Err(e) = &backend {
+        tracing::info!(reason = %e.chain(), "verbs backend unavailable");
     }
     backend
 }

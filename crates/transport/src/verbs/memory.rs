@@ -286,16 +286,21 @@ impl fmt::Debug for MemoryRegion {
 
 /// Page-aligned, zeroed heap memory for the endpoint's notification rings.
 pub(crate) struct HeapBuffer {
-    ptr: NonNull<u8>,
+    ptr: HeapPtr,
     layout: Layout,
 }
 
-// SAFETY: HeapBuffer owns its allocation exclusively (like a Box<[u8]>); the raw pointer
-// is only dereferenced through `read`/`write`, whose callers own the slot they touch (a
-// slot is either posted to the NIC or owned by the CPU, never both).
-unsafe impl Send for HeapBuffer {}
-// SAFETY: see Send; `&self` methods touch only the slot range the caller owns.
-unsafe impl Sync for HeapBuffer {}
+/// The start of a [`HeapBuffer`]'s allocation: the one field that carries `unsafe impl
+/// Send/Sync`, so the buffer gets them from its fields.
+struct HeapPtr(NonNull<u8>);
+
+// SAFETY: the pointer is the start of a heap allocation owned by exactly one `HeapBuffer`
+// (like a `Box<[u8]>`), freed once in its Drop from whichever thread drops it.
+unsafe impl Send for HeapPtr {}
+// SAFETY: `&HeapPtr` only yields the address; the bytes are reached only through
+// `HeapBuffer::read`/`write`, whose callers own the slot they touch (a slot is either
+// posted to the NIC or owned by the CPU, never both).
+unsafe impl Sync for HeapPtr {}
 
 impl HeapBuffer {
     pub(crate) fn new(len: usize) -> Option<Self> {
@@ -303,7 +308,7 @@ impl HeapBuffer {
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         Some(Self {
-            ptr: NonNull::new(ptr)?,
+            ptr: HeapPtr(NonNull::new(ptr)?),
             layout,
         })
     }
@@ -312,7 +317,7 @@ impl HeapBuffer {
     pub(crate) fn read(&self, offset: usize, len: usize) -> Vec<u8> {
         assert!(offset + len <= self.layout.size(), "slot out of range");
         let mut out = vec![0u8; len];
-        let src = self.ptr.as_ptr().wrapping_add(offset);
+        let src = self.ptr.0.as_ptr().wrapping_add(offset);
         // SAFETY: `src..src+len` is in bounds (asserted), and the caller owns the range: the
         // NIC finished writing it (its receive completed) and nothing re-posted it yet.
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len) };
@@ -325,7 +330,7 @@ impl HeapBuffer {
             offset + data.len() <= self.layout.size(),
             "slot out of range"
         );
-        let dst = self.ptr.as_ptr().wrapping_add(offset);
+        let dst = self.ptr.0.as_ptr().wrapping_add(offset);
         // SAFETY: `dst..dst+len` is in bounds (asserted); the slot is free (its last send
         // completed), so neither the NIC nor another thread accesses it.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
@@ -335,7 +340,7 @@ impl HeapBuffer {
 impl Drop for HeapBuffer {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout, freed once here.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        unsafe { std::alloc::dealloc(self.ptr.0.as_ptr(), self.layout) };
     }
 }
 
@@ -351,7 +356,7 @@ impl fmt::Debug for HeapBuffer {
 // moved or resized; it is host memory.
 unsafe impl DmaRegion for HeapBuffer {
     fn base_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.ptr.0.as_ptr()
     }
     fn len(&self) -> usize {
         self.layout.size()

@@ -18,11 +18,12 @@
 //!   memory equal to the region (pinned, and counted against `RLIMIT_MEMLOCK`) and one copy
 //!   on each side of a transfer.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionBytes, staging};
+use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionAccessError, RegionBytes, staging};
 
 use super::{MemoryRegion, ProtectionDomain, VerbsError};
+use crate::error::LinkError;
 
 /// The registration path a memory kind tries first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,21 +70,27 @@ pub(crate) fn mirror_memory(kind: MemoryKind) -> Option<MirrorMemory> {
 }
 
 /// Allocates a zeroed mirror of `len` bytes.
-fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, String> {
+fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, LinkError> {
     match memory {
         MirrorMemory::Host => HostRegion::new(len)
             .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-            .map_err(|e| format!("host mirror of {len} bytes: {e}")),
+            .map_err(|e| LinkError::MirrorAlloc {
+                memory: "host",
+                len,
+                source: Box::new(e),
+            }),
         #[cfg(feature = "cuda")]
         MirrorMemory::CudaPinned { ordinal } => {
             kvlease_gpu_mem::cuda::CudaPinnedRegion::new(ordinal, len)
                 .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-                .map_err(|e| format!("pinned mirror of {len} bytes on cuda:{ordinal}: {e}"))
+                .map_err(|e| LinkError::MirrorAlloc {
+                    memory: "cuda-pinned",
+                    len,
+                    source: Box::new(e),
+                })
         }
         #[cfg(not(feature = "cuda"))]
-        MirrorMemory::CudaPinned { ordinal } => Err(format!(
-            "pinned mirror on cuda:{ordinal}: this build has no `cuda` feature"
-        )),
+        MirrorMemory::CudaPinned { ordinal } => Err(LinkError::NoCudaMirror { ordinal }),
     }
 }
 
@@ -94,26 +101,50 @@ pub(crate) struct Registration {
     region: Arc<dyn DmaRegion>,
     /// The NIC's registration: of `region` itself, or of its mirror.
     mr: MemoryRegion,
+    /// Held (by every clone) while [`sync_out`](Self::sync_out) or
+    /// [`sync_in`](Self::sync_in) borrows the mirror's bytes: the one thing that keeps
+    /// two syncs of overlapping ranges (`Agent::sync_for_peers` may run on several
+    /// threads at once) from aliasing a `&mut` of the mirror.
+    mirror_lock: Arc<Mutex<()>>,
 }
 
 impl Registration {
     /// Registers `region` on the first path its kind allows, a mirror where that is
     /// refused; the error says why neither worked.
-    pub(crate) fn new(pd: &ProtectionDomain, region: Arc<dyn DmaRegion>) -> Result<Self, String> {
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        region: Arc<dyn DmaRegion>,
+    ) -> Result<Self, LinkError> {
         let kind = region.kind();
-        let why = match first_path(kind, cfg!(feature = "cuda")) {
+        let refused = match first_path(kind, cfg!(feature = "cuda")) {
             Path::Direct | Path::Dmabuf => match pd.register(Arc::clone(&region)) {
-                Ok(mr) => return Ok(Self { region, mr }),
-                Err(VerbsError::UnsupportedMemory { why, .. }) => why,
-                Err(e) => return Err(e.to_string()),
+                Ok(mr) => return Ok(Self::with_mr(region, mr)),
+                Err(e @ VerbsError::UnsupportedMemory { .. }) => Some(e),
+                Err(source) => {
+                    return Err(LinkError::Verbs {
+                        op: "registering a region",
+                        source,
+                    });
+                }
             },
-            Path::Mirror => format!("{kind} memory has neither a direct nor a dmabuf path"),
+            Path::Mirror => None,
         };
-        let memory = mirror_memory(kind)
-            .ok_or_else(|| format!("{kind} memory cannot be registered ({why}) nor mirrored"))?;
+        let Some(memory) = mirror_memory(kind) else {
+            return Err(LinkError::NotMirrorable {
+                kind,
+                source: refused,
+            });
+        };
+        let why = refused.map_or_else(
+            || format!("{kind} memory has neither a direct nor a dmabuf path"),
+            |e| e.to_string(),
+        );
         let len = region.len();
         let mirror = alloc_mirror(memory, len)?;
-        let mr = pd.register(mirror).map_err(|e| e.to_string())?;
+        let mr = pd.register(mirror).map_err(|source| LinkError::Verbs {
+            op: "registering a host mirror",
+            source,
+        })?;
         tracing::info!(
             %kind,
             len,
@@ -122,7 +153,15 @@ impl Registration {
             "verbs: region served through a registered host mirror of the same length \
              (copied region->mirror by sync_for_peers, mirror->region after each read)"
         );
-        Ok(Self { region, mr })
+        Ok(Self::with_mr(region, mr))
+    }
+
+    fn with_mr(region: Arc<dyn DmaRegion>, mr: MemoryRegion) -> Self {
+        Self {
+            region,
+            mr,
+            mirror_lock: Arc::default(),
+        }
     }
 
     /// The agent's region.
@@ -147,33 +186,88 @@ impl Registration {
 
     /// Copies `offset..offset + len` region → mirror (device → host for CUDA memory), so
     /// that peers' reads see it. A no-op without a mirror.
-    pub(crate) fn sync_out(&self, offset: u64, len: u64) -> Result<(), String> {
+    pub(crate) fn sync_out(&self, offset: u64, len: u64) -> Result<(), LinkError> {
         if !self.is_mirror() || len == 0 {
             return Ok(());
         }
         let region = &*self.region;
-        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
-        self.mr
-            .region()
-            .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("copying {} region -> mirror: {e}", region.kind()))
+        let off = mirror_offset(offset, len, self.mr.len())?;
+        let _mirror = self
+            .mirror_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: no other Rust code touches this range of the mirror while the slice
+        // lives. The mirror is private to this registration (created in `new`; only its
+        // address and rkey leave it, for the NIC), and the only Rust accesses to its bytes
+        // are `sync_out` and `sync_in`, serialized by `mirror_lock`, held here. The NIC's
+        // writes (a local read landing in this mirror) are DMA, outside the Rust memory
+        // model, and a protocol error (syncing a range that is also being read into).
+        unsafe {
+            self.mr
+                .region()
+                .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
+        }
+        .map_err(|source| LinkError::MirrorRange {
+            offset,
+            len,
+            source,
+        })?
+        .map_err(|source| LinkError::SyncOut {
+            kind: region.kind(),
+            offset,
+            len,
+            source,
+        })
     }
 
     /// Copies `offset..offset + len` mirror → region (host → device for CUDA memory), after
     /// a read landed in the mirror. A no-op without a mirror.
-    pub(crate) fn sync_in(&self, offset: u64, len: u64) -> Result<(), String> {
+    pub(crate) fn sync_in(&self, offset: u64, len: u64) -> Result<(), LinkError> {
         if !self.is_mirror() || len == 0 {
             return Ok(());
         }
         let region = &*self.region;
-        let off = usize::try_from(offset).map_err(|e| e.to_string())?;
-        self.mr
-            .region()
-            .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("copying mirror -> {} region: {e}", region.kind()))
+        let off = mirror_offset(offset, len, self.mr.len())?;
+        let _mirror = self
+            .mirror_lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: no Rust code writes this range of the mirror while the slice lives: the
+        // mirror is private to this registration, and its only Rust writer, `sync_out`,
+        // waits for `mirror_lock`, held here. The NIC finished writing the range (the
+        // reads into it completed before their batch copies back).
+        unsafe {
+            self.mr
+                .region()
+                .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
+        }
+        .map_err(|source| LinkError::MirrorRange {
+            offset,
+            len,
+            source,
+        })?
+        .map_err(|source| LinkError::SyncIn {
+            kind: region.kind(),
+            offset,
+            len,
+            source,
+        })
     }
+}
+
+/// `offset` as a `usize`, or the range error that `offset..offset + len` is outside a
+/// region of `region_len` bytes (an offset beyond the address space is outside every
+/// region).
+fn mirror_offset(offset: u64, len: u64, region_len: u64) -> Result<usize, LinkError> {
+    usize::try_from(offset).map_err(|_| LinkError::MirrorRange {
+        offset,
+        len,
+        source: RegionAccessError::OutOfBounds {
+            offset,
+            len,
+            region_len,
+        },
+    })
 }
 
 #[cfg(test)]
@@ -216,7 +310,11 @@ mod tests {
     #[test]
     fn a_pinned_mirror_needs_the_cuda_feature() {
         let err = alloc_mirror(MirrorMemory::CudaPinned { ordinal: 0 }, 4096).unwrap_err();
-        assert!(err.contains("`cuda` feature"), "{err}");
+        assert!(
+            matches!(err, LinkError::NoCudaMirror { ordinal: 0 }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("`cuda` feature"), "{err}");
     }
 
     #[test]

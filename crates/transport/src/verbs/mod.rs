@@ -21,10 +21,19 @@
 //! TCP side channel, not rdma_cm (which does not work inside network namespaces on rxe).
 
 mod device;
+// Builds work requests whose scatter-gather entries name registered memory (sideway's
+// `setup_sge` is `unsafe`) and takes the CQ out of its `ManuallyDrop` in Drop.
+#[allow(unsafe_code)]
 mod endpoint;
 mod error;
 pub(crate) mod link;
+// `ibv_reg_mr`/`ibv_reg_dmabuf_mr` on raw addresses, and the notification rings' heap
+// buffer.
+#[allow(unsafe_code)]
 mod memory;
+// Lends a mirror's bytes to the staging copy (`RegionBytes::with_bytes{,_mut}` are
+// `unsafe`; the registration's lock keeps the borrows unique).
+#[allow(unsafe_code)]
 pub(crate) mod mirror;
 
 pub use device::{Device, DeviceConfig, Gid};
