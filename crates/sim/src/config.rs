@@ -401,6 +401,47 @@ impl WorldConfig {
         c
     }
 
+    /// The scale world of `examples/scale.rs`: 256 P engines (TP 2) and 1,024 D engines
+    /// (TP 2), the production lease (30 s: heartbeats every 5 s), `requests` arrivals over
+    /// the first 30 s, and D engines that each decode one request for longer than the run,
+    /// so every other request stays tracked (heartbeated) for the rest of it. No faults.
+    pub fn scale(seed: u64, requests: usize) -> Self {
+        let mut c = Self::random(seed);
+        c.lease = Duration::from_secs(30);
+        c.p_engines = 256;
+        c.p_tp = 2;
+        c.d_engines = 1024;
+        c.d_tp = 2;
+        c.d_slots = 1;
+        c.blocks_per_worker = 8192;
+        c.blocks_per_request = (1, 4);
+        c.p_step = ms(10);
+        c.d_step = ms(10);
+        c.step_jitter = ms(1);
+        c.prefill = ms(20);
+        c.read = ms(5);
+        c.decode = (Duration::from_secs(600), Duration::from_secs(600));
+        c.requests = requests;
+        c.arrival_gap = Duration::from_nanos(15_000_000_000 / requests.max(1) as u64);
+        c.transfer_delay = ms(5);
+        c.handshake = ms(20);
+        c.net = NetConfig {
+            delay: Duration::from_micros(200),
+            jitter: Duration::from_micros(500),
+            loss_per_million: 0,
+            max_consecutive_losses: None,
+            duplicate_per_million: 0,
+        };
+        c.d_crashes.clear();
+        c.p_crashes.clear();
+        c.partitions.clear();
+        c.p_stalls.clear();
+        c.d_stalls.clear();
+        c.forged_gap = None;
+        c.client_abort_per_million = 0;
+        c
+    }
+
     /// The same world with the single-timeout baseline of `timeout` instead of leases.
     #[must_use]
     pub fn with_fixed_timeout(mut self, timeout: Duration) -> Self {

@@ -730,6 +730,40 @@ impl World {
         }
     }
 
+    /// Runs the world up to `limit` of virtual time and stops there, drained or not (call
+    /// it again with a later limit to go on): the checks made while it runs hold, the end
+    /// checks (outcomes, leaks) are not made. For measurements (`examples/scale.rs`).
+    pub fn run_until(&mut self, limit: Duration) -> Report {
+        let limit = nanos(limit);
+        while self.failures.len() < MAX_FAILURES {
+            let Some(Reverse(next)) = self.queue.peek() else {
+                break;
+            };
+            if next.at > limit {
+                break;
+            }
+            let Some(Reverse(next)) = self.queue.pop() else {
+                break;
+            };
+            self.now = next.at;
+            self.handle(next.ev);
+        }
+        self.now = self.now.max(limit);
+        // Close the integral of tracked requests at the limit.
+        for d in 0..self.d.len() {
+            let since = self.now.saturating_sub(self.d[d].last_step);
+            self.stats.tracked_request_ns += self.d[d].tracked.len() as u128 * u128::from(since);
+            self.d[d].last_step = self.now;
+        }
+        self.stats.end = Duration::from_nanos(self.now);
+        Report {
+            seed: self.config.seed,
+            trace_hash: self.trace,
+            stats: self.stats.clone(),
+            failures: self.failures.clone(),
+        }
+    }
+
     fn last_arrival_cap(&self) -> u64 {
         nanos(self.config.arrival_gap) * 2 * self.config.requests as u64 + nanos(MAX_DRAIN)
     }
