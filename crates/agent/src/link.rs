@@ -73,14 +73,17 @@ pub struct Fence {
     pub expected: u64,
 }
 
-/// Why a batch failed.
-#[derive(Debug, Clone)]
-pub struct Failure {
+/// Why a batch failed: the transport's error.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+pub struct Failure(pub TransferError);
+
+impl Failure {
     /// The fence word no longer matched: the lease was released (and the blocks maybe
     /// reused) during or before the read.
-    pub stale: bool,
-    /// What happened.
-    pub message: String,
+    pub fn is_stale(&self) -> bool {
+        matches!(self.0, TransferError::FenceMismatch { .. })
+    }
 }
 
 /// Where a batch stands.
@@ -92,8 +95,8 @@ pub enum LinkStatus {
     Done {
         /// Bytes.
         bytes: u64,
-        /// The backend that moved them (`"verbs"` or `"tcp"`).
-        backend: &'static str,
+        /// The backend that moved them.
+        backend: kvlease_transport::Backend,
     },
     /// Failed.
     Failed(Failure),
@@ -103,7 +106,7 @@ pub enum LinkStatus {
 /// the fence completed.
 ///
 /// # Errors
-/// The transport's refusal, as text.
+/// The transport's refusal.
 pub fn post_read(
     agent: &Agent,
     peer: PeerId,
@@ -111,7 +114,7 @@ pub fn post_read(
     notif: Option<Vec<u8>>,
     fence: Option<Fence>,
     timeout: Duration,
-) -> Result<BatchId, String> {
+) -> Result<BatchId, TransferError> {
     let batch = ReadBatch {
         ops: ops
             .into_iter()
@@ -130,9 +133,7 @@ pub fn post_read(
             expected: f.expected,
         }),
     };
-    agent
-        .post_read(peer, batch, timeout)
-        .map_err(|e| e.to_string())
+    agent.post_read(peer, batch, timeout)
 }
 
 /// Polls a batch.
@@ -141,27 +142,21 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
         Ok(BatchStatus::Pending) => LinkStatus::Pending,
         Ok(BatchStatus::Done(stats)) => LinkStatus::Done {
             bytes: stats.bytes,
-            backend: stats.backend.as_str(),
+            backend: stats.backend,
         },
-        Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure {
-            stale: matches!(e, TransferError::FenceMismatch { .. }),
-            message: e.to_string(),
-        }),
-        Ok(other) => LinkStatus::Failed(Failure {
-            stale: false,
-            message: format!("unexpected batch status {other:?}"),
-        }),
+        Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure(e)),
+        // `BatchStatus` is non-exhaustive: a state this agent does not know is still
+        // running as far as it can tell; the batch's timeout ends it.
+        Ok(_) => LinkStatus::Pending,
     }
 }
 
-/// The name of the backend `peer` was connected with (`"verbs"` or `"tcp"`, the
-/// transport's [`Backend::as_str`](kvlease_transport::Backend::as_str)), as
-/// `Agent::connect` chose it; `"tcp"` for a peer the agent no longer knows.
-pub fn backend_name(agent: &Agent, peer: PeerId) -> &'static str {
+/// The backend `peer` was connected with, as `Agent::connect` chose it; TCP for a peer
+/// the agent no longer knows.
+pub fn peer_backend(agent: &Agent, peer: PeerId) -> kvlease_transport::Backend {
     agent
         .peer_backend(peer)
         .map_or(kvlease_transport::Backend::Tcp, |(backend, _)| backend)
-        .as_str()
 }
 
 /// Why the transport chose `peer`'s backend (for `auto`: the reason verbs was not used).
@@ -171,11 +166,10 @@ pub fn backend_reason(agent: &Agent, peer: PeerId) -> String {
         .map_or_else(|| "unknown peer".to_owned(), |(_, why)| why)
 }
 
-/// The metric label of a backend name.
-pub fn backend_metric(name: &str) -> Backend {
-    if name == "verbs" {
-        Backend::Verbs
-    } else {
-        Backend::Tcp
+/// The metric label of a backend.
+pub fn backend_metric(backend: kvlease_transport::Backend) -> Backend {
+    match backend {
+        kvlease_transport::Backend::Verbs => Backend::Verbs,
+        _ => Backend::Tcp,
     }
 }

@@ -439,25 +439,20 @@ impl DecoderHold {
     /// Keeps `blocks` of `request` from `now`.
     ///
     /// # Errors
-    /// The lease table's refusal (a duplicate id, a full table), as text.
+    /// The lease table's refusal (a duplicate id, a full table).
     pub fn insert(
         &mut self,
         now: Timestamp,
         request: RequestId,
         blocks: Vec<BlockId>,
-    ) -> Result<Held, String> {
+    ) -> Result<Held, kvlease_lease::GrantError> {
         match self {
-            Self::Fixed(c) => c
-                .insert(now, request, blocks)
-                .map(|c| Held {
-                    generation: c.generation,
-                    deadline: c.deadline,
-                })
-                .map_err(|e| e.to_string()),
+            Self::Fixed(c) => c.insert(now, request, blocks).map(|c| Held {
+                generation: c.generation,
+                deadline: c.deadline,
+            }),
             Self::Symmetric(t) => {
-                let generation = t
-                    .grant(now, request, blocks, 1)
-                    .map_err(|e| e.to_string())?;
+                let generation = t.grant(now, request, blocks, 1)?;
                 Ok(Held {
                     generation,
                     deadline: now + t.config().duration(),

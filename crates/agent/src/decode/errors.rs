@@ -23,17 +23,11 @@ pub enum ReadSetupError {
         source: kvlease_gpu_mem::LayoutError,
     },
     /// The transport refused the batch.
-    #[error("{message}")]
-    Post {
-        /// The transport's refusal.
-        message: String,
-    },
+    #[error("posting the batch")]
+    Post(#[source] kvlease_transport::TransferError),
     /// The transport failed the batch.
-    #[error("{message}")]
-    Transfer {
-        /// The transport's error.
-        message: String,
-    },
+    #[error("reading")]
+    Transfer(#[source] kvlease_transport::TransferError),
 }
 
 /// Why the bytes read did not verify.

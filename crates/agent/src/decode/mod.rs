@@ -187,7 +187,7 @@ struct Posted {
     /// The backend of the peer the batch reads from, replaced at completion by the one
     /// that moved its bytes (a verbs peer's batches on memory verbs could not register go
     /// over TCP).
-    backend: &'static str,
+    backend: kvlease_transport::Backend,
     done: bool,
 }
 
@@ -504,11 +504,11 @@ impl DecodeEngine {
                         .with_instance(ready.info.instance);
                     let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
                     if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
-                        let name = link::backend_name(&w0.agent, peer);
+                        let name = link::peer_backend(&w0.agent, peer);
                         self.metrics
                             .set_peer_backend(engine.as_str(), link::backend_metric(name));
                         let reason = link::backend_reason(&w0.agent, peer);
-                        tracing::info!(%engine, backend = name, %reason, "handshake complete");
+                        tracing::info!(%engine, backend = %name, %reason, "handshake complete");
                     } else {
                         tracing::info!(%engine, "handshake complete");
                     }
@@ -699,10 +699,10 @@ impl DecodeEngine {
                 Ok(batch) => posted.push(Posted {
                     worker: wi,
                     batch,
-                    backend: link::backend_name(&w.agent, peer),
+                    backend: link::peer_backend(&w.agent, peer),
                     done: false,
                 }),
-                Err(e) => failed.push((i, ReadSetupError::Post { message: e })),
+                Err(e) => failed.push((i, ReadSetupError::Post(e))),
             }
         }
         let now = Instant::now();
@@ -751,12 +751,11 @@ impl DecodeEngine {
                     }
                     LinkStatus::Failed(f) => {
                         p.done = true;
-                        let r = if f.stale {
+                        let r = if f.is_stale() {
                             self.metrics.stale_reads.inc();
                             BatchResult::Stale
                         } else {
-                            let cause: Cause =
-                                Arc::new(ReadSetupError::Transfer { message: f.message });
+                            let cause: Cause = Arc::new(ReadSetupError::Transfer(f.0));
                             BatchResult::Failed(cause)
                         };
                         results.push((id.clone(), i, r));
@@ -789,10 +788,15 @@ impl DecodeEngine {
             }
             Ok(digest) => {
                 // One transfer per request: verbs when every batch of it went over verbs.
-                let backend = if req.posted.iter().flatten().all(|b| b.backend == "verbs") {
-                    "verbs"
+                let backend = if req
+                    .posted
+                    .iter()
+                    .flatten()
+                    .all(|b| b.backend == kvlease_transport::Backend::Verbs)
+                {
+                    kvlease_transport::Backend::Verbs
                 } else {
-                    "tcp"
+                    kvlease_transport::Backend::Tcp
                 };
                 self.metrics.transfer(link::backend_metric(backend)).inc();
                 let queue_ms = req.scheduled.map_or(0.0, |s| {
@@ -802,7 +806,7 @@ impl DecodeEngine {
                     kv_digest: digest.to_string(),
                     stats: TransferStats {
                         bytes,
-                        backend: backend.to_owned(),
+                        backend: backend.as_str().to_owned(),
                         queue_time_ms: queue_ms,
                         read_time_ms: read_time.as_secs_f64() * 1e3,
                         remote_workers: req.posted.len() as u32,

@@ -46,6 +46,7 @@ mod pull;
 pub use fill::FillError;
 use fill::fill_workers;
 pub(crate) use fill::sync_blocks_for_peers;
+pub use pull::PullError;
 
 /// A prefill request handed from HTTP to the engine.
 #[derive(Debug)]

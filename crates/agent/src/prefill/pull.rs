@@ -2,6 +2,24 @@
 //! heartbeating D's cached entries while their next turns wait here (symmetric lease).
 
 use super::*;
+
+/// Why a pull of D's cached turn failed (P recomputes instead).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PullError {
+    /// No handshake with that D engine.
+    #[error("engine not handshaken")]
+    NotHandshaken,
+    /// A block is outside a pool.
+    #[error("block range: {0}")]
+    Layout(#[from] kvlease_gpu_mem::LayoutError),
+    /// The transport refused or failed a read.
+    #[error("read from D: {0}")]
+    Read(#[from] kvlease_transport::TransferError),
+    /// The reads did not finish in time.
+    #[error("the pull's reads timed out")]
+    TimedOut,
+}
 use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
 
 impl PrefillEngine {
@@ -216,11 +234,8 @@ impl PrefillEngine {
         d_blocks: &[BlockId],
         p_blocks: &[u32],
         timeout: Duration,
-    ) -> Result<(), String> {
-        let remote = self
-            .d_caches
-            .get(engine)
-            .ok_or_else(|| format!("engine {engine} not handshaken"))?;
+    ) -> Result<(), PullError> {
+        let remote = self.d_caches.get(engine).ok_or(PullError::NotHandshaken)?;
         let mut batches = Vec::new();
         for (w, (dw, &peer)) in self
             .workers
@@ -234,19 +249,12 @@ impl PrefillEngine {
                 remote.info.shape.block_size,
                 remote.info.shape.head_dim,
                 kv::DTYPE_BYTES as u32,
-            )
-            .map_err(|e| e.to_string())?;
+            )?;
             let mut ops = Vec::new();
             for layer in 0..self.cfg.shape.num_layers {
                 for (&db, &pb) in d_blocks.iter().zip(p_blocks) {
-                    let local = w
-                        .pool
-                        .layout()
-                        .block_range(layer, BlockId(pb))
-                        .map_err(|e| e.to_string())?;
-                    let far = d_layout
-                        .block_range(layer, db)
-                        .map_err(|e| format!("D block {}: {e}", db.0))?;
+                    let local = w.pool.layout().block_range(layer, BlockId(pb))?;
+                    let far = d_layout.block_range(layer, db)?;
                     ops.push(link::ReadOp {
                         local: w.info.pool,
                         local_offset: local.start,
@@ -274,7 +282,7 @@ impl PrefillEngine {
                         std::thread::sleep(Duration::from_micros(200));
                     }
                     link::LinkStatus::Pending => {
-                        result = Err("the pull's reads timed out".to_owned());
+                        result = Err(PullError::TimedOut);
                         break;
                     }
                     link::LinkStatus::Done { bytes, .. } => {
@@ -282,10 +290,10 @@ impl PrefillEngine {
                         break;
                     }
                     link::LinkStatus::Failed(f) => {
-                        if f.stale {
+                        if f.is_stale() {
                             self.metrics.stale_reads.inc();
                         }
-                        result = Err(f.message);
+                        result = Err(PullError::Read(f.0));
                         break;
                     }
                 }
