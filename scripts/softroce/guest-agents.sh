@@ -24,6 +24,8 @@ LOGS=${AG_LOGS:-/tmp/kvlease-agents}
 mkdir -p "$LOGS"
 P_IP=10.77.2.1
 D_IP=10.77.2.2
+# P and D listen beyond loopback: they refuse to start without a cluster token.
+export KVLEASE_AUTH_TOKEN=${AG_AUTH_TOKEN:-softroce-agents-token}
 P_URL="http://$P_IP:8100"
 D_URL="http://$D_IP:8200"
 X_URL="http://127.0.0.1:8300"

@@ -4,6 +4,7 @@
 //! - [`kv`]: the deterministic KV content generator, its pool layout and `kv_digest`;
 //! - [`bidir`]: bidirectional multi-turn mode (D keeps a turn's blocks, P pulls them);
 //! - [`api`]: HTTP request and response bodies, OpenAI-shaped errors;
+//! - [`apikey`]: the HTTP API's bearer key (`--api-key`);
 //! - [`sidechannel`]: P's handshake and metadata endpoint (like vLLM's NIXL side channel);
 //! - [`prefill`] / [`decode`]: the P and D engines and their forward loops;
 //! - [`http`]: the OpenAI-shaped HTTP API on axum;
@@ -14,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod api;
+pub mod apikey;
 pub mod bidir;
 pub mod config;
 pub mod decode;

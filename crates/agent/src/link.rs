@@ -20,6 +20,8 @@ pub struct LinkConfig {
     pub backend: BackendChoice,
     /// IP the endpoints listen on (port chosen by the OS).
     pub listen_ip: std::net::IpAddr,
+    /// IP written into the endpoints' metadata, where peers connect (`--advertise-host`).
+    pub advertise_ip: std::net::IpAddr,
     /// The cluster token.
     pub auth_token: Option<String>,
 }
@@ -29,6 +31,7 @@ impl std::fmt::Debug for LinkConfig {
         f.debug_struct("LinkConfig")
             .field("backend", &self.backend)
             .field("listen_ip", &self.listen_ip)
+            .field("advertise_ip", &self.advertise_ip)
             .field("auth_token", &self.auth_token.as_ref().map(|_| "<set>"))
             .finish()
     }
@@ -42,6 +45,8 @@ pub fn agent(cfg: &LinkConfig, name: &str) -> Result<Agent, EngineError> {
     let mut c = AgentConfig::new(name);
     c.backend = cfg.backend;
     c.listen = SocketAddr::new(cfg.listen_ip, 0);
+    // Port 0: the transport advertises the port it bound.
+    c.advertise = Some(SocketAddr::new(cfg.advertise_ip, 0));
     c.auth_token = cfg.auth_token.as_ref().map(|t| t.as_bytes().to_vec());
     c.limits.max_notif_len = kvlease_notif::MAX_NOTIF_LEN;
     Agent::new(c).map_err(|e| EngineError::setup("transport endpoint", e))

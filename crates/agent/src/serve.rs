@@ -79,12 +79,100 @@ fn memory(c: &CommonArgs) -> MemoryRequest {
     }
 }
 
-fn link(c: &CommonArgs) -> Result<LinkConfig, ServeError> {
+/// What peers are told to reach this agent at.
+#[derive(Debug, Clone)]
+struct Advertised {
+    /// `remote_host` and the bidirectional params: a host name or an IP.
+    host: String,
+    /// The IP in the transport metadata.
+    ip: IpAddr,
+}
+
+/// The advertised address: `--advertise-host`; else `--host`; else, when `--host` is an
+/// unspecified address, the address this host would send from to a routed destination
+/// (its primary non-loopback address). Logged at start.
+fn advertised(c: &CommonArgs) -> Result<Advertised, ServeError> {
+    let bind: IpAddr = c.host.parse().map_err(|e| ServeError::Flag {
+        flag: "--host",
+        message: format!("{}: {e} (an IP address)", c.host),
+    })?;
+    let found = if let Some(h) = &c.advertise_host {
+        let bare = h.trim_start_matches('[').trim_end_matches(']');
+        let ip = match bare.parse::<IpAddr>() {
+            Ok(ip) => ip,
+            Err(_) => std::net::ToSocketAddrs::to_socket_addrs(&(bare, 0))
+                .map_err(|source| ServeError::Io {
+                    what: format!("--advertise-host: cannot resolve {bare}"),
+                    source,
+                })?
+                .map(|a| a.ip())
+                .find(|ip| ip.is_ipv4() == bind.is_ipv4() || bind.is_unspecified())
+                .ok_or_else(|| ServeError::Flag {
+                    flag: "--advertise-host",
+                    message: format!("{bare} resolves to no address of --host's family"),
+                })?,
+        };
+        Advertised {
+            host: bare.to_owned(),
+            ip,
+        }
+    } else if bind.is_unspecified() {
+        let ip = primary_address(bind.is_ipv6()).ok_or_else(|| ServeError::Flag {
+            flag: "--advertise-host",
+            message: format!(
+                "--host {bind} listens everywhere and this host has no routed non-loopback \
+                 address to advertise: name the address peers should use"
+            ),
+        })?;
+        Advertised {
+            host: ip.to_string(),
+            ip,
+        }
+    } else {
+        Advertised {
+            host: c.host.clone(),
+            ip: bind,
+        }
+    };
+    tracing::info!(host = %found.host, ip = %found.ip, "advertising this address to peers");
+    Ok(found)
+}
+
+/// The local address this host would use towards a routed destination: a UDP socket
+/// "connected" to an address of the benchmarking ranges (198.18.0.0/15, 2001:2::/48)
+/// picks it from the routing table; no packet is sent.
+fn primary_address(v6: bool) -> Option<IpAddr> {
+    let (bind, probe): (SocketAddr, SocketAddr) = if v6 {
+        ("[::]:0".parse().ok()?, "[2001:2::1]:9".parse().ok()?)
+    } else {
+        ("0.0.0.0:0".parse().ok()?, "198.18.0.1:9".parse().ok()?)
+    };
+    let s = std::net::UdpSocket::bind(bind).ok()?;
+    s.connect(probe).ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+/// Warns when peers are served without a token beyond loopback (allowed only with
+/// `--allow-unauthenticated`; `CommonArgs::validate` refuses it otherwise).
+fn warn_unauthenticated(c: &CommonArgs) {
+    let beyond_loopback = c.host.parse::<IpAddr>().is_ok_and(|ip| !ip.is_loopback());
+    if beyond_loopback && c.auth_token.is_none() {
+        tracing::warn!(
+            host = %c.host,
+            "serving peers WITHOUT a cluster token (--allow-unauthenticated): anyone who \
+             reaches this agent can read its KV pool and forge lease messages"
+        );
+    }
+}
+
+fn link(c: &CommonArgs, advertise: &Advertised) -> Result<LinkConfig, ServeError> {
     let listen_ip: IpAddr = c.host.parse().map_err(|e| ServeError::Flag {
         flag: "--host",
         message: format!("{}: {e} (an IP address)", c.host),
     })?;
     Ok(LinkConfig {
+        advertise_ip: advertise.ip,
         backend: match c.transport {
             TransportChoice::Tcp => BackendChoice::Tcp,
             TransportChoice::Verbs => BackendChoice::Verbs,
@@ -189,6 +277,8 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     let c = &args.common;
     let metrics = Metrics::new();
     let engine_id = c.engine_id();
+    warn_unauthenticated(c);
+    let adv = advertised(c)?;
     let cfg = PrefillConfig {
         engine_id: engine_id.clone(),
         tp_size: c.tp_size,
@@ -197,10 +287,10 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         lease: lease_config(c, AgentRole::Prefill)?,
         cost_per_token: args.prefill_cost_per_token(),
         pool_wait: args.pool_wait(),
-        advertise_host: c.host.clone(),
+        advertise_host: adv.host.clone(),
         side_channel_port: c.side_channel_port,
         memory: memory(c),
-        link: link(c)?,
+        link: link(c, &adv)?,
         bidir: prefill_bidir(c)?,
     };
     let token = cfg.link.auth_token.clone();
@@ -247,7 +337,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         );
         http::serve(
             listener,
-            http::prefill_router(api),
+            crate::apikey::protect(http::prefill_router(api), c.api_key.as_ref()),
             shutdown_signal(Arc::clone(&stop)),
         )
         .await
@@ -272,6 +362,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     let metrics = Metrics::new();
     let engine_id = c.engine_id();
     let kv = c.kv_config(AgentRole::Decode);
+    warn_unauthenticated(c);
+    let adv = advertised(c)?;
     let mut cfg = DecodeConfig {
         engine_id: engine_id.clone(),
         tp_size: c.tp_size,
@@ -283,9 +375,10 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         max_waiting: args.max_waiting,
         policy: kv.load_failure_policy,
         memory: memory(c),
-        link: link(c)?,
+        link: link(c, &adv)?,
         read_timeout: Duration::from_secs(30),
         bidir: None,
+        allowed_prefill: args.allowed_prefill_hosts.clone(),
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();
@@ -312,7 +405,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
             ttl,
             symmetric: kv.symmetric_decoder_lease,
             clock,
-            advertise_host: c.host.clone(),
+            advertise_host: adv.host,
             side_channel_port: c.side_channel_port,
             clock_port: handle.addr.port(),
         });
@@ -365,7 +458,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         );
         http::serve(
             listener,
-            http::decode_router(api),
+            crate::apikey::protect(http::decode_router(api), c.api_key.as_ref()),
             shutdown_signal(Arc::clone(&stop)),
         )
         .await

@@ -165,6 +165,14 @@ pub enum HandshakeFailure {
         #[source]
         source: kvlease_transport::ConnectError,
     },
+    /// The P agent's address is outside `--allowed-prefill-hosts`.
+    #[error("engine {engine}: {ip} is not in --allowed-prefill-hosts")]
+    NotAllowed {
+        /// P's engine.
+        engine: EngineId,
+        /// The refused address.
+        ip: std::net::IpAddr,
+    },
     /// The handshake thread died or could not start.
     #[error("the handshake thread died")]
     Thread,
@@ -177,6 +185,11 @@ impl HandshakeFailure {
             Self::Auth { .. } => {
                 ApiError::new(StatusCode::FORBIDDEN, "peer_auth_failed", self.to_string())
             }
+            Self::NotAllowed { .. } => ApiError::new(
+                StatusCode::FORBIDDEN,
+                "prefill_host_not_allowed",
+                self.to_string(),
+            ),
             Self::Connect { .. } | Self::Thread => ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "handshake_failed",

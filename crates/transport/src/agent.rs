@@ -395,11 +395,17 @@ impl Agent {
             addr: config.listen,
             source,
         })?;
+        // An advertised port 0 stands for the port just bound.
+        let advertise = match config.advertise {
+            Some(a) if a.port() == 0 => SocketAddr::new(a.ip(), local_addr.port()),
+            Some(a) => a,
+            None => local_addr,
+        };
         #[cfg(feature = "verbs")]
         let verbs = crate::verbs::link::start_for(
             &config.backend,
             &config.auth_token,
-            config.advertise.unwrap_or(local_addr).ip(),
+            advertise.ip(),
             &config.limits,
         )
         .map_err(Arc::new);
@@ -410,7 +416,7 @@ impl Agent {
             num_connections: config.num_connections,
             backend: config.backend,
             local_addr,
-            advertise: config.advertise.unwrap_or(local_addr),
+            advertise,
             regions: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             peers: Mutex::new(HashMap::new()),

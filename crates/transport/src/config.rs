@@ -105,7 +105,7 @@ pub struct AgentConfig {
     /// `127.0.0.1:0`.
     pub listen: SocketAddr,
     /// Address written into the metadata, when it differs from the bound one (listening on
-    /// `0.0.0.0`). Default: the bound address.
+    /// `0.0.0.0`); port 0 means the bound port. Default: the bound address.
     pub advertise: Option<SocketAddr>,
     /// TCP connections per peer (reads of a batch are striped over them). Default 2.
     pub num_connections: usize,

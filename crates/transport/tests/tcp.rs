@@ -1109,3 +1109,21 @@ fn backend_names() {
     assert_eq!(Backend::Verbs.as_str(), "verbs");
     assert_eq!(Backend::Tcp.to_string(), "tcp");
 }
+
+/// An agent listening everywhere advertises the address it is told, with the port it
+/// bound when the advertised port is 0 (what `--advertise-host` passes); a peer connects
+/// through it.
+#[test]
+fn advertised_ip_with_port_zero_keeps_the_bound_port() {
+    let mut c = config("adv", None);
+    c.listen = "0.0.0.0:0".parse().expect("literal");
+    c.advertise = Some("127.0.0.2:0".parse().expect("literal"));
+    let p = Agent::new(c).expect("binds");
+    let md = kvlease_transport::metadata::decode_metadata(&p.metadata()).expect("metadata");
+    let addr: std::net::SocketAddr = md.tcp_addr.parse().expect("a socket address");
+    assert_eq!(addr.ip(), std::net::IpAddr::from([127, 0, 0, 2]));
+    assert_ne!(addr.port(), 0, "the bound port, not 0");
+    let d = agent("adv-d");
+    d.connect(&p.metadata())
+        .expect("connects through the advertised address");
+}

@@ -687,6 +687,72 @@ impl std::str::FromStr for AuthToken {
     }
 }
 
+/// An IP network, `address/prefix` (a bare address is a single host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    addr: std::net::IpAddr,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// Whether `ip` is in this network (an IPv4-mapped IPv6 address counts as IPv4).
+    pub fn contains(&self, ip: std::net::IpAddr) -> bool {
+        use std::net::IpAddr;
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(net) & mask == u128::from(ip) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// Why a CIDR did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{input:?}: expected an IP network such as 10.0.0.0/8 or fd00::/8")]
+pub struct CidrError {
+    input: String,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = CidrError;
+    fn from_str(s: &str) -> Result<Self, CidrError> {
+        let err = || CidrError {
+            input: s.to_owned(),
+        };
+        let (addr, prefix) = match s.trim().split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s.trim(), None),
+        };
+        let addr: std::net::IpAddr = addr.parse().map_err(|_| err())?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            Some(p) => p.parse::<u8>().ok().filter(|&p| p <= max).ok_or_else(err)?,
+            None => max,
+        };
+        Ok(Self { addr, prefix })
+    }
+}
+
 /// Why the command-line flags were rejected. The message names the flag.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -768,8 +834,23 @@ pub struct CommonArgs {
     #[arg(long, value_name = "JSON", value_parser = parse_kv_transfer_config)]
     pub kv_transfer_config: Option<KvTransferConfig>,
     /// Cluster token: peers must prove it in the handshake before they may read or notify.
+    /// Required when --host is not a loopback address (see --allow-unauthenticated).
     #[arg(long, env = "KVLEASE_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<AuthToken>,
+    /// Serve peers without a cluster token on a non-loopback --host (logged as a warning).
+    /// Without it such an agent refuses to start: anyone who reaches it could read the
+    /// whole KV pool and forge lease messages.
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
+    /// Address peers are told to reach this agent at (its side channel, transport and
+    /// clock probe): a host name or an IP (IPv6 too). Default: --host, or, when --host is
+    /// an unspecified address (0.0.0.0, ::), this host's primary non-loopback address.
+    #[arg(long, env = "KVLEASE_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// API key for the HTTP API, as vLLM's --api-key: requests must send
+    /// `Authorization: Bearer <key>`; /health and /metrics stay open.
+    #[arg(long, env = "KVLEASE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<AuthToken>,
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -805,6 +886,39 @@ impl CommonArgs {
     pub fn validate(&self, role: AgentRole) -> Result<(), ArgsError> {
         if self.host.trim().is_empty() {
             return Err(bad("--host", "must not be empty"));
+        }
+        let ip: std::net::IpAddr = self.host.parse().map_err(|e| {
+            bad(
+                "--host",
+                format!("{}: {e} (an IP address to listen on)", self.host),
+            )
+        })?;
+        if !ip.is_loopback() && self.auth_token.is_none() && !self.allow_unauthenticated {
+            return Err(bad(
+                "--host",
+                format!(
+                    "{ip} is reachable from other hosts, and without a cluster token anyone \
+                     who reaches it can read the KV pool and forge lease messages: set the \
+                     same token on every P and D with --auth-token or KVLEASE_AUTH_TOKEN, or \
+                     pass --allow-unauthenticated"
+                ),
+            ));
+        }
+        if let Some(h) = &self.advertise_host {
+            let h = h.trim_start_matches('[').trim_end_matches(']');
+            if h.is_empty()
+                || h.parse::<std::net::IpAddr>()
+                    .is_ok_and(|a| a.is_unspecified())
+                || (h.parse::<std::net::IpAddr>().is_err()
+                    && !h
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
+            {
+                return Err(bad(
+                    "--advertise-host",
+                    format!("{h:?}: a host name or a specific IP address that peers can reach"),
+                ));
+            }
         }
         if self.port == 0 {
             return Err(bad(
@@ -1009,6 +1123,10 @@ pub struct DecodeArgs {
     /// Longest waiting queue; a request arriving to a full queue gets a 503.
     #[arg(long, allow_negative_numbers = true, default_value_t = 1024)]
     pub max_waiting: u32,
+    /// Networks (CIDRs, comma-separated, e.g. 10.0.0.0/8,fd00::/8) whose P agents this D
+    /// may connect to; a request naming a P elsewhere gets a 403. Default: any.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_prefill_hosts: Vec<Cidr>,
 }
 
 impl DecodeArgs {

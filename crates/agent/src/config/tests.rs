@@ -326,3 +326,24 @@ fn engine_id_precedence_and_token_redaction() {
     );
     assert!(!format!("{p:?}").contains("s3cret"));
 }
+
+#[test]
+fn cidrs_parse_and_match() {
+    let net: Cidr = "10.0.0.0/8".parse().expect("valid");
+    assert!(net.contains("10.1.2.3".parse().expect("ip")));
+    assert!(!net.contains("11.0.0.1".parse().expect("ip")));
+    assert!(
+        net.contains("::ffff:10.0.0.1".parse().expect("ip")),
+        "v4-mapped"
+    );
+    let host: Cidr = "192.0.2.7".parse().expect("a bare address");
+    assert!(host.contains("192.0.2.7".parse().expect("ip")));
+    assert!(!host.contains("192.0.2.8".parse().expect("ip")));
+    let v6: Cidr = "fd00::/8".parse().expect("valid");
+    assert!(v6.contains("fd12::1".parse().expect("ip")));
+    let all: Cidr = "0.0.0.0/0".parse().expect("valid");
+    assert!(all.contains("203.0.113.9".parse().expect("ip")));
+    for bad in ["10.0.0.0/33", "fd00::/129", "nope", "10.0.0.0/x", ""] {
+        assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+    }
+}

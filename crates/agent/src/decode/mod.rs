@@ -157,6 +157,9 @@ pub struct DecodeConfig {
     pub read_timeout: Duration,
     /// Bidirectional mode; `None` frees a finished request's blocks at once.
     pub bidir: Option<DecodeBidir>,
+    /// `--allowed-prefill-hosts`: the networks whose P agents D may connect to (side
+    /// channel and transport); empty allows any.
+    pub allowed_prefill: Vec<crate::config::Cidr>,
 }
 
 struct Worker {
@@ -452,6 +455,7 @@ impl DecodeEngine {
                 self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
             let shape = self.cfg.shape;
             let instance = self.instance;
+            let allowed = self.cfg.allowed_prefill.clone();
             let spawned = std::thread::Builder::new()
                 .name("d-handshake".into())
                 .spawn(move || {
@@ -463,7 +467,7 @@ impl DecodeEngine {
                         shape,
                         instance,
                     };
-                    let r = handshake(&addr, &me, &want, &agents);
+                    let r = handshake(&addr, &me, &want, &agents, &allowed);
                     let _ = tx.send(r);
                 });
             match spawned {

@@ -106,8 +106,52 @@ pub(super) fn handshake(
     me: &Me<'_>,
     want: &EngineId,
     agents: &[Arc<Agent>],
+    allowed: &[crate::config::Cidr],
 ) -> Result<Ready, HandshakeFailure> {
+    let check = |ip: std::net::IpAddr| {
+        if allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)) {
+            Ok(())
+        } else {
+            Err(HandshakeFailure::NotAllowed {
+                engine: want.clone(),
+                ip,
+            })
+        }
+    };
+    if !allowed.is_empty() {
+        let ips = std::net::ToSocketAddrs::to_socket_addrs(addr).map_err(|e| {
+            HandshakeFailure::SideChannel {
+                engine: want.clone(),
+                addr: addr.to_owned(),
+                source: sidechannel::HandshakeError::Io {
+                    addr: addr.to_owned(),
+                    source: e,
+                },
+            }
+        })?;
+        for a in ips {
+            check(a.ip())?;
+        }
+    }
     let info = remote_engine(addr, me, want)?;
+    if !allowed.is_empty() {
+        // The side channel names where the transport connects: check that too.
+        for w in &info.workers {
+            let md = sidechannel::from_hex(&w.metadata)
+                .and_then(|b| kvlease_transport::metadata::decode_metadata(&b).ok())
+                .ok_or_else(|| HandshakeFailure::Metadata {
+                    engine: want.clone(),
+                })?;
+            let ip = md
+                .tcp_addr
+                .parse::<std::net::SocketAddr>()
+                .map_err(|_| HandshakeFailure::Metadata {
+                    engine: want.clone(),
+                })?
+                .ip();
+            check(ip)?;
+        }
+    }
     let mut peers = Vec::new();
     for agent in agents {
         let row = (0..info.tp_size)

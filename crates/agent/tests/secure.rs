@@ -1,0 +1,155 @@
+//! Secure defaults and addresses, with real processes on loopback: a non-loopback bind
+//! without a cluster token refuses to start; `--allow-unauthenticated` starts with a
+//! warning; `--advertise-host` is what peers are told; `--api-key` guards the HTTP API
+//! but `/health` and `/metrics`; `--allowed-prefill-hosts` keeps D from connecting
+//! elsewhere.
+
+mod common;
+
+use anyhow::{Context, Result, ensure};
+use common::{Agent, agent_command, client, free_port, log_path, run_to_exit, wait_healthy};
+use serde_json::{Value, json};
+
+const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
+const DECODE: &str = env!("CARGO_BIN_EXE_decode-agent");
+
+fn spawn(bin: &str, name: &str, host: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Agent> {
+    let port = free_port();
+    let log = log_path("secure", name);
+    let file = std::fs::File::create(&log)?;
+    let cmd = agent_command(bin, name, port, free_port(), "host", file.try_clone()?);
+    // The helper listens on 127.0.0.1; this test chooses the address.
+    let mut argv: Vec<std::ffi::OsString> = cmd.get_args().map(ToOwned::to_owned).collect();
+    if let Some(i) = argv.iter().position(|a| a == "--host") {
+        argv[i + 1] = host.into();
+    }
+    let mut fresh = std::process::Command::new(bin);
+    fresh
+        .args(argv)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env_remove("KVLEASE_AUTH_TOKEN")
+        .env_remove("KVLEASE_API_KEY")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(file);
+    let mut cmd = fresh;
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
+    Ok(Agent::new(child, name, log, port))
+}
+
+fn p_body(prompt: &str) -> Value {
+    json!({"prompt": prompt, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": true}})
+}
+
+async fn post(
+    c: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    key: Option<&str>,
+) -> Result<(u16, Value)> {
+    let mut r = c.post(format!("{url}/v1/completions")).json(body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let r = r.send().await?;
+    let status = r.status().as_u16();
+    let text = r.text().await?;
+    Ok((status, serde_json::from_str(&text).with_context(|| text)?))
+}
+
+#[test]
+fn beyond_loopback_without_a_token_refuses_to_start() -> Result<()> {
+    for bin in [PREFILL, DECODE] {
+        let out = run_to_exit(bin, &["--host", "0.0.0.0"])?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{bin} started: {stderr}");
+        ensure!(
+            stderr.contains("--auth-token")
+                && stderr.contains("KVLEASE_AUTH_TOKEN")
+                && stderr.contains("--allow-unauthenticated"),
+            "{stderr}"
+        );
+    }
+    let out = run_to_exit(PREFILL, &["--advertise-host", "0.0.0.0"])?;
+    ensure!(
+        String::from_utf8_lossy(&out.stderr).contains("--advertise-host"),
+        "an unspecified advertise address is refused"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advertised_address_api_key_and_allow_list() -> Result<()> {
+    let c = client();
+    let token = [("KVLEASE_AUTH_TOKEN", "cluster-secret")];
+    // P listens everywhere but tells peers 127.0.0.2 (another loopback address).
+    let mut p = spawn(
+        PREFILL,
+        "p-adv",
+        "0.0.0.0",
+        &["--advertise-host", "127.0.0.2"],
+        &token,
+    )?;
+    let key = [
+        ("KVLEASE_AUTH_TOKEN", "cluster-secret"),
+        ("KVLEASE_API_KEY", "k3y"),
+    ];
+    let mut d = spawn(DECODE, "d-key", "127.0.0.1", &[], &key)?;
+    let mut fenced = spawn(
+        DECODE,
+        "d-allow",
+        "127.0.0.1",
+        &["--allowed-prefill-hosts", "10.0.0.0/8,fd00::/8"],
+        &token,
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    wait_healthy(&c, &mut fenced).await?;
+    let log = std::fs::read_to_string(&p.proc.log)?;
+    ensure!(log.contains("advertising this address to peers"), "{log}");
+
+    let (s, pa) = post(&c, &p.url, &p_body("secure prompt"), None).await?;
+    ensure!(s == 200, "prefill: {s} {pa}");
+    ensure!(
+        pa["kv_transfer_params"]["remote_host"] == "127.0.0.2",
+        "P advertises --advertise-host: {pa}"
+    );
+    let d_body = json!({"prompt": "secure prompt", "max_tokens": 2,
+        "kv_transfer_params": pa["kv_transfer_params"]});
+
+    // The API key: missing or wrong is a 401 in the JSON shape; /health stays open.
+    let (s, v) = post(&c, &d.url, &d_body, None).await?;
+    ensure!(s == 401 && v["error"]["type"] == "unauthorized", "{s} {v}");
+    let (s, v) = post(&c, &d.url, &d_body, Some("wrong")).await?;
+    ensure!(s == 401, "{s} {v}");
+    let abort = c.post(format!("{}/v1/abort/x", d.url)).send().await?;
+    ensure!(
+        abort.status().as_u16() == 401,
+        "the abort route is guarded too"
+    );
+    let health = c.get(format!("{}/health", d.url)).send().await?;
+    ensure!(health.status().is_success(), "/health stays open");
+    let m = c.get(format!("{}/metrics", d.url)).send().await?;
+    ensure!(m.status().is_success(), "/metrics stays open");
+    // With the key, D reads from P at the advertised address, byte-exact.
+    let (s, v) = post(&c, &d.url, &d_body, Some("k3y")).await?;
+    ensure!(s == 200, "with the key: {s} {v}");
+    ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
+
+    // The allow-list: P at 127.0.0.2 is outside 10.0.0.0/8.
+    let (s, pa2) = post(&c, &p.url, &p_body("another prompt"), None).await?;
+    ensure!(s == 200, "{s} {pa2}");
+    let body = json!({"prompt": "another prompt", "max_tokens": 1,
+        "kv_transfer_params": pa2["kv_transfer_params"]});
+    let (s, v) = post(&c, &fenced.url, &body, None).await?;
+    ensure!(
+        s == 403 && v["error"]["type"] == "prefill_host_not_allowed",
+        "{s} {v}"
+    );
+    Ok(())
+}
