@@ -295,6 +295,7 @@ impl WorldConfig {
         c.partitions.clear();
         c.p_stalls.clear();
         c.d_stalls.clear();
+        c.forged_gap = None;
         c.client_abort_per_million = 0;
         c.blocks_per_worker = 256;
         c.expect_no_expiry_while_tracked = true;
@@ -320,6 +321,7 @@ impl WorldConfig {
         c.p_stalls.clear();
         c.d_stalls.clear();
         c.partitions.clear();
+        c.forged_gap = None;
         c
     }
 
@@ -368,6 +370,7 @@ impl WorldConfig {
         c.d_stalls.clear();
         c.net.loss_per_million = 0;
         c.client_abort_per_million = 0;
+        c.forged_gap = None;
         c
     }
 

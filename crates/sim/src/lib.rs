@@ -62,9 +62,10 @@
 //!   `consumers_total`) and aborts to P workers, and expiry notices to D. It mostly
 //!   targets leases an honest D already owns; sometimes any lease, and it may then claim
 //!   one first: it owns that lease like any reader would (the transport authenticates
-//!   engines, not roles), so it can end it early or keep it alive. That lease is exempt
-//!   from the early-release checks; the fence still keeps its honest reader from wrong
-//!   output.
+//!   engines, not roles), so it can end it early or keep it alive. An abort needs no claim
+//!   either: any engine may abort a lease nobody claimed yet. Such a lease is exempt from
+//!   the early-release checks, and its request may fail (a stale read); the fence still
+//!   keeps its honest reader from wrong output.
 //!
 //! # What is checked, in every run
 //! - **No wrong output.** A request reaches `Loaded` only if every batch read under its
@@ -86,8 +87,8 @@
 //!   (+ network delay) after the crash.
 //! - **Restart bound**: the first request that arrives at a restarted P at or after
 //!   restart + `handshake` + lease duration ends `Done` unless another fault (crash,
-//!   restart, stall, partition) overlapped its life, the client aborted it or an engine
-//!   refused it. D notices the broken connection a `handshake` time after the crash,
+//!   restart, stall, partition) overlapped its life, the rogue acted on its lease, the
+//!   client aborted it or an engine refused it. D notices the broken connection a `handshake` time after the crash,
 //!   forgets the engine, and the next request handshakes again (a `handshake` time).
 //! - With `expect_no_expiry_while_tracked` (the overload scenario): no lease expires while
 //!   its D is alive and tracks it.

@@ -221,6 +221,8 @@ struct Req {
     ends: u32,
     /// The restart oracle checks this request.
     watched: bool,
+    /// The rogue claimed, completed or aborted its lease (a fault on its way).
+    rogue_hit: bool,
 }
 
 /// What the oracle expects P's core to answer to one message.
@@ -807,13 +809,14 @@ impl World {
                 (1, Some((end, ended))) => {
                     ok += 1;
                     if r.watched {
-                        let hit = self
-                            .faults
-                            .iter()
-                            .any(|&(a, b)| a <= ended && r.arrived <= b);
+                        let hit = r.rogue_hit
+                            || self
+                                .faults
+                                .iter()
+                                .any(|&(a, b)| a <= ended && r.arrived <= b);
                         if end == End::Failed && !hit {
                             problems.push(format!(
-                                "restart: {id}, the first request to restarted P{} past restart + handshake + lease, ended {end:?} with no fault on its way",
+                                "restart: {id}, the first request to restarted P{} past restart + handshake + lease, ended {end:?} with no fault (nor the rogue) on its way",
                                 r.p
                             ));
                         }
@@ -1118,6 +1121,7 @@ impl World {
                 end: None,
                 ends: 0,
                 watched,
+                rogue_hit: false,
             },
         );
         let alive = engine.alive;
@@ -1375,6 +1379,9 @@ impl World {
                         if let Some(lease) = engine.oracle.get_mut(id) {
                             lease.owner.get_or_insert_with(|| sender.clone());
                         }
+                        if rogue && let Some(r) = self.requests.get_mut(id) {
+                            r.rogue_hit = true;
+                        }
                     }
                 }
             }
@@ -1390,6 +1397,9 @@ impl World {
                 } else if let Some(lease) = lease {
                     lease.owner.get_or_insert_with(|| sender.clone());
                     lease.consumers.insert(rc.consumer);
+                    if rogue && let Some(r) = self.requests.get_mut(&rc.request) {
+                        r.rogue_hit = true;
+                    }
                 } else {
                     expect.unknown = true;
                 }
@@ -1404,6 +1414,9 @@ impl World {
                     expect.foreign = true;
                 } else if let Some(lease) = lease {
                     lease.aborted = true;
+                    if rogue && let Some(r) = self.requests.get_mut(&a.request) {
+                        r.rogue_hit = true;
+                    }
                 } else {
                     expect.unknown = true;
                 }

@@ -131,11 +131,14 @@ fn d_crash_reclaims_within_bound() {
             );
         }
     }
-    assert!(reclaims > 0, "no lease of the crashed D was reclaimed");
-    assert!(
-        bounded > 0,
-        "no reclaim measured against a heartbeat-set expiry"
-    );
+    // Over all seeds together (a replay of one seed checks only its oracles).
+    if reports.len() > 1 {
+        assert!(reclaims > 0, "no lease of the crashed D was reclaimed");
+        assert!(
+            bounded > 0,
+            "no reclaim measured against a heartbeat-set expiry"
+        );
+    }
 }
 
 #[test]
@@ -172,7 +175,9 @@ fn hetero_tp_frees_after_all_consumers() {
             scenario_seeds(8),
             |seed| WorldConfig::hetero_tp(seed, p_tp, d_tp),
         );
-        assert!(total(&reports, |r| r.stats.released_completed) > 0);
+        if reports.len() > 1 {
+            assert!(total(&reports, |r| r.stats.released_completed) > 0);
+        }
     }
 }
 
@@ -183,8 +188,10 @@ fn late_heartbeats_after_completion_change_nothing() {
         scenario_seeds(8),
         WorldConfig::late_heartbeats,
     );
-    assert!(total(&reports, |r| r.stats.heartbeats_after_release) > 0);
-    assert!(total(&reports, |r| r.stats.released_completed) > 0);
+    if reports.len() > 1 {
+        assert!(total(&reports, |r| r.stats.heartbeats_after_release) > 0);
+        assert!(total(&reports, |r| r.stats.released_completed) > 0);
+    }
 }
 
 #[test]
@@ -195,8 +202,10 @@ fn restarted_p_serves_again_within_bound() {
         WorldConfig::p_restart,
     );
     assert!(total(&reports, |r| r.stats.p_restarts) >= reports.len() as u64);
-    assert!(total(&reports, |r| r.stats.restart_checks) > 0);
-    assert!(total(&reports, |r| r.stats.forgotten_engines) > 0);
+    if reports.len() > 1 {
+        assert!(total(&reports, |r| r.stats.restart_checks) > 0);
+        assert!(total(&reports, |r| r.stats.forgotten_engines) > 0);
+    }
 }
 
 #[test]
@@ -206,10 +215,12 @@ fn churn_with_forgers_produces_no_wrong_output() {
         scenario_seeds(8),
         WorldConfig::churn,
     );
-    assert!(total(&reports, |r| r.stats.stale_reads) > 0);
-    assert!(total(&reports, |r| r.stats.forged_ignored) > 0);
-    assert!(total(&reports, |r| r.stats.rogue_owned) > 0);
-    assert!(total(&reports, |r| r.stats.refused_at_p) > 0);
+    if reports.len() > 1 {
+        assert!(total(&reports, |r| r.stats.stale_reads) > 0);
+        assert!(total(&reports, |r| r.stats.forged_ignored) > 0);
+        assert!(total(&reports, |r| r.stats.rogue_owned) > 0);
+        assert!(total(&reports, |r| r.stats.refused_at_p) > 0);
+    }
 }
 
 /// Runs seeds until one fails with a failure that contains `expect`; returns every
