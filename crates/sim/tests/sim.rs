@@ -1,6 +1,7 @@
 //! The simulation suite: the seed sweep, named scenarios, the determinism check, and tests
 //! that plant a bug and assert that the checker catches it.
 
+use std::io::Write as _;
 use std::time::Duration;
 
 use kvlease_lease::LeaseConfig;
@@ -52,7 +53,9 @@ fn sim_seeds() {
             total(&reports, |r| r.stats.arrived),
             total(&reports, |r| r.stats.outcomes_ok)
         );
-        println!("{line}");
+        // Straight to the process's stdout, past the test harness's capture, so that CI
+        // logs show it without --nocapture.
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
     }
     if n >= 256 {
         for (name, count) in faults {

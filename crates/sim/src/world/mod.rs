@@ -1,0 +1,1040 @@
+//! The world: engine cores in their shells, network, virtual time, faults, and the checker.
+//!
+//! `mod.rs` holds the world's state, its event loop and the network; `prefill` and
+//! `decode` are the P and D shells, `oracle` the checks, `rogue` the forger.
+
+mod decode;
+mod oracle;
+mod prefill;
+mod rogue;
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::fmt::Write as _;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvlease_engine::{
+    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, LoadError, LoadPlan,
+    Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent, PrefillNotif,
+    RemoteEngine, RemoteKv, TransmitKind,
+};
+use kvlease_lease::{
+    ConsumerId, EngineId, Generation, LeaseConfig, LeaseMode, ReadCompleteOutcome, ReleaseReason,
+    Released, RequestId, Timestamp,
+};
+use kvlease_notif::{
+    Abort, ExpiredLease, MAX_NOTIF_LEN, Notif, ReadComplete, decode, encode_expired,
+    encode_heartbeats,
+};
+
+use crate::config::{Bug, WorldConfig};
+use crate::rng::Rng;
+
+/// Content of a freed block: what P writes over blocks it releases.
+const POISON: u64 = 0xdead_dead_dead_dead;
+
+/// Stop after this much virtual time past the last arrival, drained or not.
+const MAX_DRAIN: Duration = Duration::from_secs(600);
+
+/// Failures kept per run (the first ones are the interesting ones).
+const MAX_FAILURES: usize = 20;
+
+/// Tokens per block, on P and D.
+const BLOCK_SIZE: u32 = 16;
+
+/// Global KV heads of the simulated model (divisible by every TP size the worlds use).
+const NUM_KV_HEADS: u32 = 8;
+
+/// An endpoint of the notification network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Addr {
+    P {
+        engine: usize,
+        worker: u32,
+    },
+    D {
+        engine: usize,
+        rank: u32,
+    },
+    /// The forger: a third peer that sniffs request ids and sends notifications under its
+    /// own (authenticated) engine id.
+    Rogue,
+}
+
+/// Counters of one run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SimStats {
+    /// Requests that arrived at P.
+    pub arrived: u64,
+    /// Requests that ended in exactly one outcome.
+    pub outcomes_ok: u64,
+    /// Outcome: refused by P (no blocks, or a prompt it cannot take).
+    pub refused_at_p: u64,
+    /// Outcome: refused by D on arrival.
+    pub refused_at_d: u64,
+    /// Outcome: lost with a crashed P (queued or prefilling when it crashed, or arrived
+    /// while it was down).
+    pub lost_with_p: u64,
+    /// Outcome: lost with a crashed D.
+    pub lost_with_d: u64,
+    /// Outcome: decoded to the end.
+    pub done: u64,
+    /// Outcome: the load failed (no output).
+    pub failed: u64,
+    /// Outcome: aborted by the client.
+    pub aborted: u64,
+    /// Leases granted.
+    pub granted: u64,
+    /// Leases released because every consumer reported.
+    pub released_completed: u64,
+    /// Leases released by the reaper.
+    pub released_expired: u64,
+    /// Leases released by an abort.
+    pub released_aborted: u64,
+    /// Requests D read and verified.
+    pub reads_ok: u64,
+    /// Read batches that found a changed fence word.
+    pub stale_reads: u64,
+    /// Read batches that failed because P was gone, restarted or unreachable.
+    pub failed_reads: u64,
+    /// Requests D failed without reading, after an expiry notice.
+    pub recomputed_after_notice: u64,
+    /// Requests the client aborted on D.
+    pub client_aborts: u64,
+    /// Heartbeat messages sent (one per P worker).
+    pub heartbeat_messages: u64,
+    /// Bytes of those messages.
+    pub heartbeat_bytes: u64,
+    /// Heartbeat ids routed on P that named no live lease (late or unknown).
+    pub heartbeat_ids_unknown_or_late: u64,
+    /// Heartbeat ids that arrived after their lease was released.
+    pub heartbeats_after_release: u64,
+    /// Expiry notices (messages) sent by P.
+    pub expiry_notices: u64,
+    /// Messages lost by the network.
+    pub messages_lost: u64,
+    /// Messages duplicated by the network.
+    pub messages_duplicated: u64,
+    /// Of the lost messages, those dropped by a partition.
+    pub messages_partitioned: u64,
+    /// Partitions that began.
+    pub partitions: u64,
+    /// P engines restarted (under the same engine id).
+    pub p_restarts: u64,
+    /// D engines restarted (under the same engine id).
+    pub d_restarts: u64,
+    /// Stalls (P or D) that began.
+    pub stalls: u64,
+    /// Forged notifications sent by the rogue.
+    pub forged: u64,
+    /// Forged notifications a core ignored as another engine's.
+    pub forged_ignored: u64,
+    /// Leases the rogue claimed first (released without the early-release checks).
+    pub rogue_owned: u64,
+    /// `forget_engine` calls (a connection to P was lost).
+    pub forgotten_engines: u64,
+    /// Requests checked by the restart oracle (the first one to a restarted P past the bound).
+    pub restart_checks: u64,
+    /// Leases reclaimed after their D crashed.
+    pub crash_reclaims: u64,
+    /// Smallest and largest time from the last delivered heartbeat to the reclaim of a
+    /// lease whose D crashed (P's clock).
+    pub crash_reclaim_after_heartbeat: Option<(Duration, Duration)>,
+    /// Longest time from a D crash to the reclaim of one of its leases (true time).
+    pub crash_reclaim_since_crash_max: Duration,
+    /// Longest time a request stayed admitted on D before its load began.
+    pub max_queue_wait: Duration,
+    /// Read completions P accepted.
+    pub read_completions: u64,
+    /// Handshakes D started.
+    pub handshakes: u64,
+    /// Heartbeat batches deferred while their engine handshaked.
+    pub deferred_batches: u64,
+    /// Integral of the requests D tracks over true time (request·ns), for the mean.
+    pub tracked_request_ns: u128,
+    /// Virtual time at the end.
+    pub end: Duration,
+}
+
+/// The outcome of one run.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// A hash of every event in order; the same config gives the same hash.
+    pub trace_hash: u64,
+    /// The counters.
+    pub stats: SimStats,
+    /// Every broken rule (at most 20), with the virtual time; empty for a good run.
+    pub failures: Vec<String>,
+}
+
+/// A clock: local = offset + true × (1 + drift).
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    offset_ns: u64,
+    drift_ppm: i64,
+}
+
+impl Clock {
+    fn local(&self, true_ns: u64) -> Timestamp {
+        let drift = i128::from(true_ns) * i128::from(self.drift_ppm) / 1_000_000;
+        let ns = i128::from(self.offset_ns) + i128::from(true_ns) + drift;
+        Timestamp::from_nanos(u64::try_from(ns.max(0)).unwrap_or(u64::MAX))
+    }
+}
+
+/// A shell's error, as the typed cause the cores keep.
+#[derive(Debug)]
+struct SimError(&'static str);
+
+impl std::fmt::Display for SimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for SimError {}
+
+fn cause(what: &'static str) -> Cause {
+    Arc::new(SimError(what))
+}
+
+/// How a request ended, as the world saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    RefusedAtP,
+    RefusedAtD,
+    LostWithP,
+    LostWithD,
+    Done,
+    Failed,
+    Aborted,
+}
+
+/// Everything the world knows of one request (the oracle's record).
+#[derive(Debug)]
+struct Req {
+    p: usize,
+    tokens: usize,
+    arrived: u64,
+    content_seed: u64,
+    generation: u64,
+    end: Option<(End, u64)>,
+    /// Ends recorded (more than one fails the run).
+    ends: u32,
+    /// The restart oracle checks this request.
+    watched: bool,
+    /// The rogue claimed, completed or aborted its lease (a fault on its way).
+    rogue_hit: bool,
+}
+
+/// What the oracle expects P's core to answer to one message.
+#[derive(Debug, Clone, Copy, Default)]
+struct Expect {
+    /// A heartbeat's held, late, unknown and foreign ids.
+    heartbeat: (u32, u32, u32, u32),
+    /// A completion or abort that is another engine's.
+    foreign: bool,
+    /// A completion or abort for a lease P does not hold.
+    unknown: bool,
+}
+
+/// What the oracle knows of one lease, on P's clock.
+#[derive(Debug, Clone)]
+struct OracleLease {
+    /// The engine that claimed it first (the oracle's own model of ownership).
+    owner: Option<EngineId>,
+    generation: Generation,
+    expiry_ns: u64,
+    last_heartbeat_ns: Option<u64>,
+    consumers: HashSet<ConsumerId>,
+    aborted: bool,
+    d_engine: usize,
+    granted_true_ns: u64,
+}
+
+/// One P worker's memory: the fence word and the content of every block.
+#[derive(Debug)]
+struct Pool {
+    words: Vec<u64>,
+    content: Vec<u64>,
+}
+
+impl Pool {
+    fn new(blocks: u32) -> Self {
+        Self {
+            words: vec![Generation::FREE_WORD; blocks as usize],
+            content: vec![POISON; blocks as usize],
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PEngine {
+    id: EngineId,
+    alive: bool,
+    incarnation: u32,
+    clock: Clock,
+    core: PrefillCore<Addr>,
+    pools: Vec<Pool>,
+    /// Arrivals not yet handed to the core (the core sees them at its next step).
+    jobs: VecDeque<RequestId>,
+    /// Requests between arrival and their grant or refusal.
+    pending: BTreeSet<RequestId>,
+    /// Prefills being computed: when each is done.
+    prefilling: VecDeque<(u64, RequestId)>,
+    inbox: VecDeque<(Addr, Vec<u8>)>,
+    /// Oracle: every lease the core should hold.
+    oracle: HashMap<RequestId, OracleLease>,
+    /// Oracle: (expiry, request) of the same leases, to find overdue ones.
+    deadlines: BTreeSet<(u64, RequestId)>,
+    /// Grant order (the planted grant-order reaper, the rogue's choice of victims).
+    grant_order: VecDeque<RequestId>,
+    stalled_until: u64,
+    /// True time the latest stall ended (0: none).
+    stall_end: u64,
+    /// The restart oracle watches the first arrival at or after this true time.
+    watch_from: Option<u64>,
+}
+
+/// A request's reads in flight.
+#[derive(Debug)]
+struct Load {
+    p: usize,
+    /// The P incarnation of the connection the reads go over.
+    conn: Option<u32>,
+    plan: LoadPlan,
+    /// What each batch copied out of P's memory (at the start of the read).
+    copied: Vec<Vec<u64>>,
+    /// Whether each batch's fence word matched at its end (the truth, whatever the shell
+    /// reports).
+    fence_matched: Vec<bool>,
+    results: Vec<Option<BatchResult>>,
+    admitted_at: u64,
+}
+
+#[derive(Debug)]
+struct DEngine {
+    id: EngineId,
+    alive: bool,
+    incarnation: u32,
+    clock: Clock,
+    core: DecodeCore,
+    arrivals: VecDeque<(RequestId, usize, RemoteKv)>,
+    handshakes: VecDeque<(usize, Option<u32>)>,
+    lost_conns: VecDeque<(usize, u32)>,
+    inbox: VecDeque<(Addr, Vec<u8>)>,
+    loads: BTreeMap<RequestId, Load>,
+    decoding: Vec<(u64, RequestId)>,
+    /// Admitted and not finished, with the admission time.
+    admitted: BTreeMap<RequestId, u64>,
+    /// Admitted and not yet loaded (tracked for heartbeats).
+    tracked: HashSet<RequestId>,
+    /// P engine → the incarnation this D's connection reaches.
+    conns: HashMap<usize, u32>,
+    stalled_until: u64,
+    last_step: u64,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Arrival,
+    PStep {
+        p: usize,
+        incarnation: u32,
+    },
+    DStep {
+        d: usize,
+        incarnation: u32,
+    },
+    Deliver {
+        from: Addr,
+        to: Addr,
+        bytes: Vec<u8>,
+    },
+    Transfer {
+        d: usize,
+        request: RequestId,
+        tokens: usize,
+        remote: RemoteKv,
+    },
+    HandshakeDone {
+        d: usize,
+        incarnation: u32,
+        p: usize,
+    },
+    ConnLost {
+        d: usize,
+        incarnation: u32,
+        p: usize,
+        p_incarnation: u32,
+    },
+    ReadDone {
+        d: usize,
+        incarnation: u32,
+        request: RequestId,
+    },
+    CrashD {
+        d: usize,
+        restart_after: Option<Duration>,
+    },
+    RestartD {
+        d: usize,
+    },
+    CrashP {
+        p: usize,
+        restart_after: Option<Duration>,
+    },
+    RestartP {
+        p: usize,
+    },
+    Stall {
+        on_p: bool,
+        engine: usize,
+        duration: Duration,
+    },
+    Partition {
+        duration: Duration,
+    },
+    Forge,
+}
+
+#[derive(Debug)]
+struct Scheduled {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// The simulated world. Build it with [`World::new`] and run it with [`World::run`].
+#[derive(Debug)]
+pub struct World {
+    config: WorldConfig,
+    lease: LeaseConfig,
+    rng: Rng,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<Scheduled>>,
+    p: Vec<PEngine>,
+    d: Vec<DEngine>,
+    p_by_id: HashMap<EngineId, usize>,
+    rogue: EngineId,
+    requests: BTreeMap<RequestId, Req>,
+    /// Local time of the last heartbeat transmit per (D engine, incarnation, P engine).
+    last_batch: HashMap<(usize, u32, usize), u64>,
+    /// Consecutive losses per link and stream (heartbeat or not).
+    losses_in_a_row: HashMap<(Addr, Addr, bool), u32>,
+    /// True time each D engine crashed (latest crash).
+    d_crashed_at: Vec<Option<u64>>,
+    /// Requests a D engine tracked when it crashed.
+    crash_victims: HashMap<RequestId, usize>,
+    /// Windows of true time in which a fault (crash, restart, stall, partition) was on.
+    faults: Vec<(u64, u64)>,
+    arrivals_left: usize,
+    next_request: u64,
+    in_flight_transfers: usize,
+    trace: u64,
+    stats: SimStats,
+    failures: Vec<String>,
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+fn fmt_ns(ns: u64) -> String {
+    format!("{:.3}s", ns as f64 / 1e9)
+}
+
+/// Content of block `i` of a request on P worker `worker`: derived from the request, so
+/// that D can check every block it read.
+fn block_content(seed: u64, worker: u32, i: usize) -> u64 {
+    let mut z = seed ^ (u64::from(worker) << 48) ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (z ^ (z >> 29)) | 1
+}
+
+fn p_core(
+    config: &WorldConfig,
+    lease: LeaseConfig,
+    id: EngineId,
+    incarnation: u32,
+) -> PrefillCore<Addr> {
+    // A restarted P starts its generations above every earlier one (the agent uses the
+    // wall clock in microseconds).
+    let first = NonZeroU64::new((u64::from(incarnation) << 40) | 1)
+        .map_or(Generation(NonZeroU64::MIN), Generation);
+    PrefillCore::new(
+        PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
+            .with_first_generation(first),
+    )
+}
+
+fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
+    DecodeCore::new(
+        DecodeConfig::new(
+            id,
+            config.d_tp,
+            NUM_KV_HEADS,
+            BLOCK_SIZE,
+            config.blocks_per_worker,
+            lease,
+        )
+        .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
+        .with_retry(config.d_step),
+    )
+}
+
+impl World {
+    /// A world for `config`.
+    ///
+    /// # Panics
+    /// When the config is unusable (a lease duration the lease crate rejects, or TP sizes
+    /// that do not divide the model's heads); a test bug, not a simulation outcome.
+    pub fn new(config: WorldConfig) -> Self {
+        // Invariant: the named configs use leases of 1.2 to 30 s, which the lease crate
+        // accepts; a custom config with a rejected duration is a bug of the test.
+        let lease = LeaseConfig::from_duration(config.lease)
+            .expect("config: valid lease duration")
+            .with_mode(config.mode);
+        assert!(
+            config.p_tp > 0
+                && config.d_tp > 0
+                && NUM_KV_HEADS.is_multiple_of(config.p_tp)
+                && NUM_KV_HEADS.is_multiple_of(config.d_tp),
+            "config: TP sizes must divide {NUM_KV_HEADS} heads"
+        );
+        let mut rng = Rng::new(config.seed);
+        let clock = |rng: &mut Rng| Clock {
+            offset_ns: rng.range(0, nanos(config.clock_offset_max)),
+            drift_ppm: rng.range(0, 2 * u64::from(config.drift_ppm_max)) as i64
+                - i64::from(config.drift_ppm_max),
+        };
+        let p: Vec<PEngine> = (0..config.p_engines)
+            .map(|i| {
+                let id = engine_id(&format!("p{i}"));
+                PEngine {
+                    core: p_core(&config, lease, id.clone(), 0),
+                    id,
+                    alive: true,
+                    incarnation: 0,
+                    clock: clock(&mut rng),
+                    pools: (0..config.p_tp)
+                        .map(|_| Pool::new(config.blocks_per_worker))
+                        .collect(),
+                    jobs: VecDeque::new(),
+                    pending: BTreeSet::new(),
+                    prefilling: VecDeque::new(),
+                    inbox: VecDeque::new(),
+                    oracle: HashMap::new(),
+                    deadlines: BTreeSet::new(),
+                    grant_order: VecDeque::new(),
+                    stalled_until: 0,
+                    stall_end: 0,
+                    watch_from: None,
+                }
+            })
+            .collect();
+        let d = (0..config.d_engines)
+            .map(|i| {
+                let id = engine_id(&format!("d{i}"));
+                DEngine {
+                    core: d_core(&config, lease, id.clone()),
+                    id,
+                    alive: true,
+                    incarnation: 0,
+                    clock: clock(&mut rng),
+                    arrivals: VecDeque::new(),
+                    handshakes: VecDeque::new(),
+                    lost_conns: VecDeque::new(),
+                    inbox: VecDeque::new(),
+                    loads: BTreeMap::new(),
+                    decoding: Vec::new(),
+                    admitted: BTreeMap::new(),
+                    tracked: HashSet::new(),
+                    conns: HashMap::new(),
+                    stalled_until: 0,
+                    last_step: 0,
+                }
+            })
+            .collect();
+        let p_by_id = p
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.id.clone(), i))
+            .collect();
+        let mut world = Self {
+            d_crashed_at: vec![None; config.d_engines],
+            arrivals_left: config.requests,
+            lease,
+            rng,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            p,
+            d,
+            p_by_id,
+            rogue: engine_id("rogue"),
+            requests: BTreeMap::new(),
+            losses_in_a_row: HashMap::new(),
+            last_batch: HashMap::new(),
+            crash_victims: HashMap::new(),
+            faults: Vec::new(),
+            next_request: 0,
+            in_flight_transfers: 0,
+            trace: 0xcbf2_9ce4_8422_2325,
+            stats: SimStats::default(),
+            failures: Vec::new(),
+            config,
+        };
+        for p in 0..world.p.len() {
+            let at = world.rng.range(0, nanos(world.config.p_step));
+            world.schedule(at, Ev::PStep { p, incarnation: 0 });
+        }
+        for d in 0..world.d.len() {
+            let at = world.rng.range(0, nanos(world.config.d_step));
+            world.schedule(at, Ev::DStep { d, incarnation: 0 });
+        }
+        world.schedule(0, Ev::Arrival);
+        for crash in world.config.d_crashes.clone() {
+            let ev = Ev::CrashD {
+                d: crash.engine,
+                restart_after: crash.restart_after,
+            };
+            world.schedule(nanos(crash.at), ev);
+        }
+        for crash in world.config.p_crashes.clone() {
+            let ev = Ev::CrashP {
+                p: crash.engine,
+                restart_after: crash.restart_after,
+            };
+            world.schedule(nanos(crash.at), ev);
+        }
+        for (on_p, stalls) in [
+            (true, world.config.p_stalls.clone()),
+            (false, world.config.d_stalls.clone()),
+        ] {
+            for s in stalls {
+                let ev = Ev::Stall {
+                    on_p,
+                    engine: s.engine,
+                    duration: s.duration,
+                };
+                world.schedule(nanos(s.at), ev);
+            }
+        }
+        for cut in world.config.partitions.clone() {
+            let ev = Ev::Partition {
+                duration: cut.duration,
+            };
+            world.schedule(nanos(cut.at), ev);
+        }
+        if let Some(gap) = world.config.forged_gap {
+            let at = world.rng.range(0, 2 * nanos(gap));
+            world.schedule(at, Ev::Forge);
+        }
+        world
+    }
+
+    fn schedule(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse(Scheduled {
+            at,
+            seq: self.seq,
+            ev,
+        }));
+    }
+
+    fn trace(&mut self, words: &[u64]) {
+        for &w in words {
+            for b in w.to_le_bytes() {
+                self.trace ^= u64::from(b);
+                self.trace = self.trace.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+
+    fn trace_str(&mut self, s: &str) {
+        for b in s.bytes() {
+            self.trace ^= u64::from(b);
+            self.trace = self.trace.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn fail(&mut self, what: String) {
+        if self.failures.len() < MAX_FAILURES {
+            self.failures.push(format!("t={} {what}", fmt_ns(self.now)));
+        }
+    }
+
+    fn step_len(&mut self, step: Duration) -> u64 {
+        nanos(step) + self.rng.range(0, nanos(self.config.step_jitter))
+    }
+
+    fn p_step_max_ns(&self) -> u64 {
+        // Local time can run up to drift faster than true time; 1 ms covers it.
+        nanos(self.config.p_step) + nanos(self.config.step_jitter) + 1_000_000
+    }
+
+    /// Consumers of one lease: every (D worker, P worker) pair whose heads overlap. With
+    /// TP sizes that divide the heads, that is the larger TP size.
+    fn consumers(&self) -> u32 {
+        self.config.p_tp.max(self.config.d_tp)
+    }
+
+    /// Runs the world until every request ended and every lease is released (or the
+    /// drain limit passes), then checks that nothing leaked.
+    pub fn run(mut self) -> Report {
+        let mut drained_at: Option<u64> = None;
+        let linger = nanos(self.config.lease) * 2 + self.p_step_max_ns() * 4;
+        while let Some(Reverse(next)) = self.queue.pop() {
+            self.now = next.at;
+            self.handle(next.ev);
+            if self.failures.len() >= MAX_FAILURES {
+                break;
+            }
+            if self.arrivals_left == 0 && drained_at.is_none() && self.quiet() {
+                drained_at = Some(self.now);
+            }
+            if let Some(at) = drained_at {
+                if !self.quiet() {
+                    drained_at = None;
+                } else if self.now >= at + linger && self.stalls_over() && self.tables_empty() {
+                    break;
+                }
+            }
+            if self.arrivals_left == 0 && self.now > self.last_arrival_cap() {
+                self.fail("the world did not drain within the limit".into());
+                break;
+            }
+        }
+        self.check_end();
+        self.stats.end = Duration::from_nanos(self.now);
+        Report {
+            seed: self.config.seed,
+            trace_hash: self.trace,
+            stats: self.stats,
+            failures: self.failures,
+        }
+    }
+
+    /// Runs the world up to `limit` of virtual time and stops there, drained or not (call
+    /// it again with a later limit to go on): the checks made while it runs hold, the end
+    /// checks (outcomes, leaks) are not made. For measurements (`examples/scale.rs`).
+    pub fn run_until(&mut self, limit: Duration) -> Report {
+        let limit = nanos(limit);
+        while self.failures.len() < MAX_FAILURES {
+            let Some(Reverse(next)) = self.queue.peek() else {
+                break;
+            };
+            if next.at > limit {
+                break;
+            }
+            let Some(Reverse(next)) = self.queue.pop() else {
+                break;
+            };
+            self.now = next.at;
+            self.handle(next.ev);
+        }
+        self.now = self.now.max(limit);
+        // Close the integral of tracked requests at the limit.
+        for d in 0..self.d.len() {
+            let since = self.now.saturating_sub(self.d[d].last_step);
+            self.stats.tracked_request_ns += self.d[d].tracked.len() as u128 * u128::from(since);
+            self.d[d].last_step = self.now;
+        }
+        self.stats.end = Duration::from_nanos(self.now);
+        Report {
+            seed: self.config.seed,
+            trace_hash: self.trace,
+            stats: self.stats.clone(),
+            failures: self.failures.clone(),
+        }
+    }
+
+    fn last_arrival_cap(&self) -> u64 {
+        nanos(self.config.arrival_gap) * 2 * self.config.requests as u64 + nanos(MAX_DRAIN)
+    }
+
+    /// No request in flight anywhere (queues, prefills, transfers, reads, decodes).
+    fn quiet(&self) -> bool {
+        self.in_flight_transfers == 0
+            && self
+                .p
+                .iter()
+                .filter(|p| p.alive)
+                .all(|p| p.pending.is_empty() && p.jobs.is_empty() && p.prefilling.is_empty())
+            && self.d.iter().filter(|d| d.alive).all(|d| {
+                d.arrivals.is_empty()
+                    && d.admitted.is_empty()
+                    && d.loads.is_empty()
+                    && d.decoding.is_empty()
+            })
+    }
+
+    fn stalls_over(&self) -> bool {
+        self.p.iter().all(|p| p.stalled_until <= self.now)
+            && self.d.iter().all(|d| d.stalled_until <= self.now)
+    }
+
+    fn tables_empty(&self) -> bool {
+        self.p
+            .iter()
+            .filter(|p| p.alive)
+            .all(|p| p.core.leases() == 0)
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::Arrival => self.arrival(),
+            Ev::PStep { p, incarnation } => {
+                if self.p[p].alive && self.p[p].incarnation == incarnation {
+                    if self.p[p].stalled_until <= self.now {
+                        self.trace(&[1, self.now, p as u64]);
+                        self.p_step(p);
+                    }
+                    let next = self.now + self.step_len(self.config.p_step);
+                    self.schedule(next, Ev::PStep { p, incarnation });
+                }
+            }
+            Ev::DStep { d, incarnation } => {
+                if self.d[d].alive && self.d[d].incarnation == incarnation {
+                    if self.d[d].stalled_until <= self.now {
+                        self.trace(&[2, self.now, d as u64]);
+                        self.d_step(d);
+                    }
+                    let next = self.now + self.step_len(self.config.d_step);
+                    self.schedule(next, Ev::DStep { d, incarnation });
+                }
+            }
+            Ev::Deliver { from, to, bytes } => self.deliver(from, to, bytes),
+            Ev::Transfer {
+                d,
+                request,
+                tokens,
+                remote,
+            } => {
+                self.in_flight_transfers -= 1;
+                self.arrive_at_d(d, request, tokens, remote);
+            }
+            Ev::HandshakeDone { d, incarnation, p } => {
+                if self.d[d].alive && self.d[d].incarnation == incarnation {
+                    let reachable = self.p[p].alive
+                        && !self.partitioned(
+                            Addr::D { engine: d, rank: 0 },
+                            Addr::P {
+                                engine: p,
+                                worker: 0,
+                            },
+                        );
+                    let result = reachable.then_some(self.p[p].incarnation);
+                    self.d[d].handshakes.push_back((p, result));
+                }
+            }
+            Ev::ConnLost {
+                d,
+                incarnation,
+                p,
+                p_incarnation,
+            } => {
+                if self.d[d].alive && self.d[d].incarnation == incarnation {
+                    self.d[d].lost_conns.push_back((p, p_incarnation));
+                }
+            }
+            Ev::ReadDone {
+                d,
+                incarnation,
+                request,
+            } => self.read_done(d, incarnation, &request),
+            Ev::CrashD { d, restart_after } => self.crash_d(d, restart_after),
+            Ev::RestartD { d } => self.restart_d(d),
+            Ev::CrashP { p, restart_after } => self.crash_p(p, restart_after),
+            Ev::RestartP { p } => self.restart_p(p),
+            Ev::Stall {
+                on_p,
+                engine,
+                duration,
+            } => {
+                let until = self.now + nanos(duration);
+                if on_p {
+                    self.p[engine].stalled_until = until;
+                    self.p[engine].stall_end = until;
+                } else {
+                    self.d[engine].stalled_until = until;
+                }
+                self.stats.stalls += 1;
+                self.faults.push((self.now, until));
+                self.trace(&[16, self.now, u64::from(on_p), engine as u64]);
+            }
+            Ev::Partition { duration } => {
+                self.stats.partitions += 1;
+                self.faults.push((self.now, self.now + nanos(duration)));
+            }
+            Ev::Forge => self.forge(),
+        }
+    }
+
+    // ---- network ------------------------------------------------------------------------
+
+    fn send(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
+        let net = self.config.net;
+        if self.partitioned(from, to) {
+            self.stats.messages_lost += 1;
+            self.stats.messages_partitioned += 1;
+            self.trace(&[15, self.now]);
+            return;
+        }
+        // Consecutive losses count per link and per stream (heartbeats apart from the rest),
+        // so that "at most N heartbeats lost in a row" holds whatever else the link carries.
+        let link = (from, to, bytes.starts_with(kvlease_notif::HEARTBEAT_PREFIX));
+        let in_a_row = self.losses_in_a_row.get(&link).copied().unwrap_or(0);
+        let may_lose = net.max_consecutive_losses.is_none_or(|max| in_a_row < max);
+        if may_lose && self.rng.chance(net.loss_per_million) {
+            self.losses_in_a_row.insert(link, in_a_row + 1);
+            self.stats.messages_lost += 1;
+            self.trace(&[3, self.now]);
+            return;
+        }
+        if in_a_row > 0 {
+            self.losses_in_a_row.insert(link, 0);
+        }
+        let copies = if self.rng.chance(net.duplicate_per_million) {
+            self.stats.messages_duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let at = self.now + nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
+            self.schedule(
+                at,
+                Ev::Deliver {
+                    from,
+                    to,
+                    bytes: bytes.clone(),
+                },
+            );
+        }
+    }
+
+    fn partitioned(&self, a: Addr, b: Addr) -> bool {
+        let ((Addr::D { engine: d, .. }, Addr::P { engine: p, .. })
+        | (Addr::P { engine: p, .. }, Addr::D { engine: d, .. })) = (a, b)
+        else {
+            return false;
+        };
+        self.config.partitions.iter().any(|cut| {
+            cut.d == d
+                && cut.p == p
+                && (nanos(cut.at)..nanos(cut.at) + nanos(cut.duration)).contains(&self.now)
+        })
+    }
+
+    fn deliver(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
+        match to {
+            Addr::P { engine, .. } => {
+                let p = &mut self.p[engine];
+                if p.alive {
+                    p.inbox.push_back((from, bytes));
+                }
+            }
+            Addr::D { engine, .. } => {
+                let d = &mut self.d[engine];
+                if d.alive {
+                    d.inbox.push_back((from, bytes));
+                }
+            }
+            Addr::Rogue => {}
+        }
+    }
+
+    fn sender_engine(&self, from: Addr) -> EngineId {
+        match from {
+            Addr::P { engine, .. } => self.p[engine].id.clone(),
+            Addr::D { engine, .. } => self.d[engine].id.clone(),
+            Addr::Rogue => self.rogue.clone(),
+        }
+    }
+
+    // ---- outcomes -----------------------------------------------------------------------
+
+    /// Oracle 1: records how `request` ended; a second end fails the run.
+    fn end(&mut self, request: &RequestId, end: End) {
+        let now = self.now;
+        let Some(r) = self.requests.get_mut(request) else {
+            self.fail(format!(
+                "outcome: {request} ended ({end:?}) but never arrived"
+            ));
+            return;
+        };
+        r.ends += 1;
+        if let Some((first, _)) = r.end {
+            let msg = format!("outcome: {request} ended twice: {first:?}, then {end:?}");
+            self.fail(msg);
+            return;
+        }
+        r.end = Some((end, now));
+        match end {
+            End::RefusedAtP => self.stats.refused_at_p += 1,
+            End::RefusedAtD => self.stats.refused_at_d += 1,
+            End::LostWithP => self.stats.lost_with_p += 1,
+            End::LostWithD => self.stats.lost_with_d += 1,
+            End::Done => self.stats.done += 1,
+            End::Failed => self.stats.failed += 1,
+            End::Aborted => self.stats.aborted += 1,
+        }
+        self.trace(&[17, now, end as u64]);
+        self.trace_str(request.as_str());
+    }
+
+    // ---- P ------------------------------------------------------------------------------
+}
+
+fn engine_id(s: &str) -> EngineId {
+    EngineId::new(s).unwrap_or_else(|_| unreachable_engine())
+}
+
+fn request_id(n: u64) -> RequestId {
+    let mut s = String::with_capacity(24);
+    let _ = write!(s, "cmpl-{n:06}-0");
+    RequestId::new(&s).unwrap_or_else(|_| unreachable_id())
+}
+
+#[cold]
+fn unreachable_id() -> RequestId {
+    // Ids built here use only `[a-z0-9-]`; reaching this is a bug of the simulator.
+    #[allow(clippy::panic)]
+    {
+        panic!("simulator built an invalid request id")
+    }
+}
+
+#[cold]
+fn unreachable_engine() -> EngineId {
+    #[allow(clippy::panic)]
+    {
+        panic!("simulator built an invalid engine id")
+    }
+}
