@@ -153,3 +153,62 @@ async fn advertised_address_api_key_and_allow_list() -> Result<()> {
     );
     Ok(())
 }
+
+/// A hello naming D workers that accept TCP but never answer (a firewall that drops, a
+/// dead host) used to stall P's engine thread for the transport's handshake timeout per
+/// worker (measured: 15.4 s for three). P now connects back off the engine thread: the
+/// next prefill is served at once. The bound asserted (4 s) is below one stalled worker's
+/// timeout, far above a normal prefill here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_naming_silent_workers_stalls_no_prefill() -> Result<()> {
+    let c = client();
+    let token = "hello-token";
+    let mut p = spawn(
+        PREFILL,
+        "p-silent",
+        "127.0.0.1",
+        &[],
+        &[("KVLEASE_AUTH_TOKEN", token)],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    // Silent workers: listeners that never accept (the kernel completes the TCP
+    // handshake; nothing ever answers the transport's).
+    let silent: Vec<std::net::TcpListener> = (0..3)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<_>>()?;
+    let mut mds = Vec::new();
+    for (i, l) in silent.iter().enumerate() {
+        let mut cfg = kvlease_transport::AgentConfig::new(format!("d-silent/d{i}"));
+        cfg.backend = kvlease_transport::BackendChoice::Tcp;
+        cfg.auth_token = Some(token.as_bytes().to_vec());
+        cfg.advertise = Some(l.local_addr()?);
+        let a = kvlease_transport::Agent::new(cfg)?;
+        mds.push(a.metadata());
+    }
+    let side = std::fs::read_to_string(&p.proc.log)?;
+    let port: u16 = side
+        .split("side_channel=")
+        .nth(1)
+        .and_then(|s| {
+            s.split(|ch: char| !ch.is_ascii_digit() && ch != '.' && ch != ':')
+                .next()
+        })
+        .and_then(|s| s.rsplit(':').next())
+        .and_then(|s| s.parse().ok())
+        .context("side channel address in P's log")?;
+    let addr = format!("127.0.0.1:{port}");
+    tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), "d-silent", 3, &mds, 1)
+    })
+    .await??;
+    let t0 = std::time::Instant::now();
+    let (s, v) = post(&c, &p.url, &p_body("a prompt after the hello"), None).await?;
+    let took = t0.elapsed();
+    ensure!(s == 200, "{s} {v}");
+    ensure!(
+        took < std::time::Duration::from_secs(4),
+        "a prefill after the hello took {took:?}"
+    );
+    drop(silent);
+    Ok(())
+}

@@ -37,7 +37,7 @@ use crate::bidir::{DecoderKvParams, PeerClock, PullDecision, PullPolicy, plan_pu
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{Metrics, ReleaseReason as MetricReason};
-use crate::shell::{EngineError, engine_of_peer, instance_now, rank_pool};
+use crate::shell::{EngineError, engine_of_peer, host_port, instance_now, rank_pool};
 use crate::sidechannel::{self, Hello};
 
 mod fill;
@@ -212,8 +212,25 @@ pub struct PrefillEngine {
         crossbeam_channel::Sender<ConnectedBack>,
         crossbeam_channel::Receiver<ConnectedBack>,
     ),
-    /// Bidirectional mode: D engines handshaken for pulls, by engine id.
-    d_caches: HashMap<String, DRemote>,
+    /// Bidirectional mode: D engines handshaken for pulls, by engine id (shared with the
+    /// pull threads).
+    d_caches: Arc<std::sync::Mutex<HashMap<String, Arc<DRemote>>>>,
+    /// Bidirectional mode: what pull threads run with.
+    pull_ctx: Option<pull::PullCtx>,
+    /// Requests whose pull runs: the job, its blocks, when its prefill started.
+    pulling: HashMap<RequestId, (Pending, Vec<BlockId>, Instant)>,
+    /// Pull results from the pull threads.
+    pulled: (
+        crossbeam_channel::Sender<pull::Pulled>,
+        crossbeam_channel::Receiver<pull::Pulled>,
+    ),
+    /// D engines a background handshake runs for (cached-turn heartbeats).
+    handshaking: std::collections::HashSet<String>,
+    /// Background handshakes that ended.
+    handshaken: (
+        crossbeam_channel::Sender<String>,
+        crossbeam_channel::Receiver<String>,
+    ),
     /// Symmetric lease: when (P's clock) P last heartbeated each cached entry of D, by
     /// `remote_request_id`.
     cache_heartbeats: HashMap<String, Timestamp>,
@@ -278,7 +295,7 @@ impl PrefillEngine {
             .with_first_generation(first)
             .with_max_consumers(max_consumers),
         );
-        Ok(Self {
+        let mut engine = Self {
             core,
             instance,
             jobs: HashMap::new(),
@@ -287,12 +304,19 @@ impl PrefillEngine {
             d_instances: HashMap::new(),
             connecting: std::collections::HashSet::new(),
             connected: crossbeam_channel::unbounded(),
-            d_caches: HashMap::new(),
+            d_caches: Arc::default(),
+            pull_ctx: None,
+            pulling: HashMap::new(),
+            pulled: crossbeam_channel::unbounded(),
+            handshaking: std::collections::HashSet::new(),
+            handshaken: crossbeam_channel::unbounded(),
             cache_heartbeats: HashMap::new(),
             cfg,
             metrics,
             workers,
-        })
+        };
+        engine.pull_ctx = engine.pull_ctx();
+        Ok(engine)
     }
 
     /// What the side channel serves to D.
@@ -337,8 +361,9 @@ impl PrefillEngine {
                 self.connect_d(&hello);
             }
             self.take_connected();
-            // 2. Prefill.
+            // 2. Prefill (and the prefills whose pulls from D ended).
             self.drop_gone_clients();
+            self.finish_pulls();
             self.prefill_waiting();
             self.heartbeat_cached();
             // 3. Notifications (heartbeats, completions, aborts).
@@ -353,6 +378,11 @@ impl PrefillEngine {
             self.metrics.leases_active.set(self.core.leases() as i64);
         }
         // Shutdown: answer whoever still waits.
+        for (_, (w, _, _)) in self.pulling.drain() {
+            let _ = w.job.reply.send(Err(ApiError::overloaded(
+                "the prefill engine is shutting down",
+            )));
+        }
         self.core.shutdown();
         self.drain();
     }
@@ -487,23 +517,53 @@ impl PrefillEngine {
         self.drain();
     }
 
+    /// Starts a request's prefill: a bidirectional next turn first pulls the shared prefix
+    /// from D on a background thread ([`finish_pulls`](Self::finish_pulls) continues it);
+    /// everything else is computed now.
     fn prefill(&mut self, w: Pending, blocks: Vec<BlockId>) {
         let pool_wait = w.since.elapsed();
         self.metrics
             .pool_wait_seconds
             .observe(pool_wait.as_secs_f64());
         let started = Instant::now();
-        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
-        let pulled_blocks = match w.job.decoder.as_ref() {
-            Some(params) if self.cfg.bidir.is_some() => {
-                let n = self.pull(params, &w.job.tokens, &ids);
-                if n == 0 {
-                    self.metrics.pull_recomputes.inc();
-                }
-                n
+        if self.cfg.bidir.is_some()
+            && let Some(params) = w.job.decoder.clone()
+        {
+            let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+            let id = w.job.id.clone();
+            if self.start_pull(&id, &params, &w.job.tokens, &ids) {
+                self.pulling.insert(id, (w, blocks, started));
+                return;
             }
-            _ => 0,
-        };
+            self.metrics.pull_recomputes.inc();
+        }
+        self.compute(w, blocks, 0, started);
+    }
+
+    /// Continues the prefills whose pulls ended.
+    fn finish_pulls(&mut self) {
+        while let Ok(p) = self.pulled.1.try_recv() {
+            let Some((w, blocks, started)) = self.pulling.remove(&p.request) else {
+                continue;
+            };
+            if p.blocks == 0 {
+                self.metrics.pull_recomputes.inc();
+            }
+            self.compute(w, blocks, p.blocks, started);
+        }
+    }
+
+    /// Computes (the stand-in for the model) and fills the blocks not pulled, then grants
+    /// the lease and answers.
+    fn compute(
+        &mut self,
+        w: Pending,
+        blocks: Vec<BlockId>,
+        pulled_blocks: usize,
+        started: Instant,
+    ) {
+        let pool_wait = started.duration_since(w.since);
+        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
         let tokens = &w.job.tokens;
         let bs = self.cfg.shape.block_size as usize;
         let mut pulled_tokens = (pulled_blocks * bs).min(tokens.len());

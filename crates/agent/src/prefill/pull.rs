@@ -1,15 +1,22 @@
 //! P's bidirectional mode: pulling a next turn's shared prefix from D's cached turn, and
 //! heartbeating D's cached entries while their next turns wait here (symmetric lease).
+//!
+//! Everything that talks to D — the clock probe, the handshake, the reads — runs on a
+//! background thread with deadlines ([`PullCtx`]); the engine thread only starts pulls and
+//! takes their results, so a D that does not answer delays nothing but its own requests.
+
+use std::sync::Mutex;
 
 use super::*;
+use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
 
 /// Why a pull of D's cached turn failed (P recomputes instead).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PullError {
-    /// No handshake with that D engine.
-    #[error("engine not handshaken")]
-    NotHandshaken,
+    /// The handshake with D failed.
+    #[error("handshake: {0}")]
+    Handshake(#[from] Box<HandshakeFailure>),
     /// A block is outside a pool.
     #[error("block range: {0}")]
     Layout(#[from] kvlease_gpu_mem::LayoutError),
@@ -20,106 +27,106 @@ pub enum PullError {
     #[error("the pull's reads timed out")]
     TimedOut,
 }
-use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
+
+/// One P worker, as a pull thread needs it.
+#[derive(Clone)]
+pub(super) struct PullWorker {
+    agent: Arc<Agent>,
+    pool: RegionDesc,
+    pool_layout: KvLayout,
+    local_heads: u32,
+    /// Bytes of one block, every layer.
+    block_bytes: usize,
+}
+
+/// What pull and handshake threads share with the engine: cheap clones.
+#[derive(Clone)]
+pub(super) struct PullCtx {
+    bidir: PrefillBidir,
+    engine_id: EngineId,
+    tp_size: u32,
+    shape: KvShape,
+    token: Option<String>,
+    instance: u64,
+    metadata: Vec<Vec<u8>>,
+    workers: Vec<PullWorker>,
+    metrics: Metrics,
+    /// D engines handshaken for pulls, by engine id.
+    d_caches: Arc<Mutex<HashMap<String, Arc<DRemote>>>>,
+}
+
+/// A pull's result for the engine thread.
+pub(super) struct Pulled {
+    pub(super) request: RequestId,
+    /// Blocks read from D into the first of the request's blocks (0: compute all).
+    pub(super) blocks: usize,
+}
 
 impl PrefillEngine {
-    /// Bidirectional mode: reads the common whole blocks of D's cached turn into the
-    /// first of `ids`, when [`plan_pull`] allows; returns how many blocks it read (zero:
-    /// compute everything). Blocks the engine thread for at most the probe and read
-    /// timeouts.
-    pub(super) fn pull(&mut self, params: &DecoderKvParams, tokens: &[u32], ids: &[u32]) -> usize {
-        let Some(b) = self.cfg.bidir.clone() else {
-            return 0;
+    /// The context pull threads run with; `None` without bidirectional mode.
+    pub(super) fn pull_ctx(&self) -> Option<PullCtx> {
+        Some(PullCtx {
+            bidir: self.cfg.bidir.clone()?,
+            engine_id: self.cfg.engine_id.clone(),
+            tp_size: self.cfg.tp_size,
+            shape: self.cfg.shape,
+            token: self.cfg.link.auth_token.clone(),
+            instance: self.instance,
+            metadata: self.workers.iter().map(|w| w.agent.metadata()).collect(),
+            workers: self
+                .workers
+                .iter()
+                .map(|w| PullWorker {
+                    agent: Arc::clone(&w.agent),
+                    pool: w.info.pool,
+                    pool_layout: *w.pool.layout(),
+                    local_heads: w.layout.local_heads(),
+                    block_bytes: w.layout.block_bytes(),
+                })
+                .collect(),
+            metrics: self.metrics.clone(),
+            d_caches: Arc::clone(&self.d_caches),
+        })
+    }
+
+    /// Starts pulling D's cached turn into the first of `ids` on a background thread;
+    /// false when no pull was started (then compute everything now).
+    pub(super) fn start_pull(
+        &mut self,
+        request: &RequestId,
+        params: &DecoderKvParams,
+        tokens: &[u32],
+        ids: &[u32],
+    ) -> bool {
+        let Some(ctx) = self.pull_ctx.clone() else {
+            return false;
         };
-        let engine = params.remote_engine_id.clone();
-        if params.tp_size != self.cfg.tp_size {
-            tracing::info!(%engine, "D's TP size differs; recomputing instead of pulling");
-            return 0;
-        }
-        let host = if params.remote_host.contains(':') && !params.remote_host.starts_with('[') {
-            format!("[{}]", params.remote_host)
-        } else {
-            params.remote_host.clone()
-        };
-        let mut est = kvlease_lease::ClockOffsetEstimator::new();
-        let clock = b.clock;
-        let probe = format!("{host}:{}", params.kvlease_clock_port)
-            .parse()
-            .map_err(|e| format!("{e}"))
-            .and_then(|addr| {
-                probe_clock(addr, PROBE_SAMPLES, &|| clock.now(), &mut est)
-                    .map_err(|e| e.to_string())
+        let heartbeat_t0 = self.cache_heartbeats.remove(&params.remote_request_id);
+        let (params, tokens, ids) = (params.clone(), tokens.to_vec(), ids.to_vec());
+        let tx = self.pulled.0.clone();
+        let request = request.clone();
+        let spawned = std::thread::Builder::new()
+            .name("p-pull".into())
+            .spawn(move || {
+                let blocks = ctx.pull(&params, &tokens, &ids, heartbeat_t0);
+                let _ = tx.send(Pulled { request, blocks });
             });
-        if let Err(e) = probe {
-            tracing::info!(%engine, error = %e, "clock probe of D failed");
-        }
-        // Symmetric lease: a heartbeat sent at t0 keeps the entry until at least
-        // t0 (on D's clock) + the extension.
-        let renewed;
-        let mut params = params;
-        if let (Some(&t0), Some(offset)) = (
-            self.cache_heartbeats.get(&params.remote_request_id),
-            est.offset(),
-        ) && params.kvlease_renew_extension_ms > 0
-        {
-            let until = offset
-                .to_peer(t0)
-                .as_nanos_saturating()
-                .saturating_add(params.kvlease_renew_extension_ms.saturating_mul(1_000_000));
-            if until > params.kvlease_deadline_ns {
-                let mut p = params.clone();
-                p.kvlease_deadline_ns = until;
-                renewed = p;
-                params = &renewed;
-            }
-        }
-        self.cache_heartbeats.remove(&params.remote_request_id);
-        let bytes = self
-            .workers
-            .iter()
-            .map(|w| w.layout.block_bytes())
-            .sum::<usize>() as f64
-            * params.remote_block_ids.len() as f64;
-        let expected = Duration::from_secs_f64(bytes / ASSUMED_PULL_BYTES_PER_SEC);
-        let decision = plan_pull(
-            &b.policy,
-            params,
-            tokens,
-            self.cfg.shape.block_size,
-            clock.now(),
-            est.offset(),
-            expected,
-        );
-        let (d_blocks, diverged) = match decision {
-            PullDecision::Pull {
-                blocks, diverged, ..
-            } => (blocks, diverged),
-            PullDecision::Recompute(reason) => {
-                tracing::info!(%engine, ?reason, "recomputing instead of pulling");
-                return 0;
-            }
-        };
-        let n = d_blocks.len().min(ids.len());
-        if let Err(e) = self.ensure_d_remote(&engine, &format!("{host}:{}", params.remote_port)) {
-            tracing::warn!(%engine, error = %e, "cannot reach D for a pull; recomputing");
-            return 0;
-        }
-        match self.read_from_d(&engine, params, &d_blocks[..n], &ids[..n], b.read_timeout) {
-            Ok(()) => {
-                tracing::info!(%engine, blocks = n, diverged, "pulled the shared prefix from D");
-                n
-            }
+        match spawned {
+            Ok(_) => true,
             Err(e) => {
-                tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
-                0
+                tracing::error!(error = %e, "cannot spawn a pull thread; recomputing");
+                false
             }
         }
     }
 
     /// Symmetric lease: heartbeats D's cached entries whose next-turn requests wait here,
-    /// `CACHE_HEARTBEATS_PER_EXTENSION` times per extension.
+    /// `CACHE_HEARTBEATS_PER_EXTENSION` times per extension. An engine not handshaken yet
+    /// gets a handshake on a background thread and its heartbeat on a later step.
     pub(super) fn heartbeat_cached(&mut self) {
-        let Some(b) = &self.cfg.bidir else { return };
+        let (Some(b), Some(ctx)) = (&self.cfg.bidir, &self.pull_ctx) else {
+            return;
+        };
         if !b.symmetric {
             return;
         }
@@ -148,23 +155,35 @@ impl PrefillEngine {
             .map(|p| {
                 (
                     p.remote_engine_id.clone(),
-                    format!("{}:{}", p.remote_host, p.remote_port),
+                    host_port(&p.remote_host, p.remote_port),
                     p.remote_request_id.clone(),
                 )
             })
             .collect();
+        let ctx = ctx.clone();
         for (engine, addr, request) in due {
-            if let Err(e) = self.ensure_d_remote(&engine, &addr) {
-                tracing::debug!(%engine, error = %e, "cannot heartbeat D's cached blocks");
+            let Some(remote) = ctx.cached(&engine) else {
+                if self.handshaking.insert(engine.clone()) {
+                    let ctx = ctx.clone();
+                    let done = self.handshaken.0.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("p-handshake".into())
+                        .spawn(move || {
+                            if let Err(e) = ctx.ensure_d_remote(&engine, &addr) {
+                                tracing::debug!(%engine, error = %e, "cannot heartbeat D's cached blocks");
+                            }
+                            let _ = done.send(engine);
+                        });
+                    if let Err(e) = spawned {
+                        tracing::error!(error = %e, "cannot spawn a handshake thread");
+                    }
+                }
                 continue;
-            }
+            };
             let Ok(id) = RequestId::new(&request) else {
                 continue;
             };
-            let (Some(w0), Some(&peer)) = (
-                self.workers.first(),
-                self.d_caches.get(&engine).and_then(|r| r.peers.first()),
-            ) else {
+            let (Some(w), Some(&peer)) = (ctx.workers.first(), remote.peers.first()) else {
                 continue;
             };
             let Ok(msgs) = kvlease_notif::encode_heartbeats([&id], kvlease_notif::MAX_NOTIF_LEN)
@@ -173,7 +192,7 @@ impl PrefillEngine {
             };
             let mut sent = true;
             for m in msgs {
-                if let Err(e) = w0.agent.send_notif(peer, m) {
+                if let Err(e) = w.agent.send_notif(peer, m) {
                     tracing::debug!(%engine, error = %e, "cached-blocks heartbeat not sent");
                     sent = false;
                 }
@@ -183,35 +202,133 @@ impl PrefillEngine {
                 self.cache_heartbeats.insert(request, now);
             }
         }
+        while let Ok(engine) = self.handshaken.1.try_recv() {
+            self.handshaking.remove(&engine);
+        }
+    }
+}
+
+impl PullCtx {
+    fn cached(&self, engine: &str) -> Option<Arc<DRemote>> {
+        self.d_caches
+            .lock()
+            .ok()
+            .and_then(|m| m.get(engine).cloned())
     }
 
-    pub(super) fn ensure_d_remote(
-        &mut self,
-        engine: &str,
-        addr: &str,
-    ) -> Result<(), HandshakeFailure> {
-        if self.d_caches.contains_key(engine) {
-            return Ok(());
+    /// Reads the common whole blocks of D's cached turn into the first of `ids`, when
+    /// [`plan_pull`] allows; returns how many blocks it read (zero: compute everything).
+    /// Runs on a pull thread, bounded by the probe, handshake and read timeouts.
+    fn pull(
+        &self,
+        params: &DecoderKvParams,
+        tokens: &[u32],
+        ids: &[u32],
+        heartbeat_t0: Option<Timestamp>,
+    ) -> usize {
+        let b = &self.bidir;
+        let engine = params.remote_engine_id.clone();
+        if params.tp_size != self.tp_size {
+            tracing::info!(%engine, "D's TP size differs; recomputing instead of pulling");
+            return 0;
         }
-        let want = EngineId::new(engine).map_err(|_| HandshakeFailure::Metadata {
-            engine: self.cfg.engine_id.clone(),
+        let mut est = kvlease_lease::ClockOffsetEstimator::new();
+        let clock = b.clock;
+        let probe = host_port(&params.remote_host, params.kvlease_clock_port);
+        match probe.parse() {
+            Ok(addr) => {
+                if let Err(e) = probe_clock(addr, PROBE_SAMPLES, &|| clock.now(), &mut est) {
+                    tracing::info!(%engine, error = %e, "clock probe of D failed");
+                }
+            }
+            Err(e) => tracing::info!(%engine, error = %e, %probe, "clock probe address"),
+        }
+        // Symmetric lease: a heartbeat sent at t0 keeps the entry until at least
+        // t0 (on D's clock) + the extension.
+        let renewed;
+        let mut params = params;
+        if let (Some(t0), Some(offset)) = (heartbeat_t0, est.offset())
+            && params.kvlease_renew_extension_ms > 0
+        {
+            let until = offset
+                .to_peer(t0)
+                .as_nanos_saturating()
+                .saturating_add(params.kvlease_renew_extension_ms.saturating_mul(1_000_000));
+            if until > params.kvlease_deadline_ns {
+                let mut p = params.clone();
+                p.kvlease_deadline_ns = until;
+                renewed = p;
+                params = &renewed;
+            }
+        }
+        let block_bytes: usize = self.workers.iter().map(|w| w.block_bytes).sum();
+        let bytes = block_bytes as f64 * params.remote_block_ids.len() as f64;
+        let expected = Duration::from_secs_f64(bytes / ASSUMED_PULL_BYTES_PER_SEC);
+        let decision = plan_pull(
+            &b.policy,
+            params,
+            tokens,
+            self.shape.block_size,
+            clock.now(),
+            est.offset(),
+            expected,
+        );
+        let (d_blocks, diverged) = match decision {
+            PullDecision::Pull {
+                blocks, diverged, ..
+            } => (blocks, diverged),
+            PullDecision::Recompute(reason) => {
+                tracing::info!(%engine, ?reason, "recomputing instead of pulling");
+                return 0;
+            }
+        };
+        let n = d_blocks.len().min(ids.len());
+        let addr = host_port(&params.remote_host, params.remote_port);
+        let remote = match self.ensure_d_remote(&engine, &addr) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(%engine, error = %e, "cannot reach D for a pull; recomputing");
+                return 0;
+            }
+        };
+        match self.read_from_d(&remote, params, &d_blocks[..n], &ids[..n], b.read_timeout) {
+            Ok(()) => {
+                tracing::info!(%engine, blocks = n, diverged, "pulled the shared prefix from D");
+                n
+            }
+            Err(e) => {
+                tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
+                0
+            }
+        }
+    }
+
+    /// The handshake with D engine `engine` at `addr` for pulls (once per engine).
+    fn ensure_d_remote(&self, engine: &str, addr: &str) -> Result<Arc<DRemote>, PullError> {
+        if let Some(r) = self.cached(engine) {
+            return Ok(r);
+        }
+        let want = EngineId::new(engine).map_err(|_| {
+            Box::new(HandshakeFailure::Metadata {
+                engine: self.engine_id.clone(),
+            })
         })?;
-        let mds: Vec<Vec<u8>> = self.workers.iter().map(|w| w.agent.metadata()).collect();
         let me = Me {
-            token: self.cfg.link.auth_token.as_deref(),
-            engine: self.cfg.engine_id.as_str(),
-            tp_size: self.cfg.tp_size,
-            metadata: &mds,
-            shape: self.cfg.shape,
+            token: self.token.as_deref(),
+            engine: self.engine_id.as_str(),
+            tp_size: self.tp_size,
+            metadata: &self.metadata,
+            shape: self.shape,
             instance: self.instance,
         };
-        let info = remote_engine(addr, &me, &want)?;
-        if info.tp_size != self.cfg.tp_size {
-            return Err(HandshakeFailure::TpSize {
+        let info = remote_engine(addr, &me, &want).map_err(Box::new)?;
+        if info.tp_size != self.tp_size {
+            return Err(Box::new(HandshakeFailure::TpSize {
                 engine: want,
                 theirs: info.tp_size,
-                ours: self.cfg.tp_size,
-            });
+                ours: self.tp_size,
+            })
+            .into());
         }
         // Worker i pulls from D's worker i (same TP size, same heads).
         let peers = self
@@ -219,23 +336,25 @@ impl PrefillEngine {
             .iter()
             .zip(0..)
             .map(|(w, rank)| connect_worker(&w.agent, &info, rank, &want))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.d_caches
-            .insert(engine.to_owned(), DRemote { info, peers });
-        Ok(())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(Box::new)?;
+        let remote = Arc::new(DRemote { info, peers });
+        if let Ok(mut m) = self.d_caches.lock() {
+            m.insert(engine.to_owned(), Arc::clone(&remote));
+        }
+        Ok(remote)
     }
 
     /// Reads D's `d_blocks` into P's `p_blocks` on every worker (fenced by the cached
     /// entry's generation), then tells D it has read.
-    pub(super) fn read_from_d(
-        &mut self,
-        engine: &str,
+    fn read_from_d(
+        &self,
+        remote: &DRemote,
         params: &DecoderKvParams,
         d_blocks: &[BlockId],
         p_blocks: &[u32],
         timeout: Duration,
     ) -> Result<(), PullError> {
-        let remote = self.d_caches.get(engine).ok_or(PullError::NotHandshaken)?;
         let mut batches = Vec::new();
         for (w, (dw, &peer)) in self
             .workers
@@ -245,18 +364,18 @@ impl PrefillEngine {
             let d_layout = KvLayout::new(
                 remote.info.shape.num_layers,
                 remote.info.num_blocks,
-                w.layout.local_heads(),
+                w.local_heads,
                 remote.info.shape.block_size,
                 remote.info.shape.head_dim,
                 kv::DTYPE_BYTES as u32,
             )?;
             let mut ops = Vec::new();
-            for layer in 0..self.cfg.shape.num_layers {
+            for layer in 0..self.shape.num_layers {
                 for (&db, &pb) in d_blocks.iter().zip(p_blocks) {
-                    let local = w.pool.layout().block_range(layer, BlockId(pb))?;
+                    let local = w.pool_layout.block_range(layer, BlockId(pb))?;
                     let far = d_layout.block_range(layer, db)?;
                     ops.push(link::ReadOp {
-                        local: w.info.pool,
+                        local: w.pool,
                         local_offset: local.start,
                         remote: dw.pool,
                         remote_offset: far.start,
@@ -307,12 +426,12 @@ impl PrefillEngine {
         ) {
             let msg = kvlease_notif::ReadComplete {
                 request,
-                consumer: kvlease_lease::ConsumerId::new(self.cfg.engine_id.clone(), 0),
+                consumer: kvlease_lease::ConsumerId::new(self.engine_id.clone(), 0),
                 consumers_total: 1,
             }
             .encode();
             if let Err(e) = w0.agent.send_notif(peer, msg) {
-                tracing::warn!(%engine, error = %e, "read-done notice to D not sent");
+                tracing::warn!(error = %e, "read-done notice to D not sent");
             }
         }
         result
