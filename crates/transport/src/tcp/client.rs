@@ -325,9 +325,12 @@ fn handshake(
             }));
         }
     }
-    // From here on the batch timeouts bound everything (a stalled connection is shut down).
+    // From here on the batch timeouts bound reads (a stalled connection is shut down).
+    // Writes keep a deadline: an application thread (an engine's forward loop) that sends
+    // a notification to a peer that stopped reading must not block for longer than the
+    // handshake timeout; a write that times out kills the connection.
     stream.set_read_timeout(None)?;
-    stream.set_write_timeout(None)?;
+    stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
     Ok(())
 }
 
