@@ -387,7 +387,11 @@ impl PrefillEngine {
         self.drain();
     }
 
-    fn intake(&mut self, job: Job) {
+    fn intake(&mut self, mut job: Job) {
+        // The lease is keyed by an id nobody can guess: the client's id (which may be
+        // predictable) plus 64 random bits. Only the D that gets the transfer params (and
+        // the proxy in between) learns it, so no other peer can name the lease.
+        job.id = lease_id(&job.id);
         let now = self.now();
         match self.core.handle_job(now, job.id.clone(), job.tokens.len()) {
             Ok(()) => {
@@ -768,6 +772,23 @@ impl PrefillEngine {
             Err(e) => tracing::warn!(%peer_name, error = %e, "expiry notice not sent"),
         }
     }
+}
+
+/// `{request}-{64 random bits}` (or a fresh random id when that would be too long).
+fn lease_id(request: &RequestId) -> RequestId {
+    let mut r = [0u8; 8];
+    // Without OS randomness the wall clock in nanoseconds still keeps ids apart.
+    if getrandom::fill(&mut r).is_err() {
+        r = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            .to_le_bytes();
+    }
+    let salt = u64::from_le_bytes(r);
+    let id = format!("{request}-{salt:016x}");
+    RequestId::new(&id)
+        .or_else(|_| RequestId::new(&format!("cmpl-{salt:016x}")))
+        .unwrap_or_else(|_| request.clone())
 }
 
 /// The HTTP answer to a refused or failed prefill.
