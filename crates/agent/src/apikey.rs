@@ -19,7 +19,8 @@ use crate::config::AuthToken;
 /// Paths that stay open with a key set.
 const OPEN: [&str; 2] = ["/health", "/metrics"];
 
-/// `router`, requiring `key` on every route but [`OPEN`] ones; unchanged without a key.
+/// `router`, requiring `key` on every route but `/health` and `/metrics`; unchanged without
+/// a key.
 pub fn protect(router: Router, key: Option<&AuthToken>) -> Router {
     let Some(key) = key else {
         return router;

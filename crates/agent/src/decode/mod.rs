@@ -213,7 +213,7 @@ pub struct DecodeEngine {
     metrics: Metrics,
     workers: Vec<Worker>,
     core: DecodeCore,
-    /// This instance ([`instance_now`] at start), told to P in the handshake.
+    /// This instance (the wall clock in µs at start), told to P in the handshake.
     instance: u64,
     remotes: HashMap<EngineId, Remote>,
     reqs: HashMap<RequestId, Req>,

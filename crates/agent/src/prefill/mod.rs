@@ -160,7 +160,7 @@ pub struct EngineInfo {
     pub num_blocks: u32,
     /// Workers by rank.
     pub workers: Vec<WorkerInfo>,
-    /// This instance of the engine ([`crate::shell::instance_now`] at start): a peer that
+    /// This instance of the engine (the wall clock in µs at start): a peer that
     /// sees a larger one knows the engine restarted. 0 when unsaid.
     #[serde(default)]
     pub instance: u64,
@@ -196,7 +196,7 @@ pub struct PrefillEngine {
     metrics: Metrics,
     workers: Vec<Worker>,
     core: PrefillCore<String>,
-    /// This instance ([`instance_now`] at start).
+    /// This instance (the wall clock in µs at start).
     instance: u64,
     /// Jobs the core holds, by request id.
     jobs: HashMap<RequestId, Pending>,
