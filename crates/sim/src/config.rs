@@ -25,7 +25,8 @@ pub enum Bug {
     SkipFenceClear,
     /// The D shell reports every read that reached P as done, whatever its fence word.
     IgnoreFence,
-    /// The D shell never calls `forget_engine`: a restarted P stays "connected" through a
+    /// The D shell never calls `forget_engine` and answers every handshake from a cache of
+    /// its first connection to that engine: a restarted P stays "connected" through a
     /// dead connection.
     NeverForget,
     /// The P shell drops the core's `Refused` events (the client is never answered).
@@ -156,6 +157,10 @@ pub struct WorldConfig {
     pub client_abort_per_million: u32,
     /// Check that no lease expires while its D engine is alive and tracks it.
     pub expect_no_expiry_while_tracked: bool,
+    /// Whether a D notices that its connection to a crashed P broke (a `handshake` time
+    /// after the crash) and forgets the engine. Without it, D learns of the restart from a
+    /// failed read or send, or from the newer instance a request names.
+    pub notice_lost_connections: bool,
     /// A deliberate bug, for the checker's own tests.
     pub bug: Option<Bug>,
     /// [`LeaseMode::Lease`] (heartbeats extend), or [`LeaseMode::Fixed`]: the baseline of
@@ -271,6 +276,7 @@ impl WorldConfig {
             forged_gap,
             client_abort_per_million: [0, 2_000, 10_000][rng.index(3)],
             expect_no_expiry_while_tracked: false,
+            notice_lost_connections: rng.chance(500_000),
             bug: None,
             mode: LeaseMode::Lease,
         }
@@ -371,6 +377,7 @@ impl WorldConfig {
         c.net.loss_per_million = 0;
         c.client_abort_per_million = 0;
         c.forged_gap = None;
+        c.notice_lost_connections = (seed / 2).is_multiple_of(2);
         c
     }
 

@@ -15,7 +15,8 @@
 //!   prefill, which writes the request's content into every worker's blocks from its
 //!   start; `prefill` later, `handle_prefill_done` grants the lease, the shell publishes
 //!   the generation into every worker's fence words and hands the transfer
-//!   ([`RemoteKv`](kvlease_engine::RemoteKv)) to a random D after the proxy delay
+//!   ([`RemoteKv`](kvlease_engine::RemoteKv), with P's instance: a restarted P announces a
+//!   larger one) to a random D after the proxy delay
 //!   (`transfer_delay`, reliable). Each step it feeds every notification received
 //!   (`handle_notif` with the sender's authenticated engine and address) and runs the
 //!   reaper (`handle_timeout`), draining `poll_action` after every input:
@@ -24,8 +25,8 @@
 //!   sends an expiry notice over the network.
 //! - **D engines**, each with `d_tp` workers. The D shell does what the decode agent
 //!   does: `on_new_request` when a transfer arrives (tracked at once); `poll_handshake`
-//!   starts a handshake that ends `handshake` later in `handle_handshake` (an error when
-//!   P is down or cut off then); `poll_transmit` sends each heartbeat or abort to every
+//!   starts a handshake that ends `handshake` later in `handle_handshake` (P's TP size,
+//!   pool and instance; an error when P is down or cut off then); `poll_transmit` sends each heartbeat or abort to every
 //!   worker of its P engine; `poll_load` plans a load: one batch per (D worker, P worker)
 //!   pair whose heads overlap (heterogeneous TP; each is one consumer of the lease). A
 //!   batch is a one-sided read: it copies P worker `p_rank`'s content words when it is
@@ -35,8 +36,9 @@
 //!   `Loaded` the shell verifies the bytes (the oracle below), then `handle_verified`;
 //!   the request decodes for a while, then `request_finished`. Clients abort requests at
 //!   random (`abort`). The shell calls `forget_engine` when a read or send to a P fails
-//!   or its connection breaks (P crashed: noticed a `handshake` time later), so that the
-//!   next request handshakes again.
+//!   or (in worlds with `notice_lost_connections`) its connection breaks, a `handshake`
+//!   time after P crashed; the core itself forgets a P when a request names a newer
+//!   instance. Either way the next request handshakes again.
 //! - **Steps**: every engine runs a forward loop of `p_step` / `d_step` (plus jitter);
 //!   messages, arrivals and handshake results wait in its inbox for the next step. The
 //!   cores see only their engine's local clock.
@@ -88,8 +90,10 @@
 //! - **Restart bound**: the first request that arrives at a restarted P at or after
 //!   restart + `handshake` + lease duration ends `Done` unless another fault (crash,
 //!   restart, stall, partition) overlapped its life, the rogue acted on its lease, the
-//!   client aborted it or an engine refused it. D notices the broken connection a `handshake` time after the crash,
-//!   forgets the engine, and the next request handshakes again (a `handshake` time).
+//!   client aborted it or an engine refused it. By then D forgot the old connection (it
+//!   broke, a read or send failed, or a request named the new instance) and handshaked
+//!   again (a `handshake` time), and every lease an old reader could hold has ended (the
+//!   lease duration).
 //! - With `expect_no_expiry_while_tracked` (the overload scenario): no lease expires while
 //!   its D is alive and tracks it.
 //! - **Nothing leaks**: at the end every live core is idle (no lease, job, prefill,

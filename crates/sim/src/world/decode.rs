@@ -48,10 +48,10 @@ impl World {
                     self.d[d].conns.insert(p, incarnation);
                     let incarnation_d = self.d[d].incarnation;
                     self.last_batch.remove(&(d, incarnation_d, p));
-                    Ok(RemoteEngine::new(
-                        self.config.p_tp,
-                        self.config.blocks_per_worker,
-                    ))
+                    Ok(
+                        RemoteEngine::new(self.config.p_tp, self.config.blocks_per_worker)
+                            .with_instance(instance_of(incarnation)),
+                    )
                 }
                 None => Err((false, cause("P engine unreachable"))),
             };

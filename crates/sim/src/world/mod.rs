@@ -136,6 +136,8 @@ pub struct SimStats {
     pub rogue_owned: u64,
     /// `forget_engine` calls (a connection to P was lost).
     pub forgotten_engines: u64,
+    /// Times a D core found a P engine restarted (a request named a newer instance).
+    pub peer_restarts_seen: u64,
     /// Requests checked by the restart oracle (the first one to a restarted P past the bound).
     pub restart_checks: u64,
     /// Leases reclaimed after their D crashed.
@@ -490,6 +492,13 @@ fn p_core(
         PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
             .with_first_generation(first),
     )
+}
+
+/// The instance a P incarnation announces in its handshake and its transfer parameters
+/// (the agent uses its start time in microseconds: a restarted P has a larger one; 0
+/// means "not said").
+fn instance_of(incarnation: u32) -> u64 {
+    u64::from(incarnation) + 1
 }
 
 fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
@@ -849,7 +858,12 @@ impl World {
                                 worker: 0,
                             },
                         );
-                    let result = reachable.then_some(self.p[p].incarnation);
+                    let cached = self.d[d].conns.get(&p).copied();
+                    let result = match cached {
+                        // The planted bug: a stale connection cache answers the handshake.
+                        Some(old) if self.config.bug == Some(Bug::NeverForget) => Some(old),
+                        _ => reachable.then_some(self.p[p].incarnation),
+                    };
                     self.d[d].handshakes.push_back((p, result));
                 }
             }

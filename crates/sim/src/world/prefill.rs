@@ -171,7 +171,8 @@ impl World {
             u32::try_from(tokens).unwrap_or(u32::MAX),
             format!("p{p}"),
             0,
-        );
+        )
+        .with_instance(instance_of(self.p[p].incarnation));
         self.trace(&[5, self.now, p as u64, d as u64]);
         self.trace_str(request.as_str());
         self.in_flight_transfers += 1;
@@ -367,7 +368,12 @@ impl World {
         }
         // Every D connected to it sees its connection break, a handshake time later.
         let detect = nanos(self.config.handshake);
-        for d in 0..self.d.len() {
+        let noticed = if self.config.notice_lost_connections {
+            self.d.len()
+        } else {
+            0
+        };
+        for d in 0..noticed {
             if self.d[d].alive && self.d[d].conns.get(&p) == Some(&incarnation) {
                 let ev = Ev::ConnLost {
                     d,
