@@ -798,63 +798,37 @@ impl DecodeCore {
                 self.tracker.defer(engine, now);
                 // Requests granted by another instance of P than the one answering lost
                 // their leases with it (P restarted): they fail now, retryably.
-                let gone: Vec<RequestId> = self
-                    .reqs
-                    .iter()
-                    .filter(|(_, r)| {
-                        &r.remote.engine == engine
-                            && matches!(r.phase, Phase::Waiting)
-                            && r.remote.instance != 0
-                            && info.instance != 0
-                            && r.remote.instance != info.instance
-                    })
-                    .map(|(id, _)| id.clone())
-                    .collect();
-                for id in gone {
-                    let e = LoadError::PeerLost {
-                        engine: engine.clone(),
-                    };
-                    self.end(&id, Outcome::Failed(e));
-                }
+                self.fail_waiting(engine, |r| {
+                    (r.remote.instance != 0
+                        && info.instance != 0
+                        && r.remote.instance != info.instance)
+                        .then(|| LoadError::PeerLost {
+                            engine: engine.clone(),
+                        })
+                });
                 // Requests whose block ids P's pool cannot hold fail now.
-                let bad: Vec<(RequestId, u32)> = self
-                    .reqs
-                    .iter()
-                    .filter(|(_, r)| {
-                        &r.remote.engine == engine && matches!(r.phase, Phase::Waiting)
-                    })
-                    .filter_map(|(id, r)| {
-                        let b = r.remote.blocks.iter().find(|b| b.0 >= info.num_blocks)?;
-                        Some((id.clone(), b.0))
-                    })
-                    .collect();
                 self.events.push_back(DecodeEvent::HandshakeDone {
                     engine: engine.clone(),
                 });
-                for (id, block) in bad {
+                self.fail_waiting(engine, |r| {
+                    let b = r.remote.blocks.iter().find(|b| b.0 >= info.num_blocks)?;
                     let source: Cause = Arc::new(AdmitError::BlockOutOfRange {
-                        block,
+                        block: b.0,
                         pool: info.num_blocks,
                     });
-                    self.end(&id, Outcome::Failed(LoadError::Post { source }));
-                }
+                    Some(LoadError::Post { source })
+                });
             }
             Err((auth, source)) => {
                 self.remotes.remove(engine);
-                let victims: Vec<RequestId> = self
-                    .reqs
-                    .iter()
-                    .filter(|(_, r)| &r.remote.engine == engine)
-                    .map(|(id, _)| id.clone())
-                    .collect();
-                for id in victims {
-                    let e = LoadError::Handshake {
+                // Only waiting requests exist for an engine that never became ready.
+                self.fail_waiting(engine, |_| {
+                    Some(LoadError::Handshake {
                         engine: engine.clone(),
                         auth,
                         source: Arc::clone(&source),
-                    };
-                    self.end(&id, Outcome::Failed(e));
-                }
+                    })
+                });
             }
         }
     }
@@ -866,16 +840,22 @@ impl DecodeCore {
         if self.remotes.remove(engine).is_none() {
             return;
         }
-        let victims: Vec<RequestId> = self
+        self.fail_waiting(engine, |_| {
+            Some(LoadError::PeerLost {
+                engine: engine.clone(),
+            })
+        });
+    }
+
+    /// Ends every waiting request for `engine` for which `why` gives an error.
+    fn fail_waiting(&mut self, engine: &EngineId, why: impl Fn(&Req) -> Option<LoadError>) {
+        let victims: Vec<(RequestId, LoadError)> = self
             .reqs
             .iter()
             .filter(|(_, r)| &r.remote.engine == engine && matches!(r.phase, Phase::Waiting))
-            .map(|(id, _)| id.clone())
+            .filter_map(|(id, r)| Some((id.clone(), why(r)?)))
             .collect();
-        for id in victims {
-            let e = LoadError::PeerLost {
-                engine: engine.clone(),
-            };
+        for (id, e) in victims {
             self.end(&id, Outcome::Failed(e));
         }
     }
