@@ -212,3 +212,136 @@ async fn a_hello_naming_silent_workers_stalls_no_prefill() -> Result<()> {
     drop(silent);
     Ok(())
 }
+
+/// Side-channel port of an agent, from its start-up log line.
+fn side_channel_port(a: &Agent) -> Result<u16> {
+    let log = std::fs::read_to_string(&a.proc.log)?;
+    log.split("side_channel=")
+        .nth(1)
+        .and_then(|s| {
+            s.split(|ch: char| !ch.is_ascii_digit() && ch != '.' && ch != ':')
+                .next()
+        })
+        .and_then(|s| s.rsplit(':').next())
+        .and_then(|s| s.parse().ok())
+        .context("side channel address in the log")
+}
+
+/// An authenticated third peer that learned a lease's id forges heartbeats, completions
+/// and aborts for it after the honest D claimed it: P ignores and counts them
+/// (`kvlease_notifs_foreign_total`), the lease stays, and the honest D's request ends with
+/// the right bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
+    use kvlease_lease::{ConsumerId, EngineId, RequestId};
+    let c = client();
+    let token = "forge-token";
+    let env = [("KVLEASE_AUTH_TOKEN", token)];
+    let mut p = spawn(
+        PREFILL,
+        "p-forge",
+        "127.0.0.1",
+        &["--num-blocks", "64"],
+        &env,
+    )?;
+    // A slow D: the request waits (tracked and heartbeated, so claimed) behind another.
+    let mut d = spawn(
+        DECODE,
+        "d-honest",
+        "127.0.0.1",
+        &["--max-running", "1", "--step-ms", "40"],
+        &env,
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    let (s, first) = post(&c, &p.url, &p_body("the first prompt"), None).await?;
+    ensure!(s == 200, "{s} {first}");
+    let (s, pa) = post(&c, &p.url, &p_body("the forged prompt"), None).await?;
+    ensure!(s == 200, "{s} {pa}");
+    let long = |prompt: &str, params: &Value| json!({"prompt": prompt, "max_tokens": 40, "kv_transfer_params": params["kv_transfer_params"]});
+    let (c1, d_url) = (c.clone(), d.url.clone());
+    let b1 = long("the first prompt", &first);
+    let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
+    let (c2, d_url) = (c.clone(), d.url.clone());
+    let b2 = long("the forged prompt", &pa);
+    let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
+    // Both requests reach D before its handshake with P ends, so D's first heartbeat
+    // (sent as soon as the handshake ends) names both and claims both leases. Until a
+    // lease is claimed, any cluster member that knows its (unguessable) id could abort it.
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_heartbeat_ids_received_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 2.0,
+    )
+    .await?;
+
+    // The rogue: a cluster member (it has the token) under its own name.
+    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
+    let mut cfg = kvlease_transport::AgentConfig::new("rogue/d0");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(token.as_bytes().to_vec());
+    let rogue = kvlease_transport::Agent::new(cfg)?;
+    let md = rogue.metadata();
+    let welcome = tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), "rogue", 1, &[md], 1)
+    })
+    .await??;
+    let hex = welcome.info["workers"][0]["metadata"]
+        .as_str()
+        .context("P's worker metadata")?;
+    let bytes = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let peer = rogue.connect(&bytes)?;
+    let lease = RequestId::new(
+        pa["kv_transfer_params"]["remote_request_id"]
+            .as_str()
+            .context("remote_request_id")?,
+    )?;
+    let rogue_id = EngineId::new("rogue")?;
+    let honest_id = EngineId::new("d-honest")?;
+    for m in [
+        kvlease_notif::Abort {
+            request: lease.clone(),
+            consumer: ConsumerId::new(rogue_id.clone(), 0),
+        }
+        .encode(),
+        kvlease_notif::ReadComplete {
+            request: lease.clone(),
+            consumer: ConsumerId::new(rogue_id.clone(), 0),
+            consumers_total: 1,
+        }
+        .encode(),
+        // Naming the honest engine as the consumer does not help either.
+        kvlease_notif::ReadComplete {
+            request: lease.clone(),
+            consumer: ConsumerId::new(honest_id, 0),
+            consumers_total: 1,
+        }
+        .encode(),
+    ] {
+        rogue.send_notif(peer, m)?;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    if std::env::var_os("KVLEASE_DEBUG_FORGE").is_some() {
+        eprintln!("{}", common::metrics(&c, &p).await?);
+        eprintln!("{}", common::metrics(&c, &d).await?);
+        eprintln!("{}", std::fs::read_to_string(&d.proc.log)?);
+    }
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_notifs_foreign_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 3.0,
+    )
+    .await?;
+    let active = common::metric_of(&c, &p, "kvlease_leases_active").await?;
+    ensure!(active >= 1.0, "the forged messages released the lease");
+    let (s, v) = honest.await??;
+    ensure!(s == 200, "the honest request: {s} {v}");
+    ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
+    let (s, v) = slow.await??;
+    ensure!(s == 200, "{s} {v}");
+    Ok(())
+}

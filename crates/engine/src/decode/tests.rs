@@ -350,3 +350,28 @@ fn a_handshake_with_a_newer_instance_fails_requests_of_the_old_one() {
     ));
     assert!(c.is_idle());
 }
+
+#[test]
+fn a_request_arriving_after_the_last_one_was_read_is_heartbeated_within_an_interval() {
+    let lease = LeaseConfig::from_duration(Duration::from_millis(1500)).unwrap();
+    let mut c = DecodeCore::new(
+        DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease)
+            .with_limits(1, 8)
+            .with_retry(Duration::from_millis(40)),
+    );
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1)).unwrap();
+    ready(&mut c, at(10), 2);
+    assert_eq!(transmits(&mut c, at(10)).len(), 1);
+    let plan = c.poll_load().unwrap();
+    for i in 0..plan.batches.len() {
+        c.handle_batch_done(&id("a"), i, BatchResult::Done { bytes: 1 });
+    }
+    let _ = std::iter::from_fn(|| c.poll_event()).count();
+    c.handle_verified(&id("a"), Ok(()));
+    c.on_new_request(at(200), id("b"), 16, remote("rb", 2, 1)).unwrap();
+    let mut sent = Vec::new();
+    for t in (200..1200).step_by(40) {
+        sent.extend(transmits(&mut c, at(t)).into_iter().map(|_| t));
+    }
+    assert!(!sent.is_empty() && sent[0] <= 10 + 250 + 40, "heartbeats at {sent:?}");
+}
