@@ -1,0 +1,519 @@
+//! The decode core's inputs and outputs: its configuration, the typed coordinates of a
+//! request's KV on P, refusals, load errors, outcomes, read plans, notifications and
+//! events.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvlease_lease::{BlockId, EngineId, LeaseConfig, RequestId, TrackError};
+use kvlease_notif::DecodeError;
+
+/// A shell's error, kept as the typed cause of an outcome (a transport or handshake error).
+pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// How to build a [`DecodeCore`](super::DecodeCore).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DecodeConfig {
+    /// This engine.
+    pub engine_id: EngineId,
+    /// Workers (TP ranks).
+    pub tp_size: u32,
+    /// Global KV heads of the model (split over the workers).
+    pub num_kv_heads: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Blocks per worker pool.
+    pub num_blocks: u32,
+    /// Heartbeat timing.
+    pub lease: LeaseConfig,
+    /// Requests loading or decoding at once.
+    pub max_running: u32,
+    /// Waiting queue length bound.
+    pub max_waiting: u32,
+    /// How long a heartbeat batch for an engine still handshaking is deferred.
+    pub retry: Duration,
+}
+
+impl DecodeConfig {
+    /// A config with 64 running, 1,024 waiting and a 5 ms handshake retry.
+    pub fn new(
+        engine_id: EngineId,
+        tp_size: u32,
+        num_kv_heads: u32,
+        block_size: u32,
+        num_blocks: u32,
+        lease: LeaseConfig,
+    ) -> Self {
+        Self {
+            engine_id,
+            tp_size,
+            num_kv_heads,
+            block_size,
+            num_blocks,
+            lease,
+            max_running: 64,
+            max_waiting: 1024,
+            retry: Duration::from_millis(5),
+        }
+    }
+
+    /// Sets the running and waiting bounds.
+    #[must_use]
+    pub fn with_limits(mut self, max_running: u32, max_waiting: u32) -> Self {
+        self.max_running = max_running.max(1);
+        self.max_waiting = max_waiting;
+        self
+    }
+
+    /// Sets [`retry`](Self::retry).
+    #[must_use]
+    pub fn with_retry(mut self, retry: Duration) -> Self {
+        self.retry = retry;
+        self
+    }
+}
+
+/// Where a request's KV lives on P: the typed core of `kv_transfer_params`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RemoteKv {
+    /// P's engine (`remote_engine_id`).
+    pub engine: EngineId,
+    /// P's id of the request (`remote_request_id`).
+    pub request: RequestId,
+    /// P's block ids, the same on every P worker.
+    pub blocks: Vec<BlockId>,
+    /// The lease's fencing token.
+    pub generation: u64,
+    /// P's TP size.
+    pub tp_size: u32,
+    /// Tokens P prefilled.
+    pub num_tokens: u32,
+    /// P's side channel (`remote_host`, `remote_port`), for the handshake.
+    pub host: String,
+    /// P's side-channel port.
+    pub port: u16,
+    /// The P instance that granted the lease (its start time in microseconds, so a
+    /// restarted P has a larger one); 0 when P did not say.
+    pub instance: u64,
+}
+
+impl RemoteKv {
+    /// The remote coordinates.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine: EngineId,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        generation: u64,
+        tp_size: u32,
+        num_tokens: u32,
+        host: String,
+        port: u16,
+    ) -> Self {
+        Self {
+            engine,
+            request,
+            blocks,
+            generation,
+            tp_size,
+            num_tokens,
+            host,
+            port,
+            instance: 0,
+        }
+    }
+
+    /// Sets [`instance`](Self::instance).
+    #[must_use]
+    pub fn with_instance(mut self, instance: u64) -> Self {
+        self.instance = instance;
+        self
+    }
+}
+
+/// Why D refused a request on arrival. Nothing is tracked; when the request named valid P
+/// coordinates and P is connected, an abort frees P's lease at once.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdmitError {
+    /// The prompt is not the one P prefilled.
+    #[error("P prefilled {prefilled} tokens but this prompt has {prompt}")]
+    TokenCount {
+        /// Tokens P prefilled.
+        prefilled: u32,
+        /// Tokens of this prompt.
+        prompt: usize,
+    },
+    /// The block list does not fit the prompt.
+    #[error("{got} block ids for {tokens} tokens (need {need})")]
+    BlockCount {
+        /// Ids given.
+        got: usize,
+        /// Tokens.
+        tokens: usize,
+        /// Ids needed.
+        need: usize,
+    },
+    /// A P block id is outside P's pool (known after the handshake).
+    #[error("block id {block} is outside P's pool of {pool} blocks")]
+    BlockOutOfRange {
+        /// The id.
+        block: u32,
+        /// P's pool size.
+        pool: u32,
+    },
+    /// The prompt needs more blocks than D's pool has.
+    #[error("{needed} blocks exceed this engine's pool of {pool}")]
+    PromptTooLong {
+        /// Blocks needed.
+        needed: usize,
+        /// D's pool.
+        pool: u32,
+    },
+    /// P's TP size does not divide the model's heads.
+    #[error("{p_tp} does not divide num_kv_heads {heads}")]
+    TpSize {
+        /// P's TP size.
+        p_tp: u32,
+        /// Heads.
+        heads: u32,
+    },
+    /// The request (or P's lease of it) is already running here.
+    #[error("request {request} is already running")]
+    Duplicate {
+        /// The request.
+        request: RequestId,
+    },
+    /// The waiting queue is full.
+    #[error("the waiting queue is full ({max} requests)")]
+    QueueFull {
+        /// The bound.
+        max: u32,
+    },
+    /// The request names a P instance older than the one D is connected to: P restarted
+    /// since it granted the lease, which is gone with the old instance. Prefill again.
+    #[error(
+        "engine {engine} restarted since it prefilled this request (instance {theirs}, now {current})"
+    )]
+    StaleInstance {
+        /// P's engine.
+        engine: EngineId,
+        /// The instance the request names.
+        theirs: u64,
+        /// The instance D is connected to.
+        current: u64,
+    },
+    /// The heartbeat tracker refused.
+    #[error(transparent)]
+    Track(#[from] TrackError),
+}
+
+impl AdmitError {
+    /// The `kv_transfer_params` field at fault, when there is one.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            Self::TokenCount { .. } => Some("kvlease_num_tokens"),
+            Self::BlockCount { .. } | Self::BlockOutOfRange { .. } => Some("remote_block_ids"),
+            Self::TpSize { .. } => Some("tp_size"),
+            _ => None,
+        }
+    }
+
+    /// Whether the client may retry later (D is busy, not the request wrong).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::QueueFull { .. } | Self::StaleInstance { .. })
+    }
+}
+
+/// Why a request's KV load failed. The request produced no output.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// P reclaimed the lease before D read it (an expiry notice).
+    #[error("P reclaimed the lease of {request} before it was read")]
+    Expired {
+        /// P's id of the request.
+        request: RequestId,
+    },
+    /// A read's fence did not match: P released the lease while D read.
+    #[error("read from P worker {p_rank}: the lease was released (fence changed)")]
+    Stale {
+        /// The P worker.
+        p_rank: u32,
+    },
+    /// A read failed.
+    #[error("read from P worker {p_rank} failed")]
+    Read {
+        /// The P worker.
+        p_rank: u32,
+        /// The transport's error.
+        #[source]
+        source: Cause,
+    },
+    /// The reads could not be posted.
+    #[error("cannot post the reads")]
+    Post {
+        /// The transport's error.
+        #[source]
+        source: Cause,
+    },
+    /// The bytes read did not verify.
+    #[error("the KV read did not verify")]
+    Verify {
+        /// What did not match.
+        #[source]
+        source: Cause,
+    },
+    /// The handshake with P failed.
+    #[error("handshake with engine {engine} failed")]
+    Handshake {
+        /// P's engine.
+        engine: EngineId,
+        /// Whether P refused our proof (wrong cluster token).
+        auth: bool,
+        /// The cause.
+        #[source]
+        source: Cause,
+    },
+    /// The connection to P was lost, or P restarted, before the KV was read.
+    #[error("engine {engine} went away or restarted before the KV was read")]
+    PeerLost {
+        /// P's engine.
+        engine: EngineId,
+    },
+}
+
+impl LoadError {
+    /// Whether the request may be prefilled again and succeed (every load failure but a
+    /// wrong cluster token).
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, Self::Handshake { auth: true, .. })
+    }
+}
+
+/// How a request admitted by [`DecodeCore::on_new_request`](super::DecodeCore::on_new_request) ended. Every admitted
+/// request ends in exactly one.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Decoded to the end.
+    Done,
+    /// The KV load failed; no output was produced.
+    Failed(LoadError),
+    /// The client or the operator aborted it.
+    Aborted,
+    /// The engine shut down.
+    Shutdown,
+}
+
+/// One read batch to post: from D worker `d_worker`, read P worker `p_rank`'s part of
+/// `heads` (global head numbers) of every block and layer, fenced by P's fence word of the
+/// request's first block, and send `notif` to that P worker when it completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchPlan {
+    /// D worker posting the batch.
+    pub d_worker: u32,
+    /// P worker read from.
+    pub p_rank: u32,
+    /// Global heads read.
+    pub heads: Range<u32>,
+    /// The first global head of P worker `p_rank`.
+    pub p_first_head: u32,
+    /// The read-completion notification for P (one consumer of the lease).
+    pub notif: Vec<u8>,
+}
+
+/// A request scheduled for loading: allocate-and-read plan of
+/// [`DecodeCore::poll_load`](super::DecodeCore::poll_load) (vLLM: `start_load_kv`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoadPlan {
+    /// D's id of the request.
+    pub request: RequestId,
+    /// D's blocks, the same on every D worker.
+    pub blocks: Vec<BlockId>,
+    /// Where the KV is.
+    pub remote: RemoteKv,
+    /// The fence every batch checks: P's word of `remote.blocks[0]` must hold this.
+    pub fence_generation: u64,
+    /// One entry per batch; report each with [`DecodeCore::handle_batch_done`](super::DecodeCore::handle_batch_done).
+    pub batches: Vec<BatchPlan>,
+}
+
+/// How one read batch ended, reported by the shell.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum BatchResult {
+    /// Every byte arrived under a matching fence.
+    Done {
+        /// Bytes moved.
+        bytes: u64,
+    },
+    /// The fence did not match: nothing was used.
+    Stale,
+    /// The transport failed.
+    Failed(Cause),
+}
+
+/// A notification for P, drained with [`DecodeCore::poll_transmit`](super::DecodeCore::poll_transmit): send `bytes` to every
+/// worker of P engine `engine` (from D worker 0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Transmit {
+    /// P's engine.
+    pub engine: EngineId,
+    /// How many P workers to send it to.
+    pub workers: u32,
+    /// The encoded notification.
+    pub bytes: Vec<u8>,
+    /// What it is.
+    pub kind: TransmitKind,
+}
+
+/// What a [`Transmit`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransmitKind {
+    /// A heartbeat naming `ids` requests.
+    Heartbeat {
+        /// Ids in this message.
+        ids: u32,
+    },
+    /// An abort (notify-only completion) of a lease nobody will read.
+    Abort,
+}
+
+/// A handshake to start (off the engine thread): connect to P's side channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HandshakeStart {
+    /// P's engine.
+    pub engine: EngineId,
+    /// P's side-channel host.
+    pub host: String,
+    /// P's side-channel port.
+    pub port: u16,
+}
+
+/// What a finished handshake learned of P.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RemoteEngine {
+    /// P's TP size.
+    pub tp_size: u32,
+    /// Blocks per P worker pool.
+    pub num_blocks: u32,
+    /// P's instance (0: P did not say).
+    pub instance: u64,
+}
+
+impl RemoteEngine {
+    /// What a handshake learned.
+    pub fn new(tp_size: u32, num_blocks: u32) -> Self {
+        Self {
+            tp_size,
+            num_blocks,
+            instance: 0,
+        }
+    }
+
+    /// Sets [`instance`](Self::instance).
+    #[must_use]
+    pub fn with_instance(mut self, instance: u64) -> Self {
+        self.instance = instance;
+        self
+    }
+}
+
+/// What the core reports, drained with [`DecodeCore::poll_event`](super::DecodeCore::poll_event).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum DecodeEvent {
+    /// Every batch of a request ended well (vLLM: `get_finished` reports it): verify the
+    /// bytes in `blocks` now and report with [`DecodeCore::handle_verified`](super::DecodeCore::handle_verified) before any
+    /// other input.
+    Loaded {
+        /// D's id.
+        request: RequestId,
+        /// D's blocks.
+        blocks: Vec<BlockId>,
+        /// Bytes moved.
+        bytes: u64,
+    },
+    /// A handshake finished well; its engine's requests may be scheduled.
+    HandshakeDone {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// A request ended (answer its client).
+    Finished {
+        /// D's id.
+        request: RequestId,
+        /// How.
+        outcome: Outcome,
+    },
+}
+
+/// What [`DecodeCore::handle_notif`](super::DecodeCore::handle_notif) did with one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeNotif {
+    /// An expiry notice from the engine that holds the leases: `failed` waiting requests
+    /// ended in [`LoadError::Expired`].
+    Expired {
+        /// Leases named.
+        leases: u32,
+        /// Requests failed by it.
+        failed: u32,
+    },
+    /// An expiry notice naming leases of another engine than its sender: ignored.
+    Foreign,
+    /// Bidirectional mode: P heartbeats D's cached turns (for the shell's hold).
+    CacheHeartbeat(Vec<RequestId>),
+    /// Bidirectional mode: P read a cached turn (for the shell's hold).
+    CacheReadComplete(RequestId),
+    /// A message D does not expect: ignored.
+    Ignored,
+    /// Malformed: ignored.
+    Malformed(DecodeError),
+}
+
+/// Counters of a [`DecodeCore`](super::DecodeCore), cumulative.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DecodeStats {
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused on arrival.
+    pub refused: u64,
+    /// Outcomes: done, failed, aborted.
+    pub done: u64,
+    /// Failed loads.
+    pub failed: u64,
+    /// Aborted requests.
+    pub aborted: u64,
+    /// Stale reads (fence mismatch).
+    pub stale_reads: u64,
+    /// Heartbeat messages handed out (each goes to every P worker of its engine).
+    pub heartbeat_messages: u64,
+    /// Ids in those messages.
+    pub heartbeat_ids: u64,
+    /// Heartbeat batches deferred while their engine handshakes.
+    pub deferred_batches: u64,
+    /// Aborts sent to P.
+    pub aborts_sent: u64,
+    /// Handshakes started.
+    pub handshakes: u64,
+    /// Expiry notices received from the engine holding the lease.
+    pub expiry_notices: u64,
+    /// Notifications ignored as forged (naming another engine's leases).
+    pub foreign_notifs: u64,
+    /// Malformed notifications.
+    pub malformed_notifs: u64,
+    /// Times a P engine was found restarted (a request named a newer instance).
+    pub peer_restarts: u64,
+}
