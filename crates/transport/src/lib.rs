@@ -46,8 +46,10 @@ pub mod verbs;
 
 pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, TransportStats,
+    ReadBatch, ReadOp, RegionId, RemoteRange, StatsHandle, TransportStats,
 };
-pub use config::{AgentConfig, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
+pub use config::{
+    AgentConfig, BackendChoice, DEFAULT_MAX_NOTIF_LEN, DEFAULT_MAX_PENDING_NOTIF_BYTES, Limits,
+};
 pub use error::{AgentError, ConnectError, MetadataError, Refusal, RegisterError, TransferError};
 pub use metadata::{AgentMetadata, RegionDesc};
