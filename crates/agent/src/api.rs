@@ -192,12 +192,40 @@ impl ChatRequest {
     }
 }
 
+fn too_many_tokens(n: usize) -> ApiError {
+    ApiError::bad_field(
+        "prompt",
+        format!("{n} tokens; the limit is {MAX_PROMPT_TOKENS}"),
+    )
+}
+
 /// Longest prompt accepted, in tokens.
 pub const MAX_PROMPT_TOKENS: usize = 1 << 16;
 /// Most tokens one request may generate.
 pub const MAX_GEN_TOKENS: u32 = 1 << 14;
 
 impl CompletionRequest {
+    /// Checks a text prompt's length before it is tokenized (token-id prompts are
+    /// bounded by [`tokens`](Self::tokens)).
+    ///
+    /// # Errors
+    /// 400 naming `prompt` when the text is longer than `max_bytes`.
+    pub fn check_prompt_bytes(&self, max_bytes: usize) -> Result<(), ApiError> {
+        let len = match &self.prompt {
+            Some(Prompt::Text(s)) => s.len(),
+            Some(Prompt::Batch(b)) => b.iter().map(String::len).sum(),
+            Some(Prompt::Tokens(_)) | None => 0,
+        };
+        if len > max_bytes {
+            tracing::debug!(len, max_bytes, "prompt refused before tokenizing");
+            return Err(ApiError::bad_field(
+                "prompt",
+                format!("{len} bytes of text; the limit is {max_bytes}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// The prompt's token ids.
     ///
     /// # Errors
@@ -213,7 +241,12 @@ impl CompletionRequest {
             }
             (None, None) => return Err(ApiError::bad_field("prompt", "missing")),
             (Some(Prompt::Text(s)), None) => kv::tokenize(s),
-            (Some(Prompt::Tokens(t)), None) | (None, Some(t)) => t.clone(),
+            (Some(Prompt::Tokens(t)), None) | (None, Some(t)) => {
+                if t.len() > MAX_PROMPT_TOKENS {
+                    return Err(too_many_tokens(t.len()));
+                }
+                t.clone()
+            }
             (Some(Prompt::Batch(b)), None) => match b.as_slice() {
                 [one] => kv::tokenize(one),
                 _ => {
@@ -228,10 +261,7 @@ impl CompletionRequest {
             return Err(ApiError::bad_field("prompt", "empty"));
         }
         if tokens.len() > MAX_PROMPT_TOKENS {
-            return Err(ApiError::bad_field(
-                "prompt",
-                format!("{} tokens; the limit is {MAX_PROMPT_TOKENS}", tokens.len()),
-            ));
+            return Err(too_many_tokens(tokens.len()));
         }
         Ok(tokens)
     }

@@ -6,6 +6,13 @@
 //! `kvlease_requests_total{outcome}` count: an [`Outcome`] guard counts on drop, so a
 //! request whose client went away (the handler future or the SSE body dropped) is counted
 //! as `aborted`, and D is told to abort it.
+//!
+//! Every resource a client can hold is bounded by [`HttpLimits`]: open connections (more
+//! are closed at accept), the time to send the headers (also the idle keep-alive limit),
+//! the time and size of the body (408 and 413), the time to the response head (408), and
+//! a text prompt's length, checked before it is tokenized. Every refusal answers in the
+//! JSON error shape of [`ApiError`]. `/health` answers 503 when the engine loop has
+//! stalled ([`EngineHeartbeat`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -14,23 +21,160 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, FromRef, FromRequest, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use kvlease_lease::RequestId;
 use serde_json::{Value, json};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::api::{self, ApiError, ChatRequest, CompletionRequest, RemoteParams};
 use crate::decode::{self, DecodeEvent};
+use crate::health::EngineHeartbeat;
 use crate::metrics::{Metrics, RequestOutcome};
 use crate::prefill;
 
 /// Longest an HTTP handler waits for its engine before answering 504.
 pub const ENGINE_REPLY_TIMEOUT: Duration = Duration::from_secs(600);
-/// Largest request body accepted.
-pub const MAX_BODY_BYTES: usize = 8 << 20;
+/// How long a shutdown waits for open requests to finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What an HTTP client may make an agent spend (the `--http-*` and
+/// `--health-engine-stall-ms` flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HttpLimits {
+    /// Connections open at once; more are closed at accept and counted
+    /// (`kvlease_http_connections_refused_total`). Default 256.
+    pub max_connections: usize,
+    /// Largest request body (larger: 413). Default 2 MiB.
+    pub max_body_bytes: usize,
+    /// Longest text prompt, in bytes, checked before tokenizing (longer: 400). Default
+    /// 256 KiB.
+    pub max_prompt_bytes: usize,
+    /// A request's whole body must arrive within this (else 408). Default 30 s.
+    pub body_timeout: Duration,
+    /// A request's headers must arrive within this; an idle keep-alive connection is
+    /// closed after it. Default 10 s.
+    pub header_timeout: Duration,
+    /// Longest a request may take to its response head (else 408). Default 600 s.
+    pub request_timeout: Duration,
+    /// `/health` answers 503 when the engine loop has not completed an iteration for this
+    /// long. Default 30 s.
+    pub engine_stall: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_body_bytes: 2 << 20,
+            max_prompt_bytes: 256 << 10,
+            body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(600),
+            engine_stall: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A request body read whole under [`HttpLimits::max_body_bytes`] (the router's
+/// [`DefaultBodyLimit`]) and within [`HttpLimits::body_timeout`]; the rejection is an
+/// [`ApiError`] (413 too large, 408 too slow).
+#[derive(Debug)]
+pub struct BoundedBody(pub Bytes);
+
+impl<S> FromRequest<S> for BoundedBody
+where
+    S: Send + Sync,
+    HttpLimits: FromRef<S>,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let limits = HttpLimits::from_ref(state);
+        match tokio::time::timeout(limits.body_timeout, Bytes::from_request(req, state)).await {
+            Ok(Ok(bytes)) => Ok(Self(bytes)),
+            Ok(Err(rejection)) => {
+                let status = rejection.status();
+                tracing::debug!(%status, reason = %rejection.body_text(), "request body refused");
+                Err(error_for_status(status, rejection.body_text()))
+            }
+            Err(_) => {
+                tracing::debug!(limit = ?limits.body_timeout, "request body too slow");
+                Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "request_timeout",
+                    format!(
+                        "the request body did not arrive within {} ms",
+                        limits.body_timeout.as_millis()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// The [`ApiError`] for a refusal that only has a status (from a middleware).
+fn error_for_status(status: StatusCode, message: impl Into<String>) -> ApiError {
+    let kind = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::REQUEST_TIMEOUT => "request_timeout",
+        s if s.is_client_error() => "invalid_request_error",
+        _ => "internal_error",
+    };
+    ApiError::new(status, kind, message)
+}
+
+/// Gives an error response without a body (the timeout middleware's 408) the JSON error
+/// shape.
+async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    if (status.is_client_error() || status.is_server_error())
+        && !response.headers().contains_key(header::CONTENT_TYPE)
+    {
+        let message = status
+            .canonical_reason()
+            .unwrap_or("request refused")
+            .to_owned();
+        return error_for_status(status, message).into_response();
+    }
+    response
+}
+
+/// `/health`: `ok`, or 503 in the JSON error shape when the engine loop has stalled.
+fn health(heartbeat: &EngineHeartbeat, stall: Duration) -> Response {
+    let age = heartbeat.age();
+    if age > stall {
+        tracing::warn!(?age, limit = ?stall, "engine loop stalled; /health answers 503");
+        return ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine_stalled",
+            format!(
+                "the engine loop has not completed an iteration for {} ms (limit {} ms)",
+                age.as_millis(),
+                stall.as_millis()
+            ),
+        )
+        .into_response();
+    }
+    "ok".into_response()
+}
+
+/// The layers every agent router gets: the body limit, the request timeout and JSON
+/// errors for both.
+fn with_limits(router: Router, limits: &HttpLimits) -> Router {
+    router
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            limits.request_timeout,
+        ))
+        .layer(axum::middleware::map_response(json_errors))
+}
 
 /// Counts a request's outcome exactly once: the last [`set`](Self::set) wins, and a guard
 /// dropped without one counts `aborted` (the client went away) and runs `on_abort`.
@@ -77,7 +221,11 @@ impl Drop for Outcome {
 /// The `kvlease_requests_total` outcome an error counts as.
 pub fn outcome_of(e: &ApiError) -> RequestOutcome {
     match e.kind {
-        "invalid_request_error" | "not_found" | "conflict" => RequestOutcome::BadRequest,
+        "invalid_request_error"
+        | "not_found"
+        | "conflict"
+        | "request_too_large"
+        | "request_timeout" => RequestOutcome::BadRequest,
         "peer_auth_failed" | "unauthorized" => RequestOutcome::Unauthorized,
         "overloaded" => RequestOutcome::Overloaded,
         api::KV_LOAD_FAILED => RequestOutcome::KvLoadFailed,
@@ -177,18 +325,35 @@ pub struct PrefillApi {
     pub metrics: Metrics,
     /// Model name echoed back when the request names none.
     pub model: String,
+    /// What a client may make the agent spend.
+    pub limits: HttpLimits,
+    /// The engine loop's liveness, for `/health`.
+    pub heartbeat: Arc<EngineHeartbeat>,
+}
+
+impl FromRef<Arc<PrefillApi>> for HttpLimits {
+    fn from_ref(api: &Arc<PrefillApi>) -> Self {
+        api.limits
+    }
 }
 
 /// P's router.
 pub fn prefill_router(api: PrefillApi) -> Router {
     let m1 = api.metrics.clone();
-    Router::new()
+    let limits = api.limits;
+    let router = Router::new()
         .route("/v1/completions", post(p_completions))
         .route("/v1/chat/completions", post(p_chat))
-        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/health",
+            get(|State(api): State<Arc<PrefillApi>>| async move {
+                health(&api.heartbeat, api.limits.engine_stall)
+            }),
+        )
         .route("/metrics", get(move || metrics_handler(m1.clone())))
         .fallback(not_found)
-        .with_state(Arc::new(api))
+        .with_state(Arc::new(api));
+    with_limits(router, &limits)
 }
 
 async fn not_found() -> ApiError {
@@ -198,19 +363,23 @@ async fn not_found() -> ApiError {
 async fn p_completions(
     State(api): State<Arc<PrefillApi>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<BoundedBody, ApiError>,
 ) -> Response {
     let mut outcome = Outcome::new(api.metrics.clone());
-    let req = match parse_json::<CompletionRequest>(&body) {
+    let req = match body.and_then(|b| parse_json::<CompletionRequest>(&b.0)) {
         Ok(r) => r,
         Err(e) => return outcome.fail(e).into_response(),
     };
     p_serve(&api, &headers, req, "text_completion", &mut outcome).await
 }
 
-async fn p_chat(State(api): State<Arc<PrefillApi>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn p_chat(
+    State(api): State<Arc<PrefillApi>>,
+    headers: HeaderMap,
+    body: Result<BoundedBody, ApiError>,
+) -> Response {
     let mut outcome = Outcome::new(api.metrics.clone());
-    let req = match parse_json::<ChatRequest>(&body) {
+    let req = match body.and_then(|b| parse_json::<ChatRequest>(&b.0)) {
         Ok(r) => r.into_completion(),
         Err(e) => return outcome.fail(e).into_response(),
     };
@@ -247,6 +416,7 @@ async fn p_run(
         }
         _ => None,
     };
+    req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
     let tokens = req.tokens()?;
     req.max_tokens()?;
     let id = request_id(headers, req.request_id.as_deref())?;
@@ -317,19 +487,36 @@ pub struct DecodeApi {
     pub metrics: Metrics,
     /// Model name echoed back when the request names none.
     pub model: String,
+    /// What a client may make the agent spend.
+    pub limits: HttpLimits,
+    /// The engine loop's liveness, for `/health`.
+    pub heartbeat: Arc<EngineHeartbeat>,
+}
+
+impl FromRef<Arc<DecodeApi>> for HttpLimits {
+    fn from_ref(api: &Arc<DecodeApi>) -> Self {
+        api.limits
+    }
 }
 
 /// D's router.
 pub fn decode_router(api: DecodeApi) -> Router {
     let m1 = api.metrics.clone();
-    Router::new()
+    let limits = api.limits;
+    let router = Router::new()
         .route("/v1/completions", post(d_completions))
         .route("/v1/chat/completions", post(d_chat))
         .route("/v1/abort/{id}", post(d_abort))
-        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/health",
+            get(|State(api): State<Arc<DecodeApi>>| async move {
+                health(&api.heartbeat, api.limits.engine_stall)
+            }),
+        )
         .route("/metrics", get(move || metrics_handler(m1.clone())))
         .fallback(not_found)
-        .with_state(Arc::new(api))
+        .with_state(Arc::new(api));
+    with_limits(router, &limits)
 }
 
 async fn d_abort(State(api): State<Arc<DecodeApi>>, Path(id): Path<String>) -> Response {
@@ -362,18 +549,22 @@ async fn d_abort(State(api): State<Arc<DecodeApi>>, Path(id): Path<String>) -> R
 async fn d_completions(
     State(api): State<Arc<DecodeApi>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<BoundedBody, ApiError>,
 ) -> Response {
     let mut outcome = Outcome::new(api.metrics.clone());
-    match parse_json::<CompletionRequest>(&body) {
+    match body.and_then(|b| parse_json::<CompletionRequest>(&b.0)) {
         Ok(r) => d_serve(api, &headers, r, "text_completion", outcome).await,
         Err(e) => outcome.fail(e).into_response(),
     }
 }
 
-async fn d_chat(State(api): State<Arc<DecodeApi>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn d_chat(
+    State(api): State<Arc<DecodeApi>>,
+    headers: HeaderMap,
+    body: Result<BoundedBody, ApiError>,
+) -> Response {
     let mut outcome = Outcome::new(api.metrics.clone());
-    match parse_json::<ChatRequest>(&body) {
+    match body.and_then(|b| parse_json::<ChatRequest>(&b.0)) {
         Ok(r) => {
             d_serve(
                 api,
@@ -411,6 +602,7 @@ fn d_submit(
             ));
         }
     };
+    req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
     let tokens = req.tokens()?;
     let max_tokens = req.max_tokens()?;
     let id = request_id(headers, req.request_id.as_deref())?;
@@ -564,17 +756,67 @@ fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
         .unwrap_or_else(|e| internal(e).into_response())
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` until `shutdown` resolves, then lets open requests finish
+/// (for up to 10 s).
+///
+/// `axum::serve` has no header timeout and no connection cap, so this is its accept loop
+/// on hyper's HTTP/1 builder with a timer: at most `limits.max_connections` connections
+/// (one more is closed at accept and counted in `metrics`), each with
+/// `limits.header_timeout` to send a request's headers, between requests too.
 ///
 /// # Errors
-/// The server's IO error.
+/// None so far: accept errors (out of descriptors) are logged and retried.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    limits: &HttpLimits,
+    metrics: &Metrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let router = router.layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES));
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(error) => {
+                    tracing::warn!(%error, "HTTP accept failed");
+                    // Out of descriptors and similar: back off instead of spinning.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            metrics.http_connections_refused.inc();
+            tracing::debug!(
+                %peer,
+                limit = limits.max_connections,
+                "too many HTTP connections; connection closed"
+            );
+            continue;
+        };
+        let service = TowerToHyperService::new(router.clone());
+        let conn = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(error) = conn.await {
+                tracing::debug!(%peer, %error, "HTTP connection ended");
+            }
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
         .await
+        .is_err()
+    {
+        tracing::warn!("HTTP requests still open after the shutdown grace period");
+    }
+    Ok(())
 }

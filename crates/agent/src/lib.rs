@@ -7,7 +7,8 @@
 //! - [`apikey`]: the HTTP API's bearer key (`--api-key`);
 //! - [`sidechannel`]: P's handshake and metadata endpoint (like vLLM's NIXL side channel);
 //! - [`prefill`] / [`decode`]: the P and D engines and their forward loops;
-//! - [`http`]: the OpenAI-shaped HTTP API on axum;
+//! - [`http`]: the OpenAI-shaped HTTP API on axum, with its limits;
+//! - [`health`]: the engine loop's heartbeat behind `/health`;
 //! - [`link`]: how the engines use the transport;
 //! - [`serve`]: what the `prefill-agent` and `decode-agent` binaries run;
 //! - [`shell`]: what the P and D shells share (pool setup, peer names, addresses).
@@ -19,6 +20,7 @@ pub mod apikey;
 pub mod bidir;
 pub mod config;
 pub mod decode;
+pub mod health;
 pub mod http;
 pub mod kv;
 pub mod link;

@@ -5,10 +5,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvlease_transport::{
-    Agent, AgentConfig, BackendChoice, BatchStatus, PeerId, ReadBatch, RegionDesc, TransferError,
+    Agent, AgentConfig, BackendChoice, BatchStatus, Limits, PeerId, ReadBatch, RegionDesc,
+    TransferError,
 };
 
-use crate::metrics::Backend;
+use crate::metrics::{Backend, Metrics};
 use crate::shell::EngineError;
 
 pub use kvlease_transport::BatchId;
@@ -24,6 +25,10 @@ pub struct LinkConfig {
     pub advertise_ip: std::net::IpAddr,
     /// The cluster token.
     pub auth_token: Option<String>,
+    /// Bounds on peer input (`max_notif_len` is always the notif crate's limit).
+    pub limits: Limits,
+    /// Where each endpoint's counters are exported.
+    pub metrics: Metrics,
 }
 
 impl std::fmt::Debug for LinkConfig {
@@ -33,7 +38,8 @@ impl std::fmt::Debug for LinkConfig {
             .field("listen_ip", &self.listen_ip)
             .field("advertise_ip", &self.advertise_ip)
             .field("auth_token", &self.auth_token.as_ref().map(|_| "<set>"))
-            .finish()
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
     }
 }
 
@@ -48,8 +54,11 @@ pub fn agent(cfg: &LinkConfig, name: &str) -> Result<Agent, EngineError> {
     // Port 0: the transport advertises the port it bound.
     c.advertise = Some(SocketAddr::new(cfg.advertise_ip, 0));
     c.auth_token = cfg.auth_token.as_ref().map(|t| t.as_bytes().to_vec());
+    c.limits = cfg.limits.clone();
     c.limits.max_notif_len = kvlease_notif::MAX_NOTIF_LEN;
-    Agent::new(c).map_err(|e| EngineError::setup("transport endpoint", e))
+    let agent = Agent::new(c).map_err(|e| EngineError::setup("transport endpoint", e))?;
+    cfg.metrics.watch_transport(agent.stats_handle());
+    Ok(agent)
 }
 
 /// One read: `len` bytes from `remote` at `remote_offset` into `local` at `local_offset`.

@@ -13,10 +13,14 @@
 //! Labelled families are pre-populated with every label value, so that a scrape shows `0`
 //! rather than nothing before the first event (a rate over a missing series is empty).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
-use prometheus_client::metrics::counter::Counter;
+use kvlease_transport::StatsHandle;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -307,6 +311,49 @@ pub struct Metrics {
     /// `kvlease_notifs_foreign_total` (P): heartbeats, completions and aborts about a
     /// lease another D engine owns (ignored).
     pub notifs_foreign: Counter,
+
+    // Limits.
+    /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
+    /// engine had not taken the earlier ones (`--max-pending-notif-bytes`), summed over
+    /// the endpoints given to [`Metrics::watch_transport`].
+    transports: Arc<TransportCollector>,
+    /// `kvlease_side_channel_refused_total`: side-channel connections closed at accept
+    /// because `--side-channel-max-connections` handshakes were running.
+    pub side_channel_refused: Counter,
+    /// `kvlease_http_connections_refused_total`: HTTP connections closed at accept because
+    /// `--http-max-connections` were open.
+    pub http_connections_refused: Counter,
+}
+
+/// Reads the transport endpoints' counters at each scrape.
+#[derive(Debug, Default)]
+struct TransportCollector {
+    endpoints: Mutex<Vec<StatsHandle>>,
+}
+
+/// The registry owns one collector; [`Metrics`] keeps another `Arc` of it to add endpoints.
+#[derive(Debug)]
+struct SharedCollector(Arc<TransportCollector>);
+
+impl Collector for SharedCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let dropped: u64 = self
+            .0
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|e| e.stats().notifs_dropped_overflow)
+            .sum();
+        let counter = ConstCounter::new(dropped);
+        let metric = encoder.encode_descriptor(
+            "kvlease_notifs_dropped",
+            "Notifications dropped because the engine had not taken the earlier ones",
+            None,
+            counter.metric_type(),
+        )?;
+        counter.encode(metric)
+    }
 }
 
 impl Default for Metrics {
@@ -319,6 +366,8 @@ impl Metrics {
     /// Registers every metric, all at zero.
     pub fn new() -> Self {
         let mut registry = Registry::default();
+        let transports = Arc::new(TransportCollector::default());
+        registry.register_collector(Box::new(SharedCollector(Arc::clone(&transports))));
         let r = &mut registry;
 
         fn gauge(r: &mut Registry, name: &str, help: &str) -> Gauge {
@@ -352,7 +401,7 @@ impl Metrics {
                 + std::fmt::Debug
                 + 'static,
             M: prometheus_client::metrics::TypedMetric
-                + prometheus_client::encoding::EncodeMetric
+                + EncodeMetric
                 + Default
                 + Send
                 + Sync
@@ -527,6 +576,17 @@ impl Metrics {
                 "kvlease_notifs_foreign",
                 "Notifications about a lease another D engine owns (ignored)",
             ),
+            transports: Arc::clone(&transports),
+            side_channel_refused: counter(
+                r,
+                "kvlease_side_channel_refused",
+                "Side-channel connections closed at accept: too many handshakes at once",
+            ),
+            http_connections_refused: counter(
+                r,
+                "kvlease_http_connections_refused",
+                "HTTP connections closed at accept: too many open",
+            ),
             registry: Arc::new(registry),
         };
         for reason in ReleaseReason::ALL {
@@ -604,6 +664,16 @@ impl Metrics {
                 backend,
             });
         }
+    }
+
+    /// Adds a transport endpoint whose counters the scrape reads
+    /// (`kvlease_notifs_dropped_total`).
+    pub fn watch_transport(&self, endpoint: StatsHandle) {
+        self.transports
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(endpoint);
     }
 
     /// Renders every metric in the OpenMetrics text format (serve it with [`CONTENT_TYPE`]).
@@ -726,6 +796,42 @@ mod tests {
             "a counter registered with its suffix:\n{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn limit_counters_are_exposed_and_transport_drops_are_summed() {
+        let metrics = Metrics::new();
+        let text = metrics.encode();
+        for name in [
+            "kvlease_notifs_dropped_total",
+            "kvlease_side_channel_refused_total",
+            "kvlease_http_connections_refused_total",
+        ] {
+            assert_eq!(sample(&text, name), Some(0.0), "{name} in:\n{text}");
+        }
+        let endpoint = |name: &str| {
+            let mut config = kvlease_transport::AgentConfig::new(name);
+            config.backend = kvlease_transport::BackendChoice::Tcp;
+            config.limits.max_notif_len = 100;
+            config.limits.max_pending_notif_bytes = 100;
+            kvlease_transport::Agent::new(config).expect("loopback endpoint")
+        };
+        let (p, d) = (endpoint("p"), endpoint("d"));
+        metrics.watch_transport(p.stats_handle());
+        metrics.watch_transport(d.stats_handle());
+        let peer = d.connect(&p.metadata()).expect("connect");
+        for _ in 0..3 {
+            d.send_notif(peer, vec![0; 100]).expect("send");
+        }
+        // One fits the inbox; the other two are dropped.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while p.stats().notifs_dropped_overflow < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(
+            sample(&metrics.encode(), "kvlease_notifs_dropped_total"),
+            Some(2.0)
+        );
     }
 
     #[test]

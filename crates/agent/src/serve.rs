@@ -5,6 +5,14 @@
 //! short-lived thread per handshake), the transport's serving threads, and the tokio
 //! runtime (HTTP). A D has the engine, a handshake thread per new P engine, the transport's
 //! threads and the runtime. Neither has a heartbeat thread.
+//!
+//! The `--*` limit flags ([`LimitArgs`]) are turned here into each layer's limits: the side
+//! channel's [`sidechannel::ServerLimits`], the transport's [`Limits`] and the HTTP layer's
+//! [`HttpLimits`].
+//!
+//! Test-only: `KVLEASE_TEST_STALL_ENGINE_MS=N` makes the engine thread sleep N ms once,
+//! before its loop starts, so that tests can watch `/health` report a stalled engine.
+//! Never set it in production.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -13,17 +21,18 @@ use std::time::Duration;
 
 use kvlease_gpu_mem::MemoryRequest;
 use kvlease_lease::{DecoderTtl, LeaseConfig, LeaseMode};
-use kvlease_transport::BackendChoice;
+use kvlease_transport::{BackendChoice, Limits};
 
 use crate::bidir::{
     ClockProbeServer, DeadlineBasis, PeerClock, PullPolicy, test_clock_offset_from_env,
 };
 use crate::config::{
-    AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, MemoryChoice, PrefillArgs,
-    TransportChoice,
+    AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, LimitArgs, MemoryChoice,
+    PrefillArgs, TransportChoice,
 };
 use crate::decode::{DecodeBidir, DecodeConfig, DecodeEngine};
-use crate::http::{self, DecodeApi, PrefillApi};
+use crate::health::EngineHeartbeat;
+use crate::http::{self, DecodeApi, HttpLimits, PrefillApi};
 use crate::kv::KvShape;
 use crate::link::LinkConfig;
 use crate::metrics::Metrics;
@@ -166,7 +175,57 @@ fn warn_unauthenticated(c: &CommonArgs) {
     }
 }
 
-fn link(c: &CommonArgs, advertise: &Advertised) -> Result<LinkConfig, ServeError> {
+/// The test-only engine stall (see the module doc).
+const TEST_STALL_ENGINE_ENV: &str = "KVLEASE_TEST_STALL_ENGINE_MS";
+
+fn test_engine_stall() -> Result<Option<Duration>, ServeError> {
+    let Ok(v) = std::env::var(TEST_STALL_ENGINE_ENV) else {
+        return Ok(None);
+    };
+    let ms: u64 = v.parse().map_err(|e| ServeError::Flag {
+        flag: TEST_STALL_ENGINE_ENV,
+        message: format!("{v}: {e} (milliseconds)"),
+    })?;
+    tracing::warn!(
+        ms,
+        "{TEST_STALL_ENGINE_ENV} is set: the engine stalls once (test only)"
+    );
+    Ok(Some(Duration::from_millis(ms)))
+}
+
+fn transport_limits(l: &LimitArgs) -> Limits {
+    let mut limits = Limits::default();
+    limits.max_inbound_connections = l.transport_max_connections;
+    limits.handshake_timeout = l.transport_handshake_timeout();
+    limits.max_pending_notif_bytes = l.max_pending_notif_bytes;
+    limits
+}
+
+fn http_limits(l: &LimitArgs) -> HttpLimits {
+    HttpLimits {
+        max_connections: l.http_max_connections,
+        max_body_bytes: l.http_max_body_bytes,
+        max_prompt_bytes: l.http_max_prompt_bytes,
+        body_timeout: l.http_body_timeout(),
+        header_timeout: l.http_header_timeout(),
+        request_timeout: l.http_request_timeout(),
+        engine_stall: l.health_engine_stall(),
+    }
+}
+
+fn side_channel_limits(l: &LimitArgs) -> sidechannel::ServerLimits {
+    sidechannel::ServerLimits {
+        max_connections: l.side_channel_max_connections,
+        handshake_timeout: l.side_channel_handshake_timeout(),
+        max_frame: l.side_channel_max_frame_bytes,
+    }
+}
+
+fn link(
+    c: &CommonArgs,
+    advertise: &Advertised,
+    metrics: &Metrics,
+) -> Result<LinkConfig, ServeError> {
     let listen_ip: IpAddr = c.host.parse().map_err(|e| ServeError::Flag {
         flag: "--host",
         message: format!("{}: {e} (an IP address)", c.host),
@@ -183,6 +242,8 @@ fn link(c: &CommonArgs, advertise: &Advertised) -> Result<LinkConfig, ServeError
             .auth_token
             .as_ref()
             .map(|t| String::from_utf8_lossy(t.as_bytes()).into_owned()),
+        limits: transport_limits(&c.limits),
+        metrics: metrics.clone(),
     })
 }
 
@@ -290,7 +351,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         advertise_host: adv.host.clone(),
         side_channel_port: c.side_channel_port,
         memory: memory(c),
-        link: link(c, &adv)?,
+        link: link(c, &adv, &metrics)?,
         bidir: prefill_bidir(c)?,
     };
     let token = cfg.link.auth_token.clone();
@@ -308,23 +369,35 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
             let _ = hello_tx.send(h);
         }),
         listen_ip,
-        c.side_channel_port,
+        c,
+        &metrics,
     )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = Arc::clone(&stop);
+    let heartbeat = Arc::new(EngineHeartbeat::new());
+    let beat = Arc::clone(&heartbeat);
+    let stall = test_engine_stall()?;
     let engine_thread = std::thread::Builder::new()
         .name("p-engine".into())
-        .spawn(move || engine.run(jobs_rx, hello_rx, stop2))
+        .spawn(move || {
+            if let Some(stall) = stall {
+                std::thread::sleep(stall);
+            }
+            engine.run(jobs_rx, hello_rx, stop2, beat);
+        })
         .map_err(|source| ServeError::Io {
             what: "engine thread".into(),
             source,
         })?;
     let rt = runtime()?;
+    let limits = http_limits(&c.limits);
     let api = PrefillApi {
         jobs: jobs_tx,
-        metrics,
+        metrics: metrics.clone(),
         model: engine_id.to_string(),
+        limits,
+        heartbeat,
     };
     let served = rt.block_on(async {
         let listener = bind_http(c).await?;
@@ -338,6 +411,8 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         http::serve(
             listener,
             crate::apikey::protect(http::prefill_router(api), c.api_key.as_ref()),
+            &limits,
+            &metrics,
             shutdown_signal(Arc::clone(&stop)),
         )
         .await
@@ -375,7 +450,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         max_waiting: args.max_waiting,
         policy: kv.load_failure_policy,
         memory: memory(c),
-        link: link(c, &adv)?,
+        link: link(c, &adv, &metrics)?,
         read_timeout: Duration::from_secs(30),
         bidir: None,
         allowed_prefill: args.allowed_prefill_hosts.clone(),
@@ -420,13 +495,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
             })?;
             // P's pulls need nothing back from D but the notifications on the
             // transport, which P's connection carries.
-            let handle = spawn_side_channel(
-                info,
-                token,
-                Box::new(|_| {}),
-                listen_ip,
-                c.side_channel_port,
-            )?;
+            let handle = spawn_side_channel(info, token, Box::new(|_| {}), listen_ip, c, &metrics)?;
             Some(handle)
         }
         None => None,
@@ -434,18 +503,29 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let stop = Arc::new(AtomicBool::new(false));
     let stop2 = Arc::clone(&stop);
+    let heartbeat = Arc::new(EngineHeartbeat::new());
+    let beat = Arc::clone(&heartbeat);
+    let stall = test_engine_stall()?;
     let engine_thread = std::thread::Builder::new()
         .name("d-engine".into())
-        .spawn(move || engine.run(jobs_rx, stop2))
+        .spawn(move || {
+            if let Some(stall) = stall {
+                std::thread::sleep(stall);
+            }
+            engine.run(jobs_rx, stop2, beat);
+        })
         .map_err(|source| ServeError::Io {
             what: "engine thread".into(),
             source,
         })?;
     let rt = runtime()?;
+    let limits = http_limits(&c.limits);
     let api = DecodeApi {
         jobs: jobs_tx,
-        metrics,
+        metrics: metrics.clone(),
         model: engine_id.to_string(),
+        limits,
+        heartbeat,
     };
     let served = rt.block_on(async {
         let listener = bind_http(c).await?;
@@ -459,6 +539,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         http::serve(
             listener,
             crate::apikey::protect(http::decode_router(api), c.api_key.as_ref()),
+            &limits,
+            &metrics,
             shutdown_signal(Arc::clone(&stop)),
         )
         .await
@@ -475,20 +557,25 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     served
 }
 
-/// Starts an agent's side channel on `listen_ip:port`, reporting this host's wall clock.
+/// Starts an agent's side channel on `listen_ip:--side-channel-port`, reporting this
+/// host's wall clock, bounded by the `--side-channel-*` limits.
 fn spawn_side_channel(
     info: serde_json::Value,
     token: Option<String>,
     on_peer: Box<dyn Fn(sidechannel::Hello) + Send + Sync>,
     listen_ip: IpAddr,
-    port: u16,
+    c: &CommonArgs,
+    metrics: &Metrics,
 ) -> Result<sidechannel::ServerHandle, ServeError> {
+    let port = c.side_channel_port;
     let epoch = std::time::SystemTime::UNIX_EPOCH;
     sidechannel::Server {
         info,
         token,
         on_peer,
         clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
+        limits: side_channel_limits(&c.limits),
+        refused: metrics.side_channel_refused.clone(),
     }
     .spawn(SocketAddr::new(listen_ip, port))
     .map_err(|source| ServeError::Io {

@@ -13,22 +13,67 @@
 //! Without a token both proofs are empty and only a peer with a token set is refused (a
 //! mismatch of configuration, named in the message). Every socket has read and write
 //! timeouts; the server runs one short-lived thread per connection.
+//!
+//! Everything the server reads comes from a peer that has not proven the token yet, so
+//! the server is bounded by [`ServerLimits`]: at most `max_connections` handshakes (and
+//! threads) at once, more are closed at once; each whole handshake ends by an absolute
+//! deadline from accept; and no frame over `max_frame` is accepted. A frame's buffer
+//! grows with the bytes that actually arrive, so announcing a large length costs the
+//! peer as much as it costs us.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-/// Largest frame accepted.
+/// Largest frame D accepts from a P that proved the token (the welcome, with P's info).
 pub const MAX_FRAME: usize = 4 << 20;
-/// Read/write timeout of every side-channel socket.
+/// Largest frame D accepts before P has proven the token (the challenge).
+const MAX_CHALLENGE_FRAME: usize = 4 << 10;
+/// Read/write timeout of every socket D opens to a side channel.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default for [`ServerLimits::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Default for [`ServerLimits::handshake_timeout`].
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`ServerLimits::max_frame`]: room for the hello of hundreds of TP workers.
+pub const DEFAULT_MAX_PREAUTH_FRAME: usize = 256 << 10;
+
+/// What a side-channel server spends on peers, none of which has proven the token while
+/// it is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerLimits {
+    /// Handshakes served at once, each on its own thread; a connection over the cap is
+    /// closed at once and counted. Default [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
+    /// A whole handshake, from accept to the welcome, must end within this; reads and
+    /// writes get only the time left. Default [`DEFAULT_HANDSHAKE_TIMEOUT`].
+    pub handshake_timeout: Duration,
+    /// Largest frame read from a peer (hello, proof); a longer announced length closes
+    /// the connection before anything is allocated for it. Default
+    /// [`DEFAULT_MAX_PREAUTH_FRAME`].
+    pub max_frame: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            max_frame: DEFAULT_MAX_PREAUTH_FRAME,
+        }
+    }
+}
 
 /// Why a handshake failed.
 #[derive(Debug, thiserror::Error)]
@@ -146,7 +191,7 @@ fn nonce() -> io::Result<[u8; 32]> {
     Ok(n)
 }
 
-fn write_frame(s: &mut TcpStream, f: &Frame) -> io::Result<()> {
+fn write_frame(s: &mut impl Write, f: &Frame) -> io::Result<()> {
     let body = serde_json::to_vec(f).map_err(io::Error::other)?;
     let len = u32::try_from(body.len()).map_err(io::Error::other)?;
     s.write_all(&len.to_be_bytes())?;
@@ -154,19 +199,91 @@ fn write_frame(s: &mut TcpStream, f: &Frame) -> io::Result<()> {
     s.flush()
 }
 
-fn read_frame(s: &mut TcpStream) -> io::Result<Frame> {
+/// Why a frame was not read.
+#[derive(Debug, thiserror::Error)]
+#[error("frame of {len} bytes exceeds the limit of {max}")]
+struct FrameTooLarge {
+    len: usize,
+    max: usize,
+}
+
+/// Reads one frame of at most `max` bytes. The buffer grows with the bytes received, never
+/// to an announced length up front.
+fn read_frame(s: &mut impl Read, max: usize) -> io::Result<Frame> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
+    if len > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "frame too large",
+            FrameTooLarge { len, max },
         ));
     }
-    let mut body = vec![0u8; len];
-    s.read_exact(&mut body)?;
+    let mut body = Vec::with_capacity(len.min(4096));
+    s.take(len as u64).read_to_end(&mut body)?;
+    if body.len() != len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// A server socket whose every read and write ends by one absolute deadline.
+struct Deadlined {
+    stream: TcpStream,
+    deadline: Instant,
+}
+
+impl Deadlined {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadlined {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+/// Holds one of the server's connection slots; frees it when dropped.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        active
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(Arc::clone(active)))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What P's side channel serves, and what it does with a D that proved the token.
@@ -179,6 +296,11 @@ pub struct Server {
     pub on_peer: Box<dyn Fn(Hello) + Send + Sync>,
     /// This host's wall clock, in ns (for D's clock offset estimate).
     pub clock_ns: Box<dyn Fn() -> u64 + Send + Sync>,
+    /// What peers may make the server spend.
+    pub limits: ServerLimits,
+    /// Counts connections closed unserved because `limits.max_connections` handshakes
+    /// were running.
+    pub refused: Counter,
 }
 
 /// A running side channel; stops accepting when dropped.
@@ -201,13 +323,21 @@ impl Server {
     /// Binds `addr` and serves handshakes on a background thread.
     ///
     /// # Errors
-    /// The bind error.
+    /// The bind error; `InvalidInput` for a limit of zero.
     pub fn spawn(self, addr: SocketAddr) -> io::Result<ServerHandle> {
+        let l = &self.limits;
+        if l.max_connections == 0 || l.handshake_timeout.is_zero() || l.max_frame == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "side-channel limits must be non-zero",
+            ));
+        }
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let this = Arc::new(self);
         let stop2 = Arc::clone(&stop);
+        let active = Arc::new(AtomicUsize::new(0));
         thread::Builder::new()
             .name("side-channel".into())
             .spawn(move || {
@@ -215,13 +345,32 @@ impl Server {
                     if stop2.load(Ordering::Relaxed) {
                         break;
                     }
-                    let Ok(conn) = conn else { continue };
+                    let Ok(conn) = conn else {
+                        // Out of descriptors and similar: back off instead of spinning.
+                        thread::sleep(Duration::from_millis(10));
+                        continue;
+                    };
+                    let accepted = Instant::now();
+                    let Some(slot) = Slot::take(&active, this.limits.max_connections) else {
+                        this.refused.inc();
+                        tracing::debug!(
+                            peer = ?conn.peer_addr().ok(),
+                            limit = this.limits.max_connections,
+                            "side channel: too many handshakes at once; connection closed"
+                        );
+                        continue;
+                    };
                     let this = Arc::clone(&this);
                     let spawned = thread::Builder::new()
                         .name("side-channel-conn".into())
                         .spawn(move || {
+                            let _slot = slot;
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                            if let Err(e) = this.serve(conn) {
+                            let s = Deadlined {
+                                stream: conn,
+                                deadline: accepted + this.limits.handshake_timeout,
+                            };
+                            if let Err(e) = this.serve(s) {
                                 tracing::warn!(%peer, error = %e, "side-channel handshake failed");
                             }
                         });
@@ -233,11 +382,10 @@ impl Server {
         Ok(ServerHandle { addr, stop })
     }
 
-    fn serve(&self, mut s: TcpStream) -> io::Result<()> {
-        s.set_read_timeout(Some(IO_TIMEOUT))?;
-        s.set_write_timeout(Some(IO_TIMEOUT))?;
-        s.set_nodelay(true)?;
-        let Frame::Hello(hello) = read_frame(&mut s)? else {
+    fn serve(&self, mut s: Deadlined) -> io::Result<()> {
+        s.stream.set_nodelay(true)?;
+        let max = self.limits.max_frame;
+        let Frame::Hello(hello) = read_frame(&mut s, max)? else {
             return write_frame(
                 &mut s,
                 &Frame::Refused {
@@ -255,7 +403,7 @@ impl Server {
                 proof: prove(token, b"kvlease-sc-p", &[&d_nonce]),
             },
         )?;
-        let Frame::Proof { proof } = read_frame(&mut s)? else {
+        let Frame::Proof { proof } = read_frame(&mut s, max)? else {
             return write_frame(
                 &mut s,
                 &Frame::Refused {
@@ -341,7 +489,7 @@ pub fn handshake(
         instance,
     };
     write_frame(&mut s, &Frame::Hello(hello)).map_err(io_err)?;
-    let (p_nonce, p_proof) = match read_frame(&mut s).map_err(io_err)? {
+    let (p_nonce, p_proof) = match read_frame(&mut s, MAX_CHALLENGE_FRAME).map_err(io_err)? {
         Frame::Challenge { nonce, proof } => {
             (from_hex(&nonce).ok_or_else(|| proto("bad nonce"))?, proof)
         }
@@ -361,7 +509,7 @@ pub fn handshake(
     }
     let proof = prove(token, b"kvlease-sc-d", &[&p_nonce, engine_id.as_bytes()]);
     write_frame(&mut s, &Frame::Proof { proof }).map_err(io_err)?;
-    match read_frame(&mut s).map_err(io_err)? {
+    match read_frame(&mut s, MAX_FRAME).map_err(io_err)? {
         Frame::Welcome {
             info,
             server_time_ns,
@@ -383,6 +531,14 @@ mod tests {
     use std::sync::Mutex;
 
     fn serve(token: Option<&str>) -> (ServerHandle, Arc<Mutex<Vec<Hello>>>) {
+        serve_with(token, ServerLimits::default(), Counter::default())
+    }
+
+    fn serve_with(
+        token: Option<&str>,
+        limits: ServerLimits,
+        refused: Counter,
+    ) -> (ServerHandle, Arc<Mutex<Vec<Hello>>>) {
         let peers = Arc::new(Mutex::new(Vec::new()));
         let p2 = Arc::clone(&peers);
         let h = Server {
@@ -394,6 +550,8 @@ mod tests {
                 }
             }),
             clock_ns: Box::new(|| 42),
+            limits,
+            refused,
         }
         .spawn("127.0.0.1:0".parse().expect("literal address"))
         .expect("bind loopback");
@@ -429,6 +587,59 @@ mod tests {
         let (open, _) = serve(None);
         assert!(handshake(&open.addr.to_string(), None, "d1", 1, &[], 7).is_ok());
         assert!(handshake(&open.addr.to_string(), Some("x"), "d1", 1, &[], 7).is_err());
+    }
+
+    /// Whether the server closed `s` within 5 s without answering.
+    fn closed_unanswered(s: &mut TcpStream) -> bool {
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("set timeout");
+        let mut b = [0u8; 16];
+        match s.read(&mut b) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+        }
+    }
+
+    #[test]
+    fn frames_over_the_limit_slow_handshakes_and_extra_connections_are_closed() {
+        let limits = ServerLimits {
+            max_connections: 2,
+            handshake_timeout: Duration::from_millis(300),
+            max_frame: 1024,
+        };
+        let refused = Counter::default();
+        let (h, peers) = serve_with(Some("t"), limits, refused.clone());
+        // An announced frame over the limit: closed before anything is read or answered.
+        let mut big = TcpStream::connect(h.addr).expect("connect");
+        big.write_all(&(4u32 << 20).to_be_bytes()).expect("write");
+        assert!(closed_unanswered(&mut big));
+        // Two silent peers take both slots; a third is closed at once and counted.
+        let mut slow: Vec<TcpStream> = (0..2)
+            .map(|_| TcpStream::connect(h.addr).expect("connect"))
+            .collect();
+        thread::sleep(Duration::from_millis(50));
+        let mut third = TcpStream::connect(h.addr).expect("connect");
+        assert!(closed_unanswered(&mut third));
+        assert_eq!(refused.get(), 1);
+        // A peer dribbling a valid-length frame is still cut off by the whole deadline.
+        slow[0].write_all(&100u32.to_be_bytes()).expect("write");
+        let start = Instant::now();
+        for s in &mut slow {
+            assert!(closed_unanswered(s));
+        }
+        assert!(start.elapsed() < Duration::from_secs(3));
+        // The slots are free again: an honest handshake works.
+        let addr = h.addr.to_string();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while handshake(&addr, Some("t"), "d0", 1, &[], 1).is_err() {
+            assert!(Instant::now() < deadline, "slots never freed");
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(peers.lock().expect("not poisoned").len(), 1);
     }
 
     #[test]

@@ -150,8 +150,11 @@ pub struct TransportStats {
     pub notifs_received: u64,
     /// Notifications dropped because the sender had not completed the handshake.
     pub notifs_dropped_unauthenticated: u64,
-    /// Notifications dropped because the inbox was full.
+    /// Notifications dropped because the inbox was full (in count or in bytes).
     pub notifs_dropped_overflow: u64,
+    /// Inbound connections closed because they had not authenticated within
+    /// `limits.handshake_timeout` of being accepted.
+    pub handshake_timeouts: u64,
 }
 
 #[derive(Debug, Default)]
@@ -166,6 +169,41 @@ pub(crate) struct Counters {
     pub(crate) notifs_received: AtomicU64,
     pub(crate) notifs_dropped_unauthenticated: AtomicU64,
     pub(crate) notifs_dropped_overflow: AtomicU64,
+    pub(crate) handshake_timeouts: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> TransportStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TransportStats {
+            connections_accepted: g(&self.connections_accepted),
+            malformed_frames: g(&self.malformed_frames),
+            auth_failures: g(&self.auth_failures),
+            reads_served: g(&self.reads_served),
+            bytes_served: g(&self.bytes_served),
+            reads_refused: g(&self.reads_refused),
+            reads_refused_unauthenticated: g(&self.reads_refused_unauthenticated),
+            notifs_received: g(&self.notifs_received),
+            notifs_dropped_unauthenticated: g(&self.notifs_dropped_unauthenticated),
+            notifs_dropped_overflow: g(&self.notifs_dropped_overflow),
+            handshake_timeouts: g(&self.handshake_timeouts),
+        }
+    }
+}
+
+/// A handle on an [`Agent`]'s counters that outlives neither more nor less than the
+/// caller wants: it holds only the counters, so whoever exports metrics can read them
+/// without owning the agent (see [`Agent::stats_handle`]).
+#[derive(Debug, Clone)]
+pub struct StatsHandle {
+    counters: Arc<Counters>,
+}
+
+impl StatsHandle {
+    /// The counters now (each monotonic since the agent was built).
+    pub fn stats(&self) -> TransportStats {
+        self.counters.snapshot()
+    }
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -184,6 +222,8 @@ pub(crate) struct Registered {
 pub(crate) struct Inbox {
     pub(crate) groups: Vec<(PeerName, Vec<Vec<u8>>)>,
     pub(crate) count: usize,
+    /// Bytes of the bodies in `groups` (bounded by `limits.max_pending_notif_bytes`).
+    pub(crate) bytes: usize,
 }
 
 /// A posted batch and the peer it reads from.
@@ -206,7 +246,7 @@ pub(crate) struct Inner {
     pub(crate) inbox: Mutex<Inbox>,
     /// Messages in the inbox, readable without the lock (see `get_new_notifs`).
     inbox_len: AtomicUsize,
-    pub(crate) counters: Counters,
+    pub(crate) counters: Arc<Counters>,
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
@@ -245,13 +285,25 @@ impl Inner {
     /// Queues a received notification from an authenticated peer.
     pub(crate) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
         let mut inbox = lock(&self.inbox);
-        if inbox.count >= self.limits.max_pending_notifs {
+        let held = inbox.bytes.saturating_add(bytes.len());
+        if inbox.count >= self.limits.max_pending_notifs
+            || held > self.limits.max_pending_notif_bytes
+        {
+            let (count, held) = (inbox.count, inbox.bytes);
             drop(inbox);
             bump(&self.counters.notifs_dropped_overflow);
-            tracing::warn!(peer = from, "notification inbox full; notification dropped");
+            tracing::warn!(
+                peer = from,
+                count,
+                bytes = held,
+                max_count = self.limits.max_pending_notifs,
+                max_bytes = self.limits.max_pending_notif_bytes,
+                "notification inbox full; notification dropped"
+            );
             return;
         }
         inbox.count += 1;
+        inbox.bytes = held;
         self.inbox_len.store(inbox.count, Ordering::Release);
         match inbox.groups.iter_mut().find(|(name, _)| name == from) {
             Some((_, msgs)) => msgs.push(bytes),
@@ -387,6 +439,17 @@ impl Agent {
         if l.max_notif_len > (1 << 30) {
             return Err(AgentError::Config("max_notif_len must be at most 1 GiB"));
         }
+        if l.max_pending_notifs == 0 || l.max_inbound_connections == 0 {
+            return Err(AgentError::Config("limits must be non-zero"));
+        }
+        if l.max_pending_notif_bytes < l.max_notif_len {
+            return Err(AgentError::Config(
+                "max_pending_notif_bytes must be at least max_notif_len",
+            ));
+        }
+        if l.handshake_timeout.is_zero() {
+            return Err(AgentError::Config("handshake_timeout must be non-zero"));
+        }
         let listener = TcpListener::bind(config.listen).map_err(|source| AgentError::Bind {
             addr: config.listen,
             source,
@@ -423,7 +486,7 @@ impl Agent {
             batches: Mutex::new(HashMap::new()),
             inbox: Mutex::new(Inbox::default()),
             inbox_len: AtomicUsize::new(0),
-            counters: Counters::default(),
+            counters: Arc::default(),
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
             backend_meta: Mutex::new(BTreeMap::new()),
@@ -916,25 +979,21 @@ impl Agent {
         }
         let mut inbox = lock(&self.inner.inbox);
         inbox.count = 0;
+        inbox.bytes = 0;
         self.inner.inbox_len.store(0, Ordering::Release);
         std::mem::take(&mut inbox.groups)
     }
 
     /// This agent's counters.
     pub fn stats(&self) -> TransportStats {
-        let c = &self.inner.counters;
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        TransportStats {
-            connections_accepted: g(&c.connections_accepted),
-            malformed_frames: g(&c.malformed_frames),
-            auth_failures: g(&c.auth_failures),
-            reads_served: g(&c.reads_served),
-            bytes_served: g(&c.bytes_served),
-            reads_refused: g(&c.reads_refused),
-            reads_refused_unauthenticated: g(&c.reads_refused_unauthenticated),
-            notifs_received: g(&c.notifs_received),
-            notifs_dropped_unauthenticated: g(&c.notifs_dropped_unauthenticated),
-            notifs_dropped_overflow: g(&c.notifs_dropped_overflow),
+        self.inner.counters.snapshot()
+    }
+
+    /// A handle that reads this agent's counters, for a metrics exporter that does not
+    /// own the agent.
+    pub fn stats_handle(&self) -> StatsHandle {
+        StatsHandle {
+            counters: Arc::clone(&self.inner.counters),
         }
     }
 }

@@ -8,6 +8,9 @@ use std::time::Duration;
 /// value in).
 pub const DEFAULT_MAX_NOTIF_LEN: usize = 64 * 1024;
 
+/// Default for [`Limits::max_pending_notif_bytes`]: 16 MiB.
+pub const DEFAULT_MAX_PENDING_NOTIF_BYTES: usize = 16 << 20;
+
 /// Which backend carries reads to a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -61,6 +64,12 @@ pub struct Limits {
     /// Notifications kept until [`get_new_notifs`](crate::Agent::get_new_notifs) drains
     /// them; more are dropped and counted (`notifs_dropped_overflow`). Default 65 536.
     pub max_pending_notifs: usize,
+    /// Bytes of notification bodies kept until
+    /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them; a notification that
+    /// would take the inbox past this is dropped and counted (`notifs_dropped_overflow`),
+    /// so a slow engine costs at most this much memory. Must be at least
+    /// [`max_notif_len`](Self::max_notif_len). Default [`DEFAULT_MAX_PENDING_NOTIF_BYTES`].
+    pub max_pending_notif_bytes: usize,
     /// Most read ops in one batch. Default 1 048 576.
     pub max_ops_per_batch: usize,
     /// Largest single read op, in bytes (larger are refused by the target). Default 1 GiB.
@@ -68,7 +77,10 @@ pub struct Limits {
     /// Ops longer than this are split into chunks striped over the peer's connections.
     /// Default 1 MiB.
     pub chunk_len: u64,
-    /// Limit for TCP connect and for each step of the handshake. Default 5 s.
+    /// Limit for TCP connect and for each step of an outbound handshake. On the serving
+    /// side it is absolute: an inbound connection that has not authenticated this long
+    /// after it was accepted is closed, whatever it sends meanwhile (refused reads,
+    /// dropped notifications), and counted (`handshake_timeouts`). Default 5 s.
     pub handshake_timeout: Duration,
     /// Inbound connections served at once (each has a thread); more are closed at once
     /// with a log line. Default 1024.
@@ -83,6 +95,7 @@ impl Default for Limits {
         Self {
             max_notif_len: DEFAULT_MAX_NOTIF_LEN,
             max_pending_notifs: 1 << 16,
+            max_pending_notif_bytes: DEFAULT_MAX_PENDING_NOTIF_BYTES,
             max_ops_per_batch: 1 << 20,
             max_read_len: 1 << 30,
             chunk_len: 1 << 20,

@@ -48,9 +48,12 @@ pub mod verbs;
 
 pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, TransportStats,
+    ReadBatch, ReadOp, RegionId, RemoteRange, StatsHandle, TransportStats,
 };
-pub use config::{AgentConfig, Backend, BackendChoice, DEFAULT_MAX_NOTIF_LEN, Limits};
+pub use config::{
+    AgentConfig, Backend, BackendChoice, DEFAULT_MAX_NOTIF_LEN, DEFAULT_MAX_PENDING_NOTIF_BYTES,
+    Limits,
+};
 pub use error::{
     AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,
 };

@@ -1127,3 +1127,89 @@ fn advertised_ip_with_port_zero_keeps_the_bound_port() {
     d.connect(&p.metadata())
         .expect("connects through the advertised address");
 }
+
+#[test]
+fn the_inbox_is_bounded_in_bytes_and_drops_are_counted() -> Result<()> {
+    let mut c = config("p", None);
+    c.limits.max_notif_len = 1000;
+    c.limits.max_pending_notif_bytes = 4000;
+    let p = Agent::new(c)?;
+    let d = agent("d");
+    let peer = d.connect(&p.metadata())?;
+    // Four 1000-byte notifications fill the inbox; six more do not fit.
+    for i in 0..10u8 {
+        d.send_notif(peer, vec![i; 1000])?;
+    }
+    let deadline = Instant::now() + LIMIT;
+    while p.stats().notifs_received + p.stats().notifs_dropped_overflow < 10
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let stats = p.stats_handle().stats();
+    ensure!(
+        stats.notifs_received == 4 && stats.notifs_dropped_overflow == 6,
+        "{stats:?}"
+    );
+    let got = p.get_new_notifs();
+    ensure!(got.len() == 1 && got[0].1 == (0..4u8).map(|i| vec![i; 1000]).collect::<Vec<_>>());
+    // Draining frees the bytes: the next one is accepted.
+    d.send_notif(peer, b"after".to_vec())?;
+    ensure!(notifs_from(&p, 1) == vec![("d".to_owned(), vec![b"after".to_vec()])]);
+    ensure!(p.stats().notifs_dropped_overflow == 6);
+    // A bound below one notification is refused at build time.
+    let mut c = config("bad", None);
+    c.limits.max_notif_len = 1000;
+    c.limits.max_pending_notif_bytes = 999;
+    ensure!(Agent::new(c).is_err());
+    Ok(())
+}
+
+#[test]
+fn the_pre_auth_deadline_holds_while_the_peer_keeps_sending_refused_reads() -> Result<()> {
+    let mut c = config("p", Some(b"secret"));
+    c.limits.handshake_timeout = Duration::from_millis(800);
+    let p = Agent::new(c)?;
+    let desc = p.register(filled(4096, 6))?;
+    let mut s = raw(&p)?;
+    s.set_read_timeout(Some(Duration::from_millis(200)))?;
+    let start = Instant::now();
+    let mut refused = 0u32;
+    // A refused READ_REQ every 50 ms used to restart the handshake timer; now the
+    // connection must close about 800 ms after accept, bounded here by 10 s.
+    let closed_after = loop {
+        ensure!(start.elapsed() < Duration::from_secs(10), "never closed");
+        if s.write_all(&read_req(u64::from(refused), &desc, 0, 16))
+            .is_err()
+        {
+            break start.elapsed();
+        }
+        match read_frame(&mut s) {
+            Ok((7, _)) => refused += 1,
+            Ok((ty, _)) => bail!("unexpected frame {ty}"),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break start.elapsed(),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    ensure!(refused >= 3, "only {refused} refusals before the close");
+    ensure!(
+        closed_after >= Duration::from_millis(700) && closed_after < Duration::from_secs(4),
+        "closed after {closed_after:?}"
+    );
+    let deadline = Instant::now() + LIMIT;
+    while p.stats().handshake_timeouts == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    ensure!(p.stats().handshake_timeouts == 1, "{:?}", p.stats());
+    // An honest peer still connects and authenticates after that.
+    let mut c = config("d", Some(b"secret"));
+    c.limits.handshake_timeout = Duration::from_secs(5);
+    let d = Agent::new(c)?;
+    d.connect(&p.metadata())?;
+    Ok(())
+}

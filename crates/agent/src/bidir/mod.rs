@@ -17,8 +17,8 @@
 //!   next-turn request waits on P; D extends them like P's leases, bounded);
 //! - [`ClockProbeServer`] / [`probe_clock`]: a tiny request (own port, 16-byte frames) that
 //!   gives P `(t0, t_remote, t1)` samples of D's clock for the [`ClockOffsetEstimator`];
-//! - [`ConversationStore`](crate::proxy::ConversationStore): the proxy's memory of D's params between turns, keyed by
-//!   [`conversation_key`](crate::proxy::conversation_key);
+//! - [`ConversationStore`](crate::proxy::ConversationStore): the proxy's memory of D's
+//!   params between turns, keyed by [`conversation_key`](crate::proxy::conversation_key);
 //! - [`TEST_CLOCK_OFFSET_ENV`]: an offset added to the clock an agent reports, so tests can
 //!   run two agents with ±10 s of skew on one host.
 

@@ -854,6 +854,9 @@ pub struct CommonArgs {
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Bounds on what peers and clients can make the agent spend.
+    #[command(flatten)]
+    pub limits: LimitArgs,
     /// The generated engine id, created once on first use.
     #[arg(skip)]
     generated_engine_id: OnceLock<EngineId>,
@@ -990,7 +993,7 @@ impl CommonArgs {
                 .check_role(role)
                 .map_err(|source| ArgsError::KvTransferConfig { source })?;
         }
-        Ok(())
+        self.limits.validate()
     }
 
     /// KV heads held by each TP rank. Meaningful after [`CommonArgs::validate`].
@@ -1154,12 +1157,175 @@ impl DecodeArgs {
                 format!("must be 1..=1000000, got {}", self.max_waiting),
             ));
         }
+        if self.common.limits.health_engine_stall_ms <= self.step_ms {
+            return Err(bad(
+                "--health-engine-stall-ms",
+                format!(
+                    "must be longer than --step-ms {} (one step is not a stall), got {}",
+                    self.step_ms, self.common.limits.health_engine_stall_ms
+                ),
+            ));
+        }
         Ok(())
     }
 
     /// `--step-ms` as a duration.
     pub fn step(&self) -> Duration {
         Duration::from_millis(self.step_ms)
+    }
+}
+
+// ------------------------------------------------------------------ limits
+//
+// Every bound on what a peer or an HTTP client can make an agent spend, in one block (the
+// "Limits" section of docs/architecture.md lists them).
+
+/// Longest duration any limit flag accepts: one day.
+const MAX_LIMIT_MS: u64 = 86_400_000;
+
+/// The limit flags both agents share (`--help` shows them under "Limits").
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+#[command(next_help_heading = "Limits")]
+#[non_exhaustive]
+pub struct LimitArgs {
+    /// Side-channel handshakes served at once (one thread each); more connections are
+    /// closed at once and counted in kvlease_side_channel_refused_total.
+    #[arg(long, default_value_t = 64)]
+    pub side_channel_max_connections: usize,
+    /// A whole side-channel handshake must end this long after accept, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub side_channel_handshake_timeout_ms: u64,
+    /// Largest side-channel frame read from a peer (all of them come before the peer has
+    /// proven the token); a longer announced length closes the connection unread.
+    #[arg(long, default_value_t = 256 << 10)]
+    pub side_channel_max_frame_bytes: usize,
+    /// Inbound data-port (transport) connections served at once, per TP worker.
+    #[arg(long, default_value_t = 1024)]
+    pub transport_max_connections: usize,
+    /// An inbound data-port connection not authenticated this long after accept is
+    /// closed, whatever it sends meanwhile, in milliseconds (also the outbound connect
+    /// and per-step handshake limit).
+    #[arg(long, default_value_t = 5_000)]
+    pub transport_handshake_timeout_ms: u64,
+    /// Bytes of received notifications held per TP worker until the engine takes them;
+    /// more are dropped and counted in kvlease_notifs_dropped_total.
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_pending_notif_bytes: usize,
+    /// HTTP connections open at once; more are closed at accept and counted in
+    /// kvlease_http_connections_refused_total.
+    #[arg(long, default_value_t = 256)]
+    pub http_max_connections: usize,
+    /// Largest HTTP request body, in bytes (larger: 413).
+    #[arg(long, default_value_t = 2 << 20)]
+    pub http_max_body_bytes: usize,
+    /// Longest text prompt (or chat messages together), in bytes, checked before
+    /// tokenizing (longer: 400).
+    #[arg(long, default_value_t = 256 << 10)]
+    pub http_max_prompt_bytes: usize,
+    /// A request's whole body must arrive within this, in milliseconds (else 408).
+    #[arg(long, default_value_t = 30_000)]
+    pub http_body_timeout_ms: u64,
+    /// A request's headers must arrive within this, in milliseconds, and an idle
+    /// keep-alive connection is closed after it.
+    #[arg(long, default_value_t = 10_000)]
+    pub http_header_timeout_ms: u64,
+    /// Longest a request may take to produce its response head, in milliseconds (else
+    /// 408; a stream's later chunks are not limited).
+    #[arg(long, default_value_t = 600_000)]
+    pub http_request_timeout_ms: u64,
+    /// /health answers 503 when the engine loop has not completed an iteration for this
+    /// long, in milliseconds (a dead or stuck engine).
+    #[arg(long, default_value_t = 30_000)]
+    pub health_engine_stall_ms: u64,
+}
+
+impl LimitArgs {
+    /// Checks that every limit is non-zero, durations are at most a day and the
+    /// notification buffer holds at least one notification.
+    ///
+    /// # Errors
+    /// [`ArgsError`] naming the first offending flag.
+    pub fn validate(&self) -> Result<(), ArgsError> {
+        for (flag, value) in [
+            (
+                "--side-channel-max-connections",
+                self.side_channel_max_connections,
+            ),
+            (
+                "--side-channel-max-frame-bytes",
+                self.side_channel_max_frame_bytes,
+            ),
+            (
+                "--transport-max-connections",
+                self.transport_max_connections,
+            ),
+            ("--http-max-connections", self.http_max_connections),
+            ("--http-max-body-bytes", self.http_max_body_bytes),
+            ("--http-max-prompt-bytes", self.http_max_prompt_bytes),
+        ] {
+            if value == 0 {
+                return Err(bad(flag, "must be at least 1"));
+            }
+        }
+        for (flag, ms) in [
+            (
+                "--side-channel-handshake-timeout-ms",
+                self.side_channel_handshake_timeout_ms,
+            ),
+            (
+                "--transport-handshake-timeout-ms",
+                self.transport_handshake_timeout_ms,
+            ),
+            ("--http-body-timeout-ms", self.http_body_timeout_ms),
+            ("--http-header-timeout-ms", self.http_header_timeout_ms),
+            ("--http-request-timeout-ms", self.http_request_timeout_ms),
+            ("--health-engine-stall-ms", self.health_engine_stall_ms),
+        ] {
+            if ms == 0 || ms > MAX_LIMIT_MS {
+                return Err(bad(flag, format!("must be 1..={MAX_LIMIT_MS}, got {ms}")));
+            }
+        }
+        if self.max_pending_notif_bytes < kvlease_notif::MAX_NOTIF_LEN {
+            return Err(bad(
+                "--max-pending-notif-bytes",
+                format!(
+                    "must hold at least one notification ({} bytes), got {}",
+                    kvlease_notif::MAX_NOTIF_LEN,
+                    self.max_pending_notif_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--side-channel-handshake-timeout-ms` as a duration.
+    pub fn side_channel_handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.side_channel_handshake_timeout_ms)
+    }
+
+    /// `--transport-handshake-timeout-ms` as a duration.
+    pub fn transport_handshake_timeout(&self) -> Duration {
+        Duration::from_millis(self.transport_handshake_timeout_ms)
+    }
+
+    /// `--http-body-timeout-ms` as a duration.
+    pub fn http_body_timeout(&self) -> Duration {
+        Duration::from_millis(self.http_body_timeout_ms)
+    }
+
+    /// `--http-header-timeout-ms` as a duration.
+    pub fn http_header_timeout(&self) -> Duration {
+        Duration::from_millis(self.http_header_timeout_ms)
+    }
+
+    /// `--http-request-timeout-ms` as a duration.
+    pub fn http_request_timeout(&self) -> Duration {
+        Duration::from_millis(self.http_request_timeout_ms)
+    }
+
+    /// `--health-engine-stall-ms` as a duration.
+    pub fn health_engine_stall(&self) -> Duration {
+        Duration::from_millis(self.health_engine_stall_ms)
     }
 }
 

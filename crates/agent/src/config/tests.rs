@@ -347,3 +347,53 @@ fn cidrs_parse_and_match() {
         assert!(bad.parse::<Cidr>().is_err(), "{bad}");
     }
 }
+
+#[test]
+fn limit_flags_default_sanely_and_refuse_zero() {
+    let l = prefill(&[]).unwrap().common.limits;
+    assert_eq!(l.side_channel_max_connections, 64);
+    assert_eq!(l.max_pending_notif_bytes, 16 << 20);
+    assert_eq!(l.http_max_body_bytes, 2 << 20);
+    assert_eq!(l.health_engine_stall(), Duration::from_secs(30));
+    let p = prefill(&[
+        "--http-max-connections",
+        "3",
+        "--http-header-timeout-ms",
+        "250",
+    ])
+    .unwrap();
+    p.validate().unwrap();
+    assert_eq!(p.common.limits.http_max_connections, 3);
+    assert_eq!(
+        p.common.limits.http_header_timeout(),
+        Duration::from_millis(250)
+    );
+    for (args, flag) in [
+        (
+            &["--side-channel-max-connections", "0"][..],
+            "--side-channel-max-connections: must be",
+        ),
+        (
+            &["--http-request-timeout-ms", "0"][..],
+            "--http-request-timeout-ms: must be",
+        ),
+        (
+            &["--max-pending-notif-bytes", "100"][..],
+            "--max-pending-notif-bytes: must hold",
+        ),
+    ] {
+        let message = prefill(args).unwrap().validate().unwrap_err().to_string();
+        assert!(message.starts_with(flag), "{args:?}: {message}");
+    }
+    // A D step at least as long as the stall bound would read as a stalled engine.
+    let d = DecodeArgs::try_parse_from([
+        "decode-agent",
+        "--step-ms",
+        "500",
+        "--health-engine-stall-ms",
+        "500",
+    ])
+    .unwrap();
+    let message = d.validate().unwrap_err().to_string();
+    assert!(message.starts_with("--health-engine-stall-ms"), "{message}");
+}

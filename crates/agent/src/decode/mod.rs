@@ -321,10 +321,17 @@ impl DecodeEngine {
         })
     }
 
-    /// The forward loop; returns when `stop` is set or every job sender is gone.
-    pub fn run(mut self, jobs: crossbeam_channel::Receiver<Job>, stop: Arc<AtomicBool>) {
+    /// The forward loop; returns when `stop` is set or every job sender is gone. Stamps
+    /// `heartbeat` once per iteration (`/health` reads it).
+    pub fn run(
+        mut self,
+        jobs: crossbeam_channel::Receiver<Job>,
+        stop: Arc<AtomicBool>,
+        heartbeat: Arc<crate::health::EngineHeartbeat>,
+    ) {
         let mut next_step = Instant::now();
         while !stop.load(Ordering::Relaxed) {
+            heartbeat.beat();
             // Wait for the step boundary, taking jobs as they come.
             loop {
                 let left = next_step.saturating_duration_since(Instant::now());

@@ -335,15 +335,18 @@ impl PrefillEngine {
         Timestamp::from_duration(self.epoch.elapsed())
     }
 
-    /// The forward loop; returns when `stop` is set or every job sender is gone.
+    /// The forward loop; returns when `stop` is set or every job sender is gone. Stamps
+    /// `heartbeat` once per iteration (`/health` reads it).
     pub fn run(
         mut self,
         jobs: crossbeam_channel::Receiver<Job>,
         hellos: crossbeam_channel::Receiver<Hello>,
         stop: Arc<AtomicBool>,
+        heartbeat: Arc<crate::health::EngineHeartbeat>,
     ) {
         let idle = Duration::from_millis(1);
         while !stop.load(Ordering::Relaxed) {
+            heartbeat.beat();
             // 1. Intake: block briefly only when there is nothing to prefill.
             let first = if self.jobs.is_empty() {
                 match jobs.recv_timeout(idle) {

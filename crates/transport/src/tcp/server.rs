@@ -1,11 +1,12 @@
 //! The target side: accepts connections and serves reads from registered regions.
 
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
@@ -33,7 +34,7 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             Err(err) => {
                 tracing::warn!(%err, "accept failed");
                 // Out of descriptors and similar: back off instead of spinning.
-                std::thread::sleep(std::time::Duration::from_millis(10));
+                std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
         };
@@ -45,6 +46,8 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             continue;
         }
         bump(&inner.counters.connections_accepted);
+        // The pre-authentication deadline runs from here, whatever the peer sends later.
+        let deadline = Instant::now() + inner.limits.handshake_timeout;
         let id = inner.fresh_id();
         if let Ok(clone) = stream.try_clone() {
             lock(&inner.inbound).insert(id, clone);
@@ -54,10 +57,19 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             .name(format!("kvl-serve-{id}"))
             .spawn(move || {
                 let peer_addr = stream.peer_addr().ok();
-                let _ = serve(&inner2, stream).inspect_err(|err| match err {
+                let _ = serve(&inner2, stream, deadline).inspect_err(|err| match err {
                     FrameError::Malformed(why) => {
                         bump(&inner2.counters.malformed_frames);
                         tracing::warn!(?peer_addr, %why, "malformed frame; connection closed");
+                    }
+                    FrameError::Io(err) if Instant::now() >= deadline && is_timeout(err) => {
+                        // Only an unauthenticated connection has a read timeout, so this
+                        // is the pre-authentication deadline.
+                        bump(&inner2.counters.handshake_timeouts);
+                        tracing::debug!(
+                            ?peer_addr,
+                            "inbound connection not authenticated in time; closed"
+                        );
                     }
                     FrameError::Io(err) => {
                         tracing::debug!(?peer_addr, %err, "inbound connection ended");
@@ -76,6 +88,49 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
     }
 }
 
+fn is_timeout(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+    )
+}
+
+/// An inbound socket whose reads, until the peer authenticates, all end by one absolute
+/// deadline: each read gets only the time left, so neither slow bytes nor a stream of
+/// refused requests can hold the connection past it. The answers written meanwhile (the
+/// same socket) get no more than that time either.
+struct Inbound {
+    stream: TcpStream,
+    /// `None` once the peer has authenticated.
+    deadline: Option<Instant>,
+    /// The write timeout of an authenticated connection.
+    write_timeout: Duration,
+}
+
+impl Inbound {
+    /// Lifts the deadline: an authenticated peer may idle as long as it likes.
+    fn authenticated(&mut self) -> io::Result<()> {
+        self.deadline = None;
+        self.stream.set_read_timeout(None)?;
+        self.stream.set_write_timeout(Some(self.write_timeout))
+    }
+}
+
+impl Read for Inbound {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            self.stream
+                .set_write_timeout(Some(left.min(self.write_timeout)))?;
+        }
+        self.stream.read(buf)
+    }
+}
+
 enum Phase {
     /// Waiting for HELLO.
     Hello,
@@ -91,12 +146,17 @@ enum Phase {
     Rejected,
 }
 
-fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
+fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), FrameError> {
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
-    stream.set_write_timeout(Some(inner.limits.serve_write_timeout))?;
     let mut out = stream.try_clone()?;
-    let mut r = BufReader::with_capacity(64 * 1024, stream);
+    let mut r = BufReader::with_capacity(
+        64 * 1024,
+        Inbound {
+            stream,
+            deadline: Some(deadline),
+            write_timeout: inner.limits.serve_write_timeout,
+        },
+    );
     let mut phase = Phase::Hello;
     // Device (not host-accessible) regions are served through pinned bounce buffers.
     let mut stager = Stager::new(StagingConfig::default());
@@ -185,8 +245,7 @@ fn serve(inner: &Inner, stream: TcpStream) -> Result<(), FrameError> {
                 ))?;
                 if ok {
                     tracing::debug!(peer = %client_name, "inbound peer authenticated");
-                    // Authenticated peers may idle as long as they like.
-                    r.get_ref().set_read_timeout(None)?;
+                    r.get_mut().authenticated()?;
                     phase = Phase::Authenticated { client_name };
                 } else {
                     tracing::warn!(peer = %client_name, "inbound peer failed the token proof");

@@ -1,0 +1,406 @@
+//! Hostile input against real `prefill-agent` / `decode-agent` processes on loopback: many
+//! slow pre-auth side-channel connections, oversized announced frames, oversized and slow
+//! HTTP requests, connections over the cap, and a stalled engine behind `/health`.
+//!
+//! Every loop is bounded in count and time; only 127.0.0.1 is used. The data port's
+//! pre-auth deadline is tested on real sockets in `kvlease-transport`'s `tests/tcp.rs`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use common::{
+    Agent, agent_command, client, free_port, log_path, metric_of, post_completion, wait_healthy,
+};
+use serde_json::{Value, json};
+
+const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
+const TOKEN: &str = "limits-test-token";
+
+/// A running agent and its side-channel port.
+struct Spawned {
+    agent: Agent,
+    side_port: u16,
+}
+
+fn spawn(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Spawned> {
+    let port = free_port();
+    let side_port = free_port();
+    let log = log_path("limits", name);
+    let file = std::fs::File::create(&log)?;
+    let mut cmd = agent_command(PREFILL, name, port, side_port, "host", file);
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().context("spawn prefill-agent")?;
+    Ok(Spawned {
+        agent: Agent::new(child, name, log, port),
+        side_port,
+    })
+}
+
+/// `(VmRSS in KiB, Threads)` of `pid`, from /proc.
+fn rss_and_threads(pid: u32) -> Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> Result<u64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .with_context(|| format!("{name} missing"))?;
+        Ok(line
+            .split_whitespace()
+            .nth(1)
+            .context("no value")?
+            .parse()?)
+    };
+    Ok((field("VmRSS:")?, field("Threads:")?))
+}
+
+fn prefill_body(prompt: &str) -> Value {
+    json!({"prompt": prompt, "max_tokens": 1, "stream": false,
+        "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+            "remote_port": null}})
+}
+
+/// One honest prefill; returns how long it took.
+async fn honest_prefill(c: &reqwest::Client, a: &Agent) -> Result<Duration> {
+    let start = Instant::now();
+    let (status, text) = post_completion(c, &a.url, &prefill_body("an honest request")).await?;
+    ensure!(status == 200, "honest prefill: {status} {text}");
+    Ok(start.elapsed())
+}
+
+/// Whether the server closed `s` (EOF or reset) within `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> Result<bool> {
+    let deadline = Instant::now() + within;
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(true),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(false);
+            }
+            Err(_) => return Ok(true),
+        }
+    }
+}
+
+fn error_type(text: &str) -> Result<(String, u64)> {
+    let v: Value = serde_json::from_str(text).with_context(|| format!("not JSON: {text}"))?;
+    let e = &v["error"];
+    ensure!(
+        e["message"].is_string() && e.get("param").is_some() && e["retryable"].is_boolean(),
+        "not the error shape: {text}"
+    );
+    Ok((
+        e["type"].as_str().unwrap_or_default().to_owned(),
+        e["code"].as_u64().unwrap_or_default(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_pre_auth_side_channel_connections_stay_bounded() -> Result<()> {
+    let mut p = spawn(
+        "sc-slow",
+        &[
+            "--auth-token",
+            TOKEN,
+            "--side-channel-max-connections",
+            "16",
+            "--side-channel-handshake-timeout-ms",
+            "2000",
+        ],
+        &[],
+    )?;
+    let c = client();
+    wait_healthy(&c, &mut p.agent).await?;
+    let pid = p.agent.proc.child.id();
+    let (rss0, threads0) = rss_and_threads(pid)?;
+    // 400 connections, each announcing a frame just under the limit and sending 1 KiB of
+    // it, then holding on.
+    let mut held = Vec::new();
+    for _ in 0..400 {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", p.side_port)) else {
+            continue;
+        };
+        let _ = s.write_all(&((256u32 << 10) - 1).to_be_bytes());
+        let _ = s.write_all(&[b' '; 1024]);
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss1, threads1) = rss_and_threads(pid)?;
+    ensure!(
+        threads1 <= threads0 + 16 + 2,
+        "threads {threads0} -> {threads1} with 400 slow connections (cap 16)"
+    );
+    ensure!(
+        rss1 <= rss0 + 64 * 1024,
+        "VmRSS {rss0} KiB -> {rss1} KiB with 400 slow connections"
+    );
+    // The agent keeps serving: an honest request in normal time.
+    let took = honest_prefill(&c, &p.agent).await?;
+    ensure!(
+        took < Duration::from_secs(5),
+        "honest prefill took {took:?}"
+    );
+    let refused = metric_of(&c, &p.agent, "kvlease_side_channel_refused_total").await?;
+    ensure!(
+        refused >= 300.0,
+        "kvlease_side_channel_refused_total = {refused}"
+    );
+    // The held connections are closed by the whole-handshake deadline (2 s), so an
+    // honest D gets its handshake within a bounded wait.
+    let addr = format!("127.0.0.1:{}", p.side_port);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let welcome = loop {
+        match tokio::task::spawn_blocking({
+            let addr = addr.clone();
+            move || kvlease_agent::sidechannel::handshake(&addr, Some(TOKEN), "d-honest", 1, &[], 1)
+        })
+        .await?
+        {
+            Ok(w) => break w,
+            // Refused while the slow connections hold every slot: retry.
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => bail!("honest handshake never served: {e}"),
+        }
+    };
+    ensure!(welcome.info["engine_id"] == "sc-slow", "{:?}", welcome.info);
+    drop(held);
+    ensure!(p.agent.proc.child.try_wait()?.is_none(), "agent exited");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_four_mib_side_channel_frame_before_auth_is_refused_unread() -> Result<()> {
+    let mut p = spawn("sc-big", &["--auth-token", TOKEN], &[])?;
+    let c = client();
+    wait_healthy(&c, &mut p.agent).await?;
+    let pid = p.agent.proc.child.id();
+    let (rss0, _) = rss_and_threads(pid)?;
+    let mut closed = 0;
+    for _ in 0..50 {
+        let mut s = TcpStream::connect(("127.0.0.1", p.side_port))?;
+        s.write_all(&(4u32 << 20).to_be_bytes())?;
+        // Offer data the server should never wait for.
+        let _ = s.write_all(&[b'{'; 64 << 10]);
+        if closed_within(&mut s, Duration::from_secs(3))? {
+            closed += 1;
+        }
+    }
+    ensure!(
+        closed == 50,
+        "only {closed} of 50 oversized frames were refused"
+    );
+    let (rss1, _) = rss_and_threads(pid)?;
+    ensure!(
+        rss1 <= rss0 + 32 * 1024,
+        "VmRSS {rss0} KiB -> {rss1} KiB after 50 announced 4 MiB frames"
+    );
+    honest_prefill(&c, &p.agent).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_and_prompts_are_refused_in_the_json_shape() -> Result<()> {
+    let mut p = spawn(
+        "http-size",
+        &[
+            "--http-max-body-bytes",
+            "65536",
+            "--http-max-prompt-bytes",
+            "1000",
+        ],
+        &[],
+    )?;
+    let c = client();
+    wait_healthy(&c, &mut p.agent).await?;
+    // A body over the limit: 413.
+    let big = prefill_body(&"x".repeat(100 << 10));
+    let (status, text) = post_completion(&c, &p.agent.url, &big).await?;
+    ensure!(status == 413, "{status} {text}");
+    ensure!(error_type(&text)? == ("request_too_large".to_owned(), 413));
+    // Chat too.
+    let r = c
+        .post(format!("{}/v1/chat/completions", p.agent.url))
+        .json(&json!({"messages": [{"role": "user", "content": "y".repeat(100 << 10)}]}))
+        .send()
+        .await?;
+    ensure!(r.status() == 413);
+    ensure!(error_type(&r.text().await?)?.0 == "request_too_large");
+    // A prompt over its limit inside an acceptable body: 400 before tokenizing.
+    let (status, text) =
+        post_completion(&c, &p.agent.url, &prefill_body(&"z".repeat(2000))).await?;
+    ensure!(status == 400, "{status} {text}");
+    ensure!(text.contains("bytes of text"), "{text}");
+    ensure!(error_type(&text)?.0 == "invalid_request_error");
+    // Both counted as bad requests, and the agent serves on.
+    let bad = metric_of(
+        &c,
+        &p.agent,
+        "kvlease_requests_total{outcome=\"bad_request\"}",
+    )
+    .await?;
+    ensure!(bad >= 3.0, "bad_request = {bad}");
+    honest_prefill(&c, &p.agent).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_headers_idle_connections_and_connections_over_the_cap_are_closed() -> Result<()> {
+    let mut p = spawn(
+        "http-slow",
+        &[
+            "--http-header-timeout-ms",
+            "1000",
+            "--http-body-timeout-ms",
+            "1000",
+            "--http-max-connections",
+            "8",
+        ],
+        &[],
+    )?;
+    let c = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    wait_healthy(&c, &mut p.agent).await?;
+    let port = p
+        .agent
+        .url
+        .rsplit(':')
+        .next()
+        .context("url has a port")?
+        .parse::<u16>()?;
+    let pid = p.agent.proc.child.id();
+    let (_, threads0) = rss_and_threads(pid)?;
+
+    // Slow-loris headers: one header byte every 200 ms; closed by the 1 s header timeout.
+    let mut loris = TcpStream::connect(("127.0.0.1", port))?;
+    loris.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")?;
+    let start = Instant::now();
+    let mut closed_after = None;
+    for _ in 0..50 {
+        if loris.write_all(b"X").is_err() || closed_within(&mut loris, Duration::from_millis(200))?
+        {
+            closed_after = Some(start.elapsed());
+            break;
+        }
+    }
+    let closed_after = closed_after.context("slow-loris connection never closed in 10 s")?;
+    ensure!(
+        closed_after < Duration::from_secs(4),
+        "slow headers held the connection {closed_after:?}"
+    );
+
+    // A slow body: headers in time, then the body never completes: 408 in the JSON shape.
+    let mut slow = TcpStream::connect(("127.0.0.1", port))?;
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro",
+    )?;
+    slow.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut answer = Vec::new();
+    let _ = slow.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    ensure!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    ensure!(answer.contains("request_timeout"), "{answer}");
+
+    // An idle connection (no request at all) is closed by the same timeout.
+    let mut idle = TcpStream::connect(("127.0.0.1", port))?;
+    ensure!(
+        closed_within(&mut idle, Duration::from_secs(5))?,
+        "idle connection kept open"
+    );
+
+    // The cap: 8 idle connections fill it; the 9th and 10th are closed at once.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut fill: Vec<TcpStream> = (0..8)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)))
+        .collect::<std::io::Result<_>>()?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..2 {
+        let mut over = TcpStream::connect(("127.0.0.1", port))?;
+        ensure!(
+            closed_within(&mut over, Duration::from_millis(500))?,
+            "a connection over the cap was kept"
+        );
+    }
+    let (_, threads1) = rss_and_threads(pid)?;
+    ensure!(
+        threads1 <= threads0 + 2,
+        "threads {threads0} -> {threads1}: connections must not cost threads"
+    );
+    // The filling connections time out too, and honest requests are served again.
+    for s in &mut fill {
+        ensure!(
+            closed_within(s, Duration::from_secs(5))?,
+            "idle filler kept"
+        );
+    }
+    honest_prefill(&c, &p.agent).await?;
+    let refused = metric_of(&c, &p.agent, "kvlease_http_connections_refused_total").await?;
+    ensure!(
+        refused >= 2.0,
+        "kvlease_http_connections_refused_total = {refused}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_answers_503_while_the_engine_is_stalled() -> Result<()> {
+    let mut p = spawn(
+        "health-stall",
+        &["--health-engine-stall-ms", "1000"],
+        &[("KVLEASE_TEST_STALL_ENGINE_MS", "4000")],
+    )?;
+    let c = client();
+    let url = format!("{}/health", p.agent.url);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut saw_503 = None;
+    let recovered = loop {
+        ensure!(
+            Instant::now() < deadline,
+            "health never recovered: {saw_503:?}"
+        );
+        if let Ok(Some(status)) = p.agent.proc.child.try_wait() {
+            bail!("agent exited with {status}: {}", p.agent.proc.log_tail());
+        }
+        if let Ok(r) = c.get(&url).send().await {
+            let status = r.status().as_u16();
+            let text = r.text().await?;
+            match status {
+                503 => {
+                    ensure!(error_type(&text)? == ("engine_stalled".to_owned(), 503));
+                    saw_503.get_or_insert(text);
+                }
+                200 if saw_503.is_some() => break true,
+                200 => {}
+                other => bail!("/health answered {other}: {text}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(recovered && saw_503.is_some());
+    // Once the loop runs again, so do requests.
+    wait_healthy(&c, &mut p.agent).await?;
+    honest_prefill(&c, &p.agent).await?;
+    Ok(())
+}
