@@ -770,7 +770,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     limits: &HttpLimits,
-    metrics: &Metrics,
+    refused: &prometheus_client::metrics::counter::Counter,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
@@ -794,7 +794,7 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            metrics.http_connections_refused.inc();
+            refused.inc();
             tracing::debug!(
                 %peer,
                 limit = limits.max_connections,

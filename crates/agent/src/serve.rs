@@ -412,7 +412,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
             listener,
             crate::apikey::protect(http::prefill_router(api), c.api_key.as_ref()),
             &limits,
-            &metrics,
+            &metrics.http_connections_refused,
             shutdown_signal(Arc::clone(&stop)),
         )
         .await
@@ -540,7 +540,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
             listener,
             crate::apikey::protect(http::decode_router(api), c.api_key.as_ref()),
             &limits,
-            &metrics,
+            &metrics.http_connections_refused,
             shutdown_signal(Arc::clone(&stop)),
         )
         .await

@@ -286,6 +286,9 @@ pub struct ProxyMetrics {
     pub decode_requests: Counter,
     /// `kvlease_proxy_request_seconds` (histogram): client request to the start of the answer.
     pub request_seconds: Histogram,
+    /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
+    /// because the connection cap was reached.
+    pub http_connections_refused: Counter,
     requests: Family<OutcomeLabel, Counter>,
 }
 
@@ -306,6 +309,12 @@ impl ProxyMetrics {
             prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20),
         );
         let requests = Family::<OutcomeLabel, Counter>::default();
+        let http_connections_refused = Counter::default();
+        registry.register(
+            "kvlease_proxy_http_connections_refused",
+            "Client connections closed at accept: too many open",
+            http_connections_refused.clone(),
+        );
         registry.register(
             "kvlease_proxy_retries",
             "Requests prefilled again after a retryable KV load failure on D",
@@ -340,6 +349,7 @@ impl ProxyMetrics {
             prefill_requests,
             decode_requests,
             request_seconds,
+            http_connections_refused,
             requests,
         }
     }
@@ -445,12 +455,22 @@ impl Proxy {
             .with_state(self.clone())
     }
 
-    /// Serves on `listener` until the future is dropped or the listener fails.
+    /// Serves on `listener` until the future is dropped or the listener fails, with the
+    /// agents' connection cap and header (and idle keep-alive) timeout
+    /// ([`HttpLimits`](crate::http::HttpLimits) defaults: 256 connections, 10 s).
     ///
     /// # Errors
     /// The listener's IO error.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).await
+        let refused = self.inner.metrics.http_connections_refused.clone();
+        crate::http::serve(
+            listener,
+            self.router(),
+            &crate::http::HttpLimits::default(),
+            &refused,
+            std::future::pending(),
+        )
+        .await
     }
 
     fn next_url(&self, decode: bool, path: &str) -> Url {
