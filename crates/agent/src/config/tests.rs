@@ -1,3 +1,6 @@
+use clap::Parser;
+use kvlease_lease::EngineId;
+
 use super::*;
 
 fn err(json: &str) -> String {
