@@ -104,6 +104,14 @@ struct LoadArgs {
     /// Per-request time limit, seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout_secs: f64,
+    /// Sends `Authorization: Bearer <key>` (the agents' and the proxy's `--api-key`).
+    #[arg(long, env = "KVLEASE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Appends one line per request to this file: `<start> <end> <outcome>`, the times in
+    /// seconds since the Unix epoch; the outcome is `ok`, `digest_mismatch`, `bad_answer`
+    /// or `failed <class> retryable=<true|false>` (the error body's `retryable`).
+    #[arg(long)]
+    timeline: Option<std::path::PathBuf>,
     /// Model shape the agents run with (must match their flags).
     #[arg(long, default_value_t = 2)]
     num_layers: u32,
@@ -254,12 +262,23 @@ async fn load(args: LoadArgs) -> Result<bool> {
         head_dim: args.head_dim,
     };
     let http = client(Duration::from_secs_f64(args.timeout_secs))?;
+    let timeline = match &args.timeline {
+        Some(path) => Some(Arc::new(std::sync::Mutex::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?,
+        ))),
+        None => None,
+    };
     let next = Arc::new(AtomicU64::new(0));
     let tally = Arc::new(Mutex::new(Tally::default()));
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..args.concurrency.max(1) {
         let (http, next, tally, args) = (http.clone(), next.clone(), tally.clone(), args.clone());
+        let timeline = timeline.clone();
         workers.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
@@ -271,8 +290,28 @@ async fn load(args: LoadArgs) -> Result<bool> {
                 let text = prompt(&args.label, i);
                 let expected = expected_digest(&shape, &tokenize(&text)).to_string();
                 let began = Instant::now();
+                let began_unix = unix_now();
                 let result = one(&http, &args, &text, stream).await;
                 let elapsed_ms = began.elapsed().as_secs_f64() * 1e3;
+                if let Some(file) = &timeline {
+                    let outcome = match &result {
+                        Ok(a) if a.digest != expected => "digest_mismatch".to_owned(),
+                        Ok(a) if a.completion_tokens != u64::from(args.max_tokens) => {
+                            "bad_answer".to_owned()
+                        }
+                        Ok(_) => "ok".to_owned(),
+                        Err(e) => format!(
+                            "failed {} retryable={}",
+                            short(e),
+                            format!("{e:#}").contains("\"retryable\":true")
+                        ),
+                    };
+                    let line = format!("{began_unix:.3} {:.3} {outcome}\n", unix_now());
+                    if let Ok(mut f) = file.lock() {
+                        // A lost timeline line shows as a count mismatch in the caller.
+                        let _ = std::io::Write::write_all(&mut *f, line.as_bytes());
+                    }
+                }
                 let mut t = tally.lock().await;
                 match result {
                     Ok(answer) => {
@@ -341,6 +380,13 @@ async fn load(args: LoadArgs) -> Result<bool> {
     Ok(clean && (args.allow_failures || t.failed == 0))
 }
 
+/// Seconds since the Unix epoch (the timeline's clock, comparable with `date +%s.%N`).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// A failure's class, for the `failed.<class>` keys.
 fn short(e: &anyhow::Error) -> String {
     let text = format!("{e:#}");
@@ -380,11 +426,11 @@ async fn one(
         "max_tokens": args.max_tokens,
         "stream": stream,
     });
-    let response = http
-        .post(format!("{}/v1/completions", args.url))
-        .json(&body)
-        .send()
-        .await?;
+    let mut request = http.post(format!("{}/v1/completions", args.url)).json(&body);
+    if let Some(key) = &args.api_key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await?;
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
