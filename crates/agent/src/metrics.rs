@@ -305,17 +305,16 @@ pub struct Metrics {
     requests: Family<OutcomeLabel, Counter>,
     /// `kvlease_notif_malformed_total`: notifications that did not decode.
     pub notif_malformed: Counter,
-    /// `kvlease_notifs_refused_total`: notifications from peers that did not complete an
-    /// authenticated handshake.
-    pub notifs_refused: Counter,
     /// `kvlease_notifs_foreign_total` (P): heartbeats, completions and aborts about a
     /// lease another D engine owns (ignored).
     pub notifs_foreign: Counter,
 
     // Limits.
     /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
-    /// engine had not taken the earlier ones (`--max-pending-notif-bytes`), summed over
-    /// the endpoints given to [`Metrics::watch_transport`].
+    /// engine had not taken the earlier ones (`--max-pending-notif-bytes`), and
+    /// `kvlease_notifs_refused_total`: notifications from peers that had not completed an
+    /// authenticated handshake; both summed over the endpoints given to
+    /// [`Metrics::watch_transport`] at each scrape.
     transports: Arc<TransportCollector>,
     /// `kvlease_side_channel_refused_total`: side-channel connections closed at accept
     /// because `--side-channel-max-connections` handshakes were running.
@@ -337,22 +336,36 @@ struct SharedCollector(Arc<TransportCollector>);
 
 impl Collector for SharedCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let dropped: u64 = self
+        let (dropped, refused) = self
             .0
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|e| e.stats().notifs_dropped_overflow)
-            .sum();
-        let counter = ConstCounter::new(dropped);
-        let metric = encoder.encode_descriptor(
-            "kvlease_notifs_dropped",
-            "Notifications dropped because the engine had not taken the earlier ones",
-            None,
-            counter.metric_type(),
-        )?;
-        counter.encode(metric)
+            .map(StatsHandle::stats)
+            .fold((0u64, 0u64), |(d, r), s| {
+                (
+                    d + s.notifs_dropped_overflow,
+                    r + s.notifs_dropped_unauthenticated,
+                )
+            });
+        for (name, help, value) in [
+            (
+                "kvlease_notifs_dropped",
+                "Notifications dropped because the engine had not taken the earlier ones",
+                dropped,
+            ),
+            (
+                "kvlease_notifs_refused",
+                "Notifications refused from peers that had not authenticated",
+                refused,
+            ),
+        ] {
+            let counter = ConstCounter::new(value);
+            let metric = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
+            counter.encode(metric)?;
+        }
+        Ok(())
     }
 }
 
@@ -566,11 +579,6 @@ impl Metrics {
                 "kvlease_notif_malformed",
                 "Notifications that did not decode",
             ),
-            notifs_refused: counter(
-                r,
-                "kvlease_notifs_refused",
-                "Notifications refused from unauthenticated peers",
-            ),
             notifs_foreign: counter(
                 r,
                 "kvlease_notifs_foreign",
@@ -667,7 +675,7 @@ impl Metrics {
     }
 
     /// Adds a transport endpoint whose counters the scrape reads
-    /// (`kvlease_notifs_dropped_total`).
+    /// (`kvlease_notifs_dropped_total`, `kvlease_notifs_refused_total`).
     pub fn watch_transport(&self, endpoint: StatsHandle) {
         self.transports
             .endpoints
@@ -804,6 +812,7 @@ mod tests {
         let text = metrics.encode();
         for name in [
             "kvlease_notifs_dropped_total",
+            "kvlease_notifs_refused_total",
             "kvlease_side_channel_refused_total",
             "kvlease_http_connections_refused_total",
         ] {
