@@ -403,7 +403,22 @@ impl Server {
                 proof: prove(token, b"kvlease-sc-p", &[&d_nonce]),
             },
         )?;
-        let Frame::Proof { proof } = read_frame(&mut s, max)? else {
+        // D checks our proof first: a D with another cluster token hangs up here.
+        let answer = read_frame(&mut s, max).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "engine {} closed the handshake after our challenge: it refused our \
+                         proof (a different cluster token on the two sides?)",
+                        hello.engine_id
+                    ),
+                )
+            } else {
+                e
+            }
+        })?;
+        let Frame::Proof { proof } = answer else {
             return write_frame(
                 &mut s,
                 &Frame::Refused {
@@ -422,6 +437,7 @@ impl Server {
             } else {
                 "this engine has no cluster token configured but the peer sent a proof"
             };
+            tracing::warn!(engine = %hello.engine_id, message, "side-channel peer refused");
             return write_frame(
                 &mut s,
                 &Frame::Refused {

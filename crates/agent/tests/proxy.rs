@@ -453,6 +453,27 @@ async fn fake_upstreams_down_is_502_and_slow_is_504() -> Result<()> {
     Ok(())
 }
 
+/// With several agents of a role, one that cannot be reached costs no request: the
+/// prefill goes to the next P (a prefill is safe to repeat), and a decode that never
+/// reached its D goes to the next D.
+#[tokio::test]
+async fn fake_upstreams_an_unreachable_agent_is_skipped_for_the_next() -> Result<()> {
+    let (dead_p, dead_d) = (free_port_url()?, free_port_url()?);
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (d, d_url) = fake_decode("d0").await?;
+    let proxy = start_proxy(&[&dead_p, &p_url], &[&dead_d, &d_url], &[]).await?;
+    for i in 0..4 {
+        let (status, answer) = post(
+            &format!("{proxy}/v1/completions"),
+            &json!({"prompt": format!("prompt {i}")}),
+        )
+        .await?;
+        assert_eq!(status, StatusCode::OK, "request {i}: {answer}");
+    }
+    assert_eq!((p.calls().len(), d.calls().len()), (4, 4));
+    Ok(())
+}
+
 /// A raw HTTP/1.1 fake D that sends one SSE chunk, then waits for `release` before the
 /// rest: the client can only see the first chunk early if the proxy streams.
 async fn start_streaming_fake_decode(

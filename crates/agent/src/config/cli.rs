@@ -194,8 +194,8 @@ pub struct CommonArgs {
     /// Port of the HTTP API (OpenAI-style completions, /health, /metrics).
     #[arg(long, allow_negative_numbers = true, default_value_t = 8000)]
     pub port: u16,
-    /// First port of the handshake side channel; TP rank r listens on this port + r
-    /// (like VLLM_NIXL_SIDE_CHANNEL_PORT).
+    /// Port of the handshake side channel (like VLLM_NIXL_SIDE_CHANNEL_PORT): one per
+    /// engine, serving every TP rank.
     #[arg(long, allow_negative_numbers = true, default_value_t = 5600)]
     pub side_channel_port: u16,
     /// This engine's id (default: generated, unique per start).
@@ -334,24 +334,10 @@ impl CommonArgs {
                 format!("must be 1..=256, got {}", self.tp_size),
             ));
         }
-        let last_side_port = u32::from(self.side_channel_port) + self.tp_size - 1;
-        if last_side_port > u32::from(u16::MAX) {
-            return Err(bad(
-                "--side-channel-port",
-                format!(
-                    "rank {} would listen on port {last_side_port}: use a port <= {}",
-                    self.tp_size - 1,
-                    u32::from(u16::MAX) + 1 - self.tp_size
-                ),
-            ));
-        }
-        if (u32::from(self.side_channel_port)..=last_side_port).contains(&u32::from(self.port)) {
+        if self.port == self.side_channel_port {
             return Err(bad(
                 "--port",
-                format!(
-                    "{} collides with the side channel ports {}..={last_side_port}",
-                    self.port, self.side_channel_port
-                ),
+                format!("{} is also --side-channel-port", self.port),
             ));
         }
         for (flag, value, max) in [
@@ -436,11 +422,6 @@ impl CommonArgs {
         self.generated_engine_id
             .get_or_init(generate_engine_id)
             .clone()
-    }
-
-    /// The side channel port of TP rank `rank`.
-    pub fn side_channel_port_of(&self, rank: u32) -> Option<u16> {
-        u16::try_from(u32::from(self.side_channel_port) + rank).ok()
     }
 }
 

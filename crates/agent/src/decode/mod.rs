@@ -919,7 +919,10 @@ impl DecodeEngine {
                     "finished without a decode",
                 )),
             },
-            Outcome::Failed(e) => DecodeEvent::Failed(self.load_error(&e)),
+            Outcome::Failed(e) => {
+                tracing::warn!(request = %id, error = %error_chain(&e), "KV load failed; no output");
+                DecodeEvent::Failed(self.load_error(&e))
+            }
             Outcome::Aborted => DecodeEvent::Failed(ApiError::new(
                 StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
                 "aborted",

@@ -401,6 +401,9 @@ struct Turn {
 enum Failure {
     /// Answer this to the client.
     Respond(Response, ProxyOutcome),
+    /// The upstream could not be reached (the request did not get there, or a prefill's
+    /// connection broke): try another agent of the same role once; else answer this.
+    Unreachable(Response, ProxyOutcome),
     /// D reported a retryable KV failure; its status and body.
     RetryableKv(StatusCode, Bytes),
 }
@@ -513,6 +516,7 @@ impl Proxy {
                 (response, outcome)
             }
             Err(Failure::Respond(response, outcome)) => (response, outcome),
+            Err(Failure::Unreachable(response, outcome)) => (response, outcome),
             Err(Failure::RetryableKv(status, body)) => (
                 passthrough(
                     status,
@@ -587,8 +591,10 @@ impl Proxy {
         Err(Failure::RetryableKv(status, body))
     }
 
-    /// Sends the prefill request (with D's params of the previous turn, if any); returns
-    /// P's `kv_transfer_params` and its `cached_tokens_pulled`.
+    /// Sends the prefill request (with D's params of the previous turn, if any) to the
+    /// next P, and to the one after it when that P cannot be reached (a prefill is safe to
+    /// repeat: an unused lease expires); returns P's `kv_transfer_params` and its
+    /// `cached_tokens_pulled`.
     async fn prefill(
         &self,
         path: &str,
@@ -597,7 +603,34 @@ impl Proxy {
         auth: Option<&HeaderValue>,
         cached: Option<DecoderKvParams>,
     ) -> Result<(Value, Option<u64>), Failure> {
-        let url = self.next_url(false, path);
+        let tries = self.inner.config.prefill.len().min(2);
+        for attempt in 1..=tries {
+            let url = self.next_url(false, path);
+            match self
+                .prefill_at(&url, request, id, auth, cached.clone())
+                .await
+            {
+                Err(Failure::Unreachable(..)) if attempt < tries => {
+                    tracing::warn!(request = %id, %url, "prefill agent unreachable; trying the next one");
+                }
+                Err(Failure::Unreachable(response, outcome)) => {
+                    return Err(Failure::Respond(response, outcome));
+                }
+                other => return other,
+            }
+        }
+        Err(bad_gateway("no prefill agent is configured"))
+    }
+
+    async fn prefill_at(
+        &self,
+        url: &Url,
+        request: &Map<String, Value>,
+        id: &str,
+        auth: Option<&HeaderValue>,
+        cached: Option<DecoderKvParams>,
+    ) -> Result<(Value, Option<u64>), Failure> {
+        let url = url.clone();
         let mut body = request.clone();
         let mut params = json!({
             "do_remote_decode": true,
@@ -621,18 +654,21 @@ impl Proxy {
         body.insert("stream".to_owned(), json!(false));
         body.remove("stream_options");
         self.inner.metrics.prefill_requests.inc();
+        let unreachable = |e: reqwest::Error| match upstream_failure("prefill", &url, &e) {
+            Failure::Respond(response, outcome) if !e.is_timeout() => {
+                Failure::Unreachable(response, outcome)
+            }
+            other => other,
+        };
         let response = self
             .send(&url, &body, id, auth)
             .timeout(self.inner.config.timeout)
             .send()
             .await
-            .map_err(|e| upstream_failure("prefill", &url, &e))?;
+            .map_err(unreachable)?;
         let status = response.status();
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| upstream_failure("prefill", &url, &e))?;
+        let bytes = response.bytes().await.map_err(unreachable)?;
         if !status.is_success() {
             tracing::debug!(request = %id, %url, %status, "prefill failed; passing its answer through");
             return Err(Failure::Respond(
@@ -651,8 +687,9 @@ impl Proxy {
         }
     }
 
-    /// Sends the decode request; returns D's answer to pass through (streaming), or the
-    /// retryable KV failure.
+    /// Sends the decode request to the next D, and to the one after it when the request
+    /// could not reach that D at all (refused connection: it never saw the lease); returns
+    /// D's answer to pass through (streaming), or the retryable KV failure.
     async fn decode(
         &self,
         path: &str,
@@ -661,7 +698,31 @@ impl Proxy {
         auth: Option<&HeaderValue>,
         turn: &Turn,
     ) -> Result<Response, Failure> {
-        let url = self.next_url(true, path);
+        let tries = self.inner.config.decode.len().min(2);
+        for attempt in 1..=tries {
+            let url = self.next_url(true, path);
+            match self.decode_at(&url, body, id, auth, turn).await {
+                Err(Failure::Unreachable(..)) if attempt < tries => {
+                    tracing::warn!(request = %id, %url, "decode agent unreachable; trying the next one");
+                }
+                Err(Failure::Unreachable(response, outcome)) => {
+                    return Err(Failure::Respond(response, outcome));
+                }
+                other => return other,
+            }
+        }
+        Err(bad_gateway("no decode agent is configured"))
+    }
+
+    async fn decode_at(
+        &self,
+        url: &Url,
+        body: &Map<String, Value>,
+        id: &str,
+        auth: Option<&HeaderValue>,
+        turn: &Turn,
+    ) -> Result<Response, Failure> {
+        let url = url.clone();
         let streaming = body.get("stream") == Some(&Value::Bool(true));
         self.inner.metrics.decode_requests.inc();
         let mut request = self.send(&url, body, id, auth);
@@ -678,7 +739,13 @@ impl Proxy {
                     self.inner.config.timeout
                 ))
             })?
-            .map_err(|e| upstream_failure("decode", &url, &e))?;
+            .map_err(|e| match upstream_failure("decode", &url, &e) {
+                // Only a refused connection proves D never saw the request.
+                Failure::Respond(response, outcome) if e.is_connect() => {
+                    Failure::Unreachable(response, outcome)
+                }
+                other => other,
+            })?;
         let status = response.status();
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
         if status == StatusCode::SERVICE_UNAVAILABLE {
