@@ -57,5 +57,11 @@ rc=${PIPESTATUS[0]}
 vm_s=$(( $(date +%s) - T1 ))
 if [ "$rc" = 0 ] && ! grep -aqx 'agents: OK' "$LOG"; then rc=1; fi
 echo "softroce/agents.sh: rc=$rc vm_wall_s=$vm_s wall_s=$(( $(date +%s) - T0 ))"
+# The guest must end without a kernel oops, BUG or panic (run-vm.sh boots with oops=panic).
+if grep -aqE 'Kernel panic|BUG:|Oops' "$LOG"; then
+  echo "softroce/agents.sh: the VM's console shows a kernel panic, BUG or Oops:"
+  grep -aE 'Kernel panic|BUG:|Oops' "$LOG" | head -5
+  rc=1
+fi
 rm -f "$LOG"
 exit "$rc"

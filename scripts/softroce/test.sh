@@ -45,5 +45,11 @@ if [ "$rc" = 0 ] && [ -z "$summary" ]; then rc=1; fi
 if [ "$rc" = 0 ] && ! printf '%s' "$summary" | grep -q ' 0 failed'; then rc=1; fi
 # --include-ignored runs every test: one still ignored means the selection went wrong.
 if [ "$rc" = 0 ] && ! printf '%s' "$summary" | grep -q ' 0 ignored'; then rc=1; fi
+# The guest must end without a kernel oops, BUG or panic (run-vm.sh boots with oops=panic).
+if grep -aqE 'Kernel panic|BUG:|Oops' "$LOG"; then
+  echo "softroce/test.sh: the VM's console shows a kernel panic, BUG or Oops:"
+  grep -aE 'Kernel panic|BUG:|Oops' "$LOG" | head -5
+  rc=1
+fi
 rm -f "$LOG"
 exit "$rc"
