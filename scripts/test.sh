@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs, then runs every check CI runs.
-#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VM: rxe tests, agents over verbs)
+#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VMs: rxe tests, agents over verbs in one VM and across two)
 #   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,5 +33,7 @@ if [ "${KVLEASE_SKIP_RDMA:-0}" != 1 ]; then
   bash scripts/softroce/test.sh
   step "agents over SoftRoCE (verbs) in a qemu VM"
   bash scripts/softroce/agents.sh
+  step "agents over SoftRoCE (verbs) across two qemu VMs"
+  bash scripts/softroce/agents-2vm.sh
 fi
 step "all checks passed"
