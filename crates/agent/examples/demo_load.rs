@@ -426,7 +426,9 @@ async fn one(
         "max_tokens": args.max_tokens,
         "stream": stream,
     });
-    let mut request = http.post(format!("{}/v1/completions", args.url)).json(&body);
+    let mut request = http
+        .post(format!("{}/v1/completions", args.url))
+        .json(&body);
     if let Some(key) = &args.api_key {
         request = request.bearer_auth(key);
     }
@@ -472,6 +474,12 @@ async fn one(
         }
         let chunk: Value =
             serde_json::from_str(data).with_context(|| format!("bad SSE chunk {data}"))?;
+        // A request that failed after the stream began (its KV load failed) ends with an
+        // error chunk: a failed request, not a wrong answer.
+        if let Some(error) = chunk.get("error") {
+            let kind = error["type"].as_str().unwrap_or_default();
+            bail!("stream ended in an error type={kind} {error}");
+        }
         text_tokens += chunk["choices"][0]["text"]
             .as_str()
             .map_or(0, |s| s.len() as u64);

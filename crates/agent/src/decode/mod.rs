@@ -558,6 +558,9 @@ impl DecodeEngine {
             let (Some(w0), Some(Remote::Ready(ready))) =
                 (self.workers.first(), self.remotes.get(&t.engine))
             else {
+                // The core sends only to engines it knows ready, which the shell made
+                // ready first; a miss here is a bug worth seeing.
+                tracing::warn!(engine = %t.engine, kind = ?t.kind, "notification for an engine not connected; dropped");
                 continue;
             };
             let Some(peers) = ready.peers.first() else {
@@ -896,7 +899,14 @@ impl DecodeEngine {
                     request,
                     blocks,
                     bytes,
-                } => self.on_loaded(&request, &blocks, bytes),
+                } => {
+                    self.on_loaded(&request, &blocks, bytes);
+                    // Verifying is the longest thing a step does (every byte of the
+                    // request, and slower on device memory): send the heartbeats that
+                    // came due meanwhile now rather than at the next step.
+                    let now = self.now();
+                    self.send_transmits(now);
+                }
                 CoreEvent::HandshakeDone { engine } => {
                     tracing::debug!(%engine, "requests of the engine may be scheduled");
                 }

@@ -529,7 +529,10 @@ impl Endpoint {
         rts.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
             .setup_timeout(14)
-            .setup_retry_cnt(7)
+            // 6, not 7: rxe treats a retry count of 7 as "retry forever", so a READ the
+            // responder never answers would hang until the batch timeout; a finite count
+            // fails the QP (and the batch) after the retries on every provider.
+            .setup_retry_cnt(6)
             // 7 = retry forever: a receiver that has not re-posted its ring yet (it does
             // so in its own poll) delays our sends instead of failing the QP.
             .setup_rnr_retry(7)
