@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: installs what it needs, then runs every check CI runs.
-#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, SoftRoCE VMs: rxe tests, agents over verbs in one VM and across two)
+#   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, hosts in network namespaces, SoftRoCE VMs: rxe tests, agents over verbs in one VM and across two)
 #   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
+#   KVLEASE_SKIP_NETNS=1 scripts/test.sh  everything but the network-namespace hosts (scripts/netns/hosts.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -27,6 +28,11 @@ cargo test --workspace --locked
 
 step "cargo doc (-D warnings)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items --locked -q
+
+if [ "${KVLEASE_SKIP_NETNS:-0}" != 1 ]; then
+  step "P, D and the proxy on separate hosts (network namespaces), with faults"
+  bash scripts/netns/hosts.sh
+fi
 
 if [ "${KVLEASE_SKIP_RDMA:-0}" != 1 ]; then
   step "SoftRoCE tests in a qemu VM"
