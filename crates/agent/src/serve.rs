@@ -176,6 +176,7 @@ fn link(c: &CommonArgs, advertise: &Advertised) -> Result<LinkConfig, ServeError
         backend: match c.transport {
             TransportChoice::Tcp => BackendChoice::Tcp,
             TransportChoice::Verbs => BackendChoice::Verbs,
+            TransportChoice::Shm => BackendChoice::Shm,
             _ => BackendChoice::Auto,
         },
         listen_ip,
