@@ -184,6 +184,7 @@ pub fn backend_reason(agent: &Agent, peer: PeerId) -> String {
 pub fn backend_metric(backend: kvlease_transport::Backend) -> Backend {
     match backend {
         kvlease_transport::Backend::Verbs => Backend::Verbs,
+        kvlease_transport::Backend::Shm => Backend::Shm,
         _ => Backend::Tcp,
     }
 }

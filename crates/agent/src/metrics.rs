@@ -119,17 +119,20 @@ pub enum Backend {
     Verbs,
     /// The TCP fallback.
     Tcp,
+    /// Shared memory with a peer on the same host.
+    Shm,
 }
 
 impl Backend {
     /// Every backend, in label order.
-    pub const ALL: [Self; 2] = [Self::Verbs, Self::Tcp];
+    pub const ALL: [Self; 3] = [Self::Verbs, Self::Tcp, Self::Shm];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Verbs => "verbs",
             Self::Tcp => "tcp",
+            Self::Shm => "shm",
         }
     }
 }

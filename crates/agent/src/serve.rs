@@ -235,6 +235,7 @@ fn link(
         backend: match c.transport {
             TransportChoice::Tcp => BackendChoice::Tcp,
             TransportChoice::Verbs => BackendChoice::Verbs,
+            TransportChoice::Shm => BackendChoice::Shm,
             _ => BackendChoice::Auto,
         },
         listen_ip,

@@ -1,9 +1,25 @@
-//! Page-aligned host memory: one anonymous mmap, huge pages tried first.
+//! Page-aligned host memory: one shared mapping of a sealed memfd, huge pages tried first;
+//! the read-only view another process maps of it ([`SharedRegionView`]); and handing its
+//! file descriptor over a Unix socket ([`send_with_fds`], [`recv_with_fds`]).
+//!
+//! # Why memfd
+//! A [`HostRegion`] is a `MAP_SHARED` mapping of a `memfd_create` file rather than an
+//! anonymous private mapping, so that a process on the same host that was handed the
+//! file descriptor can map the same pages (the transport's shared-memory backend). The
+//! file is sealed against shrinking (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) before
+//! its descriptor can leave this module: a reader's mapping can then never lose pages
+//! under it (which would raise `SIGBUS`), whatever the owner does later. Explicit huge
+//! pages work the same way (`MFD_HUGETLB`). Transparent huge pages follow the kernel's
+//! *shmem* setting (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`) rather than the
+//! anonymous one; [`HostRegion::pages`] reports what the setting allows.
 
 use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
-use crate::region::{DmaRegion, MemoryKind};
+use crate::region::{DmaRegion, MemoryKind, RegionAccessError};
 
 /// Size of an explicit huge page (MAP_HUGE_2MB).
 pub const HUGE_PAGE_SIZE: usize = 2 << 20;
@@ -58,24 +74,28 @@ pub enum HostAllocError {
         pages: &'static str,
         /// The OS error.
         #[source]
-        source: std::io::Error,
+        source: io::Error,
     },
 }
 
-/// One contiguous, page-aligned, zero-filled anonymous mapping, unmapped on drop.
+/// One contiguous, page-aligned, zero-filled shared mapping of a sealed memfd, unmapped
+/// on drop; its descriptor ([`DmaRegion::shared_fd`]) lets another process on this host
+/// map the same bytes read-only ([`SharedRegionView`]).
 pub struct HostRegion {
     ptr: MapPtr,
     len: usize,
     mapped_len: usize,
     pages: PageKind,
+    /// The memfd behind the mapping (`mapped_len` bytes, sealed against shrinking).
+    file: File,
 }
 
 /// The start of a [`HostRegion`]'s mapping: the only field that needs `unsafe impl
 /// Send/Sync`, so that the public type gets them from its fields.
 struct MapPtr(NonNull<u8>);
 
-// SAFETY: the pointer is the start of a private anonymous mapping owned by exactly one
-// `HostRegion`; mapped memory is not tied to the thread that mapped it, and the region
+// SAFETY: the pointer is the start of a mapping owned by exactly one `HostRegion` (other
+// processes may map the same file; that does not tie this mapping to a thread); mapped memory is not tied to the thread that mapped it, and the region
 // unmaps it (once, in Drop) from whichever thread drops it.
 unsafe impl Send for MapPtr {}
 // SAFETY: `&MapPtr` only yields the address. Every access to the bytes goes through raw
@@ -107,14 +127,15 @@ impl HostRegion {
         let want_huge = matches!(policy, HugePagePolicy::Try | HugePagePolicy::Require);
         if want_huge {
             let mapped_len = len.next_multiple_of(HUGE_PAGE_SIZE);
-            match map(mapped_len, true) {
-                Ok(ptr) => {
+            match map_memfd(mapped_len, true) {
+                Ok((ptr, file)) => {
                     tracing::info!(len, mapped_len, "host region: explicit 2 MiB huge pages");
                     return Ok(Self {
                         ptr: MapPtr(ptr),
                         len,
                         mapped_len,
                         pages: PageKind::Huge2M,
+                        file,
                     });
                 }
                 Err(source) if policy == HugePagePolicy::Require => {
@@ -127,12 +148,12 @@ impl HostRegion {
                 Err(err) => tracing::info!(
                     len,
                     %err,
-                    "host region: no explicit huge pages (MAP_HUGETLB); falling back to normal pages + MADV_HUGEPAGE"
+                    "host region: no explicit huge pages (MFD_HUGETLB); falling back to normal pages + MADV_HUGEPAGE"
                 ),
             }
         }
         let mapped_len = len.next_multiple_of(PAGE_SIZE);
-        let ptr = map(mapped_len, false).map_err(|source| HostAllocError::Mmap {
+        let (ptr, file) = map_memfd(mapped_len, false).map_err(|source| HostAllocError::Mmap {
             len: mapped_len,
             pages: "normal pages",
             source,
@@ -142,11 +163,16 @@ impl HostRegion {
             // SAFETY: `ptr..ptr + mapped_len` is the mapping just created; madvise only
             // changes paging advice for it.
             let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), mapped_len, libc::MADV_HUGEPAGE) };
-            if rc == 0 {
+            if rc != 0 {
+                let err = io::Error::last_os_error();
+                tracing::info!(%err, "host region: MADV_HUGEPAGE refused; normal pages");
+            } else if shmem_thp_honours_advice() {
                 pages = PageKind::TransparentHuge;
             } else {
-                let err = std::io::Error::last_os_error();
-                tracing::info!(%err, "host region: MADV_HUGEPAGE refused; normal pages");
+                tracing::info!(
+                    "host region: shmem transparent huge pages are off \
+                     (transparent_hugepage/shmem_enabled); normal pages"
+                );
             }
         }
         tracing::info!(len, mapped_len, ?pages, "host region mapped");
@@ -155,6 +181,7 @@ impl HostRegion {
             len,
             mapped_len,
             pages,
+            file,
         })
     }
 
@@ -169,28 +196,58 @@ impl HostRegion {
     }
 }
 
-fn map(len: usize, huge: bool) -> Result<NonNull<u8>, std::io::Error> {
-    let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+/// Whether `MADV_HUGEPAGE` gets shmem mappings transparent huge pages: the kernel's
+/// `shmem_enabled` setting is `always`, `within_size`, `advise` or `force` (not `never` or
+/// `deny`). Unknown (no sysfs): assumed not.
+fn shmem_thp_honours_advice() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").is_ok_and(|s| {
+        ["[always]", "[within_size]", "[advise]", "[force]"]
+            .iter()
+            .any(|m| s.contains(m))
+    })
+}
+
+/// Creates a memfd of `len` bytes (explicit 2 MiB pages when `huge`), seals its size and
+/// maps all of it shared, readable and writable.
+fn map_memfd(len: usize, huge: bool) -> io::Result<(NonNull<u8>, File)> {
+    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
-        flags |= libc::MAP_HUGETLB | libc::MAP_HUGE_2MB;
+        flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
     }
-    // SAFETY: an anonymous private mapping at a kernel-chosen address touches no existing
-    // memory; the result is checked against MAP_FAILED below.
+    // SAFETY: the name is a NUL-terminated literal; memfd_create touches no memory of ours
+    // and returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(c"kvlease-host".as_ptr(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nothing else.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    file.set_len(len as u64)?;
+    // The size is final: a reader that maps the file can never see pages vanish (SIGBUS).
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl(F_ADD_SEALS) on a descriptor we own reads no memory of ours.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new shared mapping of the whole file at a kernel-chosen address touches no
+    // existing memory; the result is checked against MAP_FAILED below. (For hugetlb files
+    // the kernel reserves the huge pages here, so this is where "none free" fails.)
     let ptr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
-            flags,
-            -1,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
             0,
         )
     };
     if ptr == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
+        return Err(io::Error::last_os_error());
     }
-    NonNull::new(ptr.cast::<u8>())
-        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))
+    let ptr = NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+    Ok((ptr, file))
 }
 
 impl Drop for HostRegion {
@@ -199,7 +256,7 @@ impl Drop for HostRegion {
         // owned by `self`, and no borrow of it outlives `self`.
         let rc = unsafe { libc::munmap(self.ptr.0.as_ptr().cast(), self.mapped_len) };
         if rc != 0 {
-            let err = std::io::Error::last_os_error();
+            let err = io::Error::last_os_error();
             tracing::error!(%err, len = self.mapped_len, "munmap of a host region failed");
             debug_assert!(false, "munmap failed: {err}");
         }
@@ -230,6 +287,10 @@ unsafe impl DmaRegion for HostRegion {
 
     fn kind(&self) -> MemoryKind {
         MemoryKind::Host
+    }
+
+    fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        Some(self.file.as_fd())
     }
 }
 
@@ -267,6 +328,393 @@ unsafe impl DmaRegion for StagedHostRegion {
 
     fn kind(&self) -> MemoryKind {
         MemoryKind::StagedHost
+    }
+}
+
+/// Why a peer's shared region could not be mapped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ShareError {
+    /// Zero bytes, or more than [`MAX_HOST_REGION`].
+    #[error("shared region of {len} bytes refused (must be 1..={MAX_HOST_REGION})")]
+    BadLength {
+        /// The length asked for.
+        len: u64,
+    },
+    /// The file's size is not sealed against shrinking (not a sealed memfd): a mapping of
+    /// it could lose pages under the reader.
+    #[error("the shared file is not sealed against shrinking (not a sealed memfd)")]
+    NotSealed,
+    /// The file is shorter than the region it should hold.
+    #[error("the shared file has {file_len} bytes, fewer than the region's {len}")]
+    TooShort {
+        /// The file's size.
+        file_len: u64,
+        /// The region's length.
+        len: u64,
+    },
+    /// A system call failed.
+    #[error("{op} failed")]
+    Io {
+        /// What was done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// A read-only mapping of a region that another process on this host shares through its
+/// [`shared_fd`](DmaRegion::shared_fd) (the transport's shared-memory backend maps a
+/// peer's [`HostRegion`] with it).
+///
+/// # Concurrent writers
+/// The owner (another process) writes its region while this view exists, at any time.
+/// That is the same DMA model as [`RegionBytes`](crate::RegionBytes): this type never
+/// hands out a reference to the mapped bytes, only copies them into the reader's own
+/// memory through raw pointers ([`copy_to`](Self::copy_to)) or loads one aligned word
+/// atomically ([`load_u64`](Self::load_u64)). A copy racing a write yields unspecified
+/// bytes (which the lease protocol and fenced reads detect), never a torn Rust value or
+/// an aliased borrow. The mapping itself cannot disappear: [`map`](Self::map) requires the
+/// file's size to be sealed (`F_SEAL_SHRINK`), so no later truncation can leave pages
+/// unbacked (`SIGBUS`), and the mapping keeps the pages alive after the owner unmaps them.
+pub struct SharedRegionView {
+    ptr: ViewPtr,
+    len: usize,
+    mapped_len: usize,
+}
+
+/// The start of a [`SharedRegionView`]'s mapping.
+struct ViewPtr(NonNull<u8>);
+
+// SAFETY: the pointer is the start of a read-only mapping owned by exactly one
+// `SharedRegionView`; a mapping is not tied to the thread that created it, and it is
+// unmapped once, in Drop, from whichever thread drops the view.
+unsafe impl Send for ViewPtr {}
+// SAFETY: `&ViewPtr` only yields the address; the bytes are only read, through raw-pointer
+// copies and atomic loads (see "Concurrent writers" on `SharedRegionView`).
+unsafe impl Sync for ViewPtr {}
+
+impl SharedRegionView {
+    /// Maps the file `fd` read-only and exposes its first `len` bytes. The descriptor is
+    /// closed once mapped (the mapping keeps the pages).
+    ///
+    /// # Errors
+    /// [`ShareError::BadLength`] for 0 or more than [`MAX_HOST_REGION`] bytes;
+    /// [`ShareError::NotSealed`] when the file's size is not sealed against shrinking;
+    /// [`ShareError::TooShort`]; [`ShareError::Io`] when `fstat`, `fcntl` or `mmap` fail.
+    pub fn map(fd: OwnedFd, len: u64) -> Result<Self, ShareError> {
+        if len == 0 || len > MAX_HOST_REGION as u64 {
+            return Err(ShareError::BadLength { len });
+        }
+        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own reads no memory of ours.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            let source = io::Error::last_os_error();
+            return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+                ShareError::NotSealed
+            } else {
+                ShareError::Io {
+                    op: "fcntl(F_GET_SEALS)",
+                    source,
+                }
+            });
+        }
+        if seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(ShareError::NotSealed);
+        }
+        let file = File::from(fd);
+        let file_len = file
+            .metadata()
+            .map_err(|source| ShareError::Io {
+                op: "fstat",
+                source,
+            })?
+            .len();
+        if file_len < len {
+            return Err(ShareError::TooShort { file_len, len });
+        }
+        // Map the whole file (a hugetlb file maps only in whole huge pages); it is at most
+        // a few pages longer than `len`, which is at most MAX_HOST_REGION.
+        let mapped_len = usize::try_from(file_len)
+            .ok()
+            .filter(|&l| l <= MAX_HOST_REGION + HUGE_PAGE_SIZE)
+            .ok_or(ShareError::BadLength { len: file_len })?;
+        // SAFETY: a new read-only shared mapping of `file` at a kernel-chosen address
+        // touches no existing memory; the result is checked against MAP_FAILED below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                mapped_len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(ShareError::Io {
+                op: "mmap",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| ShareError::Io {
+            op: "mmap",
+            source: io::ErrorKind::OutOfMemory.into(),
+        })?;
+        Ok(Self {
+            ptr: ViewPtr(ptr),
+            // `len <= file_len == mapped_len`, a `usize`.
+            len: len as usize,
+            mapped_len,
+        })
+    }
+
+    /// The bytes this view exposes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty (never: [`map`](Self::map) refuses 0 bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn range_ptr(&self, offset: u64, len: u64) -> Result<*const u8, RegionAccessError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => {}
+            _ => {
+                return Err(RegionAccessError::OutOfBounds {
+                    offset,
+                    len,
+                    region_len: self.len as u64,
+                });
+            }
+        }
+        // `offset <= self.len`, a `usize`.
+        Ok(self
+            .ptr
+            .0
+            .as_ptr()
+            .wrapping_add(offset as usize)
+            .cast_const())
+    }
+
+    /// Copies `len` bytes at `offset` of this view into `dst` at `dst_offset` (a plain
+    /// memory copy; see "Concurrent writers").
+    ///
+    /// # Errors
+    /// [`RegionAccessError::OutOfBounds`] when either range lies outside its region,
+    /// [`RegionAccessError::NotHostAccessible`] when `dst` is not host memory; nothing is
+    /// copied then.
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        dst: &dyn DmaRegion,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), RegionAccessError> {
+        let src = self.range_ptr(offset, len)?;
+        let to = crate::region::host_ptr(dst, dst_offset, len)?;
+        // SAFETY: `src..src + len` lies inside this view's mapping (checked by
+        // `range_ptr`), readable while `self` lives; `to..to + len` lies inside `dst`'s
+        // host memory (checked by `host_ptr`), writable from any thread while `dst` lives
+        // (`DmaRegion` contract). No reference to either range is created; `copy`
+        // tolerates overlap. `len` fits a `usize` (it is inside the view).
+        unsafe { std::ptr::copy(src, to, len as usize) };
+        Ok(())
+    }
+
+    /// Atomically loads the native-endian `u64` word at `offset` (acquire): a generation
+    /// word the owner stores atomically never tears.
+    ///
+    /// # Errors
+    /// [`RegionAccessError::OutOfBounds`], or [`RegionAccessError::Misaligned`] for an
+    /// address that is not 8-byte aligned.
+    pub fn load_u64(&self, offset: u64) -> Result<u64, RegionAccessError> {
+        let ptr = self.range_ptr(offset, 8)?;
+        if !(ptr as usize).is_multiple_of(8) {
+            return Err(RegionAccessError::Misaligned { offset });
+        }
+        // SAFETY: in bounds and 8-aligned (checked above), valid while `self` lives. The
+        // page is mapped read-only; an acquire load of a 64-bit atomic is a plain load on
+        // every 64-bit target with native atomics, which the `AtomicU64` docs allow on
+        // read-only memory. Nothing stores through this pointer.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr.cast_mut().cast()) };
+        Ok(word.load(std::sync::atomic::Ordering::Acquire))
+    }
+}
+
+impl Drop for SharedRegionView {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr + mapped_len` is exactly the mapping created in `map`, owned
+        // by `self`; no pointer into it outlives `self` (copies are done by then).
+        let rc = unsafe { libc::munmap(self.ptr.0.as_ptr().cast(), self.mapped_len) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            tracing::error!(%err, len = self.mapped_len, "munmap of a shared region view failed");
+            debug_assert!(false, "munmap failed: {err}");
+        }
+    }
+}
+
+impl fmt::Debug for SharedRegionView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedRegionView")
+            .field("ptr", &self.ptr.0)
+            .field("len", &self.len)
+            .field("mapped_len", &self.mapped_len)
+            .finish()
+    }
+}
+
+/// Most descriptors [`send_with_fds`] sends and [`recv_with_fds`] accepts in one message.
+pub const MAX_FDS_PER_MESSAGE: usize = 16;
+
+/// Room for `MAX_FDS_PER_MESSAGE` descriptors in a control message, in `u64`s (aligned
+/// for `cmsghdr`).
+const CMSG_WORDS: usize = 16 + MAX_FDS_PER_MESSAGE / 2;
+
+/// Sends `bytes` on the Unix stream socket `socket` with `fds` attached (`SCM_RIGHTS`, on
+/// the first byte), retrying on `EINTR` and after partial sends (the descriptors go with
+/// the first part).
+///
+/// # Errors
+/// `InvalidInput` for no bytes or more than [`MAX_FDS_PER_MESSAGE`] descriptors; the OS
+/// error of `sendmsg` (`EPIPE` and the like; `SIGPIPE` is suppressed).
+pub fn send_with_fds(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> io::Result<()> {
+    if bytes.is_empty() || fds.len() > MAX_FDS_PER_MESSAGE {
+        return Err(io::ErrorKind::InvalidInput.into());
+    }
+    let raw: Vec<libc::c_int> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let data_len = size_of_val(raw.as_slice());
+    let mut cmsg = [0u64; CMSG_WORDS];
+    let mut sent = 0;
+    let mut first = true;
+    while sent < bytes.len() {
+        let rest = &bytes[sent..];
+        let mut iov = libc::iovec {
+            iov_base: rest.as_ptr().cast_mut().cast(),
+            iov_len: rest.len(),
+        };
+        // SAFETY: an all-zero msghdr is a valid "no name, no iov, no control" value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &raw mut iov;
+        msg.msg_iovlen = 1;
+        if first && !raw.is_empty() {
+            // `data_len` is at most 16 * 4 bytes.
+            // SAFETY: CMSG_SPACE only computes a size.
+            let space = unsafe { libc::CMSG_SPACE(data_len as libc::c_uint) } as usize;
+            debug_assert!(space <= size_of_val(&cmsg));
+            msg.msg_control = cmsg.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            // SAFETY: `msg.msg_control` points at `space` zeroed, u64-aligned bytes, room
+            // for one header (CMSG_SPACE of the payload), so the first header is non-null
+            // and inside the buffer.
+            let hdr = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+            // SAFETY: CMSG_LEN only computes a size.
+            let hdr_len = unsafe { libc::CMSG_LEN(data_len as libc::c_uint) } as usize;
+            let header = libc::cmsghdr {
+                cmsg_len: hdr_len as _,
+                cmsg_level: libc::SOL_SOCKET,
+                cmsg_type: libc::SCM_RIGHTS,
+            };
+            // SAFETY: `hdr` is the aligned first header slot inside `cmsg` (see above).
+            unsafe { hdr.write(header) };
+            // SAFETY: CMSG_DATA of a header inside the buffer points at its payload, which
+            // CMSG_SPACE sized for `data_len` bytes.
+            let data = unsafe { libc::CMSG_DATA(hdr) };
+            // SAFETY: `data..data + data_len` lies inside `cmsg` (sized by CMSG_SPACE);
+            // `raw` is a distinct allocation of exactly `data_len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr().cast::<u8>(), data, data_len) };
+        }
+        // SAFETY: `msg` names one iovec over the live borrow `rest` and, on the first
+        // send, the control buffer `cmsg` built above; sendmsg only reads them.
+        let n = unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
+        let Ok(n) = usize::try_from(n) else {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        };
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        first = false;
+        sent += n;
+    }
+    Ok(())
+}
+
+/// Receives at most `buf.len()` bytes from the Unix stream socket `socket` (one
+/// `recvmsg`, retried on `EINTR`) with the descriptors attached to them (`SCM_RIGHTS`,
+/// close-on-exec). Returns the bytes received (0: the peer closed) and the descriptors.
+///
+/// # Errors
+/// `InvalidData` when the control data was truncated (more than
+/// [`MAX_FDS_PER_MESSAGE`] descriptors; those that arrived are closed); the OS error of
+/// `recvmsg` (`WouldBlock` when a receive timeout expires).
+pub fn recv_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut cmsg = [0u64; CMSG_WORDS];
+    loop {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: an all-zero msghdr is a valid "no name, no iov, no control" value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &raw mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cmsg.as_mut_ptr().cast();
+        msg.msg_controllen = size_of_val(&cmsg) as _;
+        // SAFETY: `msg` names one iovec over the live `&mut buf` and the control buffer
+        // `cmsg`, both writable for their lengths; recvmsg writes only inside them.
+        let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &raw mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let Ok(n) = usize::try_from(n) else {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        };
+        let mut fds = Vec::new();
+        // SAFETY: `msg` was filled by recvmsg: its control pointer and (kernel-set) length
+        // describe headers inside `cmsg`; CMSG_FIRSTHDR returns the first or null.
+        let mut hdr = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+        while !hdr.is_null() {
+            // SAFETY: a non-null header from CMSG_FIRSTHDR/CMSG_NXTHDR lies inside `cmsg`
+            // (the kernel wrote it) and is aligned for `cmsghdr`.
+            let h = unsafe { hdr.read() };
+            if h.cmsg_level == libc::SOL_SOCKET && h.cmsg_type == libc::SCM_RIGHTS {
+                // SAFETY: CMSG_LEN only computes a size.
+                let head = unsafe { libc::CMSG_LEN(0) } as usize;
+                let count = (h.cmsg_len as usize).saturating_sub(head) / 4;
+                // SAFETY: the payload of a header inside `cmsg`.
+                let data = unsafe { libc::CMSG_DATA(hdr) }.cast::<libc::c_int>();
+                for i in 0..count {
+                    // SAFETY: the kernel wrote `count` descriptors after the header, inside
+                    // `cmsg`; the payload need not be aligned for `c_int`.
+                    let fd = unsafe { data.wrapping_add(i).read_unaligned() };
+                    // SAFETY: SCM_RIGHTS installed `fd` in this process for us alone.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+            // SAFETY: `hdr` is a header inside `msg`'s control buffer; CMSG_NXTHDR returns
+            // the next one inside it or null.
+            hdr = unsafe { libc::CMSG_NXTHDR(&raw const msg, hdr) };
+        }
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "more descriptors than MAX_FDS_PER_MESSAGE",
+            ));
+        }
+        return Ok((n, fds));
     }
 }
 
@@ -315,6 +763,86 @@ mod tests {
         region.read_into(4990, &mut buf[..10]).expect("in bounds");
         assert_eq!(&buf[..10], b"abcdefghij");
         assert!(region.write_from(4991, b"abcdefghij").is_err());
+    }
+
+    #[test]
+    fn a_view_sees_the_owners_writes_through_a_passed_descriptor() {
+        let owner = HostRegion::new(3 << 20).expect("maps");
+        owner.write_from(4096, b"before").expect("in bounds");
+        owner.store_u64(8, 7).expect("aligned");
+        // Hand the descriptor over a socket pair, as to another process.
+        let (a, b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        let fd = owner.shared_fd().expect("host regions are shareable");
+        send_with_fds(a.as_fd(), b"R", &[fd]).expect("sent");
+        let mut buf = [0u8; 4];
+        let (n, mut fds) = recv_with_fds(b.as_fd(), &mut buf).expect("received");
+        assert_eq!((n, fds.len(), buf[0]), (1, 1, b'R'));
+        let view = SharedRegionView::map(fds.pop().expect("one fd"), owner.len() as u64)
+            .expect("sealed memfd maps");
+        let dst = HostRegion::with_policy(4096, HugePagePolicy::Never).expect("maps");
+        view.copy_to(4096, &dst, 10, 6).expect("in bounds");
+        let mut got = [0u8; 6];
+        dst.read_into(10, &mut got).expect("in bounds");
+        assert_eq!(&got, b"before");
+        // Later writes by the owner are visible: the same pages.
+        owner.write_from(4096, b"after!").expect("in bounds");
+        owner.store_u64(8, 8).expect("aligned");
+        view.copy_to(4096, &dst, 10, 6).expect("in bounds");
+        dst.read_into(10, &mut got).expect("in bounds");
+        assert_eq!(&got, b"after!");
+        assert_eq!(view.load_u64(8), Ok(8));
+        assert!(matches!(
+            view.load_u64(4),
+            Err(RegionAccessError::Misaligned { .. })
+        ));
+        // Bounds on both sides; nothing copied then.
+        let end = owner.len() as u64;
+        assert!(matches!(
+            view.copy_to(end - 3, &dst, 0, 4),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            view.copy_to(0, &dst, 4093, 4),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
+        // The view outlives the owner's mapping.
+        drop(owner);
+        assert_eq!(view.load_u64(8), Ok(8));
+    }
+
+    #[test]
+    fn unsealed_or_short_files_are_refused() {
+        let owner = HostRegion::with_policy(8192, HugePagePolicy::Never).expect("maps");
+        let fd = owner
+            .shared_fd()
+            .expect("shareable")
+            .try_clone_to_owned()
+            .expect("dup");
+        assert!(matches!(
+            SharedRegionView::map(fd, 8193),
+            Err(ShareError::TooShort {
+                file_len: 8192,
+                len: 8193
+            })
+        ));
+        let fd = owner
+            .shared_fd()
+            .expect("shareable")
+            .try_clone_to_owned()
+            .expect("dup");
+        assert!(matches!(
+            SharedRegionView::map(fd, 0),
+            Err(ShareError::BadLength { .. })
+        ));
+        // A pipe (or any file without seals) is not mapped.
+        let (r, _w) = io::pipe().expect("pipe");
+        assert!(matches!(
+            SharedRegionView::map(OwnedFd::from(r), 10),
+            Err(ShareError::NotSealed)
+        ));
+        // Staged host memory is never shared.
+        let staged = StagedHostRegion::new(4096).expect("maps");
+        assert!(staged.shared_fd().is_none());
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //!
 //! - [`DmaRegion`] + [`RegionBytes`]: the memory contract and its safe, bounds-checked
 //!   byte accessors (with the DMA-like aliasing model documented on [`RegionBytes`]).
-//! - [`HostRegion`]: one page-aligned anonymous mmap, huge pages tried first.
+//! - [`HostRegion`]: one page-aligned shared mapping of a sealed memfd, huge pages tried
+//!   first; [`SharedRegionView`]: another process's read-only mapping of it, and
+//!   [`send_with_fds`] / [`recv_with_fds`] to hand its descriptor over a Unix socket.
 //! - [`KvLayout`]: byte offsets of (layer, block) and of head sub-ranges of K or V.
 //! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
 //!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
@@ -16,8 +18,8 @@
 #![warn(missing_docs)]
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
-// contract, its bounds-checked byte accessors and socket IO), `host` (mmap) and `cuda`
-// (cudarc).
+// contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
+// passing a memfd over a Unix socket) and `cuda` (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
@@ -33,8 +35,9 @@ mod layout;
 mod pool;
 
 pub use host::{
-    HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_HOST_REGION, PageKind,
-    StagedHostRegion,
+    HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_FDS_PER_MESSAGE,
+    MAX_HOST_REGION, PageKind, ShareError, SharedRegionView, StagedHostRegion, recv_with_fds,
+    send_with_fds,
 };
 /// The free list of block ids lives in the sans-IO `kvlease-lease` crate (the engine cores
 /// allocate blocks); re-exported here where the pools are.
@@ -56,6 +59,8 @@ mod tests {
     #[test]
     fn public_types_are_send_and_sync() {
         send_sync::<HostRegion>();
+        send_sync::<SharedRegionView>();
+        send_sync::<ShareError>();
         send_sync::<StagedHostRegion>();
         send_sync::<std::sync::Arc<dyn DmaRegion>>();
         send_sync::<BlockPool>();

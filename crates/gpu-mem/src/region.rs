@@ -99,6 +99,17 @@ pub unsafe trait DmaRegion: Send + Sync + fmt::Debug {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// A file whose bytes `0..len()` are this region's bytes and whose size is sealed
+    /// (a memfd with `F_SEAL_SHRINK`), which another process on this host may map to read
+    /// them ([`SharedRegionView`](crate::SharedRegionView)); `None` (the default) for
+    /// memory that cannot be shared that way.
+    ///
+    /// Not part of the `unsafe` contract: a reader validates what it maps (the seal and
+    /// the size) and only ever copies out of its own mapping, so a wrong file gives it
+    /// wrong bytes, never unsoundness.
+    fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        None
+    }
 }
 
 /// Safe, bounds-checked byte access to host-accessible [`DmaRegion`]s.
@@ -250,7 +261,7 @@ pub trait RegionBytes {
 }
 
 /// Checks the range and returns the start pointer of it.
-fn host_ptr<T: DmaRegion + ?Sized>(
+pub(crate) fn host_ptr<T: DmaRegion + ?Sized>(
     region: &T,
     offset: u64,
     len: u64,

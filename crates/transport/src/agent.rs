@@ -252,6 +252,8 @@ pub(crate) struct Inner {
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Backend extension entries of this agent's metadata (see `metadata`).
     backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
+    /// The shared-memory backend's socket (P's side), where this agent offers one.
+    shm: Mutex<Option<crate::shm::Server>>,
     /// The verbs backend, or why this agent has none.
     #[cfg(feature = "verbs")]
     pub(crate) verbs: Result<crate::verbs::link::Backend, Arc<LinkError>>,
@@ -270,10 +272,6 @@ impl Inner {
     /// Sets (or with `None` removes) this agent's metadata entry for `backend`. The
     /// extension point for backends: the verbs backend stores its GID, port and QP
     /// information here and reads the peer's entry from [`AgentMetadata::backends`].
-    #[cfg_attr(
-        not(feature = "verbs"),
-        allow(dead_code, reason = "only the verbs backend has an entry so far")
-    )]
     pub(crate) fn set_backend_metadata(&self, backend: &str, value: Option<serde_json::Value>) {
         let mut meta = lock(&self.backend_meta);
         match value {
@@ -344,6 +342,9 @@ pub(crate) struct Peer {
 pub(crate) enum PeerLink {
     /// The TCP backend.
     Tcp(Arc<tcp::TcpLink>),
+    /// The shared-memory backend (plain copies; notifications and what it cannot serve on
+    /// its TCP link).
+    Shm(Arc<crate::shm::ShmLink>),
     /// The verbs backend (RDMA READ; notifications on its TCP link).
     #[cfg(feature = "verbs")]
     Verbs(Arc<crate::verbs::link::Link>),
@@ -353,6 +354,7 @@ impl PeerLink {
     fn post(&self, batch: &Arc<Batch>, chunks: Vec<tcp::Chunk>) -> Result<(), TransferError> {
         match self {
             Self::Tcp(link) => link.post(batch, chunks),
+            Self::Shm(link) => link.post(batch, chunks),
             #[cfg(feature = "verbs")]
             Self::Verbs(link) => link.post(batch, chunks),
         }
@@ -361,6 +363,7 @@ impl PeerLink {
     fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
         match self {
             Self::Tcp(link) => link.send_notif(bytes),
+            Self::Shm(link) => link.send_notif(bytes),
             #[cfg(feature = "verbs")]
             Self::Verbs(link) => link.send_notif(bytes),
         }
@@ -369,6 +372,7 @@ impl PeerLink {
     fn on_timeout(&self, batch: &Batch) {
         match self {
             Self::Tcp(link) => link.on_timeout(batch),
+            Self::Shm(link) => link.on_timeout(batch),
             #[cfg(feature = "verbs")]
             Self::Verbs(link) => link.on_timeout(batch),
         }
@@ -377,6 +381,7 @@ impl PeerLink {
     fn close(&self) {
         match self {
             Self::Tcp(link) => link.close(),
+            Self::Shm(link) => link.close(),
             #[cfg(feature = "verbs")]
             Self::Verbs(link) => link.close(),
         }
@@ -386,7 +391,7 @@ impl PeerLink {
     /// on its own threads.
     fn progress(&self) {
         match self {
-            Self::Tcp(_) => {}
+            Self::Tcp(_) | Self::Shm(_) => {}
             #[cfg(feature = "verbs")]
             Self::Verbs(link) => link.progress(),
         }
@@ -490,9 +495,14 @@ impl Agent {
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
             backend_meta: Mutex::new(BTreeMap::new()),
+            shm: Mutex::new(None),
             #[cfg(feature = "verbs")]
             verbs,
         });
+        if matches!(inner.backend, BackendChoice::Auto | BackendChoice::Shm) {
+            let server = crate::shm::Server::start(&inner);
+            *lock(&inner.shm) = server;
+        }
         #[cfg(feature = "verbs")]
         if let Ok(v) = &inner.verbs {
             inner.set_backend_metadata("verbs", Some(v.metadata()));
@@ -676,32 +686,59 @@ impl Agent {
                 self.connect_tcp(&meta)?,
                 (Backend::Tcp, LinkError::TcpRequested.to_string()),
             ),
-            BackendChoice::Verbs | BackendChoice::Auto => {
+            BackendChoice::Shm => {
                 let tcp = tcp::client::connect(&self.inner, &meta)?;
-                match self.connect_verbs(&meta, &tcp) {
-                    Ok(link) => {
-                        tracing::info!(peer = %meta.name, "backend: verbs (RDMA READ over an RC queue pair)");
-                        (
-                            link,
-                            (
-                                Backend::Verbs,
-                                "both sides have a usable RDMA device and the queue pair connected"
-                                    .to_owned(),
-                            ),
-                        )
-                    }
-                    Err(source) if self.inner.backend == BackendChoice::Verbs => {
+                match crate::shm::connect(&self.inner, &meta, Arc::clone(&tcp)) {
+                    Ok(link) => (PeerLink::Shm(Arc::new(link)), Self::shm_reason(&meta)),
+                    Err(source) => {
                         tcp.close();
                         return Err(ConnectError::BackendUnavailable {
-                            backend: Backend::Verbs,
+                            backend: Backend::Shm,
                             peer: meta.name,
                             source,
                         });
                     }
-                    Err(e) => {
-                        let reason = e.chain();
-                        tracing::info!(peer = %meta.name, %reason, "backend auto: verbs unusable for this peer; using TCP");
-                        (PeerLink::Tcp(tcp), (Backend::Tcp, reason))
+                }
+            }
+            BackendChoice::Verbs | BackendChoice::Auto => {
+                let tcp = tcp::client::connect(&self.inner, &meta)?;
+                let shm = if self.inner.backend == BackendChoice::Auto {
+                    crate::shm::connect(&self.inner, &meta, Arc::clone(&tcp))
+                } else {
+                    Err(LinkError::VerbsRequested)
+                };
+                match shm {
+                    Ok(link) => (PeerLink::Shm(Arc::new(link)), Self::shm_reason(&meta)),
+                    Err(shm_err) => {
+                        if self.inner.backend == BackendChoice::Auto {
+                            tracing::debug!(peer = %meta.name, reason = %shm_err.chain(), "backend auto: shm unusable for this peer");
+                        }
+                        match self.connect_verbs(&meta, &tcp) {
+                            Ok(link) => {
+                                tracing::info!(peer = %meta.name, "backend: verbs (RDMA READ over an RC queue pair)");
+                                (
+                                    link,
+                                    (
+                                        Backend::Verbs,
+                                        "both sides have a usable RDMA device and the queue pair connected"
+                                            .to_owned(),
+                                    ),
+                                )
+                            }
+                            Err(source) if self.inner.backend == BackendChoice::Verbs => {
+                                tcp.close();
+                                return Err(ConnectError::BackendUnavailable {
+                                    backend: Backend::Verbs,
+                                    peer: meta.name,
+                                    source,
+                                });
+                            }
+                            Err(e) => {
+                                let reason = format!("{} (shm: {})", e.chain(), shm_err.chain());
+                                tracing::info!(peer = %meta.name, %reason, "backend auto: verbs unusable for this peer; using TCP");
+                                (PeerLink::Tcp(tcp), (Backend::Tcp, reason))
+                            }
+                        }
                     }
                 }
             }
@@ -717,13 +754,22 @@ impl Agent {
         Ok(PeerId(id))
     }
 
-    /// Which backend `peer` got and why (for `auto`: the reason verbs was not used, a
-    /// [`LinkError`] with its causes, e.g. "this agent has no verbs backend: verbs:
-    /// opening the device failed: no RDMA device: ...").
+    /// Which backend `peer` got and why (for `auto` on TCP: the reason verbs was not used,
+    /// a [`LinkError`] with its causes, e.g. "this agent has no verbs backend: verbs:
+    /// opening the device failed: no RDMA device: ...", followed by the reason shared
+    /// memory was not, e.g. "(shm: the peer is on another host ...)").
     pub fn peer_backend(&self, peer: PeerId) -> Option<(Backend, String)> {
         lock(&self.inner.peers)
             .get(&peer.0)
             .map(|p| p.backend.clone())
+    }
+
+    fn shm_reason(meta: &AgentMetadata) -> (Backend, String) {
+        tracing::info!(peer = %meta.name, "backend: shm (same host; the peer's regions mapped read-only)");
+        (
+            Backend::Shm,
+            "the peer is on the same host and handed over its regions".to_owned(),
+        )
     }
 
     #[cfg(feature = "verbs")]
@@ -1012,6 +1058,9 @@ impl Drop for Agent {
             && h.join().is_err()
         {
             tracing::error!("transport listener thread panicked");
+        }
+        if let Some(mut server) = lock(&self.inner.shm).take() {
+            server.stop();
         }
         for (_, peer) in lock(&self.inner.peers).drain() {
             peer.link.close();

@@ -15,12 +15,16 @@ pub const DEFAULT_MAX_PENDING_NOTIF_BYTES: usize = 16 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum BackendChoice {
-    /// Verbs where both sides have a usable RDMA device and the queue pair connects, else
-    /// TCP (per peer, with a log line saying why).
+    /// Per peer: shared memory when the peer runs on the same host (same boot id and
+    /// network namespace), else verbs where both sides have a usable RDMA device and the
+    /// queue pair connects, else TCP (with a log line saying why).
     #[default]
     Auto,
     /// Verbs only: connecting to a peer without a usable device is an error.
     Verbs,
+    /// Shared memory only: connecting to a peer on another host (or one that offers no
+    /// shared memory) is an error.
+    Shm,
     /// TCP only.
     Tcp,
 }
@@ -35,14 +39,18 @@ pub enum Backend {
     Verbs,
     /// The TCP backend (always built).
     Tcp,
+    /// Shared memory with a peer on the same host (plain copies out of its memfd-backed
+    /// regions, mapped read-only).
+    Shm,
 }
 
 impl Backend {
-    /// The backend's name as logs and metrics write it: `"verbs"` or `"tcp"`.
+    /// The backend's name as logs and metrics write it: `"verbs"`, `"tcp"` or `"shm"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Verbs => "verbs",
             Self::Tcp => "tcp",
+            Self::Shm => "shm",
         }
     }
 }

@@ -147,6 +147,55 @@ pub enum LinkError {
     /// The agent was configured for TCP only.
     #[error("backend tcp was asked for")]
     TcpRequested,
+    /// The agent was configured for shared memory only (no verbs backend is started).
+    #[error("backend shm was asked for")]
+    ShmRequested,
+    /// The agent was configured for verbs only (shared memory is not tried).
+    #[error("backend verbs was asked for")]
+    VerbsRequested,
+    /// The peer's metadata has no shared-memory entry (another build, an agent
+    /// configured for TCP or verbs, or a host without `/proc`).
+    #[error("the peer offers no shared memory")]
+    PeerHasNoShm,
+    /// This host's identity (boot id, network namespace) cannot be read from `/proc`.
+    #[error("this host's identity (boot id, network namespace) is unreadable")]
+    NoHostIdentity,
+    /// The peer runs on another host, or in another network namespace.
+    #[error("the peer is on another host (boot id or network namespace differs)")]
+    NotSameHost,
+    /// IO on the peer's shared-memory Unix socket failed.
+    #[error("shm socket: {op} failed")]
+    ShmSocket {
+        /// What was done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer's shared-memory entry or socket broke the protocol.
+    #[error("shm: {what}")]
+    ShmMalformed {
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// The peer refused our proof of the cluster token on its shared-memory socket (we
+    /// have none, or another one).
+    #[error(
+        "the peer's shm socket rejected our authentication (cluster token mismatch or missing)"
+    )]
+    ShmAuthRejected,
+    /// The peer could not prove the cluster token on its shared-memory socket.
+    #[error("the peer's shm socket failed to prove the cluster token")]
+    ShmPeerAuthFailed,
+    /// A region the peer handed over cannot be mapped.
+    #[error("mapping the peer's shared region {region} failed")]
+    ShmMap {
+        /// The peer's region id.
+        region: u64,
+        /// Why.
+        #[source]
+        source: kvlease_gpu_mem::ShareError,
+    },
     /// The crate was built without the `verbs` feature.
     #[error("this build has no verbs backend (feature `verbs` off)")]
     NotBuilt,

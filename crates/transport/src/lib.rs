@@ -12,12 +12,18 @@
 //!   registered memory; D receives straight into the destination. Every read carries the
 //!   region key and is bounds-checked; with a cluster token, only peers that proved it
 //!   get reads served or notifications accepted. See the `tcp` module.
+//! - **shm** (always built, Linux): a peer on the same host (same boot id and network
+//!   namespace, announced in the metadata) gets P's memfd-backed host regions over an
+//!   abstract Unix socket (`SCM_RIGHTS`, after the same token proof as TCP), maps them
+//!   read-only and serves its reads with plain memory copies; notifications stay on the
+//!   TCP link. See the `shm` module.
 //! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
 //!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
 //!   lists what a link implements: posting chunks and completing them through the shared
 //!   batch state in `batch.rs`, notifications, timeout handling, close) and stores what
 //!   its peers need in the metadata's `backends` map (`Inner::set_backend_metadata`).
-//!   [`BackendChoice::Auto`] selects per peer in `Agent::connect`.
+//!   [`BackendChoice::Auto`] selects per peer in `Agent::connect`: shm, then verbs, then
+//!   TCP.
 //!
 //! # Fenced reads
 //! A batch may end with a [`FenceRead`] of an 8-byte generation word (e.g. a slot of
@@ -38,6 +44,7 @@ mod batch;
 mod config;
 mod error;
 pub mod metadata;
+mod shm;
 mod tcp;
 
 // `unsafe` is allowed only in three verbs modules, each with its own

@@ -7,7 +7,8 @@
 //! ```
 //!
 //! `backends` is the extension point: each backend stores what its peers need (the verbs
-//! backend: GID, port, QP numbers) under its own key through
+//! backend: GID, port, QP numbers; the shm backend: `{"host": <boot id>/<net namespace>,
+//! "socket": <abstract Unix socket name>}`) under its own key through
 //! `Inner::set_backend_metadata`, and reads the peer's entry on connect. Unknown keys are
 //! ignored, so an agent without a backend still reads metadata of one that has it.
 

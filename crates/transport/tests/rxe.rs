@@ -501,7 +501,7 @@ mod agent {
         let fence_desc = p.register(Arc::clone(&fences) as Arc<dyn DmaRegion>)?;
         let dst = Arc::new(HostRegion::new(8 << 20)?);
         let dst_desc = d.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
-        let peer = d.connect(&p.metadata())?;
+        let peer = d.connect(&crate::off_host(p))?;
         // The batch notification travels on D's connection to P.
         let batch = ReadBatch {
             ops: vec![ReadOp {
@@ -563,7 +563,7 @@ mod agent {
         super::devices("auto_uses_verbs_when_both_sides_have_a_device");
         let (p, d) = pair(BackendChoice::Auto)?;
         read_through(&p, &d)?;
-        let peer = d.connect(&p.metadata())?;
+        let peer = d.connect(&crate::off_host(&p))?;
         let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
         ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
         Ok(())
@@ -599,7 +599,7 @@ mod agent {
         };
         let p = agent("p", pip, p_choice)?;
         let d = agent("d", dip, BackendChoice::Auto)?;
-        let peer = d.connect(&p.metadata())?;
+        let peer = d.connect(&crate::off_host(&p))?;
         let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
         ensure!(backend == Backend::Tcp, "backend {backend}");
         let expected = if rdma {
@@ -612,7 +612,7 @@ mod agent {
         read_through(&p, &d)?;
         // `verbs` forced against a TCP-only peer is an error naming the reason.
         let strict = agent("d-strict", dip, BackendChoice::Verbs)?;
-        match strict.connect(&p.metadata()) {
+        match strict.connect(&crate::off_host(&p)) {
             Err(
                 e @ ConnectError::BackendUnavailable {
                     backend: Backend::Verbs,
@@ -657,7 +657,7 @@ fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
     };
     let p = agent("p", ip("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
     let d = agent("d", ip("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]))?;
-    let peer = d.connect(&p.metadata())?;
+    let peer = d.connect(&off_host(&p))?;
     let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
     anyhow::ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
 
@@ -811,7 +811,7 @@ fn staged_memory_moves_over_verbs_through_host_mirrors() -> Result<()> {
         d.is_mirrored(RegionId(staged_dst_d.id)),
         "staged destination not mirrored"
     );
-    let peer = d.connect(&p.metadata())?;
+    let peer = d.connect(&off_host(&p))?;
     let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
     ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
 
@@ -908,8 +908,8 @@ fn verbs_peers_see_a_mirrored_write_only_after_sync_for_peers() -> Result<()> {
     let dst_d = d.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
     let tcp_dst = Arc::new(HostRegion::new(LEN)?);
     let tcp_dst_d = d_tcp.register(Arc::clone(&tcp_dst) as Arc<dyn DmaRegion>)?;
-    let peer = d.connect(&p.metadata())?;
-    let tcp_peer = d_tcp.connect(&p.metadata())?;
+    let peer = d.connect(&off_host(&p))?;
+    let tcp_peer = d_tcp.connect(&off_host(&p))?;
     ensure!(
         d.peer_backend(peer)
             .is_some_and(|(b, _)| b == Backend::Verbs)
@@ -946,4 +946,15 @@ fn verbs_peers_see_a_mirrored_write_only_after_sync_for_peers() -> Result<()> {
     p.sync_for_peers(id, half as u64, (LEN - half) as u64)?;
     ensure!(via_verbs()? == new, "after the full sync");
     Ok(())
+}
+
+/// `p`'s metadata as a peer on another host sees it: without the shared-memory entry, so
+/// that agents in one process (one host) pick verbs or TCP as across hosts.
+fn off_host(p: &kvlease_transport::Agent) -> Vec<u8> {
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&p.metadata()).expect("an agent's metadata is JSON");
+    if let Some(backends) = meta["backends"].as_object_mut() {
+        backends.remove("shm");
+    }
+    serde_json::to_vec(&meta).expect("JSON values serialise")
 }

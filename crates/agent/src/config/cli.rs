@@ -15,13 +15,16 @@ use super::{AgentRole, ConfigError, KvTransferConfig};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
 #[non_exhaustive]
 pub enum TransportChoice {
-    /// RDMA verbs where a device is usable, TCP per peer otherwise.
+    /// Per peer: shared memory on the same host, else RDMA verbs where a device is
+    /// usable, else TCP.
     #[default]
     Auto,
     /// RDMA verbs only (fails without a usable device).
     Verbs,
     /// The TCP fallback only.
     Tcp,
+    /// Shared memory only (fails for a peer on another host).
+    Shm,
 }
 
 /// `--memory`: where the KV block pool lives.

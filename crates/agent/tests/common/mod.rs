@@ -69,7 +69,8 @@ pub(crate) fn agent_command(
             name,
         ])
         .args(shape_args())
-        .args(["--transport", "tcp", "--memory", memory])
+        // KVLEASE_TEST_TRANSPORT=auto runs the agents on shared memory (one host).
+        .args(["--transport", &transport(), "--memory", memory])
         .env("RUST_LOG", "info")
         .env_remove("KVLEASE_AUTH_TOKEN")
         .stdin(Stdio::null())
@@ -241,4 +242,9 @@ pub(crate) fn run_to_exit(bin: &str, args: &[&str]) -> Result<Output> {
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(child.wait_with_output()?)
+}
+
+/// The `--transport` the spawned agents get: `KVLEASE_TEST_TRANSPORT`, default `tcp`.
+pub(crate) fn transport() -> String {
+    std::env::var("KVLEASE_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".to_owned())
 }

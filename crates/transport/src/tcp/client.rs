@@ -532,6 +532,12 @@ fn discard(r: &mut impl Read, mut n: u64, scratch: &mut Vec<u8>) -> io::Result<(
 }
 
 impl TcpLink {
+    /// Whether a connection is still alive (the shared-memory link checks it before it
+    /// posts: a batch to a peer whose connections died fails as on TCP).
+    pub(crate) fn is_connected(&self) -> bool {
+        self.conns.iter().any(|c| c.is_alive())
+    }
+
     fn alive_conns(&self) -> Vec<&Arc<Conn>> {
         self.conns.iter().filter(|c| c.is_alive()).collect()
     }
@@ -621,8 +627,9 @@ impl TcpLink {
         }
     }
 
-    /// Acts on what the batch state asked for after a completion.
-    fn advance(&self, batch: &Arc<Batch>, next: Next) {
+    /// Acts on what the batch state asked for after a completion (also for the
+    /// shared-memory link, whose notifications travel here).
+    pub(crate) fn advance(&self, batch: &Arc<Batch>, next: Next) {
         match next {
             Next::Nothing => {}
             Next::Fence(fence) => self.post_fence(batch, fence),

@@ -14,6 +14,12 @@
 //! | 6 `READ_RESP` | P→D | req id u64, len u64, then `len` payload bytes |
 //! | 7 `READ_ERR` | P→D | req id u64, refusal code u8 |
 //! | 8 `NOTIF` | D→P | the notification bytes |
+//! | 9 `SHM_REGION` | P→D | region u64, key u64, len u64; one memfd attached (`SCM_RIGHTS`) |
+//! | 10 `SHM_END` | P→D | empty: no more regions |
+//!
+//! Types 9 and 10 travel only on the shared-memory backend's Unix socket, after the same
+//! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
+//! `shm-server` in the proofs (see the `shm` module).
 //!
 //! Proofs are HMAC-SHA256 under the cluster token: the client proves
 //! `"kvlease-tcp-v1 client" ‖ server nonce ‖ client nonce ‖ client name ‖ 0 ‖ server name`,
@@ -37,6 +43,10 @@ pub(crate) const READ_REQ: u8 = 5;
 pub(crate) const READ_RESP: u8 = 6;
 pub(crate) const READ_ERR: u8 = 7;
 pub(crate) const NOTIF: u8 = 8;
+pub(crate) const SHM_REGION: u8 = 9;
+pub(crate) const SHM_END: u8 = 10;
+/// Body of a `SHM_REGION`.
+pub(crate) const SHM_REGION_LEN: usize = 24;
 
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 5;

@@ -877,8 +877,10 @@ pub(crate) fn start_for(
     limits: &crate::config::Limits,
 ) -> Result<Backend, LinkError> {
     use crate::config::BackendChoice;
-    if *choice == BackendChoice::Tcp {
-        return Err(LinkError::TcpRequested);
+    match choice {
+        BackendChoice::Tcp => return Err(LinkError::TcpRequested),
+        BackendChoice::Shm => return Err(LinkError::ShmRequested),
+        _ => {}
     }
     let backend = Backend::start(ip, limits.handshake_timeout, token.clone());
     if let Err(e) = &backend {

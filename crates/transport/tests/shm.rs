@@ -1,0 +1,437 @@
+//! The shared-memory backend: agents on one host, real sockets, a second process.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes, recv_with_fds};
+use kvlease_transport::metadata::decode_metadata;
+use kvlease_transport::{
+    Agent, AgentConfig, Backend, BackendChoice, BatchId, BatchStatus, ConnectError, FenceRead,
+    LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
+};
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn agent(name: &str, backend: BackendChoice, token: Option<&[u8]>) -> Agent {
+    let mut c = AgentConfig::new(name);
+    c.backend = backend;
+    c.auth_token = token.map(<[u8]>::to_vec);
+    Agent::new(c).expect("agent binds on loopback")
+}
+
+fn pattern(seed: u64, i: usize) -> u8 {
+    ((i as u64).wrapping_mul(seed | 1) >> 3) as u8 ^ (i % 251) as u8
+}
+
+fn filled(len: usize, seed: u64) -> Arc<HostRegion> {
+    let r = HostRegion::new(len).expect("host memory");
+    let bytes: Vec<u8> = (0..len).map(|i| pattern(seed, i)).collect();
+    r.write_from(0, &bytes).expect("in bounds");
+    Arc::new(r)
+}
+
+fn bytes_of(r: &dyn DmaRegion, offset: u64, len: u64) -> Vec<u8> {
+    let mut v = vec![0; len as usize];
+    r.read_into(offset, &mut v).expect("in bounds");
+    v
+}
+
+fn wait(agent: &Agent, batch: BatchId) -> Result<BatchStatus> {
+    let start = Instant::now();
+    loop {
+        match agent.poll_batch(batch)? {
+            BatchStatus::Pending if start.elapsed() < LIMIT => {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            BatchStatus::Pending => bail!("batch still pending after {LIMIT:?}"),
+            other => return Ok(other),
+        }
+    }
+}
+
+fn notifs(agent: &Agent, want: usize, within: Duration) -> Vec<Vec<u8>> {
+    let start = Instant::now();
+    let mut all = Vec::new();
+    while all.len() < want && start.elapsed() < within {
+        for (_, msgs) in agent.get_new_notifs() {
+            all.extend(msgs);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    all
+}
+
+fn read(dst: RegionId, dst_offset: u64, len: u64, desc: &RegionDesc, offset: u64) -> ReadOp {
+    ReadOp {
+        local: LocalRange {
+            region: dst,
+            offset: dst_offset,
+            len,
+        },
+        remote: desc.at(offset),
+    }
+}
+
+#[test]
+fn auto_picks_shm_on_one_host_and_moves_bytes_exactly() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, Some(b"cluster"));
+    let src = filled(12 << 20, 7);
+    let desc = p.register(src.clone())?;
+    let fence = Arc::new(HostRegion::new(4096)?);
+    fence.store_u64(64, 3)?;
+    let fence_desc = p.register(fence)?;
+
+    let d = agent("d", BackendChoice::Auto, Some(b"cluster"));
+    let dst = Arc::new(HostRegion::new(12 << 20)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&p.metadata())?;
+    let (backend, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(backend == Backend::Shm, "auto picked {backend}: {why}");
+    // P connects back for notifications, as the agents do.
+    let _back = p.connect(&d.metadata())?;
+
+    // Small batch (one copier thread) and a large one (split over threads), odd offsets.
+    for (ops, total) in [
+        (vec![read(dst_id, 3, 5000, &desc, 11)], 5000u64),
+        (
+            (0..10u64)
+                .map(|i| {
+                    read(
+                        dst_id,
+                        i * ((1 << 20) + 100) + 1,
+                        (1 << 20) + 77,
+                        &desc,
+                        i * 999_983,
+                    )
+                })
+                .collect(),
+            10 * ((1 << 20) + 77),
+        ),
+    ] {
+        let batch = ReadBatch {
+            ops: ops.clone(),
+            notif: Some(b"done".to_vec()),
+            fence: Some(FenceRead {
+                remote: fence_desc.at(64),
+                expected: 3,
+            }),
+        };
+        let id = d.post_read(peer, batch, LIMIT)?;
+        match wait(&d, id)? {
+            BatchStatus::Done(stats) => {
+                ensure!(stats.backend == Backend::Shm, "{stats:?}");
+                ensure!(
+                    stats.bytes == total && stats.fence_word == Some(3),
+                    "{stats:?}"
+                );
+            }
+            other => bail!("batch ended {other:?}"),
+        }
+        for op in &ops {
+            ensure!(
+                bytes_of(dst.as_ref(), op.local.offset, op.local.len)
+                    == bytes_of(src.as_ref(), op.remote.offset, op.local.len),
+                "bytes differ for {op:?}"
+            );
+        }
+        ensure!(notifs(&p, 1, LIMIT) == vec![b"done".to_vec()]);
+    }
+    // Nothing went through P's TCP server.
+    ensure!(p.stats().reads_served == 0, "{:?}", p.stats());
+    Ok(())
+}
+
+#[test]
+fn a_changed_fence_fails_the_batch_and_sends_no_notification() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(1 << 20, 3);
+    let desc = p.register(src)?;
+    let fence = Arc::new(HostRegion::new(4096)?);
+    fence.store_u64(0, 9)?;
+    let fence_desc = p.register(fence)?;
+    let d = agent("d", BackendChoice::Shm, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dst_id = RegionId(d.register(dst)?.id);
+    let peer = d.connect(&p.metadata())?;
+    let _back = p.connect(&d.metadata())?;
+    let batch = ReadBatch {
+        ops: vec![read(dst_id, 0, 4096, &desc, 0)],
+        notif: Some(b"never".to_vec()),
+        fence: Some(FenceRead {
+            remote: fence_desc.at(0),
+            expected: 8,
+        }),
+    };
+    let id = d.post_read(peer, batch, LIMIT)?;
+    match wait(&d, id)? {
+        BatchStatus::Failed(TransferError::FenceMismatch {
+            expected: 8,
+            found: 9,
+            ..
+        }) => {}
+        other => bail!("expected a fence mismatch, got {other:?}"),
+    }
+    ensure!(notifs(&p, 1, Duration::from_millis(300)).is_empty());
+    Ok(())
+}
+
+#[test]
+fn out_of_bounds_and_wrong_key_reads_are_refused() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    let desc = p.register(filled(1 << 20, 5))?;
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dst_id = RegionId(d.register(dst)?.id);
+    let peer = d.connect(&p.metadata())?;
+    ensure!(d.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
+    let cases = [
+        (
+            read(dst_id, 0, 2, &desc, (1 << 20) - 1),
+            Refusal::OutOfBounds,
+        ),
+        (
+            ReadOp {
+                remote: kvlease_transport::RemoteRange {
+                    key: desc.key ^ 1,
+                    ..desc.at(0)
+                },
+                ..read(dst_id, 0, 16, &desc, 0)
+            },
+            Refusal::BadKey,
+        ),
+    ];
+    for (op, want) in cases {
+        let batch = ReadBatch {
+            ops: vec![read(dst_id, 0, 8, &desc, 0), op],
+            notif: None,
+            fence: None,
+        };
+        let id = d.post_read(peer, batch, LIMIT)?;
+        match wait(&d, id)? {
+            BatchStatus::Failed(TransferError::Refused { reason, .. }) if reason == want => {}
+            other => bail!("expected {want:?}, got {other:?}"),
+        }
+    }
+    // A fence outside the region is refused too.
+    let batch = ReadBatch {
+        ops: vec![read(dst_id, 0, 8, &desc, 0)],
+        notif: None,
+        fence: Some(FenceRead {
+            remote: desc.at(1 << 20),
+            expected: 0,
+        }),
+    };
+    let id = d.post_read(peer, batch, LIMIT)?;
+    match wait(&d, id)? {
+        BatchStatus::Failed(TransferError::Refused {
+            reason: Refusal::OutOfBounds,
+            ..
+        }) => Ok(()),
+        other => bail!("expected a refused fence, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_peer_on_another_host_gets_tcp_and_shm_only_refuses_it() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(1 << 20, 9);
+    let desc = p.register(src.clone())?;
+    let mut meta: serde_json::Value = serde_json::from_slice(&p.metadata())?;
+    meta["backends"]["shm"]["host"] = "another-boot-id/net:[1]".into();
+    let meta = serde_json::to_vec(&meta)?;
+    decode_metadata(&meta)?;
+
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&meta)?;
+    let (backend, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(backend == Backend::Tcp, "{backend}: {why}");
+    ensure!(why.contains("another host"), "{why}");
+    let id = d.post_read(
+        peer,
+        ReadBatch {
+            ops: vec![read(dst_id, 0, 1000, &desc, 5)],
+            ..ReadBatch::default()
+        },
+        LIMIT,
+    )?;
+    match wait(&d, id)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Tcp),
+        other => bail!("{other:?}"),
+    }
+    ensure!(bytes_of(dst.as_ref(), 0, 1000) == bytes_of(src.as_ref(), 5, 1000));
+
+    let strict = agent("d-strict", BackendChoice::Shm, None);
+    match strict.connect(&meta) {
+        Err(ConnectError::BackendUnavailable {
+            backend: Backend::Shm,
+            ..
+        }) => {}
+        other => bail!("shm-only to another host: {other:?}"),
+    }
+    // A TCP-only agent offers no shm entry; shm-only refuses it as well.
+    let tcp_only = agent("p-tcp", BackendChoice::Tcp, None);
+    let tcp_meta = decode_metadata(&tcp_only.metadata())?;
+    ensure!(!tcp_meta.backends.contains_key("shm"));
+    ensure!(strict.connect(&tcp_only.metadata()).is_err());
+    Ok(())
+}
+
+/// Writes one frame `[type][len u32 LE][body]`.
+fn frame(ty: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = vec![ty];
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+#[test]
+fn the_descriptors_are_never_handed_to_an_unauthenticated_peer() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, Some(b"right"));
+    p.register(filled(1 << 20, 1))?;
+    // A D with the wrong token does not even get the TCP link.
+    let wrong = agent("d", BackendChoice::Auto, Some(b"wrong"));
+    ensure!(matches!(
+        wrong.connect(&p.metadata()),
+        Err(ConnectError::AuthRejected { .. })
+    ));
+    // A raw client on the Unix socket with a forged proof gets a refusal and no fd.
+    let meta = decode_metadata(&p.metadata())?;
+    let socket = meta.backends["shm"]["socket"]
+        .as_str()
+        .context("socket name")?
+        .to_owned();
+    let failures = p.stats().auth_failures;
+    let mut s = UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket.as_bytes())?)?;
+    s.set_read_timeout(Some(LIMIT))?;
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    hello.extend_from_slice(&0u16.to_le_bytes());
+    hello.extend_from_slice(&[7; 32]);
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    hello.push(b'x');
+    s.write_all(&frame(1, &hello))?;
+    let mut header = [0u8; 5];
+    s.read_exact(&mut header)?;
+    ensure!(header[0] == 2, "expected CHALLENGE, got type {}", header[0]);
+    let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+    s.read_exact(&mut body)?;
+    let mut proof = vec![32u8];
+    proof.extend_from_slice(&[0xAB; 32]);
+    s.write_all(&frame(3, &proof))?;
+    // Everything that follows, with any descriptors attached, until P closes.
+    let mut rest = Vec::new();
+    let mut fds = Vec::new();
+    loop {
+        let mut buf = [0u8; 256];
+        let (n, got) = recv_with_fds(s.as_fd(), &mut buf)?;
+        fds.extend(got);
+        if n == 0 {
+            break;
+        }
+        rest.extend_from_slice(&buf[..n]);
+    }
+    ensure!(
+        fds.is_empty(),
+        "an unauthenticated peer got {} fds",
+        fds.len()
+    );
+    ensure!(rest.len() >= 6 && rest[0] == 4 && rest[5] == 0, "{rest:?}");
+    ensure!(
+        rest.len() == 5 + 2,
+        "P sent more than AUTH_RESULT: {rest:?}"
+    );
+    ensure!(p.stats().auth_failures > failures);
+    Ok(())
+}
+
+const CHILD_ENV: &str = "KVLEASE_SHM_TEST_CHILD";
+
+/// The P side of `another_process_on_the_host_reads_over_shm`: does nothing unless
+/// started by it.
+#[test]
+fn child_target_process() -> Result<()> {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return Ok(());
+    }
+    let p = agent("p-child", BackendChoice::Auto, Some(b"tok"));
+    let desc = p.register(filled(6 << 20, 11))?;
+    let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    println!("\nDESC {} {}\nMETA {meta}", desc.id, desc.key);
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    Ok(())
+}
+
+#[test]
+fn another_process_on_the_host_reads_over_shm() -> Result<()> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "child_target_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let mut desc = None;
+    let mut meta = None;
+    let mut line = String::new();
+    while meta.is_none() {
+        line.clear();
+        ensure!(out.read_line(&mut line)? > 0, "child ended early");
+        if let Some(rest) = line.trim().strip_prefix("DESC ") {
+            let mut it = rest.split(' ').map(str::parse::<u64>);
+            desc = Some((it.next().context("id")??, it.next().context("key")??));
+        }
+        if let Some(hex) = line.trim().strip_prefix("META ") {
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+                .collect::<Result<_, _>>()?;
+            meta = Some(bytes);
+        }
+    }
+    let (id, key) = desc.context("DESC line")?;
+    let meta = meta.context("META line")?;
+    let d = agent("d", BackendChoice::Auto, Some(b"tok"));
+    let dst = Arc::new(HostRegion::new(6 << 20)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&meta)?;
+    let (backend, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(backend == Backend::Shm, "{backend}: {why}");
+    let desc = RegionDesc {
+        id,
+        key,
+        len: 6 << 20,
+        base: 0,
+    };
+    let id = d.post_read(
+        peer,
+        ReadBatch {
+            ops: vec![read(dst_id, 0, 6 << 20, &desc, 0)],
+            ..ReadBatch::default()
+        },
+        LIMIT,
+    )?;
+    match wait(&d, id)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+        other => bail!("{other:?}"),
+    }
+    let want: Vec<u8> = (0..6 << 20).map(|i| pattern(11, i)).collect();
+    ensure!(bytes_of(dst.as_ref(), 0, 6 << 20) == want, "bytes differ");
+    child.stdin.take().context("stdin")?.write_all(b"quit\n")?;
+    ensure!(child.wait()?.success());
+    Ok(())
+}
