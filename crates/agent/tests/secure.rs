@@ -258,16 +258,28 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     ensure!(s == 200, "{s} {first}");
     let (s, pa) = post(&c, &p.url, &p_body("the forged prompt"), None).await?;
     ensure!(s == 200, "{s} {pa}");
-    let long = |prompt: &str, params: &Value| json!({"prompt": prompt, "max_tokens": 40, "kv_transfer_params": params["kv_transfer_params"]});
+    let body = |prompt: &str, params: &Value, max_tokens: u32| {
+        json!({"prompt": prompt, "max_tokens": max_tokens,
+            "kv_transfer_params": params["kv_transfer_params"]})
+    };
+    // The first request decodes for ~8 s (200 tokens x 40 ms) and holds D's only slot...
     let (c1, d_url) = (c.clone(), d.url.clone());
-    let b1 = long("the first prompt", &first);
+    let b1 = body("the first prompt", &first, 200);
     let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
+    common::wait_metric(
+        &c,
+        &d,
+        "kvlease_requests_running",
+        std::time::Duration::from_secs(10),
+        |v| v >= 1.0,
+    )
+    .await?;
+    // ...so the second waits, tracked, and D's next heartbeat (within an interval, 5 s)
+    // names it: d-honest claims its lease. Until a lease is claimed, any cluster member
+    // that knows its (unguessable) id could abort it.
     let (c2, d_url) = (c.clone(), d.url.clone());
-    let b2 = long("the forged prompt", &pa);
+    let b2 = body("the forged prompt", &pa, 4);
     let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
-    // Both requests reach D before its handshake with P ends, so D's first heartbeat
-    // (sent as soon as the handshake ends) names both and claims both leases. Until a
-    // lease is claimed, any cluster member that knows its (unguessable) id could abort it.
     common::wait_metric(
         &c,
         &p,
