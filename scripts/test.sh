@@ -26,6 +26,9 @@ step "cargo test (KVLEASE_SIM_SEEDS=${KVLEASE_SIM_SEEDS:=256})"
 export KVLEASE_SIM_SEEDS
 cargo test --workspace --locked
 
+step "system tests again over shared memory (P and D on one host)"
+KVLEASE_TEST_TRANSPORT=shm cargo test --locked -p kvlease-agent --test system
+
 step "cargo doc (-D warnings)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items --locked -q
 
