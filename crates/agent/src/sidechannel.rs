@@ -3,11 +3,13 @@
 //!
 //! Frames are a 4-byte big-endian length and a JSON body (at most [`MAX_FRAME`] bytes).
 //!
-//! 1. D → P `Hello { engine_id, nonce, workers }`: D's engine id, a fresh 32-byte nonce and
-//!    the transport metadata of each D worker (so P can reach D with expiry notices).
+//! 1. D → P `Hello { engine_id, nonce }`: D's engine id and a fresh 32-byte nonce.
 //! 2. P → D `Challenge { nonce, proof }`: P's nonce and, with a token, P's proof
 //!    `HMAC-SHA256(token, "kvlease-sc-p" ‖ D's nonce)` (D checks P too).
-//! 3. D → P `Proof { proof }`: `HMAC-SHA256(token, "kvlease-sc-d" ‖ P's nonce ‖ engine_id)`.
+//! 3. D → P `Proof { proof, workers }`: `HMAC-SHA256(token, "kvlease-sc-d" ‖ P's nonce ‖
+//!    engine_id)` and, only now that P proved the token, the transport metadata of each D
+//!    worker (so P can reach D with expiry notices): D names nothing of its regions to a
+//!    peer that has not proven the token.
 //! 4. P → D `Welcome { info, server_time_ns }` or `Refused { message }`.
 //!
 //! Without a token both proofs are empty and only a peer with a token set is refused (a
@@ -115,7 +117,9 @@ pub struct Hello {
     pub tp_size: u32,
     /// Hex nonce.
     pub nonce: String,
-    /// Hex transport metadata of each D worker, by rank.
+    /// Hex transport metadata of each D worker, by rank. Sent in the proof frame, after P
+    /// proved the token (empty in the hello on the wire).
+    #[serde(default)]
     pub workers: Vec<String>,
     /// D's instance (its start time in microseconds): a restarted D under the same engine
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
@@ -133,6 +137,8 @@ enum Frame {
     },
     Proof {
         proof: String,
+        #[serde(default)]
+        workers: Vec<String>,
     },
     Welcome {
         info: serde_json::Value,
@@ -418,7 +424,7 @@ impl Server {
                 e
             }
         })?;
-        let Frame::Proof { proof } = answer else {
+        let Frame::Proof { proof, workers } = answer else {
             return write_frame(
                 &mut s,
                 &Frame::Refused {
@@ -447,6 +453,8 @@ impl Server {
         }
         // Hand the peer over before answering, so that when D holds its welcome, P
         // already knows it (and can send it expiry notices).
+        let mut hello = hello;
+        hello.workers = workers;
         (self.on_peer)(hello);
         write_frame(
             &mut s,
@@ -501,7 +509,8 @@ pub fn handshake(
         engine_id: engine_id.to_owned(),
         tp_size,
         nonce: to_hex(&d_nonce),
-        workers: workers.iter().map(|w| to_hex(w)).collect(),
+        // Named only in the proof, once P proved the token.
+        workers: Vec::new(),
         instance,
     };
     write_frame(&mut s, &Frame::Hello(hello)).map_err(io_err)?;
@@ -524,7 +533,8 @@ pub fn handshake(
         });
     }
     let proof = prove(token, b"kvlease-sc-d", &[&p_nonce, engine_id.as_bytes()]);
-    write_frame(&mut s, &Frame::Proof { proof }).map_err(io_err)?;
+    let workers = workers.iter().map(|w| to_hex(w)).collect();
+    write_frame(&mut s, &Frame::Proof { proof, workers }).map_err(io_err)?;
     match read_frame(&mut s, MAX_FRAME).map_err(io_err)? {
         Frame::Welcome {
             info,
@@ -572,6 +582,37 @@ mod tests {
         .spawn("127.0.0.1:0".parse().expect("literal address"))
         .expect("bind loopback");
         (h, peers)
+    }
+
+    /// D names its workers (its transport metadata, its regions) only after P proved
+    /// the token: a peer posing as P sees a hello without them.
+    #[test]
+    fn d_names_its_workers_only_after_p_proved_the_token() {
+        let fake_p = TcpListener::bind("127.0.0.1:0").expect("loopback");
+        let addr = fake_p.local_addr().expect("bound").to_string();
+        let seen = thread::spawn(move || {
+            let (mut s, _) = fake_p.accept().expect("D connects");
+            let hello = read_frame(&mut s, MAX_FRAME).expect("a frame");
+            // A challenge with a proof made without the token.
+            write_frame(
+                &mut s,
+                &Frame::Challenge {
+                    nonce: to_hex(&[7; 32]),
+                    proof: to_hex(&[0; 32]),
+                },
+            )
+            .expect("write");
+            let next = read_frame(&mut s, MAX_FRAME);
+            (hello, next.is_ok())
+        });
+        let r = handshake(&addr, Some("s3cret"), "d0", 1, &[vec![9; 64]], 1);
+        assert!(matches!(r, Err(HandshakeError::Auth { .. })));
+        let (hello, sent_more) = seen.join().expect("fake P");
+        let Frame::Hello(hello) = hello else {
+            panic!("expected a hello");
+        };
+        assert!(hello.workers.is_empty(), "the hello names no worker");
+        assert!(!sent_more, "D sent nothing after P's bad proof");
     }
 
     #[test]

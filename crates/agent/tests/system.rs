@@ -587,10 +587,25 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
                 .is_some_and(|m| m.contains("unknown engine")),
         "{s} {v}"
     );
-    // The real request still works afterwards.
+    // A real request still works afterwards. (It gets its own prefill: a refusal of a
+    // request with valid P coordinates tells a connected P to free that lease at once.)
+    let pa = do_prefill(&c, &p, &prompt(5)).await?;
     let (s, v) = post(&c, &d.url, &d_body(&prompt(5), 2, &pa)).await?;
     ensure!(s == 200, "{s} {v}");
     check_answer(&prompt(5), 2, &pa, &v)?;
+    // Now that D is connected to P, a refusal with valid coordinates frees P's lease.
+    let aborted = metric_of(&c, &p, "kvlease_leases_released_total{reason=\"aborted\"}").await?;
+    let pa = do_prefill(&c, &p, &prompt(7)).await?;
+    let (s, v) = post(&c, &d.url, &d_body("not the prompt P prefilled", 2, &pa)).await?;
+    ensure!(s == 400, "{s} {v}");
+    wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_released_total{reason=\"aborted\"}",
+        Duration::from_secs(5),
+        |n| n >= aborted + 1.0,
+    )
+    .await?;
 
     // Wrong auth token: a P with a token, a D with another.
     let mut tp = prefill(
@@ -629,7 +644,7 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     let dm = metrics(&c, &d).await?;
     assert_eq!(
         metric(&dm, "kvlease_requests_total{outcome=\"bad_request\"}"),
-        5.0
+        6.0
     );
     assert_eq!(
         metric_of(&c, &td, "kvlease_requests_total{outcome=\"unauthorized\"}").await?,
