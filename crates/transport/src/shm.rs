@@ -214,31 +214,14 @@ fn serve(inner: &Inner, mut s: UnixStream) -> Result<(), FrameError> {
     let mut b = Body(&body);
     let proof = b.proof()?;
     b.finish()?;
-    let (ok, answer) = match &inner.token {
-        None => (true, None),
-        Some(token) => {
-            let want = wire::proof(
-                token,
-                b"shm-client",
-                &server_nonce,
-                &client_nonce,
-                &client_name,
-                &inner.name,
-            );
-            let ok = proof.is_some_and(|p| wire::proofs_equal(&p, &want));
-            let answer = ok.then(|| {
-                wire::proof(
-                    token,
-                    b"shm-server",
-                    &client_nonce,
-                    &server_nonce,
-                    &inner.name,
-                    &client_name,
-                )
-            });
-            (ok, answer)
-        }
-    };
+    let (ok, answer) = wire::Exchange {
+        roles: wire::SHM_ROLES,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: &client_name,
+        server_name: &inner.name,
+    }
+    .check_client(inner.token.as_deref(), proof);
     if !ok {
         bump(&inner.counters.auth_failures);
     }
@@ -405,16 +388,14 @@ fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<
             what: "the agent on the shm socket is not the one the metadata names",
         });
     }
-    let proof = inner.token.as_ref().map(|t| {
-        wire::proof(
-            t,
-            b"shm-client",
-            &server_nonce,
-            &client_nonce,
-            &inner.name,
-            &server_name,
-        )
-    });
+    let exchange = wire::Exchange {
+        roles: wire::SHM_ROLES,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: &inner.name,
+        server_name: &server_name,
+    };
+    let proof = exchange.client_proof(inner.token.as_deref());
     s.write_all(&wire::frame(
         wire::PROOF,
         &wire::proof_body(None, proof.as_ref()),
@@ -430,18 +411,10 @@ fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<
     if !ok {
         return Err(LinkError::ShmAuthRejected);
     }
-    if let Some(token) = &inner.token {
-        let want = wire::proof(
-            token,
-            b"shm-server",
-            &client_nonce,
-            &server_nonce,
-            &server_name,
-            &inner.name,
-        );
-        if !auth_required || !answer.is_some_and(|a| wire::proofs_equal(&a, &want)) {
-            return Err(LinkError::ShmPeerAuthFailed);
-        }
+    if inner.token.is_some()
+        && (!auth_required || !exchange.check_server(inner.token.as_deref(), answer))
+    {
+        return Err(LinkError::ShmPeerAuthFailed);
     }
     Ok(())
 }

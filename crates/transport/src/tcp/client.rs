@@ -284,16 +284,14 @@ fn handshake(
             meta.tcp_addr, meta.name
         )));
     }
-    let proof = inner.token.as_ref().map(|t| {
-        wire::proof(
-            t,
-            b"client",
-            &server_nonce,
-            &client_nonce,
-            &inner.name,
-            &server_name,
-        )
-    });
+    let exchange = wire::Exchange {
+        roles: wire::TCP_ROLES,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: &inner.name,
+        server_name: &server_name,
+    };
+    let proof = exchange.client_proof(inner.token.as_deref());
     s.write_all(&wire::frame(
         wire::PROOF,
         &wire::proof_body(None, proof.as_ref()),
@@ -310,20 +308,12 @@ fn handshake(
             peer: peer(),
         }));
     }
-    if let Some(token) = &inner.token {
-        let want = wire::proof(
-            token,
-            b"server",
-            &client_nonce,
-            &server_nonce,
-            &server_name,
-            &inner.name,
-        );
-        if !auth_required || !answer.is_some_and(|a| wire::proofs_equal(&a, &want)) {
-            return Err(HandshakeError::Connect(ConnectError::PeerAuthFailed {
-                peer: peer(),
-            }));
-        }
+    if inner.token.is_some()
+        && (!auth_required || !exchange.check_server(inner.token.as_deref(), answer))
+    {
+        return Err(HandshakeError::Connect(ConnectError::PeerAuthFailed {
+            peer: peer(),
+        }));
     }
     // From here on the batch timeouts bound reads (a stalled connection is shut down).
     // Writes keep a deadline: an application thread (an engine's forward loop) that sends

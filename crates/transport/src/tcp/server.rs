@@ -209,31 +209,14 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
                 };
-                let (ok, answer) = match &inner.token {
-                    None => (true, None),
-                    Some(token) => {
-                        let want = wire::proof(
-                            token,
-                            b"client",
-                            &server_nonce,
-                            &client_nonce,
-                            &client_name,
-                            &inner.name,
-                        );
-                        let ok = proof.is_some_and(|p| wire::proofs_equal(&p, &want));
-                        let answer = ok.then(|| {
-                            wire::proof(
-                                token,
-                                b"server",
-                                &client_nonce,
-                                &server_nonce,
-                                &inner.name,
-                                &client_name,
-                            )
-                        });
-                        (ok, answer)
-                    }
-                };
+                let (ok, answer) = wire::Exchange {
+                    roles: wire::TCP_ROLES,
+                    server_nonce: &server_nonce,
+                    client_nonce: &client_nonce,
+                    client_name: &client_name,
+                    server_name: &inner.name,
+                }
+                .check_client(inner.token.as_deref(), proof);
                 if !ok {
                     // Counted before the answer, so a peer that sees the refusal sees it
                     // counted too.

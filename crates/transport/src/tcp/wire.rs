@@ -250,6 +250,93 @@ pub(crate) fn proof(
     mac.finalize().into_bytes().into()
 }
 
+/// The role labels of one kind of handshake: the client proves with `client`, the server
+/// answers with `server`. Distinct labels per kind keep a proof of one kind from being
+/// replayed in another.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Roles {
+    pub(crate) client: &'static [u8],
+    pub(crate) server: &'static [u8],
+}
+
+/// The TCP data connection's handshake.
+pub(crate) const TCP_ROLES: Roles = Roles {
+    client: b"client",
+    server: b"server",
+};
+
+/// The shared-memory socket's handshake.
+pub(crate) const SHM_ROLES: Roles = Roles {
+    client: b"shm-client",
+    server: b"shm-server",
+};
+
+/// One handshake's identities, as the client sees them: the nonces and names of both
+/// sides.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Exchange<'a> {
+    pub(crate) roles: Roles,
+    pub(crate) server_nonce: &'a Nonce,
+    pub(crate) client_nonce: &'a Nonce,
+    pub(crate) client_name: &'a str,
+    pub(crate) server_name: &'a str,
+}
+
+impl Exchange<'_> {
+    /// The client's proof (`None` without a token).
+    pub(crate) fn client_proof(&self, token: Option<&[u8]>) -> Option<[u8; 32]> {
+        token.map(|t| {
+            proof(
+                t,
+                self.roles.client,
+                self.server_nonce,
+                self.client_nonce,
+                self.client_name,
+                self.server_name,
+            )
+        })
+    }
+
+    /// The server's answer proof (`None` without a token).
+    pub(crate) fn server_proof(&self, token: Option<&[u8]>) -> Option<[u8; 32]> {
+        token.map(|t| {
+            proof(
+                t,
+                self.roles.server,
+                self.client_nonce,
+                self.server_nonce,
+                self.server_name,
+                self.client_name,
+            )
+        })
+    }
+
+    /// Server side: whether the client's `given` proof holds (always, without a token)
+    /// and, when it does, the answer proof to send back.
+    pub(crate) fn check_client(
+        &self,
+        token: Option<&[u8]>,
+        given: Option<[u8; 32]>,
+    ) -> (bool, Option<[u8; 32]>) {
+        match self.client_proof(token) {
+            None => (true, None),
+            Some(want) => {
+                let ok = given.is_some_and(|p| proofs_equal(&p, &want));
+                (ok, ok.then(|| self.server_proof(token)).flatten())
+            }
+        }
+    }
+
+    /// Client side: whether the server's `given` answer proof holds (`false` without a
+    /// token: nothing to check).
+    pub(crate) fn check_server(&self, token: Option<&[u8]>, given: Option<[u8; 32]>) -> bool {
+        match (self.server_proof(token), given) {
+            (Some(want), Some(got)) => proofs_equal(&got, &want),
+            _ => false,
+        }
+    }
+}
+
 /// Comparison of region keys without an early exit.
 pub(crate) fn keys_equal(a: u64, b: u64) -> bool {
     (a ^ b) == 0
