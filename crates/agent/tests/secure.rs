@@ -334,12 +334,6 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     ] {
         rogue.send_notif(peer, m)?;
     }
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    if std::env::var_os("KVLEASE_DEBUG_FORGE").is_some() {
-        eprintln!("{}", common::metrics(&c, &p).await?);
-        eprintln!("{}", common::metrics(&c, &d).await?);
-        eprintln!("{}", std::fs::read_to_string(&d.proc.log)?);
-    }
     common::wait_metric(
         &c,
         &p,
