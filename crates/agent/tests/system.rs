@@ -857,3 +857,59 @@ async fn prefill_restart_under_the_same_engine_id() -> Result<()> {
     assert_nothing_leaks(&c, &p, &d, Duration::from_secs(4)).await?;
     Ok(())
 }
+
+/// Clients that abort while their reads are in flight get their answer at once; D's
+/// blocks come back when the reads end (the shell keeps polling them for the core).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_during_reads_free_d_blocks() -> Result<()> {
+    let (c, p, d) = pd(
+        &["--num-blocks", "512"],
+        &[
+            "--num-blocks",
+            "512",
+            "--max-running",
+            "8",
+            "--step-ms",
+            "1",
+        ],
+        "abort-reads",
+    )
+    .await?;
+    // Long prompts: their reads take a while, so some aborts land while they run.
+    let long = |i: usize| format!("{} {}", prompt(i), "y".repeat(1500));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..24 {
+        let pa = do_prefill(&c, &p, &long(i)).await?;
+        let id = format!("abort-reads-{i}");
+        let body = json!({"prompt": long(i), "max_tokens": 50, "request_id": id,
+            "kv_transfer_params": pa["kv_transfer_params"]});
+        let (c2, url) = (c.clone(), d.url.clone());
+        tasks.spawn(async move { post(&c2, &url, &body).await });
+        tokio::time::sleep(Duration::from_millis(u64::try_from(i % 4).unwrap_or(0))).await;
+        c.post(format!("{}/v1/abort/{id}", d.url)).send().await?;
+    }
+    while let Some(r) = tasks.join_next().await {
+        let (s, v) = r??;
+        ensure!(
+            s == 200 || (s == 499 && v["error"]["type"] == "aborted"),
+            "{s} {v}"
+        );
+    }
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_blocks_held",
+        Duration::from_secs(10),
+        |v| v == 0.0,
+    )
+    .await?;
+    wait_metric(
+        &c,
+        &d,
+        "kvlease_requests_running",
+        Duration::from_secs(10),
+        |v| v == 0.0,
+    )
+    .await?;
+    Ok(())
+}

@@ -203,6 +203,9 @@ struct Req {
     load_started: Option<Instant>,
     /// Decoding: the text to stream, the next token, and the summary for the end.
     decoding: Option<(Vec<String>, usize, Summary)>,
+    /// The client has its answer (aborted while reads ran): the entry stays only so that
+    /// its batches are polled to the end and reported; the core frees the blocks then.
+    answered: bool,
 }
 
 /// The D engine; [`run`](Self::run) is its forward loop. It drives a [`DecodeCore`] (every
@@ -435,6 +438,7 @@ impl DecodeEngine {
                         posted: Vec::new(),
                         load_started: None,
                         decoding: None,
+                        answered: false,
                     },
                 );
                 Ok(())
@@ -632,7 +636,7 @@ impl DecodeEngine {
         let gone: Vec<RequestId> = self
             .reqs
             .iter()
-            .filter(|(_, r)| r.job.events.is_closed())
+            .filter(|(_, r)| !r.answered && r.job.events.is_closed())
             .map(|(id, _)| id.clone())
             .collect();
         for id in gone {
@@ -784,6 +788,9 @@ impl DecodeEngine {
             self.core.handle_batch_done(&id, i, r);
             self.drain_events();
         }
+        // Requests answered while their reads ran are gone once the reads ended.
+        self.reqs
+            .retain(|_, r| !r.answered || r.posted.iter().flatten().any(|p| !p.done));
     }
 
     /// Verifies a loaded request's bytes against its tokens and P's digest, then starts
@@ -917,11 +924,8 @@ impl DecodeEngine {
     }
 
     fn on_finished(&mut self, id: &RequestId, outcome: Outcome) {
-        let Some(req) = self.reqs.remove(id) else {
-            return;
-        };
         let event = match outcome {
-            Outcome::Done => match req.decoding {
+            Outcome::Done => match self.reqs.get_mut(id).and_then(|r| r.decoding.take()) {
                 Some((_, _, summary)) => DecodeEvent::Done(summary),
                 None => DecodeEvent::Failed(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -940,7 +944,17 @@ impl DecodeEngine {
             )),
             _ => DecodeEvent::Failed(ApiError::overloaded("the decode engine is shutting down")),
         };
+        let Some(req) = self.reqs.get_mut(id) else {
+            return;
+        };
         let _ = req.job.events.send(event);
+        // Reads still in flight write into the request's blocks: keep polling them, so
+        // that the core learns they ended and frees the blocks.
+        if req.posted.iter().flatten().any(|p| !p.done) {
+            req.answered = true;
+        } else {
+            self.reqs.remove(id);
+        }
     }
 
     /// The HTTP answer to a failed load, by `load_failure_policy`.
