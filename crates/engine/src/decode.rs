@@ -25,7 +25,8 @@ enum Phase {
     Waiting,
     Loading {
         blocks: Vec<BlockId>,
-        results: Vec<Option<BatchResult>>,
+        /// Per batch of the plan: the P worker it reads, and how it ended.
+        results: Vec<(u32, Option<BatchResult>)>,
     },
     Verifying {
         blocks: Vec<BlockId>,
@@ -431,14 +432,14 @@ impl DecodeCore {
         let Phase::Loading { results, .. } = &mut req.phase else {
             return;
         };
-        let Some(slot) = results.get_mut(batch) else {
+        let Some((_, slot)) = results.get_mut(batch) else {
             return;
         };
         if slot.is_some() {
             return;
         }
         *slot = Some(result);
-        if results.iter().any(Option::is_none) {
+        if results.iter().any(|(_, r)| r.is_none()) {
             return;
         }
         self.complete_load(request);
@@ -592,7 +593,7 @@ impl DecodeCore {
         if let Some(req) = self.reqs.get_mut(&id) {
             req.phase = Phase::Loading {
                 blocks,
-                results: vec![None; plan.batches.len()],
+                results: plan.batches.iter().map(|b| (b.p_rank, None)).collect(),
             };
         }
         Some(plan)
@@ -687,8 +688,7 @@ impl DecodeCore {
         }
         let mut bytes = 0;
         let mut failure = None;
-        for (i, r) in results.into_iter().enumerate() {
-            let p_rank = self.batch_rank(id, i);
+        for (p_rank, r) in results {
             match r {
                 Some(BatchResult::Done { bytes: n }) => bytes += n,
                 Some(BatchResult::Stale) => {
@@ -723,20 +723,6 @@ impl DecodeCore {
                 });
             }
         }
-    }
-
-    /// The P rank of batch `i` of `id`'s plan (for error messages).
-    fn batch_rank(&self, id: &RequestId, i: usize) -> u32 {
-        let Some(req) = self.reqs.get(id) else {
-            return 0;
-        };
-        let p_tp = match self.remotes.get(&req.remote.engine) {
-            Some(Remote::Ready(p)) => p.tp_size,
-            _ => req.remote.tp_size,
-        };
-        self.plan_batches(&req.remote, p_tp)
-            .get(i)
-            .map_or(0, |b| b.p_rank)
     }
 
     /// Ends a request: untracks it, tells P when it had not been read, reports the
