@@ -82,27 +82,74 @@ pub enum HostAllocError {
 /// on drop; its descriptor ([`DmaRegion::shared_fd`]) lets another process on this host
 /// map the same bytes read-only ([`SharedRegionView`]).
 pub struct HostRegion {
-    ptr: MapPtr,
+    map: Mapping,
     len: usize,
-    mapped_len: usize,
     pages: PageKind,
     /// The memfd behind the mapping (`mapped_len` bytes, sealed against shrinking).
     file: File,
 }
 
-/// The start of a [`HostRegion`]'s mapping: the only field that needs `unsafe impl
-/// Send/Sync`, so that the public type gets them from its fields.
-struct MapPtr(NonNull<u8>);
+/// A shared mapping of a whole file, unmapped (once) on drop: its start and the length
+/// mapped. The only type here that needs `unsafe impl Send/Sync`, so that [`HostRegion`]
+/// and [`SharedRegionView`] get them from their fields.
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
 
-// SAFETY: the pointer is the start of a mapping owned by exactly one `HostRegion` (other
-// processes may map the same file; that does not tie this mapping to a thread); mapped memory is not tied to the thread that mapped it, and the region
-// unmaps it (once, in Drop) from whichever thread drops it.
-unsafe impl Send for MapPtr {}
-// SAFETY: `&MapPtr` only yields the address. Every access to the bytes goes through raw
-// pointers under the `DmaRegion` rules (bounds-checked copies, atomic words, the `unsafe`
-// slice lenders with their own `# Safety` contract); no `&`/`&mut` to the bytes is tied
-// to a shared `&HostRegion`.
-unsafe impl Sync for MapPtr {}
+// SAFETY: the mapping is owned by exactly one `Mapping` (other processes may map the same
+// file; that does not tie this mapping to a thread); mapped memory is not tied to the
+// thread that mapped it, and it is unmapped once, in Drop, from whichever thread drops it.
+unsafe impl Send for Mapping {}
+// SAFETY: `&Mapping` only yields the address. Every access to the bytes goes through raw
+// pointers under the owner's rules: `HostRegion`'s `DmaRegion` contract (bounds-checked
+// copies, atomic words, the `unsafe` slice lenders with their own `# Safety`), or
+// `SharedRegionView`'s read-only copies and atomic loads. No `&`/`&mut` to the bytes is
+// tied to a shared `&Mapping`.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps all `len` bytes of `file` shared, with protection `prot`.
+    fn new(file: &File, len: usize, prot: libc::c_int) -> io::Result<Self> {
+        // SAFETY: a new shared mapping of `file` at a kernel-chosen address touches no
+        // existing memory; the result is checked against MAP_FAILED below. (For hugetlb
+        // files the kernel reserves the huge pages here, so this is where "none free"
+        // fails.)
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        Ok(Self { ptr, len })
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr..ptr + len` is exactly the mapping created in `new`, owned by
+        // `self`; its owner lends no pointer into it beyond its own life.
+        let rc = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            tracing::error!(%err, len = self.len, "munmap failed");
+            debug_assert!(false, "munmap failed: {err}");
+        }
+    }
+}
 
 impl HostRegion {
     /// Maps `len` bytes with [`HugePagePolicy::Try`].
@@ -128,12 +175,11 @@ impl HostRegion {
         if want_huge {
             let mapped_len = len.next_multiple_of(HUGE_PAGE_SIZE);
             match map_memfd(mapped_len, true) {
-                Ok((ptr, file)) => {
+                Ok((map, file)) => {
                     tracing::info!(len, mapped_len, "host region: explicit 2 MiB huge pages");
                     return Ok(Self {
-                        ptr: MapPtr(ptr),
+                        map,
                         len,
-                        mapped_len,
                         pages: PageKind::Huge2M,
                         file,
                     });
@@ -153,7 +199,7 @@ impl HostRegion {
             }
         }
         let mapped_len = len.next_multiple_of(PAGE_SIZE);
-        let (ptr, file) = map_memfd(mapped_len, false).map_err(|source| HostAllocError::Mmap {
+        let (map, file) = map_memfd(mapped_len, false).map_err(|source| HostAllocError::Mmap {
             len: mapped_len,
             pages: "normal pages",
             source,
@@ -162,7 +208,7 @@ impl HostRegion {
         if policy != HugePagePolicy::Never {
             // SAFETY: `ptr..ptr + mapped_len` is the mapping just created; madvise only
             // changes paging advice for it.
-            let rc = unsafe { libc::madvise(ptr.as_ptr().cast(), mapped_len, libc::MADV_HUGEPAGE) };
+            let rc = unsafe { libc::madvise(map.as_ptr().cast(), mapped_len, libc::MADV_HUGEPAGE) };
             if rc != 0 {
                 let err = io::Error::last_os_error();
                 tracing::info!(%err, "host region: MADV_HUGEPAGE refused; normal pages");
@@ -177,9 +223,8 @@ impl HostRegion {
         }
         tracing::info!(len, mapped_len, ?pages, "host region mapped");
         Ok(Self {
-            ptr: MapPtr(ptr),
+            map,
             len,
-            mapped_len,
             pages,
             file,
         })
@@ -192,7 +237,7 @@ impl HostRegion {
 
     /// Bytes actually mapped (the length rounded up to the page size).
     pub fn mapped_len(&self) -> usize {
-        self.mapped_len
+        self.map.len
     }
 }
 
@@ -209,7 +254,7 @@ fn shmem_thp_honours_advice() -> bool {
 
 /// Creates a memfd of `len` bytes (explicit 2 MiB pages when `huge`), seals its size and
 /// maps all of it shared, readable and writable.
-fn map_memfd(len: usize, huge: bool) -> io::Result<(NonNull<u8>, File)> {
+fn map_memfd(len: usize, huge: bool) -> io::Result<(Mapping, File)> {
     let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
         flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
@@ -229,46 +274,16 @@ fn map_memfd(len: usize, huge: bool) -> io::Result<(NonNull<u8>, File)> {
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: a new shared mapping of the whole file at a kernel-chosen address touches no
-    // existing memory; the result is checked against MAP_FAILED below. (For hugetlb files
-    // the kernel reserves the huge pages here, so this is where "none free" fails.)
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    let ptr = NonNull::new(ptr.cast::<u8>())
-        .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
-    Ok((ptr, file))
-}
-
-impl Drop for HostRegion {
-    fn drop(&mut self) {
-        // SAFETY: `ptr..ptr + mapped_len` is exactly the mapping created in `with_policy`,
-        // owned by `self`, and no borrow of it outlives `self`.
-        let rc = unsafe { libc::munmap(self.ptr.0.as_ptr().cast(), self.mapped_len) };
-        if rc != 0 {
-            let err = io::Error::last_os_error();
-            tracing::error!(%err, len = self.mapped_len, "munmap of a host region failed");
-            debug_assert!(false, "munmap failed: {err}");
-        }
-    }
+    let map = Mapping::new(&file, len, libc::PROT_READ | libc::PROT_WRITE)?;
+    Ok((map, file))
 }
 
 impl fmt::Debug for HostRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostRegion")
-            .field("ptr", &self.ptr.0)
+            .field("ptr", &self.map.ptr)
             .field("len", &self.len)
-            .field("mapped_len", &self.mapped_len)
+            .field("mapped_len", &self.map.len)
             .field("pages", &self.pages)
             .finish()
     }
@@ -278,7 +293,7 @@ impl fmt::Debug for HostRegion {
 // `len` bytes for as long as `self` lives (it is unmapped only in `drop`).
 unsafe impl DmaRegion for HostRegion {
     fn base_ptr(&self) -> *mut u8 {
-        self.ptr.0.as_ptr()
+        self.map.as_ptr()
     }
 
     fn len(&self) -> usize {
@@ -379,21 +394,9 @@ pub enum ShareError {
 /// file's size to be sealed (`F_SEAL_SHRINK`), so no later truncation can leave pages
 /// unbacked (`SIGBUS`), and the mapping keeps the pages alive after the owner unmaps them.
 pub struct SharedRegionView {
-    ptr: ViewPtr,
+    map: Mapping,
     len: usize,
-    mapped_len: usize,
 }
-
-/// The start of a [`SharedRegionView`]'s mapping.
-struct ViewPtr(NonNull<u8>);
-
-// SAFETY: the pointer is the start of a read-only mapping owned by exactly one
-// `SharedRegionView`; a mapping is not tied to the thread that created it, and it is
-// unmapped once, in Drop, from whichever thread drops the view.
-unsafe impl Send for ViewPtr {}
-// SAFETY: `&ViewPtr` only yields the address; the bytes are only read, through raw-pointer
-// copies and atomic loads (see "Concurrent writers" on `SharedRegionView`).
-unsafe impl Sync for ViewPtr {}
 
 impl SharedRegionView {
     /// Maps the file `fd` read-only and exposes its first `len` bytes. The descriptor is
@@ -440,33 +443,12 @@ impl SharedRegionView {
             .ok()
             .filter(|&l| l <= MAX_HOST_REGION + HUGE_PAGE_SIZE)
             .ok_or(ShareError::BadLength { len: file_len })?;
-        // SAFETY: a new read-only shared mapping of `file` at a kernel-chosen address
-        // touches no existing memory; the result is checked against MAP_FAILED below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                mapped_len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(ShareError::Io {
-                op: "mmap",
-                source: io::Error::last_os_error(),
-            });
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| ShareError::Io {
-            op: "mmap",
-            source: io::ErrorKind::OutOfMemory.into(),
-        })?;
+        let map = Mapping::new(&file, mapped_len, libc::PROT_READ)
+            .map_err(|source| ShareError::Io { op: "mmap", source })?;
         Ok(Self {
-            ptr: ViewPtr(ptr),
+            map,
             // `len <= file_len == mapped_len`, a `usize`.
             len: len as usize,
-            mapped_len,
         })
     }
 
@@ -492,12 +474,7 @@ impl SharedRegionView {
             }
         }
         // `offset <= self.len`, a `usize`.
-        Ok(self
-            .ptr
-            .0
-            .as_ptr()
-            .wrapping_add(offset as usize)
-            .cast_const())
+        Ok(self.map.as_ptr().wrapping_add(offset as usize).cast_const())
     }
 
     /// Copies `len` bytes at `offset` of this view into `dst` at `dst_offset` (a plain
@@ -545,25 +522,12 @@ impl SharedRegionView {
     }
 }
 
-impl Drop for SharedRegionView {
-    fn drop(&mut self) {
-        // SAFETY: `ptr..ptr + mapped_len` is exactly the mapping created in `map`, owned
-        // by `self`; no pointer into it outlives `self` (copies are done by then).
-        let rc = unsafe { libc::munmap(self.ptr.0.as_ptr().cast(), self.mapped_len) };
-        if rc != 0 {
-            let err = io::Error::last_os_error();
-            tracing::error!(%err, len = self.mapped_len, "munmap of a shared region view failed");
-            debug_assert!(false, "munmap failed: {err}");
-        }
-    }
-}
-
 impl fmt::Debug for SharedRegionView {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SharedRegionView")
-            .field("ptr", &self.ptr.0)
+            .field("ptr", &self.map.ptr)
             .field("len", &self.len)
-            .field("mapped_len", &self.mapped_len)
+            .field("mapped_len", &self.map.len)
             .finish()
     }
 }

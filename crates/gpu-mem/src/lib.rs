@@ -49,7 +49,7 @@ pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
 #[cfg(test)]
 mod tests {
     //! The public types cross threads (like tokio's `tests/async_send_sync.rs`): the
-    //! `unsafe impl Send/Sync` live only on private pointer types (`host::MapPtr`,
+    //! `unsafe impl Send/Sync` live only on private pointer types (`host::Mapping`,
     //! `cuda::PinnedPtr`), so these hold only as long as those stay correct.
     use super::*;
 
