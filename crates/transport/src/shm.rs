@@ -214,21 +214,14 @@ fn serve(inner: &Inner, mut s: UnixStream) -> Result<(), FrameError> {
     let mut b = Body(&body);
     let proof = b.proof()?;
     b.finish()?;
-    let (ok, answer) = wire::Exchange {
+    let exchange = wire::Exchange {
         roles: wire::SHM_ROLES,
         server_nonce: &server_nonce,
         client_nonce: &client_nonce,
         client_name: &client_name,
         server_name: &inner.name,
-    }
-    .check_client(inner.token.as_deref(), proof);
-    if !ok {
-        bump(&inner.counters.auth_failures);
-    }
-    s.write_all(&wire::frame(
-        wire::AUTH_RESULT,
-        &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
-    ))?;
+    };
+    let ok = crate::tcp::server::answer_client_proof(inner, &exchange, proof, &mut s)?;
     if !ok {
         tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
         return Ok(());

@@ -209,23 +209,14 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
                 };
-                let (ok, answer) = wire::Exchange {
+                let exchange = wire::Exchange {
                     roles: wire::TCP_ROLES,
                     server_nonce: &server_nonce,
                     client_nonce: &client_nonce,
                     client_name: &client_name,
                     server_name: &inner.name,
-                }
-                .check_client(inner.token.as_deref(), proof);
-                if !ok {
-                    // Counted before the answer, so a peer that sees the refusal sees it
-                    // counted too.
-                    bump(&inner.counters.auth_failures);
-                }
-                out.write_all(&wire::frame(
-                    wire::AUTH_RESULT,
-                    &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
-                ))?;
+                };
+                let ok = answer_client_proof(inner, &exchange, proof, &mut out)?;
                 if ok {
                     tracing::debug!(peer = %client_name, "inbound peer authenticated");
                     r.get_mut().authenticated()?;
@@ -356,4 +347,24 @@ fn serve_read(
         .bytes_served
         .fetch_add(len, Ordering::Relaxed);
     Ok(())
+}
+
+/// The server's side of a client's token proof: checks `given`, counts a failure
+/// (before answering, so a peer that sees the refusal sees it counted too), and writes
+/// the `AUTH_RESULT` frame with the server's own proof. Returns whether the proof held.
+pub(crate) fn answer_client_proof(
+    inner: &Inner,
+    exchange: &wire::Exchange<'_>,
+    given: Option<[u8; 32]>,
+    out: &mut impl Write,
+) -> io::Result<bool> {
+    let (ok, answer) = exchange.check_client(inner.token.as_deref(), given);
+    if !ok {
+        bump(&inner.counters.auth_failures);
+    }
+    out.write_all(&wire::frame(
+        wire::AUTH_RESULT,
+        &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
+    ))?;
+    Ok(ok)
 }
