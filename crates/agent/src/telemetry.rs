@@ -187,6 +187,19 @@ impl Visit for JsonVisitor {
     }
 }
 
+/// An error and its causes, `: `-joined, for logs and error messages (many errors'
+/// `Display` leaves the cause out).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use std::io;

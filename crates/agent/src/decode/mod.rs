@@ -46,6 +46,7 @@ use crate::shell::{
     EngineError, HandshakeFailure, Me, engine_of_peer, host_port, instance_now, rank_pool,
 };
 use crate::sidechannel;
+use crate::telemetry::error_chain;
 
 mod errors;
 mod hold;
@@ -971,18 +972,6 @@ impl DecodeEngine {
             _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "kv_load_error", message),
         }
     }
-}
-
-/// An error and its causes, `: `-joined, for a human.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
 }
 
 /// The HTTP answer to a refusal on arrival.

@@ -878,13 +878,7 @@ fn timeout_failure(message: &str) -> Failure {
 
 fn upstream_failure(kind: &str, url: &Url, error: &reqwest::Error) -> Failure {
     // Display of a reqwest error omits its cause ("error sending request"); add the chain.
-    let mut cause = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(inner) = source {
-        cause.push_str(": ");
-        cause.push_str(&inner.to_string());
-        source = inner.source();
-    }
+    let cause = crate::telemetry::error_chain(error);
     if error.is_timeout() {
         timeout_failure(&format!("{kind} {url} timed out: {cause}"))
     } else {
