@@ -298,8 +298,6 @@ pub struct PrefillCore<A> {
     claims: HashMap<RequestId, Claim<A>>,
     actions: VecDeque<PrefillAction<A>>,
     events: VecDeque<PrefillEvent>,
-    /// Blocks of released leases whose fence-clear action has not been polled yet.
-    unfenced: usize,
     stats: PrefillStats,
 }
 
@@ -331,7 +329,6 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             claims: HashMap::new(),
             actions: VecDeque::new(),
             events: VecDeque::new(),
-            unfenced: 0,
             stats: PrefillStats::default(),
             config,
         }
@@ -445,7 +442,13 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     ///
     /// Returns `None` while fence clears are undrained ([`poll_action`](Self::poll_action)).
     pub fn poll_prefill(&mut self, now: Timestamp) -> Option<PrefillStart> {
-        if self.unfenced > 0 {
+        // Released blocks return to the allocator only as their fence clears are polled:
+        // allocate nothing while one is pending.
+        if self
+            .actions
+            .iter()
+            .any(|a| matches!(a, PrefillAction::ClearFences { .. }))
+        {
             return None;
         }
         while let Some(head) = self.waiting.front() {
@@ -669,9 +672,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         let action = self.actions.pop_front()?;
         if let PrefillAction::ClearFences { released } = &action {
             // The shell publishes the free word now; from here the blocks may be reused.
-            self.unfenced -= 1;
-            let blocks = released.blocks.clone();
-            self.free(&blocks);
+            self.free(&released.blocks);
         }
         Some(action)
     }
@@ -743,7 +744,6 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                     None => notices.push((to, vec![notice])),
                 }
             }
-            self.unfenced += 1;
             self.actions.push_back(PrefillAction::ClearFences {
                 released: r.clone(),
             });
