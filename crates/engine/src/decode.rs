@@ -564,22 +564,16 @@ impl DecodeCore {
     /// [`blocks_short`](Self::blocks_short)).
     #[must_use]
     pub fn poll_load(&mut self) -> Option<LoadPlan> {
-        if self.running() >= self.config.max_running as usize {
-            return None;
-        }
-        let i = self.queue.iter().position(|id| {
-            self.reqs
-                .get(id)
-                .is_some_and(|r| self.is_ready(&r.remote.engine))
-        })?;
+        let i = self.next_schedulable()?;
         let id = self.queue.get(i)?.clone();
         let req = self.reqs.get(&id)?;
-        let blocks = self.alloc.alloc(req.remote.blocks.len()).ok()?;
-        self.queue.remove(i);
         let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
             return None;
         };
-        let batches = self.plan_batches(&req.remote, p.tp_size);
+        let p_tp = p.tp_size;
+        let blocks = self.alloc.alloc(req.remote.blocks.len()).ok()?;
+        self.queue.remove(i);
+        let batches = self.plan_batches(&req.remote, p_tp);
         let plan = LoadPlan {
             request: id.clone(),
             blocks: blocks.clone(),
@@ -599,16 +593,22 @@ impl DecodeCore {
     /// Blocks the first schedulable request needs beyond those free, or `None` (a shell
     /// with evictable cached blocks frees that many, then polls again).
     pub fn blocks_short(&self) -> Option<usize> {
+        let id = self.queue.get(self.next_schedulable()?)?;
+        let need = self.reqs.get(id)?.remote.blocks.len();
+        need.checked_sub(self.alloc.free_count()).filter(|&n| n > 0)
+    }
+
+    /// The queue position of the first request whose P engine is ready, while fewer than
+    /// `max_running` run.
+    fn next_schedulable(&self) -> Option<usize> {
         if self.running() >= self.config.max_running as usize {
             return None;
         }
-        let id = self.queue.iter().find(|id| {
+        self.queue.iter().position(|id| {
             self.reqs
-                .get(*id)
+                .get(id)
                 .is_some_and(|r| self.is_ready(&r.remote.engine))
-        })?;
-        let need = self.reqs.get(id)?.remote.blocks.len();
-        need.checked_sub(self.alloc.free_count()).filter(|&n| n > 0)
+        })
     }
 
     /// When to call [`poll_transmit`](Self::poll_transmit) next; `None` when nothing is
