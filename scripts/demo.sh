@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# kvlease demo: P, D and the proxy on localhost over TCP; requests with byte-exact digest
-# checks; D killed (-9) once with leases outstanding; P's reclaim measured; D restarted.
+# kvlease demo: P, D and the proxy on localhost; requests with byte-exact digest checks; D
+# killed (-9) once with leases outstanding; P's reclaim measured; D restarted.
 #
 #   scripts/demo.sh                      build (release) and run, ~1 minute
+#   DEMO_TRANSPORT=tcp scripts/demo.sh   the same over TCP (default auto: P and D share this
+#                                        host, so D reads P's memory over shared memory)
 #   DEMO_REQUESTS=200 DEMO_CONCURRENCY=4 DEMO_LEASE_S=3 scripts/demo.sh
 #   DEMO_PROFILE=debug scripts/demo.sh   use a debug build (faster to build, slower to run)
 #
 # Prints key=value lines, then a short summary. Exits non-zero when anything went wrong:
 # a failed or wrong answer outside the kill window, a digest mismatch, no lease
-# outstanding at the kill, a lease expiring while D is alive, or P not reclaiming within
-# extension + interval + 1 s.
+# outstanding at the kill, a lease expiring while D is alive, P not reclaiming within
+# extension + interval + 1 s, or reads moved by another backend than the one asked for
+# (auto on one host: shared memory).
 # Logs stay in the directory printed as demo.logs=.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,7 @@ REQUESTS=${DEMO_REQUESTS:-200}        # split over the phases before and after t
 CONCURRENCY=${DEMO_CONCURRENCY:-4}
 LEASE_S=${DEMO_LEASE_S:-3}            # kv_lease_duration: interval = /6, extension = 2/3
 PROFILE=${DEMO_PROFILE:-release}
+TRANSPORT=${DEMO_TRANSPORT:-auto}     # auto | shm | tcp (verbs needs an RDMA device)
 QUEUE=${DEMO_QUEUE:-16}               # long requests that wait in D's queue (phase 2)
 BURST=${DEMO_BURST:-12}               # long requests in flight when D is killed (phase 3)
 STEP_MS=10                            # D forward step; D runs 2 requests at a time
@@ -67,7 +71,7 @@ P_URL="http://127.0.0.1:$P_PORT"; D_URL="http://127.0.0.1:$D_PORT"; X_URL="http:
 kv_config() {
   printf '{"kv_connector":"kvlease","kv_role":"%s","kv_connector_extra_config":{"kv_lease_duration":%s}}' "$1" "$LEASE_S"
 }
-COMMON=(--host 127.0.0.1 --transport tcp --memory host)
+COMMON=(--host 127.0.0.1 --transport "$TRANSPORT" --memory host)
 
 start_d() {
   "$BIN/decode-agent" "${COMMON[@]}" --port "$D_PORT" --side-channel-port "$D_SIDE" \
@@ -94,6 +98,7 @@ OUT="$WORK/result.txt"
 emit() { echo "$1=$2" | tee -a "$OUT"; }
 emit demo.logs "$WORK"
 emit demo.lease_s "$LEASE_S"
+emit demo.transport "$TRANSPORT"
 
 BEFORE=$(( REQUESTS / 2 )); AFTER=$(( REQUESTS - BEFORE ))
 step "phase 1: $BEFORE requests, $CONCURRENCY concurrent"
@@ -166,6 +171,8 @@ emit p.heartbeat_unknown_ids "$(metric "$P_URL" kvlease_heartbeat_unknown_ids_to
 emit p.blocks_held_at_end "$(metric "$P_URL" kvlease_blocks_held)"
 emit d.heartbeats_sent "$(awk -v a="$D_HB_SENT" -v b="$(metric "$D_URL" kvlease_heartbeats_sent_total)" 'BEGIN { print a + b }')"
 emit d.stale_reads "$(metric "$D_URL" kvlease_stale_reads_total)"
+# The restarted D's reads (phase 4), by the backend that moved them.
+for b in shm tcp verbs; do emit "d.transfers_$b" "$(metric "$D_URL" "kvlease_transfers_total{backend=\"$b\"}")"; done
 emit proxy.retries "$(metric "$X_URL" kvlease_proxy_retries_total)"
 
 ok=1
@@ -174,6 +181,9 @@ awk -v w="$RECLAIM_WALL" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
   || { echo "demo: reclaim took ${RECLAIM_WALL}s > bound ${BOUND}s" >&2; ok=0; }
 [ "$(key reclaim.leases_expired)" -gt 0 ] 2>/dev/null || { echo "demo: no lease expired after the kill" >&2; ok=0; }
 [ "$(key queue.leases_expired)" = 0 ] || { echo "demo: leases expired while D was alive and queueing" >&2; ok=0; }
+case "$TRANSPORT" in auto) WANT=shm ;; *) WANT=$TRANSPORT ;; esac
+awk -v n="$(key "d.transfers_$WANT")" 'BEGIN { exit !(n > 0) }' \
+  || { echo "demo: no reads moved over $WANT (transport $TRANSPORT)" >&2; ok=0; }
 
 cat <<EOF
 
@@ -182,7 +192,8 @@ kvlease demo summary
     the restart, $(key burst.ok) of the $BURST in flight at the kill); every KV digest checked against the prompt
   queue: requests waited up to $(key queue.max_queue_ms) ms on D with a ${LEASE_S}s lease and
     $(key queue.leases_expired) leases expired (heartbeats kept them alive)
-  moved $BYTES KV bytes over TCP; $(key p.leases_granted) leases granted, renewed by
+  moved $BYTES KV bytes (transport $TRANSPORT; after the restart D read over shm $(key d.transfers_shm),
+    tcp $(key d.transfers_tcp), verbs $(key d.transfers_verbs) times); $(key p.leases_granted) leases granted, renewed by
     $(key p.heartbeats_received) heartbeats ($(key p.lease_extensions) extensions)
   killed D with $LEASES_AT_KILL leases / $HELD_AT_KILL blocks outstanding on P:
     P reclaimed them ${RECLAIM_WALL}s after the kill (bound ${BOUND}s for a ${LEASE_S}s lease;

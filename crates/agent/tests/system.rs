@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use common::{
     Agent, SHAPE, agent_command, client, free_port, log_path, metric, metric_of, metrics,
-    post_completion, wait_healthy, wait_metric,
+    post_completion, transport, wait_healthy, wait_metric,
 };
 use kvlease_agent::kv;
 use serde_json::{Value, json};
@@ -99,6 +99,18 @@ fn check_answer(prompt: &str, max_tokens: u32, p_answer: &Value, d: &Value) -> R
     // Every block of every layer, K and V, every head, block_size × head_dim bf16.
     let full = blocks * 2 * 2 * 4 * 16 * 64 * 2;
     ensure!(bytes == full, "moved {bytes} bytes, expected {full}");
+    // The backend D reports is the one the agents were started on (shm on one host for
+    // `auto` with host memory), so the shm rerun of these tests really reads over shm.
+    let want_backend = match transport().as_str() {
+        "auto" | "shm" => "shm",
+        other => other,
+    }
+    .to_owned();
+    ensure!(
+        d["kv_transfer_stats"]["backend"] == want_backend,
+        "read over {}, expected {want_backend}",
+        d["kv_transfer_stats"]["backend"]
+    );
     Ok(())
 }
 

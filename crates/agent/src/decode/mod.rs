@@ -809,14 +809,12 @@ impl DecodeEngine {
                 self.core.handle_verified(id, Err(cause));
             }
             Ok(digest) => {
-                // One transfer per request: verbs when every batch of it went over verbs.
-                let backend = if req
-                    .posted
-                    .iter()
-                    .flatten()
-                    .all(|b| b.backend == kvlease_transport::Backend::Verbs)
-                {
-                    kvlease_transport::Backend::Verbs
+                // One transfer per request, under the backend of its links when every
+                // batch of it went over the same one (shm or verbs); mixed counts as TCP.
+                let mut backends = req.posted.iter().flatten().map(|b| b.backend);
+                let first = backends.next().unwrap_or(kvlease_transport::Backend::Tcp);
+                let backend = if backends.all(|b| b == first) {
+                    first
                 } else {
                     kvlease_transport::Backend::Tcp
                 };
