@@ -13,6 +13,7 @@
 //! *shmem* setting (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`) rather than the
 //! anonymous one; [`HostRegion::pages`] reports what the setting allows.
 
+use std::ffi::CStr;
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -92,7 +93,7 @@ pub struct HostRegion {
 /// A shared mapping of a whole file, unmapped (once) on drop: its start and the length
 /// mapped. The only type here that needs `unsafe impl Send/Sync`, so that [`HostRegion`]
 /// and [`SharedRegionView`] get them from their fields.
-struct Mapping {
+pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -110,7 +111,7 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps all `len` bytes of `file` shared, with protection `prot`.
-    fn new(file: &File, len: usize, prot: libc::c_int) -> io::Result<Self> {
+    pub(crate) fn new(file: &File, len: usize, prot: libc::c_int) -> io::Result<Self> {
         // SAFETY: a new shared mapping of `file` at a kernel-chosen address touches no
         // existing memory; the result is checked against MAP_FAILED below. (For hugetlb
         // files the kernel reserves the huge pages here, so this is where "none free"
@@ -133,8 +134,13 @@ impl Mapping {
         Ok(Self { ptr, len })
     }
 
-    fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 }
 
@@ -174,7 +180,7 @@ impl HostRegion {
         let want_huge = matches!(policy, HugePagePolicy::Try | HugePagePolicy::Require);
         if want_huge {
             let mapped_len = len.next_multiple_of(HUGE_PAGE_SIZE);
-            match map_memfd(mapped_len, true) {
+            match map_memfd(c"kvlease-host", mapped_len, true) {
                 Ok((map, file)) => {
                     tracing::info!(len, mapped_len, "host region: explicit 2 MiB huge pages");
                     return Ok(Self {
@@ -199,7 +205,7 @@ impl HostRegion {
             }
         }
         let mapped_len = len.next_multiple_of(PAGE_SIZE);
-        let (map, file) = map_memfd(mapped_len, false).map_err(|source| HostAllocError::Mmap {
+        let (map, file) = map_memfd(c"kvlease-host", mapped_len, false).map_err(|source| HostAllocError::Mmap {
             len: mapped_len,
             pages: "normal pages",
             source,
@@ -254,14 +260,14 @@ fn shmem_thp_honours_advice() -> bool {
 
 /// Creates a memfd of `len` bytes (explicit 2 MiB pages when `huge`), seals its size and
 /// maps all of it shared, readable and writable.
-fn map_memfd(len: usize, huge: bool) -> io::Result<(Mapping, File)> {
+pub(crate) fn map_memfd(name: &CStr, len: usize, huge: bool) -> io::Result<(Mapping, File)> {
     let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
         flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
     }
-    // SAFETY: the name is a NUL-terminated literal; memfd_create touches no memory of ours
-    // and returns a new descriptor or -1.
-    let fd = unsafe { libc::memfd_create(c"kvlease-host".as_ptr(), flags) };
+    // SAFETY: the name is a NUL-terminated string that outlives the call; memfd_create
+    // reads only it and returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -410,33 +416,7 @@ impl SharedRegionView {
         if len == 0 || len > MAX_HOST_REGION as u64 {
             return Err(ShareError::BadLength { len });
         }
-        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own reads no memory of ours.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            let source = io::Error::last_os_error();
-            return Err(if source.raw_os_error() == Some(libc::EINVAL) {
-                ShareError::NotSealed
-            } else {
-                ShareError::Io {
-                    op: "fcntl(F_GET_SEALS)",
-                    source,
-                }
-            });
-        }
-        if seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(ShareError::NotSealed);
-        }
-        let file = File::from(fd);
-        let file_len = file
-            .metadata()
-            .map_err(|source| ShareError::Io {
-                op: "fstat",
-                source,
-            })?
-            .len();
-        if file_len < len {
-            return Err(ShareError::TooShort { file_len, len });
-        }
+        let (file, file_len) = sealed_file(fd, len)?;
         // Map the whole file (a hugetlb file maps only in whole huge pages); it is at most
         // a few pages longer than `len`, which is at most MAX_HOST_REGION.
         let mapped_len = usize::try_from(file_len)
@@ -520,6 +500,39 @@ impl SharedRegionView {
         let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr.cast_mut().cast()) };
         Ok(word.load(std::sync::atomic::Ordering::Acquire))
     }
+}
+
+/// Checks that `fd` is a file whose size is sealed against shrinking and that holds at
+/// least `len` bytes; returns it with its size.
+pub(crate) fn sealed_file(fd: OwnedFd, len: u64) -> Result<(File, u64), ShareError> {
+    // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own reads no memory of ours.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        let source = io::Error::last_os_error();
+        return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+            ShareError::NotSealed
+        } else {
+            ShareError::Io {
+                op: "fcntl(F_GET_SEALS)",
+                source,
+            }
+        });
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(ShareError::NotSealed);
+    }
+    let file = File::from(fd);
+    let file_len = file
+        .metadata()
+        .map_err(|source| ShareError::Io {
+            op: "fstat",
+            source,
+        })?
+        .len();
+    if file_len < len {
+        return Err(ShareError::TooShort { file_len, len });
+    }
+    Ok((file, file_len))
 }
 
 impl fmt::Debug for SharedRegionView {
