@@ -137,11 +137,6 @@ impl Mapping {
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
-
-    /// Bytes mapped.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
 }
 
 impl Drop for Mapping {
@@ -205,10 +200,12 @@ impl HostRegion {
             }
         }
         let mapped_len = len.next_multiple_of(PAGE_SIZE);
-        let (map, file) = map_memfd(c"kvlease-host", mapped_len, false).map_err(|source| HostAllocError::Mmap {
-            len: mapped_len,
-            pages: "normal pages",
-            source,
+        let (map, file) = map_memfd(c"kvlease-host", mapped_len, false).map_err(|source| {
+            HostAllocError::Mmap {
+                len: mapped_len,
+                pages: "normal pages",
+                source,
+            }
         })?;
         let mut pages = PageKind::Normal;
         if policy != HugePagePolicy::Never {

@@ -46,8 +46,8 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::host::{Mapping, map_memfd, sealed_file};
 use crate::ShareError;
+use crate::host::{Mapping, map_memfd, sealed_file};
 
 /// Bytes before the data area (one page: the index words, each on its own cache line).
 pub const RING_HEADER_LEN: usize = 4096;
@@ -260,10 +260,12 @@ impl RingReader {
     /// [`RingError::BadCapacity`], [`RingError::BadMaxRecord`], [`RingError::Io`].
     pub fn new(capacity: usize, max_record: usize) -> Result<Self, RingError> {
         validate(capacity as u64, max_record as u64)?;
-        let (map, file) = map_memfd(c"kvlease-ring", RING_HEADER_LEN + capacity, false)
-            .map_err(|source| RingError::Io {
-                op: "creating the ring's memfd",
-                source,
+        let (map, file) =
+            map_memfd(c"kvlease-ring", RING_HEADER_LEN + capacity, false).map_err(|source| {
+                RingError::Io {
+                    op: "creating the ring's memfd",
+                    source,
+                }
             })?;
         let shared = Shared {
             map,
@@ -324,7 +326,10 @@ impl RingReader {
         let avail = tail.wrapping_sub(self.head);
         if avail > self.shared.capacity || !tail.is_multiple_of(8) {
             self.close();
-            return Err(corrupt("the tail is not within one ring of the head", self.head));
+            return Err(corrupt(
+                "the tail is not within one ring of the head",
+                self.head,
+            ));
         }
         let mut pos = self.head;
         let mut delivered = 0;
@@ -415,12 +420,13 @@ impl RingWriter {
         let len = RING_HEADER_LEN + capacity as usize;
         let (file, _) = sealed_file(fd, len as u64).map_err(RingError::File)?;
         // Only the ring's bytes are mapped, whatever the file's (sealed) size.
-        let map = Mapping::new(&file, len, libc::PROT_READ | libc::PROT_WRITE).map_err(
-            |source| RingError::Io {
-                op: "mapping the ring",
-                source,
-            },
-        )?;
+        let map =
+            Mapping::new(&file, len, libc::PROT_READ | libc::PROT_WRITE).map_err(|source| {
+                RingError::Io {
+                    op: "mapping the ring",
+                    source,
+                }
+            })?;
         Ok(Self {
             shared: Shared { map, capacity },
             max_record,
@@ -478,7 +484,9 @@ impl RingWriter {
         self.shared
             .copy_in(self.tail.wrapping_add(RING_RECORD_HEADER as u64), bytes);
         self.tail = self.tail.wrapping_add(need);
-        self.shared.word(TAIL_AT).store(self.tail, Ordering::Release);
+        self.shared
+            .word(TAIL_AT)
+            .store(self.tail, Ordering::Release);
         Ok(())
     }
 }
@@ -505,8 +513,7 @@ mod tests {
     fn pair(capacity: usize, max_record: usize) -> (RingReader, RingWriter) {
         let reader = RingReader::new(capacity, max_record).expect("ring");
         let fd = reader.fd().try_clone_to_owned().expect("dup");
-        let writer =
-            RingWriter::map(fd, capacity as u64, max_record as u64).expect("writer maps");
+        let writer = RingWriter::map(fd, capacity as u64, max_record as u64).expect("writer maps");
         (reader, writer)
     }
 
@@ -554,10 +561,7 @@ mod tests {
         let (mut r, mut w) = pair(4096, 4088);
         // The largest record fills the ring exactly.
         w.try_push(&[7; 4088]).expect("fits exactly");
-        assert_eq!(
-            w.try_push(&[]),
-            Err(PushError::Full { need: 8, free: 0 })
-        );
+        assert_eq!(w.try_push(&[]), Err(PushError::Full { need: 8, free: 0 }));
         assert_eq!(
             w.try_push(&[0; 4089]),
             Err(PushError::TooLarge {

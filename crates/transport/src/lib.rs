@@ -44,6 +44,7 @@ mod batch;
 mod config;
 mod error;
 pub mod metadata;
+mod notify;
 mod shm;
 mod tcp;
 
