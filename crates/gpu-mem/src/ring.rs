@@ -47,7 +47,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ShareError;
-use crate::host::{Mapping, map_memfd, sealed_file};
+use crate::host::{Mapping, Writers, map_memfd, sealed_file};
 
 /// Bytes before the data area (one page: the index words, each on its own cache line).
 pub const RING_HEADER_LEN: usize = 4096;
@@ -260,13 +260,16 @@ impl RingReader {
     /// [`RingError::BadCapacity`], [`RingError::BadMaxRecord`], [`RingError::Io`].
     pub fn new(capacity: usize, max_record: usize) -> Result<Self, RingError> {
         validate(capacity as u64, max_record as u64)?;
-        let (map, file) =
-            map_memfd(c"kvlease-ring", RING_HEADER_LEN + capacity, false).map_err(|source| {
-                RingError::Io {
-                    op: "creating the ring's memfd",
-                    source,
-                }
-            })?;
+        let (map, file) = map_memfd(
+            c"kvlease-ring",
+            RING_HEADER_LEN + capacity,
+            false,
+            Writers::AnyHolder,
+        )
+        .map_err(|source| RingError::Io {
+            op: "creating the ring's memfd",
+            source,
+        })?;
         let shared = Shared {
             map,
             capacity: capacity as u64,

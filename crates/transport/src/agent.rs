@@ -565,6 +565,9 @@ impl Agent {
             }
             self.inner.set_backend_metadata("verbs", Some(v.metadata()));
         }
+        if let Some(shm) = lock(&self.inner.shm).as_ref() {
+            shm.grant(desc.id, region.as_ref());
+        }
         self.inner
             .regions
             .write()
@@ -635,7 +638,9 @@ impl Agent {
     }
 
     /// Removes a registration: later reads of it are refused (reads being served right
-    /// now finish; they hold their own reference to the memory).
+    /// now finish; they hold their own reference to the memory). Same-host peers that
+    /// mapped the region over shared memory refuse batches that read it posted from now
+    /// on (copies already running finish; their mapping keeps the pages).
     ///
     /// # Errors
     /// [`RegisterError::Unknown`] when `id` is not registered.
@@ -650,8 +655,12 @@ impl Agent {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&id.0)
-            .map(drop)
-            .ok_or(RegisterError::Unknown(id))
+            .ok_or(RegisterError::Unknown(id))?;
+        // Same-host peers that mapped the region refuse to read it from now on.
+        if let Some(shm) = lock(&self.inner.shm).as_ref() {
+            shm.revoke(id.0);
+        }
+        Ok(())
     }
 
     /// This agent's metadata (versioned JSON, see [`crate::metadata`]): name, TCP

@@ -448,8 +448,7 @@ fn shm_pair(token: Option<&[u8]>) -> Result<(Agent, Agent, kvlease_transport::Pe
 }
 
 #[test]
-fn many_notifications_cross_the_ring_in_order_with_max_size_ones_and_wrap_around() -> Result<()>
-{
+fn many_notifications_cross_the_ring_in_order_with_max_size_ones_and_wrap_around() -> Result<()> {
     let (p, d, peer) = shm_pair(Some(b"tok"))?;
     let max = kvlease_transport::DEFAULT_MAX_NOTIF_LEN;
     // Far more bytes than the ring holds (2 MiB): it wraps around many times, and the
@@ -491,7 +490,11 @@ fn many_notifications_cross_the_ring_in_order_with_max_size_ones_and_wrap_around
     sender.join().expect("sender thread")?;
     ensure!(got.len() == n as usize, "{} of {n} arrived", got.len());
     for (i, m) in got.iter().enumerate() {
-        ensure!(*m == msg(i as u32), "notification {i} differs (len {})", m.len());
+        ensure!(
+            *m == msg(i as u32),
+            "notification {i} differs (len {})",
+            m.len()
+        );
     }
     ensure!(p.stats().notifs_received == u64::from(n));
     ensure!(p.stats().notif_rings_corrupt == 0);
@@ -510,7 +513,10 @@ fn a_full_ring_is_a_typed_error_and_drains_in_order() -> Result<()> {
             Ok(()) => sent += 1,
             Err(e) => break e,
         }
-        ensure!(sent < 1000, "the ring never filled: notifications go elsewhere");
+        ensure!(
+            sent < 1000,
+            "the ring never filled: notifications go elsewhere"
+        );
     };
     match err {
         TransferError::NotifRingFull { len, capacity, .. } => {
@@ -604,8 +610,12 @@ fn a_batch_notification_comes_after_its_data_and_keeps_its_order() -> Result<()>
 
 /// A raw client on P's shm socket (no token), as a malicious peer would run it: the
 /// handshake, then every frame with its descriptors until `SHM_END`. Returns the socket
-/// (kept open: P keeps the ring while it is) and the ring's file with its capacity.
-fn raw_shm_client(p: &Agent, name: &str) -> Result<(UnixStream, std::fs::File, u64, u64)> {
+/// (kept open: P keeps the ring while it is), the ring's file with its capacity and
+/// largest record, and the regions' files.
+fn raw_shm_client(
+    p: &Agent,
+    name: &str,
+) -> Result<(UnixStream, std::fs::File, u64, u64, Vec<std::fs::File>)> {
     let meta = decode_metadata(&p.metadata())?;
     let socket = meta.backends["shm"]["socket"]
         .as_str()
@@ -631,6 +641,7 @@ fn raw_shm_client(p: &Agent, name: &str) -> Result<(UnixStream, std::fs::File, u
     s.read_exact(&mut body)?;
     ensure!(body[0] == 1, "refused");
     let mut ring = None;
+    let mut regions = Vec::new();
     loop {
         let mut header = [0u8; 5];
         let (n, mut fds) = recv_with_fds(s.as_fd(), &mut header)?;
@@ -643,13 +654,15 @@ fn raw_shm_client(p: &Agent, name: &str) -> Result<(UnixStream, std::fs::File, u
                 let max = u64::from_le_bytes(body[8..16].try_into()?);
                 ring = Some((std::fs::File::from(fds.pop().context("ring fd")?), cap, max));
             }
-            9 => {}
+            9 => regions.push(std::fs::File::from(fds.pop().context("region fd")?)),
+            // The grant table.
+            12 => {}
             10 => break,
             t => bail!("frame type {t}"),
         }
     }
     let (file, cap, max) = ring.context("no SHM_RING frame")?;
-    Ok((s, file, cap, max))
+    Ok((s, file, cap, max, regions))
 }
 
 const RING_TAIL: u64 = 64;
@@ -659,8 +672,21 @@ const RING_DATA: u64 = kvlease_gpu_mem::RING_HEADER_LEN as u64;
 fn hostile_ring_contents_close_that_ring_without_over_reading() -> Result<()> {
     use std::os::unix::fs::FileExt;
     let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(8192, 8);
+    p.register(src.clone())?;
     // A well-behaved record through the raw ring first: P reads the ring it handed over.
-    let (_s, ring, cap, max) = raw_shm_client(&p, "evil")?;
+    let (_s, ring, cap, max, regions) = raw_shm_client(&p, "evil")?;
+    // P's memory is the peer's to read, not to write.
+    let [region] = &regions[..] else {
+        bail!("{} regions handed over", regions.len());
+    };
+    ensure!(
+        region.write_all_at(b"evil", 0).is_err(),
+        "a peer wrote P's memory"
+    );
+    ensure!(
+        bytes_of(src.as_ref(), 0, 8192) == (0..8192).map(|i| pattern(8, i)).collect::<Vec<_>>()
+    );
     ensure!(cap.is_power_of_two() && max == kvlease_transport::DEFAULT_MAX_NOTIF_LEN as u64);
     ring.write_all_at(&5u64.to_le_bytes(), RING_DATA)?;
     ring.write_all_at(b"hello", RING_DATA + 8)?;
@@ -677,7 +703,7 @@ fn hostile_ring_contents_close_that_ring_without_over_reading() -> Result<()> {
         ("record past the tail", 100, 16),
     ];
     for (i, (what, len_word, tail)) in cases.into_iter().enumerate() {
-        let (mut s, ring, _, _) = raw_shm_client(&p, "evil")?;
+        let (mut s, ring, ..) = raw_shm_client(&p, "evil")?;
         ring.write_all_at(&len_word.to_le_bytes(), RING_DATA)?;
         ring.write_all_at(&tail.to_le_bytes(), RING_TAIL)?;
         let got = p.get_new_notifs();
@@ -711,5 +737,67 @@ fn a_closed_link_leaves_its_last_notifications_then_its_ring() -> Result<()> {
     d.disconnect(peer)?;
     ensure!(notifs(&p, 10, LIMIT) == (0..10u8).map(|i| vec![i]).collect::<Vec<_>>());
     ensure!(p.stats().notif_rings_corrupt == 0);
+    Ok(())
+}
+
+#[test]
+fn a_region_deregistered_after_connect_is_refused_over_shm() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(1 << 20, 4);
+    let desc = p.register(src.clone())?;
+    let kept = p.register(filled(1 << 20, 5))?;
+    let d = agent("d", BackendChoice::Shm, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&p.metadata())?;
+    let one = |from: &RegionDesc| ReadBatch {
+        ops: vec![read(dst_id, 0, 4096, from, 0)],
+        ..ReadBatch::default()
+    };
+    match wait(&d, d.post_read(peer, one(&desc), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+        other => bail!("{other:?}"),
+    }
+    p.deregister(RegionId(desc.id))?;
+    // The slot is reused by a region registered later: the old id is still refused.
+    let later = p.register(filled(1 << 20, 6))?;
+    match wait(&d, d.post_read(peer, one(&desc), LIMIT)?)? {
+        BatchStatus::Failed(TransferError::Refused {
+            reason: Refusal::UnknownRegion,
+            ..
+        }) => {}
+        other => bail!("a deregistered region was read: {other:?}"),
+    }
+    // As a fence too.
+    let fenced = ReadBatch {
+        fence: Some(FenceRead {
+            remote: desc.at(0),
+            expected: 0,
+        }),
+        ..one(&kept)
+    };
+    ensure!(matches!(
+        wait(&d, d.post_read(peer, fenced, LIMIT)?)?,
+        BatchStatus::Failed(TransferError::Refused {
+            reason: Refusal::UnknownRegion,
+            ..
+        })
+    ));
+    // The regions still registered are read as before; the later one (not handed over
+    // at connect) over TCP.
+    match wait(&d, d.post_read(peer, one(&kept), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+        other => bail!("{other:?}"),
+    }
+    let mut later_desc = later;
+    later_desc.base = 0;
+    match wait(&d, d.post_read(peer, one(&later_desc), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Tcp),
+        other => bail!("{other:?}"),
+    }
+    ensure!(
+        bytes_of(dst.as_ref(), 0, 4096) == (0..4096).map(|i| pattern(6, i)).collect::<Vec<_>>()
+    );
+    drop(src);
     Ok(())
 }

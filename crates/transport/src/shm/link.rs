@@ -37,6 +37,8 @@ const RING_FULL_SLEEP: Duration = Duration::from_micros(50);
 #[derive(Debug)]
 pub(super) struct MappedRegion {
     key: u64,
+    /// Its slot in the peer's grant table.
+    slot: u64,
     pub(super) view: SharedRegionView,
 }
 
@@ -105,6 +107,8 @@ pub(super) struct Core {
     pub(super) peer: String,
     pub(super) tcp: Arc<TcpLink>,
     regions: HashMap<u64, Arc<MappedRegion>>,
+    /// The peer's grant table, mapped read-only: slot → registered region id.
+    grants: SharedRegionView,
 }
 
 impl Core {
@@ -147,15 +151,24 @@ impl Core {
         self.tcp.advance(batch, next);
     }
 
-    /// The fence word at `remote` (checked like a data read), or why it was refused.
-    fn fence_word(&self, remote: RemoteRange) -> Result<u64, Refusal> {
-        let r = self
-            .regions
-            .get(&remote.region)
-            .ok_or(Refusal::UnknownRegion)?;
-        if !wire::keys_equal(r.key, remote.key) {
+    /// The peer's mapped region `region`, if the peer still has it registered (its
+    /// grant-table slot still names it), under `key`.
+    fn region(&self, region: u64, key: u64) -> Result<&Arc<MappedRegion>, Refusal> {
+        let r = self.regions.get(&region).ok_or(Refusal::UnknownRegion)?;
+        // An acquire load: the peer's deregistration (its store of 0, or of another id
+        // after the slot was reused) is seen by every batch posted after it.
+        if r.slot.checked_mul(8).map(|at| self.grants.load_u64(at)) != Some(Ok(region)) {
+            return Err(Refusal::UnknownRegion);
+        }
+        if !wire::keys_equal(r.key, key) {
             return Err(Refusal::BadKey);
         }
+        Ok(r)
+    }
+
+    /// The fence word at `remote` (checked like a data read), or why it was refused.
+    fn fence_word(&self, remote: RemoteRange) -> Result<u64, Refusal> {
+        let r = self.region(remote.region, remote.key)?;
         // Out of bounds, or not 8-aligned (fence words are FenceTable slots).
         r.view
             .load_u64(remote.offset)
@@ -171,10 +184,7 @@ impl Core {
         offset: u64,
         len: u64,
     ) -> Result<&Arc<MappedRegion>, Refusal> {
-        let r = self.regions.get(&region).ok_or(Refusal::UnknownRegion)?;
-        if !wire::keys_equal(r.key, key) {
-            return Err(Refusal::BadKey);
-        }
+        let r = self.region(region, key)?;
         if offset
             .checked_add(len)
             .is_none_or(|end| end > r.view.len() as u64)
@@ -228,7 +238,11 @@ pub(crate) fn connect(
     s.set_write_timeout(Some(inner.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
     handshake(inner, meta, &mut s)?;
-    let (regions, ring) = receive_handover(&mut s)?;
+    let Handover {
+        grants,
+        regions,
+        ring,
+    } = receive_handover(&mut s)?;
     let has_ring = ring.is_some();
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
@@ -241,6 +255,7 @@ pub(crate) fn connect(
             peer: meta.name.clone(),
             tcp,
             regions,
+            grants,
         }),
         ring: has_ring,
         sock: s,
@@ -324,15 +339,22 @@ fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<
     Ok(())
 }
 
-type Handover = (HashMap<u64, Arc<MappedRegion>>, Option<RingWriter>);
+/// What P hands over after the proof.
+struct Handover {
+    grants: SharedRegionView,
+    regions: HashMap<u64, Arc<MappedRegion>>,
+    ring: Option<RingWriter>,
+}
 
-/// Receives at most one `SHM_RING` and `SHM_REGION` frames (each with its memfd) until
-/// `SHM_END`, mapping each.
+/// Receives `SHM_GRANTS` first, then at most one `SHM_RING` and `SHM_REGION` frames (each
+/// with its memfd) until `SHM_END`, mapping each.
 fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
     let io = |source| LinkError::ShmSocket {
         op: "receiving regions",
         source,
     };
+    let malformed = |what| LinkError::ShmMalformed { what };
+    let mut grants: Option<SharedRegionView> = None;
     let mut regions = HashMap::new();
     let mut ring = None;
     loop {
@@ -348,59 +370,75 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
             got += n;
             fds.extend(more);
         }
-        let allowed: &[u8] = if ring.is_none() {
-            &[wire::SHM_RING, wire::SHM_REGION, wire::SHM_END]
-        } else {
-            &[wire::SHM_REGION, wire::SHM_END]
+        let allowed: &[u8] = match (&grants, &ring) {
+            (None, _) => &[wire::SHM_GRANTS],
+            (Some(_), None) => &[wire::SHM_RING, wire::SHM_REGION, wire::SHM_END],
+            (Some(_), Some(_)) => &[wire::SHM_REGION, wire::SHM_END],
         };
-        let (ty, len) = wire::read_header(&mut &header[..], allowed, |ty| match ty {
+        let body_len = |ty| match ty {
             wire::SHM_REGION => wire::SHM_REGION_LEN,
             wire::SHM_RING => wire::SHM_RING_LEN,
+            wire::SHM_GRANTS => wire::SHM_GRANTS_LEN,
             _ => 0,
-        })
-        .map_err(frame_err)?;
-        if ty == wire::SHM_END {
-            return Ok((regions, ring));
+        };
+        let (ty, len) =
+            wire::read_header(&mut &header[..], allowed, body_len).map_err(frame_err)?;
+        if len != body_len(ty) {
+            return Err(malformed("an shm hand-over frame of the wrong length"));
         }
         let mut body = [0u8; wire::SHM_REGION_LEN];
-        let want = if ty == wire::SHM_RING {
-            wire::SHM_RING_LEN
-        } else {
-            wire::SHM_REGION_LEN
-        };
-        if len != want {
-            return Err(LinkError::ShmMalformed {
-                what: "short SHM_REGION or SHM_RING frame",
+        let body = &mut body[..len];
+        s.read_exact(body).map_err(io)?;
+        if ty == wire::SHM_END {
+            let grants = grants.ok_or_else(|| malformed("no grant table"))?;
+            return Ok(Handover {
+                grants,
+                regions,
+                ring,
             });
         }
-        s.read_exact(&mut body[..want]).map_err(io)?;
         let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
-            return Err(LinkError::ShmMalformed {
-                what: "SHM_REGION or SHM_RING frame without exactly one descriptor",
-            });
+            return Err(malformed(
+                "an shm hand-over frame without exactly one descriptor",
+            ));
         };
-        let mut b = Body(&body[..want]);
-        if ty == wire::SHM_RING {
-            let (capacity, max_record) = (b.u64().map_err(frame_err)?, b.u64().map_err(frame_err)?);
-            ring = Some(
-                RingWriter::map(fd, capacity, max_record)
-                    .map_err(|source| LinkError::ShmRing { source })?,
-            );
-            continue;
+        let mut b = Body(body);
+        let mut word = || b.u64().map_err(frame_err);
+        match ty {
+            wire::SHM_GRANTS => {
+                let table_len = word()?;
+                if table_len == 0
+                    || !table_len.is_multiple_of(8)
+                    || table_len > (MAX_REGIONS * 8) as u64
+                {
+                    return Err(malformed("a grant table of an impossible size"));
+                }
+                grants = Some(
+                    SharedRegionView::map(fd, table_len)
+                        .map_err(|source| LinkError::ShmMap { region: 0, source })?,
+                );
+            }
+            wire::SHM_RING => {
+                let (capacity, max_record) = (word()?, word()?);
+                ring = Some(
+                    RingWriter::map(fd, capacity, max_record)
+                        .map_err(|source| LinkError::ShmRing { source })?,
+                );
+            }
+            _ => {
+                let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
+                let slots = grants.as_ref().map_or(0, |g| g.len() as u64 / 8);
+                if slot >= slots {
+                    return Err(malformed("a region's grant slot outside the table"));
+                }
+                if regions.len() >= MAX_REGIONS {
+                    return Err(malformed("too many shm regions"));
+                }
+                let view = SharedRegionView::map(fd, region_len)
+                    .map_err(|source| LinkError::ShmMap { region: id, source })?;
+                regions.insert(id, Arc::new(MappedRegion { key, slot, view }));
+            }
         }
-        let (id, key, region_len) = (
-            b.u64().map_err(frame_err)?,
-            b.u64().map_err(frame_err)?,
-            b.u64().map_err(frame_err)?,
-        );
-        if regions.len() >= MAX_REGIONS {
-            return Err(LinkError::ShmMalformed {
-                what: "too many shm regions",
-            });
-        }
-        let view = SharedRegionView::map(fd, region_len)
-            .map_err(|source| LinkError::ShmMap { region: id, source })?;
-        regions.insert(id, Arc::new(MappedRegion { key, view }));
     }
 }
 

@@ -16,16 +16,24 @@
 //! `AUTH_RESULT`, fresh nonces) with the proof roles `shm-client` / `shm-server`, so a
 //! proof made for one channel is useless on the other. Only when the proof checks out
 //! does P send
+//! - a `SHM_GRANTS` frame with P's grant table attached: one word per shareable region
+//!   P registered, holding the region's id while it stays registered and 0 once P
+//!   deregistered it (a slot freed so is handed to a later region, with its own id). D
+//!   maps it read-only;
 //! - a `SHM_RING` frame (capacity, largest record) with a fresh memfd attached
 //!   (`SCM_RIGHTS`): the notification ring from this D to P, which D maps read-write
 //!   ([`RingWriter`](kvlease_gpu_mem::RingWriter)) and P drains
 //!   ([`RingReader`](kvlease_gpu_mem::RingReader));
-//! - for each registered region whose memory is shareable ([`DmaRegion::shared_fd`]:
-//!   host regions, memfd-backed), a `SHM_REGION` frame (id, key, length) with the memfd
-//!   attached, which D maps read-only
+//! - for each registered region whose memory is shareable ([`DmaRegion::shared_fd`](kvlease_gpu_mem::DmaRegion::shared_fd):
+//!   host regions, memfd-backed), a `SHM_REGION` frame (id, key, length, grant slot) with
+//!   the memfd attached, which D maps read-only
 //!   ([`SharedRegionView`](kvlease_gpu_mem::SharedRegionView), which refuses files whose
 //!   size is not sealed);
 //! - then `SHM_END`.
+//!
+//! Every memfd P hands over but the ring is sealed against writers other than P's own
+//! mapping (`F_SEAL_FUTURE_WRITE`, see `kvlease_gpu_mem::HostRegion`): a peer can read
+//! P's memory and never write it.
 //!
 //! D keeps the Unix socket open for the link's life; P's connection thread waits on it
 //! and, when D closes it, lets P's next `get_new_notifs` drain what is left in the ring
@@ -35,8 +43,9 @@
 //! A batch goes over shared memory when every source region (and the fence's) was
 //! received in the handshake and every destination is host memory; otherwise (a region
 //! registered later, device memory) over the TCP link, as the verbs link does. Each op is
-//! checked against P's descriptor as P's TCP server would check it (key, bounds) and
-//! refused with the same [`Refusal`](crate::Refusal)s. The copies run on the thread that
+//! checked against P's descriptor as P's TCP server would check it (still registered:
+//! its grant slot still holds its id, loaded with acquire; key; bounds) and refused with
+//! the same [`Refusal`](crate::Refusal)s. The copies run on the thread that
 //! posts the batch ([`Agent::post_read`](crate::Agent::post_read) returns once they are
 //! done, with no thread hand-off), and a batch of more than [`copy::SPLIT_BYTES`] is split
 //! with the threads of a small process-wide copy pool (at most
@@ -70,9 +79,13 @@
 //!
 //! # Limits
 //! D's mapping keeps P's pages alive until the link closes, and D's reads do not show up
-//! in P's counters (`reads_served`). P's later deregistration of a region does not reach
-//! a mapping D already holds (P's lease protocol and fences, not the key, guard the bytes
-//! of a region that stays registered for the pool's life).
+//! in P's counters (`reads_served`). P's deregistration of a region reaches D through the
+//! grant table: batches D posts afterwards (and fence words read afterwards) are refused
+//! with `UnknownRegion`, as TCP would refuse them; copies already running finish, as a
+//! read P's TCP server is serving does. A region P registers after D connected is not
+//! handed over (D reads it over TCP) until D connects again. P's lease protocol and
+//! fences, not the key, guard the bytes of a region that stays registered for the pool's
+//! life.
 
 pub(crate) mod copy;
 mod link;

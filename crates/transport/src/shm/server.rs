@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use kvlease_gpu_mem::{DmaRegion, RingReader, send_with_fds};
+use kvlease_gpu_mem::{
+    DmaRegion, HostRegion, HugePagePolicy, RegionBytes, RingReader, send_with_fds,
+};
 
 use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
 use crate::agent::{Inner, bump, lock};
@@ -24,6 +26,67 @@ struct Conns {
     open: Mutex<HashMap<u64, UnixStream>>,
 }
 
+/// Which shareable regions are registered, for peers that mapped them: slot `i` of the
+/// table holds the id of the region granted slot `i`, and 0 once it was deregistered.
+/// P stores the words; peers map the table read-only (a [`HostRegion`]: sealed against
+/// every writer but P's own mapping) and check a region's slot before they read it.
+#[derive(Debug)]
+struct Grants {
+    table: HostRegion,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    by_region: HashMap<u64, u64>,
+    free: Vec<u64>,
+    /// Slots below this were handed out at least once.
+    next: u64,
+}
+
+impl Grants {
+    fn new() -> Result<Self, kvlease_gpu_mem::HostAllocError> {
+        Ok(Self {
+            table: HostRegion::with_policy(MAX_REGIONS * 8, HugePagePolicy::Never)?,
+            slots: Mutex::default(),
+        })
+    }
+
+    /// Grants `region` (an id, never 0) a slot; `None` when all are taken.
+    fn grant(&self, region: u64) -> Option<u64> {
+        let mut s = lock(&self.slots);
+        let slot = match s.free.pop() {
+            Some(slot) => slot,
+            None if s.next < MAX_REGIONS as u64 => {
+                s.next += 1;
+                s.next - 1
+            }
+            None => return None,
+        };
+        // In bounds: `slot < MAX_REGIONS`, 8-aligned.
+        if self.table.store_u64(slot * 8, region).is_err() {
+            s.free.push(slot);
+            return None;
+        }
+        s.by_region.insert(region, slot);
+        Some(slot)
+    }
+
+    /// Withdraws `region`'s grant: peers refuse to read it from now on.
+    fn revoke(&self, region: u64) {
+        let mut s = lock(&self.slots);
+        if let Some(slot) = s.by_region.remove(&region) {
+            // Cannot fail: the slot was stored to in `grant`.
+            let _ = self.table.store_u64(slot * 8, 0);
+            s.free.push(slot);
+        }
+    }
+
+    fn slot_of(&self, region: u64) -> Option<u64> {
+        lock(&self.slots).by_region.get(&region).copied()
+    }
+}
+
 /// P's side: the abstract Unix socket that hands region descriptors to authenticated
 /// peers on the same host.
 #[derive(Debug)]
@@ -31,6 +94,7 @@ pub(crate) struct Server {
     name: String,
     listener: Option<JoinHandle<()>>,
     conns: Arc<Conns>,
+    grants: Arc<Grants>,
 }
 
 impl Server {
@@ -60,11 +124,18 @@ impl Server {
                 return None;
             }
         };
+        let grants = match Grants::new() {
+            Ok(g) => Arc::new(g),
+            Err(err) => {
+                tracing::warn!(%err, "shm backend off: allocating its grant table failed");
+                return None;
+            }
+        };
         let conns = Arc::new(Conns::default());
-        let (inner2, conns2) = (inner.clone(), conns.clone());
+        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
         let handle = std::thread::Builder::new()
             .name("kvl-shm-listen".into())
-            .spawn(move || accept_loop(&inner2, &conns2, &listener));
+            .spawn(move || accept_loop(&inner2, &conns2, &grants2, &listener));
         let handle = match handle {
             Ok(h) => h,
             Err(err) => {
@@ -81,7 +152,29 @@ impl Server {
             name,
             listener: Some(handle),
             conns,
+            grants,
         })
+    }
+
+    /// A region was registered: peers that connect from now on get it, if its memory is
+    /// shareable (call before the region becomes visible in `Inner::regions`).
+    pub(crate) fn grant(&self, id: u64, region: &dyn DmaRegion) {
+        if region.kind().is_host_accessible()
+            && region.shared_fd().is_some()
+            && self.grants.grant(id).is_none()
+        {
+            tracing::warn!(
+                id,
+                max = MAX_REGIONS,
+                "shm grant table full: peers read this region over TCP"
+            );
+        }
+    }
+
+    /// A region was deregistered (call after it left `Inner::regions`): peers that
+    /// mapped it refuse to read it from now on.
+    pub(crate) fn revoke(&self, id: u64) {
+        self.grants.revoke(id);
     }
 
     /// Stops the accept thread (the agent's shutdown flag is already set) and shuts down
@@ -101,7 +194,12 @@ impl Server {
     }
 }
 
-fn accept_loop(inner: &Arc<Inner>, conns: &Arc<Conns>, listener: &UnixListener) {
+fn accept_loop(
+    inner: &Arc<Inner>,
+    conns: &Arc<Conns>,
+    grants: &Arc<Grants>,
+    listener: &UnixListener,
+) {
     for stream in listener.incoming() {
         if inner.shutdown.load(Ordering::SeqCst) {
             break;
@@ -133,11 +231,11 @@ fn accept_loop(inner: &Arc<Inner>, conns: &Arc<Conns>, listener: &UnixListener) 
                 }
             };
         }
-        let (inner2, conns2) = (inner.clone(), conns.clone());
+        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
         let spawned = std::thread::Builder::new()
             .name("kvl-shm-serve".into())
             .spawn(move || {
-                if let Err(err) = serve(&inner2, stream) {
+                if let Err(err) = serve(&inner2, &grants2, stream) {
                     match err {
                         FrameError::Malformed(why) => {
                             bump(&inner2.counters.malformed_frames);
@@ -157,9 +255,9 @@ fn accept_loop(inner: &Arc<Inner>, conns: &Arc<Conns>, listener: &UnixListener) 
     }
 }
 
-/// Serves one Unix-socket connection: the handshake; if it succeeded the ring and the
-/// regions, then waits until the peer closes the connection.
-fn serve(inner: &Inner, mut s: UnixStream) -> Result<(), FrameError> {
+/// Serves one Unix-socket connection: the handshake; if it succeeded the grant table, the
+/// ring and the regions, then waits until the peer closes the connection.
+fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameError> {
     s.set_read_timeout(Some(inner.limits.handshake_timeout))?;
     s.set_write_timeout(Some(inner.limits.handshake_timeout))?;
     let (_, len) = wire::read_header(&mut s, &[wire::HELLO], |_| wire::MAX_CONTROL_BODY)?;
@@ -196,7 +294,16 @@ fn serve(inner: &Inner, mut s: UnixStream) -> Result<(), FrameError> {
         tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
         return Ok(());
     }
-    // The ring first: D may notify as soon as it has seen `SHM_END`.
+    let Some(table_fd) = grants.table.shared_fd() else {
+        return Err(FrameError::Io(io::Error::other(
+            "the grant table is not shareable",
+        )));
+    };
+    let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_GRANTS_LEN);
+    f.extend_from_slice(&wire::header(wire::SHM_GRANTS, wire::SHM_GRANTS_LEN));
+    f.extend_from_slice(&(grants.table.len() as u64).to_le_bytes());
+    send_with_fds(s.as_fd(), &f, &[table_fd])?;
+    // The ring before the regions: D may notify as soon as it has seen `SHM_END`.
     let (capacity, max_record) = ring_shape(inner.limits.max_notif_len);
     let closed = Arc::new(AtomicBool::new(false));
     match RingReader::new(capacity, max_record) {
@@ -218,24 +325,26 @@ fn serve(inner: &Inner, mut s: UnixStream) -> Result<(), FrameError> {
             tracing::warn!(peer = %client_name, %err, "no notification ring for an shm peer")
         }
     }
-    // Snapshot the shareable regions; the descriptors are sent without the lock held.
-    let regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc)> = inner
+    // Snapshot the granted regions; the descriptors are sent without the lock held. A
+    // region deregistered meanwhile has its slot cleared (or reused for another id): D
+    // refuses to read it.
+    let regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
         .regions
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .values()
         .filter(|r| r.region.kind().is_host_accessible() && r.region.shared_fd().is_some())
-        .map(|r| (r.region.clone(), r.desc))
+        .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
         .take(MAX_REGIONS)
         .collect();
     let handed = (|| -> Result<(), FrameError> {
-        for (region, desc) in &regions {
+        for (region, desc, slot) in &regions {
             let Some(fd) = region.shared_fd() else {
                 continue;
             };
             let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_REGION_LEN);
             f.extend_from_slice(&wire::header(wire::SHM_REGION, wire::SHM_REGION_LEN));
-            for v in [desc.id, desc.key, desc.len] {
+            for v in [desc.id, desc.key, desc.len, *slot] {
                 f.extend_from_slice(&v.to_le_bytes());
             }
             send_with_fds(s.as_fd(), &f, &[fd])?;
