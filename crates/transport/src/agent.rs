@@ -350,8 +350,8 @@ pub(crate) struct Peer {
 pub(crate) enum PeerLink {
     /// The TCP backend.
     Tcp(Arc<tcp::TcpLink>),
-    /// The shared-memory backend (plain copies; notifications and what it cannot serve on
-    /// its TCP link).
+    /// The shared-memory backend (plain copies; notifications through a shared ring; what
+    /// it cannot serve on its TCP link).
     Shm(Arc<crate::shm::ShmLink>),
     /// The verbs backend (RDMA READ; notifications on its TCP link).
     #[cfg(feature = "verbs")]
@@ -848,7 +848,9 @@ impl Agent {
     /// the chunks are striped over the peer's connections. The batch fails with
     /// [`TransferError::Timeout`] when it has not completed `timeout` after posting (the
     /// check happens in [`poll_batch`](Self::poll_batch)), earlier when the peer refuses
-    /// a read or disconnects.
+    /// a read or disconnects. On a shared-memory link the copies run on the calling thread:
+    /// this returns once they are done (a batch over 8 MiB: once this thread's part is;
+    /// copy threads do the rest).
     ///
     /// # Errors
     /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
