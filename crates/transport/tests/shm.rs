@@ -96,7 +96,8 @@ fn auto_picks_shm_on_one_host_and_moves_bytes_exactly() -> Result<()> {
     // P connects back for notifications, as the agents do.
     let _back = p.connect(&d.metadata())?;
 
-    // Small batch (one copier thread) and a large one (split over threads), odd offsets.
+    // A small batch (copied by the poster) and a large one (split with the copy pool on
+    // hosts of 4 cores or more), odd offsets.
     for (ops, total) in [
         (vec![read(dst_id, 3, 5000, &desc, 11)], 5000u64),
         (
