@@ -97,7 +97,7 @@ fn auto_picks_shm_on_one_host_and_moves_bytes_exactly() -> Result<()> {
     let _back = p.connect(&d.metadata())?;
 
     // A small batch (copied by the poster) and a large one (split with the copy pool on
-    // hosts of 4 cores or more), odd offsets.
+    // a host of more than one core), odd offsets.
     for (ops, total) in [
         (vec![read(dst_id, 3, 5000, &desc, 11)], 5000u64),
         (

@@ -5,11 +5,9 @@
 //! more on a loaded host) per batch, and the poster usually has nothing better to do than
 //! wait for the batch. Why a pool for large batches only: one thread copies at about
 //! memory speed; a second core helps a large batch, but the split and the wake-ups cost
-//! more than they save on a small one, and other busy-polling threads (the peer process,
-//! the engines) want cores too. The pool is started on first use, holds at most
-//! [`MAX_COPY_THREADS`]` - 1` threads and never more than half the host's cores minus
-//! one (none on a host of fewer than 4 cores: every batch is copied by its poster), and
-//! lives as long as the process (its threads sleep on a channel when idle).
+//! more than they save on a small one. The pool is started on first use, holds at most
+//! [`MAX_COPY_THREADS`]` - 1` threads and never more than the host's cores minus one,
+//! and lives as long as the process (its threads sleep on a channel when idle).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -75,11 +73,9 @@ struct Pool {
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        // Half the cores at most: the peer process and the engines busy-poll too. (On a
-        // loaded 2-core host, a batch split over both cores copied at 0.7-0.9x the speed
-        // of one thread.)
-        let want = (std::thread::available_parallelism().map_or(1, usize::from) / 2)
-            .clamp(1, MAX_COPY_THREADS)
+        let want = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(MAX_COPY_THREADS)
             .saturating_sub(1);
         let (tx, rx) = crossbeam_channel::unbounded::<(Arc<Job>, usize)>();
         let mut threads = 0;

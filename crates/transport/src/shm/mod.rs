@@ -49,8 +49,7 @@
 //! posts the batch ([`Agent::post_read`](crate::Agent::post_read) returns once they are
 //! done, with no thread hand-off), and a batch of more than [`copy::SPLIT_BYTES`] is split
 //! with the threads of a small process-wide copy pool (at most
-//! [`copy::MAX_COPY_THREADS`] threads in all, at most half the host's cores, none below
-//! 4 cores): the
+//! [`copy::MAX_COPY_THREADS`] threads in all, never more than the host's cores): the
 //! posting thread copies one part and returns, and whichever thread finishes the last
 //! part completes the batch. The fence word is loaded (atomically, acquire, after an
 //! acquire fence) only once every data copy finished; a mismatch fails the batch with
