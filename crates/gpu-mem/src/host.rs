@@ -6,13 +6,18 @@
 //! A [`HostRegion`] is a `MAP_SHARED` mapping of a `memfd_create` file rather than an
 //! anonymous private mapping, so that a process on the same host that was handed the
 //! file descriptor can map the same pages (the transport's shared-memory backend). The
-//! file is sealed against shrinking (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) before
-//! its descriptor can leave this module: a reader's mapping can then never lose pages
-//! under it (which would raise `SIGBUS`), whatever the owner does later. Explicit huge
+//! file is sealed against resizing (`F_SEAL_SHRINK | F_SEAL_GROW`) before its descriptor
+//! can leave this module: a reader's mapping can then never lose pages under it (which
+//! would raise `SIGBUS`), whatever the owner does later. Once the owner's own mapping
+//! exists, the file is also sealed against every later writer (`F_SEAL_FUTURE_WRITE |
+//! F_SEAL_SEAL`): a process handed the descriptor can map it read-only, but neither map
+//! it writable nor `write` to it, so a peer can read the owner's memory and never change
+//! it. Explicit huge
 //! pages work the same way (`MFD_HUGETLB`). Transparent huge pages follow the kernel's
 //! *shmem* setting (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`) rather than the
 //! anonymous one; [`HostRegion::pages`] reports what the setting allows.
 
+use std::ffi::CStr;
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -92,7 +97,7 @@ pub struct HostRegion {
 /// A shared mapping of a whole file, unmapped (once) on drop: its start and the length
 /// mapped. The only type here that needs `unsafe impl Send/Sync`, so that [`HostRegion`]
 /// and [`SharedRegionView`] get them from their fields.
-struct Mapping {
+pub(crate) struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
 }
@@ -110,7 +115,7 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps all `len` bytes of `file` shared, with protection `prot`.
-    fn new(file: &File, len: usize, prot: libc::c_int) -> io::Result<Self> {
+    pub(crate) fn new(file: &File, len: usize, prot: libc::c_int) -> io::Result<Self> {
         // SAFETY: a new shared mapping of `file` at a kernel-chosen address touches no
         // existing memory; the result is checked against MAP_FAILED below. (For hugetlb
         // files the kernel reserves the huge pages here, so this is where "none free"
@@ -133,7 +138,7 @@ impl Mapping {
         Ok(Self { ptr, len })
     }
 
-    fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 }
@@ -174,7 +179,7 @@ impl HostRegion {
         let want_huge = matches!(policy, HugePagePolicy::Try | HugePagePolicy::Require);
         if want_huge {
             let mapped_len = len.next_multiple_of(HUGE_PAGE_SIZE);
-            match map_memfd(mapped_len, true) {
+            match map_memfd(c"kvlease-host", mapped_len, true, Writers::OnlyThisMapping) {
                 Ok((map, file)) => {
                     tracing::info!(len, mapped_len, "host region: explicit 2 MiB huge pages");
                     return Ok(Self {
@@ -199,7 +204,8 @@ impl HostRegion {
             }
         }
         let mapped_len = len.next_multiple_of(PAGE_SIZE);
-        let (map, file) = map_memfd(mapped_len, false).map_err(|source| HostAllocError::Mmap {
+        let (map, file) = map_memfd(c"kvlease-host", mapped_len, false, Writers::OnlyThisMapping)
+            .map_err(|source| HostAllocError::Mmap {
             len: mapped_len,
             pages: "normal pages",
             source,
@@ -252,16 +258,32 @@ fn shmem_thp_honours_advice() -> bool {
     })
 }
 
-/// Creates a memfd of `len` bytes (explicit 2 MiB pages when `huge`), seals its size and
-/// maps all of it shared, readable and writable.
-fn map_memfd(len: usize, huge: bool) -> io::Result<(Mapping, File)> {
+/// Who may write a memfd's bytes once [`map_memfd`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Writers {
+    /// Only the mapping made here (`F_SEAL_FUTURE_WRITE`): whoever else gets the
+    /// descriptor can map it read-only and not `write` to it.
+    OnlyThisMapping,
+    /// Anyone holding the descriptor (a ring whose producer is another process).
+    AnyHolder,
+}
+
+/// Creates a memfd of `len` bytes (explicit 2 MiB pages when `huge`), seals its size,
+/// maps all of it shared, readable and writable, and seals it against other writers as
+/// `writers` says.
+pub(crate) fn map_memfd(
+    name: &CStr,
+    len: usize,
+    huge: bool,
+    writers: Writers,
+) -> io::Result<(Mapping, File)> {
     let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if huge {
         flags |= libc::MFD_HUGETLB | libc::MFD_HUGE_2MB;
     }
-    // SAFETY: the name is a NUL-terminated literal; memfd_create touches no memory of ours
-    // and returns a new descriptor or -1.
-    let fd = unsafe { libc::memfd_create(c"kvlease-host".as_ptr(), flags) };
+    // SAFETY: the name is a NUL-terminated string that outlives the call; memfd_create
+    // reads only it and returns a new descriptor or -1.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -269,13 +291,24 @@ fn map_memfd(len: usize, huge: bool) -> io::Result<(Mapping, File)> {
     let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
     file.set_len(len as u64)?;
     // The size is final: a reader that maps the file can never see pages vanish (SIGBUS).
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    add_seals(&file, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW)?;
+    let map = Mapping::new(&file, len, libc::PROT_READ | libc::PROT_WRITE)?;
+    // After the mapping above (which stays writable): later writable mappings and
+    // `write`s are refused, so a peer handed the descriptor cannot write our memory.
+    let last = match writers {
+        Writers::OnlyThisMapping => libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL,
+        Writers::AnyHolder => libc::F_SEAL_SEAL,
+    };
+    add_seals(&file, last)?;
+    Ok((map, file))
+}
+
+fn add_seals(file: &File, seals: libc::c_int) -> io::Result<()> {
     // SAFETY: fcntl(F_ADD_SEALS) on a descriptor we own reads no memory of ours.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let map = Mapping::new(&file, len, libc::PROT_READ | libc::PROT_WRITE)?;
-    Ok((map, file))
+    Ok(())
 }
 
 impl fmt::Debug for HostRegion {
@@ -410,33 +443,7 @@ impl SharedRegionView {
         if len == 0 || len > MAX_HOST_REGION as u64 {
             return Err(ShareError::BadLength { len });
         }
-        // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own reads no memory of ours.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
-            let source = io::Error::last_os_error();
-            return Err(if source.raw_os_error() == Some(libc::EINVAL) {
-                ShareError::NotSealed
-            } else {
-                ShareError::Io {
-                    op: "fcntl(F_GET_SEALS)",
-                    source,
-                }
-            });
-        }
-        if seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(ShareError::NotSealed);
-        }
-        let file = File::from(fd);
-        let file_len = file
-            .metadata()
-            .map_err(|source| ShareError::Io {
-                op: "fstat",
-                source,
-            })?
-            .len();
-        if file_len < len {
-            return Err(ShareError::TooShort { file_len, len });
-        }
+        let (file, file_len) = sealed_file(fd, len)?;
         // Map the whole file (a hugetlb file maps only in whole huge pages); it is at most
         // a few pages longer than `len`, which is at most MAX_HOST_REGION.
         let mapped_len = usize::try_from(file_len)
@@ -520,6 +527,39 @@ impl SharedRegionView {
         let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr.cast_mut().cast()) };
         Ok(word.load(std::sync::atomic::Ordering::Acquire))
     }
+}
+
+/// Checks that `fd` is a file whose size is sealed against shrinking and that holds at
+/// least `len` bytes; returns it with its size.
+pub(crate) fn sealed_file(fd: OwnedFd, len: u64) -> Result<(File, u64), ShareError> {
+    // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own reads no memory of ours.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        let source = io::Error::last_os_error();
+        return Err(if source.raw_os_error() == Some(libc::EINVAL) {
+            ShareError::NotSealed
+        } else {
+            ShareError::Io {
+                op: "fcntl(F_GET_SEALS)",
+                source,
+            }
+        });
+    }
+    if seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(ShareError::NotSealed);
+    }
+    let file = File::from(fd);
+    let file_len = file
+        .metadata()
+        .map_err(|source| ShareError::Io {
+            op: "fstat",
+            source,
+        })?
+        .len();
+    if file_len < len {
+        return Err(ShareError::TooShort { file_len, len });
+    }
+    Ok((file, file_len))
 }
 
 impl fmt::Debug for SharedRegionView {
@@ -772,6 +812,49 @@ mod tests {
         // The view outlives the owner's mapping.
         drop(owner);
         assert_eq!(view.load_u64(8), Ok(8));
+    }
+
+    #[test]
+    fn a_peer_holding_the_descriptor_cannot_write_the_owners_memory() {
+        use std::os::unix::fs::FileExt;
+        let owner = HostRegion::with_policy(8192, HugePagePolicy::Never).expect("maps");
+        owner
+            .write_from(0, b"owner")
+            .expect("the owner still writes");
+        let fd = || {
+            owner
+                .shared_fd()
+                .expect("shareable")
+                .try_clone_to_owned()
+                .expect("dup")
+        };
+        // No `write` through the descriptor (nor through a reopened one: the seal is on
+        // the file).
+        let file = File::from(fd());
+        let err = file
+            .write_at(b"peer", 0)
+            .expect_err("sealed against writes");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+        let reopened = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .expect("reopen");
+        assert!(reopened.write_at(b"peer", 0).is_err());
+        // No writable shared mapping of it either.
+        let err = Mapping::new(&file, 8192, libc::PROT_READ | libc::PROT_WRITE)
+            .err()
+            .expect("sealed against writable mappings");
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+        // Read-only views work, and the owner's writes still land.
+        let view = SharedRegionView::map(fd(), 8192).expect("read-only view");
+        owner
+            .write_from(0, b"again")
+            .expect("the owner still writes");
+        let dst = HostRegion::with_policy(4096, HugePagePolicy::Never).expect("maps");
+        view.copy_to(0, &dst, 0, 5).expect("in bounds");
+        let mut got = [0u8; 5];
+        dst.read_into(0, &mut got).expect("in bounds");
+        assert_eq!(&got, b"again");
     }
 
     #[test]

@@ -7,6 +7,9 @@
 //! - [`HostRegion`]: one page-aligned shared mapping of a sealed memfd, huge pages tried
 //!   first; [`SharedRegionView`]: another process's read-only mapping of it, and
 //!   [`send_with_fds`] / [`recv_with_fds`] to hand its descriptor over a Unix socket.
+//! - [`RingReader`] / [`RingWriter`]: a bounded single-producer, single-consumer ring of
+//!   byte records in a sealed memfd shared by two processes, each end distrusting the
+//!   other (the transport's same-host notifications).
 //! - [`KvLayout`]: byte offsets of (layer, block) and of head sub-ranges of K or V.
 //! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
 //!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
@@ -19,12 +22,16 @@
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
 // contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
-// passing a memfd over a Unix socket) and `cuda` (cudarc).
+// passing a memfd over a Unix socket), `ring` (atomics and copies on a ring shared with
+// another process) and `cuda` (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
 #[allow(unsafe_code)]
 mod host;
+
+#[allow(unsafe_code)]
+mod ring;
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
@@ -45,6 +52,10 @@ pub use kvlease_lease::{AllocError, BlockAllocator};
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
 pub use pool::{BlockCopyError, BlockPool, FenceTable, MemoryRequest, PoolError};
 pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
+pub use ring::{
+    MAX_RING_CAPACITY, MIN_RING_CAPACITY, PushError, RING_HEADER_LEN, RING_RECORD_HEADER,
+    RingCorrupt, RingError, RingReader, RingWriter,
+};
 
 #[cfg(test)]
 mod tests {
@@ -60,6 +71,9 @@ mod tests {
     fn public_types_are_send_and_sync() {
         send_sync::<HostRegion>();
         send_sync::<SharedRegionView>();
+        send_sync::<RingReader>();
+        send_sync::<RingWriter>();
+        send_sync::<RingError>();
         send_sync::<ShareError>();
         send_sync::<StagedHostRegion>();
         send_sync::<std::sync::Arc<dyn DmaRegion>>();

@@ -146,7 +146,8 @@ pub struct TransportStats {
     pub reads_refused: u64,
     /// Read ops refused because the peer was not authenticated.
     pub reads_refused_unauthenticated: u64,
-    /// Notifications accepted into the inbox.
+    /// Notifications accepted: into the inbox, or drained from a same-host peer's
+    /// shared-memory ring.
     pub notifs_received: u64,
     /// Notifications dropped because the sender had not completed the handshake.
     pub notifs_dropped_unauthenticated: u64,
@@ -155,6 +156,9 @@ pub struct TransportStats {
     /// Inbound connections closed because they had not authenticated within
     /// `limits.handshake_timeout` of being accepted.
     pub handshake_timeouts: u64,
+    /// Same-host peers' notification rings closed because the peer wrote something into
+    /// the shared ring that no honest peer could have (see the `shm` module).
+    pub notif_rings_corrupt: u64,
 }
 
 #[derive(Debug, Default)]
@@ -170,6 +174,7 @@ pub(crate) struct Counters {
     pub(crate) notifs_dropped_unauthenticated: AtomicU64,
     pub(crate) notifs_dropped_overflow: AtomicU64,
     pub(crate) handshake_timeouts: AtomicU64,
+    pub(crate) notif_rings_corrupt: AtomicU64,
 }
 
 impl Counters {
@@ -187,6 +192,7 @@ impl Counters {
             notifs_dropped_unauthenticated: g(&self.notifs_dropped_unauthenticated),
             notifs_dropped_overflow: g(&self.notifs_dropped_overflow),
             handshake_timeouts: g(&self.handshake_timeouts),
+            notif_rings_corrupt: g(&self.notif_rings_corrupt),
         }
     }
 }
@@ -246,6 +252,8 @@ pub(crate) struct Inner {
     pub(crate) inbox: Mutex<Inbox>,
     /// Messages in the inbox, readable without the lock (see `get_new_notifs`).
     inbox_len: AtomicUsize,
+    /// Where else `get_new_notifs` finds notifications (same-host peers' rings).
+    pub(crate) notif_sources: crate::notify::NotifSources,
     pub(crate) counters: Arc<Counters>,
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
@@ -342,8 +350,8 @@ pub(crate) struct Peer {
 pub(crate) enum PeerLink {
     /// The TCP backend.
     Tcp(Arc<tcp::TcpLink>),
-    /// The shared-memory backend (plain copies; notifications and what it cannot serve on
-    /// its TCP link).
+    /// The shared-memory backend (plain copies; notifications through a shared ring; what
+    /// it cannot serve on its TCP link).
     Shm(Arc<crate::shm::ShmLink>),
     /// The verbs backend (RDMA READ; notifications on its TCP link).
     #[cfg(feature = "verbs")]
@@ -491,6 +499,7 @@ impl Agent {
             batches: Mutex::new(HashMap::new()),
             inbox: Mutex::new(Inbox::default()),
             inbox_len: AtomicUsize::new(0),
+            notif_sources: crate::notify::NotifSources::default(),
             counters: Arc::default(),
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
@@ -555,6 +564,9 @@ impl Agent {
                 );
             }
             self.inner.set_backend_metadata("verbs", Some(v.metadata()));
+        }
+        if let Some(shm) = lock(&self.inner.shm).as_ref() {
+            shm.grant(desc.id, region.as_ref());
         }
         self.inner
             .regions
@@ -626,7 +638,9 @@ impl Agent {
     }
 
     /// Removes a registration: later reads of it are refused (reads being served right
-    /// now finish; they hold their own reference to the memory).
+    /// now finish; they hold their own reference to the memory). Same-host peers that
+    /// mapped the region over shared memory refuse batches that read it posted from now
+    /// on (copies already running finish; their mapping keeps the pages).
     ///
     /// # Errors
     /// [`RegisterError::Unknown`] when `id` is not registered.
@@ -641,8 +655,12 @@ impl Agent {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&id.0)
-            .map(drop)
-            .ok_or(RegisterError::Unknown(id))
+            .ok_or(RegisterError::Unknown(id))?;
+        // Same-host peers that mapped the region refuse to read it from now on.
+        if let Some(shm) = lock(&self.inner.shm).as_ref() {
+            shm.revoke(id.0);
+        }
+        Ok(())
     }
 
     /// This agent's metadata (versioned JSON, see [`crate::metadata`]): name, TCP
@@ -830,7 +848,9 @@ impl Agent {
     /// the chunks are striped over the peer's connections. The batch fails with
     /// [`TransferError::Timeout`] when it has not completed `timeout` after posting (the
     /// check happens in [`poll_batch`](Self::poll_batch)), earlier when the peer refuses
-    /// a read or disconnects.
+    /// a read or disconnects. On a shared-memory link the copies run on the calling thread:
+    /// this returns once they are done (a batch over 8 MiB: once this thread's part is;
+    /// copy threads do the rest).
     ///
     /// # Errors
     /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
@@ -1016,18 +1036,27 @@ impl Agent {
     /// Drains the notifications received since the last call, grouped by sender (in
     /// order of each sender's first message; each group in arrival order). Only peers
     /// that completed the handshake are heard; others' notifications are dropped and
-    /// counted.
+    /// counted. Notifications from a peer on the same host that connected over shared
+    /// memory are read here, on the caller's thread, from that peer's ring (no system
+    /// call when nothing arrived).
     pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
         // The fast path keeps a polling loop from starving the connection threads of the
         // inbox lock.
-        if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
-            return Vec::new();
+        let mut groups = if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
+            Vec::new()
+        } else {
+            let mut inbox = lock(&self.inner.inbox);
+            inbox.count = 0;
+            inbox.bytes = 0;
+            self.inner.inbox_len.store(0, Ordering::Release);
+            std::mem::take(&mut inbox.groups)
+        };
+        if !self.inner.notif_sources.is_empty() {
+            self.inner
+                .notif_sources
+                .drain_into(&self.inner, &mut groups);
         }
-        let mut inbox = lock(&self.inner.inbox);
-        inbox.count = 0;
-        inbox.bytes = 0;
-        self.inner.inbox_len.store(0, Ordering::Release);
-        std::mem::take(&mut inbox.groups)
+        groups
     }
 
     /// This agent's counters.

@@ -71,6 +71,8 @@ pub struct Limits {
     pub max_notif_len: usize,
     /// Notifications kept until [`get_new_notifs`](crate::Agent::get_new_notifs) drains
     /// them; more are dropped and counted (`notifs_dropped_overflow`). Default 65 536.
+    /// (A same-host peer's notifications over shared memory wait in its ring instead,
+    /// which its size bounds; a full ring fails the sender.)
     pub max_pending_notifs: usize,
     /// Bytes of notification bodies kept until
     /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them; a notification that

@@ -196,6 +196,13 @@ pub enum LinkError {
         #[source]
         source: kvlease_gpu_mem::ShareError,
     },
+    /// The notification ring the peer handed over cannot be mapped.
+    #[error("mapping the peer's notification ring failed")]
+    ShmRing {
+        /// Why.
+        #[source]
+        source: kvlease_gpu_mem::RingError,
+    },
     /// The crate was built without the `verbs` feature.
     #[error("this build has no verbs backend (feature `verbs` off)")]
     NotBuilt,
@@ -487,6 +494,20 @@ pub enum TransferError {
         len: usize,
         /// The limit.
         max: usize,
+    },
+    /// The peer on the same host left its shared-memory notification ring full for about
+    /// 10 ms (it has not called `get_new_notifs`): the notification was not sent (a
+    /// batch's notification: the batch failed).
+    #[error(
+        "peer {peer} left its notification ring ({capacity} bytes) full; notification of {len} bytes not sent"
+    )]
+    NotifRingFull {
+        /// Peer name.
+        peer: String,
+        /// The notification's length.
+        len: usize,
+        /// The ring's capacity in bytes.
+        capacity: usize,
     },
     /// The reads completed into a host mirror of a local destination (memory verbs can
     /// register only through a mirror), and copying them on into the destination failed;

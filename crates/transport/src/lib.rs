@@ -15,8 +15,9 @@
 //! - **shm** (always built, Linux): a peer on the same host (same boot id and network
 //!   namespace, announced in the metadata) gets P's memfd-backed host regions over an
 //!   abstract Unix socket (`SCM_RIGHTS`, after the same token proof as TCP), maps them
-//!   read-only and serves its reads with plain memory copies; notifications stay on the
-//!   TCP link. See the `shm` module.
+//!   read-only and serves its reads with plain memory copies on the posting thread; its
+//!   notifications travel through a shared-memory ring P created for it, which P's
+//!   [`Agent::get_new_notifs`] drains on the caller's thread. See the `shm` module.
 //! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
 //!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
 //!   lists what a link implements: posting chunks and completing them through the shared
@@ -44,6 +45,7 @@ mod batch;
 mod config;
 mod error;
 pub mod metadata;
+mod notify;
 mod shm;
 mod tcp;
 

@@ -96,7 +96,8 @@ fn auto_picks_shm_on_one_host_and_moves_bytes_exactly() -> Result<()> {
     // P connects back for notifications, as the agents do.
     let _back = p.connect(&d.metadata())?;
 
-    // Small batch (one copier thread) and a large one (split over threads), odd offsets.
+    // A small batch (copied by the poster) and a large one (split with the copy pool on
+    // a host of more than one core), odd offsets.
     for (ops, total) in [
         (vec![read(dst_id, 3, 5000, &desc, 11)], 5000u64),
         (
@@ -292,6 +293,7 @@ fn frame(ty: u8, body: &[u8]) -> Vec<u8> {
     f
 }
 
+/// Neither the regions nor a notification ring: no descriptor at all.
 #[test]
 fn the_descriptors_are_never_handed_to_an_unauthenticated_peer() -> Result<()> {
     let p = agent("p", BackendChoice::Auto, Some(b"right"));
@@ -433,5 +435,370 @@ fn another_process_on_the_host_reads_over_shm() -> Result<()> {
     ensure!(bytes_of(dst.as_ref(), 0, 6 << 20) == want, "bytes differ");
     child.stdin.take().context("stdin")?.write_all(b"quit\n")?;
     ensure!(child.wait()?.success());
+    Ok(())
+}
+
+/// P and D on shm, P connected back (as the agents do); P's name is "p", D's "d".
+fn shm_pair(token: Option<&[u8]>) -> Result<(Agent, Agent, kvlease_transport::PeerId)> {
+    let p = agent("p", BackendChoice::Auto, token);
+    let d = agent("d", BackendChoice::Shm, token);
+    d.register(Arc::new(HostRegion::new(4096)?))?;
+    let peer = d.connect(&p.metadata())?;
+    ensure!(d.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
+    Ok((p, d, peer))
+}
+
+#[test]
+fn many_notifications_cross_the_ring_in_order_with_max_size_ones_and_wrap_around() -> Result<()> {
+    let (p, d, peer) = shm_pair(Some(b"tok"))?;
+    let max = kvlease_transport::DEFAULT_MAX_NOTIF_LEN;
+    // Far more bytes than the ring holds (2 MiB): it wraps around many times, and the
+    // sender waits for the drain below whenever it is full.
+    let n = 3000u32;
+    let msg = move |i: u32| -> Vec<u8> {
+        let len = match i % 7 {
+            0 => max,
+            1 => 4,
+            k => 4 + (i as usize * 131 * k as usize) % (max - 4),
+        };
+        let mut m = vec![(i % 251) as u8; len];
+        m[..4].copy_from_slice(&i.to_le_bytes());
+        m
+    };
+    let sender = std::thread::spawn(move || -> Result<()> {
+        for i in 0..n {
+            let m = msg(i);
+            let mut tries = 0;
+            loop {
+                match d.send_notif(peer, m.clone()) {
+                    Ok(()) => break,
+                    // The drain below is slower than us for a while: try again.
+                    Err(TransferError::NotifRingFull { .. }) if tries < 1000 => tries += 1,
+                    Err(e) => bail!("notification {i}: {e}"),
+                }
+            }
+        }
+        Ok(())
+    });
+    let mut got = Vec::new();
+    let start = Instant::now();
+    while got.len() < n as usize && start.elapsed() < LIMIT {
+        for (from, msgs) in p.get_new_notifs() {
+            ensure!(from == "d", "from {from}");
+            got.extend(msgs);
+        }
+    }
+    sender.join().expect("sender thread")?;
+    ensure!(got.len() == n as usize, "{} of {n} arrived", got.len());
+    for (i, m) in got.iter().enumerate() {
+        ensure!(
+            *m == msg(i as u32),
+            "notification {i} differs (len {})",
+            m.len()
+        );
+    }
+    ensure!(p.stats().notifs_received == u64::from(n));
+    ensure!(p.stats().notif_rings_corrupt == 0);
+    Ok(())
+}
+
+#[test]
+fn a_full_ring_is_a_typed_error_and_drains_in_order() -> Result<()> {
+    let (p, d, peer) = shm_pair(None)?;
+    let max = kvlease_transport::DEFAULT_MAX_NOTIF_LEN;
+    let mut sent = 0u32;
+    let err = loop {
+        let mut m = vec![0u8; max];
+        m[..4].copy_from_slice(&sent.to_le_bytes());
+        match d.send_notif(peer, m) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        ensure!(
+            sent < 1000,
+            "the ring never filled: notifications go elsewhere"
+        );
+    };
+    match err {
+        TransferError::NotifRingFull { len, capacity, .. } => {
+            ensure!(len == max && capacity >= 16 * max, "{err}");
+        }
+        other => bail!("expected NotifRingFull, got {other:?}"),
+    }
+    // The ring holds at least 16 of the largest notifications.
+    ensure!(sent >= 16, "only {sent} fitted");
+    let got = notifs(&p, sent as usize, LIMIT);
+    ensure!(got.len() == sent as usize);
+    for (i, m) in got.iter().enumerate() {
+        ensure!(m[..4] == (i as u32).to_le_bytes(), "order broken at {i}");
+    }
+    // Room again; a notification over the limit is refused before it reaches the ring.
+    d.send_notif(peer, b"again".to_vec())?;
+    ensure!(notifs(&p, 1, LIMIT) == vec![b"again".to_vec()]);
+    ensure!(matches!(
+        d.send_notif(peer, vec![0; max + 1]),
+        Err(TransferError::NotifTooLarge { .. })
+    ));
+    Ok(())
+}
+
+#[test]
+fn a_batch_notification_comes_after_its_data_and_keeps_its_order() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    // More than one copy thread's share: the pool may copy the last part.
+    let len: u64 = 24 << 20;
+    let src = filled(len as usize, 21);
+    let desc = p.register(src.clone())?;
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(len as usize)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    // Device-like memory: batches into it go over TCP, and their notifications still
+    // through the ring.
+    let staged = Arc::new(kvlease_gpu_mem::StagedHostRegion::new(1 << 20)?);
+    let staged_id = RegionId(d.register(staged)?.id);
+    let peer = d.connect(&p.metadata())?;
+    ensure!(d.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
+    let want = bytes_of(src.as_ref(), 0, len);
+    for round in 0..4u8 {
+        src.write_from(0, &want)?;
+        let id = d.post_read(
+            peer,
+            ReadBatch {
+                ops: (0..24)
+                    .map(|i| read(dst_id, i << 20, 1 << 20, &desc, ((i * 5) % 24) << 20))
+                    .collect(),
+                notif: Some(vec![b'n', round]),
+                fence: None,
+            },
+            LIMIT,
+        )?;
+        // As soon as P hears of it, P reuses its blocks: D's copies must be over.
+        ensure!(notifs(&p, 1, LIMIT) == vec![vec![b'n', round]]);
+        src.write_from(0, &vec![0xEE; len as usize])?;
+        match wait(&d, id)? {
+            BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+            other => bail!("{other:?}"),
+        }
+        for i in 0..24u64 {
+            let from = ((i * 5) % 24) << 20;
+            ensure!(
+                bytes_of(dst.as_ref(), i << 20, 1 << 20)
+                    == want[from as usize..(from + (1 << 20)) as usize],
+                "round {round}: block {i} holds bytes written after the notification"
+            );
+        }
+    }
+    // A batch moved by TCP notifies through the ring too: its notification and a later
+    // one arrive in order.
+    src.write_from(0, &want)?;
+    let id = d.post_read(
+        peer,
+        ReadBatch {
+            ops: vec![read(staged_id, 0, 4096, &desc, 0)],
+            notif: Some(b"tcp batch".to_vec()),
+            fence: None,
+        },
+        LIMIT,
+    )?;
+    match wait(&d, id)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Tcp, "{stats:?}"),
+        other => bail!("{other:?}"),
+    }
+    d.send_notif(peer, b"after".to_vec())?;
+    ensure!(notifs(&p, 2, LIMIT) == vec![b"tcp batch".to_vec(), b"after".to_vec()]);
+    Ok(())
+}
+
+/// A raw client on P's shm socket (no token), as a malicious peer would run it: the
+/// handshake, then every frame with its descriptors until `SHM_END`. Returns the socket
+/// (kept open: P keeps the ring while it is), the ring's file with its capacity and
+/// largest record, and the regions' files.
+fn raw_shm_client(
+    p: &Agent,
+    name: &str,
+) -> Result<(UnixStream, std::fs::File, u64, u64, Vec<std::fs::File>)> {
+    let meta = decode_metadata(&p.metadata())?;
+    let socket = meta.backends["shm"]["socket"]
+        .as_str()
+        .context("socket name")?
+        .to_owned();
+    let mut s = UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket.as_bytes())?)?;
+    s.set_read_timeout(Some(LIMIT))?;
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&1u16.to_le_bytes());
+    hello.extend_from_slice(&0u16.to_le_bytes());
+    hello.extend_from_slice(&[7; 32]);
+    hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    hello.extend_from_slice(name.as_bytes());
+    s.write_all(&frame(1, &hello))?;
+    let mut header = [0u8; 5];
+    s.read_exact(&mut header)?;
+    let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+    s.read_exact(&mut body)?;
+    s.write_all(&frame(3, &[0]))?;
+    s.read_exact(&mut header)?;
+    ensure!(header[0] == 4, "expected AUTH_RESULT");
+    let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+    s.read_exact(&mut body)?;
+    ensure!(body[0] == 1, "refused");
+    let mut ring = None;
+    let mut regions = Vec::new();
+    loop {
+        let mut header = [0u8; 5];
+        let (n, mut fds) = recv_with_fds(s.as_fd(), &mut header)?;
+        ensure!(n == 5, "split header");
+        let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+        s.read_exact(&mut body)?;
+        match header[0] {
+            11 => {
+                let cap = u64::from_le_bytes(body[..8].try_into()?);
+                let max = u64::from_le_bytes(body[8..16].try_into()?);
+                ring = Some((std::fs::File::from(fds.pop().context("ring fd")?), cap, max));
+            }
+            9 => regions.push(std::fs::File::from(fds.pop().context("region fd")?)),
+            // The grant table.
+            12 => {}
+            10 => break,
+            t => bail!("frame type {t}"),
+        }
+    }
+    let (file, cap, max) = ring.context("no SHM_RING frame")?;
+    Ok((s, file, cap, max, regions))
+}
+
+const RING_TAIL: u64 = 64;
+const RING_DATA: u64 = kvlease_gpu_mem::RING_HEADER_LEN as u64;
+
+#[test]
+fn hostile_ring_contents_close_that_ring_without_over_reading() -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(8192, 8);
+    p.register(src.clone())?;
+    // A well-behaved record through the raw ring first: P reads the ring it handed over.
+    let (_s, ring, cap, max, regions) = raw_shm_client(&p, "evil")?;
+    // P's memory is the peer's to read, not to write.
+    let [region] = &regions[..] else {
+        bail!("{} regions handed over", regions.len());
+    };
+    ensure!(
+        region.write_all_at(b"evil", 0).is_err(),
+        "a peer wrote P's memory"
+    );
+    ensure!(
+        bytes_of(src.as_ref(), 0, 8192) == (0..8192).map(|i| pattern(8, i)).collect::<Vec<_>>()
+    );
+    ensure!(cap.is_power_of_two() && max == kvlease_transport::DEFAULT_MAX_NOTIF_LEN as u64);
+    ring.write_all_at(&5u64.to_le_bytes(), RING_DATA)?;
+    ring.write_all_at(b"hello", RING_DATA + 8)?;
+    ring.write_all_at(&16u64.to_le_bytes(), RING_TAIL)?;
+    ensure!(p.get_new_notifs() == vec![("evil".to_owned(), vec![b"hello".to_vec()])]);
+    drop(ring);
+
+    // Each hostile pattern on its own connection: (record length word, tail).
+    let cases: [(&str, u64, u64); 5] = [
+        ("tail not 8-aligned", 5, 13),
+        ("tail more than a ring ahead", 5, cap + 8),
+        ("tail behind the head", 5, u64::MAX - 7),
+        ("record longer than max_notif_len", max + 1, max + 16),
+        ("record past the tail", 100, 16),
+    ];
+    for (i, (what, len_word, tail)) in cases.into_iter().enumerate() {
+        let (mut s, ring, ..) = raw_shm_client(&p, "evil")?;
+        ring.write_all_at(&len_word.to_le_bytes(), RING_DATA)?;
+        ring.write_all_at(&tail.to_le_bytes(), RING_TAIL)?;
+        let got = p.get_new_notifs();
+        ensure!(got.is_empty(), "{what}: delivered {got:?}");
+        ensure!(
+            p.stats().notif_rings_corrupt == i as u64 + 1,
+            "{what}: {:?}",
+            p.stats()
+        );
+        // P shut the connection down, and reads that ring no more.
+        let mut b = [0u8; 1];
+        ensure!(s.read(&mut b)? == 0, "{what}: connection still open");
+        ring.write_all_at(&5u64.to_le_bytes(), RING_DATA)?;
+        ring.write_all_at(&16u64.to_le_bytes(), RING_TAIL)?;
+        ensure!(p.get_new_notifs().is_empty(), "{what}: read after close");
+    }
+    // The agent still works: an honest peer's notifications arrive.
+    let d = agent("d", BackendChoice::Shm, None);
+    let peer = d.connect(&p.metadata())?;
+    d.send_notif(peer, b"fine".to_vec())?;
+    ensure!(notifs(&p, 1, LIMIT) == vec![b"fine".to_vec()]);
+    Ok(())
+}
+
+#[test]
+fn a_closed_link_leaves_its_last_notifications_then_its_ring() -> Result<()> {
+    let (p, d, peer) = shm_pair(None)?;
+    for i in 0..10u8 {
+        d.send_notif(peer, vec![i])?;
+    }
+    d.disconnect(peer)?;
+    ensure!(notifs(&p, 10, LIMIT) == (0..10u8).map(|i| vec![i]).collect::<Vec<_>>());
+    ensure!(p.stats().notif_rings_corrupt == 0);
+    Ok(())
+}
+
+#[test]
+fn a_region_deregistered_after_connect_is_refused_over_shm() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    let src = filled(1 << 20, 4);
+    let desc = p.register(src.clone())?;
+    let kept = p.register(filled(1 << 20, 5))?;
+    let d = agent("d", BackendChoice::Shm, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&p.metadata())?;
+    let one = |from: &RegionDesc| ReadBatch {
+        ops: vec![read(dst_id, 0, 4096, from, 0)],
+        ..ReadBatch::default()
+    };
+    match wait(&d, d.post_read(peer, one(&desc), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+        other => bail!("{other:?}"),
+    }
+    p.deregister(RegionId(desc.id))?;
+    // The slot is reused by a region registered later: the old id is still refused.
+    let later = p.register(filled(1 << 20, 6))?;
+    match wait(&d, d.post_read(peer, one(&desc), LIMIT)?)? {
+        BatchStatus::Failed(TransferError::Refused {
+            reason: Refusal::UnknownRegion,
+            ..
+        }) => {}
+        other => bail!("a deregistered region was read: {other:?}"),
+    }
+    // As a fence too.
+    let fenced = ReadBatch {
+        fence: Some(FenceRead {
+            remote: desc.at(0),
+            expected: 0,
+        }),
+        ..one(&kept)
+    };
+    ensure!(matches!(
+        wait(&d, d.post_read(peer, fenced, LIMIT)?)?,
+        BatchStatus::Failed(TransferError::Refused {
+            reason: Refusal::UnknownRegion,
+            ..
+        })
+    ));
+    // The regions still registered are read as before; the later one (not handed over
+    // at connect) over TCP.
+    match wait(&d, d.post_read(peer, one(&kept), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Shm),
+        other => bail!("{other:?}"),
+    }
+    let mut later_desc = later;
+    later_desc.base = 0;
+    match wait(&d, d.post_read(peer, one(&later_desc), LIMIT)?)? {
+        BatchStatus::Done(stats) => ensure!(stats.backend == Backend::Tcp),
+        other => bail!("{other:?}"),
+    }
+    ensure!(
+        bytes_of(dst.as_ref(), 0, 4096) == (0..4096).map(|i| pattern(6, i)).collect::<Vec<_>>()
+    );
+    drop(src);
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvlease_gpu_mem::staging::{Stager, StagingConfig};
@@ -16,6 +16,7 @@ use crate::agent::{FenceRead, Inner, bump, lock};
 use crate::batch::{Batch, Next};
 use crate::error::{ConnectError, Refusal, TransferError};
 use crate::metadata::AgentMetadata;
+use crate::notify::NotifSink;
 
 /// One chunk of a read op, bound for one connection.
 #[derive(Debug)]
@@ -144,6 +145,10 @@ pub(crate) struct TcpLink {
     conns: Vec<Arc<Conn>>,
     next_conn: AtomicUsize,
     next_req: AtomicU64,
+    /// Carries this link's notifications instead of its first connection, once set (the
+    /// shared-memory link's ring: the notifications of batches it hands to TCP take the
+    /// same path as its others, so they stay in order).
+    notif_sink: OnceLock<Arc<dyn NotifSink>>,
 }
 
 pub(crate) fn connect(
@@ -207,6 +212,7 @@ pub(crate) fn connect(
         conns,
         next_conn: AtomicUsize::new(0),
         next_req: AtomicU64::new(1),
+        notif_sink: OnceLock::new(),
     });
     for (conn, stream) in readers {
         let link2 = link.clone();
@@ -649,9 +655,17 @@ impl TcpLink {
         self.notif_to(&bytes, Conn::send_direct)
     }
 
+    /// Sends this link's notifications through `sink` from now on.
+    pub(crate) fn route_notifs(&self, sink: Arc<dyn NotifSink>) {
+        let _ = self.notif_sink.set(sink);
+    }
+
     /// The first live connection carries notifications, so they stay in order while it
-    /// lives.
+    /// lives (unless a sink was routed in).
     fn notif_to(&self, bytes: &[u8], send: fn(&Conn, &[u8]) -> bool) -> Result<(), TransferError> {
+        if let Some(sink) = self.notif_sink.get() {
+            return sink.send(bytes);
+        }
         let conns = self.alive_conns();
         let conn = conns.first().ok_or_else(|| self.disconnected())?;
         let mut f = Vec::with_capacity(wire::HEADER_LEN + bytes.len());

@@ -14,10 +14,12 @@
 //! | 6 `READ_RESP` | P→D | req id u64, len u64, then `len` payload bytes |
 //! | 7 `READ_ERR` | P→D | req id u64, refusal code u8 |
 //! | 8 `NOTIF` | D→P | the notification bytes |
-//! | 9 `SHM_REGION` | P→D | region u64, key u64, len u64; one memfd attached (`SCM_RIGHTS`) |
+//! | 9 `SHM_REGION` | P→D | region u64, key u64, len u64, grant slot u64; one memfd attached (`SCM_RIGHTS`) |
 //! | 10 `SHM_END` | P→D | empty: no more regions |
+//! | 11 `SHM_RING` | P→D | capacity u64, largest record u64; one memfd attached: D's notification ring to P |
+//! | 12 `SHM_GRANTS` | P→D | len u64; one memfd attached: P's grant table (slot → registered region id, 0 once deregistered) |
 //!
-//! Types 9 and 10 travel only on the shared-memory backend's Unix socket, after the same
+//! Types 9 to 12 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
 //! `shm-server` in the proofs (see the `shm` module).
 //!
@@ -45,8 +47,14 @@ pub(crate) const READ_ERR: u8 = 7;
 pub(crate) const NOTIF: u8 = 8;
 pub(crate) const SHM_REGION: u8 = 9;
 pub(crate) const SHM_END: u8 = 10;
+pub(crate) const SHM_RING: u8 = 11;
+pub(crate) const SHM_GRANTS: u8 = 12;
 /// Body of a `SHM_REGION`.
-pub(crate) const SHM_REGION_LEN: usize = 24;
+pub(crate) const SHM_REGION_LEN: usize = 32;
+/// Body of a `SHM_GRANTS`.
+pub(crate) const SHM_GRANTS_LEN: usize = 8;
+/// Body of a `SHM_RING`.
+pub(crate) const SHM_RING_LEN: usize = 16;
 
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 5;

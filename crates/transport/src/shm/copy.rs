@@ -1,0 +1,180 @@
+//! The copies of a shared-memory batch: on the posting thread, with a process-wide pool of
+//! helper threads for large batches.
+//!
+//! Why on the posting thread: a hand-off to another thread costs a wake-up (a few µs,
+//! more on a loaded host) per batch, and the poster usually has nothing better to do than
+//! wait for the batch. Why a pool for large batches only: one thread copies at about
+//! memory speed; a second core helps a large batch, but the split and the wake-ups cost
+//! more than they save on a small one. The pool is started on first use, holds at most
+//! [`MAX_COPY_THREADS`]` - 1` threads and never more than the host's cores minus one,
+//! and lives as long as the process (its threads sleep on a channel when idle).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crossbeam_channel::Sender;
+use kvlease_gpu_mem::DmaRegion;
+
+use super::link::{Core, MappedRegion};
+use crate::batch::Batch;
+use crate::error::TransferError;
+
+/// Batches with more data bytes than this are split between the posting thread and the
+/// copy pool.
+pub(crate) const SPLIT_BYTES: u64 = 8 << 20;
+
+/// Most threads copying one batch (the posting thread included).
+pub(crate) const MAX_COPY_THREADS: usize = 4;
+
+/// One data copy of a batch.
+#[derive(Debug)]
+pub(super) struct CopyOp {
+    pub(super) src: Arc<MappedRegion>,
+    pub(super) src_offset: u64,
+    pub(super) dest: Arc<dyn DmaRegion>,
+    pub(super) dest_offset: u64,
+    pub(super) len: u64,
+}
+
+/// A batch split into parts copied by several threads; the thread that finishes the
+/// last part completes the batch.
+#[derive(Debug)]
+struct Job {
+    core: Arc<Core>,
+    batch: Arc<Batch>,
+    copies: Vec<CopyOp>,
+    parts: Vec<Range<usize>>,
+    left: AtomicUsize,
+    copied: AtomicBool,
+}
+
+impl Job {
+    fn run_part(&self, part: usize) {
+        let range = self.parts.get(part).cloned().unwrap_or(0..0);
+        if !copy_some(&self.batch, &self.copies[range]) {
+            self.copied.store(false, Ordering::Relaxed);
+        }
+        // AcqRel: the last part sees every other part's copies (and `copied`) as done.
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let copied = self.copied.load(Ordering::Relaxed);
+            self.core.complete(&self.batch, &self.copies, copied);
+        }
+    }
+}
+
+/// The process-wide helper threads.
+#[derive(Debug)]
+struct Pool {
+    tx: Sender<(Arc<Job>, usize)>,
+    threads: usize,
+}
+
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<Pool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let want = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(MAX_COPY_THREADS)
+            .saturating_sub(1);
+        let (tx, rx) = crossbeam_channel::unbounded::<(Arc<Job>, usize)>();
+        let mut threads = 0;
+        for _ in 0..want {
+            let rx = rx.clone();
+            let spawned = std::thread::Builder::new()
+                .name("kvl-shm-copy".into())
+                .spawn(move || {
+                    while let Ok((job, part)) = rx.recv() {
+                        job.run_part(part);
+                    }
+                });
+            match spawned {
+                Ok(_) => threads += 1,
+                Err(err) => {
+                    tracing::warn!(%err, "shm copy pool: starting a thread failed");
+                    break;
+                }
+            }
+        }
+        Pool { tx, threads }
+    })
+}
+
+/// Copies `copies` into their destinations and completes `batch` (whose `in_receive`
+/// the caller raised by one): on this thread, split with the pool when the batch holds
+/// more than [`SPLIT_BYTES`].
+pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
+    let total: u64 = copies.iter().map(|c| c.len).sum();
+    let helpers = if total > SPLIT_BYTES {
+        pool().threads.min(copies.len().saturating_sub(1))
+    } else {
+        0
+    };
+    if helpers == 0 {
+        let copied = copy_some(batch, &copies);
+        core.complete(batch, &copies, copied);
+        return;
+    }
+    let parts = split(&copies, helpers + 1);
+    let job = Arc::new(Job {
+        core: core.clone(),
+        batch: batch.clone(),
+        left: AtomicUsize::new(parts.len()),
+        parts,
+        copies,
+        copied: AtomicBool::new(true),
+    });
+    for part in 1..job.parts.len() {
+        if let Err(err) = pool().tx.send((job.clone(), part)) {
+            // The pool's threads are gone (cannot happen while the process lives): copy
+            // that part here.
+            let (job, part) = err.into_inner();
+            job.run_part(part);
+        }
+    }
+    job.run_part(0);
+}
+
+/// Contiguous groups of `copies`, about equal in bytes, at most `n` of them.
+fn split(copies: &[CopyOp], n: usize) -> Vec<Range<usize>> {
+    let total: u64 = copies.iter().map(|c| c.len).sum();
+    let share = total.div_ceil(n.max(1) as u64);
+    let mut parts = Vec::with_capacity(n);
+    let mut start = 0;
+    let mut acc = 0;
+    for (i, c) in copies.iter().enumerate() {
+        acc += c.len;
+        if acc >= share && parts.len() + 1 < n {
+            parts.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < copies.len() {
+        parts.push(start..copies.len());
+    }
+    parts
+}
+
+/// Copies `copies` in order. Returns false when the batch stopped running meanwhile
+/// (failed or timed out): the caller's memory must not be written any further.
+fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
+    for c in copies {
+        if !batch.lock().is_running() {
+            return false;
+        }
+        if let Err(err) = c
+            .src
+            .view
+            .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len)
+        {
+            // Both ranges were checked at post time; fail rather than panic.
+            batch.lock().fail(TransferError::LocalCopy {
+                peer: batch.peer.clone(),
+                reason: err.to_string(),
+            });
+            return false;
+        }
+    }
+    true
+}

@@ -1,0 +1,523 @@
+//! D's side: the handshake on P's Unix socket, P's regions mapped read-only, the
+//! notification ring to P, and posting batches.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::os::fd::AsFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvlease_gpu_mem::{PushError, RingWriter, SharedRegionView, recv_with_fds};
+
+use super::copy::{self, CopyOp};
+use super::{MAX_REGIONS, METADATA_KEY, host_identity};
+use crate::agent::{Inner, RemoteRange, lock};
+use crate::batch::{Batch, Next};
+use crate::config::Backend;
+use crate::error::{LinkError, Refusal, TransferError};
+use crate::metadata::AgentMetadata;
+use crate::notify::NotifSink;
+use crate::tcp::wire::{self, Body, FrameError};
+use crate::tcp::{Chunk, TcpLink};
+
+/// About how long a sender waits for the peer to drain a full notification ring before
+/// it fails with [`TransferError::NotifRingFull`], in milliseconds (counted in sleeps,
+/// not read from a clock).
+pub(crate) const RING_FULL_WAIT_MS: u64 = 10;
+
+/// Tries with a yield in between before the sender sleeps on a full ring.
+const RING_FULL_SPINS: u32 = 64;
+/// The sleep between later tries.
+const RING_FULL_SLEEP: Duration = Duration::from_micros(50);
+
+/// A peer's region mapped into this process.
+#[derive(Debug)]
+pub(super) struct MappedRegion {
+    key: u64,
+    /// Its slot in the peer's grant table.
+    slot: u64,
+    pub(super) view: SharedRegionView,
+}
+
+/// The notification ring to the peer: every notification of the link goes through it
+/// (routed into the TCP link too, for the batches that link moves), in order.
+#[derive(Debug)]
+struct RingNotifier {
+    peer: String,
+    ring: Mutex<RingWriter>,
+}
+
+impl NotifSink for RingNotifier {
+    fn send(&self, bytes: &[u8]) -> Result<(), TransferError> {
+        let mut ring = lock(&self.ring);
+        let full_tries =
+            RING_FULL_SPINS as u64 + RING_FULL_WAIT_MS * 1000 / RING_FULL_SLEEP.as_micros() as u64;
+        let mut tries = 0u64;
+        loop {
+            let err = match ring.try_push(bytes) {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            return Err(match err {
+                PushError::Full { .. } if tries < full_tries => {
+                    // The lock stays held: later notifications queue behind this one.
+                    if tries < u64::from(RING_FULL_SPINS) {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(RING_FULL_SLEEP);
+                    }
+                    tries += 1;
+                    continue;
+                }
+                PushError::Full { .. } => {
+                    tracing::warn!(peer = %self.peer, len = bytes.len(), "the peer's notification ring stayed full; notification not sent");
+                    TransferError::NotifRingFull {
+                        peer: self.peer.clone(),
+                        len: bytes.len(),
+                        capacity: ring.capacity(),
+                    }
+                }
+                PushError::TooLarge { len, max } => TransferError::NotifTooLarge {
+                    peer: self.peer.clone(),
+                    len,
+                    max,
+                },
+                PushError::Closed => TransferError::Disconnected {
+                    peer: self.peer.clone(),
+                    reason: "the peer closed its notification ring".into(),
+                },
+                err => {
+                    tracing::warn!(peer = %self.peer, %err, "the peer's notification ring is corrupt");
+                    TransferError::Disconnected {
+                        peer: self.peer.clone(),
+                        reason: "the peer's notification ring is corrupt".into(),
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// What the posting thread and the copy pool share about the link.
+#[derive(Debug)]
+pub(super) struct Core {
+    pub(super) peer: String,
+    pub(super) tcp: Arc<TcpLink>,
+    regions: HashMap<u64, Arc<MappedRegion>>,
+    /// The peer's grant table, mapped read-only: slot → registered region id.
+    grants: SharedRegionView,
+}
+
+impl Core {
+    /// Ends a batch whose copies all finished (`copied`: none was cut short): counts its
+    /// chunks, reads the fence word, then sends the notification (through the ring, when
+    /// the link has one: the TCP link routes it there) and marks the batch done.
+    pub(super) fn complete(&self, batch: &Arc<Batch>, copies: &[CopyOp], copied: bool) {
+        let next = {
+            let mut st = batch.lock();
+            st.in_receive -= 1;
+            let mut next = Next::Nothing;
+            if copied {
+                for c in copies {
+                    next = st.chunk_done(c.len);
+                }
+            }
+            next
+        };
+        let next = match next {
+            Next::Fence(fence) => {
+                // Every data copy finished (the last part's `fetch_sub` synchronised with
+                // the others'); no later load may move before the fence word's.
+                std::sync::atomic::fence(Ordering::Acquire);
+                match self.fence_word(fence.remote) {
+                    Ok(found) => batch.lock().fence_done(&self.peer, fence.expected, found),
+                    Err(reason) => {
+                        batch.lock().fail(TransferError::Refused {
+                            peer: self.peer.clone(),
+                            region: fence.remote.region,
+                            offset: fence.remote.offset,
+                            len: 8,
+                            reason,
+                        });
+                        Next::Nothing
+                    }
+                }
+            }
+            other => other,
+        };
+        self.tcp.advance(batch, next);
+    }
+
+    /// The peer's mapped region `region`, if the peer still has it registered (its
+    /// grant-table slot still names it), under `key`.
+    fn region(&self, region: u64, key: u64) -> Result<&Arc<MappedRegion>, Refusal> {
+        let r = self.regions.get(&region).ok_or(Refusal::UnknownRegion)?;
+        // An acquire load: the peer's deregistration (its store of 0, or of another id
+        // after the slot was reused) is seen by every batch posted after it.
+        if r.slot.checked_mul(8).map(|at| self.grants.load_u64(at)) != Some(Ok(region)) {
+            return Err(Refusal::UnknownRegion);
+        }
+        if !wire::keys_equal(r.key, key) {
+            return Err(Refusal::BadKey);
+        }
+        Ok(r)
+    }
+
+    /// The fence word at `remote` (checked like a data read), or why it was refused.
+    fn fence_word(&self, remote: RemoteRange) -> Result<u64, Refusal> {
+        let r = self.region(remote.region, remote.key)?;
+        // Out of bounds, or not 8-aligned (fence words are FenceTable slots).
+        r.view
+            .load_u64(remote.offset)
+            .map_err(|_| Refusal::OutOfBounds)
+    }
+
+    /// Checks `len` bytes at `offset` of the peer's region `region` under `key`, as P's
+    /// TCP server would.
+    fn check(
+        &self,
+        region: u64,
+        key: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<&Arc<MappedRegion>, Refusal> {
+        let r = self.region(region, key)?;
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > r.view.len() as u64)
+        {
+            return Err(Refusal::OutOfBounds);
+        }
+        Ok(r)
+    }
+}
+
+/// D's side: the peer's regions mapped read-only, the notification ring to it, and the
+/// TCP link that carries the batches shared memory cannot serve.
+#[derive(Debug)]
+pub(crate) struct ShmLink {
+    core: Arc<Core>,
+    /// Whether notifications go through a ring (else over the TCP link).
+    ring: bool,
+    /// P's Unix socket, kept open for the link's life: P drops the ring when it closes.
+    sock: UnixStream,
+    closed: AtomicBool,
+}
+
+/// Connects to `meta`'s shared-memory socket, authenticates, maps the ring and the
+/// regions it hands over.
+pub(crate) fn connect(
+    inner: &Inner,
+    meta: &AgentMetadata,
+    tcp: Arc<TcpLink>,
+) -> Result<ShmLink, LinkError> {
+    let entry = meta
+        .backends
+        .get(METADATA_KEY)
+        .ok_or(LinkError::PeerHasNoShm)?;
+    let (Some(host), Some(socket)) = (
+        entry.get("host").and_then(|v| v.as_str()),
+        entry.get("socket").and_then(|v| v.as_str()),
+    ) else {
+        return Err(LinkError::ShmMalformed {
+            what: "the peer's shm metadata entry lacks host or socket",
+        });
+    };
+    let own = host_identity().ok_or(LinkError::NoHostIdentity)?;
+    if host != own {
+        return Err(LinkError::NotSameHost);
+    }
+    let sock_err = |op: &'static str| move |source: io::Error| LinkError::ShmSocket { op, source };
+    let addr = UnixAddr::from_abstract_name(socket.as_bytes()).map_err(sock_err("socket name"))?;
+    let mut s = UnixStream::connect_addr(&addr).map_err(sock_err("connect"))?;
+    s.set_read_timeout(Some(inner.limits.handshake_timeout))
+        .map_err(sock_err("set timeout"))?;
+    s.set_write_timeout(Some(inner.limits.handshake_timeout))
+        .map_err(sock_err("set timeout"))?;
+    handshake(inner, meta, &mut s)?;
+    let Handover {
+        grants,
+        regions,
+        ring,
+    } = receive_handover(&mut s)?;
+    let has_ring = ring.is_some();
+    if let Some(ring) = ring {
+        tcp.route_notifs(Arc::new(RingNotifier {
+            peer: meta.name.clone(),
+            ring: Mutex::new(ring),
+        }));
+    }
+    let link = ShmLink {
+        core: Arc::new(Core {
+            peer: meta.name.clone(),
+            tcp,
+            regions,
+            grants,
+        }),
+        ring: has_ring,
+        sock: s,
+        closed: AtomicBool::new(false),
+    };
+    tracing::debug!(peer = %meta.name, regions = link.core.regions.len(), ring = has_ring, "shm link up");
+    Ok(link)
+}
+
+fn frame_err(e: FrameError) -> LinkError {
+    match e {
+        FrameError::Io(source) => LinkError::ShmSocket {
+            op: "handshake",
+            source,
+        },
+        FrameError::Malformed(_) => LinkError::ShmMalformed {
+            what: "malformed frame from the peer's shm socket",
+        },
+    }
+}
+
+fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<(), LinkError> {
+    let client_nonce = wire::random_nonce().map_err(LinkError::Random)?;
+    let io = |source| LinkError::ShmSocket {
+        op: "handshake",
+        source,
+    };
+    let extra = 0u16.to_le_bytes();
+    s.write_all(&wire::frame(
+        wire::HELLO,
+        &wire::hello_body(&extra, &client_nonce, &inner.name),
+    ))
+    .map_err(io)?;
+    let (_, len) =
+        wire::read_header(s, &[wire::CHALLENGE], |_| wire::MAX_CONTROL_BODY).map_err(frame_err)?;
+    let body = wire::read_body(s, len).map_err(frame_err)?;
+    let mut b = Body(&body);
+    let version = b.u16().map_err(frame_err)?;
+    if version != wire::PROTOCOL_VERSION {
+        return Err(LinkError::ShmMalformed {
+            what: "the peer speaks another protocol version",
+        });
+    }
+    let auth_required = b.u8().map_err(frame_err)? != 0;
+    let server_nonce = b.nonce().map_err(frame_err)?;
+    let server_name = b.name().map_err(frame_err)?;
+    b.finish().map_err(frame_err)?;
+    if server_name != meta.name {
+        return Err(LinkError::ShmMalformed {
+            what: "the agent on the shm socket is not the one the metadata names",
+        });
+    }
+    let exchange = wire::Exchange {
+        roles: wire::SHM_ROLES,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: &inner.name,
+        server_name: &server_name,
+    };
+    let proof = exchange.client_proof(inner.token.as_deref());
+    s.write_all(&wire::frame(
+        wire::PROOF,
+        &wire::proof_body(None, proof.as_ref()),
+    ))
+    .map_err(io)?;
+    let (_, len) = wire::read_header(s, &[wire::AUTH_RESULT], |_| wire::MAX_CONTROL_BODY)
+        .map_err(frame_err)?;
+    let body = wire::read_body(s, len).map_err(frame_err)?;
+    let mut b = Body(&body);
+    let ok = b.u8().map_err(frame_err)? != 0;
+    let answer = b.proof().map_err(frame_err)?;
+    b.finish().map_err(frame_err)?;
+    if !ok {
+        return Err(LinkError::ShmAuthRejected);
+    }
+    if inner.token.is_some()
+        && (!auth_required || !exchange.check_server(inner.token.as_deref(), answer))
+    {
+        return Err(LinkError::ShmPeerAuthFailed);
+    }
+    Ok(())
+}
+
+/// What P hands over after the proof.
+struct Handover {
+    grants: SharedRegionView,
+    regions: HashMap<u64, Arc<MappedRegion>>,
+    ring: Option<RingWriter>,
+}
+
+/// Receives `SHM_GRANTS` first, then at most one `SHM_RING` and `SHM_REGION` frames (each
+/// with its memfd) until `SHM_END`, mapping each.
+fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
+    let io = |source| LinkError::ShmSocket {
+        op: "receiving regions",
+        source,
+    };
+    let malformed = |what| LinkError::ShmMalformed { what };
+    let mut grants: Option<SharedRegionView> = None;
+    let mut regions = HashMap::new();
+    let mut ring = None;
+    loop {
+        // The descriptor rides on the frame's first byte: read the header with recvmsg.
+        let mut header = [0u8; wire::HEADER_LEN];
+        let mut got = 0;
+        let mut fds = Vec::new();
+        while got < header.len() {
+            let (n, more) = recv_with_fds(s.as_fd(), &mut header[got..]).map_err(io)?;
+            if n == 0 {
+                return Err(io(io::ErrorKind::UnexpectedEof.into()));
+            }
+            got += n;
+            fds.extend(more);
+        }
+        let allowed: &[u8] = match (&grants, &ring) {
+            (None, _) => &[wire::SHM_GRANTS],
+            (Some(_), None) => &[wire::SHM_RING, wire::SHM_REGION, wire::SHM_END],
+            (Some(_), Some(_)) => &[wire::SHM_REGION, wire::SHM_END],
+        };
+        let body_len = |ty| match ty {
+            wire::SHM_REGION => wire::SHM_REGION_LEN,
+            wire::SHM_RING => wire::SHM_RING_LEN,
+            wire::SHM_GRANTS => wire::SHM_GRANTS_LEN,
+            _ => 0,
+        };
+        let (ty, len) =
+            wire::read_header(&mut &header[..], allowed, body_len).map_err(frame_err)?;
+        if len != body_len(ty) {
+            return Err(malformed("an shm hand-over frame of the wrong length"));
+        }
+        let mut body = [0u8; wire::SHM_REGION_LEN];
+        let body = &mut body[..len];
+        s.read_exact(body).map_err(io)?;
+        if ty == wire::SHM_END {
+            let grants = grants.ok_or_else(|| malformed("no grant table"))?;
+            return Ok(Handover {
+                grants,
+                regions,
+                ring,
+            });
+        }
+        let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
+            return Err(malformed(
+                "an shm hand-over frame without exactly one descriptor",
+            ));
+        };
+        let mut b = Body(body);
+        let mut word = || b.u64().map_err(frame_err);
+        match ty {
+            wire::SHM_GRANTS => {
+                let table_len = word()?;
+                if table_len == 0
+                    || !table_len.is_multiple_of(8)
+                    || table_len > (MAX_REGIONS * 8) as u64
+                {
+                    return Err(malformed("a grant table of an impossible size"));
+                }
+                grants = Some(
+                    SharedRegionView::map(fd, table_len)
+                        .map_err(|source| LinkError::ShmMap { region: 0, source })?,
+                );
+            }
+            wire::SHM_RING => {
+                let (capacity, max_record) = (word()?, word()?);
+                ring = Some(
+                    RingWriter::map(fd, capacity, max_record)
+                        .map_err(|source| LinkError::ShmRing { source })?,
+                );
+            }
+            _ => {
+                let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
+                let slots = grants.as_ref().map_or(0, |g| g.len() as u64 / 8);
+                if slot >= slots {
+                    return Err(malformed("a region's grant slot outside the table"));
+                }
+                if regions.len() >= MAX_REGIONS {
+                    return Err(malformed("too many shm regions"));
+                }
+                let view = SharedRegionView::map(fd, region_len)
+                    .map_err(|source| LinkError::ShmMap { region: id, source })?;
+                regions.insert(id, Arc::new(MappedRegion { key, slot, view }));
+            }
+        }
+    }
+}
+
+impl ShmLink {
+    pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
+        let core = &self.core;
+        let fence_region = batch.lock().fence.map(|f| f.remote.region);
+        let eligible = chunks.iter().all(|c| {
+            core.regions.contains_key(&c.remote.region) && c.dest.kind().is_host_accessible()
+        }) && fence_region.is_none_or(|r| core.regions.contains_key(&r));
+        if !eligible {
+            // A region registered after connect, or device memory: TCP moves it.
+            return core.tcp.post(batch, chunks);
+        }
+        if self.closed.load(Ordering::Acquire) {
+            return Err(self.disconnected("link closed"));
+        }
+        if !core.tcp.is_connected() {
+            return Err(self.disconnected("no live connection"));
+        }
+        let mut copies = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            match core.check(c.remote.region, c.remote.key, c.remote.offset, c.len) {
+                Ok(src) => copies.push(CopyOp {
+                    src: src.clone(),
+                    src_offset: c.remote.offset,
+                    dest: c.dest,
+                    dest_offset: c.dest_offset,
+                    len: c.len,
+                }),
+                Err(reason) => {
+                    batch.lock().fail(TransferError::Refused {
+                        peer: core.peer.clone(),
+                        region: c.remote.region,
+                        offset: c.remote.offset,
+                        len: c.len,
+                        reason,
+                    });
+                    return Ok(());
+                }
+            }
+        }
+        {
+            let mut st = batch.lock();
+            st.backend = Backend::Shm;
+            if !st.is_running() {
+                return Ok(());
+            }
+            st.in_receive += 1;
+        }
+        copy::run(core, batch, copies);
+        Ok(())
+    }
+
+    fn disconnected(&self, reason: &str) -> TransferError {
+        TransferError::Disconnected {
+            peer: self.core.peer.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Through the ring (the TCP link routes it there), or over TCP without one.
+    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        if self.ring && !self.core.tcp.is_connected() {
+            // P is gone (its TCP connections died): its ring is drained by nobody.
+            return Err(self.disconnected("no live connection"));
+        }
+        self.core.tcp.send_notif(bytes)
+    }
+
+    /// The copiers check the batch between chunks and stop; TCP cancels its part.
+    pub(crate) fn on_timeout(&self, batch: &Batch) {
+        self.core.tcp.on_timeout(batch);
+    }
+
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        // P drains what is left in the ring and drops it.
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        self.core.tcp.close();
+    }
+}

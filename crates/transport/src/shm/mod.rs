@@ -1,0 +1,146 @@
+//! The shared-memory backend: peers on the same host read each other's registered host
+//! memory directly, and send each other notifications through shared rings.
+//!
+//! # Identity
+//! An agent that offers shared memory writes `{"host": <identity>, "socket": <name>}`
+//! under the metadata key `"shm"`. The identity is the kernel's boot id
+//! (`/proc/sys/kernel/random/boot_id`) and the network namespace
+//! (`/proc/self/ns/net`): equal identities mean the same running kernel and the same
+//! network namespace, so the abstract Unix socket named in the entry is reachable and a
+//! memfd passed over it maps the same pages. The IP address says nothing about that. (The
+//! mount namespace does not matter: abstract sockets and passed descriptors ignore it.)
+//!
+//! # Handshake
+//! After D's TCP link to P is up (authenticated as always), D connects to P's abstract
+//! Unix socket and runs the TCP handshake again on it (`HELLO`, `CHALLENGE`, `PROOF`,
+//! `AUTH_RESULT`, fresh nonces) with the proof roles `shm-client` / `shm-server`, so a
+//! proof made for one channel is useless on the other. Only when the proof checks out
+//! does P send
+//! - a `SHM_GRANTS` frame with P's grant table attached: one word per shareable region
+//!   P registered, holding the region's id while it stays registered and 0 once P
+//!   deregistered it (a slot freed so is handed to a later region, with its own id). D
+//!   maps it read-only;
+//! - a `SHM_RING` frame (capacity, largest record) with a fresh memfd attached
+//!   (`SCM_RIGHTS`): the notification ring from this D to P, which D maps read-write
+//!   ([`RingWriter`](kvlease_gpu_mem::RingWriter)) and P drains
+//!   ([`RingReader`](kvlease_gpu_mem::RingReader));
+//! - for each registered region whose memory is shareable ([`DmaRegion::shared_fd`](kvlease_gpu_mem::DmaRegion::shared_fd):
+//!   host regions, memfd-backed), a `SHM_REGION` frame (id, key, length, grant slot) with
+//!   the memfd attached, which D maps read-only
+//!   ([`SharedRegionView`](kvlease_gpu_mem::SharedRegionView), which refuses files whose
+//!   size is not sealed);
+//! - then `SHM_END`.
+//!
+//! Every memfd P hands over but the ring is sealed against writers other than P's own
+//! mapping (`F_SEAL_FUTURE_WRITE`, see `kvlease_gpu_mem::HostRegion`): a peer can read
+//! P's memory and never write it.
+//!
+//! D keeps the Unix socket open for the link's life; P's connection thread waits on it
+//! and, when D closes it, lets P's next `get_new_notifs` drain what is left in the ring
+//! and drop it. P accepts at most `limits.max_inbound_connections` such connections.
+//!
+//! # Reads
+//! A batch goes over shared memory when every source region (and the fence's) was
+//! received in the handshake and every destination is host memory; otherwise (a region
+//! registered later, device memory) over the TCP link, as the verbs link does. Each op is
+//! checked against P's descriptor as P's TCP server would check it (still registered:
+//! its grant slot still holds its id, loaded with acquire; key; bounds) and refused with
+//! the same [`Refusal`](crate::Refusal)s. The copies run on the thread that
+//! posts the batch ([`Agent::post_read`](crate::Agent::post_read) returns once they are
+//! done, with no thread hand-off), and a batch of more than [`copy::SPLIT_BYTES`] is split
+//! with the threads of a small process-wide copy pool (at most
+//! [`copy::MAX_COPY_THREADS`] threads in all, never more than the host's cores): the
+//! posting thread copies one part and returns, and whichever thread finishes the last
+//! part completes the batch. The fence word is loaded (atomically, acquire, after an
+//! acquire fence) only once every data copy finished; a mismatch fails the batch with
+//! [`TransferError::FenceMismatch`](crate::TransferError::FenceMismatch) and the
+//! notification is not sent.
+//!
+//! # Notifications
+//! Every notification from D to P ([`Agent::send_notif`](crate::Agent::send_notif), a
+//! batch's notification, also of a batch the link handed to TCP) goes into D's ring to P:
+//! one path, so they stay in order. A batch's notification is pushed after its copies
+//! and its fence read finished; the push publishes the record with a release store that
+//! P's drain loads with acquire, so D's reads of P's memory happen before whatever P does
+//! after seeing the notification. P drains the ring in
+//! [`Agent::get_new_notifs`](crate::Agent::get_new_notifs), on the caller's thread (one
+//! load when nothing arrived). P treats the ring as hostile input: every index and length
+//! is checked against the ring's size and `limits.max_notif_len`, and a ring found
+//! corrupt is closed (log line, `notif_rings_corrupt`), its connection shut down, and
+//! nothing read past it. A full ring makes the sender wait up to about
+//! [`link::RING_FULL_WAIT_MS`] ms for P to drain it, then fail with
+//! [`TransferError::NotifRingFull`](crate::TransferError::NotifRingFull) (a batch then
+//! fails). The ring holds at least 16 of the largest notifications (at least 1 MiB, at
+//! most 64 MiB); a receiver whose `max_notif_len` exceeds what its ring holds refuses
+//! the longer ones with
+//! [`TransferError::NotifTooLarge`](crate::TransferError::NotifTooLarge).
+//! Notifications that arrive in the ring are counted in `notifs_received`; they never
+//! sit in the inbox (the ring bounds them), so `max_pending_notifs` does not apply.
+//!
+//! # Limits
+//! D's mapping keeps P's pages alive until the link closes, and D's reads do not show up
+//! in P's counters (`reads_served`). P's deregistration of a region reaches D through the
+//! grant table: batches D posts afterwards (and fence words read afterwards) are refused
+//! with `UnknownRegion`, as TCP would refuse them; copies already running finish, as a
+//! read P's TCP server is serving does. A region P registers after D connected is not
+//! handed over (D reads it over TCP) until D connects again. P's lease protocol and
+//! fences, not the key, guard the bytes of a region that stays registered for the pool's
+//! life.
+
+pub(crate) mod copy;
+mod link;
+mod server;
+
+pub(crate) use link::{ShmLink, connect};
+pub(crate) use server::Server;
+
+/// The metadata key of this backend's entry.
+pub(crate) const METADATA_KEY: &str = "shm";
+
+/// Most regions a peer may hand over in one handshake.
+const MAX_REGIONS: usize = 1 << 16;
+
+/// Smallest notification ring.
+const RING_MIN: usize = 1 << 20;
+/// Largest notification ring.
+const RING_MAX: usize = 64 << 20;
+
+/// The ring P creates for a D whose notifications P accepts up to `max_notif_len` bytes:
+/// room for 16 of the largest (within `RING_MIN..=RING_MAX`), and the largest record it
+/// takes.
+fn ring_shape(max_notif_len: usize) -> (usize, usize) {
+    let record = max_notif_len.saturating_add(kvlease_gpu_mem::RING_RECORD_HEADER);
+    let capacity = record
+        .saturating_mul(16)
+        .clamp(RING_MIN, RING_MAX)
+        .next_power_of_two();
+    (
+        capacity,
+        max_notif_len.min(capacity - kvlease_gpu_mem::RING_RECORD_HEADER),
+    )
+}
+
+/// This host's identity for shared memory: boot id and network namespace, or `None`
+/// where `/proc` does not say.
+pub(crate) fn host_identity() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let net = std::fs::read_link("/proc/self/ns/net").ok()?;
+    let boot = boot.trim();
+    if boot.is_empty() {
+        return None;
+    }
+    Some(format!("{boot}/{}", net.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rings_hold_sixteen_of_the_largest_within_bounds() {
+        assert_eq!(ring_shape(64 * 1024), (2 << 20, 64 * 1024));
+        assert_eq!(ring_shape(100), (RING_MIN, 100));
+        assert_eq!(ring_shape(1 << 30), (RING_MAX, RING_MAX - 8));
+        assert_eq!(ring_shape(usize::MAX), (RING_MAX, RING_MAX - 8));
+    }
+}

@@ -1,0 +1,411 @@
+//! P's side: the abstract Unix socket that hands region descriptors and a notification
+//! ring to authenticated peers on the same host, and the ring's drain.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::os::fd::AsFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use kvlease_gpu_mem::{
+    DmaRegion, HostRegion, HugePagePolicy, RegionBytes, RingReader, send_with_fds,
+};
+
+use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
+use crate::agent::{Inner, bump, lock};
+use crate::notify::{Drained, Groups, NotifSource, push_grouped};
+use crate::tcp::wire::{self, Body, FrameError};
+
+/// The Unix-socket connections being served, shut down when the agent stops.
+#[derive(Debug, Default)]
+struct Conns {
+    next: AtomicU64,
+    open: Mutex<HashMap<u64, UnixStream>>,
+}
+
+/// Which shareable regions are registered, for peers that mapped them: slot `i` of the
+/// table holds the id of the region granted slot `i`, and 0 once it was deregistered.
+/// P stores the words; peers map the table read-only (a [`HostRegion`]: sealed against
+/// every writer but P's own mapping) and check a region's slot before they read it.
+#[derive(Debug)]
+struct Grants {
+    table: HostRegion,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    by_region: HashMap<u64, u64>,
+    free: Vec<u64>,
+    /// Slots below this were handed out at least once.
+    next: u64,
+}
+
+impl Grants {
+    fn new() -> Result<Self, kvlease_gpu_mem::HostAllocError> {
+        Ok(Self {
+            table: HostRegion::with_policy(MAX_REGIONS * 8, HugePagePolicy::Never)?,
+            slots: Mutex::default(),
+        })
+    }
+
+    /// Grants `region` (an id, never 0) a slot; `None` when all are taken.
+    fn grant(&self, region: u64) -> Option<u64> {
+        let mut s = lock(&self.slots);
+        let slot = match s.free.pop() {
+            Some(slot) => slot,
+            None if s.next < MAX_REGIONS as u64 => {
+                s.next += 1;
+                s.next - 1
+            }
+            None => return None,
+        };
+        // In bounds: `slot < MAX_REGIONS`, 8-aligned.
+        if self.table.store_u64(slot * 8, region).is_err() {
+            s.free.push(slot);
+            return None;
+        }
+        s.by_region.insert(region, slot);
+        Some(slot)
+    }
+
+    /// Withdraws `region`'s grant: peers refuse to read it from now on.
+    fn revoke(&self, region: u64) {
+        let mut s = lock(&self.slots);
+        if let Some(slot) = s.by_region.remove(&region) {
+            // Cannot fail: the slot was stored to in `grant`.
+            let _ = self.table.store_u64(slot * 8, 0);
+            s.free.push(slot);
+        }
+    }
+
+    fn slot_of(&self, region: u64) -> Option<u64> {
+        lock(&self.slots).by_region.get(&region).copied()
+    }
+}
+
+/// P's side: the abstract Unix socket that hands region descriptors to authenticated
+/// peers on the same host.
+#[derive(Debug)]
+pub(crate) struct Server {
+    name: String,
+    listener: Option<JoinHandle<()>>,
+    conns: Arc<Conns>,
+    grants: Arc<Grants>,
+}
+
+impl Server {
+    /// Binds a fresh abstract socket and starts its accept thread; the metadata entry
+    /// names it. `None` (logged) when the host has no identity or binding fails: peers
+    /// then use another backend.
+    pub(crate) fn start(inner: &Arc<Inner>) -> Option<Self> {
+        let identity = host_identity()?;
+        let mut suffix = [0u8; 12];
+        if let Err(err) = getrandom::fill(&mut suffix) {
+            tracing::warn!(%err, "shm backend off: random source failed");
+            return None;
+        }
+        let name = format!(
+            "kvlease-shm-{}",
+            suffix
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        );
+        let listener = match UnixAddr::from_abstract_name(name.as_bytes())
+            .and_then(|addr| UnixListener::bind_addr(&addr))
+        {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::warn!(%err, "shm backend off: binding the abstract socket failed");
+                return None;
+            }
+        };
+        let grants = match Grants::new() {
+            Ok(g) => Arc::new(g),
+            Err(err) => {
+                tracing::warn!(%err, "shm backend off: allocating its grant table failed");
+                return None;
+            }
+        };
+        let conns = Arc::new(Conns::default());
+        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
+        let handle = std::thread::Builder::new()
+            .name("kvl-shm-listen".into())
+            .spawn(move || accept_loop(&inner2, &conns2, &grants2, &listener));
+        let handle = match handle {
+            Ok(h) => h,
+            Err(err) => {
+                tracing::warn!(%err, "shm backend off: starting its thread failed");
+                return None;
+            }
+        };
+        inner.set_backend_metadata(
+            METADATA_KEY,
+            Some(serde_json::json!({ "host": identity, "socket": name })),
+        );
+        tracing::debug!(socket = %name, "shm backend listening");
+        Some(Self {
+            name,
+            listener: Some(handle),
+            conns,
+            grants,
+        })
+    }
+
+    /// A region was registered: peers that connect from now on get it, if its memory is
+    /// shareable (call before the region becomes visible in `Inner::regions`).
+    pub(crate) fn grant(&self, id: u64, region: &dyn DmaRegion) {
+        if region.kind().is_host_accessible()
+            && region.shared_fd().is_some()
+            && self.grants.grant(id).is_none()
+        {
+            tracing::warn!(
+                id,
+                max = MAX_REGIONS,
+                "shm grant table full: peers read this region over TCP"
+            );
+        }
+    }
+
+    /// A region was deregistered (call after it left `Inner::regions`): peers that
+    /// mapped it refuse to read it from now on.
+    pub(crate) fn revoke(&self, id: u64) {
+        self.grants.revoke(id);
+    }
+
+    /// Stops the accept thread (the agent's shutdown flag is already set) and shuts down
+    /// the connections it accepted.
+    pub(crate) fn stop(&mut self) {
+        // Wake `accept` so that it sees the flag.
+        let _ = UnixAddr::from_abstract_name(self.name.as_bytes())
+            .and_then(|a| UnixStream::connect_addr(&a));
+        if let Some(h) = self.listener.take()
+            && h.join().is_err()
+        {
+            tracing::error!("shm listener thread panicked");
+        }
+        for (_, s) in lock(&self.conns.open).drain() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+fn accept_loop(
+    inner: &Arc<Inner>,
+    conns: &Arc<Conns>,
+    grants: &Arc<Grants>,
+    listener: &UnixListener,
+) {
+    for stream in listener.incoming() {
+        if inner.shutdown.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(err) => {
+                tracing::warn!(%err, "shm accept failed");
+                // Out of descriptors and similar: back off instead of spinning.
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        let id = conns.next.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut open = lock(&conns.open);
+            if open.len() >= inner.limits.max_inbound_connections {
+                tracing::warn!(
+                    max = inner.limits.max_inbound_connections,
+                    "too many shm connections; connection dropped"
+                );
+                continue;
+            }
+            match stream.try_clone() {
+                Ok(s) => open.insert(id, s),
+                Err(err) => {
+                    tracing::warn!(%err, "shm connection dropped: cloning its socket failed");
+                    continue;
+                }
+            };
+        }
+        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvl-shm-serve".into())
+            .spawn(move || {
+                if let Err(err) = serve(&inner2, &grants2, stream) {
+                    match err {
+                        FrameError::Malformed(why) => {
+                            bump(&inner2.counters.malformed_frames);
+                            tracing::warn!(%why, "malformed frame on the shm socket; closed");
+                        }
+                        FrameError::Io(err) => {
+                            tracing::debug!(%err, "shm socket connection ended");
+                        }
+                    }
+                }
+                lock(&conns2.open).remove(&id);
+            });
+        if let Err(err) = spawned {
+            lock(&conns.open).remove(&id);
+            tracing::error!(%err, "could not start an shm connection thread; connection dropped");
+        }
+    }
+}
+
+/// Serves one Unix-socket connection: the handshake; if it succeeded the grant table, the
+/// ring and the regions, then waits until the peer closes the connection.
+fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameError> {
+    s.set_read_timeout(Some(inner.limits.handshake_timeout))?;
+    s.set_write_timeout(Some(inner.limits.handshake_timeout))?;
+    let (_, len) = wire::read_header(&mut s, &[wire::HELLO], |_| wire::MAX_CONTROL_BODY)?;
+    let body = wire::read_body(&mut s, len)?;
+    let mut b = Body(&body);
+    let version = b.u16()?;
+    let _conn_index = b.u16()?;
+    let client_nonce = b.nonce()?;
+    let client_name = b.name()?;
+    b.finish()?;
+    let server_nonce = wire::random_nonce().map_err(|e| io::Error::other(e.to_string()))?;
+    let extra = [u8::from(inner.token.is_some())];
+    s.write_all(&wire::frame(
+        wire::CHALLENGE,
+        &wire::hello_body(&extra, &server_nonce, &inner.name),
+    ))?;
+    if version != wire::PROTOCOL_VERSION {
+        return Err(FrameError::Malformed(format!("protocol version {version}")));
+    }
+    let (_, len) = wire::read_header(&mut s, &[wire::PROOF], |_| wire::MAX_CONTROL_BODY)?;
+    let body = wire::read_body(&mut s, len)?;
+    let mut b = Body(&body);
+    let proof = b.proof()?;
+    b.finish()?;
+    let exchange = wire::Exchange {
+        roles: wire::SHM_ROLES,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: &client_name,
+        server_name: &inner.name,
+    };
+    let ok = crate::tcp::server::answer_client_proof(inner, &exchange, proof, &mut s)?;
+    if !ok {
+        tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
+        return Ok(());
+    }
+    let Some(table_fd) = grants.table.shared_fd() else {
+        return Err(FrameError::Io(io::Error::other(
+            "the grant table is not shareable",
+        )));
+    };
+    let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_GRANTS_LEN);
+    f.extend_from_slice(&wire::header(wire::SHM_GRANTS, wire::SHM_GRANTS_LEN));
+    f.extend_from_slice(&(grants.table.len() as u64).to_le_bytes());
+    send_with_fds(s.as_fd(), &f, &[table_fd])?;
+    // The ring before the regions: D may notify as soon as it has seen `SHM_END`.
+    let (capacity, max_record) = ring_shape(inner.limits.max_notif_len);
+    let closed = Arc::new(AtomicBool::new(false));
+    match RingReader::new(capacity, max_record) {
+        Ok(ring) => {
+            let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_RING_LEN);
+            f.extend_from_slice(&wire::header(wire::SHM_RING, wire::SHM_RING_LEN));
+            f.extend_from_slice(&(capacity as u64).to_le_bytes());
+            f.extend_from_slice(&(max_record as u64).to_le_bytes());
+            send_with_fds(s.as_fd(), &f, &[ring.fd()])?;
+            inner.notif_sources.add(Box::new(RingSource {
+                peer: client_name.clone(),
+                ring,
+                closed: closed.clone(),
+                conn: s.try_clone()?,
+            }));
+        }
+        // The peer's notifications then come over its TCP link.
+        Err(err) => {
+            tracing::warn!(peer = %client_name, %err, "no notification ring for an shm peer")
+        }
+    }
+    // Snapshot the granted regions; the descriptors are sent without the lock held. A
+    // region deregistered meanwhile has its slot cleared (or reused for another id): D
+    // refuses to read it.
+    let regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
+        .regions
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .values()
+        .filter(|r| r.region.kind().is_host_accessible() && r.region.shared_fd().is_some())
+        .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
+        .take(MAX_REGIONS)
+        .collect();
+    let handed = (|| -> Result<(), FrameError> {
+        for (region, desc, slot) in &regions {
+            let Some(fd) = region.shared_fd() else {
+                continue;
+            };
+            let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_REGION_LEN);
+            f.extend_from_slice(&wire::header(wire::SHM_REGION, wire::SHM_REGION_LEN));
+            for v in [desc.id, desc.key, desc.len, *slot] {
+                f.extend_from_slice(&v.to_le_bytes());
+            }
+            send_with_fds(s.as_fd(), &f, &[fd])?;
+        }
+        s.write_all(&wire::header(wire::SHM_END, 0))?;
+        tracing::debug!(peer = %client_name, regions = regions.len(), "shm regions handed over");
+        // D keeps the socket open for the link's life and sends nothing more.
+        s.set_read_timeout(None)?;
+        let mut byte = [0u8; 1];
+        match s.read(&mut byte)? {
+            0 => Ok(()),
+            _ => Err(FrameError::Malformed(
+                "data on the shm socket after the handshake".into(),
+            )),
+        }
+    })();
+    // Whatever ended the connection, the ring delivers what it holds, then goes.
+    closed.store(true, Ordering::Release);
+    handed
+}
+
+/// One D's notification ring, drained by P's `get_new_notifs`.
+#[derive(Debug)]
+struct RingSource {
+    peer: String,
+    ring: RingReader,
+    /// Set once D's Unix-socket connection ended: drain what is left, then finish.
+    closed: Arc<AtomicBool>,
+    /// That connection, shut down when the ring is found corrupt.
+    conn: UnixStream,
+}
+
+impl NotifSource for RingSource {
+    fn drain(&mut self, inner: &Inner, out: &mut Groups) -> Drained {
+        // Loaded before the drain: what D pushed before it closed is drained below.
+        let closed = self.closed.load(Ordering::Acquire);
+        if !self.ring.is_empty() {
+            let Self { peer, ring, .. } = self;
+            let mut n = 0u64;
+            let drained = ring.drain(|m| {
+                n += 1;
+                push_grouped(out, peer, m);
+            });
+            inner
+                .counters
+                .notifs_received
+                .fetch_add(n, Ordering::Relaxed);
+            match drained {
+                Ok(_) => {}
+                Err(err) => {
+                    bump(&inner.counters.notif_rings_corrupt);
+                    tracing::warn!(peer = %self.peer, %err, "shm peer's notification ring corrupt; ring and connection closed");
+                    let _ = self.conn.shutdown(std::net::Shutdown::Both);
+                    return Drained::Finished;
+                }
+            }
+        }
+        if closed {
+            Drained::Finished
+        } else {
+            Drained::Open
+        }
+    }
+}
