@@ -250,6 +250,9 @@ pub(crate) struct Inner {
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
+    /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
+    /// notification queues waiting for their sockets.
+    pub(crate) tcp_notifs: tcp::NotifHub,
     /// Backend extension entries of this agent's metadata (see `metadata`).
     backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
     /// The shared-memory backend's socket (P's side), where this agent offers one.
@@ -280,13 +283,30 @@ impl Inner {
         };
     }
 
-    /// Queues a received notification from an authenticated peer.
+    /// Whether the inbox has room for one more notification of `len` bytes.
+    fn inbox_has_room(&self, inbox: &Inbox, len: usize) -> bool {
+        inbox.count < self.limits.max_pending_notifs
+            && inbox.bytes.saturating_add(len) <= self.limits.max_pending_notif_bytes
+    }
+
+    /// Queues a notification read by the caller's poll (a TCP notification connection)
+    /// when the inbox has room. Returns false, having queued and counted nothing, when it
+    /// has none: the caller keeps the bytes (and stops reading) until the inbox is
+    /// drained.
+    pub(crate) fn deliver_notif_if_room(&self, from: &str, bytes: &[u8]) -> bool {
+        let inbox = lock(&self.inbox);
+        if !self.inbox_has_room(&inbox, bytes.len()) {
+            return false;
+        }
+        self.push_notif(inbox, from, bytes.to_vec());
+        true
+    }
+
+    /// Queues a received notification from an authenticated peer (a serving thread's
+    /// connection): one that does not fit the inbox is dropped and counted.
     pub(crate) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
-        let mut inbox = lock(&self.inbox);
-        let held = inbox.bytes.saturating_add(bytes.len());
-        if inbox.count >= self.limits.max_pending_notifs
-            || held > self.limits.max_pending_notif_bytes
-        {
+        let inbox = lock(&self.inbox);
+        if !self.inbox_has_room(&inbox, bytes.len()) {
             let (count, held) = (inbox.count, inbox.bytes);
             drop(inbox);
             bump(&self.counters.notifs_dropped_overflow);
@@ -300,8 +320,12 @@ impl Inner {
             );
             return;
         }
+        self.push_notif(inbox, from, bytes);
+    }
+
+    fn push_notif(&self, mut inbox: MutexGuard<'_, Inbox>, from: &str, bytes: Vec<u8>) {
         inbox.count += 1;
-        inbox.bytes = held;
+        inbox.bytes += bytes.len();
         self.inbox_len.store(inbox.count, Ordering::Release);
         match inbox.groups.iter_mut().find(|(name, _)| name == from) {
             Some((_, msgs)) => msgs.push(bytes),
@@ -444,7 +468,10 @@ impl Agent {
         if l.max_notif_len > (1 << 30) {
             return Err(AgentError::Config("max_notif_len must be at most 1 GiB"));
         }
-        if l.max_pending_notifs == 0 || l.max_inbound_connections == 0 {
+        if l.max_pending_notifs == 0
+            || l.max_inbound_connections == 0
+            || l.max_queued_notif_bytes == 0
+        {
             return Err(AgentError::Config("limits must be non-zero"));
         }
         if l.max_pending_notif_bytes < l.max_notif_len {
@@ -494,6 +521,7 @@ impl Agent {
             counters: Arc::default(),
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
+            tcp_notifs: tcp::NotifHub::new().map_err(AgentError::Poller)?,
             backend_meta: Mutex::new(BTreeMap::new()),
             shm: Mutex::new(None),
             #[cfg(feature = "verbs")]
@@ -1018,6 +1046,10 @@ impl Agent {
     /// that completed the handshake are heard; others' notifications are dropped and
     /// counted.
     pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+        // TCP notification connections are read here, on the caller's thread (no thread
+        // hand-off per message; one `epoll_wait(0)` when none has anything), and this
+        // agent's queued notifications are written on.
+        self.inner.tcp_notifs.poll(&self.inner);
         // The fast path keeps a polling loop from starving the connection threads of the
         // inbox lock.
         if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
@@ -1068,5 +1100,6 @@ impl Drop for Agent {
         for (_, s) in lock(&self.inner.inbound).drain() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+        self.inner.tcp_notifs.close();
     }
 }

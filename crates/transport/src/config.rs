@@ -70,14 +70,24 @@ pub struct Limits {
     /// truncated. Default [`DEFAULT_MAX_NOTIF_LEN`].
     pub max_notif_len: usize,
     /// Notifications kept until [`get_new_notifs`](crate::Agent::get_new_notifs) drains
-    /// them; more are dropped and counted (`notifs_dropped_overflow`). Default 65 536.
+    /// them, and the most one call returns. Notification connections are read only as
+    /// far as this leaves room (the rest waits in the socket, pushing back on the
+    /// sender); notifications that arrive otherwise (over a data connection, from an
+    /// older peer) and do not fit are dropped and counted (`notifs_dropped_overflow`).
+    /// Default 65 536.
     pub max_pending_notifs: usize,
     /// Bytes of notification bodies kept until
-    /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them; a notification that
-    /// would take the inbox past this is dropped and counted (`notifs_dropped_overflow`),
-    /// so a slow engine costs at most this much memory. Must be at least
-    /// [`max_notif_len`](Self::max_notif_len). Default [`DEFAULT_MAX_PENDING_NOTIF_BYTES`].
+    /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them, like
+    /// [`max_pending_notifs`](Self::max_pending_notifs), so a slow engine costs at most
+    /// this much memory. Must be at least [`max_notif_len`](Self::max_notif_len).
+    /// Default [`DEFAULT_MAX_PENDING_NOTIF_BYTES`].
     pub max_pending_notif_bytes: usize,
+    /// Bytes of notifications to one peer that wait for its socket (the peer is not
+    /// polling and the socket buffers are full); a notification that does not fit is
+    /// refused with [`TransferError::NotifQueueFull`](crate::TransferError::NotifQueueFull).
+    /// The rest of a notification the socket took in part is always queued, so the queue
+    /// may hold up to one notification more than this. Must be non-zero. Default 4 MiB.
+    pub max_queued_notif_bytes: usize,
     /// Most read ops in one batch. Default 1 048 576.
     pub max_ops_per_batch: usize,
     /// Largest single read op, in bytes (larger are refused by the target). Default 1 GiB.
@@ -104,6 +114,7 @@ impl Default for Limits {
             max_notif_len: DEFAULT_MAX_NOTIF_LEN,
             max_pending_notifs: 1 << 16,
             max_pending_notif_bytes: DEFAULT_MAX_PENDING_NOTIF_BYTES,
+            max_queued_notif_bytes: 4 << 20,
             max_ops_per_batch: 1 << 20,
             max_read_len: 1 << 30,
             chunk_len: 1 << 20,

@@ -16,7 +16,9 @@
 //! the live connections. See [`wire`] for the frames.
 
 pub(crate) mod client;
+pub(crate) mod notif;
 pub(crate) mod server;
 pub(crate) mod wire;
 
 pub(crate) use client::{Chunk, TcpLink};
+pub(crate) use notif::NotifHub;
