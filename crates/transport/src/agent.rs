@@ -431,10 +431,14 @@ impl PeerLink {
 /// until it is no longer pending; [`send_notif`](Self::send_notif) /
 /// [`get_new_notifs`](Self::get_new_notifs) at any time after `connect`.
 ///
-/// Notifications travel over the *sender's* connection: to send to a peer, connect to it
-/// (P connects to D too, as NIXL agents exchange metadata both ways).
+/// Notifications travel over the *sender's* link: to send to a peer, connect to it (P
+/// connects to D too, as NIXL agents exchange metadata both ways). Each link has a
+/// notification connection of its own, which [`get_new_notifs`](Self::get_new_notifs)
+/// reads on the caller's thread: poll it regularly (an engine loop's every turn), since
+/// notifications wait in the socket until then, and senders to this agent get
+/// [`TransferError::NotifQueueFull`] once it and their queue are full.
 ///
-/// The TCP backend serves peers' reads on this agent's own threads (one per inbound
+/// The TCP backend serves peers' reads on this agent's own threads (one per inbound data
 /// connection, plus a listener), straight from registered memory to the socket. Dropping
 /// the agent closes every connection and stops the listener.
 #[derive(Debug)]
@@ -1019,7 +1023,10 @@ impl Agent {
         Ok(status)
     }
 
-    /// Sends a notification to `peer` (over its first live connection).
+    /// Sends a notification to `peer` (over the link's notification connection), without
+    /// blocking: what the socket does not take now waits in the link's queue, written on
+    /// by the next send to `peer` or this agent's next
+    /// [`get_new_notifs`](Self::get_new_notifs).
     ///
     /// Ordering: notifications to one peer (this call and batch notifications) arrive in
     /// the order they were handed to the connection, as long as that connection lives;
@@ -1028,7 +1035,9 @@ impl Agent {
     ///
     /// # Errors
     /// [`TransferError::UnknownPeer`]; [`TransferError::NotifTooLarge`] over
-    /// `limits.max_notif_len` (never truncated); [`TransferError::Disconnected`].
+    /// `limits.max_notif_len` (never truncated); [`TransferError::NotifQueueFull`] when
+    /// the peer has not been reading and `limits.max_queued_notif_bytes` already wait
+    /// (nothing is sent); [`TransferError::Disconnected`].
     pub fn send_notif(&self, peer: PeerId, bytes: Vec<u8>) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
         if bytes.len() > self.inner.limits.max_notif_len {
@@ -1045,6 +1054,12 @@ impl Agent {
     /// order of each sender's first message; each group in arrival order). Only peers
     /// that completed the handshake are heard; others' notifications are dropped and
     /// counted.
+    ///
+    /// This call reads the TCP notification connections itself (non-blocking; one
+    /// `epoll_wait(0)` when none has anything, whatever the number of peers), taking at
+    /// most `limits.max_pending_notifs` notifications and
+    /// `limits.max_pending_notif_bytes` bytes; the rest waits for the next call. It also
+    /// writes on this agent's own queued notifications.
     pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
         // TCP notification connections are read here, on the caller's thread (no thread
         // hand-off per message; one `epoll_wait(0)` when none has anything), and this

@@ -100,8 +100,9 @@ pub struct Limits {
     /// after it was accepted is closed, whatever it sends meanwhile (refused reads,
     /// dropped notifications), and counted (`handshake_timeouts`). Default 5 s.
     pub handshake_timeout: Duration,
-    /// Inbound connections served at once (each has a thread); more are closed at once
-    /// with a log line. Default 1024.
+    /// Inbound connections held at once (each data connection has a thread; notification
+    /// connections count too, one per link); more are closed at once with a log line.
+    /// Default 1024.
     pub max_inbound_connections: usize,
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
@@ -139,7 +140,8 @@ pub struct AgentConfig {
     /// Address written into the metadata, when it differs from the bound one (listening on
     /// `0.0.0.0`); port 0 means the bound port. Default: the bound address.
     pub advertise: Option<SocketAddr>,
-    /// TCP connections per peer (reads of a batch are striped over them). Default 2.
+    /// TCP data connections per peer (reads of a batch are striped over them), besides
+    /// the one notification connection. Default 2.
     pub num_connections: usize,
     /// Cluster token: when set, only peers that prove it (HMAC-SHA256 challenge–response)
     /// get reads served and notifications accepted, and this agent only connects to
