@@ -61,7 +61,7 @@ struct Pending {
     ops: HashMap<u64, PendingOp>,
 }
 
-/// The send side of a connection.
+/// The send side of a data connection (request frames).
 ///
 /// Application threads write on their own thread when nothing is queued and nobody is
 /// writing (one thread hand-off less per message); connection threads only queue and ring

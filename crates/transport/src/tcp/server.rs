@@ -271,6 +271,8 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
                     len,
                 )?;
             }
+            // Notifications on a data connection: a peer that predates the notification
+            // connection. They go into the inbox from here (dropped when it is full).
             wire::NOTIF => match &phase {
                 Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
                 _ => {
