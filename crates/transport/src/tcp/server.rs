@@ -62,10 +62,12 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
                 let peer_addr = stream.peer_addr().ok();
                 let served = serve(&inner2, stream, deadline);
                 if let Ok(handoff) = served {
-                    // Out of `inbound` without a shutdown: the socket lives on in the
-                    // notification hub, read by `get_new_notifs`; this thread ends.
-                    lock(&inner2.inbound).remove(&id);
+                    // The socket lives on in the notification hub, read by
+                    // `get_new_notifs`; this thread ends. It leaves `inbound` (without a
+                    // shutdown) only once the hub counts it, so that the accept limit
+                    // never misses it.
                     inner2.tcp_notifs.add(handoff);
+                    lock(&inner2.inbound).remove(&id);
                     return;
                 }
                 let _ = served.inspect_err(|err| match err {
