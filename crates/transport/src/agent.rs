@@ -258,6 +258,9 @@ pub(crate) struct Inner {
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
+    /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
+    /// notification queues waiting for their sockets.
+    pub(crate) tcp_notifs: tcp::NotifHub,
     /// Backend extension entries of this agent's metadata (see `metadata`).
     backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
     /// The shared-memory backend's socket (P's side), where this agent offers one.
@@ -288,13 +291,30 @@ impl Inner {
         };
     }
 
-    /// Queues a received notification from an authenticated peer.
+    /// Whether the inbox has room for one more notification of `len` bytes.
+    fn inbox_has_room(&self, inbox: &Inbox, len: usize) -> bool {
+        inbox.count < self.limits.max_pending_notifs
+            && inbox.bytes.saturating_add(len) <= self.limits.max_pending_notif_bytes
+    }
+
+    /// Queues a notification read by the caller's poll (a TCP notification connection)
+    /// when the inbox has room. Returns false, having queued and counted nothing, when it
+    /// has none: the caller keeps the bytes (and stops reading) until the inbox is
+    /// drained.
+    pub(crate) fn deliver_notif_if_room(&self, from: &str, bytes: &[u8]) -> bool {
+        let inbox = lock(&self.inbox);
+        if !self.inbox_has_room(&inbox, bytes.len()) {
+            return false;
+        }
+        self.push_notif(inbox, from, bytes.to_vec());
+        true
+    }
+
+    /// Queues a received notification from an authenticated peer (a serving thread's
+    /// connection): one that does not fit the inbox is dropped and counted.
     pub(crate) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
-        let mut inbox = lock(&self.inbox);
-        let held = inbox.bytes.saturating_add(bytes.len());
-        if inbox.count >= self.limits.max_pending_notifs
-            || held > self.limits.max_pending_notif_bytes
-        {
+        let inbox = lock(&self.inbox);
+        if !self.inbox_has_room(&inbox, bytes.len()) {
             let (count, held) = (inbox.count, inbox.bytes);
             drop(inbox);
             bump(&self.counters.notifs_dropped_overflow);
@@ -308,8 +328,12 @@ impl Inner {
             );
             return;
         }
+        self.push_notif(inbox, from, bytes);
+    }
+
+    fn push_notif(&self, mut inbox: MutexGuard<'_, Inbox>, from: &str, bytes: Vec<u8>) {
         inbox.count += 1;
-        inbox.bytes = held;
+        inbox.bytes += bytes.len();
         self.inbox_len.store(inbox.count, Ordering::Release);
         match inbox.groups.iter_mut().find(|(name, _)| name == from) {
             Some((_, msgs)) => msgs.push(bytes),
@@ -415,10 +439,14 @@ impl PeerLink {
 /// until it is no longer pending; [`send_notif`](Self::send_notif) /
 /// [`get_new_notifs`](Self::get_new_notifs) at any time after `connect`.
 ///
-/// Notifications travel over the *sender's* connection: to send to a peer, connect to it
-/// (P connects to D too, as NIXL agents exchange metadata both ways).
+/// Notifications travel over the *sender's* link: to send to a peer, connect to it (P
+/// connects to D too, as NIXL agents exchange metadata both ways). Each link has a
+/// notification connection of its own, which [`get_new_notifs`](Self::get_new_notifs)
+/// reads on the caller's thread: poll it regularly (an engine loop's every turn), since
+/// notifications wait in the socket until then, and senders to this agent get
+/// [`TransferError::NotifQueueFull`] once it and their queue are full.
 ///
-/// The TCP backend serves peers' reads on this agent's own threads (one per inbound
+/// The TCP backend serves peers' reads on this agent's own threads (one per inbound data
 /// connection, plus a listener), straight from registered memory to the socket. Dropping
 /// the agent closes every connection and stops the listener.
 #[derive(Debug)]
@@ -452,7 +480,10 @@ impl Agent {
         if l.max_notif_len > (1 << 30) {
             return Err(AgentError::Config("max_notif_len must be at most 1 GiB"));
         }
-        if l.max_pending_notifs == 0 || l.max_inbound_connections == 0 {
+        if l.max_pending_notifs == 0
+            || l.max_inbound_connections == 0
+            || l.max_queued_notif_bytes == 0
+        {
             return Err(AgentError::Config("limits must be non-zero"));
         }
         if l.max_pending_notif_bytes < l.max_notif_len {
@@ -503,6 +534,7 @@ impl Agent {
             counters: Arc::default(),
             shutdown: AtomicBool::new(false),
             inbound: Mutex::new(HashMap::new()),
+            tcp_notifs: tcp::NotifHub::new().map_err(AgentError::Poller)?,
             backend_meta: Mutex::new(BTreeMap::new()),
             shm: Mutex::new(None),
             #[cfg(feature = "verbs")]
@@ -1011,7 +1043,10 @@ impl Agent {
         Ok(status)
     }
 
-    /// Sends a notification to `peer` (over its first live connection).
+    /// Sends a notification to `peer` (over the link's notification connection), without
+    /// blocking: what the socket does not take now waits in the link's queue, written on
+    /// by the next send to `peer` or this agent's next
+    /// [`get_new_notifs`](Self::get_new_notifs).
     ///
     /// Ordering: notifications to one peer (this call and batch notifications) arrive in
     /// the order they were handed to the connection, as long as that connection lives;
@@ -1020,7 +1055,9 @@ impl Agent {
     ///
     /// # Errors
     /// [`TransferError::UnknownPeer`]; [`TransferError::NotifTooLarge`] over
-    /// `limits.max_notif_len` (never truncated); [`TransferError::Disconnected`].
+    /// `limits.max_notif_len` (never truncated); [`TransferError::NotifQueueFull`] when
+    /// the peer has not been reading and `limits.max_queued_notif_bytes` already wait
+    /// (nothing is sent); [`TransferError::Disconnected`].
     pub fn send_notif(&self, peer: PeerId, bytes: Vec<u8>) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
         if bytes.len() > self.inner.limits.max_notif_len {
@@ -1036,10 +1073,20 @@ impl Agent {
     /// Drains the notifications received since the last call, grouped by sender (in
     /// order of each sender's first message; each group in arrival order). Only peers
     /// that completed the handshake are heard; others' notifications are dropped and
-    /// counted. Notifications from a peer on the same host that connected over shared
-    /// memory are read here, on the caller's thread, from that peer's ring (no system
-    /// call when nothing arrived).
+    /// counted.
+    ///
+    /// This call reads the TCP notification connections itself (non-blocking; one
+    /// `epoll_wait(0)` when none has anything, whatever the number of peers), taking at
+    /// most `limits.max_pending_notifs` notifications and
+    /// `limits.max_pending_notif_bytes` bytes; the rest waits for the next call. It also
+    /// writes on this agent's own queued notifications. Notifications from a peer on the
+    /// same host that connected over shared memory are read here too, from that peer's
+    /// ring (no system call when nothing arrived).
     pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+        // TCP notification connections are read here, on the caller's thread (no thread
+        // hand-off per message; one `epoll_wait(0)` when none has anything), and this
+        // agent's queued notifications are written on.
+        self.inner.tcp_notifs.poll(&self.inner);
         // The fast path keeps a polling loop from starving the connection threads of the
         // inbox lock.
         let mut groups = if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
@@ -1097,5 +1144,6 @@ impl Drop for Agent {
         for (_, s) in lock(&self.inner.inbound).drain() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+        self.inner.tcp_notifs.close();
     }
 }

@@ -70,16 +70,25 @@ pub struct Limits {
     /// truncated. Default [`DEFAULT_MAX_NOTIF_LEN`].
     pub max_notif_len: usize,
     /// Notifications kept until [`get_new_notifs`](crate::Agent::get_new_notifs) drains
-    /// them; more are dropped and counted (`notifs_dropped_overflow`). Default 65 536.
+    /// them, and the most one call returns. Notification connections are read only as
+    /// far as this leaves room (the rest waits in the socket, pushing back on the
+    /// sender); notifications that arrive otherwise (over a data connection, from an
+    /// older peer) and do not fit are dropped and counted (`notifs_dropped_overflow`).
     /// (A same-host peer's notifications over shared memory wait in its ring instead,
-    /// which its size bounds; a full ring fails the sender.)
+    /// which its size bounds; a full ring fails the sender.) Default 65 536.
     pub max_pending_notifs: usize,
     /// Bytes of notification bodies kept until
-    /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them; a notification that
-    /// would take the inbox past this is dropped and counted (`notifs_dropped_overflow`),
-    /// so a slow engine costs at most this much memory. Must be at least
-    /// [`max_notif_len`](Self::max_notif_len). Default [`DEFAULT_MAX_PENDING_NOTIF_BYTES`].
+    /// [`get_new_notifs`](crate::Agent::get_new_notifs) drains them, like
+    /// [`max_pending_notifs`](Self::max_pending_notifs), so a slow engine costs at most
+    /// this much memory. Must be at least [`max_notif_len`](Self::max_notif_len).
+    /// Default [`DEFAULT_MAX_PENDING_NOTIF_BYTES`].
     pub max_pending_notif_bytes: usize,
+    /// Bytes of notifications to one peer that wait for its socket (the peer is not
+    /// polling and the socket buffers are full); a notification that does not fit is
+    /// refused with [`TransferError::NotifQueueFull`](crate::TransferError::NotifQueueFull).
+    /// The rest of a notification the socket took in part is always queued, so the queue
+    /// may hold up to one notification more than this. Must be non-zero. Default 4 MiB.
+    pub max_queued_notif_bytes: usize,
     /// Most read ops in one batch. Default 1 048 576.
     pub max_ops_per_batch: usize,
     /// Largest single read op, in bytes (larger are refused by the target). Default 1 GiB.
@@ -92,8 +101,9 @@ pub struct Limits {
     /// after it was accepted is closed, whatever it sends meanwhile (refused reads,
     /// dropped notifications), and counted (`handshake_timeouts`). Default 5 s.
     pub handshake_timeout: Duration,
-    /// Inbound connections served at once (each has a thread); more are closed at once
-    /// with a log line. Default 1024.
+    /// Inbound connections held at once (each data connection has a thread; notification
+    /// connections count too, one per link); more are closed at once with a log line.
+    /// Default 1024.
     pub max_inbound_connections: usize,
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
@@ -106,6 +116,7 @@ impl Default for Limits {
             max_notif_len: DEFAULT_MAX_NOTIF_LEN,
             max_pending_notifs: 1 << 16,
             max_pending_notif_bytes: DEFAULT_MAX_PENDING_NOTIF_BYTES,
+            max_queued_notif_bytes: 4 << 20,
             max_ops_per_batch: 1 << 20,
             max_read_len: 1 << 30,
             chunk_len: 1 << 20,
@@ -130,7 +141,8 @@ pub struct AgentConfig {
     /// Address written into the metadata, when it differs from the bound one (listening on
     /// `0.0.0.0`); port 0 means the bound port. Default: the bound address.
     pub advertise: Option<SocketAddr>,
-    /// TCP connections per peer (reads of a batch are striped over them). Default 2.
+    /// TCP data connections per peer (reads of a batch are striped over them), besides
+    /// the one notification connection. Default 2.
     pub num_connections: usize,
     /// Cluster token: when set, only peers that prove it (HMAC-SHA256 challenge–response)
     /// get reads served and notifications accepted, and this agent only connects to

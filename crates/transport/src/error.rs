@@ -26,6 +26,10 @@ pub enum AgentError {
     /// Starting the listener thread failed.
     #[error("starting the TCP listener thread failed")]
     Thread(#[source] io::Error),
+    /// Creating the poller of the TCP notification connections (an epoll instance)
+    /// failed.
+    #[error("creating the notification poller failed")]
+    Poller(#[source] io::Error),
 }
 
 /// Why a registration call failed.
@@ -508,6 +512,23 @@ pub enum TransferError {
         len: usize,
         /// The ring's capacity in bytes.
         capacity: usize,
+    },
+    /// The peer has not read the notifications already sent to it: the socket is full
+    /// and the link's queue (`limits.max_queued_notif_bytes`) has no room for this one.
+    /// Nothing of it was sent; the queue drains as the peer polls, and is written on by
+    /// this agent's next `send_notif` or `get_new_notifs` to that peer's link. For a
+    /// batch's notification, the batch fails with this error (its reads completed).
+    #[error(
+        "notification to peer {peer} not sent: {queued} bytes already wait for it \
+         (limit {max}); the peer is not polling"
+    )]
+    NotifQueueFull {
+        /// Peer name.
+        peer: String,
+        /// Bytes waiting in the queue.
+        queued: usize,
+        /// The limit.
+        max: usize,
     },
     /// The reads completed into a host mirror of a local destination (memory verbs can
     /// register only through a mirror), and copying them on into the destination failed;

@@ -11,7 +11,10 @@
 //! - **TCP** (always built): P's agent serves reads on its own threads straight from
 //!   registered memory; D receives straight into the destination. Every read carries the
 //!   region key and is bounds-checked; with a cluster token, only peers that proved it
-//!   get reads served or notifications accepted. See the `tcp` module.
+//!   get reads served or notifications accepted. Notifications have a connection of
+//!   their own per link, read by [`Agent::get_new_notifs`] on the caller's thread (no
+//!   thread wake-up per message) and written without blocking (a bounded queue, then
+//!   [`TransferError::NotifQueueFull`]). See the `tcp` module.
 //! - **shm** (always built, Linux): a peer on the same host (same boot id and network
 //!   namespace, announced in the metadata) gets P's memfd-backed host regions over an
 //!   abstract Unix socket (`SCM_RIGHTS`, after the same token proof as TCP), maps them

@@ -587,8 +587,10 @@ pub struct LimitArgs {
     /// and per-step handshake limit).
     #[arg(long, default_value_t = 5_000)]
     pub transport_handshake_timeout_ms: u64,
-    /// Bytes of received notifications held per TP worker until the engine takes them;
-    /// more are dropped and counted in kvlease_notifs_dropped_total.
+    /// Bytes of received notifications held per TP worker until the engine takes them
+    /// (and the most one poll takes); more wait in the peer's notification connection,
+    /// or, when they come over a data connection (older peers), are dropped and counted
+    /// in kvlease_notifs_dropped_total.
     #[arg(long, default_value_t = 16 << 20)]
     pub max_pending_notif_bytes: usize,
     /// HTTP connections open at once; more are closed at accept and counted in

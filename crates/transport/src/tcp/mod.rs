@@ -12,11 +12,15 @@
 //! the reader fails that read as disconnected.
 //! The reader side (D) opens `num_connections` connections per peer, each with a writer
 //! thread (request frames, coalesced) and a reader thread that receives each response
-//! straight into the destination region. Chunks of a batch are striped round-robin over
-//! the live connections. See [`wire`] for the frames.
+//! straight into the destination region (its buffer holds response headers only, so a
+//! payload is copied once, by the kernel). Chunks of a batch are striped round-robin over
+//! the live connections. Notifications travel on one more connection per peer, which no
+//! thread of ours reads or writes: see [`notif`]. See [`wire`] for the frames.
 
 pub(crate) mod client;
+pub(crate) mod notif;
 pub(crate) mod server;
 pub(crate) mod wire;
 
 pub(crate) use client::{Chunk, TcpLink};
+pub(crate) use notif::NotifHub;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
 
+use super::notif::Handoff;
 use super::wire::{self, Body, FrameError};
 use crate::agent::{Inner, bump, lock};
 use crate::error::Refusal;
@@ -38,7 +39,9 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
                 continue;
             }
         };
-        if lock(&inner.inbound).len() >= inner.limits.max_inbound_connections {
+        if lock(&inner.inbound).len() + inner.tcp_notifs.len()
+            >= inner.limits.max_inbound_connections
+        {
             tracing::warn!(
                 limit = inner.limits.max_inbound_connections,
                 "too many inbound connections; connection closed"
@@ -57,7 +60,17 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             .name(format!("kvl-serve-{id}"))
             .spawn(move || {
                 let peer_addr = stream.peer_addr().ok();
-                let _ = serve(&inner2, stream, deadline).inspect_err(|err| match err {
+                let served = serve(&inner2, stream, deadline);
+                if let Ok(handoff) = served {
+                    // The socket lives on in the notification hub, read by
+                    // `get_new_notifs`; this thread ends. It leaves `inbound` (without a
+                    // shutdown) only once the hub counts it, so that the accept limit
+                    // never misses it.
+                    inner2.tcp_notifs.add(handoff);
+                    lock(&inner2.inbound).remove(&id);
+                    return;
+                }
+                let _ = served.inspect_err(|err| match err {
                     FrameError::Malformed(why) => {
                         bump(&inner2.counters.malformed_frames);
                         tracing::warn!(?peer_addr, %why, "malformed frame; connection closed");
@@ -139,6 +152,8 @@ enum Phase {
         client_nonce: wire::Nonce,
         server_nonce: wire::Nonce,
         client_name: String,
+        /// The HELLO marked the notification connection.
+        notif_conn: bool,
     },
     /// PROOF accepted.
     Authenticated { client_name: String },
@@ -146,7 +161,9 @@ enum Phase {
     Rejected,
 }
 
-fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), FrameError> {
+/// Serves one inbound connection until it fails; a notification connection is handed
+/// back instead once its peer authenticated (see `super::notif`).
+fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff, FrameError> {
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
     let mut r = BufReader::with_capacity(
@@ -177,7 +194,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
         match ty {
             wire::HELLO => {
                 let version = b.u16()?;
-                let _conn_index = b.u16()?;
+                let conn_index = b.u16()?;
                 let client_nonce = b.nonce()?;
                 let client_name = b.name()?;
                 b.finish()?;
@@ -196,6 +213,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                     client_nonce,
                     server_nonce,
                     client_name,
+                    notif_conn: conn_index == wire::NOTIF_CONN_INDEX,
                 };
             }
             wire::PROOF => {
@@ -205,6 +223,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                     client_nonce,
                     server_nonce,
                     client_name,
+                    notif_conn,
                 } = std::mem::replace(&mut phase, Phase::Rejected)
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
@@ -217,6 +236,15 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                     server_name: &inner.name,
                 };
                 let ok = answer_client_proof(inner, &exchange, proof, &mut out)?;
+                if ok && notif_conn {
+                    // The peer sends nothing between its PROOF and our AUTH_RESULT, but
+                    // whatever the buffer holds goes along.
+                    return Ok(Handoff {
+                        buffered: r.buffer().to_vec(),
+                        stream: r.into_inner().stream,
+                        peer: client_name,
+                    });
+                }
                 if ok {
                     tracing::debug!(peer = %client_name, "inbound peer authenticated");
                     r.get_mut().authenticated()?;
@@ -245,6 +273,8 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<(), Fram
                     len,
                 )?;
             }
+            // Notifications on a data connection: a peer that predates the notification
+            // connection. They go into the inbox from here (dropped when it is full).
             wire::NOTIF => match &phase {
                 Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
                 _ => {

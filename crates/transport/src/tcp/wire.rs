@@ -6,18 +6,25 @@
 //!
 //! | type | dir | body |
 //! | --- | --- | --- |
-//! | 1 `HELLO` | D→P | version u16, conn index u16, 32-byte nonce, name len u16, name |
+//! | 1 `HELLO` | D→P | version u16, conn index u16 ([`NOTIF_CONN_INDEX`]: the notification connection), 32-byte nonce, name len u16, name |
 //! | 2 `CHALLENGE` | P→D | version u16, auth required u8, 32-byte nonce, name len u16, name |
 //! | 3 `PROOF` | D→P | proof len u8 (0 or 32), proof |
 //! | 4 `AUTH_RESULT` | P→D | ok u8, proof len u8 (0 or 32), proof |
 //! | 5 `READ_REQ` | D→P | req id u64, region u64, key u64, offset u64, len u64 |
 //! | 6 `READ_RESP` | P→D | req id u64, len u64, then `len` payload bytes |
 //! | 7 `READ_ERR` | P→D | req id u64, refusal code u8 |
-//! | 8 `NOTIF` | D→P | the notification bytes |
+//! | 8 `NOTIF` | D→P | the notification bytes (on the notification connection) |
 //! | 9 `SHM_REGION` | P→D | region u64, key u64, len u64, grant slot u64; one memfd attached (`SCM_RIGHTS`) |
 //! | 10 `SHM_END` | P→D | empty: no more regions |
 //! | 11 `SHM_RING` | P→D | capacity u64, largest record u64; one memfd attached: D's notification ring to P |
 //! | 12 `SHM_GRANTS` | P→D | len u64; one memfd attached: P's grant table (slot → registered region id, 0 once deregistered) |
+//!
+//! "D→P" is the connecting side to the accepting one: P connects to D as well to send
+//! it notifications. The connecting side opens `num_connections` data connections
+//! (indices 0..) and one notification connection, whose `HELLO` carries the index
+//! [`NOTIF_CONN_INDEX`] and which, after the same handshake, carries only `NOTIF` frames
+//! (see `tcp::notif`). A server that does not know the index serves it as a data
+//! connection, whose `NOTIF` frames it delivers too; both ends stay compatible.
 //!
 //! Types 9 to 12 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
@@ -49,6 +56,8 @@ pub(crate) const SHM_REGION: u8 = 9;
 pub(crate) const SHM_END: u8 = 10;
 pub(crate) const SHM_RING: u8 = 11;
 pub(crate) const SHM_GRANTS: u8 = 12;
+/// The `HELLO` connection index that marks the notification connection.
+pub(crate) const NOTIF_CONN_INDEX: u16 = u16::MAX;
 /// Body of a `SHM_REGION`.
 pub(crate) const SHM_REGION_LEN: usize = 32;
 /// Body of a `SHM_GRANTS`.
