@@ -1,11 +1,16 @@
-//! TCP backend throughput and notification round trip, two processes on loopback.
+//! Transport throughput and notification round trip, two processes on one host.
 //!
-//! `tcp_bench [--conns N] [--seconds S] [--sweep]` starts itself again as the target
-//! (`--serve`), which registers a region filled with a pattern and echoes notifications;
-//! this process reads from it with batches of `block × batch` and verifies the bytes of
-//! the first batch of every point. Prints one `key=value` per figure:
-//! `read_gbps_<block>x<batch>=` (GB/s, 10^9 bytes), `read_1m_x64_gbps=` (the headline,
-//! measured longer), `notif_rtt_us=` (median) and `notif_rtt_p99_us=`.
+//! `tcp_bench [--backend tcp|shm] [--conns N] [--seconds S] [--sweep]` starts itself
+//! again as the target (`--serve`), which registers a region filled with a pattern and
+//! echoes notifications; this process reads from it with batches of `block × batch` and
+//! verifies the bytes of the first batch of every point. `--backend` (default `tcp`)
+//! picks the backend both agents use: `tcp` over loopback, `shm` the same-host
+//! shared-memory backend (both agents `BackendChoice::Shm`; the registered host regions
+//! are memfd-backed, so each link lands on shm, which the run checks with
+//! `Agent::peer_backend`). Prints one `key=value` per figure: `backend=`,
+//! `read_gbps_<block>x<batch>=` (GB/s, 10^9 bytes, with `--sweep`), `read_1m_x64_gbps=`
+//! and `read_64k_x64_gbps=` (the headlines, measured longer), `notif_rtt_us=` (median)
+//! and `notif_rtt_p99_us=`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -15,8 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use kvlease_gpu_mem::{HostRegion, RegionBytes};
 use kvlease_transport::{
-    Agent, AgentConfig, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp, RegionDesc,
-    RegionId,
+    Agent, AgentConfig, Backend, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp,
+    RegionDesc, RegionId,
 };
 
 const REGION: usize = 256 << 20;
@@ -38,16 +43,34 @@ fn pattern(i: usize) -> u8 {
     (i % 251) as u8 ^ (i >> 12) as u8
 }
 
-fn config(name: &str, conns: usize) -> AgentConfig {
+fn config(name: &str, conns: usize, backend: Backend) -> AgentConfig {
     let mut c = AgentConfig::new(name);
-    c.backend = BackendChoice::Tcp;
+    c.backend = match backend {
+        Backend::Shm => BackendChoice::Shm,
+        _ => BackendChoice::Tcp,
+    };
     c.num_connections = conns;
     c
 }
 
+fn parse_backend(s: &str) -> Result<Backend> {
+    match s {
+        "tcp" => Ok(Backend::Tcp),
+        "shm" => Ok(Backend::Shm),
+        other => bail!("--backend {other}: expected tcp or shm"),
+    }
+}
+
+/// Fails unless `peer` landed on `want`.
+fn check_backend(agent: &Agent, peer: kvlease_transport::PeerId, want: Backend) -> Result<()> {
+    let (got, why) = agent.peer_backend(peer).context("peer backend")?;
+    ensure!(got == want, "the link landed on {got}, not {want}: {why}");
+    Ok(())
+}
+
 /// The target: serve reads, echo notifications until `quit`.
-fn serve(conns: usize) -> Result<()> {
-    let agent = Agent::new(config("bench-target", conns))?;
+fn serve(conns: usize, backend: Backend) -> Result<()> {
+    let agent = Agent::new(config("bench-target", conns, backend))?;
     let region = HostRegion::new(REGION)?;
     let bytes: Vec<u8> = (0..REGION).map(pattern).collect();
     region.write_from(0, &bytes)?;
@@ -59,6 +82,7 @@ fn serve(conns: usize) -> Result<()> {
     std::io::stdin().read_line(&mut line)?;
     let reader_meta = unhex(line.trim().strip_prefix("META ").context("expected META")?)?;
     let back = agent.connect(&reader_meta)?;
+    check_backend(&agent, back, backend)?;
     loop {
         for (_, msgs) in agent.get_new_notifs() {
             for m in msgs {
@@ -153,12 +177,20 @@ fn main() -> Result<()> {
             .unwrap_or_else(|| default.to_owned())
     };
     let conns: usize = value("--conns", "2").parse()?;
+    let backend_name = value("--backend", "tcp");
+    let backend = parse_backend(&backend_name)?;
     if flag("--serve").is_some() {
-        return serve(conns);
+        return serve(conns, backend);
     }
     let seconds: f64 = value("--seconds", "0.25").parse()?;
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--serve", "--conns", &conns.to_string()])
+        .args([
+            "--serve",
+            "--conns",
+            &conns.to_string(),
+            "--backend",
+            &backend_name,
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -167,10 +199,11 @@ fn main() -> Result<()> {
     child_out.read_line(&mut line)?;
     let target_meta = unhex(line.trim().strip_prefix("META ").context("expected META")?)?;
 
-    let agent = Agent::new(config("bench-reader", conns))?;
+    let agent = Agent::new(config("bench-reader", conns, backend))?;
     let dst_region = Arc::new(HostRegion::new(REGION)?);
     let dst = RegionId(agent.register(dst_region.clone())?.id);
     let peer = agent.connect(&target_meta)?;
+    check_backend(&agent, peer, backend)?;
     let src = *agent
         .peer_metadata(peer)
         .context("peer metadata")?
@@ -181,6 +214,7 @@ fn main() -> Result<()> {
     writeln!(child_in, "META {}", hex(&agent.metadata()))?;
     child_in.flush()?;
 
+    println!("backend={backend}");
     println!("conns={conns}");
     if flag("--sweep").is_some() {
         for block_kib in [16u64, 64, 256, 1024, 4096] {
@@ -205,6 +239,17 @@ fn main() -> Result<()> {
         seconds.max(2.0),
     )?;
     println!("read_1m_x64_gbps={gbps:.3}");
+    let gbps = measure(
+        &agent,
+        peer,
+        &dst_region,
+        dst,
+        &src,
+        64 << 10,
+        64,
+        seconds.max(2.0),
+    )?;
+    println!("read_64k_x64_gbps={gbps:.3}");
 
     // Notification ping-pong: D → P → D (P answers over its own connection to D).
     // Wait for P's connection back to us first.
