@@ -3,14 +3,15 @@
 # Idempotent: installs only what is missing.
 #   scripts/setup.sh          build deps (cmake + libclang for the verbs backend's bindings)
 #   scripts/setup.sh rdma     + SoftRoCE harness deps (qemu, rdma-core, perftest, ...)
-#   scripts/setup.sh bench    + benchmark peers (iperf3, ucx-utils, python3-venv)
+#   scripts/setup.sh bench    + benchmark peers (iperf3, ucx-utils, python3-venv; libibverbs1,
+#                               libnuma1 and libcurl4, which the Mooncake wheel links)
 #   scripts/setup.sh study    + the lease study's plot font (fonts-dejavu-core)
 set -euo pipefail
 pkgs="cmake libclang1-14 libclang-common-14-dev pkg-config"
 for want in "$@"; do
   case "$want" in
     rdma) pkgs="$pkgs qemu-system-x86 kmod cpio iproute2 rdma-core ibverbs-utils ibverbs-providers libibverbs-dev perftest iperf3 busybox-static" ;;
-    bench) pkgs="$pkgs iperf3 ucx-utils python3-venv python3-pip" ;;
+    bench) pkgs="$pkgs iperf3 ucx-utils python3-venv python3-pip libibverbs1 libnuma1 libcurl4" ;;
     study) pkgs="$pkgs fonts-dejavu-core" ;;
     *) echo "setup.sh: unknown group '$want' (known: rdma, bench, study)" >&2; exit 2 ;;
   esac

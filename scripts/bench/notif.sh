@@ -1,39 +1,89 @@
 #!/usr/bin/env bash
 # Notification round trip only, ours and NIXL 1.5.1 interleaved in the same run (the
-# machine is shared and noisy): REPS rounds (default 5) of
-#   tcp_bench (4-byte notif ping-pong D -> P -> D, 2000 samples, both sides busy-poll
-#   get_new_notifs with yield) then nixl_pair.py (PING<n>/PONG<n> ping-pong, 1000 samples,
-#   both sides busy-poll get_new_notifs, UCX over TCP on loopback).
-# Each tool prints its median; this prints every round, then the median of the rounds
-# and ratio= (ours / NIXL). Both tools also run a short READ phase first (not reported).
+# machine is shared and noisy): REPS rounds (default 5) of four pairs, one after another:
+#   ours TCP   tcp_bench --backend tcp (4-byte notif ping-pong D -> P -> D, 2000 samples,
+#              both sides busy-poll get_new_notifs with yield)
+#   ours shm   tcp_bench --backend shm (the same over the same-host shared-memory backend)
+#   NIXL TCP   nixl_pair.py with UCX_TLS=tcp (PING<n>/PONG<n> ping-pong, 1000 samples, both
+#              sides busy-poll get_new_notifs)
+#   NIXL UCX defaults  the same with UCX_TLS unset (READ over cma; notifications, UCX
+#              active messages, still go over tcp/lo)
+# Each tool prints its median; this prints every round, then the median of the rounds per
+# pair and notif_ratio_vs_nixl= (ours TCP / NIXL TCP; ratio= is the same figure, its old
+# name) and shm_notif_ratio_vs_nixl= (ours shm / NIXL UCX defaults). A pair that fails in
+# a round counts as nan there (reason on stderr) and is left out of its median. Both tools
+# also run short READ phases first (not reported).
 # Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), CARGO_TARGET_DIR, REPS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/bench/lib.sh
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build -q --release --locked -p kvlease-transport --no-default-features --example tcp_bench >&2
 BENCH=$CARGO_TARGET_DIR/release/examples/tcp_bench
-VENV=${KVLEASE_NIXL_VENV:-/var/tmp/kvlease-nixl-venv}
-"$VENV/bin/python" -c 'import nixl._api, numpy' || { echo "no NIXL venv in $VENV: run scripts/bench/transport.sh once" >&2; exit 1; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-trap 'jobs -p | xargs -r kill 2>/dev/null || true' EXIT
-ours=() nixl=()
-for r in $(seq "${REPS:-5}"); do
-  o=$(timeout 60 "$BENCH" --seconds 0.05 | sed -n 's/^notif_rtt_us=//p')
+nixl_ok=0
+nixl_venv && nixl_ok=1
+bench_tmp
+
+ours() { # BACKEND: prints the median RTT, or fails
+  local o
+  o=$(timeout 90 "$BENCH" --backend "$1" --seconds 0.05) || return 1
+  grep -qx "backend=$1" <<<"$o" || [ "$1" = tcp ] \
+    || { echo "tcp_bench printed no backend=$1 (built without --backend?)" >&2; return 1; }
+  sed -n 's/^notif_rtt_us=//p' <<<"$o" | grep .
+}
+nixl() { # MODE ENV...: prints the median RTT, or fails
+  local mode=$1 port target rc=0 o
+  shift
+  [ "$nixl_ok" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
   port=$(free_port)
-  timeout 60 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode target --port "$port" >/dev/null 2>&1 &
-  sleep 2
-  n=$(timeout 55 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator --port "$port" --seconds 0.1 2>/dev/null \
-    | sed -n 's/^nixl_notif_rtt_us=//p')
-  wait || true
-  echo "round=$r notif_rtt_us=${o:-nan} nixl_notif_rtt_us=${n:-nan}"
-  ours+=("${o:-nan}") nixl+=("${n:-nan}")
+  env "$@" timeout 60 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
+    --mode target --port "$port" >/dev/null 2>&1 &
+  target=$!
+  if wait_listen "$port" 40; then
+    o=$(env "$@" timeout 55 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
+      --mode initiator --port "$port" --seconds 0.1 2>"$BENCH_TMP/nixl.err") || rc=1
+  else
+    echo "NIXL target did not listen" >&2
+    rc=1
+  fi
+  [ "$rc" = 0 ] || { kill "$target" 2>/dev/null; tail -n 3 "$BENCH_TMP/nixl.err" >&2; }
+  wait "$target" || true
+  [ "$rc" = 0 ] && sed -n 's/^nixl_notif_rtt_us=//p' <<<"$o" | grep .
+}
+one() { # LABEL CMD...: the figure, or nan with the reason on stderr
+  local v
+  if v=$("${@:2}"); then echo "$v"; else echo "round $r: $1 failed" >&2; echo nan; fi
+}
+
+tcp=() shm=() ntcp=() nshm=()
+for r in $(seq "${REPS:-5}"); do
+  a=$(one ours_tcp ours tcp)
+  b=$(one ours_shm ours shm)
+  c=$(one nixl_tcp nixl tcp UCX_TLS=tcp UCX_NET_DEVICES=lo)
+  d=$(one nixl_shm nixl shm -u UCX_TLS -u UCX_NET_DEVICES)
+  echo "round=$r notif_rtt_us=$a shm_notif_rtt_us=$b nixl_tcp_notif_rtt_us=$c nixl_shm_notif_rtt_us=$d"
+  tcp+=("$a") shm+=("$b") ntcp+=("$c") nshm+=("$d")
 done
-python3 - "${ours[*]}" "${nixl[*]}" <<'PY'
-import statistics, sys
-o = [float(x) for x in sys.argv[1].split()]
-n = [float(x) for x in sys.argv[2].split()]
-mo, mn = statistics.median(o), statistics.median(n)
-print(f"median_notif_rtt_us={mo:.1f}")
-print(f"median_nixl_notif_rtt_us={mn:.1f}")
-print(f"ratio={mo / mn:.2f}")
+python3 - "${tcp[*]}" "${shm[*]}" "${ntcp[*]}" "${nshm[*]}" <<'PY'
+import math, statistics, sys
+
+
+def med(s):
+    v = [float(x) for x in s.split()]
+    v = [x for x in v if math.isfinite(x)]
+    return statistics.median(v) if v else math.nan
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if math.isfinite(a) and math.isfinite(b) and b > 0 else "nan"
+
+
+tcp, shm, ntcp, nshm = (med(s) for s in sys.argv[1:5])
+print(f"median_notif_rtt_us={tcp:.1f}")
+print(f"median_shm_notif_rtt_us={shm:.1f}")
+print(f"median_nixl_notif_rtt_us={ntcp:.1f}")
+print(f"median_nixl_shm_notif_rtt_us={nshm:.1f}")
+print(f"notif_ratio_vs_nixl={ratio(tcp, ntcp)}")
+print(f"shm_notif_ratio_vs_nixl={ratio(shm, nshm)}")
+print(f"ratio={ratio(tcp, ntcp)}")
 PY

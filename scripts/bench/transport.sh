@@ -1,78 +1,133 @@
 #!/usr/bin/env bash
-# Transport benchmark on loopback, every peer measured in the same run:
-#   ours (TCP backend, crates/transport/examples/tcp_bench.rs: READ sweep 16 KiB..4 MiB x
-#   1..256 blocks, notification RTT), iperf3 (one stream), ucx_perftest -t ucp_get over
-#   UCX_TLS=tcp (Debian's UCX), and NIXL 1.5.1 from PyPI (READ/WRITE 64 x 64 KiB and
-#   64 x 1 MiB, notification RTT; scripts/bench/nixl/nixl_pair.py).
-# Prints one key=value per figure (GB/s = 10^9 bytes/s), ending with
-#   ratio_vs_iperf3= ratio_vs_nixl_read= ratio_vs_nixl_write= (ours: READ 64 x 1 MiB)
-#   notif_rtt_us= nixl_notif_rtt_us=
-# Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), CARGO_TARGET_DIR,
-#      BENCH_SECONDS (per sweep point, default 0.2).
+# Transport benchmark on one host (loopback), every peer measured in the same run:
+#   memcpy     single-thread memcpy of 64 x 64 KiB and 64 x 1 MiB between two buffers, warm
+#              (crates/transport/examples/memcpy_bench.rs): the limit of a same-host READ.
+#   ours TCP   tcp_bench (crates/transport/examples/tcp_bench.rs): READ sweep 16 KiB..4 MiB
+#              x 1..256 blocks, READ 64 x 1 MiB and 64 x 64 KiB, notification RTT.
+#   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*.
+#   iperf3     one stream; ucx_perftest -t ucp_get over UCX_TLS=tcp (Debian's UCX 1.13).
+#   NIXL 1.5.1 from PyPI (scripts/bench/nixl/nixl_pair.py), twice: UCX's default transports
+#              (UCX_TLS unset; on one host READ goes through cma), keys nixl_shm_*; and
+#              UCX_TLS=tcp, keys nixl_tcp_*. READ/WRITE 64 x 64 KiB and 64 x 1 MiB, notif RTT.
+#   Mooncake   Transfer Engine from PyPI (mooncake-transfer-engine-non-cuda), TCP protocol,
+#              P2PHANDSHAKE metadata (no metadata server), batch_transfer_sync_read of
+#              64 x 64 KiB and 64 x 1 MiB (scripts/bench/mooncake/mooncake_pair.py).
+# Prints one key=value per figure (GB/s = 10^9 bytes/s, RTT in µs), then the ratios:
+#   ratio_vs_nixl_shm_read=     ours best same-host backend (max of shm and TCP), READ
+#                               64 x 1 MiB, over NIXL with UCX's defaults
+#   ratio_vs_nixl_shm_read_64k= the same at 64 x 64 KiB
+#   ratio_vs_memcpy=            ours best same-host READ 64 x 1 MiB over memcpy
+#   ratio_vs_mooncake_read=     our TCP READ 64 x 1 MiB over Mooncake's (and _64k=)
+#   notif_ratio_vs_nixl=        our TCP notification RTT over NIXL over TCP's
+#   shm_notif_ratio_vs_nixl=    our shm notification RTT over NIXL with UCX's defaults
+#   ratio_vs_iperf3= ratio_vs_nixl_read= ratio_vs_nixl_write= (our TCP READ 64 x 1 MiB over
+#   iperf3 and NIXL over TCP), notif_rtt_us= nixl_notif_rtt_us= (TCP, as before).
+# A single run's notification RTTs are noisy: scripts/bench/notif.sh interleaves rounds.
+# A peer that fails prints its keys as nan (the reason on stderr) and the run goes on.
+# Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), KVLEASE_MOONCAKE_VENV
+#      (default /var/tmp/kvlease-mooncake-venv), CARGO_TARGET_DIR, BENCH_SECONDS (per sweep
+#      point, default 0.2), PEER_SECONDS (per NIXL / Mooncake / memcpy point, default 1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/bench/lib.sh
 bash scripts/setup.sh bench >&2
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
-echo "building tcp_bench (release)" >&2
-cargo build -q --release --locked -p kvlease-transport --no-default-features --example tcp_bench >&2
+echo "building tcp_bench and memcpy_bench (release)" >&2
+cargo build -q --release --locked -p kvlease-transport --no-default-features \
+  --example tcp_bench --example memcpy_bench >&2
 BENCH=$CARGO_TARGET_DIR/release/examples/tcp_bench
+MEMCPY=$CARGO_TARGET_DIR/release/examples/memcpy_bench
+PS=${PEER_SECONDS:-1}
 
-VENV=${KVLEASE_NIXL_VENV:-/var/tmp/kvlease-nixl-venv}
-if ! "$VENV/bin/python" -c 'import nixl._api, numpy' >/dev/null 2>&1; then
-  echo "making NIXL venv in $VENV" >&2
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy >&2
-fi
+nixl_ok=0 mooncake_ok=0
+nixl_venv && nixl_ok=1
+mooncake_venv && mooncake_ok=1
 
-out=$(mktemp -d)
-trap 'rm -rf "$out"; jobs -p | xargs -r kill 2>/dev/null || true' EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-get() { sed -n "s/^$1=//p" "$out/all" | tail -1; }
-
-# --- ours ---
-timeout 150 "$BENCH" --sweep --seconds "${BENCH_SECONDS:-0.2}" | tee -a "$out/all"
-
-# --- iperf3, one stream ---
-port=$(free_port)
-iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
-sleep 0.5
-timeout 30 iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$out/iperf.json"
-python3 - "$out/iperf.json" <<'EOF' | tee -a "$out/all"
+bench_tmp
+# The shm backend's figures only count when tcp_bench says the link landed on shm.
+ours_shm() {
+  local o
+  o=$(timeout 120 "$BENCH" --backend shm --seconds 0.25) || return 1
+  grep -qx 'backend=shm' <<<"$o" \
+    || { echo "tcp_bench printed no backend=shm (built without --backend?)" >&2; return 1; }
+  printf '%s\n' "$o"
+}
+# The TCP run's 64 x 64 KiB figure: its own longer point, else the sweep's.
+ours_tcp() {
+  local o
+  o=$(timeout 200 "$BENCH" --backend tcp --sweep --seconds "${BENCH_SECONDS:-0.2}") || return 1
+  printf '%s\n' "$o"
+  grep -q '^read_64k_x64_gbps=' <<<"$o" || sed -n 's/^read_gbps_64k_x64=/read_64k_x64_gbps=/p' <<<"$o"
+}
+nixl() { # MODE(shm|tcp) ENV...
+  local mode=$1 port rc=0
+  shift
+  [ "$nixl_ok" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
+  port=$(free_port)
+  env "$@" timeout 120 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
+    --mode target --port "$port" >"$BENCH_TMP/nixl-$mode-target.log" 2>&1 &
+  local target=$!
+  wait_listen "$port" 60 || { echo "NIXL target did not listen on $port" >&2; kill "$target" 2>/dev/null; return 1; }
+  env "$@" timeout 110 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator \
+    --port "$port" --seconds "$PS" --prefix "nixl_$mode" || rc=$?
+  [ "$rc" = 0 ] || kill "$target" 2>/dev/null
+  wait "$target" || { echo "NIXL target:" >&2; tail -n 3 "$BENCH_TMP/nixl-$mode-target.log" >&2; }
+  return "$rc"
+}
+mooncake() {
+  [ "$mooncake_ok" = 1 ] || { echo "no Mooncake venv" >&2; return 1; }
+  timeout 120 "$MOONCAKE_VENV/bin/python" scripts/bench/mooncake/mooncake_pair.py --seconds "$PS"
+}
+iperf() {
+  local port
+  port=$(free_port)
+  timeout 40 iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+  wait_listen "$port" 10 || { echo "iperf3 server did not listen" >&2; return 1; }
+  timeout 30 iperf3 -c 127.0.0.1 -p "$port" -t 3 -J >"$BENCH_TMP/iperf.json"
+  python3 - "$BENCH_TMP/iperf.json" <<'EOF'
 import json, sys
-d = json.load(open(sys.argv[1]))
-bps = d["end"]["sum_received"]["bits_per_second"]
+bps = json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_per_second"]
 print(f"iperf3_gbit={bps / 1e9:.2f}")
 print(f"iperf3_gbps={bps / 8e9:.3f}")
 EOF
+}
+ucx() { # UCX 1.13 ucp_get over TCP; "Final:" row: iterations, 3 latencies, bandwidth
+  # average, bandwidth overall (MB/s = 2^20).
+  local port
+  port=$(free_port)
+  UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 60 ucx_perftest -p "$port" >/dev/null 2>&1 &
+  wait_listen "$port" 10 || { echo "ucx_perftest server did not listen" >&2; return 1; }
+  UCX_TLS=tcp UCX_NET_DEVICES=lo timeout 50 ucx_perftest 127.0.0.1 -p "$port" -t ucp_get \
+    -s 1048576 -n 200 >"$BENCH_TMP/ucx.txt" 2>&1
+  awk '/^Final:/ { printf "ucx_ucp_get_1m_gbps=%.3f\n", $7 * 1048576 / 1e9 }' "$BENCH_TMP/ucx.txt"
+}
 
-# --- UCX 1.13 ucp_get over TCP ---
-export UCX_TLS=tcp UCX_NET_DEVICES=lo
-port=$(free_port)
-timeout 60 ucx_perftest -p "$port" >/dev/null 2>&1 &
-sleep 1
-if timeout 50 ucx_perftest 127.0.0.1 -p "$port" -t ucp_get -s 1048576 -n 200 >"$out/ucx.txt" 2>&1; then
-  # "Final:" row: iterations, 3 latencies, bandwidth average, bandwidth overall (MB/s = 2^20).
-  awk '/^Final:/ { printf "ucx_ucp_get_1m_gbps=%.3f\n", $7 * 1048576 / 1e9 }' "$out/ucx.txt" | tee -a "$out/all"
-else
-  echo "ucx_ucp_get_1m_gbps=nan" | tee -a "$out/all"
-fi
-
-# --- NIXL 1.5.1 ---
-port=$(free_port)
-timeout 120 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode target --port "$port" >"$out/nixl-target.log" 2>&1 &
-sleep 2
-if ! timeout 110 "$VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator --port "$port" --seconds 1 2>"$out/nixl.err" \
-  | grep -E '^[a-z0-9_]+=' | tee -a "$out/all"; then
-  echo "nixl run failed:" >&2
-  tail -5 "$out/nixl.err" "$out/nixl-target.log" >&2
-fi
+peer memcpy "memcpy_64k_x64_gbps memcpy_1m_x64_gbps" timeout 60 "$MEMCPY" --seconds "$PS"
+peer ours_tcp "read_1m_x64_gbps read_64k_x64_gbps notif_rtt_us notif_rtt_p99_us" ours_tcp
+peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_notif_rtt_p99_us" \
+  --prefix shm_ ours_shm
+peer iperf3 "iperf3_gbps" iperf
+peer ucx_perftest "ucx_ucp_get_1m_gbps" ucx
+nixl_keys() { for k in read_64k_x64_gbps read_1m_x64_gbps write_64k_x64_gbps write_1m_x64_gbps notif_rtt_us; do printf 'nixl_%s_%s ' "$1" "$k"; done; }
+peer nixl_shm "$(nixl_keys shm)" nixl shm -u UCX_TLS -u UCX_NET_DEVICES
+peer nixl_tcp "$(nixl_keys tcp)" nixl tcp UCX_TLS=tcp UCX_NET_DEVICES=lo
+peer mooncake "mooncake_read_64k_x64_gbps mooncake_read_1m_x64_gbps" mooncake
 
 # --- ratios ---
-ours=$(get read_1m_x64_gbps)
-ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print(f'{float(a) / float(b):.2f}' if a and b and float(b) > 0 else 'nan')" "$1" "$2"; }
-echo "ratio_vs_iperf3=$(ratio "$ours" "$(get iperf3_gbps)")"
-echo "ratio_vs_nixl_read=$(ratio "$ours" "$(get nixl_read_1m_x64_gbps)")"
-echo "ratio_vs_nixl_write=$(ratio "$ours" "$(get nixl_write_1m_x64_gbps)")"
+same_1m=$(fmax "$(get shm_read_1m_x64_gbps)" "$(get read_1m_x64_gbps)")
+same_64k=$(fmax "$(get shm_read_64k_x64_gbps)" "$(get read_64k_x64_gbps)")
+echo "ours_same_host_read_1m_x64_gbps=$same_1m"
+echo "ours_same_host_read_64k_x64_gbps=$same_64k"
+echo "ratio_vs_nixl_shm_read=$(ratio "$same_1m" "$(get nixl_shm_read_1m_x64_gbps)")"
+echo "ratio_vs_nixl_shm_read_64k=$(ratio "$same_64k" "$(get nixl_shm_read_64k_x64_gbps)")"
+echo "ratio_vs_memcpy=$(ratio "$same_1m" "$(get memcpy_1m_x64_gbps)")"
+echo "ratio_vs_mooncake_read=$(ratio "$(get read_1m_x64_gbps)" "$(get mooncake_read_1m_x64_gbps)")"
+echo "ratio_vs_mooncake_read_64k=$(ratio "$(get read_64k_x64_gbps)" "$(get mooncake_read_64k_x64_gbps)")"
+echo "notif_ratio_vs_nixl=$(ratio "$(get notif_rtt_us)" "$(get nixl_tcp_notif_rtt_us)")"
+echo "shm_notif_ratio_vs_nixl=$(ratio "$(get shm_notif_rtt_us)" "$(get nixl_shm_notif_rtt_us)")"
+echo "ratio_vs_iperf3=$(ratio "$(get read_1m_x64_gbps)" "$(get iperf3_gbps)")"
+echo "ratio_vs_nixl_read=$(ratio "$(get read_1m_x64_gbps)" "$(get nixl_tcp_read_1m_x64_gbps)")"
+echo "ratio_vs_nixl_write=$(ratio "$(get read_1m_x64_gbps)" "$(get nixl_tcp_write_1m_x64_gbps)")"
 echo "notif_rtt_us=$(get notif_rtt_us)"
-echo "nixl_notif_rtt_us=$(get nixl_notif_rtt_us)"
+echo "nixl_notif_rtt_us=$(get nixl_tcp_notif_rtt_us)"

@@ -6,8 +6,11 @@
 
 The initiator measures READ and WRITE of 64 x 64 KiB and 64 x 1 MiB (each verified) and a
 send_notif/get_new_notifs ping-pong, and prints one key=value line per figure:
-nixl_{read,write}_{64k,1m}_x64_gbps (10^9 bytes/s) and nixl_notif_rtt_us (median).
-Run with UCX_TLS=tcp UCX_NET_DEVICES=lo. No progress thread (fastest on 2 cores).
+<prefix>_{read,write}_{64k,1m}_x64_gbps (10^9 bytes/s) and <prefix>_notif_rtt_us (median),
+with --prefix (default nixl). UCX picks the transports: run with UCX_TLS=tcp
+UCX_NET_DEVICES=lo for TCP, or with UCX_TLS unset for UCX's defaults (on one host, READ
+goes through cma, i.e. process_vm_readv, and notifications over tcp/lo; UCX_PROTO_INFO=y
+prints the choice). No progress thread (fastest on 2 cores).
 """
 import argparse
 import os
@@ -114,7 +117,7 @@ def initiator(a):
                 one()
                 iters += 1
             gbps = n * iters / (time.perf_counter() - t0) / 1e9
-            print(f"nixl_{op.lower()}_{k}_x{NDESC}_gbps={gbps:.3f}", flush=True)
+            print(f"{a.prefix}_{op.lower()}_{k}_x{NDESC}_gbps={gbps:.3f}", flush=True)
             agent.release_xfer_handle(h)
     lat = []
     for i in range(a.notif_iters + 100):
@@ -124,7 +127,7 @@ def initiator(a):
         wait_for(agent, "target", lambda m: m == b"PONG" + tag)
         if i >= 100:
             lat.append(time.perf_counter() - t0)
-    print(f"nixl_notif_rtt_us={np.median(lat) * 1e6:.1f}", flush=True)
+    print(f"{a.prefix}_notif_rtt_us={np.median(lat) * 1e6:.1f}", flush=True)
     agent.send_notif("target", b"BYE")
     time.sleep(0.2)
     agent.deregister_memory(reg)
@@ -137,6 +140,7 @@ def main():
     p.add_argument("--port", type=int, default=5555)
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--notif-iters", type=int, default=1000)
+    p.add_argument("--prefix", default="nixl", help="key prefix of the printed figures")
     a = p.parse_args()
     return target(a) if a.mode == "target" else initiator(a)
 
