@@ -46,7 +46,7 @@ if ! venv_ready; then
   log "making $VENV with vllm==$VLLM_VERSION, pytest, maturin (a few minutes, ~9.5 GB)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
-  "$VENV/bin/pip" install -q "vllm==$VLLM_VERSION" pytest "maturin>=1.5,<2" >&2 \
+  "$VENV/bin/pip" install -q "vllm==$VLLM_VERSION" pytest "maturin>=1.9,<2" >&2 \
     || fail "pip install vllm==$VLLM_VERSION"
   venv_ready || fail "$VENV does not import vllm==$VLLM_VERSION, pytest and maturin after installing them"
 fi
