@@ -7,6 +7,8 @@
 //! - [`HostRegion`]: one page-aligned shared mapping of a sealed memfd, huge pages tried
 //!   first; [`SharedRegionView`]: another process's read-only mapping of it, and
 //!   [`send_with_fds`] / [`recv_with_fds`] to hand its descriptor over a Unix socket.
+//! - [`ForeignRegion`]: memory another runtime owns (a Python buffer, a torch tensor),
+//!   kept alive by an owner value the region holds.
 //! - [`KvLayout`]: byte offsets of (layer, block) and of head sub-ranges of K or V.
 //! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
 //!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
@@ -19,12 +21,16 @@
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
 // contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
-// passing a memfd over a Unix socket) and `cuda` (cudarc).
+// passing a memfd over a Unix socket), `foreign` (memory owned by another language's
+// runtime) and `cuda` (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
 #[allow(unsafe_code)]
 mod host;
+
+#[allow(unsafe_code)]
+mod foreign;
 
 #[cfg(feature = "cuda")]
 #[allow(unsafe_code)]
@@ -34,6 +40,7 @@ pub mod staging;
 mod layout;
 mod pool;
 
+pub use foreign::{ForeignRegion, ForeignRegionError};
 pub use host::{
     HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_FDS_PER_MESSAGE,
     MAX_HOST_REGION, PageKind, ShareError, SharedRegionView, StagedHostRegion, recv_with_fds,
@@ -60,6 +67,7 @@ mod tests {
     fn public_types_are_send_and_sync() {
         send_sync::<HostRegion>();
         send_sync::<SharedRegionView>();
+        send_sync::<ForeignRegion>();
         send_sync::<ShareError>();
         send_sync::<StagedHostRegion>();
         send_sync::<std::sync::Arc<dyn DmaRegion>>();
