@@ -18,8 +18,10 @@
 use pyo3::prelude::*;
 
 mod agent;
+mod cores;
 mod errors;
 mod memory;
+mod sidechannel;
 
 /// The native module `kvlease._kvlease`.
 #[pymodule]
@@ -32,5 +34,25 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<agent::Batch>()?;
     m.add_class::<agent::BatchResult>()?;
     m.add_class::<memory::FenceWords>()?;
+    m.add_class::<cores::PrefillCore>()?;
+    m.add_class::<cores::PrefillStart>()?;
+    m.add_class::<cores::Granted>()?;
+    m.add_class::<cores::Released>()?;
+    m.add_class::<cores::ClearFences>()?;
+    m.add_class::<cores::SendNotif>()?;
+    m.add_class::<cores::Refused>()?;
+    m.add_class::<cores::DecodeCore>()?;
+    m.add_class::<cores::RemoteKv>()?;
+    m.add_class::<cores::HandshakeStart>()?;
+    m.add_class::<cores::Transmit>()?;
+    m.add_class::<cores::BatchPlan>()?;
+    m.add_class::<cores::LoadPlan>()?;
+    m.add_class::<cores::Loaded>()?;
+    m.add_class::<cores::HandshakeDone>()?;
+    m.add_class::<cores::Finished>()?;
+    m.add_class::<sidechannel::SideChannelServer>()?;
+    m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
+    m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;
+    m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;
     Ok(())
 }

@@ -3,6 +3,10 @@
 - :class:`Agent`: the transport agent (register memory, metadata, connect, batched
   fenced reads, notifications); blocking calls release the GIL.
 - :class:`FenceWords`: a lease's generation words over shared memory.
+- :class:`PrefillCore`, :class:`DecodeCore`: the engine cores (every lease decision of P
+  and D; time is an argument, ``now`` in seconds of ``time.monotonic()``).
+- :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
+  authenticated with the cluster token.
 - :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
 - :mod:`kvlease.vllm`: ``KvleaseConnector``, a vLLM KV connector built on the engine cores.
 
@@ -14,12 +18,32 @@ from __future__ import annotations
 from ._kvlease import (
     Agent,
     Batch,
+    BatchPlan,
     BatchResult,
+    ClearFences,
+    DecodeCore,
     FenceWords,
+    Finished,
+    Granted,
+    HandshakeDone,
+    HandshakeStart,
+    Loaded,
+    LoadPlan,
     Peer,
+    PrefillCore,
+    PrefillStart,
+    Refused,
     Region,
+    Released,
+    RemoteKv,
     RemoteRegion,
+    SendNotif,
+    SideChannelServer,
+    Transmit,
     __version__,
+    decode_notif,
+    encode_heartbeats,
+    side_channel_fetch,
 )
 from .errors import (
     AdmitError,
@@ -48,6 +72,26 @@ __all__ = [
     "Peer",
     "Region",
     "RemoteRegion",
+    "PrefillCore",
+    "PrefillStart",
+    "Granted",
+    "Released",
+    "ClearFences",
+    "SendNotif",
+    "Refused",
+    "DecodeCore",
+    "RemoteKv",
+    "HandshakeStart",
+    "Transmit",
+    "BatchPlan",
+    "LoadPlan",
+    "Loaded",
+    "HandshakeDone",
+    "Finished",
+    "SideChannelServer",
+    "side_channel_fetch",
+    "decode_notif",
+    "encode_heartbeats",
     "KvleaseError",
     "InvalidArgument",
     "ConfigError",
