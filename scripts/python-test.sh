@@ -51,6 +51,7 @@ if ! venv_ready; then
   venv_ready || fail "$VENV does not import vllm==$VLLM_VERSION, pytest and maturin after installing them"
 fi
 PY="$VENV/bin/python"
+export PATH="$VENV/bin:$PATH"  # the build backend runs `maturin` by name
 
 # --- our package -------------------------------------------------------------------------
 command -v cargo >/dev/null || fail "cargo not found (Rust 1.95 stable is required)"
