@@ -213,28 +213,21 @@ mod tests {
 
     #[test]
     fn bad_ranges_are_refused() {
-        // SAFETY: each call is refused before any region exists.
-        unsafe {
-            assert_eq!(
-                ForeignRegion::new(std::ptr::null_mut(), 8, MemoryKind::Host, Box::new(()))
-                    .map(drop),
-                Err(ForeignRegionError::Null)
-            );
-            assert_eq!(
-                ForeignRegion::new(std::ptr::dangling_mut(), 0, MemoryKind::Host, Box::new(()))
-                    .map(drop),
-                Err(ForeignRegionError::Empty)
-            );
-            assert!(matches!(
-                ForeignRegion::new(
-                    std::ptr::without_provenance_mut(usize::MAX - 7),
-                    16,
-                    MemoryKind::Host,
-                    Box::new(())
-                )
-                .map(drop),
-                Err(ForeignRegionError::Overflow { .. })
-            ));
-        }
+        // SAFETY: refused before any region exists (a null pointer).
+        let null =
+            unsafe { ForeignRegion::new(std::ptr::null_mut(), 8, MemoryKind::Host, Box::new(())) };
+        assert_eq!(null.map(drop), Err(ForeignRegionError::Null));
+        // SAFETY: refused before any region exists (an empty range).
+        let empty = unsafe {
+            ForeignRegion::new(std::ptr::dangling_mut(), 0, MemoryKind::Host, Box::new(()))
+        };
+        assert_eq!(empty.map(drop), Err(ForeignRegionError::Empty));
+        let near_end = std::ptr::without_provenance_mut(usize::MAX - 7);
+        // SAFETY: refused before any region exists (the range wraps the address space).
+        let wraps = unsafe { ForeignRegion::new(near_end, 16, MemoryKind::Host, Box::new(())) };
+        assert!(matches!(
+            wraps.map(drop),
+            Err(ForeignRegionError::Overflow { .. })
+        ));
     }
 }

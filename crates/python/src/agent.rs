@@ -332,6 +332,10 @@ impl Agent {
     /// differs from the bound one.
     #[new]
     #[pyo3(signature = (name, *, listen = "127.0.0.1:0", advertise = None, token = None, backend = "auto", num_connections = 2, handshake_timeout = 5.0))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments"
+    )]
     fn new(
         py: Python<'_>,
         name: String,

@@ -201,6 +201,10 @@ impl PrefillCore {
     /// the serving engine allocates blocks (`handle_prefill_done_in`).
     #[new]
     #[pyo3(signature = (engine_id, *, tp_size, num_blocks, block_size, lease_duration = 30.0, external_blocks = false, pool_wait = 0.0, first_generation = None, max_consumers = None))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments"
+    )]
     fn new(
         py: Python<'_>,
         engine_id: &str,
@@ -576,6 +580,10 @@ impl RemoteKv {
     /// Remote coordinates, as P's `kv_transfer_params` give them.
     #[new]
     #[pyo3(signature = (*, engine, request, blocks, generation, tp_size, num_tokens, host, port, instance = 0))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments"
+    )]
     fn new(
         engine: String,
         request: String,
@@ -797,6 +805,10 @@ impl DecodeCore {
     /// blocks and schedules loads (`start_load`).
     #[new]
     #[pyo3(signature = (engine_id, *, tp_size, num_kv_heads, block_size, num_blocks, lease_duration = 30.0, external_blocks = false, max_running = 64, max_waiting = 1024, retry = 0.005))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments"
+    )]
     fn new(
         py: Python<'_>,
         engine_id: &str,

@@ -133,9 +133,8 @@ impl ToPyErr for kvlease_transport::RegisterError {
 
 impl ToPyErr for kvlease_transport::ConnectError {
     fn to_py(&self, py: Python<'_>) -> PyErr {
-        use kvlease_transport::ConnectError as E;
         let family = match self {
-            E::AuthRejected { .. } | E::PeerAuthFailed { .. } => Family::Auth,
+            Self::AuthRejected { .. } | Self::PeerAuthFailed { .. } => Family::Auth,
             _ => Family::Connect,
         };
         raise_err(py, family, self)
@@ -144,9 +143,8 @@ impl ToPyErr for kvlease_transport::ConnectError {
 
 impl ToPyErr for kvlease_transport::TransferError {
     fn to_py(&self, py: Python<'_>) -> PyErr {
-        use kvlease_transport::TransferError as E;
         match self {
-            E::FenceMismatch {
+            Self::FenceMismatch {
                 expected, found, ..
             } => raise_with(
                 py,
@@ -167,8 +165,8 @@ impl ToPyErr for kvlease_transport::TransferError {
                     ),
                 ],
             ),
-            E::Timeout { .. } => raise_err(py, Family::TransferTimeout, self),
-            E::NotifTooLarge { .. } => raise_err(py, Family::Notif, self),
+            Self::Timeout { .. } => raise_err(py, Family::TransferTimeout, self),
+            Self::NotifTooLarge { .. } => raise_err(py, Family::Notif, self),
             _ => raise_err(py, Family::Transfer, self),
         }
     }
