@@ -190,8 +190,10 @@ def create_request(
     block_size: int = 16,
     kv_transfer_params: dict[str, Any] | None = None,
     token_base: int | None = None,
+    prompt_token_ids: list[int] | None = None,
 ):
-    """A vLLM ``Request`` with distinct prompt tokens (no accidental prefix-cache hits)."""
+    """A vLLM ``Request`` with distinct prompt tokens (no accidental prefix-cache hits),
+    or the given ``prompt_token_ids`` (D gets the prompt P prefilled)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -207,9 +209,11 @@ def create_request(
     base = token_base if token_base is not None else 1000 * n
     sampling = SamplingParams(max_tokens=max_tokens)
     sampling.update_from_generation_config({}, EOS_TOKEN_ID)
+    if prompt_token_ids is None:
+        prompt_token_ids = [(base + i) % 50000 + 3 for i in range(num_tokens)]
     req = Request(
         request_id=request_id,
-        prompt_token_ids=[(base + i) % 50000 + 3 for i in range(num_tokens)],
+        prompt_token_ids=list(prompt_token_ids),
         sampling_params=sampling,
         pooling_params=None,
         block_hasher=get_request_block_hasher(block_size, sha256),
@@ -227,7 +231,8 @@ def create_model_runner_output(
     use_eos: bool = False,
     token_id: int = 0,
 ):
-    """What a model runner would return for ``reqs``: one sampled token each."""
+    """What a model runner would return for ``reqs`` after ``schedule()``: one sampled
+    token each (none for a request still inside its prompt)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = [r.request_id for r in reqs]
@@ -239,10 +244,15 @@ def create_model_runner_output(
             invalid_block_ids=invalid_block_ids or set(),
         )
     token = EOS_TOKEN_ID if use_eos else token_id
+    # A request still inside its prompt (a chunked prefill) samples nothing this step; the
+    # scheduler has already counted this step's tokens as computed.
+    sampled = [
+        [token] if r.num_computed_tokens >= r.num_prompt_tokens else [] for r in reqs
+    ]
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[[token] for _ in req_ids],
+        sampled_token_ids=sampled,
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
