@@ -121,7 +121,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from . import _kvlease as native
-from .errors import AuthError, ConfigError, KvleaseError
+from .errors import AuthError, ConfigError, KvleaseError, NotifError, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -1017,9 +1017,13 @@ class KvleaseWorker:
         # D: P engines, peers by (engine, P rank), batches in flight.
         self.engines: dict[str, dict[str, Any]] = {}
         self._peers: dict[tuple[str, int], native.Peer] = {}
+        # A peer that could not be reached is not tried again before this time: a dead or
+        # blackholed P must not stall every step of this worker in connect timeouts.
+        self._unreachable: dict[tuple[str, int], float] = {}
         self._remote_layers: dict[tuple[str, int], dict[str, tuple[native.RemoteRegion, int, int, int]]] = {}
         self._fence_regions: dict[tuple[str, int], native.RemoteRegion] = {}
-        self._inflight: dict[str, dict[int, Any]] = {}
+        # D id -> batch index -> (the posted batch, P's engine).
+        self._inflight: dict[str, dict[int, tuple[Any, str]]] = {}
         self._pending: dict[str, set[int]] = {}
         self._blocks_of: dict[str, list[int]] = {}
         self._failed: set[str] = set()
@@ -1104,11 +1108,32 @@ class KvleaseWorker:
 
     # -------------------------------------------------------------- connecting
 
+    def _forget_peers(self, engine: str) -> None:
+        for key in [k for k in self._peers if k[0] == engine]:
+            peer = self._peers.pop(key)
+            try:
+                self.agent.disconnect(peer)
+            except KvleaseError:
+                pass
+        for key in [k for k in self._unreachable if k[0] == engine]:
+            del self._unreachable[key]
+
     def _peer(self, engine: str, p_rank: int) -> native.Peer:
         key = (engine, p_rank)
         peer = self._peers.get(key)
         if peer is not None:
             return peer
+        retry_at = self._unreachable.get(key)
+        if retry_at is not None and time.monotonic() < retry_at:
+            raise KvleaseError(f"worker {p_rank} of engine {engine} was unreachable; retrying later")
+        try:
+            return self._connect(engine, p_rank)
+        except KvleaseError:
+            self._unreachable[key] = time.monotonic() + self.config.handshake_timeout
+            raise
+
+    def _connect(self, engine: str, p_rank: int) -> native.Peer:
+        key = (engine, p_rank)
         info = self.engines.get(engine)
         if info is None:
             raise KvleaseError(f"engine {engine} is not handshaken")
@@ -1126,13 +1151,17 @@ class KvleaseWorker:
             for name, region, offset, stride, page, _n in w["layers"]
         }
         self._fence_regions[key] = peer.region(int(w["fence_region"]))
+        self._unreachable.pop(key, None)
         self.counters.add("peers_connected")
         return peer
 
     # ------------------------------------------------------------------ loading
 
     def start_load_kv(self, meta: KvleaseConnectorMetadata) -> None:
-        self.engines.update(meta.engines)
+        for engine, info in meta.engines.items():
+            # A new handshake (P restarted, or re-registered): its agents may be new.
+            self._forget_peers(engine)
+            self.engines[engine] = info
         self._finished_sending.update(meta.finished_sending)
         for rid, blocks in meta.failed_loads.items():
             self._finished_recving.add(rid)
@@ -1140,10 +1169,14 @@ class KvleaseWorker:
         if self.rank == 0:
             for engine, kind, message in meta.transmits:
                 try:
-                    self.agent.send_notif(self._peer(engine, 0), message)
+                    peer = self._peer(engine, 0)
+                    self.agent.send_notif(peer, message)
                     self.counters.add(f"{kind}s_sent")
                 except KvleaseError as e:
                     # A lost heartbeat is renewed by the next one; a lost abort by expiry.
+                    # A broken connection is dropped, to be made again.
+                    if isinstance(e, TransferError) or isinstance(e, NotifError):
+                        self._forget_peers(engine)
                     self.counters.add(f"{kind}s_failed")
                     logger.warning("%s to engine %s not sent: %s", kind, engine, e)
         for load in meta.loads:
@@ -1163,7 +1196,7 @@ class KvleaseWorker:
             except KvleaseError as e:
                 self._batch_done(rid, index, "failed", 0, str(e))
                 continue
-            self._inflight[rid][index] = batch
+            self._inflight[rid][index] = (batch, load["engine"])
         if not self._pending[rid]:
             self._finish_load(rid)
 
@@ -1249,11 +1282,14 @@ class KvleaseWorker:
 
     def _poll(self) -> None:
         for rid, batches in list(self._inflight.items()):
-            for index, batch in list(batches.items()):
+            for index, (batch, engine) in list(batches.items()):
                 result = self.agent.poll(batch)
                 if result is None:
                     continue
                 error = None if result.error is None else str(result.error)
+                if result.status == "failed":
+                    # Connect afresh next time (the connection may be what failed).
+                    self._forget_peers(engine)
                 self._batch_done(rid, index, result.status, int(result.bytes), error)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
