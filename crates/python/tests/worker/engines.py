@@ -50,9 +50,16 @@ class WorkerProcess:
         os.close(to_child_r)
         os.close(from_child_w)
         write_msg(self._to_child, init)
-        self._reply()
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """The worker built its connector and registered its KV caches."""
+        if not self._ready:
+            self._reply()
+            self._ready = True
 
     def request(self, name: str, **kwargs):
+        self.wait_ready()
         write_msg(self._to_child, (name, kwargs))
         return self._reply()
 
@@ -79,13 +86,15 @@ class WorkerProcess:
         self._close_pipes()
 
     def close(self) -> None:
+        """The connector's orderly ``shutdown`` (its agent closes its connections), then
+        the process goes without waiting for the interpreter's slow teardown."""
         if self.proc.poll() is None:
             try:
                 self.request("shutdown")
             except (WorkerError, OSError):
                 pass
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -100,10 +109,15 @@ class WorkerProcess:
         self._to_child = self._from_child = -1
 
 
-def plan_kv_cache_config(vllm_config, num_blocks: int, num_kv_heads: int = 2, head_size: int = 8):
-    """The KVCacheConfig vLLM's planner makes for two full-attention layers, ``num_blocks``
-    blocks (``num_gpu_blocks_override``), in the config's resolved layout."""
+def plan_kv_cache_config(vllm_config, num_blocks: int):
+    """The KVCacheConfig vLLM's planner makes for the model's attention layers (the fake
+    OPT: 2 layers, 4 KV heads of 16), ``num_blocks`` blocks (``num_gpu_blocks_override``),
+    in the config's resolved layout."""
     import torch
+
+    model = vllm_config.model_config
+    num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    head_size = model.get_head_size()
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
@@ -136,12 +150,20 @@ class Engine:
             log_dir,
             dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, seed=seed),
         )
-        meta = self.worker.request("handshake_metadata")
-        if meta:
-            self.connector.set_xfer_handshake_metadata_pp_aware(meta)
+        self._handshaken = False
         self.steps = 0
         self.outputs: dict[str, object] = {}  # request id -> its final EngineCoreOutput
         self.history: list[dict] = []  # per step: metadata and the worker's connector output
+
+    def ready(self) -> "Engine":
+        """Wait for the worker; hand its handshake metadata to the scheduler's connector
+        (what EngineCore does once the workers registered their KV caches)."""
+        if not self._handshaken:
+            meta = self.worker.request("handshake_metadata")
+            if meta:
+                self.connector.set_xfer_handshake_metadata_pp_aware(meta)
+            self._handshaken = True
+        return self
 
     def add_request(self, request) -> None:
         self.scheduler.add_request(request)
@@ -152,6 +174,10 @@ class Engine:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
     def step(self, fill_new: bool = False, sample_eos: bool = False):
+        self.ready()
+        return self._step(fill_new, sample_eos)
+
+    def _step(self, fill_new: bool, sample_eos: bool):
         """One engine step. ``fill_new``: the "forward" writes random KV into every block of
         the requests scheduled this step (a prefill). Returns the SchedulerOutput."""
         sched_out = self.scheduler.schedule()
@@ -177,12 +203,20 @@ class Engine:
         self.steps += 1
         return sched_out
 
+    @property
+    def requests(self) -> dict:
+        """The scheduler's live requests (a finished P request stays while leased)."""
+        return self.scheduler.requests
+
     def block_ids(self, request_id: str) -> list[int]:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(request_id)
         return list(blocks[0])
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+
+    def kill_worker(self) -> None:
+        self.worker.kill()
 
     def close(self) -> None:
         self.worker.close()

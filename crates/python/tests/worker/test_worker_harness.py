@@ -11,12 +11,12 @@ def test_scheduler_output_reaches_worker_and_prefill_writes_the_blocks(tmp_path)
         kv_connector="ToyConnector", kv_connector_module_path="toy_connector",
         kv_role="kv_producer",
     )
-    p = Engine("p", config, num_blocks=32, log_dir=tmp_path, seed=1)
+    p = Engine("p", config, num_blocks=32, log_dir=tmp_path, seed=1).ready()
     try:
         layout = p.worker.request("layout")
         assert sorted(layout) == sorted(LAYERS)
         # vLLM 0.33 per-layer view: [blocks, kv heads, block size, 2 * head size].
-        assert all(shape == (32, 2, 16, 16) for shape, *_ in layout.values())
+        assert all(shape == (32, 4, 16, 32) for shape, *_ in layout.values())
 
         req = sched_harness.create_request(
             num_tokens=40, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
