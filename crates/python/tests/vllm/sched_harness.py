@@ -97,6 +97,7 @@ def create_vllm_config(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 2048,
     kv_load_failure_policy: str = "recompute",
+    kv_cache_layout: str = "LBNHC",
 ):
     """A ``VllmConfig`` for the fake OPT on CPU with an out-of-tree KV connector."""
     from vllm.config import (
@@ -120,7 +121,9 @@ def create_vllm_config(
         block_size=block_size, gpu_memory_utilization=0.9, enable_prefix_caching=True
     )
     # The engine core resolves the layout before it builds connectors; do it for it.
-    cache_config.kv_cache_layout = "LBNHC"
+    # LBNHC is what vLLM picks for FlashAttention-style backends (layer-outer, per block
+    # [tokens, heads, 2*head]); block-outer layouts (BLNHC ...) interleave the layers.
+    cache_config.kv_cache_layout = kv_cache_layout
     transfer = dict(
         kv_connector=kv_connector,
         kv_connector_module_path=kv_connector_module_path,

@@ -40,13 +40,15 @@ def kvlease_engine(name, role, log_dir, lease, seed, num_blocks=64, **sched):
 
 @pytest.fixture
 def pd(tmp_path):
-    """make(lease) -> (P, D): both worker processes start together."""
+    """make(lease, p_layout, d_layout) -> (P, D): both worker processes start together."""
     made = []
 
-    def make(lease: float):
-        p = kvlease_engine("p0", "kv_producer", tmp_path, lease, seed=7)
+    def make(lease: float, p_layout: str = "LBNHC", d_layout: str = "LBNHC"):
+        p = kvlease_engine("p0", "kv_producer", tmp_path, lease, seed=7,
+                           kv_cache_layout=p_layout)
         # D runs one request at a time, so a local request can hold the remote one back.
-        d = kvlease_engine("d0", "kv_consumer", tmp_path, lease, seed=8, max_num_seqs=1)
+        d = kvlease_engine("d0", "kv_consumer", tmp_path, lease, seed=8, max_num_seqs=1,
+                           kv_cache_layout=d_layout)
         made.extend([p, d])
         return p.ready(), d.ready()
 
@@ -202,3 +204,50 @@ def test_read_after_the_lease_expired_is_stale_and_vllm_recomputes(pd):
     # Recomputed: the whole prompt was scheduled for computation after the failed load.
     computed = sum(h["scheduled"].get(req.request_id, 0) for h in d.history)
     assert computed >= len(req.prompt_token_ids)
+
+
+def load_once(p: Engine, d: Engine):
+    """Prefill on P, load on D, decode to the end: (P's blocks, D's blocks, D's request,
+    the load errors D's worker reported)."""
+    p_req, params = prefill(p)
+    req = d_request(params, p_req)
+    d.add_request(req)
+    run_until(lambda: req.request_id in d.outputs, [d, p], 60, "D's load and decode")
+    (load,) = [x for h in d.history for x in h["meta"].loads]
+    errors = set().union(*(h["kv_out"].invalid_block_ids for h in d.history if h["kv_out"]))
+    return list(params["remote_block_ids"]), list(load["local_blocks"]), req, errors
+
+
+def test_load_is_byte_exact_from_a_layer_outer_to_a_block_outer_layout(pd):
+    """P's KV cache is layer-outer (LBNHC: each layer one region, blocks one page apart);
+    D's is block-outer (BLNHC: a block holds every layer's page, so one layer's blocks are
+    two pages apart). A block's page has the same byte order in both (tokens, heads,
+    K|V), so the reads must land every page at D's own offsets."""
+    p, d = pd(30.0, p_layout="LBNHC", d_layout="BLNHC")
+    assert p.worker.request("layout")[LAYERS[0]][1][0] * 2 == \
+        d.worker.request("layout")[LAYERS[0]][1][0]  # D's block stride is twice P's
+    p_blocks, d_blocks, _, errors = load_once(p, d)
+    assert not errors
+    p_pages = p.worker.request("blocks", block_ids=p_blocks)
+    d_pages = d.worker.request("blocks", block_ids=d_blocks)
+    for layer in LAYERS:
+        assert d_pages[layer] == p_pages[layer], f"{layer}: D's blocks differ from P's"
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "KvleaseConnector compares only a block's byte size between P and D, not the order "
+    "inside it (kv_cache_layout), so an LBNHC P and an LBHNC D exchange scrambled KV "
+    "and D decodes from it; see crates/python/tests/NOTES-for-connector.md"))
+def test_a_block_layout_mismatch_is_never_loaded_as_kv(pd):
+    """P stores a block as [tokens, heads, K|V] (LBNHC), D as [heads, tokens, K|V]
+    (LBHNC): same page size, different meaning. D must not decode from P's bytes as if
+    they were its own layout: either the load fails (vLLM recomputes) or the KV arrives
+    in D's order."""
+    p, d = pd(30.0, p_layout="LBNHC", d_layout="LBHNC")
+    p_blocks, d_blocks, _, errors = load_once(p, d)
+    if errors:
+        return  # refused: vLLM recomputed
+    p_pages = p.worker.request("blocks", block_ids=p_blocks)
+    d_pages = d.worker.request("blocks", block_ids=d_blocks)
+    for layer in LAYERS:
+        assert d_pages[layer] == p_pages[layer], f"{layer}: D decoded from scrambled KV"
