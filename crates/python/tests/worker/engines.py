@@ -26,6 +26,9 @@ from worker_proc import read_msg, write_msg
 
 HERE = Path(__file__).resolve().parent
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+# Where the workers allocate their KV caches: "cpu" (CI), or a CUDA device ("cuda:0") on a
+# machine with a GPU and a kvlease wheel built with the `cuda` feature (the default).
+KV_DEVICE = os.environ.get("KVLEASE_TEST_KV_DEVICE", "cpu")
 
 
 class WorkerError(RuntimeError):
@@ -148,7 +151,8 @@ class Engine:
         self.worker = WorkerProcess(
             f"{name}-worker",
             log_dir,
-            dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, seed=seed),
+            dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, seed=seed,
+                 device=KV_DEVICE),
         )
         self._handshaken = False
         self.steps = 0

@@ -8,8 +8,8 @@ the connector's scheduler half); this process gets what a vLLM worker gets from 
 - builds the connector with vLLM's factory (role WORKER) and makes it vLLM's global KV
   transfer group, as ``ensure_kv_transfer_initialized`` does;
 - allocates the KV cache with vLLM's own ``allocate_kv_cache`` (one int8 backing buffer,
-  per-layer strided views in the configured layout, on CPU) and registers it with
-  ``register_kv_caches``;
+  per-layer strided views in the configured layout; on CPU, or on the device named by
+  ``KVLEASE_TEST_KV_DEVICE``, e.g. ``cuda:0``) and registers it with ``register_kv_caches``;
 - runs each step through vLLM's own ``KVConnectorModelRunnerMixin.kv_connector_no_forward``
   (bind metadata, start_load_kv, wait_for_save, get_finished / get_transfer_results,
   get_block_ids_with_load_errors, clear metadata) and returns the ``KVConnectorOutput``.
@@ -65,7 +65,7 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 
 class Worker:
-    def __init__(self, vllm_config, kv_cache_config, seed: int):
+    def __init__(self, vllm_config, kv_cache_config, seed: int, device: str = "cpu"):
         import torch
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -80,7 +80,7 @@ class Worker:
         )
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device(device), layout)
         self.connector.register_kv_caches(self.kv_caches)
 
     # Requests.
@@ -110,7 +110,10 @@ class Worker:
     def blocks(self, block_ids: list[int]) -> dict[str, list[bytes]]:
         """The bytes of each block in each layer (logical order, so any layout compares)."""
         return {
-            name: [t[b].contiguous().view(self.torch.uint8).numpy().tobytes() for b in block_ids]
+            name: [
+                t[b].contiguous().view(self.torch.uint8).cpu().numpy().tobytes()
+                for b in block_ids
+            ]
             for name, t in self.kv_caches.items()
         }
 
@@ -131,7 +134,7 @@ class Worker:
                     -128, 128, page.shape + (page.element_size(),),
                     dtype=torch.int8, generator=self.generator,
                 )
-                page.copy_(noise.view(page.dtype).reshape(page.shape))
+                page.copy_(noise.view(page.dtype).reshape(page.shape))  # to the device
 
 
 def main() -> None:
