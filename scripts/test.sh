@@ -3,6 +3,7 @@
 #   scripts/test.sh            everything (lint, unit/property/simulation/system tests, docs, hosts in network namespaces, SoftRoCE VMs: rxe tests, agents over verbs in one VM and across two)
 #   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
 #   KVLEASE_SKIP_NETNS=1 scripts/test.sh  everything but the network-namespace hosts (scripts/netns/hosts.sh)
+#   KVLEASE_SKIP_PYTHON=1 scripts/test.sh everything but the Python package and vLLM connector tests (scripts/python-test.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -31,6 +32,11 @@ KVLEASE_TEST_TRANSPORT=shm cargo test --locked -p kvlease-agent --test system
 
 step "cargo doc (-D warnings)"
 RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items --locked -q
+
+if [ "${KVLEASE_SKIP_PYTHON:-0}" != 1 ]; then
+  step "Python: the kvlease package and its vLLM connector (vLLM's scheduler on CPU, P and D worker processes)"
+  bash scripts/python-test.sh
+fi
 
 if [ "${KVLEASE_SKIP_NETNS:-0}" != 1 ]; then
   step "P, D and the proxy on separate hosts (network namespaces), with faults"

@@ -5,10 +5,10 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use kvlease_lease::{
-    BlockAllocator, BlockId, ConsumerId, EngineId, HeartbeatTracker, RequestId, Timestamp,
-};
+use kvlease_lease::{BlockId, ConsumerId, EngineId, HeartbeatTracker, RequestId, Timestamp};
 use kvlease_notif::{Abort, Notif, ReadComplete};
+
+use crate::blocks::{BlockSource, Blocks};
 
 mod types;
 
@@ -54,7 +54,9 @@ struct Req {
 /// 2. [`poll_transmit`](Self::poll_transmit) until `None`: heartbeats (one batch per P
 ///    engine and interval) and aborts, each to every worker of its P engine;
 /// 3. [`handle_notif`](Self::handle_notif) for each notification (expiry notices);
-/// 4. [`poll_load`](Self::poll_load) until `None`: post each plan's batches;
+/// 4. [`poll_load`](Self::poll_load) until `None` (or, when the serving engine allocates
+///    the blocks, [`start_load`](Self::start_load) for each request it scheduled): post
+///    each plan's batches;
 ///    [`handle_batch_done`](Self::handle_batch_done) as they end; on
 ///    [`DecodeEvent::Loaded`] verify and call [`handle_verified`](Self::handle_verified);
 /// 5. the model decodes; [`request_finished`](Self::request_finished) frees a finished
@@ -64,7 +66,7 @@ struct Req {
 pub struct DecodeCore {
     config: DecodeConfig,
     tracker: HeartbeatTracker,
-    alloc: BlockAllocator,
+    blocks: Blocks,
     remotes: HashMap<EngineId, Remote>,
     reqs: HashMap<RequestId, Req>,
     /// D ids in arrival order, of requests not yet scheduled.
@@ -81,7 +83,7 @@ impl DecodeCore {
     pub fn new(config: DecodeConfig) -> Self {
         Self {
             tracker: HeartbeatTracker::new(&config.lease),
-            alloc: BlockAllocator::new(config.num_blocks),
+            blocks: Blocks::new(config.block_source, config.num_blocks),
             remotes: HashMap::new(),
             reqs: HashMap::new(),
             queue: VecDeque::new(),
@@ -121,17 +123,24 @@ impl DecodeCore {
 
     /// Blocks allocated.
     pub fn blocks_allocated(&self) -> usize {
-        self.alloc.allocated_count()
+        self.blocks.allocated_count()
     }
 
     /// Free blocks.
     pub fn blocks_free(&self) -> usize {
-        self.alloc.free_count()
+        self.blocks.free_count()
     }
 
     /// Whether nothing is admitted, tracked or allocated.
     pub fn is_idle(&self) -> bool {
-        self.reqs.is_empty() && self.tracker.is_empty() && self.alloc.allocated_count() == 0
+        self.reqs.is_empty() && self.tracker.is_empty() && self.blocks.allocated_count() == 0
+    }
+
+    /// Whether `request` waits to be scheduled (admitted, not loading, not ended).
+    pub fn is_waiting(&self, request: &RequestId) -> bool {
+        self.reqs
+            .get(request)
+            .is_some_and(|r| matches!(r.phase, Phase::Waiting) && !r.answered)
     }
 
     /// Whether `engine` is handshaken.
@@ -571,13 +580,14 @@ impl DecodeCore {
             return None;
         };
         let p_tp = p.tp_size;
-        let blocks = self.alloc.alloc(req.remote.blocks.len()).ok()?;
+        let blocks = self.blocks.alloc(req.remote.blocks.len()).ok()?;
         self.queue.remove(i);
         let batches = self.plan_batches(&req.remote, p_tp);
         let plan = LoadPlan {
             request: id.clone(),
             blocks: blocks.clone(),
             remote: req.remote.clone(),
+            skip_blocks: 0,
             fence_generation: req.remote.generation,
             batches,
         };
@@ -595,13 +605,17 @@ impl DecodeCore {
     pub fn blocks_short(&self) -> Option<usize> {
         let id = self.queue.get(self.next_schedulable()?)?;
         let need = self.reqs.get(id)?.remote.blocks.len();
-        need.checked_sub(self.alloc.free_count()).filter(|&n| n > 0)
+        need.checked_sub(self.blocks.free_count())
+            .filter(|&n| n > 0)
     }
 
     /// The queue position of the first request whose P engine is ready, while fewer than
-    /// `max_running` run.
+    /// `max_running` run; `None` for a core whose blocks the serving engine allocates
+    /// (it schedules with [`start_load`](Self::start_load)).
     fn next_schedulable(&self) -> Option<usize> {
-        if self.running() >= self.config.max_running as usize {
+        if self.blocks.source() != BlockSource::Pool
+            || self.running() >= self.config.max_running as usize
+        {
             return None;
         }
         self.queue.iter().position(|id| {
@@ -609,6 +623,68 @@ impl DecodeCore {
                 .get(id)
                 .is_some_and(|r| self.is_ready(&r.remote.engine))
         })
+    }
+
+    /// The serving engine scheduled waiting `request` and allocated `blocks` for the KV it
+    /// loads (vLLM: `update_state_after_alloc` with `num_external_tokens > 0`): plans its
+    /// reads, for a core whose [`BlockSource`] is external. The first `skip_blocks` of
+    /// P's blocks are not read (the engine computed them already: a local prefix-cache
+    /// hit); `blocks[i]` receives P's block `skip_blocks + i`. The serving engine's
+    /// scheduling limits apply, not [`DecodeConfig::max_running`].
+    ///
+    /// # Errors
+    /// [`StartLoadError`]; nothing changed.
+    pub fn start_load(
+        &mut self,
+        request: &RequestId,
+        blocks: Vec<BlockId>,
+        skip_blocks: usize,
+    ) -> Result<LoadPlan, StartLoadError> {
+        if self.blocks.source() != BlockSource::External {
+            return Err(StartLoadError::WrongBlockSource {
+                core: self.blocks.source(),
+            });
+        }
+        if !self.is_waiting(request) {
+            return Err(StartLoadError::NotWaiting {
+                request: request.clone(),
+            });
+        }
+        let Some(req) = self.reqs.get(request) else {
+            return Err(StartLoadError::NotWaiting {
+                request: request.clone(),
+            });
+        };
+        let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
+            return Err(StartLoadError::NotReady {
+                engine: req.remote.engine.clone(),
+            });
+        };
+        let need = req.remote.blocks.len().saturating_sub(skip_blocks);
+        if need == 0 || blocks.len() != need {
+            return Err(StartLoadError::BlockCount {
+                got: blocks.len(),
+                need,
+            });
+        }
+        let batches = self.plan_batches(&req.remote, p.tp_size);
+        let plan = LoadPlan {
+            request: request.clone(),
+            blocks: blocks.clone(),
+            remote: req.remote.clone(),
+            skip_blocks,
+            fence_generation: req.remote.generation,
+            batches,
+        };
+        self.queue.retain(|q| q != request);
+        self.blocks.adopt(&blocks);
+        if let Some(req) = self.reqs.get_mut(request) {
+            req.phase = Phase::Loading {
+                blocks,
+                results: plan.batches.iter().map(|b| (b.p_rank, None)).collect(),
+            };
+        }
+        Ok(plan)
     }
 
     /// When to call [`poll_transmit`](Self::poll_transmit) next; `None` when nothing is
@@ -787,8 +863,7 @@ impl DecodeCore {
     }
 
     fn free(&mut self, blocks: &[BlockId]) {
-        let freed = self.alloc.free(blocks);
-        debug_assert!(freed.is_ok(), "block accounting: {freed:?}");
+        self.blocks.free(blocks);
     }
 }
 

@@ -20,14 +20,24 @@
 //! | --- | --- | --- |
 //! | scheduler `on_new_request` | [`handle_job`](PrefillCore::handle_job) | [`on_new_request`](DecodeCore::on_new_request) (tracked at once) |
 //! | `get_num_new_matched_tokens` | — | [`on_new_request`](DecodeCore::on_new_request) validates P's coordinates: all prompt tokens load remotely |
-//! | `update_state_after_alloc` | [`poll_prefill`](PrefillCore::poll_prefill) (blocks allocated) | [`poll_load`](DecodeCore::poll_load) (blocks allocated, reads planned) |
+//! | `update_state_after_alloc` | [`poll_prefill`](PrefillCore::poll_prefill) (blocks allocated) | [`poll_load`](DecodeCore::poll_load) (blocks allocated, reads planned); external blocks: [`start_load`](DecodeCore::start_load) with vLLM's blocks |
 //! | `build_connector_meta` | — | [`poll_transmit`](DecodeCore::poll_transmit) (throttled heartbeats, aborts) and the [`LoadPlan`]s |
-//! | `request_finished` | [`handle_prefill_done`](PrefillCore::handle_prefill_done) grants the lease | [`request_finished`](DecodeCore::request_finished) frees D's blocks |
+//! | `request_finished` | [`handle_prefill_done`](PrefillCore::handle_prefill_done) grants the lease; external blocks: [`handle_prefill_done_in`](PrefillCore::handle_prefill_done_in) with vLLM's blocks | [`request_finished`](DecodeCore::request_finished) frees D's blocks |
 //! | `update_connector_output` | [`poll_event`](PrefillCore::poll_event) | [`poll_event`](DecodeCore::poll_event) ([`DecodeEvent::Finished`]) |
 //! | worker `start_load_kv` | — | post each [`BatchPlan`]; send each [`Transmit`] |
 //! | worker `get_finished` | [`handle_notif`](PrefillCore::handle_notif) (read completions release) | [`handle_batch_done`](DecodeCore::handle_batch_done), [`DecodeEvent::Loaded`] |
 //! | `get_block_ids_with_load_errors` | — | [`Outcome::Failed`] (a stale fence never produces output) |
 //! | the reaper (none in vLLM) | [`handle_timeout`](PrefillCore::handle_timeout) | — |
+//!
+//! # Who allocates blocks
+//! In vLLM the KV cache manager allocates every block; the connector only learns which
+//! ones a request got. A core built with [`BlockSource::External`] takes those ids
+//! ([`PrefillCore::handle_prefill_done_in`], [`DecodeCore::start_load`]) and tells the
+//! shell when they may be freed (a release's [`PrefillAction::ClearFences`], a
+//! request's [`DecodeEvent::Finished`]) instead of keeping a free list. The agents and
+//! the simulator use the default, [`BlockSource::Pool`]: the core allocates. Every lease
+//! and request decision is the same code either way; `kvlease.vllm` (the Python
+//! connector in `crates/python`) drives external-block cores.
 //!
 //! # Ownership of a lease
 //! A lease belongs to the first D engine that heartbeats, reads or aborts it; P ignores
@@ -42,13 +52,15 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod blocks;
 mod decode;
 mod prefill;
 
+pub use blocks::BlockSource;
 pub use decode::{
     AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
-    DecodeStats, HandshakeStart, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv, Transmit,
-    TransmitKind,
+    DecodeStats, HandshakeStart, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
+    StartLoadError, Transmit, TransmitKind,
 };
 pub use prefill::{
     Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,

@@ -6,11 +6,12 @@ use std::hash::Hash;
 use std::time::Duration;
 
 use kvlease_lease::{
-    AllocError, BlockAllocator, BlockId, ConsumerId, EngineId, Event, Generation, GrantError,
-    HeartbeatOutcome, LeaseConfig, LeaseTable, ReadCompleteOutcome, ReleaseReason, Released,
-    RequestId, Timestamp,
+    AllocError, BlockId, ConsumerId, EngineId, Event, Generation, GrantError, HeartbeatOutcome,
+    LeaseConfig, LeaseTable, ReadCompleteOutcome, ReleaseReason, Released, RequestId, Timestamp,
 };
 use kvlease_notif::{DecodeError, ExpiredLease, Notif, PrefillRouter};
+
+use crate::blocks::{BlockSource, Blocks};
 
 /// The sender of a notification, as the transport authenticated it: the engine it belongs
 /// to and the shell's own address of that endpoint (a transport peer name in the agent, a
@@ -45,6 +46,8 @@ pub struct PrefillConfig {
     /// The most consumers a read-completion may claim (`consumers_total`): a forged or
     /// broken report cannot make a lease wait for more readers than can exist.
     pub max_consumers: u32,
+    /// Where block ids come from: the core's own pool (default) or the serving engine.
+    pub block_source: BlockSource,
 }
 
 impl PrefillConfig {
@@ -66,7 +69,15 @@ impl PrefillConfig {
             pool_wait: Duration::ZERO,
             first_generation: Generation(std::num::NonZeroU64::MIN),
             max_consumers: tp_size.max(64),
+            block_source: BlockSource::Pool,
         }
+    }
+
+    /// Sets [`block_source`](Self::block_source).
+    #[must_use]
+    pub fn with_block_source(mut self, source: BlockSource) -> Self {
+        self.block_source = source;
+        self
     }
 
     /// Sets [`pool_wait`](Self::pool_wait).
@@ -129,6 +140,22 @@ pub enum PrefillError {
     /// The lease table refused the grant.
     #[error(transparent)]
     Grant(#[from] GrantError),
+    /// The call needs the other [`BlockSource`] than the core's (`handle_job` on a core
+    /// whose blocks the serving engine allocates, or `handle_prefill_done_in` on one with
+    /// its own pool).
+    #[error("this prefill core's blocks come from {core:?}")]
+    WrongBlockSource {
+        /// The core's block source.
+        core: BlockSource,
+    },
+    /// A block id the serving engine gave is outside the pool.
+    #[error("block id {block} is outside the pool of {pool} blocks")]
+    BlockOutOfRange {
+        /// The id.
+        block: u32,
+        /// Blocks per pool.
+        pool: u32,
+    },
     /// The engine is shutting down.
     #[error("the prefill engine is shutting down")]
     ShuttingDown,
@@ -292,7 +319,7 @@ struct Waiting {
 pub struct PrefillCore<A> {
     config: PrefillConfig,
     table: LeaseTable,
-    alloc: BlockAllocator,
+    blocks: Blocks,
     waiting: VecDeque<Waiting>,
     prefilling: HashMap<RequestId, Vec<BlockId>>,
     claims: HashMap<RequestId, Claim<A>>,
@@ -323,7 +350,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     pub fn new(config: PrefillConfig) -> Self {
         Self {
             table: LeaseTable::with_first_generation(config.lease, config.first_generation),
-            alloc: BlockAllocator::new(config.num_blocks),
+            blocks: Blocks::new(config.block_source, config.num_blocks),
             waiting: VecDeque::new(),
             prefilling: HashMap::new(),
             claims: HashMap::new(),
@@ -361,7 +388,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
 
     /// Blocks allocated (leased, being prefilled, or awaiting their fence clear).
     pub fn blocks_allocated(&self) -> usize {
-        self.alloc.allocated_count()
+        self.blocks.allocated_count()
     }
 
     /// Requests waiting for blocks.
@@ -385,7 +412,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         self.waiting.is_empty()
             && self.prefilling.is_empty()
             && self.table.is_empty()
-            && self.alloc.allocated_count() == 0
+            && self.blocks.allocated_count() == 0
     }
 
     /// Blocks needed for `num_tokens`.
@@ -399,7 +426,9 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     ///
     /// # Errors
     /// [`PrefillError::EmptyPrompt`], [`PrefillError::PromptTooLong`] or
-    /// [`PrefillError::Duplicate`]; the request is refused and nothing changed.
+    /// [`PrefillError::Duplicate`]; [`PrefillError::WrongBlockSource`] when the serving
+    /// engine allocates (use [`handle_prefill_done_in`](Self::handle_prefill_done_in)).
+    /// The request is refused and nothing changed.
     pub fn handle_job(
         &mut self,
         now: Timestamp,
@@ -408,7 +437,11 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     ) -> Result<(), PrefillError> {
         self.stats.jobs += 1;
         let needed = self.blocks_for(num_tokens);
-        let refused = if needed == 0 {
+        let refused = if self.blocks.source() != BlockSource::Pool {
+            Some(PrefillError::WrongBlockSource {
+                core: self.blocks.source(),
+            })
+        } else if needed == 0 {
             Some(PrefillError::EmptyPrompt)
         } else if needed > self.config.num_blocks as usize {
             Some(PrefillError::PromptTooLong {
@@ -453,7 +486,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         }
         while let Some(head) = self.waiting.front() {
             let waited = now.saturating_duration_since(head.since);
-            match self.alloc.alloc(head.needed) {
+            match self.blocks.alloc(head.needed) {
                 Ok(blocks) => {
                     let head = self.waiting.pop_front()?;
                     self.prefilling.insert(head.request.clone(), blocks.clone());
@@ -527,6 +560,56 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 Err(e.into())
             }
         }
+    }
+
+    /// The prefill of `request` is done in `blocks`, which the serving engine allocated
+    /// (vLLM: the scheduler's `request_finished` on P, with the request's block ids):
+    /// grants the lease, as [`handle_prefill_done`](Self::handle_prefill_done) does, for a
+    /// core whose [`BlockSource`] is external. The blocks are the core's to account for
+    /// until the lease's [`PrefillAction::ClearFences`] is polled: from then on the
+    /// serving engine may free them.
+    ///
+    /// # Errors
+    /// [`PrefillError::WrongBlockSource`] for a core with its own pool;
+    /// [`PrefillError::EmptyPrompt`] for no blocks; [`PrefillError::PromptTooLong`] and
+    /// [`PrefillError::BlockOutOfRange`] for blocks the pool cannot hold;
+    /// [`PrefillError::Duplicate`] when the request is being prefilled;
+    /// [`PrefillError::Grant`] when the table refuses. Nothing is held then.
+    pub fn handle_prefill_done_in(
+        &mut self,
+        now: Timestamp,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+    ) -> Result<Granted, PrefillError> {
+        self.stats.jobs += 1;
+        let pool = self.config.num_blocks;
+        let refused = if self.blocks.source() != BlockSource::External {
+            Some(PrefillError::WrongBlockSource {
+                core: self.blocks.source(),
+            })
+        } else if blocks.is_empty() {
+            Some(PrefillError::EmptyPrompt)
+        } else if blocks.len() > pool as usize {
+            Some(PrefillError::PromptTooLong {
+                needed: blocks.len(),
+                pool,
+            })
+        } else if let Some(b) = blocks.iter().find(|b| b.0 >= pool) {
+            Some(PrefillError::BlockOutOfRange { block: b.0, pool })
+        } else if self.prefilling.contains_key(&request) {
+            Some(PrefillError::Duplicate {
+                request: request.clone(),
+            })
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            self.stats.refused += 1;
+            return Err(e);
+        }
+        self.blocks.adopt(&blocks);
+        self.prefilling.insert(request.clone(), blocks);
+        self.handle_prefill_done(now, &request)
     }
 
     /// The prefill of `request` failed (compute or fill error): its blocks go back. No
@@ -719,10 +802,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     }
 
     fn free(&mut self, blocks: &[BlockId]) {
-        // Every id freed here was handed out by this allocator exactly once; a refusal
-        // would be a bug of the core, kept out of release builds' way.
-        let freed = self.alloc.free(blocks);
-        debug_assert!(freed.is_ok(), "block accounting: {freed:?}");
+        self.blocks.free(blocks);
     }
 
     /// Turns the table's releases into fence clears, expiry notices and events.

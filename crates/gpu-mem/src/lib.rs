@@ -10,6 +10,8 @@
 //! - [`RingReader`] / [`RingWriter`]: a bounded single-producer, single-consumer ring of
 //!   byte records in a sealed memfd shared by two processes, each end distrusting the
 //!   other (the transport's same-host notifications).
+//! - [`ForeignRegion`]: memory another runtime owns (a Python buffer, a torch tensor),
+//!   kept alive by an owner value the region holds.
 //! - [`KvLayout`]: byte offsets of (layer, block) and of head sub-ranges of K or V.
 //! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
 //!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
@@ -23,12 +25,16 @@
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
 // contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
 // passing a memfd over a Unix socket), `ring` (atomics and copies on a ring shared with
-// another process) and `cuda` (cudarc).
+// another process), `foreign` (memory owned by another language's runtime) and `cuda`
+// (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
 #[allow(unsafe_code)]
 mod host;
+
+#[allow(unsafe_code)]
+mod foreign;
 
 #[allow(unsafe_code)]
 mod ring;
@@ -41,6 +47,7 @@ pub mod staging;
 mod layout;
 mod pool;
 
+pub use foreign::{ForeignRegion, ForeignRegionError};
 pub use host::{
     HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_FDS_PER_MESSAGE,
     MAX_HOST_REGION, PageKind, ShareError, SharedRegionView, StagedHostRegion, recv_with_fds,
@@ -74,6 +81,7 @@ mod tests {
         send_sync::<RingReader>();
         send_sync::<RingWriter>();
         send_sync::<RingError>();
+        send_sync::<ForeignRegion>();
         send_sync::<ShareError>();
         send_sync::<StagedHostRegion>();
         send_sync::<std::sync::Arc<dyn DmaRegion>>();

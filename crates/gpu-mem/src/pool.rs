@@ -229,7 +229,7 @@ fn alloc_cuda(request: MemoryRequest, _bytes: usize) -> Result<Arc<dyn DmaRegion
 /// atomically (no tearing).
 #[derive(Debug, Clone)]
 pub struct FenceTable {
-    region: Arc<HostRegion>,
+    region: Arc<dyn DmaRegion>,
     slots: u32,
 }
 
@@ -248,6 +248,36 @@ impl FenceTable {
         let region = HostRegion::with_policy(bytes, crate::host::HugePagePolicy::Never)?;
         Ok(Self {
             region: Arc::new(region),
+            slots: num_blocks,
+        })
+    }
+
+    /// A table of `num_blocks` words in the first `num_blocks * 8` bytes of `region`
+    /// (memory another owner provides, e.g. a file mapping that a serving engine's
+    /// scheduler and its workers share). The words keep whatever they hold.
+    ///
+    /// # Errors
+    /// [`RegionAccessError::NotHostAccessible`] for device memory,
+    /// [`RegionAccessError::OutOfBounds`] when the region is shorter than the table (or
+    /// `num_blocks` is 0), [`RegionAccessError::Misaligned`] when the region's start is
+    /// not 8-byte aligned.
+    pub fn from_region(
+        region: Arc<dyn DmaRegion>,
+        num_blocks: u32,
+    ) -> Result<Self, RegionAccessError> {
+        let bytes = u64::from(num_blocks) * Self::WORD_BYTES;
+        if num_blocks == 0 {
+            return Err(RegionAccessError::OutOfBounds {
+                offset: 0,
+                len: 0,
+                region_len: region.len() as u64,
+            });
+        }
+        region.check_host_range(0, bytes)?;
+        // An atomic access to the first word checks the alignment of them all.
+        region.load_u64(0)?;
+        Ok(Self {
+            region,
             slots: num_blocks,
         })
     }
@@ -402,5 +432,26 @@ mod tests {
             fence.region().load_u64(4),
             Err(RegionAccessError::Misaligned { offset: 4 })
         ));
+    }
+
+    #[test]
+    fn a_fence_table_over_another_owners_memory_shares_its_words() {
+        // Two tables over one region, as a scheduler and a worker over one shared file.
+        let host: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(4096).expect("maps"));
+        let a = FenceTable::from_region(Arc::clone(&host), 16).expect("fits");
+        let b = FenceTable::from_region(Arc::clone(&host), 16).expect("fits");
+        a.publish(&[BlockId(2), BlockId(15)], 7).expect("in range");
+        assert_eq!(b.word(BlockId(2)), Ok(7));
+        assert_eq!(b.word(BlockId(15)), Ok(7));
+        assert_eq!(b.word(BlockId(3)), Ok(0));
+        assert!(matches!(
+            a.publish(&[BlockId(16)], 1),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            FenceTable::from_region(Arc::clone(&host), 513),
+            Err(RegionAccessError::OutOfBounds { .. })
+        ));
+        assert!(FenceTable::from_region(host, 0).is_err());
     }
 }

@@ -380,3 +380,100 @@ fn a_request_arriving_after_the_last_one_was_read_is_heartbeated_within_an_inter
         "heartbeats at {sent:?}"
     );
 }
+
+/// D with TP 2 over 4 heads, 16-token blocks, 8 blocks that vLLM allocates.
+fn external_core() -> DecodeCore {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    DecodeCore::new(
+        DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease)
+            .with_limits(1, 4)
+            .with_block_source(BlockSource::External),
+    )
+}
+
+#[test]
+fn external_blocks_load_what_the_engine_allocated_past_its_prefix_hit() {
+    let mut c = external_core();
+    c.on_new_request(at(0), id("a"), 48, remote("ra", 2, 3))
+        .unwrap();
+    assert!(c.is_waiting(&id("a")));
+    assert_eq!(
+        c.start_load(&id("a"), vec![BlockId(6)], 2),
+        Err(StartLoadError::NotReady {
+            engine: engine("p")
+        })
+    );
+    ready(&mut c, at(1), 2);
+    assert!(
+        c.poll_load().is_none(),
+        "the engine schedules, not the core"
+    );
+    // A local prefix hit covered P's first block: 2 blocks to load.
+    assert_eq!(
+        c.start_load(&id("a"), vec![BlockId(6)], 1),
+        Err(StartLoadError::BlockCount { got: 1, need: 2 })
+    );
+    let plan = c
+        .start_load(&id("a"), vec![BlockId(6), BlockId(3)], 1)
+        .unwrap();
+    assert_eq!(plan.blocks, [BlockId(6), BlockId(3)]);
+    assert_eq!(plan.skip_blocks, 1);
+    assert_eq!(
+        plan.remote.blocks.len(),
+        3,
+        "the fence still names P's first block"
+    );
+    assert_eq!(plan.batches.len(), 2);
+    assert_eq!(c.blocks_allocated(), 2);
+    assert!(!c.is_waiting(&id("a")));
+    assert!(matches!(
+        c.start_load(&id("a"), vec![BlockId(6), BlockId(3)], 1),
+        Err(StartLoadError::NotWaiting { .. })
+    ));
+    // A second request is not held back by max_running: vLLM schedules.
+    c.on_new_request(at(1), id("b"), 16, remote("rb", 2, 1))
+        .unwrap();
+    c.start_load(&id("b"), vec![BlockId(0)], 0).unwrap();
+
+    for batch in 0..2 {
+        c.handle_batch_done(&id("a"), batch, BatchResult::Done { bytes: 10 });
+    }
+    let loaded =
+        std::iter::from_fn(|| c.poll_event()).find(|e| matches!(e, DecodeEvent::Loaded { .. }));
+    assert!(matches!(
+        loaded,
+        Some(DecodeEvent::Loaded { bytes: 20, .. })
+    ));
+    c.handle_verified(&id("a"), Ok(()));
+    assert!(c.request_finished(&id("a")));
+    assert_eq!(
+        c.blocks_allocated(),
+        1,
+        "only b's block is still the core's"
+    );
+    // A stale read of b ends it; the engine gets its block back.
+    c.handle_batch_done(&id("b"), 0, BatchResult::Stale);
+    c.handle_batch_done(&id("b"), 1, BatchResult::Done { bytes: 1 });
+    let ends = finished(&mut c);
+    assert!(matches!(
+        &ends[..],
+        [(a, Outcome::Done), (b, Outcome::Failed(LoadError::Stale { .. }))]
+            if *a == id("a") && *b == id("b")
+    ));
+    assert!(c.is_idle());
+}
+
+#[test]
+fn a_pool_core_refuses_start_load() {
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    assert_eq!(
+        c.start_load(&id("a"), vec![BlockId(0)], 0),
+        Err(StartLoadError::WrongBlockSource {
+            core: BlockSource::Pool
+        })
+    );
+    assert!(c.poll_load().is_some());
+}

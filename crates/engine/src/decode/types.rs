@@ -9,6 +9,8 @@ use std::time::Duration;
 use kvlease_lease::{BlockId, EngineId, LeaseConfig, RequestId, TrackError};
 use kvlease_notif::DecodeError;
 
+use crate::BlockSource;
+
 /// A shell's error, kept as the typed cause of an outcome (a transport or handshake error).
 pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -34,6 +36,8 @@ pub struct DecodeConfig {
     pub max_waiting: u32,
     /// How long a heartbeat batch for an engine still handshaking is deferred.
     pub retry: Duration,
+    /// Where block ids come from: the core's own pool (default) or the serving engine.
+    pub block_source: BlockSource,
 }
 
 impl DecodeConfig {
@@ -56,7 +60,15 @@ impl DecodeConfig {
             max_running: 64,
             max_waiting: 1024,
             retry: Duration::from_millis(5),
+            block_source: BlockSource::Pool,
         }
+    }
+
+    /// Sets [`block_source`](Self::block_source).
+    #[must_use]
+    pub fn with_block_source(mut self, source: BlockSource) -> Self {
+        self.block_source = source;
+        self
     }
 
     /// Sets the running and waiting bounds.
@@ -228,6 +240,38 @@ impl AdmitError {
     }
 }
 
+/// Why [`DecodeCore::start_load`](super::DecodeCore::start_load) refused. Nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartLoadError {
+    /// The core allocates its own blocks ([`DecodeCore::poll_load`](super::DecodeCore::poll_load)).
+    #[error("this decode core's blocks come from {core:?}")]
+    WrongBlockSource {
+        /// The core's block source.
+        core: BlockSource,
+    },
+    /// The request is not waiting to be scheduled (unknown, loading already, or ended).
+    #[error("request {request} is not waiting to be loaded")]
+    NotWaiting {
+        /// D's id.
+        request: RequestId,
+    },
+    /// The handshake with the request's P engine has not finished.
+    #[error("engine {engine} is not handshaken yet")]
+    NotReady {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// The blocks given do not match P's blocks left to read.
+    #[error("{got} blocks given for {need} blocks to load")]
+    BlockCount {
+        /// Blocks given.
+        got: usize,
+        /// P's blocks after the skipped ones (0: nothing to load).
+        need: usize,
+    },
+}
+
 /// Why a request's KV load failed. The request produced no output.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -338,6 +382,10 @@ pub struct LoadPlan {
     pub blocks: Vec<BlockId>,
     /// Where the KV is.
     pub remote: RemoteKv,
+    /// P's blocks before this index are not read (D computed them already); `blocks[i]`
+    /// receives `remote.blocks[skip_blocks + i]`. Always 0 from
+    /// [`DecodeCore::poll_load`](super::DecodeCore::poll_load).
+    pub skip_blocks: usize,
     /// The fence every batch checks: P's word of `remote.blocks[0]` must hold this.
     pub fence_generation: u64,
     /// One entry per batch; report each with [`DecodeCore::handle_batch_done`](super::DecodeCore::handle_batch_done).

@@ -226,3 +226,83 @@ fn malformed_input_changes_nothing() {
     }
     assert_eq!(c.leases(), 1);
 }
+
+fn external_core(blocks: u32) -> PrefillCore<&'static str> {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    PrefillCore::new(
+        PrefillConfig::new(engine("p"), 1, blocks, 16, lease)
+            .with_block_source(BlockSource::External),
+    )
+}
+
+#[test]
+fn external_blocks_are_granted_released_and_handed_back_without_a_pool() {
+    let mut c = external_core(8);
+    // vLLM allocated blocks 5 and 2 for the request: the core leases exactly those.
+    let g = c
+        .handle_prefill_done_in(at(0), id("r1"), vec![BlockId(5), BlockId(2)])
+        .unwrap();
+    assert_eq!(g.blocks, [BlockId(5), BlockId(2)]);
+    assert_eq!(c.blocks_allocated(), 2);
+    assert_eq!(c.blocks_leased(), 2);
+    assert!(
+        c.poll_prefill(at(0)).is_none(),
+        "the core hands out no blocks"
+    );
+    // The reader completes: the lease ends, and the fence clear tells the shell that
+    // vLLM may free the blocks now.
+    c.handle_notif(at(1), &d("d1/d0"), &rc("r1", "d1", 0, 1));
+    let actions = drain(&mut c);
+    assert!(
+        matches!(&actions[..], [PrefillAction::ClearFences { released }]
+            if released.blocks == [BlockId(5), BlockId(2)]
+            && released.reason == ReleaseReason::Completed)
+    );
+    assert!(c.is_idle());
+
+    // Expiry gives them back the same way.
+    c.handle_prefill_done_in(at(10), id("r2"), vec![BlockId(0)])
+        .unwrap();
+    c.handle_timeout(at(10 + 3_000));
+    assert!(matches!(
+        &drain(&mut c)[..],
+        [PrefillAction::ClearFences { released }] if released.reason == ReleaseReason::Expired
+    ));
+    assert!(c.is_idle());
+}
+
+#[test]
+fn external_blocks_are_checked_and_each_source_refuses_the_others_calls() {
+    let mut c = external_core(8);
+    let err = |r: Result<Granted, PrefillError>| r.unwrap_err();
+    assert_eq!(
+        err(c.handle_prefill_done_in(at(0), id("a"), vec![BlockId(8)])),
+        PrefillError::BlockOutOfRange { block: 8, pool: 8 }
+    );
+    assert_eq!(
+        err(c.handle_prefill_done_in(at(0), id("a"), vec![])),
+        PrefillError::EmptyPrompt
+    );
+    assert!(matches!(
+        err(c.handle_prefill_done_in(at(0), id("a"), (0..9).map(BlockId).collect())),
+        PrefillError::PromptTooLong { needed: 9, pool: 8 }
+    ));
+    assert_eq!(
+        c.handle_job(at(0), id("a"), 16),
+        Err(PrefillError::WrongBlockSource {
+            core: BlockSource::External
+        })
+    );
+    assert!(c.is_idle(), "refusals hold nothing");
+    assert_eq!(c.stats().refused, 4);
+
+    let mut pool = core(8);
+    assert_eq!(
+        pool.handle_prefill_done_in(at(0), id("a"), vec![BlockId(0)])
+            .unwrap_err(),
+        PrefillError::WrongBlockSource {
+            core: BlockSource::Pool
+        }
+    );
+    assert!(pool.is_idle());
+}

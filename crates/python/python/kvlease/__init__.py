@@ -1,0 +1,110 @@
+"""kvlease: leased KV-cache transfers for disaggregated prefill (P) / decode (D) serving.
+
+- :class:`Agent`: the transport agent (register memory, metadata, connect, batched
+  fenced reads, notifications); blocking calls release the GIL.
+- :class:`FenceWords`: a lease's generation words over shared memory.
+- :class:`PrefillCore`, :class:`DecodeCore`: the engine cores (every lease decision of P
+  and D; time is an argument, ``now`` in seconds of ``time.monotonic()``).
+- :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
+  authenticated with the cluster token.
+- :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
+- :mod:`kvlease.vllm`: ``KvleaseConnector``, a vLLM KV connector built on the engine cores.
+
+See ``crates/python/README.md`` for the API and ``docs/python.md`` for vLLM launch lines.
+"""
+
+from __future__ import annotations
+
+from ._kvlease import (
+    Agent,
+    Batch,
+    BatchPlan,
+    BatchResult,
+    ClearFences,
+    DecodeCore,
+    FenceWords,
+    Finished,
+    Granted,
+    HandshakeDone,
+    HandshakeStart,
+    Loaded,
+    LoadPlan,
+    Peer,
+    PrefillCore,
+    PrefillStart,
+    Refused,
+    Region,
+    Released,
+    RemoteKv,
+    RemoteRegion,
+    SendNotif,
+    SideChannelServer,
+    Transmit,
+    __version__,
+    decode_notif,
+    encode_heartbeats,
+    side_channel_fetch,
+)
+from .errors import (
+    AdmitError,
+    AuthError,
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    InvalidArgument,
+    KvleaseError,
+    LoadError,
+    NotifError,
+    PrefillError,
+    RegisterError,
+    SideChannelError,
+    StaleFenceError,
+    TransferError,
+    TransferTimeout,
+)
+
+__all__ = [
+    "__version__",
+    "Agent",
+    "Batch",
+    "BatchResult",
+    "FenceWords",
+    "Peer",
+    "Region",
+    "RemoteRegion",
+    "PrefillCore",
+    "PrefillStart",
+    "Granted",
+    "Released",
+    "ClearFences",
+    "SendNotif",
+    "Refused",
+    "DecodeCore",
+    "RemoteKv",
+    "HandshakeStart",
+    "Transmit",
+    "BatchPlan",
+    "LoadPlan",
+    "Loaded",
+    "HandshakeDone",
+    "Finished",
+    "SideChannelServer",
+    "side_channel_fetch",
+    "decode_notif",
+    "encode_heartbeats",
+    "KvleaseError",
+    "InvalidArgument",
+    "ConfigError",
+    "RegisterError",
+    "ConnectError",
+    "AuthError",
+    "TransferError",
+    "StaleFenceError",
+    "TransferTimeout",
+    "NotifError",
+    "PrefillError",
+    "AdmitError",
+    "LoadError",
+    "SideChannelError",
+    "ClosedError",
+]

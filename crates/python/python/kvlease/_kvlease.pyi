@@ -1,0 +1,393 @@
+"""Type stubs of the native module ``kvlease._kvlease`` (see ``crates/python/src``)."""
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from .errors import KvleaseError
+
+__version__: str
+
+# ------------------------------------------------------------------------- transport
+
+class Region:
+    """A registered local region."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def key(self) -> int: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def kind(self) -> str:
+        """``"host"`` or ``"cuda:<ordinal>"``."""
+
+class RemoteRegion:
+    """A peer's region, from its metadata."""
+
+    def __init__(self, id: int, key: int, length: int) -> None: ...
+    @property
+    def id(self) -> int: ...
+    @property
+    def key(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class Peer:
+    """A connected peer."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def backend(self) -> Literal["tcp", "shm", "verbs"]: ...
+    @property
+    def backend_reason(self) -> str: ...
+    @property
+    def regions(self) -> list[RemoteRegion]: ...
+    def region(self, id: int) -> RemoteRegion:
+        """The peer's region ``id``; raises ``InvalidArgument`` if it has none."""
+
+class Batch:
+    """A posted read batch."""
+
+    @property
+    def peer(self) -> str: ...
+
+class BatchResult:
+    """How a batch ended."""
+
+    @property
+    def status(self) -> Literal["done", "stale", "failed"]: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def fence_word(self) -> int | None: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def error(self) -> KvleaseError | None: ...
+    def raise_for_status(self) -> None: ...
+
+ReadOp = tuple[Region | int, int, RemoteRegion, int, int]
+Fence = tuple[RemoteRegion, int, int]
+
+class Agent:
+    """A transfer agent: registered memory, metadata, peers, fenced batched reads and
+    notifications. Blocking calls release the GIL."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        token: bytes | None = None,
+        backend: Literal["auto", "tcp", "shm", "verbs"] = "auto",
+        num_connections: int = 2,
+        handshake_timeout: float = 5.0,
+    ) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def register(self, obj: Any) -> Region:
+        """Registers the memory of a buffer, array or (CPU/CUDA) tensor; keeps ``obj`` alive."""
+    def register_memory(
+        self, ptr: int, length: int, *, owner: Any = None, device: int | None = None
+    ) -> Region:
+        """Registers raw memory; the caller keeps it valid (or passes its ``owner``)."""
+    def deregister(self, region: Region) -> None: ...
+    def metadata(self) -> bytes: ...
+    def connect(self, metadata: bytes) -> Peer: ...
+    def disconnect(self, peer: Peer) -> None: ...
+    def post_read(
+        self,
+        peer: Peer,
+        ops: Iterable[ReadOp],
+        *,
+        notif: bytes | None = None,
+        fence: Fence | None = None,
+        timeout: float = 30.0,
+    ) -> Batch: ...
+    def poll(self, batch: Batch) -> BatchResult | None: ...
+    def wait(self, batches: Sequence[Batch], timeout: float | None = None) -> list[BatchResult | None]: ...
+    def read(
+        self,
+        peer: Peer,
+        ops: Iterable[ReadOp],
+        *,
+        notif: bytes | None = None,
+        fence: Fence | None = None,
+        timeout: float = 30.0,
+    ) -> BatchResult: ...
+    def send_notif(self, peer: Peer, message: bytes) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Agent: ...
+    def __exit__(self, *args: object) -> None: ...
+
+class FenceWords:
+    """One 8-byte generation word per block over host memory (e.g. a shared mmap)."""
+
+    def __init__(self, buffer: Any, num_blocks: int) -> None: ...
+    def __len__(self) -> int: ...
+    def publish(self, blocks: Sequence[int], word: int) -> None: ...
+    def word(self, block: int) -> int: ...
+    def offset(self, block: int) -> int: ...
+
+# ---------------------------------------------------------------------- prefill core
+
+class PrefillStart:
+    request: str
+    blocks: list[int]
+    waited: float
+
+class Granted:
+    request: str
+    blocks: list[int]
+    generation: int
+    superseded: bool
+
+class Released:
+    request: str
+    blocks: list[int]
+    generation: int
+    reason: Literal["completed", "expired", "aborted"]
+    granted_at: float
+    expiry: float
+    last_heartbeat: float | None
+    released_at: float
+
+class ClearFences:
+    """Publish the free word (0) for ``released.blocks`` now."""
+
+    released: Released
+
+class SendNotif:
+    to: str
+    message: bytes
+
+class Refused:
+    request: str
+    error: KvleaseError
+
+class PrefillCore:
+    """Every lease decision of a prefill engine (P)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        tp_size: int,
+        num_blocks: int,
+        block_size: int,
+        lease_duration: float = 30.0,
+        external_blocks: bool = False,
+        pool_wait: float = 0.0,
+        first_generation: int | None = None,
+        max_consumers: int | None = None,
+    ) -> None: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def lease_duration(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def leases(self) -> int: ...
+    @property
+    def blocks_leased(self) -> int: ...
+    @property
+    def blocks_allocated(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    def is_idle(self) -> bool: ...
+    def owner(self, request: str) -> str | None: ...
+    def lease(self, request: str) -> dict[str, Any] | None: ...
+    def stats(self) -> dict[str, int]: ...
+    def handle_job(self, now: float, request: str, num_tokens: int) -> None: ...
+    def poll_prefill(self, now: float) -> PrefillStart | None: ...
+    def handle_prefill_done(self, now: float, request: str) -> Granted: ...
+    def handle_prefill_done_in(self, now: float, request: str, blocks: Sequence[int]) -> Granted: ...
+    def handle_prefill_failed(self, request: str) -> bool: ...
+    def abort(self, now: float, request: str) -> bool: ...
+    def shutdown(self) -> None: ...
+    def handle_notif(
+        self, now: float, sender_engine: str, sender: str, message: bytes
+    ) -> dict[str, Any]: ...
+    def handle_timeout(self, now: float) -> None: ...
+    def poll_timeout(self) -> float | None: ...
+    def poll_action(self) -> ClearFences | SendNotif | None: ...
+    def poll_event(self) -> Released | Refused | None: ...
+
+# ----------------------------------------------------------------------- decode core
+
+class RemoteKv:
+    """Where a request's KV lives on P (the typed core of ``kv_transfer_params``)."""
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        request: str,
+        blocks: Sequence[int],
+        generation: int,
+        tp_size: int,
+        num_tokens: int,
+        host: str,
+        port: int,
+        instance: int = 0,
+    ) -> None: ...
+    engine: str
+    request: str
+    blocks: list[int]
+    generation: int
+    tp_size: int
+    num_tokens: int
+    host: str
+    port: int
+    instance: int
+
+class HandshakeStart:
+    engine: str
+    host: str
+    port: int
+
+class Transmit:
+    engine: str
+    workers: int
+    message: bytes
+    kind: Literal["heartbeat", "abort"]
+    ids: int
+
+class BatchPlan:
+    d_worker: int
+    p_rank: int
+    heads: tuple[int, int]
+    p_first_head: int
+    notif: bytes
+
+class LoadPlan:
+    request: str
+    blocks: list[int]
+    remote: RemoteKv
+    skip_blocks: int
+    fence_generation: int
+    batches: list[BatchPlan]
+
+class Loaded:
+    request: str
+    blocks: list[int]
+    bytes: int
+
+class HandshakeDone:
+    engine: str
+
+class Finished:
+    request: str
+    outcome: Literal["done", "failed", "aborted", "shutdown"]
+    error: KvleaseError | None
+    retryable: bool
+
+class DecodeCore:
+    """Every tracking and load decision of a decode engine (D)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        tp_size: int,
+        num_kv_heads: int,
+        block_size: int,
+        num_blocks: int,
+        lease_duration: float = 30.0,
+        external_blocks: bool = False,
+        max_running: int = 64,
+        max_waiting: int = 1024,
+        retry: float = 0.005,
+    ) -> None: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def tracked(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def blocks_allocated(self) -> int: ...
+    def is_idle(self) -> bool: ...
+    def is_ready(self, engine: str) -> bool: ...
+    def is_waiting(self, request: str) -> bool: ...
+    def remote_of(self, request: str) -> RemoteKv | None: ...
+    def local_id(self, remote: str) -> str | None: ...
+    def stats(self) -> dict[str, int]: ...
+    def on_new_request(self, now: float, request: str, num_tokens: int, remote: RemoteKv) -> None: ...
+    def poll_handshake(self) -> HandshakeStart | None: ...
+    def handle_handshake(
+        self, now: float, engine: str, *, tp_size: int, num_blocks: int, instance: int = 0
+    ) -> None: ...
+    def handle_handshake_failed(
+        self, now: float, engine: str, message: str, *, auth: bool = False
+    ) -> None: ...
+    def forget_engine(self, engine: str) -> None: ...
+    def handle_notif(self, engine: str, message: bytes) -> dict[str, Any]: ...
+    def abort(self, request: str) -> bool: ...
+    def handle_batch_done(
+        self,
+        request: str,
+        batch: int,
+        status: Literal["done", "stale", "failed"],
+        *,
+        bytes: int = 0,
+        error: str | None = None,
+    ) -> None: ...
+    def handle_verified(self, request: str, error: str | None = None) -> None: ...
+    def request_finished(self, request: str) -> bool: ...
+    def shutdown(self) -> None: ...
+    def poll_transmit(self, now: float) -> Transmit | None: ...
+    def poll_load(self) -> LoadPlan | None: ...
+    def start_load(self, request: str, blocks: Sequence[int], skip_blocks: int = 0) -> LoadPlan: ...
+    def blocks_short(self) -> int | None: ...
+    def poll_timeout(self) -> float | None: ...
+    def poll_event(self) -> Loaded | HandshakeDone | Finished | None: ...
+
+def decode_notif(message: bytes) -> dict[str, Any]: ...
+def encode_heartbeats(requests: Sequence[str], max_len: int = ...) -> list[bytes]: ...
+
+# ---------------------------------------------------------------------- side channel
+
+class SideChannelServer:
+    """Serves ``payload`` to peers that prove the cluster token."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        *,
+        token: bytes | None = None,
+        listen: str = "0.0.0.0:0",
+        max_connections: int = 64,
+        handshake_timeout: float = 10.0,
+    ) -> None: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def address(self) -> str: ...
+    def set_payload(self, payload: bytes) -> None: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+def side_channel_fetch(
+    host: str, port: int, *, token: bytes | None = None, timeout: float = 5.0
+) -> bytes: ...

@@ -1,0 +1,121 @@
+"""The exceptions of kvlease: one class per error family, all under :class:`KvleaseError`.
+
+The native module raises these classes (it imports this module), so ``except
+kvlease.TransferError`` catches a failed read whichever layer noticed it. Every
+instance carries the message of the Rust error chain as ``str(e)``; some carry
+attributes (listed per class).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KvleaseError",
+    "InvalidArgument",
+    "ConfigError",
+    "RegisterError",
+    "ConnectError",
+    "AuthError",
+    "TransferError",
+    "StaleFenceError",
+    "TransferTimeout",
+    "NotifError",
+    "PrefillError",
+    "AdmitError",
+    "LoadError",
+    "SideChannelError",
+    "ClosedError",
+]
+
+
+class KvleaseError(Exception):
+    """The base of every error kvlease raises on purpose."""
+
+
+class InvalidArgument(KvleaseError, ValueError):
+    """An argument has the right type but an unusable value (a negative length, an id
+    with a forbidden byte, a range outside a registered region, ...)."""
+
+
+class ConfigError(KvleaseError):
+    """A configuration cannot be used (agent limits, lease duration, connector extra
+    config)."""
+
+
+class RegisterError(KvleaseError):
+    """Memory could not be registered or deregistered with a transport agent."""
+
+
+class ConnectError(KvleaseError):
+    """Connecting to a peer failed (unreachable, bad metadata, handshake refused)."""
+
+
+class AuthError(ConnectError):
+    """The cluster token did not match: the peer refused our proof, or could not prove
+    it holds the token itself."""
+
+
+class TransferError(KvleaseError):
+    """A read batch failed (the peer refused a read, disconnected, or a local range was
+    unusable). The destination bytes are unspecified."""
+
+
+class StaleFenceError(TransferError):
+    """The fence word read after the data did not hold the generation the reader was
+    given: P released the lease (and may have reused the blocks) while D read. Nothing
+    read may be used; recompute.
+
+    Attributes: ``expected`` (the generation) and ``found`` (the word read).
+    """
+
+    expected: int | None = None
+    found: int | None = None
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A read batch did not complete within its timeout."""
+
+
+class NotifError(KvleaseError):
+    """A notification could not be sent (too large, unknown peer, disconnected) or
+    decoded."""
+
+
+class PrefillError(KvleaseError):
+    """The prefill core refused a request or a grant.
+
+    Attributes: ``retryable`` (whether the same request may succeed later).
+    """
+
+    retryable: bool = False
+
+
+class AdmitError(KvleaseError):
+    """The decode core refused a request on arrival (its ``kv_transfer_params`` do not
+    fit this engine, or D is full). Nothing is tracked for it.
+
+    Attributes: ``field`` (the ``kv_transfer_params`` key at fault, or ``None``) and
+    ``retryable``.
+    """
+
+    field: str | None = None
+    retryable: bool = False
+
+
+class LoadError(KvleaseError):
+    """A KV load failed (lease expired, stale fence, read or handshake failure); the
+    request produced no output from the remote KV.
+
+    Attributes: ``retryable``.
+    """
+
+    retryable: bool = True
+
+
+class SideChannelError(KvleaseError):
+    """The handshake side channel failed (unreachable, malformed, or the peer did not
+    prove the cluster token). ``AuthError`` is raised for token mismatches."""
+
+
+class ClosedError(KvleaseError):
+    """The object was closed (an agent after ``close()``, a side-channel server after
+    ``close()``)."""

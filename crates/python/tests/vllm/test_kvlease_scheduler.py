@@ -1,0 +1,324 @@
+"""KvleaseConnector's scheduler half inside vLLM 0.33.0's real ``Scheduler``, on CPU.
+
+P and D are two vLLM schedulers in this process, each with ``kv_connector_module_path=
+"kvlease.vllm"``. No worker runs here (tests/worker/ moves real bytes): we play the
+workers' part by feeding each scheduler what its workers would report. The D worker's
+messages to P (heartbeats, read-completions, aborts) are taken verbatim from the metadata
+D's scheduler builds and handed to P's scheduler as ``KvleaseWorkerMetadata.notifs``, as
+P's workers forward them. D's handshake is real: D's scheduler fetches P's engine info from
+the side channel P's scheduler serves (with the cluster token).
+
+Time: each scheduler's ``clock`` is replaced by a ``FakeClock`` the test advances, so the
+heartbeat interval and the lease are checked on virtual time, not measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sched_harness import (
+    assert_scheduler_empty,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    step,
+)
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from kvlease.vllm import KvleaseConnectorMetadata, KvleaseWorkerMetadata
+
+TOKEN = "scheduler-test-token"
+LEASE = 6.0  # seconds: heartbeat interval 1 s, extension 4 s
+INTERVAL = LEASE / 6
+D_WORKER = "d0#0"  # the agent name of D's worker 0 (engine id "#" rank)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: float = LEASE, **sched):
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector",
+        kv_connector_module_path="kvlease.vllm",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_connector_extra_config={
+            "kv_lease_duration": lease,
+            "cluster_token": TOKEN,
+            "transport": "tcp",
+        },
+        **sched,
+    )
+    scheduler = create_scheduler(config, num_blocks=num_blocks)
+    clock = FakeClock()
+    scheduler.connector.scheduler.clock = clock
+    return scheduler, clock
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*args, **kwargs):
+        scheduler, clock = kvlease_scheduler(*args, **kwargs)
+        made.append(scheduler)
+        return scheduler, clock
+
+    yield make
+    for scheduler in made:
+        scheduler.connector.shutdown()
+
+
+def worker_output(notifs=(), batches=None, **kwargs) -> KVConnectorOutput:
+    return KVConnectorOutput(
+        kv_connector_worker_meta=KvleaseWorkerMetadata(notifs=list(notifs), batches=batches or {}),
+        **kwargs,
+    )
+
+
+def feed(scheduler, connector_output: KVConnectorOutput):
+    """A step in which the model ran nothing but the workers reported ``connector_output``."""
+    sched_out = scheduler.schedule()
+    runner = step_output(scheduler, sched_out)
+    runner.kv_connector_output = connector_output
+    scheduler.update_from_output(sched_out, runner)
+    return sched_out
+
+
+def step_output(scheduler, sched_out):
+    from sched_harness import create_model_runner_output
+
+    return create_model_runner_output(
+        [scheduler.requests[rid] for rid in sched_out.num_scheduled_tokens]
+    )
+
+
+def prefill_on_p(p, num_tokens: int = 40):
+    """A ``do_remote_decode`` request prefilled on P: returns (request, its kv_transfer_params)."""
+    req = create_request(num_tokens=num_tokens, max_tokens=1,
+                         kv_transfer_params={"do_remote_decode": True})
+    p.add_request(req)
+    _, engine_out = step(p)
+    (out,) = engine_out[0].outputs
+    assert out.request_id == req.request_id and out.finish_reason is not None
+    return req, out.kv_transfer_params
+
+
+def request_from(params: dict, prompt_of) -> object:
+    """D's copy of the request: the same prompt, P's params verbatim (what a proxy sends)."""
+    return create_request(prompt_token_ids=prompt_of.prompt_token_ids, max_tokens=3,
+                          kv_transfer_params=dict(params))
+
+
+def heartbeats(meta: KvleaseConnectorMetadata, engine: str) -> list[bytes]:
+    return [m for e, kind, m in meta.transmits if kind == "heartbeat" and e == engine]
+
+
+def wait_for_handshake(d, req, limit_s: float = 30.0):
+    """Step D until its handshake with P is done and the request waits for its KV."""
+    deadline = time.monotonic() + limit_s
+    metas = []
+    while req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+        assert time.monotonic() < deadline, "D never finished its handshake with P"
+        sched_out, _ = step(d, output_for=[])
+        metas.append(sched_out.kv_connector_metadata)
+        time.sleep(0.01)
+    return metas
+
+
+def test_p_request_finishes_with_lease_params(engines):
+    p, _ = engines("kv_producer", "p0")
+    pool = p.kv_cache_manager.block_pool
+    req, params = prefill_on_p(p)
+    blocks = p.kv_cache_manager.get_block_ids(req.request_id)[0]
+
+    # vLLM's keys (what its proxies and router pass along) plus the lease's.
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "p0"
+    assert params["remote_request_id"] == req.request_id
+    assert params["remote_block_ids"] == list(blocks) and len(blocks) == 3
+    assert params["remote_port"] == p.connector.scheduler.side_channel_port
+    assert params["tp_size"] == 1 and params["kvlease_lease_duration"] == LEASE
+    assert isinstance(params["kvlease_generation"], int) and params["kvlease_generation"] != 0
+
+    # The lease holds the blocks: vLLM did not free them.
+    lease = p.connector.scheduler.prefill.lease(req.request_id)
+    assert lease is not None and lease["blocks"] == len(blocks)
+    assert lease["generation"] == params["kvlease_generation"]
+    assert pool.free_block_queue.num_free_blocks == 64 - 1 - 3
+    assert req.request_id in p.requests
+
+
+def test_d_waits_heartbeats_at_the_interval_loads_and_runs(engines):
+    p, p_clock = engines("kv_producer", "p0")
+    d, d_clock = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    lease_id = params["remote_request_id"]
+
+    req = request_from(params, p_req)
+    d.add_request(req)
+    metas = wait_for_handshake(d, req)
+    assert d.connector.scheduler.decode.is_ready("p0")
+    (load,) = [load for meta in metas for load in meta.loads]
+    assert load["request"] == req.request_id and load["engine"] == "p0"
+    assert load["remote_blocks"] == params["remote_block_ids"]
+    assert load["local_blocks"] == list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
+    assert load["generation"] == params["kvlease_generation"]
+    (batch,) = load["batches"]
+    read_complete = batch["notif"]
+
+    # D waits for its KV for 2.5 lease durations of virtual time. Every step carries the
+    # heartbeats that came due; P gets them as its worker would forward them.
+    sent_at = []
+    for meta in metas:
+        for hb in heartbeats(meta, "p0"):
+            sent_at.append(d_clock())
+            assert hb.startswith(b"HB:") and lease_id.encode() in hb
+    steps = int(2.5 * LEASE / 0.25)
+    for _ in range(steps):
+        d_clock.advance(0.25)
+        p_clock.advance(0.25)
+        sched_out, _ = step(d, output_for=[])
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert not sched_out.num_scheduled_tokens
+        beats = heartbeats(sched_out.kv_connector_metadata, "p0")
+        for hb in beats:
+            assert hb.startswith(b"HB:") and lease_id.encode() in hb
+            sent_at.append(d_clock())
+        feed(p, worker_output(notifs=[(D_WORKER, hb) for hb in beats]))
+
+    # Throttled: never two within an interval, never a gap longer than interval + step.
+    gaps = [b - a for a, b in zip(sent_at, sent_at[1:])]
+    assert len(sent_at) >= steps * 0.25 / INTERVAL - 1
+    assert all(INTERVAL - 1e-9 <= g <= INTERVAL + 0.25 + 1e-9 for g in gaps), gaps
+    # P renewed the lease: alive 2.5 durations after the grant, expiry ahead of P's now.
+    lease = p.connector.scheduler.prefill.lease(p_req.request_id)
+    assert lease is not None and lease["expiry"] > p_clock()
+    assert lease["last_heartbeat"] is not None
+    assert p.connector.scheduler.prefill.stats()["released_expired"] == 0
+
+    # The workers read the blocks (fence matched): D's request runs from the loaded KV.
+    feed(d, worker_output(batches={req.request_id: {0: ("done", 3 * 1024, None)}},
+                          finished_recving={req.request_id}))
+    sched_out, _ = step(d)
+    # Only what was not loaded is computed: the prompt's last token at most.
+    assert 0 < sched_out.num_scheduled_tokens[req.request_id] <= 1
+    assert req.num_computed_tokens >= len(req.prompt_token_ids)
+    assert not d.connector.scheduler.decode.is_waiting(req.request_id)
+    # P learns of the read from the batch's read-completion: the lease ends, vLLM frees.
+    feed(p, worker_output(notifs=[(D_WORKER, read_complete)]))
+    assert p.connector.scheduler.prefill.lease(p_req.request_id) is None
+    sched_out = feed(p, worker_output())
+    assert p_req.request_id in sched_out.kv_connector_metadata.finished_sending
+    feed(p, KVConnectorOutput(finished_sending={p_req.request_id}))
+    feed(p, KVConnectorOutput())
+    assert_scheduler_empty(p)
+
+    step(d, use_eos=True)
+    sched_out, _ = step(d, output_for=[])
+    d_clock.advance(3 * INTERVAL)
+    sched_out, _ = step(d, output_for=[])
+    # Finished on D: no more heartbeats for it.
+    assert not heartbeats(sched_out.kv_connector_metadata, "p0")
+    assert d.connector.scheduler.decode.stats()["done"] == 1
+    assert d.connector.scheduler.decode.tracked == 0
+    assert_scheduler_empty(d)
+
+
+def test_request_aborted_on_d_frees_on_p(engines):
+    p, p_clock = engines("kv_producer", "p0")
+    d, d_clock = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    req = request_from(params, p_req)
+    d.add_request(req)
+    wait_for_handshake(d, req)
+
+    d.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    sched_out, _ = step(d, output_for=[])
+    aborts = [m for e, kind, m in sched_out.kv_connector_metadata.transmits
+              if kind == "abort" and e == "p0"]
+    assert aborts, sched_out.kv_connector_metadata.transmits
+    # D's worker reports the aborted load done (nothing to wait for); D forgets it.
+    feed(d, KVConnectorOutput(finished_recving={req.request_id}))
+    step(d, output_for=[])
+    assert_scheduler_empty(d)
+
+    # P frees at once, long before the lease would expire.
+    feed(p, worker_output(notifs=[(D_WORKER, m) for m in aborts]))
+    assert p.connector.scheduler.prefill.stats()["released_aborted"] == 1
+    sched_out = feed(p, worker_output())
+    assert p_req.request_id in sched_out.kv_connector_metadata.finished_sending
+    feed(p, KVConnectorOutput(finished_sending={p_req.request_id}))
+    feed(p, KVConnectorOutput())
+    assert_scheduler_empty(p)
+
+
+def test_request_aborted_on_p_before_it_finishes_frees_at_once(engines):
+    p, _ = engines("kv_producer", "p0", max_num_batched_tokens=16)
+    req = create_request(num_tokens=40, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p.add_request(req)
+    step(p)  # 16 of 40 prompt tokens
+    assert req.status == RequestStatus.RUNNING
+    p.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    assert p.connector.scheduler.prefill.leases == 0
+    step(p, output_for=[])
+    assert_scheduler_empty(p)
+
+
+def test_reaper_frees_an_expired_lease_behind_a_live_one(engines):
+    """vLLM issue #58222: a reaper that stopped at the first unexpired lease kept every
+    lease granted after it. Here the oldest lease stays alive (heartbeats) while a younger
+    one gets none: the younger one must expire and be freed all the same."""
+    p, clock = engines("kv_producer", "p0")
+    old, old_params = prefill_on_p(p)
+    clock.advance(0.5)
+    young, _ = prefill_on_p(p)
+    table = p.connector.scheduler.prefill
+    young_expiry = table.lease(young.request_id)["expiry"]
+
+    from kvlease import encode_heartbeats
+
+    freed_at = None
+    for _ in range(int(3 * LEASE / 0.25)):
+        clock.advance(0.25)
+        beats = encode_heartbeats([old_params["remote_request_id"]])
+        sched_out = feed(p, worker_output(notifs=[(D_WORKER, hb) for hb in beats]))
+        if young.request_id in sched_out.kv_connector_metadata.finished_sending:
+            freed_at = clock()
+            feed(p, KVConnectorOutput(finished_sending={young.request_id}))
+            break
+    assert freed_at is not None, "the unheartbeated lease was never reclaimed"
+    assert young_expiry <= freed_at <= young_expiry + 0.25
+    assert table.lease(old.request_id) is not None
+    assert table.stats()["released_expired"] == 1
+    assert young.request_id not in p.requests and old.request_id in p.requests
+
+
+def test_stale_read_is_a_load_error_and_d_recomputes(engines):
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    req = request_from(params, p_req)
+    d.add_request(req)
+    wait_for_handshake(d, req)
+    blocks = list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
+
+    # The worker's fenced read found another generation: the batch is "stale" and the
+    # worker names the request's blocks as load errors (what KvleaseWorker reports).
+    feed(d, worker_output(batches={req.request_id: {0: ("stale", 0, "fence mismatch")}},
+                          finished_recving={req.request_id}, invalid_block_ids=set(blocks)))
+    assert d.connector.scheduler.decode.stats()["stale_reads"] == 1
+    # kv_load_failure_policy=recompute: vLLM computes the prompt itself, from token 0.
+    sched_out, _ = step(d)
+    assert sched_out.num_scheduled_tokens[req.request_id] > 1
+    assert req.num_computed_tokens == sched_out.num_scheduled_tokens[req.request_id]
