@@ -26,7 +26,8 @@
 #                       only the host-memory steps run (the GPU tests stay ignored; host and staged
 #                       end-to-end runs), nothing is claimed about CUDA
 #
-# Steps: (1) preflight, (2) build, (3) CUDA tests with KV_TEST_CUDA=1 and --include-ignored
+# Steps: (1) preflight, (2) build, (3) CUDA tests (gpu-mem's, and the CUDA IPC tests of the
+# shm transport) with KV_TEST_CUDA=1 and --include-ignored
 # (the tests that need a GPU are #[ignore]d, so that a plain `cargo test` lists them as
 # ignored instead of passing having done nothing; the host-only dry run leaves them
 # ignored and says how many), (4) staging
@@ -43,7 +44,7 @@ step() { echo "=== [$(($(date +%s) - T0))s] $*" >&2; }
 die() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
 kv() { echo "$1=$2"; }
 
-BINS=(prefill-agent decode-agent staging_bench gpu-mem-cuda-tests gpu-mem-unit-tests)
+BINS=(prefill-agent decode-agent staging_bench gpu-mem-cuda-tests gpu-mem-unit-tests transport-shm-tests)
 
 # Builds every binary of BINS into $1 (release, no debug info, stripped). Extra cargo
 # arguments (offline, vendored source) come from CARGO_ARGS; BUILD_TIMEOUT (seconds)
@@ -67,6 +68,10 @@ build_into() {
   "${limit[@]}" "$cargo" test "${CARGO_ARGS[@]}" --release --locked -p kvlease-gpu-mem --lib --test cuda \
     --no-run --message-format=json >"$dir/.cargo-test.json" \
     || die "building the CUDA tests failed"
+  "${limit[@]}" "$cargo" test "${CARGO_ARGS[@]}" --release --locked -p kvlease-transport \
+    --no-default-features --features cuda --test shm \
+    --no-run --message-format=json >>"$dir/.cargo-test.json" \
+    || die "building the shm transport tests failed"
   cp "$target/release/prefill-agent" "$target/release/decode-agent" \
     "$target/release/examples/staging_bench" "$dir/"
   # The test executables' names carry a hash: take them from cargo's JSON messages.
@@ -86,7 +91,9 @@ for line in open(f"{dest}/.cargo-test.json"):
         found["gpu-mem-cuda-tests"] = msg["executable"]
     elif t["name"] == "kvlease_gpu_mem" and msg["profile"]["test"]:
         found["gpu-mem-unit-tests"] = msg["executable"]
-for name in ("gpu-mem-cuda-tests", "gpu-mem-unit-tests"):
+    elif t["name"] == "shm" and "test" in t["kind"]:
+        found["transport-shm-tests"] = msg["executable"]
+for name in ("gpu-mem-cuda-tests", "gpu-mem-unit-tests", "transport-shm-tests"):
     shutil.copy(found[name], f"{dest}/{name}")
 EOF
   rm -f "$dir/.cargo-test.json"
@@ -154,8 +161,12 @@ if [ "$HOST_ONLY" != 1 ]; then
   export KV_TEST_CUDA=1
   TEST_ARGS+=(--include-ignored)
 fi
-for t in gpu-mem-unit-tests gpu-mem-cuda-tests; do
-  timeout 120 "$BIN/$t" "${TEST_ARGS[@]}" >"$LOGS/$t.log" 2>&1 \
+for t in gpu-mem-unit-tests gpu-mem-cuda-tests transport-shm-tests; do
+  # Of the shm transport tests, those of CUDA IPC (P's device memory read by D in another
+  # process); the others run in every `cargo test`.
+  filter=()
+  [ "$t" != transport-shm-tests ] || filter=(cuda_)
+  timeout 120 "$BIN/$t" "${filter[@]}" "${TEST_ARGS[@]}" >"$LOGS/$t.log" 2>&1 \
     || { tail -40 "$LOGS/$t.log" >&2; die "$t failed (log: $LOGS/$t.log)"; }
   summary=$(grep -a '^test result:' "$LOGS/$t.log" | tail -1)
   ignored=$(printf '%s' "$summary" | grep -Eo '[0-9]+ ignored' | cut -d' ' -f1)

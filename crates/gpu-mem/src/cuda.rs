@@ -1,8 +1,9 @@
 //! CUDA memory kinds through cudarc: pinned host memory ([`CudaPinnedRegion`]) and device
 //! memory ([`CudaDeviceRegion`]), synchronous copies between host and device
 //! ([`copy_htod`], [`copy_dtoh`]), dmabuf export for verbs ([`export_dmabuf`]), the
-//! staging copier for TCP ([`CudaCopier`]), and the `--memory auto` decision
-//! ([`choose_auto`]).
+//! staging copier for TCP ([`CudaCopier`]), the `--memory auto` decision
+//! ([`choose_auto`]), and CUDA IPC between processes on one host ([`ipc`]: export a
+//! device region as a handle, open a peer's handle and copy out of it).
 //!
 //! # No driver, no panic
 //! cudarc loads `libcuda` at run time and panics when it is missing. Every entry point here
@@ -35,6 +36,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sy
 use crate::pool::MemoryRequest;
 use crate::region::{DmaRegion, MemoryKind, RegionAccessError};
 use crate::staging::{self, Copier, SlotError, StagingConfig};
+
+pub mod ipc;
 
 /// Device allocations are rounded up to this many bytes, so that the page-aligned range a
 /// dmabuf export needs lies inside the allocation (2 MiB covers every host page size and

@@ -16,6 +16,10 @@
 //! - [`BlockPool`]: a layout over one region, allocated as a [`MemoryRequest`] asks
 //!   (CUDA kinds behind the `cuda` feature); [`FenceTable`]: the generation words.
 //! - [`BlockAllocator`]: the free list of [`BlockId`](kvlease_lease::BlockId)s.
+//! - `cuda::ipc` (behind the `cuda` feature): CUDA IPC between two processes on one host:
+//!   export a device region as an `IpcHandle`, open a peer's handle as an `IpcMapping`
+//!   and copy bounds-checked ranges out of it into host or device memory. Its GPU test
+//!   (`tests/cuda.rs`, `#[ignore]`d) has not yet run on a GPU.
 //!
 //! This crate does not move data between hosts (that is `kvlease-transport`), starts no
 //! threads and reads no clock.
@@ -26,7 +30,7 @@
 // contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
 // passing a memfd over a Unix socket), `ring` (atomics and copies on a ring shared with
 // another process), `foreign` (memory owned by another language's runtime) and `cuda`
-// (cudarc).
+// with its `cuda::ipc` (cudarc).
 #[allow(unsafe_code)]
 mod region;
 
@@ -103,6 +107,10 @@ mod tests {
             send_sync::<cuda::DmabufHandle>();
             send::<cuda::CudaCopier>();
             send_sync::<cuda::CudaError>();
+            send_sync::<cuda::ipc::IpcHandle>();
+            send_sync::<cuda::ipc::IpcExport>();
+            send_sync::<cuda::ipc::IpcMapping>();
+            send_sync::<cuda::ipc::IpcError>();
         }
     }
 }

@@ -6,8 +6,10 @@
 
 use std::io::{Cursor, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::process::Command;
 use std::sync::Arc;
 
+use kvlease_gpu_mem::cuda::ipc::{self, IpcError, IpcHandle, IpcMapping};
 use kvlease_gpu_mem::cuda::{
     self, CudaAvailability, CudaCopier, CudaDeviceRegion, CudaError, CudaPinnedRegion,
 };
@@ -323,4 +325,154 @@ fn stager_and_region_copies_handle_device_memory() {
     host.read_into(0, &mut got).unwrap();
     assert_eq!(got[5..], data[5..]);
     assert_eq!(read_device(b.as_ref()), data);
+}
+
+/// Set in the child process of [`ipc_export_is_read_by_another_process`]: the exported
+/// handle's wire form, in hex.
+const IPC_CHILD_ENV: &str = "KV_TEST_CUDA_IPC_HANDLE";
+const IPC_LEN: usize = (5 << 20) + 123;
+const IPC_SEED: u64 = 11;
+
+fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn from_hex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("the parent wrote hex"))
+        .collect()
+}
+
+/// CUDA IPC needs two processes (`cuIpcOpenMemHandle` refuses a handle of its own
+/// process): the test exports a region filled with a pattern and runs this same test
+/// binary again, filtered to this test, with the handle in [`IPC_CHILD_ENV`]; the child
+/// opens it and checks every way of copying out ([`ipc_child`]).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-check.sh runs it"]
+fn ipc_export_is_read_by_another_process() {
+    if let Ok(hex) = std::env::var(IPC_CHILD_ENV) {
+        ipc_child(&hex);
+        return;
+    }
+    gpu();
+    let region = device(IPC_LEN);
+    let data = pattern(IPC_LEN, IPC_SEED);
+    cuda::copy_htod(region.as_ref(), 0, &data).unwrap();
+    let export = ipc::export(&region).unwrap();
+    let handle = *export.handle();
+    assert_eq!(handle.region_len(), IPC_LEN as u64);
+    assert_eq!(handle.offset_in_allocation(), 0);
+    assert_eq!(handle.exporter_ordinal(), 0);
+    // In the exporting process the driver refuses the handle: an error, not a panic.
+    let err = IpcMapping::open(&handle).expect_err("cuIpcOpenMemHandle in the exporter");
+    assert!(
+        matches!(err, IpcError::Cuda(CudaError::Driver { .. })),
+        "{err}"
+    );
+    // Host memory cannot be exported.
+    let host: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(4096).unwrap());
+    assert!(matches!(
+        ipc::export(&host),
+        Err(IpcError::Cuda(CudaError::NotDeviceMemory { .. }))
+    ));
+
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(exe)
+        .args([
+            "ipc_export_is_read_by_another_process",
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(IPC_CHILD_ENV, to_hex(&handle.to_bytes()))
+        .output()
+        .expect("spawn the test binary again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the importing child failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    // The filter matched: the child ran the test rather than nothing.
+    assert!(stdout.contains("1 passed"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("ipc child: all copies matched"), "{stdout}");
+    // The child only read: the exporter's bytes are unchanged.
+    assert_eq!(read_device(region.as_ref()), data);
+    drop(export);
+    assert_eq!(cuda::drop_errors(), 0);
+}
+
+/// The importing side of [`ipc_export_is_read_by_another_process`].
+fn ipc_child(hex: &str) {
+    let data = pattern(IPC_LEN, IPC_SEED);
+    let handle = IpcHandle::from_bytes(&from_hex(hex)).expect("the parent sent a valid handle");
+    let mapping = IpcMapping::open(&handle).expect("open the parent's handle");
+    assert_eq!(mapping.region_len(), IPC_LEN);
+    assert_eq!(mapping.device_uuid(), handle.device_uuid());
+
+    // Device → host: all of it, and an unaligned piece.
+    let mut all = vec![0; IPC_LEN];
+    mapping.copy_to_host(0, &mut all).unwrap();
+    assert!(all == data, "device → host copy differs");
+    let mut piece = vec![0; 4099];
+    mapping.copy_to_host(1_000_001, &mut piece).unwrap();
+    assert_eq!(piece, data[1_000_001..1_000_001 + 4099]);
+
+    // Device → device (same device), at an offset in the destination.
+    let local = device(IPC_LEN + 7);
+    mapping
+        .copy_into(3, local.as_ref(), 7, IPC_LEN - 3)
+        .unwrap();
+    let mut back = vec![0; IPC_LEN - 3];
+    cuda::copy_dtoh(local.as_ref(), 7, &mut back).unwrap();
+    assert!(back == data[3..], "device → device copy differs");
+
+    // Device → host regions (mmap'd host memory and CUDA pinned memory).
+    let host: Arc<dyn DmaRegion> = Arc::new(HostRegion::new(IPC_LEN).unwrap());
+    mapping.copy_into(0, host.as_ref(), 0, IPC_LEN).unwrap();
+    let mut got = vec![0; IPC_LEN];
+    host.read_into(0, &mut got).unwrap();
+    assert!(got == data, "device → host region copy differs");
+    let pinned = CudaPinnedRegion::new(0, 1 << 20).unwrap();
+    mapping
+        .copy_into(IPC_LEN - (1 << 20), &pinned, 0, 1 << 20)
+        .unwrap();
+    let mut got = vec![0; 1 << 20];
+    pinned.read_into(0, &mut got).unwrap();
+    assert_eq!(got, data[IPC_LEN - (1 << 20)..]);
+
+    // Ranges outside either side are refused before the driver sees them.
+    for (offset, len) in [(IPC_LEN, 1), (IPC_LEN - 1, 2), (usize::MAX, 2)] {
+        let err = mapping
+            .copy_into(offset, local.as_ref(), 0, len)
+            .expect_err("outside the mapping");
+        assert!(matches!(err, IpcError::Range(_)), "{err}");
+    }
+    let err = mapping
+        .copy_into(0, host.as_ref(), 1, IPC_LEN)
+        .expect_err("outside the destination");
+    assert!(matches!(err, IpcError::Range(_)), "{err}");
+    let err = mapping
+        .copy_to_host(IPC_LEN, &mut [0])
+        .expect_err("outside the mapping");
+    assert!(matches!(err, IpcError::Range(_)), "{err}");
+
+    // A handle that claims more than the parent exported is refused at open (the driver's
+    // allocation is 6 MiB: IPC_LEN rounded up to the 2 MiB granule).
+    let mut bytes = handle.to_bytes();
+    bytes[104..112].copy_from_slice(&(64u64 << 20).to_le_bytes());
+    let lying = IpcHandle::from_bytes(&bytes).unwrap();
+    drop(mapping);
+    let err = IpcMapping::open(&lying).expect_err("beyond the allocation");
+    assert!(matches!(err, IpcError::BeyondAllocation { .. }), "{err}");
+    // A handle the driver never issued is refused by the driver.
+    let mut bytes = handle.to_bytes();
+    bytes[8..72].fill(0x5a);
+    let forged = IpcHandle::from_bytes(&bytes).unwrap();
+    assert!(IpcMapping::open(&forged).is_err());
+    assert_eq!(cuda::drop_errors(), 0);
+    println!("ipc child: all copies matched");
 }

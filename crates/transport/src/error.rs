@@ -200,6 +200,19 @@ pub enum LinkError {
         #[source]
         source: kvlease_gpu_mem::ShareError,
     },
+    /// A CUDA device region the peer handed over is refused: its IPC handle is malformed,
+    /// or claims more memory than the allocation the driver mapped for it. (A handle that
+    /// cannot be opened here at all, for want of a driver or of the device, is not an
+    /// error: that region is read over TCP.)
+    #[cfg(feature = "cuda")]
+    #[error("the peer's CUDA IPC entry for region {region} is refused")]
+    ShmCudaRegion {
+        /// The peer's region id.
+        region: u64,
+        /// Why.
+        #[source]
+        source: kvlease_gpu_mem::cuda::ipc::IpcError,
+    },
     /// The notification ring the peer handed over cannot be mapped.
     #[error("mapping the peer's notification ring failed")]
     ShmRing {

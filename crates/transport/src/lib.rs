@@ -20,7 +20,9 @@
 //!   abstract Unix socket (`SCM_RIGHTS`, after the same token proof as TCP), maps them
 //!   read-only and serves its reads with plain memory copies on the posting thread; its
 //!   notifications travel through a shared-memory ring P created for it, which P's
-//!   [`Agent::get_new_notifs`] drains on the caller's thread. See the `shm` module.
+//!   [`Agent::get_new_notifs`] drains on the caller's thread. With the `cuda` feature, P's
+//!   CUDA device regions are handed over as CUDA IPC handles and D reads them with device
+//!   copies (not yet run on a GPU). See the `shm` module.
 //! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
 //!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
 //!   lists what a link implements: posting chunks and completing them through the shared

@@ -658,6 +658,8 @@ fn raw_shm_client(
             9 => regions.push(std::fs::File::from(fds.pop().context("region fd")?)),
             // The grant table.
             12 => {}
+            // P hands over no device memory unless it registered some.
+            13 => bail!("an SHM_CUDA_REGION frame from a P without device memory"),
             10 => break,
             t => bail!("frame type {t}"),
         }
@@ -800,5 +802,359 @@ fn a_region_deregistered_after_connect_is_refused_over_shm() -> Result<()> {
         bytes_of(dst.as_ref(), 0, 4096) == (0..4096).map(|i| pattern(6, i)).collect::<Vec<_>>()
     );
     drop(src);
+    Ok(())
+}
+
+#[test]
+fn a_peer_gets_no_cuda_entries_without_device_regions() -> Result<()> {
+    let p = agent("p", BackendChoice::Auto, None);
+    p.register(filled(8192, 1))?;
+    // Staged host memory runs through the device paths elsewhere, but is no device
+    // memory: no CUDA IPC entry for it (and no memfd either: it is read over TCP).
+    p.register(Arc::new(kvlease_gpu_mem::StagedHostRegion::new(8192)?))?;
+    // `raw_shm_client` fails on an `SHM_CUDA_REGION` frame.
+    let (_s, _ring, _, _, regions) = raw_shm_client(&p, "d")?;
+    ensure!(regions.len() == 1, "{} regions handed over", regions.len());
+    Ok(())
+}
+
+/// A fake P shared-memory socket: for one connection it answers the handshake as the
+/// agent `name` would (no token), hands over a grant table of 512 slots, writes `frames`
+/// (whole frames, with no descriptor attached except where `fd_on` names the frame's
+/// index) and `SHM_END`, and keeps the socket until the peer closes it. Returns the
+/// socket's name.
+#[cfg(feature = "cuda")]
+fn fake_shm_socket(
+    name: &str,
+    frames: Vec<Vec<u8>>,
+    fd_on: Option<usize>,
+) -> Result<(String, std::thread::JoinHandle<Result<()>>)> {
+    use std::os::unix::net::UnixListener;
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let socket = format!(
+        "kvlease-test-fake-p-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let listener = UnixListener::bind_addr(&UnixAddr::from_abstract_name(socket.as_bytes())?)?;
+    let name = name.to_owned();
+    let thread = std::thread::spawn(move || -> Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_read_timeout(Some(LIMIT))?;
+        let read_frame = |s: &mut UnixStream| -> Result<u8> {
+            let mut header = [0u8; 5];
+            s.read_exact(&mut header)?;
+            let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+            s.read_exact(&mut body)?;
+            Ok(header[0])
+        };
+        ensure!(read_frame(&mut s)? == 1, "expected HELLO");
+        let mut challenge = Vec::new();
+        challenge.extend_from_slice(&1u16.to_le_bytes());
+        challenge.push(0);
+        challenge.extend_from_slice(&[9; 32]);
+        challenge.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        challenge.extend_from_slice(name.as_bytes());
+        s.write_all(&frame(2, &challenge))?;
+        ensure!(read_frame(&mut s)? == 3, "expected PROOF");
+        s.write_all(&frame(4, &[1, 0]))?;
+        let table = HostRegion::new(4096)?;
+        let table_fd = table.shared_fd().context("memfd")?;
+        kvlease_gpu_mem::send_with_fds(s.as_fd(), &frame(12, &4096u64.to_le_bytes()), &[table_fd])?;
+        let spare = HostRegion::new(4096)?;
+        let fd = spare.shared_fd().context("memfd")?;
+        // D hangs up on the first frame it refuses: later writes may fail.
+        let _ = frames.iter().enumerate().try_for_each(|(i, f)| {
+            if fd_on == Some(i) {
+                kvlease_gpu_mem::send_with_fds(s.as_fd(), f, &[fd])
+            } else {
+                (&s).write_all(f)
+            }
+        });
+        let _ = s.write_all(&frame(10, &[]));
+        // Until D closes (or gives up on) the link.
+        s.set_read_timeout(None)?;
+        let mut byte = [0u8; 1];
+        let _ = s.read(&mut byte);
+        Ok(())
+    });
+    Ok((socket, thread))
+}
+
+/// An `SHM_CUDA_REGION` frame: id, key, length, grant slot, then a handle's wire form.
+#[cfg(feature = "cuda")]
+fn cuda_entry(id: u64, key: u64, len: u64, slot: u64, handle: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for v in [id, key, len, slot] {
+        body.extend_from_slice(&v.to_le_bytes());
+    }
+    body.extend_from_slice(handle);
+    frame(13, &body)
+}
+
+/// A well-formed CUDA IPC handle of `len` bytes on a device nobody has (all-zero UUID)
+/// and with a handle the driver never issued.
+#[cfg(feature = "cuda")]
+fn unopenable_handle(len: u64) -> Vec<u8> {
+    let mut h = vec![0u8; 112];
+    h[..4].copy_from_slice(b"KVCI");
+    h[4] = 1;
+    h[104..112].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result<()> {
+    use kvlease_gpu_mem::cuda::ipc::{IpcError, IpcHandleError};
+    use kvlease_transport::{ConnectError, LinkError};
+    // P is real (D's TCP link goes to it); its shm entry names a fake socket.
+    let p = agent("p", BackendChoice::Auto, None);
+    let good = unopenable_handle(4096);
+    let mut bad_magic = good.clone();
+    bad_magic[0] = b'X';
+    let mut zero_len = good.clone();
+    zero_len[104..112].fill(0);
+    let connect =
+        |frames: Vec<Vec<u8>>, fd_on: Option<usize>| -> Result<Result<(), ConnectError>> {
+            let (socket, server) = fake_shm_socket("p", frames, fd_on)?;
+            let mut meta = decode_metadata(&p.metadata())?;
+            meta.backends
+                .get_mut("shm")
+                .and_then(|e| e.as_object_mut())
+                .context("shm entry")?
+                .insert("socket".into(), socket.into());
+            let d = agent("d", BackendChoice::Shm, None);
+            let connected = d.connect(&serde_json::to_vec(&meta)?).map(|peer| {
+                assert_eq!(d.peer_backend(peer).map(|b| b.0), Some(Backend::Shm));
+            });
+            drop(d);
+            server
+                .join()
+                .map_err(|_| anyhow::anyhow!("fake P panicked"))??;
+            Ok(connected)
+        };
+    let refused = |r: Result<(), ConnectError>| match r {
+        Err(ConnectError::BackendUnavailable { source, .. }) => Ok(source),
+        other => bail!("expected a refused shm link, got {other:?}"),
+    };
+    // A handle that is not one: the typed error names the region and why.
+    let err = refused(connect(vec![cuda_entry(5, 1, 4096, 0, &bad_magic)], None)?)?;
+    ensure!(
+        matches!(
+            err,
+            LinkError::ShmCudaRegion {
+                region: 5,
+                source: IpcError::Handle(IpcHandleError::Magic)
+            }
+        ),
+        "{err:?}"
+    );
+    let err = refused(connect(vec![cuda_entry(5, 1, 4096, 0, &zero_len)], None)?)?;
+    ensure!(
+        matches!(
+            err,
+            LinkError::ShmCudaRegion {
+                source: IpcError::Handle(IpcHandleError::ZeroLength),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // Frames that break the hand-over itself.
+    for (what, frames, fd_on) in [
+        (
+            "length differs",
+            vec![cuda_entry(5, 1, 8192, 0, &good)],
+            None,
+        ),
+        (
+            "slot outside the table",
+            vec![cuda_entry(5, 1, 4096, 512, &good)],
+            None,
+        ),
+        (
+            "a descriptor attached",
+            vec![cuda_entry(5, 1, 4096, 0, &good)],
+            Some(0),
+        ),
+        (
+            "handed over twice",
+            vec![
+                cuda_entry(5, 1, 4096, 0, &good),
+                cuda_entry(5, 1, 4096, 1, &good),
+            ],
+            None,
+        ),
+        ("short frame", vec![frame(13, &[0; 100])], None),
+    ] {
+        let err = refused(connect(frames, fd_on)?).context(what)?;
+        ensure!(
+            matches!(err, LinkError::ShmMalformed { .. }),
+            "{what}: {err:?}"
+        );
+    }
+    // A well-formed entry this process cannot open (no driver here, or no device with
+    // that UUID): skipped, and the link comes up; that region would be read over TCP.
+    connect(vec![cuda_entry(5, 1, 4096, 0, &good)], None)?.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+const CUDA_CHILD_ENV: &str = "KVLEASE_SHM_CUDA_TEST_CHILD";
+#[cfg(feature = "cuda")]
+const CUDA_LEN: usize = (8 << 20) + 4096;
+
+/// The P side of `cuda_device_memory_is_read_over_shm_from_another_process`, started by it
+/// (CUDA IPC needs two processes).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "the P side of cuda_device_memory_is_read_over_shm_from_another_process, which starts it"]
+fn cuda_child_target_process() -> Result<()> {
+    if std::env::var_os(CUDA_CHILD_ENV).is_none() {
+        return Ok(());
+    }
+    let p = agent("p-cuda", BackendChoice::Auto, Some(b"tok"));
+    let device = Arc::new(kvlease_gpu_mem::cuda::CudaDeviceRegion::new(0, CUDA_LEN)?);
+    let data: Vec<u8> = (0..CUDA_LEN).map(|i| pattern(13, i)).collect();
+    kvlease_gpu_mem::cuda::copy_htod(device.as_ref(), 0, &data)?;
+    let desc = p.register(device)?;
+    let fence = Arc::new(HostRegion::new(4096)?);
+    fence.store_u64(16, 42)?;
+    let fence_desc = p.register(fence)?;
+    let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    println!(
+        "\nDESC {} {} {} {}\nMETA {meta}",
+        desc.id, desc.key, fence_desc.id, fence_desc.key
+    );
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    Ok(())
+}
+
+/// D reads P's CUDA device memory, opened through CUDA IPC over the shm socket, into host
+/// and device memory with a fence read, in one batch over shm; P runs in a child process.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU (CUDA IPC between two processes); not yet run on one"]
+fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
+    use kvlease_gpu_mem::cuda;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "cuda_child_target_process",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CUDA_CHILD_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let mut descs = None;
+    let mut meta = None;
+    let mut line = String::new();
+    while meta.is_none() {
+        line.clear();
+        ensure!(out.read_line(&mut line)? > 0, "child ended early");
+        if let Some(rest) = line.trim().strip_prefix("DESC ") {
+            let v = rest
+                .split(' ')
+                .map(str::parse::<u64>)
+                .collect::<Result<Vec<_>, _>>()?;
+            ensure!(v.len() == 4, "DESC line {rest}");
+            descs = Some((v[0], v[1], v[2], v[3]));
+        }
+        if let Some(hex) = line.trim().strip_prefix("META ") {
+            let bytes: Vec<u8> = (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+                .collect::<Result<_, _>>()?;
+            meta = Some(bytes);
+        }
+    }
+    let (id, key, fence_id, fence_key) = descs.context("DESC line")?;
+    let meta = meta.context("META line")?;
+    let src = RegionDesc {
+        id,
+        key,
+        len: CUDA_LEN as u64,
+        base: 0,
+    };
+    let fence = RegionDesc {
+        id: fence_id,
+        key: fence_key,
+        len: 4096,
+        base: 0,
+    };
+    let d = agent("d", BackendChoice::Auto, Some(b"tok"));
+    let host = Arc::new(HostRegion::new(CUDA_LEN)?);
+    let host_id = RegionId(d.register(host.clone())?.id);
+    let device = Arc::new(cuda::CudaDeviceRegion::new(0, CUDA_LEN)?);
+    let device_id = RegionId(d.register(device.clone())?.id);
+    let peer = d.connect(&meta)?;
+    let (backend, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(backend == Backend::Shm, "{backend}: {why}");
+    let half = CUDA_LEN as u64 / 2;
+    let batch = ReadBatch {
+        ops: vec![
+            // Device → host, odd offsets; device → device, the other half.
+            read(host_id, 3, half - 3, &src, 3),
+            read(device_id, half, half, &src, half),
+        ],
+        notif: None,
+        fence: Some(FenceRead {
+            remote: fence.at(16),
+            expected: 42,
+        }),
+    };
+    let batch = d.post_read(peer, batch, LIMIT)?;
+    match wait(&d, batch)? {
+        BatchStatus::Done(stats) => ensure!(
+            stats.backend == Backend::Shm && stats.fence_word == Some(42),
+            "{stats:?}"
+        ),
+        other => bail!("{other:?}"),
+    }
+    let want: Vec<u8> = (0..CUDA_LEN).map(|i| pattern(13, i)).collect();
+    let half = half as usize;
+    ensure!(
+        bytes_of(host.as_ref(), 3, half as u64 - 3) == want[3..half],
+        "device → host differs"
+    );
+    let mut back = vec![0; half];
+    cuda::copy_dtoh(device.as_ref(), half, &mut back)?;
+    ensure!(back == want[half..], "device → device differs");
+    // A wrong key and a range past the end are refused over shm as over TCP.
+    let bad = RegionDesc {
+        key: key ^ 1,
+        ..src
+    };
+    for (op, want) in [
+        (read(host_id, 0, 16, &bad, 0), Refusal::BadKey),
+        (
+            read(host_id, 0, 16, &src, CUDA_LEN as u64 - 8),
+            Refusal::OutOfBounds,
+        ),
+    ] {
+        let batch = d.post_read(
+            peer,
+            ReadBatch {
+                ops: vec![op],
+                ..ReadBatch::default()
+            },
+            LIMIT,
+        )?;
+        match wait(&d, batch)? {
+            BatchStatus::Failed(TransferError::Refused { reason, .. }) => {
+                ensure!(reason == want, "{reason:?}");
+            }
+            other => bail!("{other:?}"),
+        }
+    }
+    child.stdin.take().context("stdin")?.write_all(b"quit\n")?;
+    ensure!(child.wait()?.success());
     Ok(())
 }

@@ -165,7 +165,7 @@ fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
         }
         if let Err(err) = c
             .src
-            .view
+            .source
             .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len)
         {
             // Both ranges were checked at post time; fail rather than panic.

@@ -1,7 +1,7 @@
 //! D's side: the handshake on P's Unix socket, P's regions mapped read-only, the
 //! notification ring to P, and posting batches.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
@@ -10,7 +10,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvlease_gpu_mem::{PushError, RingWriter, SharedRegionView, recv_with_fds};
+use kvlease_gpu_mem::{
+    DmaRegion, MemoryKind, PushError, RegionAccessError, RingWriter, SharedRegionView,
+    recv_with_fds,
+};
 
 use super::copy::{self, CopyOp};
 use super::{MAX_REGIONS, METADATA_KEY, host_identity};
@@ -39,7 +42,66 @@ pub(super) struct MappedRegion {
     key: u64,
     /// Its slot in the peer's grant table.
     slot: u64,
-    pub(super) view: SharedRegionView,
+    pub(super) source: Source,
+}
+
+/// Where a mapped region's bytes are read from.
+#[derive(Debug)]
+pub(super) enum Source {
+    /// The peer's memfd, mapped read-only: plain memory copies.
+    Host(SharedRegionView),
+    /// The peer's CUDA device memory, opened through CUDA IPC: device copies.
+    #[cfg(feature = "cuda")]
+    Device(kvlease_gpu_mem::cuda::ipc::IpcMapping),
+}
+
+/// Why a copy out of a mapped region failed (the ranges were checked when the batch was
+/// posted, so this is the driver's or a check's last word).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum CopyError {
+    /// Out of the peer's memfd.
+    #[error(transparent)]
+    Host(#[from] RegionAccessError),
+    /// Out of the peer's device memory.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Device(#[from] kvlease_gpu_mem::cuda::ipc::IpcError),
+}
+
+impl Source {
+    fn len(&self) -> u64 {
+        match self {
+            Self::Host(view) => view.len() as u64,
+            #[cfg(feature = "cuda")]
+            Self::Device(mapping) => mapping.region_len() as u64,
+        }
+    }
+
+    /// Whether copies from here can land in memory of `kind`.
+    fn accepts(&self, kind: MemoryKind) -> bool {
+        match self {
+            Self::Host(_) => kind.is_host_accessible(),
+            #[cfg(feature = "cuda")]
+            Self::Device(_) => super::cuda::accepts(kind),
+        }
+    }
+
+    /// Copies `len` bytes at `offset` into `dest` at `dest_offset`.
+    pub(super) fn copy_to(
+        &self,
+        offset: u64,
+        dest: &dyn DmaRegion,
+        dest_offset: u64,
+        len: u64,
+    ) -> Result<(), CopyError> {
+        match self {
+            Self::Host(view) => Ok(view.copy_to(offset, dest, dest_offset, len)?),
+            #[cfg(feature = "cuda")]
+            Self::Device(mapping) => {
+                Ok(super::cuda::copy(mapping, offset, dest, dest_offset, len)?)
+            }
+        }
+    }
 }
 
 /// The notification ring to the peer: every notification of the link goes through it
@@ -169,10 +231,16 @@ impl Core {
     /// The fence word at `remote` (checked like a data read), or why it was refused.
     fn fence_word(&self, remote: RemoteRange) -> Result<u64, Refusal> {
         let r = self.region(remote.region, remote.key)?;
-        // Out of bounds, or not 8-aligned (fence words are FenceTable slots).
-        r.view
-            .load_u64(remote.offset)
-            .map_err(|_| Refusal::OutOfBounds)
+        match &r.source {
+            // Out of bounds, or not 8-aligned (fence words are FenceTable slots).
+            Source::Host(view) => view
+                .load_u64(remote.offset)
+                .map_err(|_| Refusal::OutOfBounds),
+            // Not posted over shm (fence words are host memory): `post` sends such a
+            // batch over TCP.
+            #[cfg(feature = "cuda")]
+            Source::Device(_) => Err(Refusal::OutOfBounds),
+        }
     }
 
     /// Checks `len` bytes at `offset` of the peer's region `region` under `key`, as P's
@@ -187,7 +255,7 @@ impl Core {
         let r = self.region(region, key)?;
         if offset
             .checked_add(len)
-            .is_none_or(|end| end > r.view.len() as u64)
+            .is_none_or(|end| end > r.source.len())
         {
             return Err(Refusal::OutOfBounds);
         }
@@ -242,7 +310,7 @@ pub(crate) fn connect(
         grants,
         regions,
         ring,
-    } = receive_handover(&mut s)?;
+    } = receive_handover(&mut s, &meta.name)?;
     let has_ring = ring.is_some();
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
@@ -348,7 +416,7 @@ struct Handover {
 
 /// Receives `SHM_GRANTS` first, then at most one `SHM_RING` and `SHM_REGION` frames (each
 /// with its memfd) until `SHM_END`, mapping each.
-fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
+fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkError> {
     let io = |source| LinkError::ShmSocket {
         op: "receiving regions",
         source,
@@ -356,6 +424,9 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
     let malformed = |what| LinkError::ShmMalformed { what };
     let mut grants: Option<SharedRegionView> = None;
     let mut regions = HashMap::new();
+    // Every region id handed over, also those not mapped (a device region this process
+    // cannot open).
+    let mut handed = HashSet::new();
     let mut ring = None;
     loop {
         // The descriptor rides on the frame's first byte: read the header with recvmsg.
@@ -372,13 +443,19 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
         }
         let allowed: &[u8] = match (&grants, &ring) {
             (None, _) => &[wire::SHM_GRANTS],
-            (Some(_), None) => &[wire::SHM_RING, wire::SHM_REGION, wire::SHM_END],
-            (Some(_), Some(_)) => &[wire::SHM_REGION, wire::SHM_END],
+            (Some(_), None) => &[
+                wire::SHM_RING,
+                wire::SHM_REGION,
+                wire::SHM_CUDA_REGION,
+                wire::SHM_END,
+            ],
+            (Some(_), Some(_)) => &[wire::SHM_REGION, wire::SHM_CUDA_REGION, wire::SHM_END],
         };
         let body_len = |ty| match ty {
             wire::SHM_REGION => wire::SHM_REGION_LEN,
             wire::SHM_RING => wire::SHM_RING_LEN,
             wire::SHM_GRANTS => wire::SHM_GRANTS_LEN,
+            wire::SHM_CUDA_REGION => wire::SHM_CUDA_REGION_LEN,
             _ => 0,
         };
         let (ty, len) =
@@ -386,7 +463,7 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
         if len != body_len(ty) {
             return Err(malformed("an shm hand-over frame of the wrong length"));
         }
-        let mut body = [0u8; wire::SHM_REGION_LEN];
+        let mut body = [0u8; wire::SHM_CUDA_REGION_LEN];
         let body = &mut body[..len];
         s.read_exact(body).map_err(io)?;
         if ty == wire::SHM_END {
@@ -396,6 +473,47 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
                 regions,
                 ring,
             });
+        }
+        if ty == wire::SHM_CUDA_REGION {
+            // A handle, not a descriptor.
+            if !fds.is_empty() {
+                return Err(malformed("an SHM_CUDA_REGION frame with a descriptor"));
+            }
+            let (words, handle) = body.split_at(32);
+            let mut b = Body(words);
+            let mut word = || b.u64().map_err(frame_err);
+            let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
+            let slots = grants.as_ref().map_or(0, |g| g.len() as u64 / 8);
+            if slot >= slots {
+                return Err(malformed("a region's grant slot outside the table"));
+            }
+            if handed.len() >= MAX_REGIONS {
+                return Err(malformed("too many shm regions"));
+            }
+            if !handed.insert(id) {
+                return Err(malformed("a region handed over twice"));
+            }
+            #[cfg(feature = "cuda")]
+            if let Some(mapping) = super::cuda::open(peer, id, region_len, handle)? {
+                regions.insert(
+                    id,
+                    Arc::new(MappedRegion {
+                        key,
+                        slot,
+                        source: Source::Device(mapping),
+                    }),
+                );
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (key, region_len, handle);
+                tracing::debug!(
+                    peer,
+                    region = id,
+                    "a CUDA device region handed over, but this build has no `cuda` feature; it is read over TCP"
+                );
+            }
+            continue;
         }
         let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
             return Err(malformed(
@@ -431,12 +549,22 @@ fn receive_handover(s: &mut UnixStream) -> Result<Handover, LinkError> {
                 if slot >= slots {
                     return Err(malformed("a region's grant slot outside the table"));
                 }
-                if regions.len() >= MAX_REGIONS {
+                if handed.len() >= MAX_REGIONS {
                     return Err(malformed("too many shm regions"));
+                }
+                if !handed.insert(id) {
+                    return Err(malformed("a region handed over twice"));
                 }
                 let view = SharedRegionView::map(fd, region_len)
                     .map_err(|source| LinkError::ShmMap { region: id, source })?;
-                regions.insert(id, Arc::new(MappedRegion { key, slot, view }));
+                regions.insert(
+                    id,
+                    Arc::new(MappedRegion {
+                        key,
+                        slot,
+                        source: Source::Host(view),
+                    }),
+                );
             }
         }
     }
@@ -447,10 +575,18 @@ impl ShmLink {
         let core = &self.core;
         let fence_region = batch.lock().fence.map(|f| f.remote.region);
         let eligible = chunks.iter().all(|c| {
-            core.regions.contains_key(&c.remote.region) && c.dest.kind().is_host_accessible()
-        }) && fence_region.is_none_or(|r| core.regions.contains_key(&r));
+            core.regions
+                .get(&c.remote.region)
+                .is_some_and(|r| r.source.accepts(c.dest.kind()))
+        }) && fence_region.is_none_or(|r| {
+            core.regions
+                .get(&r)
+                .is_some_and(|r| matches!(r.source, Source::Host(_)))
+        });
         if !eligible {
-            // A region registered after connect, or device memory: TCP moves it.
+            // A region registered after connect, one whose device memory could not be
+            // opened here, or a destination the source cannot copy into (device memory
+            // from a memfd): TCP moves it.
             return core.tcp.post(batch, chunks);
         }
         if self.closed.load(Ordering::Acquire) {

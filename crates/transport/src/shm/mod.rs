@@ -1,5 +1,6 @@
 //! The shared-memory backend: peers on the same host read each other's registered host
-//! memory directly, and send each other notifications through shared rings.
+//! memory directly (and, with the `cuda` feature, CUDA device memory through CUDA IPC),
+//! and send each other notifications through shared rings.
 //!
 //! # Identity
 //! An agent that offers shared memory writes `{"host": <identity>, "socket": <name>}`
@@ -29,6 +30,20 @@
 //!   the memfd attached, which D maps read-only
 //!   ([`SharedRegionView`](kvlease_gpu_mem::SharedRegionView), which refuses files whose
 //!   size is not sealed);
+//! - with the `cuda` feature, for each registered CUDA device region, a `SHM_CUDA_REGION`
+//!   frame (id, key, length, grant slot, then the region's CUDA IPC handle in the 112-byte
+//!   wire form of `kvlease_gpu_mem::cuda::ipc::IpcHandle`; no descriptor). P exports
+//!   it for this connection (`cuIpcGetMemHandle`) and holds the export, and with it the
+//!   device memory, until D closes the socket: CUDA requires the exporter to keep
+//!   memory alive while an importer has it open. A region the driver will not export is
+//!   left out (logged) and D reads it over TCP. D parses the handle and opens it
+//!   (`IpcMapping`, on the local device with the handle's UUID). A handle it cannot open
+//!   (no driver, device not visible here, the driver refuses it) leaves that region to
+//!   TCP, logged; a malformed one, one whose length is not the descriptor's, or one
+//!   claiming more than the allocation the driver mapped refuses the whole link with a
+//!   typed error (`LinkError::ShmCudaRegion`, `LinkError::ShmMalformed`). A build
+//!   without `cuda` skips these frames; a build from before them refuses the hand-over
+//!   as malformed (and `auto` falls back to verbs or TCP);
 //! - then `SHM_END`.
 //!
 //! Every memfd P hands over but the ring is sealed against writers other than P's own
@@ -41,8 +56,13 @@
 //!
 //! # Reads
 //! A batch goes over shared memory when every source region (and the fence's) was
-//! received in the handshake and every destination is host memory; otherwise (a region
-//! registered later, device memory) over the TCP link, as the verbs link does. Each op is
+//! received in the handshake and every destination is memory its source can copy into:
+//! host memory for a memfd source; host, CUDA pinned, staged or CUDA device memory for a
+//! device source opened through CUDA IPC (`cuMemcpyDtoH`, `cuMemcpyDtoD` on the same
+//! device, a peer copy from another). The fence word must lie in a memfd region (it is a
+//! `FenceTable` slot, host memory). Otherwise (a region registered later, a device region
+//! not opened here, device memory as the destination of a memfd source) the batch goes
+//! over the TCP link, as the verbs link does. Each op is
 //! checked against P's descriptor as P's TCP server would check it (still registered:
 //! its grant slot still holds its id, loaded with acquire; key; bounds) and refused with
 //! the same [`Refusal`](crate::Refusal)s. The copies run on the thread that
@@ -85,9 +105,13 @@
 //! read P's TCP server is serving does. A region P registers after D connected is not
 //! handed over (D reads it over TCP) until D connects again. P's lease protocol and
 //! fences, not the key, guard the bytes of a region that stays registered for the pool's
-//! life.
+//! life. The CUDA IPC path has not run on a GPU yet: its end-to-end test
+//! (`cuda_device_memory_is_read_over_shm_from_another_process` in `tests/shm.rs`) is
+//! `#[ignore]`d and needs one.
 
 pub(crate) mod copy;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod link;
 mod server;
 

@@ -159,10 +159,7 @@ impl Server {
     /// A region was registered: peers that connect from now on get it, if its memory is
     /// shareable (call before the region becomes visible in `Inner::regions`).
     pub(crate) fn grant(&self, id: u64, region: &dyn DmaRegion) {
-        if region.kind().is_host_accessible()
-            && region.shared_fd().is_some()
-            && self.grants.grant(id).is_none()
-        {
+        if shareable(region) && self.grants.grant(id).is_none() {
             tracing::warn!(
                 id,
                 max = MAX_REGIONS,
@@ -192,6 +189,15 @@ impl Server {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
+}
+
+/// Whether peers get `region` over the socket: a memfd-backed host region, or (feature
+/// `cuda`) CUDA device memory, handed over as a CUDA IPC handle.
+fn shareable(region: &dyn DmaRegion) -> bool {
+    let memfd = region.kind().is_host_accessible() && region.shared_fd().is_some();
+    #[cfg(feature = "cuda")]
+    let memfd = memfd || super::cuda::is_device(region.kind());
+    memfd
 }
 
 fn accept_loop(
@@ -337,6 +343,16 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
         .take(MAX_REGIONS)
         .collect();
+    #[cfg(feature = "cuda")]
+    let devices: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
+        .regions
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .values()
+        .filter(|r| super::cuda::is_device(r.region.kind()))
+        .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
+        .take(MAX_REGIONS)
+        .collect();
     let handed = (|| -> Result<(), FrameError> {
         for (region, desc, slot) in &regions {
             let Some(fd) = region.shared_fd() else {
@@ -349,6 +365,9 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
             }
             send_with_fds(s.as_fd(), &f, &[fd])?;
         }
+        // Held until D closes the socket: D may read the device memory until then.
+        #[cfg(feature = "cuda")]
+        let _exports = super::cuda::hand_over(&mut s, &client_name, &devices)?;
         s.write_all(&wire::header(wire::SHM_END, 0))?;
         tracing::debug!(peer = %client_name, regions = regions.len(), "shm regions handed over");
         // D keeps the socket open for the link's life and sends nothing more.

@@ -58,12 +58,17 @@ pub(crate) const SHM_RING: u8 = 11;
 pub(crate) const SHM_GRANTS: u8 = 12;
 /// The `HELLO` connection index that marks the notification connection.
 pub(crate) const NOTIF_CONN_INDEX: u16 = u16::MAX;
+/// A CUDA device region handed over as a CUDA IPC handle (no descriptor attached).
+pub(crate) const SHM_CUDA_REGION: u8 = 13;
 /// Body of a `SHM_REGION`.
 pub(crate) const SHM_REGION_LEN: usize = 32;
 /// Body of a `SHM_GRANTS`.
 pub(crate) const SHM_GRANTS_LEN: usize = 8;
 /// Body of a `SHM_RING`.
 pub(crate) const SHM_RING_LEN: usize = 16;
+/// Body of a `SHM_CUDA_REGION`: id, key, length, grant slot (u64 each), then the
+/// `kvlease_gpu_mem::cuda::ipc::IpcHandle` wire form (112 bytes; a test checks it).
+pub(crate) const SHM_CUDA_REGION_LEN: usize = 32 + 112;
 
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 5;
