@@ -337,6 +337,8 @@ def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
         return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
     diffs = []
     for key in _KV_KEYS:
+        if key == "block_order" and None in (theirs.get(key), ours.get(key)):
+            continue  # a layout not resolved at the scheduler: the layer formats decide
         if theirs.get(key) != ours.get(key):
             what = f"{key}: P {theirs.get(key)!r}, D {ours.get(key)!r}"
             if key == "block_order":

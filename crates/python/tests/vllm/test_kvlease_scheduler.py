@@ -412,3 +412,7 @@ def test_block_formats_tell_layouts_apart():
     why = _kv_incompatibility(base, dict(base, block_size=32, head_size=8))
     assert why is not None and "block_size" in why and "head_size" in why
     assert _kv_incompatibility(base, None) is not None  # a P without a descriptor
+    # A layout unknown to one scheduler: the workers' layer formats still decide.
+    assert _kv_incompatibility(base, dict(base, block_order=None)) is None
+    why = _kv_incompatibility(base, dict(base, block_order=None, layers={"l0": lbhnc}))
+    assert why is not None and "l0" in why
