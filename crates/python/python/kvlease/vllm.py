@@ -53,6 +53,19 @@ batch's result comes back through ``KvleaseWorkerMetadata.batches`` and the requ
 reported ``finished_recving`` (with its blocks in ``get_block_ids_with_load_errors``
 when a batch failed or was stale).
 
+**KV compatibility.** P's handshake payload (format 2) carries ``kv``, a descriptor of
+what its blocks mean (``_kv_descriptor``: model, model and KV cache dtypes, total KV
+heads, head size, layers, block size, the order inside a block from
+``kv_cache_layout``, MLA) with each worker's per-layer block format (``_block_format``:
+tensor dtype, block shape, dim order by stride). D compares it with its own
+(``_kv_incompatibility``) at the handshake; an incompatible P's requests are refused at
+``get_num_new_matched_tokens`` (logged with every difference; aborted, so P frees the
+lease; vLLM computes the prompt on D), and D's workers check each P worker's layer formats
+again before posting a read (a mismatch fails the batch: load errors, vLLM recomputes).
+
+**Roles.** ``kv_producer`` builds only the ``PrefillCore`` and the side channel,
+``kv_consumer`` only the ``DecodeCore`` (no side channel), ``kv_both`` all of them.
+
 Metadata
 --------
 ``KvleaseConnectorMetadata`` (scheduler → workers, plain Python values):
@@ -82,15 +95,18 @@ Configuration (``kv_connector_extra_config``)
 validated for configs shared with NixlConnector; bidirectional transfer is not
 implemented, so it is unused), ``cluster_token`` (or env ``KVLEASE_CLUSTER_TOKEN``;
 authenticates the side channel and every transport connection), ``transport``
-(``auto`` | ``tcp`` | ``shm`` | ``verbs``), ``side_channel_host`` (the address D
-reaches P at; default env ``VLLM_NIXL_SIDE_CHANNEL_HOST`` or ``127.0.0.1``),
+(``auto`` | ``tcp`` | ``shm`` | ``verbs``), ``side_channel_host`` (the address P's side
+channel listens on, only that one, and D reaches P at; default env
+``VLLM_NIXL_SIDE_CHANNEL_HOST`` or ``127.0.0.1``),
 ``side_channel_port`` (default 0: any free port, published in the params),
 ``transport_host`` (address of the workers' agents; default the side-channel host),
 ``read_timeout`` (seconds per read batch, default the lease duration),
 ``handshake_timeout`` (seconds, default 5).
 
-Not supported (yet): heterogeneous TP between P and D (a load whose batches do not read
-whole blocks fails, and vLLM recomputes), hybrid KV cache groups (vLLM turns its hybrid
+Not supported (yet): heterogeneous TP between P and D (refused by the compatibility
+check: a worker's block shape differs; a load whose batches do not read whole blocks
+fails, and vLLM recomputes), KV layouts whose layer block is not dense (``BHLNC``:
+``register_kv_caches`` refuses it), hybrid KV cache groups (vLLM turns its hybrid
 manager off for this connector), pipeline parallelism, P engines spread over several
 hosts (the scheduler maps the workers' fence memfds), expiry notices from P to D (D's
 fenced read catches a reclaimed lease instead).
@@ -251,6 +267,102 @@ def _ip_of(host: str) -> str:
         raise ConfigError(f"cannot resolve {host!r}: {e}") from None
 
 
+def _listen_addr(host: str, port: int) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6) for a listener on ``host``."""
+    ip = _ip_of(host)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+# ------------------------------------------------------------- KV compatibility
+
+#: The descriptor keys P and D must agree on for P's block bytes to mean the same KV on
+#: D (compared by ``_kv_incompatibility``; ``kv_cache_layout`` is carried for the logs:
+#: a layer-outer and a block-outer layout with the same order inside a block are
+#: compatible, ``block_order`` says that order).
+_KV_KEYS = (
+    "model",
+    "dtype",
+    "cache_dtype",
+    "num_kv_heads",
+    "head_size",
+    "num_layers",
+    "block_size",
+    "block_order",
+    "use_mla",
+)
+
+
+def _kv_descriptor(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """What makes a KV block's bytes mean the same on two engines, from the config
+    (like NixlConnector's ``compute_nixl_compatibility_hash``, plus what NIXL checks at
+    its handshake: block size and layout). Plain JSON values."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    try:
+        layout: str | None = cache.get_resolved_kv_cache_layout().name
+    except (ValueError, KeyError, AttributeError):
+        layout = None  # not resolved here: the workers' block formats still decide
+    return {
+        "model": str(model.model),
+        "dtype": str(model.dtype),
+        "cache_dtype": str(cache.cache_dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_layers": int(model.get_total_num_hidden_layers()),
+        "block_size": int(cache.block_size),
+        "kv_cache_layout": layout,
+        # The order of heads (H), tokens (N) and K|V content (C) inside one layer's
+        # block: the layout's name without its layer (L) and block (B) axes.
+        "block_order": None if layout is None else layout.replace("L", "").replace("B", ""),
+        "use_mla": bool(getattr(model, "use_mla", False)),
+        "layers": {},
+    }
+
+
+def _block_format(t: "torch.Tensor") -> list[Any]:
+    """``[dtype, logical block shape, physical order]`` of one layer's KV cache view:
+    the order lists the block's logical dims (1-based, size-1 dims left out: they do not
+    move bytes) from the largest stride to the smallest. Two layers whose formats are
+    equal store a block's elements at the same byte offsets."""
+    dims = [(i, int(t.shape[i]), int(t.stride(i))) for i in range(1, t.dim())]
+    order = [i for i, size, stride in sorted(dims, key=lambda d: (-d[2], d[0])) if size != 1]
+    return [str(t.dtype).removeprefix("torch."), [size for _, size, _ in dims], order]
+
+
+def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
+    """Why P's KV (descriptor ``theirs``, from its handshake) cannot be loaded as ours,
+    or ``None`` when it can. ``layers`` (layer name -> ``_block_format``) is compared
+    when both sides know their workers' formats."""
+    if not isinstance(theirs, dict):
+        return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
+    diffs = []
+    for key in _KV_KEYS:
+        if key == "block_order" and None in (theirs.get(key), ours.get(key)):
+            continue  # a layout not resolved at the scheduler: the layer formats decide
+        if theirs.get(key) != ours.get(key):
+            what = f"{key}: P {theirs.get(key)!r}, D {ours.get(key)!r}"
+            if key == "block_order":
+                what += (
+                    f" (kv_cache_layout P {theirs.get('kv_cache_layout')!r}, "
+                    f"D {ours.get('kv_cache_layout')!r})"
+                )
+            diffs.append(what)
+    mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
+    if mine and p_layers:
+        if set(mine) != set(p_layers):
+            only_p = sorted(set(p_layers) - set(mine))[:3]
+            only_d = sorted(set(mine) - set(p_layers))[:3]
+            diffs.append(f"KV cache layers differ (only P: {only_p}, only D: {only_d})")
+        else:
+            bad = [n for n in sorted(mine) if list(p_layers[n]) != list(mine[n])]
+            if bad:
+                diffs.append(
+                    f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
+                    f"P [dtype, shape, order] {list(p_layers[bad[0]])}, D {list(mine[bad[0]])}"
+                )
+    return "; ".join(diffs) or None
+
+
 # -------------------------------------------------------------------------- metadata
 
 
@@ -298,6 +410,9 @@ class KvleaseHandshakeMetadata(KVConnectorHandshakeMetadata):
     fence_fd: int
     num_blocks: int
     device: str
+    #: layer name -> [dtype, logical block shape, physical order of the block's dims]
+    #: (``_block_format``): what D compares before it reads P's blocks as its own.
+    kv_format: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -506,35 +621,53 @@ class KvleaseScheduler:
         per_rank_heads = int(vllm_config.model_config.get_num_kv_heads(parallel))
         self.num_kv_heads = per_rank_heads * self.tp_size
         self.instance = time.time_ns() // 1000
-        self.prefill = native.PrefillCore(
-            self.engine_id,
-            tp_size=self.tp_size,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            lease_duration=config.lease_duration,
-            external_blocks=True,
-            first_generation=self.instance,
-        )
-        self.decode = native.DecodeCore(
-            self.engine_id,
-            tp_size=self.tp_size,
-            num_kv_heads=self.num_kv_heads,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            lease_duration=config.lease_duration,
-            external_blocks=True,
-            max_waiting=1 << 20,
-        )
+        # What P's blocks must match to be loaded as this engine's KV (the workers'
+        # block formats join it in set_xfer_handshake_metadata).
+        self.kv_descriptor = _kv_descriptor(vllm_config)
+        # kv_producer: P only (no DecodeCore); kv_consumer: D only (no PrefillCore, no
+        # side channel); kv_both: both.
+        ktc = vllm_config.kv_transfer_config
+        role = str(getattr(ktc, "kv_role", None) or "kv_both")
+        self.is_producer = role != "kv_consumer"
+        self.is_consumer = role != "kv_producer"
+        self.prefill: native.PrefillCore | None = None
+        self.decode: native.DecodeCore | None = None
+        if self.is_producer:
+            self.prefill = native.PrefillCore(
+                self.engine_id,
+                tp_size=self.tp_size,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                lease_duration=config.lease_duration,
+                external_blocks=True,
+                first_generation=self.instance,
+            )
+        if self.is_consumer:
+            self.decode = native.DecodeCore(
+                self.engine_id,
+                tp_size=self.tp_size,
+                num_kv_heads=self.num_kv_heads,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                lease_duration=config.lease_duration,
+                external_blocks=True,
+                max_waiting=1 << 20,
+            )
         # P: the workers' fence words, by rank; what the side channel serves.
         self.fences: dict[int, native.FenceWords] = {}
         self._fence_maps: list[mmap.mmap] = []
         self._workers: dict[int, KvleaseHandshakeMetadata] = {}
-        self.side_channel = native.SideChannelServer(
-            self._payload(),
-            token=config.token,
-            listen=f"0.0.0.0:{config.side_channel_port}",
-        )
-        self.side_channel_port = self.side_channel.port
+        # The side channel listens on side_channel_host only: the address it publishes
+        # as remote_host (127.0.0.1 unless configured), not every interface.
+        self.side_channel: native.SideChannelServer | None = None
+        self.side_channel_port = 0
+        if self.is_producer:
+            self.side_channel = native.SideChannelServer(
+                self._payload(),
+                token=config.token,
+                listen=_listen_addr(config.side_channel_host, config.side_channel_port),
+            )
+            self.side_channel_port = self.side_channel.port
         self._finished_sending: list[str] = []
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
@@ -547,14 +680,31 @@ class KvleaseScheduler:
         self._handshakes: queue.Queue[tuple[str, dict[str, Any] | None, Exception | None]] = (
             queue.Queue()
         )
+        # D: P engines whose KV this engine must not load, with the reason.
+        self._incompatible: dict[str, str] = {}
         logger.info(
-            "kvlease scheduler %s: lease %.1fs, side channel %s:%d, %s",
+            "kvlease scheduler %s (%s): lease %.1fs, side channel %s, %s",
             self.engine_id,
+            role,
             config.lease_duration,
-            config.side_channel_host,
-            self.side_channel_port,
+            f"{config.side_channel_host}:{self.side_channel_port}"
+            if self.side_channel is not None
+            else "not served (kv_consumer)",
             "token set" if config.token else "NO cluster token",
         )
+
+    def _p(self) -> native.PrefillCore:
+        assert self.prefill is not None, "a P hook on a kv_consumer engine"
+        return self.prefill
+
+    def _d(self) -> native.DecodeCore:
+        assert self.decode is not None, "a D hook on a kv_producer engine"
+        return self.decode
+
+    def incompatibility(self, engine: str) -> str | None:
+        """Why this engine (D) refuses to load P engine ``engine``'s KV, as found at the
+        last handshake with it; ``None`` when compatible or not handshaken."""
+        return self._incompatible.get(engine)
 
     # ------------------------------------------------------------------- P side
 
@@ -570,17 +720,20 @@ class KvleaseScheduler:
                     "fence_region": w.fence_region,
                     "num_blocks": w.num_blocks,
                     "device": w.device,
+                    "kv_format": w.kv_format,
                 }
             )
         return json.dumps(
             {
-                "format": 1,
+                "format": 2,
                 "engine_id": self.engine_id,
                 "instance": self.instance,
                 "tp_size": self.tp_size,
                 "num_blocks": self.num_blocks,
                 "block_size": self.block_size,
                 "num_kv_heads": self.num_kv_heads,
+                # Format 2: what D checks before it loads any of P's blocks as its KV.
+                "kv": self.kv_descriptor,
                 "workers": workers,
             }
         ).encode()
@@ -608,7 +761,13 @@ class KvleaseScheduler:
                 os.close(fd)
             self._fence_maps.append(mapped)
             self.fences[int(rank)] = native.FenceWords(mapped, meta.num_blocks)
-        self.side_channel.set_payload(self._payload())
+        if self._workers:
+            # The lowest rank's block formats stand for the engine's (every rank holds
+            # the same layers in the same format; D's worker checks each P rank again).
+            first = self._workers[min(self._workers)]
+            self.kv_descriptor["layers"] = json.loads(json.dumps(first.kv_format))
+        if self.side_channel is not None:
+            self.side_channel.set_payload(self._payload())
 
     def _publish(self, blocks: list[int], word: int) -> None:
         for words in self.fences.values():
@@ -616,6 +775,8 @@ class KvleaseScheduler:
 
     def _drain_prefill(self) -> None:
         """Fence clears and events after every input to the prefill core."""
+        if self.prefill is None:
+            return
         while (action := self.prefill.poll_action()) is not None:
             if isinstance(action, native.ClearFences):
                 released = action.released
@@ -634,6 +795,11 @@ class KvleaseScheduler:
             pass
 
     def _handle_notifs(self, now: float, notifs: list[tuple[str, bytes]]) -> None:
+        if self.prefill is None:
+            if notifs:
+                # Nothing leased here: P engines never send D notifications.
+                self.counters.add("notifs_ignored", len(notifs))
+            return
         for sender, message in notifs:
             try:
                 out = self.prefill.handle_notif(now, _engine_of(sender), sender, message)
@@ -672,7 +838,7 @@ class KvleaseScheduler:
             return None
 
     def _start_handshakes(self) -> None:
-        while (hs := self.decode.poll_handshake()) is not None:
+        while (hs := self._d().poll_handshake()) is not None:
             thread = threading.Thread(
                 target=self._handshake,
                 args=(hs.engine, hs.host, hs.port),
@@ -697,6 +863,8 @@ class KvleaseScheduler:
 
     def _pump(self, now: float) -> None:
         """Handshake results, then the decode core's events."""
+        if self.decode is None:
+            return
         self._start_handshakes()
         while True:
             try:
@@ -704,6 +872,9 @@ class KvleaseScheduler:
             except queue.Empty:
                 break
             if info is not None:
+                self._check_compatibility(engine, info)
+                # Handshaken even when incompatible: D's worker 0 needs P's engine info to
+                # send the aborts that free the leases D will not read.
                 self.engines[engine] = info
                 self._new_engines[engine] = info
                 self.decode.handle_handshake(
@@ -722,7 +893,26 @@ class KvleaseScheduler:
                 self.counters.add("handshakes_failed")
         self._drain_decode()
 
+    def _check_compatibility(self, engine: str, info: dict[str, Any]) -> None:
+        """Record whether P engine ``engine``'s KV blocks can be loaded as ours: the
+        answer of the latest handshake stands (a restarted P handshakes again)."""
+        reason = _kv_incompatibility(self.kv_descriptor, info.get("kv"))
+        if reason is None:
+            self._incompatible.pop(engine, None)
+            return
+        self._incompatible[engine] = reason
+        self.counters.add("handshakes_incompatible")
+        logger.error(
+            "P engine %s is not KV-compatible with engine %s: %s. Its requests are "
+            "computed here instead of loaded (their leases are aborted).",
+            engine,
+            self.engine_id,
+            reason,
+        )
+
     def _drain_decode(self) -> None:
+        if self.decode is None:
+            return
         while (event := self.decode.poll_event()) is not None:
             if isinstance(event, native.Loaded):
                 # vLLM checks nothing more: the fence matched for every batch.
@@ -740,6 +930,13 @@ class KvleaseScheduler:
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
+            return
+        if self.decode is None:
+            logger.warning(
+                "request %s asks to load remote KV, but this engine is a kv_producer: "
+                "computing locally",
+                request.request_id,
+            )
             return
         remote = self._remote_kv(request)
         if remote is None:
@@ -767,12 +964,29 @@ class KvleaseScheduler:
         if rid not in self._remote:
             return 0, False
         self._pump(self.clock())
-        if not self.decode.is_waiting(rid):
+        decode = self._d()
+        if not decode.is_waiting(rid):
             # Failed (handshake, expiry) or aborted meanwhile: compute locally.
             return 0, False
-        remote = self.decode.remote_of(rid)
-        if remote is None or not self.decode.is_ready(remote.engine):
+        remote = decode.remote_of(rid)
+        if remote is None or not decode.is_ready(remote.engine):
             return None, False
+        reason = self._incompatible.get(remote.engine)
+        if reason is not None:
+            # P's blocks would be loaded as KV they are not: never read them. The abort
+            # frees P's lease at once; vLLM computes the prompt here whatever its
+            # kv_load_failure_policy (no load was attempted).
+            logger.warning(
+                "request %s: not loading from P engine %s, which is not KV-compatible "
+                "(%s): computing the prompt locally",
+                rid,
+                remote.engine,
+                reason,
+            )
+            decode.abort(rid)
+            self._drain_decode()
+            self.counters.add("loads_refused_incompatible")
+            return 0, False
         count = int(request.num_prompt_tokens) - int(num_computed_tokens)
         if count <= 0:
             return 0, False
@@ -787,24 +1001,25 @@ class KvleaseScheduler:
             return
         # One transfer per request, even if it is preempted and scheduled again.
         params["do_remote_prefill"] = False
+        decode = self._d()
         if num_external_tokens <= 0:
             # A full local prefix hit (or nothing left to load): P may free at once.
-            if self.decode.abort(rid):
+            if decode.abort(rid):
                 self.counters.add("loads_skipped")
             self._drain_decode()
             return
         local = list(blocks.get_unhashed_block_ids())
-        remote = self.decode.remote_of(rid)
+        remote = decode.remote_of(rid)
         n_remote = len(remote.blocks) if remote is not None else 0
         if len(local) > n_remote:
             local = local[:n_remote]
         skip = n_remote - len(local)
         try:
-            plan = self.decode.start_load(rid, local, skip)
+            plan = decode.start_load(rid, local, skip)
         except KvleaseError as e:
             logger.warning("request %s: cannot load (%s): recomputing", rid, e)
             self._failed_loads[rid] = local
-            self.decode.abort(rid)
+            decode.abort(rid)
             self._drain_decode()
             return
         self._loading[rid] = (list(plan.blocks), len(plan.batches))
@@ -853,12 +1068,14 @@ class KvleaseScheduler:
         now = self.clock()
         self._pump(now)
         # P: the reaper.
-        self.prefill.handle_timeout(now)
-        self._drain_prefill()
+        if self.prefill is not None:
+            self.prefill.handle_timeout(now)
+            self._drain_prefill()
         meta = KvleaseConnectorMetadata()
-        while (t := self.decode.poll_transmit(now)) is not None:
-            meta.transmits.append((t.engine, t.kind, bytes(t.message)))
-            self.counters.add(f"{t.kind}s_sent")
+        if self.decode is not None:
+            while (t := self.decode.poll_transmit(now)) is not None:
+                meta.transmits.append((t.engine, t.kind, bytes(t.message)))
+                self.counters.add(f"{t.kind}s_sent")
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}
@@ -889,7 +1106,7 @@ class KvleaseScheduler:
                 status, nbytes, error = reported.get(index, ("done", 0, None))
                 if unexplained and index == 0:
                     status, error = "failed", "a worker reported a load error"
-                self.decode.handle_batch_done(rid, index, status, bytes=nbytes, error=error)
+                self._d().handle_batch_done(rid, index, status, bytes=nbytes, error=error)
         self._drain_decode()
 
     def request_finished(
@@ -902,8 +1119,9 @@ class KvleaseScheduler:
         params = request.kv_transfer_params or {}
         if rid in self._remote:
             # D: decoded to the end, or aborted before (or while) loading.
-            if not self.decode.request_finished(rid):
-                self.decode.abort(rid)
+            decode = self._d()
+            if not decode.request_finished(rid):
+                decode.abort(rid)
             self._drain_decode()
             return False, None
         if not params.get("do_remote_decode"):
@@ -916,6 +1134,14 @@ class KvleaseScheduler:
             return False, None
         blocks = [int(b) for b in block_ids]
         if not blocks:
+            return False, None
+        if self.prefill is None:
+            logger.warning(
+                "request %s asks P to keep its KV, but this engine is a kv_consumer: "
+                "no lease, its blocks are freed",
+                rid,
+            )
+            self.counters.add("grants_refused")
             return False, None
         try:
             granted = self.prefill.handle_prefill_done_in(now, rid, blocks)
@@ -948,9 +1174,12 @@ class KvleaseScheduler:
         }
 
     def shutdown(self) -> None:
-        self.side_channel.close()
-        self.prefill.shutdown()
-        self.decode.shutdown()
+        if self.side_channel is not None:
+            self.side_channel.close()
+        if self.prefill is not None:
+            self.prefill.shutdown()
+        if self.decode is not None:
+            self.decode.shutdown()
         self.fences.clear()
         for m in self._fence_maps:
             try:
@@ -1008,6 +1237,8 @@ class KvleaseWorker:
         )
         # name -> (region, offset, block stride, block bytes, num blocks)
         self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
+        # name -> [dtype, block shape, order] (``_block_format``)
+        self.kv_format: dict[str, list[Any]] = {}
         self._regions: dict[int, native.Region] = {}
         self.num_blocks = 0
         self.device = "cpu"
@@ -1022,6 +1253,8 @@ class KvleaseWorker:
         self._unreachable: dict[tuple[str, int], float] = {}
         self._remote_layers: dict[tuple[str, int], dict[str, tuple[native.RemoteRegion, int, int, int]]] = {}
         self._fence_regions: dict[tuple[str, int], native.RemoteRegion] = {}
+        # (engine, P rank) -> why its blocks cannot be read as ours, or None.
+        self._remote_incompatible: dict[tuple[str, int], str | None] = {}
         # D id -> batch index -> (the posted batch, P's engine).
         self._inflight: dict[str, dict[int, tuple[Any, str]]] = {}
         self._pending: dict[str, set[int]] = {}
@@ -1067,6 +1300,7 @@ class KvleaseWorker:
                 storages[base] = region
                 self._regions[region.id] = region
             self.layers[name] = (region, offset, stride, page, n)
+            self.kv_format[name] = _block_format(t)
             num_blocks = n if num_blocks is None else min(num_blocks, n)
         self.num_blocks = int(num_blocks or 0)
         if self.num_blocks == 0:
@@ -1104,6 +1338,7 @@ class KvleaseWorker:
             fence_fd=self._fence_fd,
             num_blocks=self.num_blocks,
             device=self.device,
+            kv_format=json.loads(json.dumps(self.kv_format)),
         )
 
     # -------------------------------------------------------------- connecting
@@ -1117,6 +1352,8 @@ class KvleaseWorker:
                 pass
         for key in [k for k in self._unreachable if k[0] == engine]:
             del self._unreachable[key]
+        for key in [k for k in self._remote_incompatible if k[0] == engine]:
+            del self._remote_incompatible[key]
 
     def _peer(self, engine: str, p_rank: int) -> native.Peer:
         key = (engine, p_rank)
@@ -1151,6 +1388,22 @@ class KvleaseWorker:
             for name, region, offset, stride, page, _n in w["layers"]
         }
         self._fence_regions[key] = peer.region(int(w["fence_region"]))
+        # The same check D's scheduler made at the handshake, per P worker: a batch is
+        # never posted from a worker whose blocks are laid out differently.
+        mine = json.loads(json.dumps(self.kv_format))
+        theirs = w.get("kv_format")
+        if not isinstance(theirs, dict) or not theirs:
+            self._remote_incompatible[key] = (
+                f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
+            )
+        else:
+            bad = [n for n in sorted(mine) if n in theirs and list(theirs[n]) != mine[n]]
+            self._remote_incompatible[key] = (
+                f"layer {bad[0]}: P's worker {p_rank} stores a block as [dtype, shape, "
+                f"order] {list(theirs[bad[0]])}, ours {mine[bad[0]]}: not KV-compatible"
+                if bad
+                else None
+            )
         self._unreachable.pop(key, None)
         self.counters.add("peers_connected")
         return peer
@@ -1186,19 +1439,22 @@ class KvleaseWorker:
         rid = load["request"]
         mine = [b for b in load["batches"] if int(b["d_worker"]) == self.rank]
         self._blocks_of[rid] = list(load["local_blocks"])
-        self._pending[rid] = set()
+        # Every batch is pending before any is posted: a batch that fails at once must
+        # not finish the load while this worker's other batches are still to post.
+        self._pending[rid] = {int(b["index"]) for b in mine}
         self._inflight[rid] = {}
+        if not mine:
+            self._finish_load(rid)
+            return
         for b in mine:
             index = int(b["index"])
-            self._pending[rid].add(index)
             try:
                 batch = self._post_batch(load, b)
             except KvleaseError as e:
                 self._batch_done(rid, index, "failed", 0, str(e))
                 continue
             self._inflight[rid][index] = (batch, load["engine"])
-        if not self._pending[rid]:
-            self._finish_load(rid)
+        # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
     def _post_batch(self, load: dict[str, Any], b: dict[str, Any]) -> Any:
         if not b["whole"]:
@@ -1208,6 +1464,9 @@ class KvleaseWorker:
             )
         engine, p_rank = load["engine"], int(b["p_rank"])
         peer = self._peer(engine, p_rank)
+        incompatible = self._remote_incompatible.get((engine, p_rank))
+        if incompatible is not None:
+            raise KvleaseError(incompatible)
         remote_layers = self._remote_layers[(engine, p_rank)]
         local_blocks = [int(x) for x in load["local_blocks"]]
         remote_blocks = [int(x) for x in load["remote_blocks"]]

@@ -98,6 +98,7 @@ def create_vllm_config(
     max_model_len: int = 2048,
     kv_load_failure_policy: str = "recompute",
     kv_cache_layout: str = "LBNHC",
+    dtype: str = "float16",
 ):
     """A ``VllmConfig`` for the fake OPT on CPU with an out-of-tree KV connector."""
     from vllm.config import (
@@ -109,7 +110,7 @@ def create_vllm_config(
         VllmConfig,
     )
 
-    model_config = ModelConfig(model=MODEL, dtype="float16", seed=42)
+    model_config = ModelConfig(model=MODEL, dtype=dtype, seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

@@ -27,7 +27,12 @@ from sched_harness import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvlease.vllm import KvleaseConnectorMetadata, KvleaseWorkerMetadata
+from kvlease.vllm import (
+    KvleaseConnectorMetadata,
+    KvleaseWorkerMetadata,
+    _block_format,
+    _kv_incompatibility,
+)
 
 TOKEN = "scheduler-test-token"
 LEASE = 6.0  # seconds: heartbeat interval 1 s, extension 4 s
@@ -322,3 +327,92 @@ def test_stale_read_is_a_load_error_and_d_recomputes(engines):
     sched_out, _ = step(d)
     assert sched_out.num_scheduled_tokens[req.request_id] > 1
     assert req.num_computed_tokens == sched_out.num_scheduled_tokens[req.request_id]
+
+
+def test_a_kv_dtype_mismatch_is_refused_at_the_handshake_and_computed_locally(engines):
+    """P's KV is float16, D's bfloat16: the same block bytes, different numbers. D's
+    handshake finds P incompatible; the request is never loaded (no read planned, never
+    WAITING_FOR_REMOTE_KVS), vLLM computes the whole prompt on D, and D's abort frees
+    P's lease at once."""
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0", dtype="bfloat16")
+    p_req, params = prefill_on_p(p)
+    req = request_from(params, p_req)
+    d.add_request(req)
+    deadline = time.monotonic() + 30
+    metas = []
+    while True:
+        assert time.monotonic() < deadline, "D never scheduled the request"
+        sched_out, _ = step(d)
+        metas.append(sched_out.kv_connector_metadata)
+        assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        if req.request_id in sched_out.num_scheduled_tokens:
+            break
+        time.sleep(0.01)
+    reason = d.connector.scheduler.incompatibility("p0")
+    assert reason is not None and "dtype" in reason and "bfloat16" in reason
+    assert not [load for meta in metas for load in meta.loads]
+    # The whole prompt is computed on D, from token 0.
+    assert sched_out.num_scheduled_tokens[req.request_id] == len(req.prompt_token_ids)
+    aborts = [m for meta in metas for e, kind, m in meta.transmits
+              if kind == "abort" and e == "p0"]
+    assert aborts
+    feed(p, worker_output(notifs=[(D_WORKER, m) for m in aborts]))
+    assert p.connector.scheduler.prefill.stats()["released_aborted"] == 1
+
+
+def test_roles_open_only_what_they_use(engines):
+    """A kv_consumer serves no side channel and keeps no lease table; a kv_producer has
+    no decode core; the side channel listens on side_channel_host (127.0.0.1 here)."""
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0")
+    ps, ds = p.connector.scheduler, d.connector.scheduler
+    assert ps.decode is None and ps.side_channel is not None
+    assert ds.prefill is None and ds.side_channel is None and ds.side_channel_port == 0
+    import psutil
+
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert ("127.0.0.1", ps.side_channel_port) in listening
+    assert ("0.0.0.0", ps.side_channel_port) not in listening
+
+
+def test_block_formats_tell_layouts_apart():
+    """A layer's block format is its dtype, block shape and the physical order of the
+    block's dims: LBNHC and BLNHC store a block alike (only the blocks' spacing differs),
+    LBHNC does not; the descriptors' comparison names what differs."""
+    import torch
+
+    buf = torch.zeros(1 << 16, dtype=torch.float16)
+    shape = (8, 4, 16, 32)  # blocks, heads, tokens, 2 * head_size
+
+    def view(stride, dtype=torch.float16):
+        return buf.view(dtype).as_strided(shape, stride)
+
+    lbnhc = _block_format(view((2048, 32, 128, 1)))
+    blnhc = _block_format(view((4096, 32, 128, 1)))
+    lbhnc = _block_format(view((2048, 512, 32, 1)))
+    assert lbnhc == blnhc == ["float16", [4, 16, 32], [2, 1, 3]]
+    assert lbhnc == ["float16", [4, 16, 32], [1, 2, 3]]
+    assert _block_format(view((2048, 32, 128, 1), torch.bfloat16))[0] == "bfloat16"
+
+    base = {"model": "m", "dtype": "torch.float16", "cache_dtype": "auto",
+            "num_kv_heads": 4, "head_size": 16, "num_layers": 2, "block_size": 16,
+            "block_order": "NHC", "kv_cache_layout": "LBNHC", "use_mla": False,
+            "layers": {"l0": lbnhc}}
+    assert _kv_incompatibility(base, dict(base, kv_cache_layout="BLNHC",
+                                          layers={"l0": blnhc})) is None
+    why = _kv_incompatibility(base, dict(base, layers={"l0": lbhnc}))
+    assert why is not None and "l0" in why
+    why = _kv_incompatibility(base, dict(base, block_order="HNC", kv_cache_layout="LBHNC"))
+    assert why is not None and "block_order" in why and "LBHNC" in why
+    why = _kv_incompatibility(base, dict(base, block_size=32, head_size=8))
+    assert why is not None and "block_size" in why and "head_size" in why
+    assert _kv_incompatibility(base, None) is not None  # a P without a descriptor
+    # A layout unknown to one scheduler: the workers' layer formats still decide.
+    assert _kv_incompatibility(base, dict(base, block_order=None)) is None
+    why = _kv_incompatibility(base, dict(base, block_order=None, layers={"l0": lbhnc}))
+    assert why is not None and "l0" in why

@@ -234,20 +234,64 @@ def test_load_is_byte_exact_from_a_layer_outer_to_a_block_outer_layout(pd):
         assert d_pages[layer] == p_pages[layer], f"{layer}: D's blocks differ from P's"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "KvleaseConnector compares only a block's byte size between P and D, not the order "
-    "inside it (kv_cache_layout), so an LBNHC P and an LBHNC D exchange scrambled KV "
-    "and D decodes from it; see crates/python/tests/NOTES-for-connector.md"))
 def test_a_block_layout_mismatch_is_never_loaded_as_kv(pd):
     """P stores a block as [tokens, heads, K|V] (LBNHC), D as [heads, tokens, K|V]
-    (LBHNC): same page size, different meaning. D must not decode from P's bytes as if
-    they were its own layout: either the load fails (vLLM recomputes) or the KV arrives
-    in D's order."""
+    (LBHNC): same page size, different meaning. D's handshake with P finds the KV
+    incompatible (the block order differs), so D never reads P's blocks: the request is
+    computed on D from its prompt, and D's abort frees P's lease at once."""
     p, d = pd(30.0, p_layout="LBNHC", d_layout="LBHNC")
-    p_blocks, d_blocks, _, errors = load_once(p, d)
-    if errors:
-        return  # refused: vLLM recomputed
-    p_pages = p.worker.request("blocks", block_ids=p_blocks)
-    d_pages = d.worker.request("blocks", block_ids=d_blocks)
+    p_req, params = prefill(p)
+    req = d_request(params, p_req)
+    d.add_request(req)
+    run_until(lambda: req.request_id in d.outputs, [d, p], 60, "D computing the prompt")
+    assert d.outputs[req.request_id].finish_reason is not None
+
+    # Refused at the handshake: no read was ever planned or posted, no block was loaded.
+    reason = d.connector.scheduler.incompatibility("p0")
+    assert reason is not None and "block_order" in reason
+    assert "LBNHC" in reason and "LBHNC" in reason
+    assert not [x for h in d.history for x in h["meta"].loads], "D planned a read"
+    assert not any(h["kv_out"] and h["kv_out"].finished_recving for h in d.history)
+    stats = d.connector.scheduler.decode.stats()
+    assert stats["stale_reads"] == 0
+    # vLLM computed the whole prompt itself.
+    computed = sum(h["scheduled"].get(req.request_id, 0) for h in d.history)
+    assert computed >= len(req.prompt_token_ids)
+
+    # The abort reached P (D's worker 0 → P's worker 0 → P's scheduler): freed long
+    # before the 30 s lease would have expired.
+    table = p.connector.scheduler.prefill
+    run_until(lambda: p_req.request_id not in p.requests, [d, p], 20, "P freeing the blocks")
+    assert table.stats()["released_aborted"] == 1
+    assert table.stats()["released_expired"] == 0
+
+
+def test_a_layout_mismatch_behind_a_compatible_handshake_fails_the_read(pd):
+    """Defence in depth: even if D's scheduler planned a read (here its descriptor is
+    made to match P's, as a stale handshake would), D's worker compares each layer's
+    block format with P's worker's and fails the batch instead of posting it: the
+    blocks are load errors and vLLM recomputes (kv_load_failure_policy=recompute)."""
+    p, d = pd(30.0, p_layout="LBNHC", d_layout="LBHNC")
+    d.connector.scheduler.kv_descriptor = dict(p.connector.scheduler.kv_descriptor)
+    p_req, params = prefill(p)
+    req = d_request(params, p_req)
+    d.add_request(req)
+    run_until(lambda: req.request_id in d.outputs, [d, p], 60, "D recomputing")
+    assert d.connector.scheduler.incompatibility("p0") is None
+    (load,) = [x for h in d.history for x in h["meta"].loads]
+    bad = set().union(*(h["kv_out"].invalid_block_ids for h in d.history if h["kv_out"]))
+    assert bad == set(load["local_blocks"]), "the read was not refused"
+    results = [h["kv_out"].kv_connector_worker_meta.batches.get(req.request_id)
+               for h in d.history if h["kv_out"] and h["kv_out"].kv_connector_worker_meta]
+    ((status, nbytes, error),) = [r[0] for r in results if r]
+    assert status == "failed" and nbytes == 0 and "not KV-compatible" in error, error
+    assert d.connector.scheduler.decode.stats()["failed"] == 1
+    computed = sum(h["scheduled"].get(req.request_id, 0) for h in d.history)
+    assert computed >= len(req.prompt_token_ids)
+    # Nothing was read into D's blocks: they still hold the zeros vLLM allocated (the
+    # harness's "model" writes KV only on P), while P's hold its prefill.
+    p_pages = p.worker.request("blocks", block_ids=list(params["remote_block_ids"]))
+    d_pages = d.worker.request("blocks", block_ids=list(load["local_blocks"]))
     for layer in LAYERS:
-        assert d_pages[layer] == p_pages[layer], f"{layer}: D decoded from scrambled KV"
+        assert all(any(page) for page in p_pages[layer])
+        assert not any(any(page) for page in d_pages[layer]), f"{layer}: D read P's bytes"
