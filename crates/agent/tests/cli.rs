@@ -4,7 +4,6 @@
 mod common;
 
 use std::io::Read as _;
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -36,10 +35,6 @@ fn assert_rejected(bin: &str, args: &[&str], needles: &[&str]) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Kills the child on drop, so a failing test leaves no process behind.
@@ -115,7 +110,7 @@ fn proxy_rejects_bad_flags_naming_them() -> Result<()> {
 
 #[test]
 fn proxy_starts_serves_health_and_reports_a_taken_port() -> Result<()> {
-    let port = free_port()?;
+    let port = common::free_port();
     let port_text = port.to_string();
     let args = [
         "--port",

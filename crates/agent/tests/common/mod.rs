@@ -37,6 +37,26 @@ pub(crate) fn shape_args() -> [&'static str; 8] {
 
 /// A free loopback port.
 pub(crate) fn free_port() -> u16 {
+    // Below Linux's ephemeral range (32768..=60999 by default): a port the kernel handed
+    // out for `bind(0)` is also what it hands to the next outgoing connection (the agents
+    // open several per link), so a port picked that way can be taken before the agent
+    // binds it. Here: a pseudo-random port in 20000..32768 that binds now and that this
+    // process has not handed out before.
+    use std::collections::hash_map::RandomState;
+    use std::hash::BuildHasher;
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let seed = RandomState::new();
+    for attempt in 0u64..10_000 {
+        let port = 20_000 + (seed.hash_one((std::process::id(), attempt)) % 12_768) as u16;
+        if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            return port;
+        }
+    }
     // Invariant: binding port 0 on loopback succeeds on any test host.
     #[allow(clippy::expect_used)]
     let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
