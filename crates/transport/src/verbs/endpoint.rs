@@ -33,9 +33,12 @@ const INFO_LEN: usize = 40;
 pub struct EndpointConfig {
     /// RDMA READ work requests in flight at most (the send queue's read share).
     pub max_outstanding_reads: u32,
-    /// Request a completion at least every this many work requests (selective signalling).
+    /// Request a completion at least every this many work requests (selective signalling;
+    /// the last work request of each chain and of each batch is always signalled).
     pub signal_every: u32,
-    /// Work requests chained into one `ibv_post_send` (one doorbell).
+    /// Work requests chained into one `ibv_post_send` (one doorbell), at most half of
+    /// `max_outstanding_reads`; while reads are in flight, queued reads are posted only in
+    /// whole chains (see `post_pending`).
     pub wrs_per_doorbell: u32,
     /// Reads longer than this are split into several work requests.
     pub max_wr_bytes: u32,
@@ -53,8 +56,8 @@ impl Default for EndpointConfig {
     fn default() -> Self {
         Self {
             max_outstanding_reads: 128,
-            signal_every: 16,
-            wrs_per_doorbell: 32,
+            signal_every: 64,
+            wrs_per_doorbell: 64,
             max_wr_bytes: 1 << 20,
             notif_slot_size: 4096,
             recv_slots: 64,
@@ -831,16 +834,26 @@ impl Endpoint {
     }
 
     /// Posts queued reads while the outstanding bound allows, one doorbell per chain.
+    ///
+    /// While reads are in flight it refills in whole chains: it waits until a full chain
+    /// fits (or all queued work does) instead of ringing a doorbell for every few
+    /// completions. A chain is at most half the outstanding bound, so the next chain is
+    /// posted while the previous one is still in flight. Measured on SoftRoCE (64 KiB
+    /// reads): doorbells every 16 completions made rxe retry reads (duplicate requests,
+    /// completer retries) and ran at 0.6× `ib_read_bw`; whole-chain refills did not.
     fn post_pending(&mut self) -> Result<(), VerbsError> {
+        let chain = self
+            .config
+            .wrs_per_doorbell
+            .min((self.config.max_outstanding_reads / 2).max(1));
         while self.state == EndpointState::Connected && !self.pending.is_empty() {
             let room = self
                 .config
                 .max_outstanding_reads
                 .saturating_sub(self.reads_in_flight);
-            let n = (self.pending.len() as u32)
-                .min(room)
-                .min(self.config.wrs_per_doorbell) as usize;
-            if n == 0 {
+            let n = (self.pending.len() as u32).min(room).min(chain) as usize;
+            if n == 0 || (self.reads_in_flight > 0 && n < chain as usize && n < self.pending.len())
+            {
                 break;
             }
             let chunks: Vec<Chunk> = self.pending.drain(..n).collect();
@@ -848,7 +861,10 @@ impl Endpoint {
             let mut unsignaled = self.unsignaled;
             let mut flags = Vec::with_capacity(n);
             for (i, c) in chunks.iter().enumerate() {
-                let signal = i + 1 == n || unsignaled + 1 >= self.config.signal_every;
+                // The last WR of a batch is signalled too, so that a batch sharing a chain
+                // with later ones is reported as soon as it completed.
+                let batch_end = chunks.get(i + 1).is_none_or(|next| next.batch != c.batch);
+                let signal = batch_end || unsignaled + 1 >= self.config.signal_every;
                 let mut f = WorkRequestFlags::none();
                 if signal {
                     f |= WorkRequestFlags::Signaled;
