@@ -520,6 +520,10 @@ impl PrefillEngine {
                     self.core.handle_prefill_failed(&start.request);
                 }
             }
+            // A burst of prefills can outlast a lease's first TTL: take in D's heartbeats
+            // and completions between prefills, so that a lease granted at the start of
+            // the burst is renewed before the reaper (step 4) looks at it.
+            self.poll_notifs();
         }
         self.drain();
     }
