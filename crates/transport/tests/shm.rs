@@ -373,20 +373,28 @@ fn child_target_process() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn another_process_on_the_host_reads_over_shm() -> Result<()> {
+/// Runs the test `test` of this binary as a child process with `env` set (the child
+/// side of a two-process test), its stdin and stdout piped; returns it and its stdout.
+fn spawn_child(
+    test: &str,
+    env: &str,
+    extra: &[&str],
+) -> Result<(std::process::Child, BufReader<std::process::ChildStdout>)> {
     let mut child = Command::new(std::env::current_exe()?)
-        .args([
-            "--exact",
-            "child_target_process",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
+        .args(["--exact", test])
+        .args(extra)
+        .args(["--nocapture", "--test-threads=1"])
+        .env(env, "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
-    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let out = BufReader::new(child.stdout.take().context("stdout")?);
+    Ok((child, out))
+}
+
+#[test]
+fn another_process_on_the_host_reads_over_shm() -> Result<()> {
+    let (mut child, mut out) = spawn_child("child_target_process", CHILD_ENV, &[])?;
     let mut desc = None;
     let mut meta = None;
     let mut line = String::new();
@@ -1040,19 +1048,11 @@ fn cuda_child_target_process() -> Result<()> {
 #[ignore = "needs a CUDA GPU (CUDA IPC between two processes); not yet run on one"]
 fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
     use kvlease_gpu_mem::cuda;
-    let mut child = Command::new(std::env::current_exe()?)
-        .args([
-            "--exact",
-            "cuda_child_target_process",
-            "--include-ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CUDA_CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let (mut child, mut out) = spawn_child(
+        "cuda_child_target_process",
+        CUDA_CHILD_ENV,
+        &["--include-ignored"],
+    )?;
     let mut descs = None;
     let mut meta = None;
     let mut line = String::new();
