@@ -593,3 +593,73 @@ async fn fake_upstreams_health_and_metrics_endpoints() -> Result<()> {
     assert!(text.contains("# TYPE kvlease_proxy_retries counter"));
     Ok(())
 }
+
+/// A TCP forwarder in front of `upstream` that counts the connections it accepts; the
+/// first `drop_first` of them read the request and are closed without an answer (an agent
+/// closing an idle keep-alive connection just as the proxy sends on it).
+async fn forwarder(upstream: &str, drop_first: usize) -> Result<(Arc<AtomicUsize>, String)> {
+    let upstream = upstream
+        .strip_prefix("http://")
+        .context("upstream URL")?
+        .to_owned();
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let index = count.fetch_add(1, Ordering::SeqCst);
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if index < drop_first {
+                    let mut buf = [0u8; 1024];
+                    let _ = client.read(&mut buf).await;
+                    return;
+                }
+                if let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    Ok((accepted, url))
+}
+
+/// With one P, a connection that breaks under the prefill is tried once more (on a new
+/// connection) instead of answering 502.
+#[tokio::test]
+async fn fake_upstreams_a_prefill_whose_connection_broke_is_tried_again_on_the_only_p() -> Result<()>
+{
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (accepted, flaky_p) = forwarder(&p_url, 1).await?;
+    let (d, d_url) = fake_decode("d0").await?;
+    let proxy = start_proxy(&[&flaky_p], &[&d_url], &[]).await?;
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    assert_eq!((p.calls().len(), d.calls().len()), (1, 1));
+    Ok(())
+}
+
+/// Idle upstream connections are closed after `--upstream-idle-timeout-ms` (below the
+/// agents' keep-alive limit), so a request after a pause opens a new one.
+#[tokio::test]
+async fn fake_upstreams_idle_connections_are_closed_by_the_proxy_first() -> Result<()> {
+    let (_p, p_url) = fake_prefill("p0").await?;
+    let (p_conns, p_fwd) = forwarder(&p_url, 0).await?;
+    let (_d, d_url) = fake_decode("d0").await?;
+    let pooled = start_proxy(&[&p_fwd], &[&d_url], &[]).await?;
+    let short = start_proxy(&[&p_fwd], &[&d_url], &["--upstream-idle-timeout-ms", "100"]).await?;
+    for proxy in [&pooled, &short] {
+        for _ in 0..2 {
+            let (status, answer) =
+                post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+            assert_eq!(status, StatusCode::OK, "{answer}");
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+    }
+    // The default pool kept one connection over the pause; the short one opened two.
+    assert_eq!(p_conns.load(Ordering::SeqCst), 3);
+    Ok(())
+}

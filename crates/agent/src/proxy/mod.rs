@@ -137,6 +137,11 @@ pub struct ProxyArgs {
     /// Time limit for connecting to an upstream, in milliseconds.
     #[arg(long, allow_negative_numbers = true, default_value_t = 3000)]
     pub connect_timeout_ms: u64,
+    /// Idle upstream connections are closed after this, in milliseconds. Keep it below the
+    /// agents' `--http-header-timeout-ms` (default 10000), their idle keep-alive limit:
+    /// otherwise an agent may close a pooled connection just as the proxy sends on it.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4000)]
+    pub upstream_idle_timeout_ms: u64,
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -154,6 +159,8 @@ pub struct ProxyConfig {
     pub timeout: Duration,
     /// See [`ProxyArgs::connect_timeout_ms`].
     pub connect_timeout: Duration,
+    /// See [`ProxyArgs::upstream_idle_timeout_ms`].
+    pub upstream_idle_timeout: Duration,
 }
 
 fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
@@ -211,11 +218,18 @@ impl ProxyArgs {
                 reason: format!("must be 1..=600000, got {}", self.connect_timeout_ms),
             });
         }
+        if self.upstream_idle_timeout_ms == 0 || self.upstream_idle_timeout_ms > 600_000 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--upstream-idle-timeout-ms",
+                reason: format!("must be 1..=600000, got {}", self.upstream_idle_timeout_ms),
+            });
+        }
         Ok(ProxyConfig {
             prefill: parse_upstreams("--prefill", &self.prefill)?,
             decode: parse_upstreams("--decode", &self.decode)?,
             timeout,
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
         })
     }
 }
@@ -417,6 +431,7 @@ impl Proxy {
     pub fn new(config: ProxyConfig) -> Result<Self, ProxyError> {
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
+            .pool_idle_timeout(config.upstream_idle_timeout)
             .read_timeout(config.timeout)
             .no_proxy()
             .build()
@@ -603,7 +618,9 @@ impl Proxy {
         auth: Option<&HeaderValue>,
         cached: Option<DecoderKvParams>,
     ) -> Result<(Value, Option<u64>), Failure> {
-        let tries = self.inner.config.prefill.len().min(2);
+        // Two tries even with one P: a connection that broke under the request (a pooled
+        // connection the agent closed as we sent on it) is not a dead P.
+        let tries = 2;
         for attempt in 1..=tries {
             let url = self.next_url(false, path);
             match self
@@ -611,7 +628,7 @@ impl Proxy {
                 .await
             {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
-                    tracing::warn!(request = %id, %url, "prefill agent unreachable; trying the next one");
+                    tracing::warn!(request = %id, %url, "prefill agent unreachable; trying again on the next one (the same when there is one)");
                 }
                 Err(Failure::Unreachable(response, outcome)) => {
                     return Err(Failure::Respond(response, outcome));

@@ -69,6 +69,10 @@ fn flags_are_checked_and_errors_name_them() {
             &["http://x:1", "--connect-timeout-ms", "0"][..],
             "--connect-timeout-ms",
         ),
+        (
+            &["http://x:1", "--upstream-idle-timeout-ms", "0"][..],
+            "--upstream-idle-timeout-ms: must be 1..=600000",
+        ),
         (&["http://x:1", "--port", "0"][..], "--port"),
     ] {
         let message = args(extra).config().unwrap_err().to_string();
