@@ -166,6 +166,9 @@ fn client(timeout: Duration) -> Result<reqwest::Client> {
     Ok(reqwest::Client::builder()
         .no_proxy()
         .connect_timeout(Duration::from_secs(3))
+        // Below the agents' and the proxy's 10 s idle keep-alive limit: a pooled connection
+        // the server is closing must not be picked for a request.
+        .pool_idle_timeout(Duration::from_secs(4))
         .timeout(timeout)
         .build()?)
 }

@@ -139,6 +139,8 @@ pub(crate) fn client() -> reqwest::Client {
     #[allow(clippy::expect_used)]
     reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
+        // Below the agents' 10 s idle keep-alive limit (see demo_load).
+        .pool_idle_timeout(Duration::from_secs(4))
         .build()
         .expect("reqwest client")
 }
