@@ -2,7 +2,7 @@
 //! notification ring to P, and posting batches.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixStream};
@@ -23,7 +23,7 @@ use crate::config::Backend;
 use crate::error::{LinkError, Refusal, TransferError};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
-use crate::tcp::wire::{self, Body, FrameError};
+use crate::tcp::wire::{self, Body, ClientAuthError, FrameError};
 use crate::tcp::{Chunk, TcpLink};
 
 /// About how long a sender waits for the peer to drain a full notification ring before
@@ -346,65 +346,26 @@ fn frame_err(e: FrameError) -> LinkError {
 }
 
 fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<(), LinkError> {
-    let client_nonce = wire::random_nonce().map_err(LinkError::Random)?;
-    let io = |source| LinkError::ShmSocket {
-        op: "handshake",
-        source,
-    };
-    let extra = 0u16.to_le_bytes();
-    s.write_all(&wire::frame(
-        wire::HELLO,
-        &wire::hello_body(&extra, &client_nonce, &inner.name),
-    ))
-    .map_err(io)?;
-    let (_, len) =
-        wire::read_header(s, &[wire::CHALLENGE], |_| wire::MAX_CONTROL_BODY).map_err(frame_err)?;
-    let body = wire::read_body(s, len).map_err(frame_err)?;
-    let mut b = Body(&body);
-    let version = b.u16().map_err(frame_err)?;
-    if version != wire::PROTOCOL_VERSION {
-        return Err(LinkError::ShmMalformed {
+    wire::client_handshake(
+        s,
+        wire::SHM_ROLES,
+        &0u16.to_le_bytes(),
+        &inner.name,
+        inner.token.as_deref(),
+        &meta.name,
+    )
+    .map_err(|e| match e {
+        ClientAuthError::Frame(e) => frame_err(e),
+        ClientAuthError::Random(e) => LinkError::Random(e),
+        ClientAuthError::Version(_) => LinkError::ShmMalformed {
             what: "the peer speaks another protocol version",
-        });
-    }
-    let auth_required = b.u8().map_err(frame_err)? != 0;
-    let server_nonce = b.nonce().map_err(frame_err)?;
-    let server_name = b.name().map_err(frame_err)?;
-    b.finish().map_err(frame_err)?;
-    if server_name != meta.name {
-        return Err(LinkError::ShmMalformed {
+        },
+        ClientAuthError::WrongName(_) => LinkError::ShmMalformed {
             what: "the agent on the shm socket is not the one the metadata names",
-        });
-    }
-    let exchange = wire::Exchange {
-        roles: wire::SHM_ROLES,
-        server_nonce: &server_nonce,
-        client_nonce: &client_nonce,
-        client_name: &inner.name,
-        server_name: &server_name,
-    };
-    let proof = exchange.client_proof(inner.token.as_deref());
-    s.write_all(&wire::frame(
-        wire::PROOF,
-        &wire::proof_body(None, proof.as_ref()),
-    ))
-    .map_err(io)?;
-    let (_, len) = wire::read_header(s, &[wire::AUTH_RESULT], |_| wire::MAX_CONTROL_BODY)
-        .map_err(frame_err)?;
-    let body = wire::read_body(s, len).map_err(frame_err)?;
-    let mut b = Body(&body);
-    let ok = b.u8().map_err(frame_err)? != 0;
-    let answer = b.proof().map_err(frame_err)?;
-    b.finish().map_err(frame_err)?;
-    if !ok {
-        return Err(LinkError::ShmAuthRejected);
-    }
-    if inner.token.is_some()
-        && (!auth_required || !exchange.check_server(inner.token.as_deref(), answer))
-    {
-        return Err(LinkError::ShmPeerAuthFailed);
-    }
-    Ok(())
+        },
+        ClientAuthError::Rejected => LinkError::ShmAuthRejected,
+        ClientAuthError::PeerAuthFailed => LinkError::ShmPeerAuthFailed,
+    })
 }
 
 /// What P hands over after the proof.

@@ -12,7 +12,7 @@ use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{DmaRegion, RegionBytes};
 
 use super::notif::NotifSender;
-use super::wire::{self, Body, FrameError};
+use super::wire::{self, Body, ClientAuthError, FrameError};
 use crate::agent::{FenceRead, Inner, bump, lock};
 use crate::batch::{Batch, Next};
 use crate::error::{ConnectError, Refusal, TransferError};
@@ -277,70 +277,33 @@ fn handshake(
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
     stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
-    let mut s = stream;
-    let client_nonce =
-        wire::random_nonce().map_err(|e| HandshakeError::Connect(ConnectError::Random(e)))?;
-    let extra = index.to_le_bytes();
-    s.write_all(&wire::frame(
-        wire::HELLO,
-        &wire::hello_body(&extra, &client_nonce, &inner.name),
-    ))?;
-    let frame_err = |e: FrameError| match e {
-        FrameError::Io(e) => HandshakeError::Io(e),
-        FrameError::Malformed(why) => bad(why),
-    };
-    let (_, len) = wire::read_header(&mut s, &[wire::CHALLENGE], |_| wire::MAX_CONTROL_BODY)
-        .map_err(frame_err)?;
-    let body = wire::read_body(&mut s, len).map_err(frame_err)?;
-    let mut b = Body(&body);
-    let version = b.u16().map_err(frame_err)?;
-    if version != wire::PROTOCOL_VERSION {
-        return Err(bad(format!(
+    wire::client_handshake(
+        stream,
+        wire::TCP_ROLES,
+        &index.to_le_bytes(),
+        &inner.name,
+        inner.token.as_deref(),
+        &meta.name,
+    )
+    .map_err(|e| match e {
+        ClientAuthError::Frame(FrameError::Io(e)) => HandshakeError::Io(e),
+        ClientAuthError::Frame(FrameError::Malformed(why)) => bad(why),
+        ClientAuthError::Random(e) => HandshakeError::Connect(ConnectError::Random(e)),
+        ClientAuthError::Version(version) => bad(format!(
             "peer speaks protocol version {version}, we speak {}",
             wire::PROTOCOL_VERSION
-        )));
-    }
-    let auth_required = b.u8().map_err(frame_err)? != 0;
-    let server_nonce = b.nonce().map_err(frame_err)?;
-    let server_name = b.name().map_err(frame_err)?;
-    b.finish().map_err(frame_err)?;
-    if server_name != meta.name {
-        return Err(bad(format!(
+        )),
+        ClientAuthError::WrongName(server_name) => bad(format!(
             "the agent at {} is called {server_name:?}, its metadata says {:?}",
             meta.tcp_addr, meta.name
-        )));
-    }
-    let exchange = wire::Exchange {
-        roles: wire::TCP_ROLES,
-        server_nonce: &server_nonce,
-        client_nonce: &client_nonce,
-        client_name: &inner.name,
-        server_name: &server_name,
-    };
-    let proof = exchange.client_proof(inner.token.as_deref());
-    s.write_all(&wire::frame(
-        wire::PROOF,
-        &wire::proof_body(None, proof.as_ref()),
-    ))?;
-    let (_, len) = wire::read_header(&mut s, &[wire::AUTH_RESULT], |_| wire::MAX_CONTROL_BODY)
-        .map_err(frame_err)?;
-    let body = wire::read_body(&mut s, len).map_err(frame_err)?;
-    let mut b = Body(&body);
-    let ok = b.u8().map_err(frame_err)? != 0;
-    let answer = b.proof().map_err(frame_err)?;
-    b.finish().map_err(frame_err)?;
-    if !ok {
-        return Err(HandshakeError::Connect(ConnectError::AuthRejected {
-            peer: peer(),
-        }));
-    }
-    if inner.token.is_some()
-        && (!auth_required || !exchange.check_server(inner.token.as_deref(), answer))
-    {
-        return Err(HandshakeError::Connect(ConnectError::PeerAuthFailed {
-            peer: peer(),
-        }));
-    }
+        )),
+        ClientAuthError::Rejected => {
+            HandshakeError::Connect(ConnectError::AuthRejected { peer: peer() })
+        }
+        ClientAuthError::PeerAuthFailed => {
+            HandshakeError::Connect(ConnectError::PeerAuthFailed { peer: peer() })
+        }
+    })?;
     // From here on the batch timeouts bound reads (a stalled connection is shut down).
     // Writes keep a deadline: a request write to a peer that stopped reading kills the
     // connection. (The notification connection becomes non-blocking instead.)

@@ -36,7 +36,7 @@
 //! name ‖ 0 ‖ client name`. Both nonces are fresh per connection, so a recorded proof is
 //! worthless on another connection.
 
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -292,6 +292,87 @@ pub(crate) const SHM_ROLES: Roles = Roles {
     client: b"shm-client",
     server: b"shm-server",
 };
+
+/// Why the connecting side's half of the handshake ([`client_handshake`]) failed; each
+/// backend maps it to its own error type.
+#[derive(Debug)]
+pub(crate) enum ClientAuthError {
+    /// The socket failed, or the peer sent a malformed frame.
+    Frame(FrameError),
+    /// No randomness for our nonce.
+    Random(getrandom::Error),
+    /// The peer speaks this other protocol version.
+    Version(u16),
+    /// The peer is called this, not the name its metadata carries.
+    WrongName(String),
+    /// The peer refused our proof.
+    Rejected,
+    /// We hold a token and the peer did not prove it.
+    PeerAuthFailed,
+}
+
+impl From<FrameError> for ClientAuthError {
+    fn from(e: FrameError) -> Self {
+        Self::Frame(e)
+    }
+}
+
+impl From<io::Error> for ClientAuthError {
+    fn from(e: io::Error) -> Self {
+        Self::Frame(FrameError::Io(e))
+    }
+}
+
+/// The connecting side's half of the handshake on `s`, for every backend: `HELLO`
+/// (carrying `extra` after the version), `CHALLENGE`, `PROOF`, `AUTH_RESULT`. The peer
+/// must be called `expected` (its metadata's name); with a `token`, it must prove it too.
+pub(crate) fn client_handshake(
+    mut s: impl Read + Write,
+    roles: Roles,
+    extra: &[u8],
+    name: &str,
+    token: Option<&[u8]>,
+    expected: &str,
+) -> Result<(), ClientAuthError> {
+    let client_nonce = random_nonce().map_err(ClientAuthError::Random)?;
+    s.write_all(&frame(HELLO, &hello_body(extra, &client_nonce, name)))?;
+    let (_, len) = read_header(&mut s, &[CHALLENGE], |_| MAX_CONTROL_BODY)?;
+    let body = read_body(&mut s, len)?;
+    let mut b = Body(&body);
+    let version = b.u16()?;
+    if version != PROTOCOL_VERSION {
+        return Err(ClientAuthError::Version(version));
+    }
+    let auth_required = b.u8()? != 0;
+    let server_nonce = b.nonce()?;
+    let server_name = b.name()?;
+    b.finish()?;
+    if server_name != expected {
+        return Err(ClientAuthError::WrongName(server_name));
+    }
+    let exchange = Exchange {
+        roles,
+        server_nonce: &server_nonce,
+        client_nonce: &client_nonce,
+        client_name: name,
+        server_name: &server_name,
+    };
+    let proof = exchange.client_proof(token);
+    s.write_all(&frame(PROOF, &proof_body(None, proof.as_ref())))?;
+    let (_, len) = read_header(&mut s, &[AUTH_RESULT], |_| MAX_CONTROL_BODY)?;
+    let body = read_body(&mut s, len)?;
+    let mut b = Body(&body);
+    let ok = b.u8()? != 0;
+    let answer = b.proof()?;
+    b.finish()?;
+    if !ok {
+        return Err(ClientAuthError::Rejected);
+    }
+    if token.is_some() && (!auth_required || !exchange.check_server(token, answer)) {
+        return Err(ClientAuthError::PeerAuthFailed);
+    }
+    Ok(())
+}
 
 /// One handshake's identities, as the client sees them: the nonces and names of both
 /// sides.
