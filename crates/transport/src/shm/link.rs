@@ -441,19 +441,7 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
                 return Err(malformed("an SHM_CUDA_REGION frame with a descriptor"));
             }
             let (words, handle) = body.split_at(32);
-            let mut b = Body(words);
-            let mut word = || b.u64().map_err(frame_err);
-            let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
-            let slots = grants.as_ref().map_or(0, |g| g.len() as u64 / 8);
-            if slot >= slots {
-                return Err(malformed("a region's grant slot outside the table"));
-            }
-            if handed.len() >= MAX_REGIONS {
-                return Err(malformed("too many shm regions"));
-            }
-            if !handed.insert(id) {
-                return Err(malformed("a region handed over twice"));
-            }
+            let (id, key, region_len, slot) = region_words(words, grants.as_ref(), &mut handed)?;
             #[cfg(feature = "cuda")]
             if let Some(mapping) = super::cuda::open(peer, id, region_len, handle)? {
                 regions.insert(
@@ -505,17 +493,7 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
                 );
             }
             _ => {
-                let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
-                let slots = grants.as_ref().map_or(0, |g| g.len() as u64 / 8);
-                if slot >= slots {
-                    return Err(malformed("a region's grant slot outside the table"));
-                }
-                if handed.len() >= MAX_REGIONS {
-                    return Err(malformed("too many shm regions"));
-                }
-                if !handed.insert(id) {
-                    return Err(malformed("a region handed over twice"));
-                }
+                let (id, key, region_len, slot) = region_words(body, grants.as_ref(), &mut handed)?;
                 let view = SharedRegionView::map(fd, region_len)
                     .map_err(|source| LinkError::ShmMap { region: id, source })?;
                 regions.insert(
@@ -529,6 +507,31 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
             }
         }
     }
+}
+
+/// A handed-over region's `(id, key, len, grant slot)` (the first 32 bytes of an
+/// `SHM_REGION` or `SHM_CUDA_REGION` body), once its slot lies inside the grant table and
+/// its id is new; `handed` records it.
+fn region_words(
+    words: &[u8],
+    grants: Option<&SharedRegionView>,
+    handed: &mut HashSet<u64>,
+) -> Result<(u64, u64, u64, u64), LinkError> {
+    let malformed = |what| LinkError::ShmMalformed { what };
+    let mut b = Body(words);
+    let mut word = || b.u64().map_err(frame_err);
+    let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
+    let slots = grants.map_or(0, |g| g.len() as u64 / 8);
+    if slot >= slots {
+        return Err(malformed("a region's grant slot outside the table"));
+    }
+    if handed.len() >= MAX_REGIONS {
+        return Err(malformed("too many shm regions"));
+    }
+    if !handed.insert(id) {
+        return Err(malformed("a region handed over twice"));
+    }
+    Ok((id, key, region_len, slot))
 }
 
 impl ShmLink {
