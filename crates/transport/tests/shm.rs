@@ -392,29 +392,38 @@ fn spawn_child(
     Ok((child, out))
 }
 
-#[test]
-fn another_process_on_the_host_reads_over_shm() -> Result<()> {
-    let (mut child, mut out) = spawn_child("child_target_process", CHILD_ENV, &[])?;
+/// Reads a child target's announcement: its `DESC` line's numbers and its `META` line's
+/// metadata (hex), which comes last.
+fn read_announcement(out: &mut impl BufRead) -> Result<(Vec<u64>, Vec<u8>)> {
     let mut desc = None;
-    let mut meta = None;
     let mut line = String::new();
-    while meta.is_none() {
+    loop {
         line.clear();
         ensure!(out.read_line(&mut line)? > 0, "child ended early");
         if let Some(rest) = line.trim().strip_prefix("DESC ") {
-            let mut it = rest.split(' ').map(str::parse::<u64>);
-            desc = Some((it.next().context("id")??, it.next().context("key")??));
+            desc = Some(
+                rest.split(' ')
+                    .map(str::parse::<u64>)
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
         }
         if let Some(hex) = line.trim().strip_prefix("META ") {
-            let bytes: Vec<u8> = (0..hex.len())
+            let meta = (0..hex.len())
                 .step_by(2)
                 .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
                 .collect::<Result<_, _>>()?;
-            meta = Some(bytes);
+            return Ok((desc.context("DESC line")?, meta));
         }
     }
-    let (id, key) = desc.context("DESC line")?;
-    let meta = meta.context("META line")?;
+}
+
+#[test]
+fn another_process_on_the_host_reads_over_shm() -> Result<()> {
+    let (mut child, mut out) = spawn_child("child_target_process", CHILD_ENV, &[])?;
+    let (desc, meta) = read_announcement(&mut out)?;
+    let [id, key] = desc[..] else {
+        bail!("DESC line {desc:?}: want id and key");
+    };
     let d = agent("d", BackendChoice::Auto, Some(b"tok"));
     let dst = Arc::new(HostRegion::new(6 << 20)?);
     let dst_id = RegionId(d.register(dst.clone())?.id);
@@ -1053,30 +1062,10 @@ fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
         CUDA_CHILD_ENV,
         &["--include-ignored"],
     )?;
-    let mut descs = None;
-    let mut meta = None;
-    let mut line = String::new();
-    while meta.is_none() {
-        line.clear();
-        ensure!(out.read_line(&mut line)? > 0, "child ended early");
-        if let Some(rest) = line.trim().strip_prefix("DESC ") {
-            let v = rest
-                .split(' ')
-                .map(str::parse::<u64>)
-                .collect::<Result<Vec<_>, _>>()?;
-            ensure!(v.len() == 4, "DESC line {rest}");
-            descs = Some((v[0], v[1], v[2], v[3]));
-        }
-        if let Some(hex) = line.trim().strip_prefix("META ") {
-            let bytes: Vec<u8> = (0..hex.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
-                .collect::<Result<_, _>>()?;
-            meta = Some(bytes);
-        }
-    }
-    let (id, key, fence_id, fence_key) = descs.context("DESC line")?;
-    let meta = meta.context("META line")?;
+    let (desc, meta) = read_announcement(&mut out)?;
+    let [id, key, fence_id, fence_key] = desc[..] else {
+        bail!("DESC line {desc:?}: want 4 numbers");
+    };
     let src = RegionDesc {
         id,
         key,
