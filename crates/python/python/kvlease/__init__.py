@@ -45,6 +45,7 @@ from ._kvlease import (
     encode_heartbeats,
     side_channel_fetch,
 )
+from . import errors
 from .errors import (
     AdmitError,
     AuthError,
@@ -92,19 +93,5 @@ __all__ = [
     "side_channel_fetch",
     "decode_notif",
     "encode_heartbeats",
-    "KvleaseError",
-    "InvalidArgument",
-    "ConfigError",
-    "RegisterError",
-    "ConnectError",
-    "AuthError",
-    "TransferError",
-    "StaleFenceError",
-    "TransferTimeout",
-    "NotifError",
-    "PrefillError",
-    "AdmitError",
-    "LoadError",
-    "SideChannelError",
-    "ClosedError",
 ]
+__all__ += errors.__all__
