@@ -206,19 +206,7 @@ fn accept_loop(
     grants: &Arc<Grants>,
     listener: &UnixListener,
 ) {
-    for stream in listener.incoming() {
-        if inner.shutdown.load(Ordering::SeqCst) {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(err) => {
-                tracing::warn!(%err, "shm accept failed");
-                // Out of descriptors and similar: back off instead of spinning.
-                std::thread::sleep(std::time::Duration::from_millis(10));
-                continue;
-            }
-        };
+    for stream in crate::tcp::server::accepted(listener.incoming(), &inner.shutdown, "shm") {
         let id = conns.next.fetch_add(1, Ordering::Relaxed);
         {
             let mut open = lock(&conns.open);

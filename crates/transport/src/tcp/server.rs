@@ -4,7 +4,7 @@ use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -25,20 +25,29 @@ pub(crate) fn spawn_listener(
         .spawn(move || accept_loop(&inner, &listener))
 }
 
+/// The streams an accept loop serves (TCP here, the shm backend's Unix socket): each one
+/// accepted until the agent shuts down (checked after every accept, which the shutdown
+/// wakes). A failed accept (out of descriptors and similar) is logged and retried after
+/// 10 ms instead of spinning.
+pub(crate) fn accepted<S>(
+    incoming: impl Iterator<Item = io::Result<S>>,
+    shutdown: &AtomicBool,
+    socket: &'static str,
+) -> impl Iterator<Item = S> {
+    incoming
+        .take_while(|_| !shutdown.load(Ordering::SeqCst))
+        .filter_map(move |stream| {
+            stream
+                .inspect_err(|err| {
+                    tracing::warn!(%err, socket, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                })
+                .ok()
+        })
+}
+
 fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
-    for stream in listener.incoming() {
-        if inner.shutdown.load(Ordering::SeqCst) {
-            break;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(err) => {
-                tracing::warn!(%err, "accept failed");
-                // Out of descriptors and similar: back off instead of spinning.
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
+    for stream in accepted(listener.incoming(), &inner.shutdown, "tcp") {
         if lock(&inner.inbound).len() + inner.tcp_notifs.len()
             >= inner.limits.max_inbound_connections
         {
