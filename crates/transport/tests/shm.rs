@@ -305,21 +305,8 @@ fn the_descriptors_are_never_handed_to_an_unauthenticated_peer() -> Result<()> {
         Err(ConnectError::AuthRejected { .. })
     ));
     // A raw client on the Unix socket with a forged proof gets a refusal and no fd.
-    let meta = decode_metadata(&p.metadata())?;
-    let socket = meta.backends["shm"]["socket"]
-        .as_str()
-        .context("socket name")?
-        .to_owned();
     let failures = p.stats().auth_failures;
-    let mut s = UnixStream::connect_addr(&UnixAddr::from_abstract_name(socket.as_bytes())?)?;
-    s.set_read_timeout(Some(LIMIT))?;
-    let mut hello = Vec::new();
-    hello.extend_from_slice(&1u16.to_le_bytes());
-    hello.extend_from_slice(&0u16.to_le_bytes());
-    hello.extend_from_slice(&[7; 32]);
-    hello.extend_from_slice(&1u16.to_le_bytes());
-    hello.push(b'x');
-    s.write_all(&frame(1, &hello))?;
+    let mut s = raw_hello(&p, "x")?;
     let mut header = [0u8; 5];
     s.read_exact(&mut header)?;
     ensure!(header[0] == 2, "expected CHALLENGE, got type {}", header[0]);
@@ -626,14 +613,9 @@ fn a_batch_notification_comes_after_its_data_and_keeps_its_order() -> Result<()>
     Ok(())
 }
 
-/// A raw client on P's shm socket (no token), as a malicious peer would run it: the
-/// handshake, then every frame with its descriptors until `SHM_END`. Returns the socket
-/// (kept open: P keeps the ring while it is), the ring's file with its capacity and
-/// largest record, and the regions' files.
-fn raw_shm_client(
-    p: &Agent,
-    name: &str,
-) -> Result<(UnixStream, std::fs::File, u64, u64, Vec<std::fs::File>)> {
+/// A raw connection to P's shm socket (named in its metadata) that has sent `HELLO` as
+/// `name`, with a fixed nonce.
+fn raw_hello(p: &Agent, name: &str) -> Result<UnixStream> {
     let meta = decode_metadata(&p.metadata())?;
     let socket = meta.backends["shm"]["socket"]
         .as_str()
@@ -645,9 +627,21 @@ fn raw_shm_client(
     hello.extend_from_slice(&1u16.to_le_bytes());
     hello.extend_from_slice(&0u16.to_le_bytes());
     hello.extend_from_slice(&[7; 32]);
-    hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    hello.extend_from_slice(&u16::try_from(name.len())?.to_le_bytes());
     hello.extend_from_slice(name.as_bytes());
     s.write_all(&frame(1, &hello))?;
+    Ok(s)
+}
+
+/// A raw client on P's shm socket (no token), as a malicious peer would run it: the
+/// handshake, then every frame with its descriptors until `SHM_END`. Returns the socket
+/// (kept open: P keeps the ring while it is), the ring's file with its capacity and
+/// largest record, and the regions' files.
+fn raw_shm_client(
+    p: &Agent,
+    name: &str,
+) -> Result<(UnixStream, std::fs::File, u64, u64, Vec<std::fs::File>)> {
+    let mut s = raw_hello(p, name)?;
     let mut header = [0u8; 5];
     s.read_exact(&mut header)?;
     let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
