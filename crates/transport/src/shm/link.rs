@@ -455,7 +455,7 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
             }
             #[cfg(not(feature = "cuda"))]
             {
-                let _ = (key, region_len, handle);
+                let _ = (key, region_len, slot, handle);
                 tracing::debug!(
                     peer,
                     region = id,
