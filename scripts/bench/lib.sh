@@ -10,6 +10,8 @@
 #   ratio A B / fmax A B      A / B (2 decimals) / the larger; nan where an input is missing
 #   nixl_venv / mooncake_venv make the peer's venv unless it already imports the peer
 #                             ($NIXL_VENV, $MOONCAKE_VENV); fail (reason on stderr) if that fails
+#   nixl_run MODE SECS ENV... one nixl_pair.py target and initiator under `env ENV...`; prints
+#                             the initiator's lines (keys nixl_MODE_*); needs nixl_ok=1
 
 NIXL_VENV=${KVLEASE_NIXL_VENV:-/var/tmp/kvlease-nixl-venv}
 MOONCAKE_VENV=${KVLEASE_MOONCAKE_VENV:-/var/tmp/kvlease-mooncake-venv}
@@ -115,4 +117,20 @@ make_venv() {
 nixl_venv() { make_venv "$NIXL_VENV" "nixl._api, numpy" --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy; }
 mooncake_venv() {
   make_venv "$MOONCAKE_VENV" "mooncake.engine, numpy" mooncake-transfer-engine-non-cuda==0.3.13.post1 numpy
+}
+
+nixl_run() {
+  local mode=$1 seconds=$2 port target rc=0
+  shift 2
+  [ "${nixl_ok:-0}" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
+  port=$(free_port)
+  env "$@" timeout 120 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
+    --mode target --port "$port" >"$BENCH_TMP/nixl-$mode-target.log" 2>&1 &
+  target=$!
+  wait_listen "$port" 60 || { echo "NIXL target did not listen on $port" >&2; kill "$target" 2>/dev/null; return 1; }
+  env "$@" timeout 110 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator \
+    --port "$port" --seconds "$seconds" --prefix "nixl_$mode" || rc=$?
+  [ "$rc" = 0 ] || kill "$target" 2>/dev/null
+  wait "$target" || { echo "NIXL target:" >&2; tail -n 3 "$BENCH_TMP/nixl-$mode-target.log" >&2; }
+  return "$rc"
 }

@@ -32,23 +32,10 @@ ours() { # BACKEND: prints the median RTT, or fails
   sed -n 's/^notif_rtt_us=//p' <<<"$o" | grep .
 }
 nixl() { # MODE ENV...: prints the median RTT, or fails
-  local mode=$1 port target rc=0 o
-  shift
-  [ "$nixl_ok" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
-  port=$(free_port)
-  env "$@" timeout 60 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
-    --mode target --port "$port" >/dev/null 2>&1 &
-  target=$!
-  if wait_listen "$port" 40; then
-    o=$(env "$@" timeout 55 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
-      --mode initiator --port "$port" --seconds 0.1 2>"$BENCH_TMP/nixl.err") || rc=1
-  else
-    echo "NIXL target did not listen" >&2
-    rc=1
-  fi
-  [ "$rc" = 0 ] || { kill "$target" 2>/dev/null; tail -n 3 "$BENCH_TMP/nixl.err" >&2; }
-  wait "$target" || true
-  [ "$rc" = 0 ] && sed -n 's/^nixl_notif_rtt_us=//p' <<<"$o" | grep .
+  local o
+  o=$(nixl_run "$1" 0.1 "${@:2}" 2>"$BENCH_TMP/nixl.err") \
+    || { tail -n 3 "$BENCH_TMP/nixl.err" >&2; return 1; }
+  sed -n "s/^nixl_$1_notif_rtt_us=//p" <<<"$o" | grep .
 }
 one() { # LABEL CMD...: the figure, or nan with the reason on stderr
   local v

@@ -61,19 +61,7 @@ ours_tcp() {
   grep -q '^read_64k_x64_gbps=' <<<"$o" || sed -n 's/^read_gbps_64k_x64=/read_64k_x64_gbps=/p' <<<"$o"
 }
 nixl() { # MODE(shm|tcp) ENV...
-  local mode=$1 port rc=0
-  shift
-  [ "$nixl_ok" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
-  port=$(free_port)
-  env "$@" timeout 120 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
-    --mode target --port "$port" >"$BENCH_TMP/nixl-$mode-target.log" 2>&1 &
-  local target=$!
-  wait_listen "$port" 60 || { echo "NIXL target did not listen on $port" >&2; kill "$target" 2>/dev/null; return 1; }
-  env "$@" timeout 110 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator \
-    --port "$port" --seconds "$PS" --prefix "nixl_$mode" || rc=$?
-  [ "$rc" = 0 ] || kill "$target" 2>/dev/null
-  wait "$target" || { echo "NIXL target:" >&2; tail -n 3 "$BENCH_TMP/nixl-$mode-target.log" >&2; }
-  return "$rc"
+  nixl_run "$1" "$PS" "${@:2}"
 }
 mooncake() {
   [ "$mooncake_ok" = 1 ] || { echo "no Mooncake venv" >&2; return 1; }
