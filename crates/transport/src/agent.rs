@@ -226,7 +226,7 @@ pub(crate) struct Registered {
 /// arrival.
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
-    pub(crate) groups: Vec<(PeerName, Vec<Vec<u8>>)>,
+    pub(crate) groups: crate::notify::Groups,
     pub(crate) count: usize,
     /// Bytes of the bodies in `groups` (bounded by `limits.max_pending_notif_bytes`).
     pub(crate) bytes: usize,
@@ -335,10 +335,7 @@ impl Inner {
         inbox.count += 1;
         inbox.bytes += bytes.len();
         self.inbox_len.store(inbox.count, Ordering::Release);
-        match inbox.groups.iter_mut().find(|(name, _)| name == from) {
-            Some((_, msgs)) => msgs.push(bytes),
-            None => inbox.groups.push((from.to_owned(), vec![bytes])),
-        }
+        crate::notify::push_grouped(&mut inbox.groups, from, bytes);
         drop(inbox);
         bump(&self.counters.notifs_received);
     }

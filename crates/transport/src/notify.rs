@@ -76,7 +76,7 @@ impl NotifSources {
     }
 }
 
-/// Where a link sends its notifications instead of its first TCP connection.
+/// Where a link sends its notifications instead of its TCP notification connection.
 pub(crate) trait NotifSink: Send + Sync + fmt::Debug {
     /// Hands `bytes` (at most `limits.max_notif_len`, checked by the caller) to the peer.
     /// May wait a bounded time for room; never indefinitely.

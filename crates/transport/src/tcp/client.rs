@@ -154,7 +154,7 @@ pub(crate) struct TcpLink {
     notif: Arc<NotifSender>,
     next_conn: AtomicUsize,
     next_req: AtomicU64,
-    /// Carries this link's notifications instead of its first connection, once set (the
+    /// Carries this link's notifications instead of its notification connection, once set (the
     /// shared-memory link's ring: the notifications of batches it hands to TCP take the
     /// same path as its others, so they stay in order).
     notif_sink: OnceLock<Arc<dyn NotifSink>>,

@@ -212,11 +212,7 @@ impl NotifHub {
         let s = &mut *guard;
         if s.conns.len() <= DIRECT_READ_MAX {
             for (token, c) in &mut s.conns {
-                c.readable = true;
-                if !c.hot {
-                    c.hot = true;
-                    s.hot.push(*token);
-                }
+                c.wake(*token, &mut s.hot);
             }
         } else {
             match s.poll.poll(&mut s.events, Some(Duration::ZERO)) {
@@ -224,11 +220,7 @@ impl NotifHub {
                     for event in &s.events {
                         let token = event.token();
                         if let Some(c) = s.conns.get_mut(&token) {
-                            c.readable = true;
-                            if !c.hot {
-                                c.hot = true;
-                                s.hot.push(token);
-                            }
+                            c.wake(token, &mut s.hot);
                         }
                     }
                 }
@@ -284,6 +276,16 @@ impl NotifHub {
 }
 
 impl Source {
+    /// Marks the connection readable and, unless it already is, hot (listed in `hot`
+    /// under its `token`).
+    fn wake(&mut self, token: Token, hot: &mut Vec<Token>) {
+        self.readable = true;
+        if !self.hot {
+            self.hot = true;
+            hot.push(token);
+        }
+    }
+
     /// Delivers the whole frames received, reading the socket until it is drained or the
     /// inbox is full.
     fn service(&mut self, inner: &Inner, max_body: usize) -> Result<Serviced, End> {
@@ -537,10 +539,7 @@ impl NotifSender {
 
     fn fail(&self, q: &mut SendQueue, err: &io::Error) -> TransferError {
         tracing::debug!(peer = %self.peer, %err, "notification connection write failed; closed");
-        q.closed = true;
-        q.bytes = Vec::new();
-        q.start = 0;
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.shut(q);
         self.disconnected(format!("notification connection: {err}"))
     }
 
@@ -558,7 +557,11 @@ impl NotifSender {
 
     /// Closes the connection; queued notifications are dropped.
     pub(crate) fn close(&self) {
-        let mut q = lock(&self.queue);
+        self.shut(&mut lock(&self.queue));
+    }
+
+    /// Marks the queue closed, drops what it holds and shuts the socket down.
+    fn shut(&self, q: &mut SendQueue) {
         q.closed = true;
         q.bytes = Vec::new();
         q.start = 0;
