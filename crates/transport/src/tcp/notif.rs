@@ -230,9 +230,9 @@ impl NotifHub {
             }
         }
         let max_body = inner.limits.max_notif_len;
-        let mut stalled = false;
+        let mut stalled = None;
         for token in std::mem::take(&mut s.hot) {
-            if stalled {
+            if stalled.is_some() {
                 // Left for the next poll, in the same order.
                 s.hot.push(token);
                 continue;
@@ -242,10 +242,7 @@ impl NotifHub {
             };
             match c.service(inner, max_body) {
                 Ok(Serviced::Idle) => c.hot = false,
-                Ok(Serviced::Stalled) => {
-                    stalled = true;
-                    s.hot.push(token);
-                }
+                Ok(Serviced::Stalled) => stalled = Some(token),
                 Err(end) => {
                     if let Some(mut c) = s.conns.remove(&token) {
                         c.close(inner, end, s.poll.registry());
@@ -253,6 +250,10 @@ impl NotifHub {
                 }
             }
         }
+        // The connection that filled the inbox goes after those left unread, so that a
+        // peer sending more than the inbox holds between two polls cannot starve the
+        // others (each connection keeps its own order).
+        s.hot.extend(stalled);
         self.count.store(s.conns.len(), Ordering::Release);
     }
 
