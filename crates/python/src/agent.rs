@@ -522,7 +522,8 @@ impl Agent {
         let deadline = timeout
             .map(|t| seconds(py, "timeout", t))
             .transpose()?
-            .map(|t| Instant::now() + t);
+            // A timeout past what `Instant` can hold is no deadline.
+            .and_then(|t| Instant::now().checked_add(t));
         let ids: Vec<transport::BatchId> = batches.iter().map(|b| b.get().id).collect();
         let statuses = py
             .detach(|| wait_all(&agent, &ids, deadline))

@@ -415,24 +415,17 @@ pub(crate) fn side_channel_fetch<'py>(
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| invalid(py, "timeout must be positive"))?;
-    let addr = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| {
-            raise(
-                py,
-                Family::SideChannel,
-                format!("resolving {host}:{port}: {e}"),
-            )
-        })?
-        .next()
-        .ok_or_else(|| {
-            raise(
-                py,
-                Family::SideChannel,
-                format!("{host}:{port} resolves to nothing"),
-            )
-        })?;
-    let result = py.detach(|| fetch(addr, token.as_deref(), timeout));
+    // Name resolution may block too: it runs without the GIL, with the fetch.
+    let (addr, result) = py
+        .detach(|| {
+            let addr = (host, port)
+                .to_socket_addrs()
+                .map_err(|e| format!("resolving {host}:{port}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("{host}:{port} resolves to nothing"))?;
+            Ok((addr, fetch(addr, token.as_deref(), timeout)))
+        })
+        .map_err(|message: String| raise(py, Family::SideChannel, message))?;
     match result {
         Ok(payload) => Ok(PyBytes::new(py, &payload)),
         Err(e) if e.is_auth() => Err(raise(

@@ -249,6 +249,9 @@ def test_bad_arguments_raise_typed_exceptions():
         with pytest.raises(kvlease.InvalidArgument):
             peer.region(10_000)
         remote = peer.region(src.id)
+        # A timeout past what the clock can hold waits without a deadline (no panic).
+        (waited,) = b.wait([b.post_read(peer, [(dst, 0, remote, 0, 8)])], timeout=1e19)
+        assert waited is not None
         with pytest.raises(kvlease.TransferError):
             b.read(peer, [(dst, 0, remote, 32, 64)])  # past the end of P's region
         with pytest.raises(kvlease.TransferError):
@@ -309,6 +312,8 @@ def test_bad_arguments_raise_typed_exceptions():
             kvlease.side_channel_fetch("127.0.0.1", server.port, token=b"wrong")
         with pytest.raises(kvlease.AuthError):
             kvlease.side_channel_fetch("127.0.0.1", server.port)
+        with pytest.raises(kvlease.SideChannelError):
+            kvlease.side_channel_fetch("no-such-host.invalid", server.port, token=TOKEN)
         assert server.stats()["served"] == 1
     finally:
         server.close()
