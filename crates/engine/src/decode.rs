@@ -228,11 +228,8 @@ impl DecodeCore {
                 needed: need,
                 pool: self.config.num_blocks,
             })
-        } else if remote.tp_size == 0 || !self.config.num_kv_heads.is_multiple_of(remote.tp_size) {
-            Some(AdmitError::TpSize {
-                p_tp: remote.tp_size,
-                heads: self.config.num_kv_heads,
-            })
+        } else if let Some(e) = self.tp_misfit(remote.tp_size) {
+            Some(e)
         } else if let Some(Remote::Ready(p)) = self.remotes.get(&remote.engine)
             && let Some(b) = remote.blocks.iter().find(|b| b.0 >= p.num_blocks)
         {
@@ -294,6 +291,12 @@ impl DecodeCore {
         engine: &EngineId,
         result: Result<RemoteEngine, (bool, Cause)>,
     ) {
+        // P's answer is peer input: a TP size that does not split the heads (0 planned no
+        // batch at all, and the load never ended) fails the handshake.
+        let result = result.and_then(|info| match self.tp_misfit(info.tp_size) {
+            Some(e) => Err((false, Arc::new(e) as Cause)),
+            None => Ok(info),
+        });
         match result {
             Ok(info) => {
                 self.remotes.insert(engine.clone(), Remote::Ready(info));
@@ -701,6 +704,16 @@ impl DecodeCore {
     }
 
     // ------------------------------------------------------------------ internals
+
+    /// Why P's TP size `p_tp` cannot split this model's heads (`None`: it can).
+    fn tp_misfit(&self, p_tp: u32) -> Option<AdmitError> {
+        (p_tp == 0 || !self.config.num_kv_heads.is_multiple_of(p_tp)).then_some(
+            AdmitError::TpSize {
+                p_tp,
+                heads: self.config.num_kv_heads,
+            },
+        )
+    }
 
     /// The heads of D worker `rank`.
     fn heads_of(&self, tp: u32, rank: u32) -> Range<u32> {

@@ -279,6 +279,27 @@ fn a_failed_handshake_fails_its_requests_and_the_next_one_retries() {
 }
 
 #[test]
+fn a_handshake_whose_tp_size_cannot_split_the_heads_fails_like_a_refused_one() {
+    for bad_tp in [0, 3, u32::MAX] {
+        let mut c = core();
+        c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
+            .unwrap();
+        c.poll_handshake().unwrap();
+        c.handle_handshake(at(1), &engine("p"), Ok(RemoteEngine::new(bad_tp, 64)));
+        assert!(c.poll_load().is_none(), "tp {bad_tp}");
+        let f = finished(&mut c);
+        assert!(
+            matches!(&f[..], [(_, Outcome::Failed(LoadError::Handshake { .. }))]),
+            "tp {bad_tp}: {f:?}"
+        );
+        assert!(c.is_idle());
+        c.on_new_request(at(2), id("b"), 16, remote("rb", 2, 1))
+            .unwrap();
+        assert!(c.poll_handshake().is_some(), "tp {bad_tp}");
+    }
+}
+
+#[test]
 fn a_lost_engine_fails_waiting_requests_and_handshakes_again() {
     let mut c = core();
     c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1))
