@@ -638,9 +638,13 @@ impl TcpLink {
     }
 
     /// Sends this link's notifications through `sink` from now on (the shared-memory
-    /// link routes them into its ring).
+    /// link routes them into its ring). The notification connection then carries nothing
+    /// more: it is closed, so that the peer's `get_new_notifs` stops reading it (a system
+    /// call per poll) and it frees one of the peer's inbound connection slots.
     pub(crate) fn route_notifs(&self, sink: Arc<dyn NotifSink>) {
-        let _ = self.notif_sink.set(sink);
+        if self.notif_sink.set(sink).is_ok() {
+            self.notif.close();
+        }
     }
 
     /// The notification connection carries notifications (one queue per link, so they
