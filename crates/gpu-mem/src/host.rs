@@ -108,9 +108,11 @@ pub(crate) struct Mapping {
 unsafe impl Send for Mapping {}
 // SAFETY: `&Mapping` only yields the address. Every access to the bytes goes through raw
 // pointers under the owner's rules: `HostRegion`'s `DmaRegion` contract (bounds-checked
-// copies, atomic words, the `unsafe` slice lenders with their own `# Safety`), or
-// `SharedRegionView`'s read-only copies and atomic loads. No `&`/`&mut` to the bytes is
-// tied to a shared `&Mapping`.
+// copies, atomic words, the `unsafe` slice lenders with their own `# Safety`),
+// `SharedRegionView`'s read-only copies and atomic loads, or the notification ring's
+// (`ring.rs`) bounds-checked copies. No `&`/`&mut` to the bytes is tied to a shared
+// `&Mapping`, except the ring's `&AtomicU64` to its header's index words, which are `Sync`
+// and only ever accessed atomically in this process.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
