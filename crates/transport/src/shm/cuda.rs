@@ -51,16 +51,10 @@ pub(super) fn hand_over(
 
 /// A `SHM_CUDA_REGION` frame.
 fn frame(desc: &RegionDesc, slot: u64, handle: &IpcHandle) -> Vec<u8> {
-    let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_CUDA_REGION_LEN);
-    f.extend_from_slice(&wire::header(
-        wire::SHM_CUDA_REGION,
-        wire::SHM_CUDA_REGION_LEN,
-    ));
-    for v in [desc.id, desc.key, desc.len, slot] {
-        f.extend_from_slice(&v.to_le_bytes());
-    }
-    f.extend_from_slice(&handle.to_bytes());
-    f
+    let mut body = Vec::with_capacity(wire::SHM_CUDA_REGION_LEN);
+    body.extend_from_slice(&super::region_body(desc, slot));
+    body.extend_from_slice(&handle.to_bytes());
+    wire::frame(wire::SHM_CUDA_REGION, &body)
 }
 
 /// D's side: parses the handle of the peer's region `region` of `len` bytes and opens

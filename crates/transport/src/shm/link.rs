@@ -440,7 +440,7 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
             if !fds.is_empty() {
                 return Err(malformed("an SHM_CUDA_REGION frame with a descriptor"));
             }
-            let (words, handle) = body.split_at(32);
+            let (words, handle) = body.split_at(wire::SHM_REGION_LEN);
             let (id, key, region_len, slot) = region_words(words, grants.as_ref(), &mut handed)?;
             #[cfg(feature = "cuda")]
             if let Some(mapping) = super::cuda::open(peer, id, region_len, handle)? {

@@ -144,6 +144,22 @@ fn ring_shape(max_notif_len: usize) -> (usize, usize) {
     )
 }
 
+/// The first 32 bytes of an `SHM_REGION` or `SHM_CUDA_REGION` body: id, key, length and
+/// grant slot (D parses them with `link::region_words`).
+fn region_body(
+    desc: &crate::metadata::RegionDesc,
+    slot: u64,
+) -> [u8; crate::tcp::wire::SHM_REGION_LEN] {
+    let mut body = [0u8; crate::tcp::wire::SHM_REGION_LEN];
+    for (word, v) in body
+        .chunks_exact_mut(8)
+        .zip([desc.id, desc.key, desc.len, slot])
+    {
+        word.copy_from_slice(&v.to_le_bytes());
+    }
+    body
+}
+
 /// This host's identity for shared memory: boot id and network namespace, or `None`
 /// where `/proc` does not say.
 pub(crate) fn host_identity() -> Option<String> {

@@ -293,20 +293,17 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
             "the grant table is not shareable",
         )));
     };
-    let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_GRANTS_LEN);
-    f.extend_from_slice(&wire::header(wire::SHM_GRANTS, wire::SHM_GRANTS_LEN));
-    f.extend_from_slice(&(grants.table.len() as u64).to_le_bytes());
+    let f = wire::frame(wire::SHM_GRANTS, &(grants.table.len() as u64).to_le_bytes());
     send_with_fds(s.as_fd(), &f, &[table_fd])?;
     // The ring before the regions: D may notify as soon as it has seen `SHM_END`.
     let (capacity, max_record) = ring_shape(inner.limits.max_notif_len);
     let closed = Arc::new(AtomicBool::new(false));
     match RingReader::new(capacity, max_record) {
         Ok(ring) => {
-            let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_RING_LEN);
-            f.extend_from_slice(&wire::header(wire::SHM_RING, wire::SHM_RING_LEN));
-            f.extend_from_slice(&(capacity as u64).to_le_bytes());
-            f.extend_from_slice(&(max_record as u64).to_le_bytes());
-            send_with_fds(s.as_fd(), &f, &[ring.fd()])?;
+            let mut body = [0u8; wire::SHM_RING_LEN];
+            body[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
+            body[8..].copy_from_slice(&(max_record as u64).to_le_bytes());
+            send_with_fds(s.as_fd(), &wire::frame(wire::SHM_RING, &body), &[ring.fd()])?;
             inner.notif_sources.add(Box::new(RingSource {
                 peer: client_name.clone(),
                 ring,
@@ -322,35 +319,27 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     // Snapshot the granted regions; the descriptors are sent without the lock held. A
     // region deregistered meanwhile has its slot cleared (or reused for another id): D
     // refuses to read it.
-    let regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
+    // Only shareable regions hold a grant slot (`Server::grant`): memfd-backed host memory
+    // and, with the `cuda` feature, device memory.
+    #[allow(unused_mut, reason = "only the cuda build splits off device regions")]
+    let mut regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
         .regions
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .values()
-        .filter(|r| r.region.kind().is_host_accessible() && r.region.shared_fd().is_some())
         .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
         .take(MAX_REGIONS)
         .collect();
     #[cfg(feature = "cuda")]
-    let devices: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
-        .regions
-        .read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .values()
-        .filter(|r| super::cuda::is_device(r.region.kind()))
-        .filter_map(|r| Some((r.region.clone(), r.desc, grants.slot_of(r.desc.id)?)))
-        .take(MAX_REGIONS)
+    let devices: Vec<_> = regions
+        .extract_if(.., |(region, ..)| super::cuda::is_device(region.kind()))
         .collect();
     let handed = (|| -> Result<(), FrameError> {
         for (region, desc, slot) in &regions {
             let Some(fd) = region.shared_fd() else {
                 continue;
             };
-            let mut f = Vec::with_capacity(wire::HEADER_LEN + wire::SHM_REGION_LEN);
-            f.extend_from_slice(&wire::header(wire::SHM_REGION, wire::SHM_REGION_LEN));
-            for v in [desc.id, desc.key, desc.len, *slot] {
-                f.extend_from_slice(&v.to_le_bytes());
-            }
+            let f = wire::frame(wire::SHM_REGION, &super::region_body(desc, *slot));
             send_with_fds(s.as_fd(), &f, &[fd])?;
         }
         // Held until D closes the socket: D may read the device memory until then.
