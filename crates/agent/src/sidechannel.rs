@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use kvlease_transport::deadline::Deadlined;
 use prometheus_client::metrics::counter::Counter;
 
 use hmac::{Hmac, Mac};
@@ -233,45 +234,6 @@ fn read_frame(s: &mut impl Read, max: usize) -> io::Result<Frame> {
     serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
-/// A server socket whose every read and write ends by one absolute deadline.
-struct Deadlined {
-    stream: TcpStream,
-    deadline: Instant,
-}
-
-impl Deadlined {
-    fn left(&self) -> io::Result<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "handshake deadline passed",
-            ));
-        }
-        Ok(left)
-    }
-}
-
-impl Read for Deadlined {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
-}
-
-impl Write for Deadlined {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let left = self.left()?;
-        self.stream.set_write_timeout(Some(left))?;
-        self.stream.write(buf)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.stream.flush()
-    }
-}
-
 /// Holds one of the server's connection slots; frees it when dropped.
 struct Slot(Arc<AtomicUsize>);
 
@@ -372,10 +334,7 @@ impl Server {
                         .spawn(move || {
                             let _slot = slot;
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                            let s = Deadlined {
-                                stream: conn,
-                                deadline: accepted + this.limits.handshake_timeout,
-                            };
+                            let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
                             if let Err(e) = this.serve(s) {
                                 tracing::warn!(%peer, error = %e, "side-channel handshake failed");
                             }
@@ -389,7 +348,7 @@ impl Server {
     }
 
     fn serve(&self, mut s: Deadlined) -> io::Result<()> {
-        s.stream.set_nodelay(true)?;
+        s.get_ref().set_nodelay(true)?;
         let max = self.limits.max_frame;
         let Frame::Hello(hello) = read_frame(&mut s, max)? else {
             return write_frame(

@@ -24,6 +24,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use hmac::{Hmac, Mac};
+use kvlease_transport::deadline::Deadlined;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use sha2::Sha256;
@@ -36,6 +37,8 @@ const NONCE: usize = 32;
 const MAX_PREAUTH_FRAME: usize = 1024;
 /// Largest payload a client accepts.
 const MAX_PAYLOAD: usize = 64 << 20;
+/// Longest handshake or fetch timeout (a deadline past what `Instant` holds would panic).
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// How often the accept loop checks for `close()`.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
@@ -83,7 +86,7 @@ fn verify(token: &[u8], label: &[u8], first: &[u8], second: &[u8], got: &[u8]) -
     mac.verify_slice(got).is_ok()
 }
 
-fn write_frame(s: &mut TcpStream, body: &[u8]) -> io::Result<()> {
+fn write_frame(s: &mut impl Write, body: &[u8]) -> io::Result<()> {
     let len =
         u32::try_from(body.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut buf = Vec::with_capacity(4 + body.len());
@@ -92,7 +95,7 @@ fn write_frame(s: &mut TcpStream, body: &[u8]) -> io::Result<()> {
     s.write_all(&buf)
 }
 
-fn read_frame(s: &mut TcpStream, max: usize) -> Result<Vec<u8>, SideChannelError> {
+fn read_frame(s: &mut impl Read, max: usize) -> Result<Vec<u8>, SideChannelError> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_be_bytes(len) as usize;
@@ -120,10 +123,10 @@ fn fetch(
     token: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<Vec<u8>, SideChannelError> {
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
-    s.set_nodelay(true)?;
+    // The whole exchange, connect included, ends by one deadline.
+    let deadline = Instant::now() + timeout;
+    let mut s = Deadlined::new(TcpStream::connect_timeout(&addr, timeout)?, deadline);
+    s.get_ref().set_nodelay(true)?;
     let mine = nonce()?;
     let mut hello = MAGIC.to_vec();
     hello.extend_from_slice(&mine);
@@ -172,7 +175,7 @@ struct Shared {
 }
 
 /// The server's half of one handshake.
-fn serve(shared: &Shared, mut s: TcpStream) -> Result<(), SideChannelError> {
+fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), SideChannelError> {
     let hello = read_frame(&mut s, MAX_PREAUTH_FRAME)?;
     let Some(theirs) = hello.strip_prefix(MAGIC.as_slice()) else {
         return Err(SideChannelError::Protocol("bad magic"));
@@ -241,17 +244,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             continue;
         }
         let conn = Arc::clone(shared);
+        let accepted = Instant::now();
         let spawned = std::thread::Builder::new()
             .name("kvlease-sc".into())
             .spawn(move || {
-                let started = Instant::now();
                 let result = (|| {
                     s.set_nonblocking(false)?;
-                    // Every read and write gets at most the time left of the deadline.
-                    let left = conn.deadline.saturating_sub(started.elapsed());
-                    s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-                    s.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
-                    serve(&conn, s)
+                    // The whole handshake, not each read or write, ends by the deadline.
+                    serve(&conn, Deadlined::new(s, accepted + conn.deadline))
                 })();
                 if let Err(e) = result {
                     conn.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -299,8 +299,8 @@ impl SideChannelServer {
             .map_err(|e| invalid(py, format!("listen address {listen:?}: {e}")))?;
         let deadline = Duration::try_from_secs_f64(handshake_timeout)
             .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| invalid(py, "handshake_timeout must be positive"))?;
+            .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+            .ok_or_else(|| invalid(py, "handshake_timeout must be positive, at most a day"))?;
         let listener = TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
@@ -413,8 +413,8 @@ pub(crate) fn side_channel_fetch<'py>(
 ) -> PyResult<Bound<'py, PyBytes>> {
     let timeout = Duration::try_from_secs_f64(timeout)
         .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| invalid(py, "timeout must be positive"))?;
+        .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
+        .ok_or_else(|| invalid(py, "timeout must be positive, at most a day"))?;
     // Name resolution may block too: it runs without the GIL, with the fetch.
     let (addr, result) = py
         .detach(|| {

@@ -14,6 +14,8 @@ import json
 import mmap
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -325,3 +327,31 @@ def test_bad_arguments_raise_typed_exceptions():
         kvlease.AdmitError,
     ):
         assert issubclass(cls, errors.KvleaseError)
+
+
+def test_a_side_channel_handshake_ends_by_its_deadline_while_a_peer_trickles_bytes():
+    server = kvlease.SideChannelServer(
+        b"info", token=TOKEN, listen="127.0.0.1:0", handshake_timeout=0.5
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.settimeout(0.05)
+            s.sendall(struct.pack(">I", 1000))  # a first frame that takes 50 s at this pace
+            started = time.monotonic()
+            closed = False
+            while not closed and time.monotonic() - started < 10:
+                try:
+                    s.sendall(b"K")
+                    closed = s.recv(1) == b""
+                except socket.timeout:
+                    pass
+                except OSError:
+                    closed = True
+            assert closed, "the server kept a trickling handshake open past its deadline"
+            assert time.monotonic() - started < 5
+        deadline = time.monotonic() + PATIENCE
+        while server.stats()["failed"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats()["failed"] == 1 and server.stats()["served"] == 0
+    finally:
+        server.close()

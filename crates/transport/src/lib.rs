@@ -48,6 +48,7 @@
 mod agent;
 mod batch;
 mod config;
+pub mod deadline;
 mod error;
 pub mod metadata;
 mod notify;
