@@ -115,7 +115,7 @@ pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
         core.complete(batch, &copies, copied);
         return;
     }
-    let parts = split(&copies, helpers + 1);
+    let parts = split(&copies, helpers + 1, total);
     let job = Arc::new(Job {
         core: core.clone(),
         batch: batch.clone(),
@@ -135,9 +135,9 @@ pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
     job.run_part(0);
 }
 
-/// Contiguous groups of `copies`, about equal in bytes, at most `n` of them.
-fn split(copies: &[CopyOp], n: usize) -> Vec<Range<usize>> {
-    let total: u64 = copies.iter().map(|c| c.len).sum();
+/// Contiguous groups of `copies` (of `total` bytes), about equal in bytes, at most `n`
+/// of them.
+fn split(copies: &[CopyOp], n: usize, total: u64) -> Vec<Range<usize>> {
     let share = total.div_ceil(n.max(1) as u64);
     let mut parts = Vec::with_capacity(n);
     let mut start = 0;

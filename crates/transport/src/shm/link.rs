@@ -35,6 +35,10 @@ pub(crate) const RING_FULL_WAIT_MS: u64 = 10;
 const RING_FULL_SPINS: u32 = 64;
 /// The sleep between later tries.
 const RING_FULL_SLEEP: Duration = Duration::from_micros(50);
+/// Pushes tried on a full ring before giving up: the spins, then sleeps for about
+/// [`RING_FULL_WAIT_MS`].
+const RING_FULL_TRIES: u64 =
+    RING_FULL_SPINS as u64 + RING_FULL_WAIT_MS * 1000 / RING_FULL_SLEEP.as_micros() as u64;
 
 /// A peer's region mapped into this process.
 #[derive(Debug)]
@@ -115,16 +119,11 @@ struct RingNotifier {
 impl NotifSink for RingNotifier {
     fn send(&self, bytes: &[u8]) -> Result<(), TransferError> {
         let mut ring = lock(&self.ring);
-        let full_tries =
-            RING_FULL_SPINS as u64 + RING_FULL_WAIT_MS * 1000 / RING_FULL_SLEEP.as_micros() as u64;
         let mut tries = 0u64;
-        loop {
-            let err = match ring.try_push(bytes) {
+        let err = loop {
+            match ring.try_push(bytes) {
                 Ok(()) => return Ok(()),
-                Err(e) => e,
-            };
-            return Err(match err {
-                PushError::Full { .. } if tries < full_tries => {
+                Err(PushError::Full { .. }) if tries < RING_FULL_TRIES => {
                     // The lock stays held: later notifications queue behind this one.
                     if tries < u64::from(RING_FULL_SPINS) {
                         std::thread::yield_now();
@@ -132,34 +131,36 @@ impl NotifSink for RingNotifier {
                         std::thread::sleep(RING_FULL_SLEEP);
                     }
                     tries += 1;
-                    continue;
                 }
-                PushError::Full { .. } => {
-                    tracing::warn!(peer = %self.peer, len = bytes.len(), "the peer's notification ring stayed full; notification not sent");
-                    TransferError::NotifRingFull {
-                        peer: self.peer.clone(),
-                        len: bytes.len(),
-                        capacity: ring.capacity(),
-                    }
-                }
-                PushError::TooLarge { len, max } => TransferError::NotifTooLarge {
+                Err(err) => break err,
+            }
+        };
+        Err(match err {
+            PushError::Full { .. } => {
+                tracing::warn!(peer = %self.peer, len = bytes.len(), "the peer's notification ring stayed full; notification not sent");
+                TransferError::NotifRingFull {
                     peer: self.peer.clone(),
-                    len,
-                    max,
-                },
-                PushError::Closed => TransferError::Disconnected {
-                    peer: self.peer.clone(),
-                    reason: "the peer closed its notification ring".into(),
-                },
-                err => {
-                    tracing::warn!(peer = %self.peer, %err, "the peer's notification ring is corrupt");
-                    TransferError::Disconnected {
-                        peer: self.peer.clone(),
-                        reason: "the peer's notification ring is corrupt".into(),
-                    }
+                    len: bytes.len(),
+                    capacity: ring.capacity(),
                 }
-            });
-        }
+            }
+            PushError::TooLarge { len, max } => TransferError::NotifTooLarge {
+                peer: self.peer.clone(),
+                len,
+                max,
+            },
+            PushError::Closed => TransferError::Disconnected {
+                peer: self.peer.clone(),
+                reason: "the peer closed its notification ring".into(),
+            },
+            err => {
+                tracing::warn!(peer = %self.peer, %err, "the peer's notification ring is corrupt");
+                TransferError::Disconnected {
+                    peer: self.peer.clone(),
+                    reason: "the peer's notification ring is corrupt".into(),
+                }
+            }
+        })
     }
 }
 
