@@ -44,6 +44,13 @@ struct Req {
     answered: bool,
 }
 
+impl Req {
+    /// Waiting to be loaded, and not answered.
+    fn is_waiting(&self) -> bool {
+        matches!(self.phase, Phase::Waiting) && !self.answered
+    }
+}
+
 /// Everything a decode engine (D) decides, and nothing it does.
 ///
 /// # Call order (one forward-loop step)
@@ -138,9 +145,7 @@ impl DecodeCore {
 
     /// Whether `request` waits to be scheduled (admitted, not loading, not ended).
     pub fn is_waiting(&self, request: &RequestId) -> bool {
-        self.reqs
-            .get(request)
-            .is_some_and(|r| matches!(r.phase, Phase::Waiting) && !r.answered)
+        self.reqs.get(request).is_some_and(Req::is_waiting)
     }
 
     /// Whether `engine` is handshaken.
@@ -391,7 +396,7 @@ impl DecodeCore {
                     }
                     // In flight: the fence decides (P publishes the free word before it
                     // frees the blocks). Already read: the notice came late.
-                    if matches!(req.phase, Phase::Waiting) && !req.answered {
+                    if req.is_waiting() {
                         failed += 1;
                         let e = LoadError::Expired {
                             request: lease.request,
@@ -582,25 +587,10 @@ impl DecodeCore {
         let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
             return None;
         };
-        let p_tp = p.tp_size;
-        let blocks = self.blocks.alloc(req.remote.blocks.len()).ok()?;
+        let (p_tp, remote) = (p.tp_size, req.remote.clone());
+        let blocks = self.blocks.alloc(remote.blocks.len()).ok()?;
         self.queue.remove(i);
-        let batches = self.plan_batches(&req.remote, p_tp);
-        let plan = LoadPlan {
-            request: id.clone(),
-            blocks: blocks.clone(),
-            remote: req.remote.clone(),
-            skip_blocks: 0,
-            fence_generation: req.remote.generation,
-            batches,
-        };
-        if let Some(req) = self.reqs.get_mut(&id) {
-            req.phase = Phase::Loading {
-                blocks,
-                results: plan.batches.iter().map(|b| (b.p_rank, None)).collect(),
-            };
-        }
-        Some(plan)
+        Some(self.begin_load(id, remote, blocks, 0, p_tp))
     }
 
     /// Blocks the first schedulable request needs beyond those free, or `None` (a shell
@@ -648,12 +638,7 @@ impl DecodeCore {
                 core: self.blocks.source(),
             });
         }
-        if !self.is_waiting(request) {
-            return Err(StartLoadError::NotWaiting {
-                request: request.clone(),
-            });
-        }
-        let Some(req) = self.reqs.get(request) else {
+        let Some(req) = self.reqs.get(request).filter(|r| r.is_waiting()) else {
             return Err(StartLoadError::NotWaiting {
                 request: request.clone(),
             });
@@ -670,24 +655,37 @@ impl DecodeCore {
                 need,
             });
         }
-        let batches = self.plan_batches(&req.remote, p.tp_size);
-        let plan = LoadPlan {
-            request: request.clone(),
-            blocks: blocks.clone(),
-            remote: req.remote.clone(),
-            skip_blocks,
-            fence_generation: req.remote.generation,
-            batches,
-        };
+        let (p_tp, remote) = (p.tp_size, req.remote.clone());
         self.queue.retain(|q| q != request);
         self.blocks.adopt(&blocks);
-        if let Some(req) = self.reqs.get_mut(request) {
+        Ok(self.begin_load(request.clone(), remote, blocks, skip_blocks, p_tp))
+    }
+
+    /// Plans the load of `request` (waiting, for `remote`, its engine ready with TP
+    /// `p_tp`) into `blocks` and moves it to loading.
+    fn begin_load(
+        &mut self,
+        request: RequestId,
+        remote: RemoteKv,
+        blocks: Vec<BlockId>,
+        skip_blocks: usize,
+        p_tp: u32,
+    ) -> LoadPlan {
+        let batches = self.plan_batches(&remote, p_tp);
+        if let Some(req) = self.reqs.get_mut(&request) {
             req.phase = Phase::Loading {
-                blocks,
-                results: plan.batches.iter().map(|b| (b.p_rank, None)).collect(),
+                blocks: blocks.clone(),
+                results: batches.iter().map(|b| (b.p_rank, None)).collect(),
             };
         }
-        Ok(plan)
+        LoadPlan {
+            request,
+            blocks,
+            fence_generation: remote.generation,
+            remote,
+            skip_blocks,
+            batches,
+        }
     }
 
     /// When to call [`poll_transmit`](Self::poll_transmit) next; `None` when nothing is
