@@ -534,6 +534,18 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 request: request.clone(),
             });
         };
+        self.grant(now, request, blocks)
+    }
+
+    /// Grants the lease of `request` over `blocks` (the core's to account for), aborting
+    /// a lease still held under the same id first; the blocks are freed when the table
+    /// refuses.
+    fn grant(
+        &mut self,
+        now: Timestamp,
+        request: &RequestId,
+        blocks: Vec<BlockId>,
+    ) -> Result<Granted, PrefillError> {
         let superseded = self.table.abort(now, request);
         if superseded {
             self.drain_table();
@@ -573,7 +585,6 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     /// [`PrefillError::WrongBlockSource`] for a core with its own pool;
     /// [`PrefillError::EmptyPrompt`] for no blocks; [`PrefillError::PromptTooLong`] and
     /// [`PrefillError::BlockOutOfRange`] for blocks the pool cannot hold;
-    /// [`PrefillError::Duplicate`] when the request is being prefilled;
     /// [`PrefillError::Grant`] when the table refuses. Nothing is held then.
     pub fn handle_prefill_done_in(
         &mut self,
@@ -594,22 +605,20 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 needed: blocks.len(),
                 pool,
             })
-        } else if let Some(b) = blocks.iter().find(|b| b.0 >= pool) {
-            Some(PrefillError::BlockOutOfRange { block: b.0, pool })
-        } else if self.prefilling.contains_key(&request) {
-            Some(PrefillError::Duplicate {
-                request: request.clone(),
-            })
         } else {
-            None
+            // (Nothing is ever being prefilled in an external core: `handle_job` refuses
+            // it, so there is no duplicate to look for.)
+            blocks
+                .iter()
+                .find(|b| b.0 >= pool)
+                .map(|b| PrefillError::BlockOutOfRange { block: b.0, pool })
         };
         if let Some(e) = refused {
             self.stats.refused += 1;
             return Err(e);
         }
         self.blocks.adopt(&blocks);
-        self.prefilling.insert(request.clone(), blocks);
-        self.handle_prefill_done(now, &request)
+        self.grant(now, &request, blocks)
     }
 
     /// The prefill of `request` failed (compute or fill error): its blocks go back. No
