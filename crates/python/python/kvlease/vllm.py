@@ -1074,8 +1074,9 @@ class KvleaseScheduler:
         meta = KvleaseConnectorMetadata()
         if self.decode is not None:
             while (t := self.decode.poll_transmit(now)) is not None:
+                # Counted as sent by D's worker 0, which sends them (vLLM sums the
+                # scheduler's and the workers' stats).
                 meta.transmits.append((t.engine, t.kind, bytes(t.message)))
-                self.counters.add(f"{t.kind}s_sent")
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}
