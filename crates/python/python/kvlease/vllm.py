@@ -1229,9 +1229,11 @@ class KvleaseWorker:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.engine_id = config.engine_id
         host = _ip_of(config.transport_host)
+        # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
+        listen = "0.0.0.0:0" if host in ("0.0.0.0", "::") else _listen_addr(host, 0)
         self.agent = native.Agent(
             _agent_name(self.engine_id, self.rank),
-            listen=f"{host}:0" if host not in ("0.0.0.0", "::") else "0.0.0.0:0",
+            listen=listen,
             token=config.token,
             backend=config.transport,
             handshake_timeout=config.handshake_timeout,
