@@ -349,18 +349,26 @@ def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
             diffs.append(what)
     mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if mine and p_layers:
-        if set(mine) != set(p_layers):
-            only_p = sorted(set(p_layers) - set(mine))[:3]
-            only_d = sorted(set(mine) - set(p_layers))[:3]
-            diffs.append(f"KV cache layers differ (only P: {only_p}, only D: {only_d})")
-        else:
-            bad = [n for n in sorted(mine) if list(p_layers[n]) != list(mine[n])]
-            if bad:
-                diffs.append(
-                    f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
-                    f"P [dtype, shape, order] {list(p_layers[bad[0]])}, D {list(mine[bad[0]])}"
-                )
+        diff = _layer_format_diff(mine, p_layers)
+        if diff is not None:
+            diffs.append(diff)
     return "; ".join(diffs) or None
+
+
+def _layer_format_diff(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """How P's per-layer block formats (layer name -> ``_block_format``) differ from
+    ours, or ``None`` when P holds the same layers, each in the same format."""
+    if set(mine) != set(theirs):
+        only_p = sorted(set(theirs) - set(mine))[:3]
+        only_d = sorted(set(mine) - set(theirs))[:3]
+        return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
+    bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
+    if not bad:
+        return None
+    return (
+        f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
+        f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"
+    )
 
 
 # -------------------------------------------------------------------------- metadata
@@ -1393,19 +1401,17 @@ class KvleaseWorker:
         self._fence_regions[key] = peer.region(int(w["fence_region"]))
         # The same check D's scheduler made at the handshake, per P worker: a batch is
         # never posted from a worker whose blocks are laid out differently.
-        mine = json.loads(json.dumps(self.kv_format))
         theirs = w.get("kv_format")
         if not isinstance(theirs, dict) or not theirs:
             self._remote_incompatible[key] = (
                 f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
             )
         else:
-            bad = [n for n in sorted(mine) if n in theirs and list(theirs[n]) != mine[n]]
+            diff = _layer_format_diff(self.kv_format, theirs)
             self._remote_incompatible[key] = (
-                f"layer {bad[0]}: P's worker {p_rank} stores a block as [dtype, shape, "
-                f"order] {list(theirs[bad[0]])}, ours {mine[bad[0]]}: not KV-compatible"
-                if bad
-                else None
+                None
+                if diff is None
+                else f"worker {p_rank} of {engine} is not KV-compatible: {diff}"
             )
         self._unreachable.pop(key, None)
         self.counters.add("peers_connected")
