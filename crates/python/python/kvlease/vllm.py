@@ -49,9 +49,11 @@ heartbeats due (throttled to ``kv_lease_duration / 6``), aborts, the read plans 
 engine info go to the workers in ``KvleaseConnectorMetadata``; D's worker 0 sends the
 heartbeats and aborts to P's worker 0, every worker posts its fenced batches, with the
 read-completion as the batch's notification (sent only when the fence matched). Each
-batch's result comes back through ``KvleaseWorkerMetadata.batches`` and the request is
-reported ``finished_recving`` (with its blocks in ``get_block_ids_with_load_errors``
-when a batch failed or was stale).
+batch's result comes back through ``KvleaseWorkerMetadata.batches`` in the step it ended
+and goes to the core at once (with TP > 1, vLLM reports the request ``finished_recving``
+only when every worker is done, maybe steps later); a worker reports the request
+``finished_recving`` when its batches are done (with its blocks in
+``get_block_ids_with_load_errors`` when one failed or was stale).
 
 **KV compatibility.** P's handshake payload (format 2) carries ``kv``, a descriptor of
 what its blocks mean (``_kv_descriptor``: model, model and KV cache dtypes, total KV
@@ -679,8 +681,6 @@ class KvleaseScheduler:
         self._finished_sending: list[str] = []
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
-        # D id -> (D's blocks, batches in the plan), while the workers read.
-        self._loading: dict[str, tuple[list[int], int]] = {}
         self._loads: list[dict[str, Any]] = []
         self._failed_loads: dict[str, list[int]] = {}
         self.engines: dict[str, dict[str, Any]] = {}
@@ -1030,7 +1030,6 @@ class KvleaseScheduler:
             decode.abort(rid)
             self._drain_decode()
             return
-        self._loading[rid] = (list(plan.blocks), len(plan.batches))
         self._loads.append(self._load_spec(plan))
         self.counters.add("loads_started")
 
@@ -1095,27 +1094,18 @@ class KvleaseScheduler:
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         now = self.clock()
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        results: dict[str, dict[int, tuple[str, int, str | None]]] = {}
         if isinstance(worker_meta, KvleaseWorkerMetadata):
             self._handle_notifs(now, worker_meta.notifs)
-            results = worker_meta.batches
-        invalid = set(connector_output.invalid_block_ids or ())
-        for rid in connector_output.finished_recving or ():
-            loading = self._loading.pop(rid, None)
-            if loading is None:
-                continue
-            blocks, n_batches = loading
-            reported = results.get(rid, {})
-            # Every worker reports its batches with the request; a worker that only
-            # named its blocks as load errors fails the load all the same.
-            unexplained = bool(invalid.intersection(blocks)) and all(
-                status == "done" for status, _, _ in reported.values()
-            )
-            for index in range(n_batches):
-                status, nbytes, error = reported.get(index, ("done", 0, None))
-                if unexplained and index == 0:
-                    status, error = "failed", "a worker reported a load error"
-                self._d().handle_batch_done(rid, index, status, bytes=nbytes, error=error)
+            if self.decode is not None:
+                # Each batch as soon as its worker reports it: with TP > 1 a worker
+                # reports its batches in the step they end, but vLLM lists the request
+                # in finished_recving only once every worker is done, maybe steps
+                # later. The core completes the load when every batch is in.
+                for rid, results in worker_meta.batches.items():
+                    for index, (status, nbytes, error) in sorted(results.items()):
+                        self.decode.handle_batch_done(
+                            rid, index, status, bytes=nbytes, error=error
+                        )
         self._drain_decode()
 
     def request_finished(

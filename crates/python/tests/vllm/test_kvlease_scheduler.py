@@ -51,7 +51,8 @@ class FakeClock:
         self.now += seconds
 
 
-def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: float = LEASE, **sched):
+def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: float = LEASE,
+                      tp_size: int = 1, **sched):
     config = create_vllm_config(
         kv_connector="KvleaseConnector",
         kv_connector_module_path="kvlease.vllm",
@@ -64,6 +65,8 @@ def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: fl
         },
         **sched,
     )
+    # The scheduler only plans for its workers: no worker runs here, whatever the TP size.
+    config.parallel_config.tensor_parallel_size = tp_size
     scheduler = create_scheduler(config, num_blocks=num_blocks)
     clock = FakeClock()
     scheduler.connector.scheduler.clock = clock
@@ -327,6 +330,44 @@ def test_stale_read_is_a_load_error_and_d_recomputes(engines):
     sched_out, _ = step(d)
     assert sched_out.num_scheduled_tokens[req.request_id] > 1
     assert req.num_computed_tokens == sched_out.num_scheduled_tokens[req.request_id]
+
+
+def test_tp2_a_stale_batch_reported_before_the_load_finishes_is_a_load_error(engines):
+    """TP=2: each D worker reads its own P rank. A worker reports its batch's result in
+    the step the batch ends, but vLLM lists the request in finished_recving only when
+    every worker is done. Here D's worker 1 finds its read stale one step before worker 0
+    finishes its (good) read: the load must end failed (stale), not done."""
+    p, _ = engines("kv_producer", "p0", tp_size=2)
+    d, _ = engines("kv_consumer", "d0", tp_size=2)
+    p_req, params = prefill_on_p(p)
+    assert params["tp_size"] == 2
+    req = request_from(params, p_req)
+    d.add_request(req)
+    metas = wait_for_handshake(d, req)
+    (load,) = [load for meta in metas for load in meta.loads]
+    by_worker = {b["d_worker"]: b for b in load["batches"]}
+    assert sorted(by_worker) == [0, 1] and len(load["batches"]) == 2
+    assert all(b["whole"] and b["p_rank"] == b["d_worker"] for b in load["batches"])
+    blocks = list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
+
+    # Step k: worker 1's read was stale; it names the request's blocks as load errors and
+    # is done with the request, but worker 0 is still reading: not finished_recving yet.
+    feed(d, worker_output(batches={req.request_id: {by_worker[1]["index"]: ("stale", 0, "fence")}},
+                          invalid_block_ids=set(blocks)))
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # Step k+1: worker 0's read is done; now vLLM reports the request finished_recving.
+    feed(d, worker_output(batches={req.request_id: {by_worker[0]["index"]: ("done", 2048, None)}},
+                          finished_recving={req.request_id}))
+    stats = d.connector.scheduler.decode.stats()
+    assert stats["stale_reads"] == 1 and stats["failed"] == 1 and stats["done"] == 0, stats
+    assert not d.connector.scheduler.decode.is_waiting(req.request_id)
+    # vLLM (kv_load_failure_policy=recompute) computes the prompt itself.
+    sched_out, _ = step(d)
+    assert sched_out.num_scheduled_tokens[req.request_id] > 1
+    step(d, use_eos=True)
+    step(d, output_for=[])
+    assert d.connector.scheduler.decode.stats()["done"] == 0
+    assert d.connector.scheduler.decode.tracked == 0
 
 
 def test_a_kv_dtype_mismatch_is_refused_at_the_handshake_and_computed_locally(engines):
