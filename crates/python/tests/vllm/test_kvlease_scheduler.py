@@ -14,6 +14,8 @@ heartbeat interval and the lease are checked on virtual time, not measured.
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 
 import pytest
@@ -27,10 +29,15 @@ from sched_harness import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from kvlease import KvleaseError, SideChannelError
+from kvlease import _kvlease as native
 from kvlease.vllm import (
+    KvleaseConfig,
     KvleaseConnectorMetadata,
+    KvleaseWorker,
     KvleaseWorkerMetadata,
     _block_format,
+    _engine_info,
     _kv_incompatibility,
 )
 
@@ -457,3 +464,150 @@ def test_block_formats_tell_layouts_apart():
     assert _kv_incompatibility(base, dict(base, block_order=None)) is None
     why = _kv_incompatibility(base, dict(base, block_order=None, layers={"l0": lbhnc}))
     assert why is not None and "l0" in why
+
+
+# ------------------------------------------------------------ malformed handshake payloads
+
+
+def p_payload(kv=None, **changes) -> dict:
+    """What P's side channel serves (KvleaseScheduler._payload), one worker."""
+    payload = {
+        "format": 2, "engine_id": "p0", "instance": 77, "tp_size": 1, "num_blocks": 64,
+        "block_size": 16, "num_kv_heads": 4, "kv": kv,
+        "workers": [{
+            "rank": 0, "agent_name": "p0#0",
+            "agent_metadata": base64.b64encode(b"agent metadata").decode(),
+            "layers": [["l0", 1, 0, 4096, 4096, 64]], "fence_region": 2,
+            "num_blocks": 64, "device": "cpu",
+            "kv_format": {"l0": ["float16", [4, 16, 32], [2, 1, 3]]},
+        }],
+    }
+    payload.update(changes)
+    return payload
+
+
+def with_worker(**changes) -> dict:
+    payload = p_payload()
+    payload["workers"][0].update(changes)
+    return payload
+
+
+MALFORMED = {
+    "not json": b"{not json",
+    "a list": b"[1, 2]",
+    "no tp_size": {k: v for k, v in p_payload().items() if k != "tp_size"},
+    "tp_size a string": p_payload(tp_size="2"),
+    "tp_size 0": p_payload(tp_size=0),
+    "num_blocks negative": p_payload(num_blocks=-1),
+    "instance past u64": p_payload(instance=1 << 70),
+    "kv a list": p_payload(kv=[1, 2]),
+    "kv layers an int": p_payload(kv={"model": "m", "layers": 5}),
+    "kv layer format an int": p_payload(kv={"model": "m", "layers": {"l0": 5}}),
+    "workers missing": {k: v for k, v in p_payload().items() if k != "workers"},
+    "worker rank past tp_size": with_worker(rank=1),
+    "worker rank a string": with_worker(rank="0"),
+    "agent_metadata not base64": with_worker(agent_metadata="not base64!"),
+    "agent_metadata missing": with_worker(agent_metadata=None),
+    "layer too short": with_worker(layers=[["l0", 1, 0, 4096]]),
+    "layer offset negative": with_worker(layers=[["l0", 1, -4096, 4096, 4096, 64]]),
+    "layer past 2^64": with_worker(layers=[["l0", 1, 0, 1 << 63, 4096, 64]]),
+    "fence_region missing": with_worker(fence_region=None),
+    "kv_format a list": with_worker(kv_format=[["float16"]]),
+}
+
+
+def raw(payload) -> bytes:
+    return payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+
+
+def test_engine_info_normalises_a_good_payload():
+    info = _engine_info(raw(p_payload(kv={"model": "m", "layers": {"l0": ["float16", [1], [1]]}})))
+    assert info["engine_id"] == "p0" and info["tp_size"] == 1 and info["num_blocks"] == 64
+    assert info["instance"] == 77 and info["kv"]["layers"] == {"l0": ["float16", [1], [1]]}
+    (w,) = info["workers"]
+    assert w["rank"] == 0 and w["agent_metadata"] == b"agent metadata"
+    assert w["layers"] == [["l0", 1, 0, 4096, 4096, 64]] and w["fence_region"] == 2
+    # An older P: no instance, no descriptor, no block formats (refused later, not here).
+    old = p_payload()
+    del old["instance"], old["kv"], old["workers"][0]["kv_format"]
+    info = _engine_info(raw(old))
+    assert info["instance"] == 0 and info["kv"] is None
+    assert info["workers"][0]["kv_format"] is None
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_engine_info_refuses_a_malformed_payload(case):
+    with pytest.raises(SideChannelError, match="malformed"):
+        _engine_info(raw(MALFORMED[case]))
+
+
+@pytest.mark.parametrize(
+    "case", ["no tp_size", "instance past u64", "kv layers an int", "agent_metadata not base64"]
+)
+def test_a_malformed_handshake_payload_fails_the_load_and_d_computes(engines, case):
+    """A P side channel serving a malformed payload: D's handshake fails, the request is
+    computed on D from its prompt (no read planned), and D's scheduler keeps running."""
+    server = native.SideChannelServer(raw(MALFORMED[case]), token=TOKEN.encode(),
+                                      listen="127.0.0.1:0")
+    try:
+        d, _ = engines("kv_consumer", "d0")
+        req = create_request(num_tokens=40, max_tokens=2, kv_transfer_params={
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [1, 2, 3], "remote_engine_id": "p0",
+            "remote_request_id": "p-req", "remote_host": "127.0.0.1",
+            "remote_port": server.port, "tp_size": 1, "kvlease_generation": 5,
+            "kvlease_num_tokens": 40, "kvlease_lease_duration": LEASE,
+        })
+        d.add_request(req)
+        deadline = time.monotonic() + 30
+        metas = []
+        while req.request_id not in d.requests or not req.num_computed_tokens:
+            assert time.monotonic() < deadline, "D never scheduled the request"
+            sched_out, _ = step(d)
+            metas.append(sched_out.kv_connector_metadata)
+            assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            time.sleep(0.01)
+        decode = d.connector.scheduler.decode
+        assert decode.stats()["failed"] == 1 and not decode.is_ready("p0")
+        assert not [load for meta in metas for load in meta.loads]
+        assert not any(meta.engines for meta in metas), "malformed engine info reached workers"
+        assert req.num_computed_tokens == len(req.prompt_token_ids)
+        step(d, use_eos=True)
+        step(d, output_for=[])
+        assert_scheduler_empty(d)
+    finally:
+        server.close()
+
+
+def test_a_worker_keeps_no_half_made_link(engines):
+    """D's worker connects to a P worker whose engine info names a region P's agent does
+    not have: the connection is dropped and nothing about it is kept, so no later batch
+    uses a half-made link."""
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport": "tcp"},
+    )
+    p_agent = native.Agent("p0#0", token=TOKEN.encode(), backend="tcp")
+    buf = bytearray(4096)
+    region = p_agent.register(buf)
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    try:
+        payload = with_worker(
+            agent_metadata=base64.b64encode(bytes(p_agent.metadata())).decode(),
+            layers=[["l0", region.id, 0, 4096, 4096, 1]], fence_region=region.id + 99,
+        )
+        worker.engines["p0"] = _engine_info(raw(payload))
+        with pytest.raises(KvleaseError, match="no region"):
+            worker._link("p0", 0)
+        assert not worker._links
+        # Fixed engine info (a new handshake): the link is made whole.
+        worker._forget_peers("p0")
+        payload["workers"][0]["fence_region"] = region.id
+        worker.engines["p0"] = _engine_info(raw(payload))
+        link = worker._link("p0", 0)
+        assert worker._links[("p0", 0)] is link and link.fence.id == region.id
+        assert link.layers["l0"][0].id == region.id
+    finally:
+        worker.shutdown()
+        p_agent.close()
