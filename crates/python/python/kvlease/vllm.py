@@ -1380,8 +1380,8 @@ class KvleaseWorker:
         # A peer that could not be reached is not tried again before this time: a dead or
         # blackholed P must not stall every step of this worker in connect timeouts.
         self._unreachable: dict[tuple[str, int], float] = {}
-        # D id -> batch index -> (the posted batch, P's engine).
-        self._inflight: dict[str, dict[int, tuple[Any, str]]] = {}
+        # D id -> batch index -> (the posted batch, (P's engine, P rank) it reads from).
+        self._inflight: dict[str, dict[int, tuple[Any, tuple[str, int]]]] = {}
         self._pending: dict[str, set[int]] = {}
         self._blocks_of: dict[str, list[int]] = {}
         self._failed: set[str] = set()
@@ -1475,10 +1475,18 @@ class KvleaseWorker:
             pass
 
     def _forget_peers(self, engine: str) -> None:
+        """Every link to ``engine``: a new handshake (P restarted) may name new agents."""
         for key in [k for k in self._links if k[0] == engine]:
             self._disconnect(self._links.pop(key).peer)
         for key in [k for k in self._unreachable if k[0] == engine]:
             del self._unreachable[key]
+
+    def _forget_link(self, key: tuple[str, int]) -> None:
+        """The link to one P worker, after a failure on it: made afresh when next used.
+        The links to P's other workers, and their reads, are left alone."""
+        link = self._links.pop(key, None)
+        if link is not None:
+            self._disconnect(link.peer)
 
     def _link(self, engine: str, p_rank: int) -> _PeerLink:
         key = (engine, p_rank)
@@ -1554,9 +1562,9 @@ class KvleaseWorker:
                     self.counters.add(f"{kind}s_sent")
                 except KvleaseError as e:
                     # A lost heartbeat is renewed by the next one; a lost abort by expiry.
-                    # A broken connection is dropped, to be made again.
-                    if isinstance(e, TransferError) or isinstance(e, NotifError):
-                        self._forget_peers(engine)
+                    # A broken connection (to P's worker 0) is dropped, to be made again.
+                    if isinstance(e, (TransferError, NotifError)):
+                        self._forget_link((engine, 0))
                     self.counters.add(f"{kind}s_failed")
                     logger.warning("%s to engine %s not sent: %s", kind, engine, e)
         for load in meta.loads:
@@ -1580,7 +1588,7 @@ class KvleaseWorker:
             except KvleaseError as e:
                 self._batch_done(rid, index, "failed", 0, str(e))
                 continue
-            self._inflight[rid][index] = (batch, load["engine"])
+            self._inflight[rid][index] = (batch, (load["engine"], int(b["p_rank"])))
         # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
     def _post_batch(self, load: dict[str, Any], b: dict[str, Any]) -> Any:
@@ -1666,14 +1674,15 @@ class KvleaseWorker:
 
     def _poll(self) -> None:
         for rid, batches in list(self._inflight.items()):
-            for index, (batch, engine) in list(batches.items()):
+            for index, (batch, key) in list(batches.items()):
                 result = self.agent.poll(batch)
                 if result is None:
                     continue
                 error = None if result.error is None else str(result.error)
                 if result.status == "failed":
-                    # Connect afresh next time (the connection may be what failed).
-                    self._forget_peers(engine)
+                    # The connection to this P worker may be what failed: connect afresh
+                    # next time. A stale batch is a lease outcome: the link is fine.
+                    self._forget_link(key)
                 self._batch_done(rid, index, result.status, int(result.bytes), error)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

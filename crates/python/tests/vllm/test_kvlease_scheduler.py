@@ -611,3 +611,73 @@ def test_a_worker_keeps_no_half_made_link(engines):
     finally:
         worker.shutdown()
         p_agent.close()
+
+
+def test_a_failed_batch_drops_only_its_own_link():
+    """D's worker reads from P's workers 0 and 1. A batch that fails on worker 1's
+    connection drops that link only (the next read connects afresh); the link to worker 0
+    and its reads are left alone, and a stale batch (a lease outcome) drops no link."""
+    import torch
+
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport": "tcp"},
+    )
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    p_agents, keep = [], []
+    try:
+        worker.register_kv_caches({"l0": torch.zeros(4, 16, dtype=torch.float16)})
+        page = 16 * 2
+        workers = []
+        for rank in range(2):
+            agent = native.Agent(f"p0#{rank}", token=TOKEN.encode(), backend="tcp")
+            blocks, fence = bytearray(4 * page), bytearray(4 * 8)
+            keep += [blocks, fence]
+            region, fence_region = agent.register(blocks), agent.register(fence)
+            p_agents.append(agent)
+            workers.append({
+                "rank": rank,
+                "agent_metadata": base64.b64encode(bytes(agent.metadata())).decode(),
+                "layers": [["l0", region.id, 0, page, page, 4]],
+                "fence_region": fence_region.id, "kv_format": worker.kv_format,
+            })
+        worker.engines["p0"] = _engine_info(raw(p_payload(tp_size=2, workers=workers)))
+
+        def load(rid, p_rank, fence_block):
+            # generation 5: P's fence words are all 0, so a read that gets that far is stale.
+            worker._post({
+                "request": rid, "engine": "p0", "local_blocks": [0], "remote_blocks": [0],
+                "fence_block": fence_block, "generation": 5,
+                "batches": [{"index": 0, "d_worker": 0, "p_rank": p_rank, "whole": True,
+                             "notif": b"read"}],
+            })
+
+        def results(rid):
+            deadline = time.monotonic() + 30
+            while True:
+                worker.get_finished()
+                meta = worker.build_worker_meta()
+                if meta is not None and rid in meta.batches:
+                    return meta.batches[rid][0]
+                assert time.monotonic() < deadline, f"{rid} never ended"
+                time.sleep(0.01)
+
+        load("stale", 0, 0)
+        assert results("stale")[0] == "stale"
+        link0 = worker._links[("p0", 0)]
+        # Worker 1 refuses the read (the fence word is outside its region): failed.
+        load("failed", 1, 1000)
+        status, _, error = results("failed")
+        assert status == "failed" and "refused" in error, error
+        assert ("p0", 1) not in worker._links
+        assert worker._links[("p0", 0)] is link0
+        # Worker 1 is connected afresh for the next read; worker 0's link still reads.
+        load("again", 1, 0)
+        assert results("again")[0] == "stale" and ("p0", 1) in worker._links
+        load("still", 0, 0)
+        assert results("still")[0] == "stale" and worker._links[("p0", 0)] is link0
+    finally:
+        worker.shutdown()
+        for agent in p_agents:
+            agent.close()
