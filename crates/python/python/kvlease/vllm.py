@@ -49,9 +49,11 @@ heartbeats due (throttled to ``kv_lease_duration / 6``), aborts, the read plans 
 engine info go to the workers in ``KvleaseConnectorMetadata``; D's worker 0 sends the
 heartbeats and aborts to P's worker 0, every worker posts its fenced batches, with the
 read-completion as the batch's notification (sent only when the fence matched). Each
-batch's result comes back through ``KvleaseWorkerMetadata.batches`` and the request is
-reported ``finished_recving`` (with its blocks in ``get_block_ids_with_load_errors``
-when a batch failed or was stale).
+batch's result comes back through ``KvleaseWorkerMetadata.batches`` in the step it ended
+and goes to the core at once (with TP > 1, vLLM reports the request ``finished_recving``
+only when every worker is done, maybe steps later); a worker reports the request
+``finished_recving`` when its batches are done (with its blocks in
+``get_block_ids_with_load_errors`` when one failed or was stale).
 
 **KV compatibility.** P's handshake payload (format 2) carries ``kv``, a descriptor of
 what its blocks mean (``_kv_descriptor``: model, model and KV cache dtypes, total KV
@@ -73,7 +75,8 @@ Metadata
 ``fence_block``, ``generation``, P ``engine``, and its ``batches`` with ``index``,
 ``d_worker``, ``p_rank``, ``whole`` and the read-completion ``notif``), ``transmits``
 (``(p_engine, kind, message)``: heartbeats ``HB:<ids>`` and aborts), ``engines`` (P
-engine infos learned by handshakes since the last step), ``failed_loads`` (requests
+engine infos learned by handshakes since the last step, as ``_engine_info`` validated
+them: a malformed payload from P fails the handshake), ``failed_loads`` (requests
 vLLM parked for a load the core refused: reported failed at once) and
 ``finished_sending`` (P: leases ended; vLLM may free their blocks).
 
@@ -137,7 +140,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from . import _kvlease as native
-from .errors import AuthError, ConfigError, KvleaseError, NotifError, TransferError
+from .errors import (
+    AuthError,
+    ConfigError,
+    KvleaseError,
+    NotifError,
+    SideChannelError,
+    TransferError,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -349,18 +359,131 @@ def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
             diffs.append(what)
     mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if mine and p_layers:
-        if set(mine) != set(p_layers):
-            only_p = sorted(set(p_layers) - set(mine))[:3]
-            only_d = sorted(set(mine) - set(p_layers))[:3]
-            diffs.append(f"KV cache layers differ (only P: {only_p}, only D: {only_d})")
-        else:
-            bad = [n for n in sorted(mine) if list(p_layers[n]) != list(mine[n])]
-            if bad:
-                diffs.append(
-                    f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
-                    f"P [dtype, shape, order] {list(p_layers[bad[0]])}, D {list(mine[bad[0]])}"
-                )
+        diff = _layer_format_diff(mine, p_layers)
+        if diff is not None:
+            diffs.append(diff)
     return "; ".join(diffs) or None
+
+
+def _layer_format_diff(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """How P's per-layer block formats (layer name -> ``_block_format``) differ from
+    ours, or ``None`` when P holds the same layers, each in the same format."""
+    if set(mine) != set(theirs):
+        only_p = sorted(set(theirs) - set(mine))[:3]
+        only_d = sorted(set(mine) - set(theirs))[:3]
+        return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
+    bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
+    if not bad:
+        return None
+    return (
+        f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
+        f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"
+    )
+
+
+# ------------------------------------------------------------------ P's engine info
+
+_U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+
+
+def _engine_info(raw: bytes) -> dict[str, Any]:
+    """P's handshake payload (``KvleaseScheduler._payload``) validated and normalised to
+    what D uses, each value of the type it is used as: ``engine_id``, ``instance``,
+    ``tp_size``, ``num_blocks``, ``kv`` (the descriptor, ``None`` when P sent none) and
+    ``workers``, each with ``rank``, ``agent_metadata`` (bytes), ``layers`` (``[name,
+    region, offset, block stride, block bytes, num blocks]``), ``fence_region`` and
+    ``kv_format``. P is a peer: anything else raises ``SideChannelError``, so a
+    malformed payload fails the handshake and never reaches a scheduler or worker hook.
+    """
+
+    def bad(what: str) -> SideChannelError:
+        return SideChannelError(f"P's handshake payload is malformed: {what}")
+
+    def integer(
+        obj: dict[str, Any], key: str, lo: int = 0, hi: int = _U64, default: int | None = None
+    ) -> int:
+        value = obj.get(key, default)
+        if type(value) is not int or not lo <= value <= hi:
+            raise bad(f"{key} must be an integer in [{lo}, {hi}], not {value!r}")
+        return value
+
+    def formats(value: Any, what: str) -> dict[str, list[Any]]:
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) for k, v in value.items()
+        ):
+            raise bad(f"{what} must map layer names to [dtype, shape, order] lists")
+        return {k: list(v) for k, v in value.items()}
+
+    try:
+        info = json.loads(raw)
+    except ValueError as e:  # UnicodeDecodeError is a ValueError too
+        raise bad(f"not JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise bad("not a JSON object")
+    engine_id = info.get("engine_id")
+    if not isinstance(engine_id, str):
+        raise bad(f"engine_id must be a string, not {engine_id!r}")
+    tp_size = integer(info, "tp_size", 1, _U32)
+    kv = info.get("kv")
+    if kv is not None:
+        if not isinstance(kv, dict):
+            raise bad("kv must be an object")
+        kv = dict(kv)
+        if kv.get("layers") is not None:
+            kv["layers"] = formats(kv["layers"], "kv.layers")
+    if not isinstance(info.get("workers"), list):
+        raise bad("workers must be a list")
+    workers: list[dict[str, Any]] = []
+    for w in info["workers"]:
+        if not isinstance(w, dict):
+            raise bad("a worker must be an object")
+        rank = integer(w, "rank", 0, tp_size - 1)
+        if any(other["rank"] == rank for other in workers):
+            raise bad(f"two workers of rank {rank}")
+        try:
+            metadata = base64.b64decode(w.get("agent_metadata"), validate=True)
+        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
+            raise bad(f"worker {rank}'s agent_metadata is not base64 ({e})") from None
+        if not isinstance(w.get("layers"), list):
+            raise bad(f"worker {rank}'s layers must be a list")
+        layers = []
+        for layer in w["layers"]:
+            if not (
+                isinstance(layer, list)
+                and len(layer) == 6
+                and isinstance(layer[0], str)
+                and all(type(x) is int and 0 <= x <= _U64 for x in layer[1:])
+            ):
+                raise bad(
+                    f"worker {rank}'s layer {layer!r} is not [name, region, offset, "
+                    "block stride, block bytes, num blocks]"
+                )
+            _, _, offset, stride, _, n = layer
+            if offset + n * stride > _U64:
+                raise bad(f"worker {rank}'s layer {layer[0]} reaches past 2^64 bytes")
+            layers.append(list(layer))
+        kv_format = w.get("kv_format")
+        workers.append(
+            {
+                "rank": rank,
+                "agent_metadata": metadata,
+                "layers": layers,
+                "fence_region": integer(w, "fence_region"),
+                # None: P names no block format (an older kvlease); its reads are refused.
+                "kv_format": None
+                if kv_format is None
+                else formats(kv_format, f"worker {rank}'s kv_format"),
+            }
+        )
+    return {
+        "engine_id": engine_id,
+        "instance": integer(info, "instance", default=0),
+        "tp_size": tp_size,
+        "num_blocks": integer(info, "num_blocks", 1, _U32),
+        "kv": kv,
+        "workers": workers,
+    }
 
 
 # -------------------------------------------------------------------------- metadata
@@ -671,8 +794,6 @@ class KvleaseScheduler:
         self._finished_sending: list[str] = []
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
-        # D id -> (D's blocks, batches in the plan), while the workers read.
-        self._loading: dict[str, tuple[list[int], int]] = {}
         self._loads: list[dict[str, Any]] = []
         self._failed_loads: dict[str, list[int]] = {}
         self.engines: dict[str, dict[str, Any]] = {}
@@ -852,10 +973,11 @@ class KvleaseScheduler:
             raw = native.side_channel_fetch(
                 host, port, token=self.config.token, timeout=self.config.handshake_timeout
             )
-            info = json.loads(raw)
-            if info.get("engine_id") != engine:
+            # Validated here, off the engine thread: _pump and the workers use it as is.
+            info = _engine_info(raw)
+            if info["engine_id"] != engine:
                 raise KvleaseError(
-                    f"{host}:{port} serves engine {info.get('engine_id')!r}, not {engine!r}"
+                    f"{host}:{port} serves engine {info['engine_id']!r}, not {engine!r}"
                 )
             self._handshakes.put((engine, info, None))
         except Exception as e:  # reported to the core, which fails the waiting requests
@@ -880,9 +1002,9 @@ class KvleaseScheduler:
                 self.decode.handle_handshake(
                     now,
                     engine,
-                    tp_size=int(info["tp_size"]),
-                    num_blocks=int(info["num_blocks"]),
-                    instance=int(info.get("instance", 0)),
+                    tp_size=info["tp_size"],
+                    num_blocks=info["num_blocks"],
+                    instance=info["instance"],
                 )
                 self.counters.add("handshakes_done")
             else:
@@ -896,7 +1018,7 @@ class KvleaseScheduler:
     def _check_compatibility(self, engine: str, info: dict[str, Any]) -> None:
         """Record whether P engine ``engine``'s KV blocks can be loaded as ours: the
         answer of the latest handshake stands (a restarted P handshakes again)."""
-        reason = _kv_incompatibility(self.kv_descriptor, info.get("kv"))
+        reason = _kv_incompatibility(self.kv_descriptor, info["kv"])
         if reason is None:
             self._incompatible.pop(engine, None)
             return
@@ -1022,15 +1144,15 @@ class KvleaseScheduler:
             decode.abort(rid)
             self._drain_decode()
             return
-        self._loading[rid] = (list(plan.blocks), len(plan.batches))
         self._loads.append(self._load_spec(plan))
         self.counters.add("loads_started")
 
     def _load_spec(self, plan: native.LoadPlan) -> dict[str, Any]:
         remote = plan.remote
         p_tp = max(1, int(remote.tp_size))
-        info = self.engines.get(remote.engine, {})
-        p_tp = int(info.get("tp_size", p_tp))
+        info = self.engines.get(remote.engine)
+        if info is not None:
+            p_tp = info["tp_size"]
         d_per = self.num_kv_heads // self.tp_size
         p_per = self.num_kv_heads // p_tp if p_tp and self.num_kv_heads % p_tp == 0 else 0
         batches = []
@@ -1074,8 +1196,9 @@ class KvleaseScheduler:
         meta = KvleaseConnectorMetadata()
         if self.decode is not None:
             while (t := self.decode.poll_transmit(now)) is not None:
+                # Counted as sent by D's worker 0, which sends them (vLLM sums the
+                # scheduler's and the workers' stats).
                 meta.transmits.append((t.engine, t.kind, bytes(t.message)))
-                self.counters.add(f"{t.kind}s_sent")
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}
@@ -1086,27 +1209,18 @@ class KvleaseScheduler:
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         now = self.clock()
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        results: dict[str, dict[int, tuple[str, int, str | None]]] = {}
         if isinstance(worker_meta, KvleaseWorkerMetadata):
             self._handle_notifs(now, worker_meta.notifs)
-            results = worker_meta.batches
-        invalid = set(connector_output.invalid_block_ids or ())
-        for rid in connector_output.finished_recving or ():
-            loading = self._loading.pop(rid, None)
-            if loading is None:
-                continue
-            blocks, n_batches = loading
-            reported = results.get(rid, {})
-            # Every worker reports its batches with the request; a worker that only
-            # named its blocks as load errors fails the load all the same.
-            unexplained = bool(invalid.intersection(blocks)) and all(
-                status == "done" for status, _, _ in reported.values()
-            )
-            for index in range(n_batches):
-                status, nbytes, error = reported.get(index, ("done", 0, None))
-                if unexplained and index == 0:
-                    status, error = "failed", "a worker reported a load error"
-                self._d().handle_batch_done(rid, index, status, bytes=nbytes, error=error)
+            if self.decode is not None:
+                # Each batch as soon as its worker reports it: with TP > 1 a worker
+                # reports its batches in the step they end, but vLLM lists the request
+                # in finished_recving only once every worker is done, maybe steps
+                # later. The core completes the load when every batch is in.
+                for rid, results in worker_meta.batches.items():
+                    for index, (status, nbytes, error) in sorted(results.items()):
+                        self.decode.handle_batch_done(
+                            rid, index, status, bytes=nbytes, error=error
+                        )
         self._drain_decode()
 
     def request_finished(
@@ -1217,6 +1331,19 @@ def _layer_layout(name: str, t: "torch.Tensor") -> tuple[int, int, int, int]:
     return offset, block_stride, page, int(t.shape[0])
 
 
+@dataclass
+class _PeerLink:
+    """D's worker's connection to one P worker, with what it learned from P's engine
+    info for it: made whole by ``KvleaseWorker._connect`` or not at all."""
+
+    peer: native.Peer
+    #: layer name -> (P's region, offset, block stride, block bytes, num blocks)
+    layers: dict[str, tuple[native.RemoteRegion, int, int, int, int]]
+    fence: native.RemoteRegion
+    #: Why P's blocks cannot be read as ours, or None.
+    incompatible: str | None
+
+
 class KvleaseWorker:
     """The worker half: one transport agent with this worker's KV caches and fence
     words registered; posts D's fenced reads and forwards P's notifications."""
@@ -1228,9 +1355,11 @@ class KvleaseWorker:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.engine_id = config.engine_id
         host = _ip_of(config.transport_host)
+        # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
+        listen = "0.0.0.0:0" if host in ("0.0.0.0", "::") else _listen_addr(host, 0)
         self.agent = native.Agent(
             _agent_name(self.engine_id, self.rank),
-            listen=f"{host}:0" if host not in ("0.0.0.0", "::") else "0.0.0.0:0",
+            listen=listen,
             token=config.token,
             backend=config.transport,
             handshake_timeout=config.handshake_timeout,
@@ -1245,18 +1374,14 @@ class KvleaseWorker:
         self._fence_fd: int | None = None
         self._fence_map: mmap.mmap | None = None
         self._fence_region: native.Region | None = None
-        # D: P engines, peers by (engine, P rank), batches in flight.
+        # D: P engines (``_engine_info``), links by (engine, P rank), batches in flight.
         self.engines: dict[str, dict[str, Any]] = {}
-        self._peers: dict[tuple[str, int], native.Peer] = {}
+        self._links: dict[tuple[str, int], _PeerLink] = {}
         # A peer that could not be reached is not tried again before this time: a dead or
         # blackholed P must not stall every step of this worker in connect timeouts.
         self._unreachable: dict[tuple[str, int], float] = {}
-        self._remote_layers: dict[tuple[str, int], dict[str, tuple[native.RemoteRegion, int, int, int]]] = {}
-        self._fence_regions: dict[tuple[str, int], native.RemoteRegion] = {}
-        # (engine, P rank) -> why its blocks cannot be read as ours, or None.
-        self._remote_incompatible: dict[tuple[str, int], str | None] = {}
-        # D id -> batch index -> (the posted batch, P's engine).
-        self._inflight: dict[str, dict[int, tuple[Any, str]]] = {}
+        # D id -> batch index -> (the posted batch, (P's engine, P rank) it reads from).
+        self._inflight: dict[str, dict[int, tuple[Any, tuple[str, int]]]] = {}
         self._pending: dict[str, set[int]] = {}
         self._blocks_of: dict[str, list[int]] = {}
         self._failed: set[str] = set()
@@ -1343,23 +1468,31 @@ class KvleaseWorker:
 
     # -------------------------------------------------------------- connecting
 
+    def _disconnect(self, peer: native.Peer) -> None:
+        try:
+            self.agent.disconnect(peer)
+        except KvleaseError:
+            pass
+
     def _forget_peers(self, engine: str) -> None:
-        for key in [k for k in self._peers if k[0] == engine]:
-            peer = self._peers.pop(key)
-            try:
-                self.agent.disconnect(peer)
-            except KvleaseError:
-                pass
+        """Every link to ``engine``: a new handshake (P restarted) may name new agents."""
+        for key in [k for k in self._links if k[0] == engine]:
+            self._disconnect(self._links.pop(key).peer)
         for key in [k for k in self._unreachable if k[0] == engine]:
             del self._unreachable[key]
-        for key in [k for k in self._remote_incompatible if k[0] == engine]:
-            del self._remote_incompatible[key]
 
-    def _peer(self, engine: str, p_rank: int) -> native.Peer:
+    def _forget_link(self, key: tuple[str, int]) -> None:
+        """The link to one P worker, after a failure on it: made afresh when next used.
+        The links to P's other workers, and their reads, are left alone."""
+        link = self._links.pop(key, None)
+        if link is not None:
+            self._disconnect(link.peer)
+
+    def _link(self, engine: str, p_rank: int) -> _PeerLink:
         key = (engine, p_rank)
-        peer = self._peers.get(key)
-        if peer is not None:
-            return peer
+        link = self._links.get(key)
+        if link is not None:
+            return link
         retry_at = self._unreachable.get(key)
         if retry_at is not None and time.monotonic() < retry_at:
             raise KvleaseError(f"worker {p_rank} of engine {engine} was unreachable; retrying later")
@@ -1369,44 +1502,47 @@ class KvleaseWorker:
             self._unreachable[key] = time.monotonic() + self.config.handshake_timeout
             raise
 
-    def _connect(self, engine: str, p_rank: int) -> native.Peer:
+    def _connect(self, engine: str, p_rank: int) -> _PeerLink:
+        """Connects to P's worker ``p_rank`` (``self.engines`` holds what D's scheduler
+        validated, ``_engine_info``); the link is kept only once all of it is made."""
         key = (engine, p_rank)
         info = self.engines.get(engine)
         if info is None:
             raise KvleaseError(f"engine {engine} is not handshaken")
-        workers = {int(w["rank"]): w for w in info.get("workers", [])}
-        w = workers.get(p_rank)
+        w = next((w for w in info["workers"] if w["rank"] == p_rank), None)
         if w is None:
             raise KvleaseError(f"engine {engine} has no worker {p_rank} with registered KV")
-        peer = self.agent.connect(base64.b64decode(w["agent_metadata"]))
-        if _engine_of(peer.name) != engine:
-            self.agent.disconnect(peer)
-            raise KvleaseError(f"worker {p_rank} of {engine} calls itself {peer.name!r}")
-        self._peers[key] = peer
-        self._remote_layers[key] = {
-            str(name): (peer.region(int(region)), int(offset), int(stride), int(page))
-            for name, region, offset, stride, page, _n in w["layers"]
-        }
-        self._fence_regions[key] = peer.region(int(w["fence_region"]))
+        peer = self.agent.connect(w["agent_metadata"])
+        try:
+            if _engine_of(peer.name) != engine:
+                raise KvleaseError(f"worker {p_rank} of {engine} calls itself {peer.name!r}")
+            layers = {
+                name: (peer.region(region), offset, stride, page, n)
+                for name, region, offset, stride, page, n in w["layers"]
+            }
+            fence = peer.region(w["fence_region"])
+        except BaseException:
+            self._disconnect(peer)
+            raise
         # The same check D's scheduler made at the handshake, per P worker: a batch is
         # never posted from a worker whose blocks are laid out differently.
-        mine = json.loads(json.dumps(self.kv_format))
-        theirs = w.get("kv_format")
-        if not isinstance(theirs, dict) or not theirs:
-            self._remote_incompatible[key] = (
+        theirs = w["kv_format"]
+        if not theirs:
+            incompatible = (
                 f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
             )
         else:
-            bad = [n for n in sorted(mine) if n in theirs and list(theirs[n]) != mine[n]]
-            self._remote_incompatible[key] = (
-                f"layer {bad[0]}: P's worker {p_rank} stores a block as [dtype, shape, "
-                f"order] {list(theirs[bad[0]])}, ours {mine[bad[0]]}: not KV-compatible"
-                if bad
-                else None
+            diff = _layer_format_diff(self.kv_format, theirs)
+            incompatible = (
+                None
+                if diff is None
+                else f"worker {p_rank} of {engine} is not KV-compatible: {diff}"
             )
+        link = _PeerLink(peer=peer, layers=layers, fence=fence, incompatible=incompatible)
+        self._links[key] = link
         self._unreachable.pop(key, None)
         self.counters.add("peers_connected")
-        return peer
+        return link
 
     # ------------------------------------------------------------------ loading
 
@@ -1422,14 +1558,13 @@ class KvleaseWorker:
         if self.rank == 0:
             for engine, kind, message in meta.transmits:
                 try:
-                    peer = self._peer(engine, 0)
-                    self.agent.send_notif(peer, message)
+                    self.agent.send_notif(self._link(engine, 0).peer, message)
                     self.counters.add(f"{kind}s_sent")
                 except KvleaseError as e:
                     # A lost heartbeat is renewed by the next one; a lost abort by expiry.
-                    # A broken connection is dropped, to be made again.
-                    if isinstance(e, TransferError) or isinstance(e, NotifError):
-                        self._forget_peers(engine)
+                    # A broken connection (to P's worker 0) is dropped, to be made again.
+                    if isinstance(e, (TransferError, NotifError)):
+                        self._forget_link((engine, 0))
                     self.counters.add(f"{kind}s_failed")
                     logger.warning("%s to engine %s not sent: %s", kind, engine, e)
         for load in meta.loads:
@@ -1453,7 +1588,7 @@ class KvleaseWorker:
             except KvleaseError as e:
                 self._batch_done(rid, index, "failed", 0, str(e))
                 continue
-            self._inflight[rid][index] = (batch, load["engine"])
+            self._inflight[rid][index] = (batch, (load["engine"], int(b["p_rank"])))
         # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
     def _post_batch(self, load: dict[str, Any], b: dict[str, Any]) -> Any:
@@ -1463,23 +1598,25 @@ class KvleaseWorker:
                 "supported by KvleaseConnector"
             )
         engine, p_rank = load["engine"], int(b["p_rank"])
-        peer = self._peer(engine, p_rank)
-        incompatible = self._remote_incompatible.get((engine, p_rank))
-        if incompatible is not None:
-            raise KvleaseError(incompatible)
-        remote_layers = self._remote_layers[(engine, p_rank)]
+        link = self._link(engine, p_rank)
+        if link.incompatible is not None:
+            raise KvleaseError(link.incompatible)
         local_blocks = [int(x) for x in load["local_blocks"]]
         remote_blocks = [int(x) for x in load["remote_blocks"]]
         if len(local_blocks) != len(remote_blocks):
             raise KvleaseError("the plan's block lists differ in length")
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
-            remote = remote_layers.get(name)
+            remote = link.layers.get(name)
             if remote is None:
                 raise KvleaseError(f"P has no KV cache layer {name}")
-            r_region, r_offset, r_stride, r_page = remote
+            r_region, r_offset, r_stride, r_page, r_n = remote
             if r_page != page:
                 raise KvleaseError(f"layer {name}: P's blocks hold {r_page} bytes, ours {page}")
+            if remote_blocks and max(remote_blocks) >= r_n:
+                raise KvleaseError(
+                    f"layer {name}: P's block {max(remote_blocks)} is past its {r_n} blocks"
+                )
             # Runs of consecutive blocks on both sides with dense blocks become one op.
             i = 0
             while i < len(local_blocks):
@@ -1502,13 +1639,9 @@ class KvleaseWorker:
                     )
                 )
                 i = j
-        fence = (
-            self._fence_regions[(engine, p_rank)],
-            int(load["fence_block"]) * 8,
-            int(load["generation"]),
-        )
+        fence = (link.fence, int(load["fence_block"]) * 8, int(load["generation"]))
         batch = self.agent.post_read(
-            peer,
+            link.peer,
             ops,
             notif=bytes(b["notif"]),
             fence=fence,
@@ -1541,14 +1674,15 @@ class KvleaseWorker:
 
     def _poll(self) -> None:
         for rid, batches in list(self._inflight.items()):
-            for index, (batch, engine) in list(batches.items()):
+            for index, (batch, key) in list(batches.items()):
                 result = self.agent.poll(batch)
                 if result is None:
                     continue
                 error = None if result.error is None else str(result.error)
                 if result.status == "failed":
-                    # Connect afresh next time (the connection may be what failed).
-                    self._forget_peers(engine)
+                    # The connection to this P worker may be what failed: connect afresh
+                    # next time. A stale batch is a lease outcome: the link is fine.
+                    self._forget_link(key)
                 self._batch_done(rid, index, result.status, int(result.bytes), error)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

@@ -14,6 +14,8 @@ heartbeat interval and the lease are checked on virtual time, not measured.
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 
 import pytest
@@ -27,10 +29,15 @@ from sched_harness import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from kvlease import KvleaseError, SideChannelError
+from kvlease import _kvlease as native
 from kvlease.vllm import (
+    KvleaseConfig,
     KvleaseConnectorMetadata,
+    KvleaseWorker,
     KvleaseWorkerMetadata,
     _block_format,
+    _engine_info,
     _kv_incompatibility,
 )
 
@@ -51,7 +58,8 @@ class FakeClock:
         self.now += seconds
 
 
-def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: float = LEASE, **sched):
+def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: float = LEASE,
+                      tp_size: int = 1, **sched):
     config = create_vllm_config(
         kv_connector="KvleaseConnector",
         kv_connector_module_path="kvlease.vllm",
@@ -64,6 +72,8 @@ def kvlease_scheduler(role: str, engine_id: str, num_blocks: int = 64, lease: fl
         },
         **sched,
     )
+    # The scheduler only plans for its workers: no worker runs here, whatever the TP size.
+    config.parallel_config.tensor_parallel_size = tp_size
     scheduler = create_scheduler(config, num_blocks=num_blocks)
     clock = FakeClock()
     scheduler.connector.scheduler.clock = clock
@@ -329,6 +339,44 @@ def test_stale_read_is_a_load_error_and_d_recomputes(engines):
     assert req.num_computed_tokens == sched_out.num_scheduled_tokens[req.request_id]
 
 
+def test_tp2_a_stale_batch_reported_before_the_load_finishes_is_a_load_error(engines):
+    """TP=2: each D worker reads its own P rank. A worker reports its batch's result in
+    the step the batch ends, but vLLM lists the request in finished_recving only when
+    every worker is done. Here D's worker 1 finds its read stale one step before worker 0
+    finishes its (good) read: the load must end failed (stale), not done."""
+    p, _ = engines("kv_producer", "p0", tp_size=2)
+    d, _ = engines("kv_consumer", "d0", tp_size=2)
+    p_req, params = prefill_on_p(p)
+    assert params["tp_size"] == 2
+    req = request_from(params, p_req)
+    d.add_request(req)
+    metas = wait_for_handshake(d, req)
+    (load,) = [load for meta in metas for load in meta.loads]
+    by_worker = {b["d_worker"]: b for b in load["batches"]}
+    assert sorted(by_worker) == [0, 1] and len(load["batches"]) == 2
+    assert all(b["whole"] and b["p_rank"] == b["d_worker"] for b in load["batches"])
+    blocks = list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
+
+    # Step k: worker 1's read was stale; it names the request's blocks as load errors and
+    # is done with the request, but worker 0 is still reading: not finished_recving yet.
+    feed(d, worker_output(batches={req.request_id: {by_worker[1]["index"]: ("stale", 0, "fence")}},
+                          invalid_block_ids=set(blocks)))
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    # Step k+1: worker 0's read is done; now vLLM reports the request finished_recving.
+    feed(d, worker_output(batches={req.request_id: {by_worker[0]["index"]: ("done", 2048, None)}},
+                          finished_recving={req.request_id}))
+    stats = d.connector.scheduler.decode.stats()
+    assert stats["stale_reads"] == 1 and stats["failed"] == 1 and stats["done"] == 0, stats
+    assert not d.connector.scheduler.decode.is_waiting(req.request_id)
+    # vLLM (kv_load_failure_policy=recompute) computes the prompt itself.
+    sched_out, _ = step(d)
+    assert sched_out.num_scheduled_tokens[req.request_id] > 1
+    step(d, use_eos=True)
+    step(d, output_for=[])
+    assert d.connector.scheduler.decode.stats()["done"] == 0
+    assert d.connector.scheduler.decode.tracked == 0
+
+
 def test_a_kv_dtype_mismatch_is_refused_at_the_handshake_and_computed_locally(engines):
     """P's KV is float16, D's bfloat16: the same block bytes, different numbers. D's
     handshake finds P incompatible; the request is never loaded (no read planned, never
@@ -416,3 +464,220 @@ def test_block_formats_tell_layouts_apart():
     assert _kv_incompatibility(base, dict(base, block_order=None)) is None
     why = _kv_incompatibility(base, dict(base, block_order=None, layers={"l0": lbhnc}))
     assert why is not None and "l0" in why
+
+
+# ------------------------------------------------------------ malformed handshake payloads
+
+
+def p_payload(kv=None, **changes) -> dict:
+    """What P's side channel serves (KvleaseScheduler._payload), one worker."""
+    payload = {
+        "format": 2, "engine_id": "p0", "instance": 77, "tp_size": 1, "num_blocks": 64,
+        "block_size": 16, "num_kv_heads": 4, "kv": kv,
+        "workers": [{
+            "rank": 0, "agent_name": "p0#0",
+            "agent_metadata": base64.b64encode(b"agent metadata").decode(),
+            "layers": [["l0", 1, 0, 4096, 4096, 64]], "fence_region": 2,
+            "num_blocks": 64, "device": "cpu",
+            "kv_format": {"l0": ["float16", [4, 16, 32], [2, 1, 3]]},
+        }],
+    }
+    payload.update(changes)
+    return payload
+
+
+def with_worker(**changes) -> dict:
+    payload = p_payload()
+    payload["workers"][0].update(changes)
+    return payload
+
+
+MALFORMED = {
+    "not json": b"{not json",
+    "a list": b"[1, 2]",
+    "no tp_size": {k: v for k, v in p_payload().items() if k != "tp_size"},
+    "tp_size a string": p_payload(tp_size="2"),
+    "tp_size 0": p_payload(tp_size=0),
+    "num_blocks negative": p_payload(num_blocks=-1),
+    "instance past u64": p_payload(instance=1 << 70),
+    "kv a list": p_payload(kv=[1, 2]),
+    "kv layers an int": p_payload(kv={"model": "m", "layers": 5}),
+    "kv layer format an int": p_payload(kv={"model": "m", "layers": {"l0": 5}}),
+    "workers missing": {k: v for k, v in p_payload().items() if k != "workers"},
+    "worker rank past tp_size": with_worker(rank=1),
+    "worker rank a string": with_worker(rank="0"),
+    "agent_metadata not base64": with_worker(agent_metadata="not base64!"),
+    "agent_metadata missing": with_worker(agent_metadata=None),
+    "layer too short": with_worker(layers=[["l0", 1, 0, 4096]]),
+    "layer offset negative": with_worker(layers=[["l0", 1, -4096, 4096, 4096, 64]]),
+    "layer past 2^64": with_worker(layers=[["l0", 1, 0, 1 << 63, 4096, 64]]),
+    "fence_region missing": with_worker(fence_region=None),
+    "kv_format a list": with_worker(kv_format=[["float16"]]),
+}
+
+
+def raw(payload) -> bytes:
+    return payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+
+
+def test_engine_info_normalises_a_good_payload():
+    info = _engine_info(raw(p_payload(kv={"model": "m", "layers": {"l0": ["float16", [1], [1]]}})))
+    assert info["engine_id"] == "p0" and info["tp_size"] == 1 and info["num_blocks"] == 64
+    assert info["instance"] == 77 and info["kv"]["layers"] == {"l0": ["float16", [1], [1]]}
+    (w,) = info["workers"]
+    assert w["rank"] == 0 and w["agent_metadata"] == b"agent metadata"
+    assert w["layers"] == [["l0", 1, 0, 4096, 4096, 64]] and w["fence_region"] == 2
+    # An older P: no instance, no descriptor, no block formats (refused later, not here).
+    old = p_payload()
+    del old["instance"], old["kv"], old["workers"][0]["kv_format"]
+    info = _engine_info(raw(old))
+    assert info["instance"] == 0 and info["kv"] is None
+    assert info["workers"][0]["kv_format"] is None
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_engine_info_refuses_a_malformed_payload(case):
+    with pytest.raises(SideChannelError, match="malformed"):
+        _engine_info(raw(MALFORMED[case]))
+
+
+@pytest.mark.parametrize(
+    "case", ["no tp_size", "instance past u64", "kv layers an int", "agent_metadata not base64"]
+)
+def test_a_malformed_handshake_payload_fails_the_load_and_d_computes(engines, case):
+    """A P side channel serving a malformed payload: D's handshake fails, the request is
+    computed on D from its prompt (no read planned), and D's scheduler keeps running."""
+    server = native.SideChannelServer(raw(MALFORMED[case]), token=TOKEN.encode(),
+                                      listen="127.0.0.1:0")
+    try:
+        d, _ = engines("kv_consumer", "d0")
+        req = create_request(num_tokens=40, max_tokens=2, kv_transfer_params={
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [1, 2, 3], "remote_engine_id": "p0",
+            "remote_request_id": "p-req", "remote_host": "127.0.0.1",
+            "remote_port": server.port, "tp_size": 1, "kvlease_generation": 5,
+            "kvlease_num_tokens": 40, "kvlease_lease_duration": LEASE,
+        })
+        d.add_request(req)
+        deadline = time.monotonic() + 30
+        metas = []
+        while req.request_id not in d.requests or not req.num_computed_tokens:
+            assert time.monotonic() < deadline, "D never scheduled the request"
+            sched_out, _ = step(d)
+            metas.append(sched_out.kv_connector_metadata)
+            assert req.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            time.sleep(0.01)
+        decode = d.connector.scheduler.decode
+        assert decode.stats()["failed"] == 1 and not decode.is_ready("p0")
+        assert not [load for meta in metas for load in meta.loads]
+        assert not any(meta.engines for meta in metas), "malformed engine info reached workers"
+        assert req.num_computed_tokens == len(req.prompt_token_ids)
+        step(d, use_eos=True)
+        step(d, output_for=[])
+        assert_scheduler_empty(d)
+    finally:
+        server.close()
+
+
+def test_a_worker_keeps_no_half_made_link(engines):
+    """D's worker connects to a P worker whose engine info names a region P's agent does
+    not have: the connection is dropped and nothing about it is kept, so no later batch
+    uses a half-made link."""
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport": "tcp"},
+    )
+    p_agent = native.Agent("p0#0", token=TOKEN.encode(), backend="tcp")
+    buf = bytearray(4096)
+    region = p_agent.register(buf)
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    try:
+        payload = with_worker(
+            agent_metadata=base64.b64encode(bytes(p_agent.metadata())).decode(),
+            layers=[["l0", region.id, 0, 4096, 4096, 1]], fence_region=region.id + 99,
+        )
+        worker.engines["p0"] = _engine_info(raw(payload))
+        with pytest.raises(KvleaseError, match="no region"):
+            worker._link("p0", 0)
+        assert not worker._links
+        # Fixed engine info (a new handshake): the link is made whole.
+        worker._forget_peers("p0")
+        payload["workers"][0]["fence_region"] = region.id
+        worker.engines["p0"] = _engine_info(raw(payload))
+        link = worker._link("p0", 0)
+        assert worker._links[("p0", 0)] is link and link.fence.id == region.id
+        assert link.layers["l0"][0].id == region.id
+    finally:
+        worker.shutdown()
+        p_agent.close()
+
+
+def test_a_failed_batch_drops_only_its_own_link():
+    """D's worker reads from P's workers 0 and 1. A batch that fails on worker 1's
+    connection drops that link only (the next read connects afresh); the link to worker 0
+    and its reads are left alone, and a stale batch (a lease outcome) drops no link."""
+    import torch
+
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport": "tcp"},
+    )
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    p_agents, keep = [], []
+    try:
+        worker.register_kv_caches({"l0": torch.zeros(4, 16, dtype=torch.float16)})
+        page = 16 * 2
+        workers = []
+        for rank in range(2):
+            agent = native.Agent(f"p0#{rank}", token=TOKEN.encode(), backend="tcp")
+            blocks, fence = bytearray(4 * page), bytearray(4 * 8)
+            keep += [blocks, fence]
+            region, fence_region = agent.register(blocks), agent.register(fence)
+            p_agents.append(agent)
+            workers.append({
+                "rank": rank,
+                "agent_metadata": base64.b64encode(bytes(agent.metadata())).decode(),
+                "layers": [["l0", region.id, 0, page, page, 4]],
+                "fence_region": fence_region.id, "kv_format": worker.kv_format,
+            })
+        worker.engines["p0"] = _engine_info(raw(p_payload(tp_size=2, workers=workers)))
+
+        def load(rid, p_rank, fence_block):
+            # generation 5: P's fence words are all 0, so a read that gets that far is stale.
+            worker._post({
+                "request": rid, "engine": "p0", "local_blocks": [0], "remote_blocks": [0],
+                "fence_block": fence_block, "generation": 5,
+                "batches": [{"index": 0, "d_worker": 0, "p_rank": p_rank, "whole": True,
+                             "notif": b"read"}],
+            })
+
+        def results(rid):
+            deadline = time.monotonic() + 30
+            while True:
+                worker.get_finished()
+                meta = worker.build_worker_meta()
+                if meta is not None and rid in meta.batches:
+                    return meta.batches[rid][0]
+                assert time.monotonic() < deadline, f"{rid} never ended"
+                time.sleep(0.01)
+
+        load("stale", 0, 0)
+        assert results("stale")[0] == "stale"
+        link0 = worker._links[("p0", 0)]
+        # Worker 1 refuses the read (the fence word is outside its region): failed.
+        load("failed", 1, 1000)
+        status, _, error = results("failed")
+        assert status == "failed" and "refused" in error, error
+        assert ("p0", 1) not in worker._links
+        assert worker._links[("p0", 0)] is link0
+        # Worker 1 is connected afresh for the next read; worker 0's link still reads.
+        load("again", 1, 0)
+        assert results("again")[0] == "stale" and ("p0", 1) in worker._links
+        load("still", 0, 0)
+        assert results("still")[0] == "stale" and worker._links[("p0", 0)] is link0
+    finally:
+        worker.shutdown()
+        for agent in p_agents:
+            agent.close()
