@@ -7,6 +7,8 @@
 
 use std::sync::Mutex;
 
+use kvlease_engine::{PullDecision, plan_pull};
+
 use super::*;
 use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
 
