@@ -191,6 +191,23 @@ impl DecoderKvParams {
         PeerTimestamp::from_nanos(self.kvlease_deadline_ns)
     }
 
+    /// With the symmetric lease (`kvlease_renew_extension_ms` > 0): the params as a
+    /// heartbeat for the entry that P sent at `sent` (on D's clock) leaves them — D keeps the
+    /// entry until at least `sent` + the extension, so the deadline moves there when that
+    /// is later. `None` when nothing changes (the fixed TTL, or no later bound).
+    pub fn renewed_by_heartbeat(&self, sent: PeerTimestamp) -> Option<Self> {
+        if self.kvlease_renew_extension_ms == 0 {
+            return None;
+        }
+        let until = sent
+            .as_nanos_saturating()
+            .saturating_add(self.kvlease_renew_extension_ms.saturating_mul(1_000_000));
+        (until > self.kvlease_deadline_ns).then(|| Self {
+            kvlease_deadline_ns: until,
+            ..self.clone()
+        })
+    }
+
     /// The params with `elapsed` taken off the relative TTL (saturating at zero): what a
     /// holder forwards after keeping them for `elapsed`.
     #[must_use]

@@ -288,6 +288,34 @@ fn relative_ttl_ages_and_is_read_from_now() {
 }
 
 #[test]
+fn a_heartbeat_moves_a_symmetric_deadline_only_later() {
+    let turn = tokens(32, 1);
+    let fixed = params(&turn, PeerTimestamp::from_millis(0), Duration::from_secs(6));
+    assert_eq!(
+        fixed.renewed_by_heartbeat(PeerTimestamp::from_millis(5_000)),
+        None
+    );
+    let symmetric = DecoderKvParams {
+        kvlease_renew_extension_ms: 4_000,
+        ..fixed
+    };
+    // Sent at 5 s: kept until at least 9 s, later than the 6 s advertised.
+    let renewed = symmetric
+        .renewed_by_heartbeat(PeerTimestamp::from_millis(5_000))
+        .expect("later");
+    assert_eq!(renewed.deadline(), PeerTimestamp::from_millis(9_000));
+    assert_eq!(
+        renewed.kvlease_ttl_remaining,
+        symmetric.kvlease_ttl_remaining
+    );
+    // Sent at 1 s: 5 s is earlier than the deadline, nothing changes.
+    assert_eq!(
+        symmetric.renewed_by_heartbeat(PeerTimestamp::from_millis(1_000)),
+        None
+    );
+}
+
+#[test]
 fn check_names_the_inconsistent_field() {
     let turn = tokens(40, 2);
     let p = params(&turn, PeerTimestamp::from_millis(5), Duration::from_secs(9));
