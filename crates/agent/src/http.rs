@@ -412,7 +412,7 @@ async fn p_run(
     // Bidirectional mode: D's cached-blocks params of the previous turn, passed by the proxy.
     let decoder = match req.kv_transfer_params.as_ref() {
         Some(v) if crate::bidir::is_decoder_params(Some(v)) => {
-            Some(crate::bidir::DecoderKvParams::from_value(v)?)
+            Some(crate::bidir::params_from_value(v)?)
         }
         _ => None,
     };

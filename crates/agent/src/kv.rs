@@ -18,6 +18,10 @@
 use std::fmt;
 use std::ops::Range;
 
+/// The rolling hash of `tokens[0..=i]` for every `i`: the engine's, the one D's
+/// cached-blocks params carry per block.
+pub use kvlease_engine::prefix_hashes;
+
 /// Bytes per KV element (bf16).
 pub const DTYPE_BYTES: usize = 2;
 
@@ -179,18 +183,6 @@ pub const fn mix(mut z: u64) -> u64 {
 /// Byte-level tokenizer: one token per UTF-8 byte.
 pub fn tokenize(prompt: &str) -> Vec<u32> {
     prompt.bytes().map(u32::from).collect()
-}
-
-/// The rolling hash of `tokens[0..=i]` for every `i`.
-pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
-    let mut h = 0x6B76_6C65_6173_6521_u64; // "kvlease!"
-    tokens
-        .iter()
-        .map(|&t| {
-            h = mix(h ^ u64::from(t).wrapping_mul(0xA24B_AED4_963E_E407));
-            h
-        })
-        .collect()
 }
 
 fn coord_key(prefix: u64, layer: u32, kv: u32, head: u32) -> u64 {

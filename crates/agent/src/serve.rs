@@ -23,9 +23,9 @@ use kvlease_gpu_mem::MemoryRequest;
 use kvlease_lease::{DecoderTtl, LeaseConfig, LeaseMode};
 use kvlease_transport::{BackendChoice, Limits};
 
-use crate::bidir::{
-    ClockProbeServer, DeadlineBasis, PeerClock, PullPolicy, test_clock_offset_from_env,
-};
+use kvlease_engine::{DeadlineBasis, PullPolicy};
+
+use crate::bidir::{ClockProbeServer, PeerClock, test_clock_offset_from_env};
 use crate::config::{
     AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, LimitArgs, MemoryChoice,
     PrefillArgs, TransportChoice,

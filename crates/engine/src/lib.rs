@@ -49,13 +49,26 @@
 //! [`DecodeEvent::Finished`]. On P, every job ends in an error from
 //! [`PrefillCore::handle_job`] or [`PrefillCore::handle_prefill_done`], a
 //! [`PrefillEvent::Refused`], or a grant whose lease is released exactly once.
+//!
+//! # Bidirectional multi-turn mode
+//! D keeps a finished turn's blocks in a [`DecoderHold`] (fixed TTL or symmetric lease;
+//! oldest evicted first when a new request needs blocks) and answers with
+//! [`DecoderKvParams`]; P decides with [`plan_pull`] whether the next turn's prompt pulls
+//! the common whole blocks or recomputes. The agents carry the params as JSON and probe
+//! clocks; the simulator drives the same functions under skew and drift.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bidir;
 mod blocks;
 mod decode;
 mod prefill;
 
+pub use bidir::{
+    BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,
+    PullPolicy, RecomputeReason, block_hashes, common_blocks, estimated_deadline, plan_pull,
+    prefix_hashes,
+};
 pub use blocks::BlockSource;
 pub use decode::{
     AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,

@@ -14,7 +14,8 @@
 
 use std::time::Duration;
 
-use kvlease_sim::{BidirConfig, BidirReport, DeadlineBasis, FlightAllowance, run_bidir};
+use kvlease_engine::DeadlineBasis;
+use kvlease_sim::{BidirConfig, BidirReport, FlightAllowance, run_bidir};
 
 fn seeds() -> u64 {
     std::env::var("BIDIR_TTL_SEEDS")

@@ -1,52 +1,48 @@
 //! Bidirectional mode under clock skew: how P learns the deadline of D's cached turn.
 //!
-//! D keeps a finished turn's blocks in the real [`DecoderCache`] with a TTL on D's clock and
-//! tells P the deadline, either as
+//! The decisions are the engine's, as the agents run them: D keeps a finished turn's
+//! blocks in a [`DecoderHold`] (the fixed TTL, on D's clock) and answers with
+//! [`DecoderKvParams`]; P decides with [`plan_pull`] on the next turn's prompt. The
+//! deadline reaches P either as
 //! - [`DeadlineBasis::ClockOffset`]: the absolute deadline on D's clock, which P converts
 //!   with the real [`ClockOffsetEstimator`] (lowest-RTT sample) fed by probes over the
-//!   simulated network (asymmetric one-way delays, jitter) at the handshake, using
-//!   [`ClockOffset::deadline_leaves`] (worst case within the rtt/2 error bound); or
+//!   simulated network (asymmetric one-way delays, jitter) at the handshake (worst case
+//!   within the rtt/2 error bound); or
 //! - [`DeadlineBasis::RelativeTtl`]: the remaining TTL at the moment D sends. The message
-//!   ages in flight by its one-way delay, which P cannot know; P ages the TTL by its own
-//!   elapsed time since receipt and, conservatively, subtracts the **whole** lowest probe
-//!   round trip as the flight time ([`FlightAllowance::FullRtt`], the default: the one-way
-//!   delay of a message on the fast path is at most the round trip; jitter above it is for
-//!   the margin to cover).
+//!   ages in flight by its one-way delay, which P cannot know; P, holding the params until
+//!   the next turn, ages them ([`DecoderKvParams::aged_by`]) by its own elapsed time since
+//!   receipt and, conservatively, by the **whole** lowest probe round trip as the flight
+//!   time ([`FlightAllowance::FullRtt`], the default: the one-way delay of a message on the
+//!   fast path is at most the round trip; jitter above it is for the margin to cover).
 //!
 //! The next turn arrives at P after a think time drawn around the TTL, so that many
-//! decisions fall near the deadline. P pulls when the estimated deadline leaves
-//! `margin + pull_time` after now, else recomputes. A pull's request travels to D (one-way
-//! delay up + jitter), then reads for `pull_time`. The oracle is D's own cache: at the end
-//! of the read D's clock is fed to [`DecoderCache::handle_timeout`]; if the entry is gone the
-//! read saw freed blocks (**unsafe**). A decline whose read would have ended with the entry
-//! still cached is a **needless recompute**.
+//! decisions fall near the deadline. P pulls when [`plan_pull`] finds that the deadline
+//! leaves `margin + pull_time` after now, else recomputes. A pull's request travels to D
+//! (one-way delay up + jitter), then reads for `pull_time`. The oracle is D's own hold: at
+//! the end of the read D's clock is fed to [`DecoderHold::handle_timeout`]; if the entry is
+//! gone the read saw freed blocks (**unsafe**). A decline whose read would have ended with
+//! the entry still held is a **needless recompute**. P's reading of the deadline on its
+//! clock ([`estimated_deadline`]) is compared with the true one for every decision.
 //!
 //! Clocks: P local = base + true; D local = base + skew + true × (1 + drift). Everything is
 //! drawn from the seed, so the same config gives the same [`BidirReport`].
 
 use std::time::Duration;
 
+use kvlease_engine::{
+    DeadlineBasis, DecoderHold, DecoderKvParams, Held, PullDecision, PullPolicy, RecomputeReason,
+    block_hashes, estimated_deadline, plan_pull,
+};
 use kvlease_lease::{
-    BlockId, ClockOffset, ClockOffsetEstimator, DecoderCache, DecoderTtl, PeerTimestamp, RequestId,
-    Timestamp,
+    BlockId, ClockOffset, ClockOffsetEstimator, DecoderTtl, PeerTimestamp, RequestId, Timestamp,
 };
 
 use crate::rng::Rng;
 
-/// How P turns D's deadline into "time left" (the same two choices as the agent's
-/// `DeadlineBasis`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeadlineBasis {
-    /// Absolute D-clock deadline converted with the lowest-RTT clock offset.
-    ClockOffset,
-    /// Remaining TTL on the wire, aged by P's elapsed time and the whole lowest RTT.
-    RelativeTtl,
-}
-
-/// What P subtracts from a relative TTL for its unknown time in flight.
+/// What P takes off a relative TTL for its unknown time in flight (ages the params by).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlightAllowance {
-    /// Nothing (the margin covers the flight; what the agent's `plan_pull` does).
+    /// Nothing (the margin covers the flight; what the agents' proxy does).
     None,
     /// Half the lowest probe RTT (exact only for symmetric paths).
     HalfRtt,
@@ -58,7 +54,7 @@ pub enum FlightAllowance {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BidirBug {
-    /// Offset basis: P reads D's timestamp as if it were its own clock (no conversion).
+    /// Offset basis: P reads D's timestamp as if it were its own clock (a zero offset).
     IgnoreOffset,
     /// Relative basis: P never ages the TTL (neither flight time nor time since receipt).
     UnagedTtl,
@@ -198,6 +194,46 @@ fn signed_ns(t: Timestamp) -> i128 {
     i128::from(t.as_nanos_saturating())
 }
 
+/// Tokens per block, of D and P alike.
+const BLOCK_SIZE: u32 = 16;
+
+/// The tokens of conversation `conv`'s finished turn: one whole block.
+fn turn_tokens(conv: u32) -> Vec<u32> {
+    (0..BLOCK_SIZE).map(|i| conv.wrapping_mul(31) + i).collect()
+}
+
+/// D's answer for a turn of `tokens` kept as `held` in `block` at `d_now` (D's clock), as
+/// the decode agent builds it.
+fn d_answer(
+    request: &RequestId,
+    tokens: &[u32],
+    block: BlockId,
+    held: Held,
+    d_now: Timestamp,
+) -> DecoderKvParams {
+    DecoderKvParams {
+        kvlease_bidir: true,
+        remote_engine_id: "d".into(),
+        remote_host: "d".into(),
+        remote_port: 1,
+        kvlease_clock_port: 2,
+        remote_block_ids: vec![block.0],
+        remote_request_id: request.to_string(),
+        tp_size: 1,
+        kvlease_generation: held.generation.word(),
+        conversation_id: request.to_string(),
+        kvlease_num_tokens: tokens.len() as u32,
+        kvlease_block_size: BLOCK_SIZE,
+        kvlease_block_hashes: block_hashes(tokens, BLOCK_SIZE)
+            .iter()
+            .map(|h| format!("{h:016x}"))
+            .collect(),
+        kvlease_deadline_ns: held.deadline.as_nanos_saturating(),
+        kvlease_ttl_remaining: held.deadline.saturating_duration_since(d_now),
+        kvlease_renew_extension_ms: 0,
+    }
+}
+
 /// Runs one bidirectional world.
 pub fn run_bidir(config: &BidirConfig) -> BidirReport {
     let mut rng = Rng::new(config.seed);
@@ -240,27 +276,48 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
         return report;
     };
     let rtt = offset.rtt();
+    let policy = PullPolicy {
+        threshold_tokens: BLOCK_SIZE,
+        safety_margin: config.margin,
+        basis: config.basis,
+    };
+    // The planted bug: a zero offset, as if D's clock were P's.
+    let p_offset = match config.bug {
+        Some(BidirBug::IgnoreOffset) => ClockOffset::from_nanos(0),
+        _ => offset,
+    };
+    let allowance = match config.flight {
+        FlightAllowance::None => Duration::ZERO,
+        FlightAllowance::HalfRtt => rtt / 2,
+        FlightAllowance::FullRtt => rtt,
+    };
 
     for conv in 0..config.conversations {
-        // D finishes a turn and caches its blocks, then answers P with the deadline.
+        // D finishes a turn and holds its blocks, then answers P with the deadline.
         now += rng.range(0, 2_000_000_000);
         let finish = now;
-        let mut cache = DecoderCache::new(ttl);
+        let mut hold = DecoderHold::new(ttl, false);
         let Ok(request) = RequestId::new(&format!("conv-{conv}")) else {
             report.failures.push(format!("conv {conv}: bad request id"));
             continue;
         };
         let d_now = d_clock.local(finish);
-        let Ok(cached) = cache.insert(d_now, request.clone(), vec![BlockId(conv)]) else {
+        let turn = turn_tokens(conv);
+        let Ok(held) = hold.insert(d_now, request.clone(), vec![BlockId(conv)]) else {
             report.failures.push(format!("conv {conv}: insert failed"));
             continue;
         };
-        let deadline_peer = PeerTimestamp::from_nanos(cached.deadline.as_nanos_saturating());
-        let remaining = cached.deadline.saturating_duration_since(d_now);
+        let answer = d_answer(&request, &turn, BlockId(conv), held, d_now);
+        if let Err(e) = answer.check() {
+            report
+                .failures
+                .push(format!("conv {conv}: D's params: {e}"));
+        }
         let received = finish + down(&mut rng);
         let p_received = p_clock.local(received);
 
-        // The next turn arrives after a think time around the TTL.
+        // The next turn (the finished one and more) arrives after a think time around the
+        // TTL.
         let ttl_ns = nanos(config.ttl);
         let think = rng.range(
             ttl_ns.saturating_sub(20_000_000_000),
@@ -268,36 +325,71 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
         );
         let decide = received + think;
         let p_now = p_clock.local(decide);
+        let mut prompt = turn;
+        prompt.extend(0..BLOCK_SIZE / 2);
 
-        // P's estimate of the deadline, on its own clock.
-        let estimate: Timestamp = match (config.basis, config.bug) {
-            (DeadlineBasis::ClockOffset, Some(BidirBug::IgnoreOffset)) => {
-                ClockOffset::from_nanos(0).to_local(deadline_peer)
-            }
-            (DeadlineBasis::ClockOffset, _) => offset.to_local_earliest(deadline_peer),
-            (DeadlineBasis::RelativeTtl, Some(BidirBug::UnagedTtl)) => p_now + remaining,
+        // What P holds at the decision, and its reading of the deadline: the relative TTL
+        // is read on arrival (less the flight allowance) and aged until the decision.
+        let (estimate, seen) = match (config.basis, config.bug) {
+            (DeadlineBasis::RelativeTtl, Some(BidirBug::UnagedTtl)) => (
+                estimated_deadline(config.basis, &answer, p_now, None),
+                answer,
+            ),
             (DeadlineBasis::RelativeTtl, _) => {
-                let allowance = match config.flight {
-                    FlightAllowance::None => Duration::ZERO,
-                    FlightAllowance::HalfRtt => rtt / 2,
-                    FlightAllowance::FullRtt => rtt,
-                };
-                (p_received + remaining) - allowance
+                let arrived = answer.aged_by(allowance);
+                (
+                    estimated_deadline(config.basis, &arrived, p_received, None),
+                    arrived.aged_by(p_now.saturating_duration_since(p_received)),
+                )
+            }
+            (DeadlineBasis::ClockOffset, _) => (
+                estimated_deadline(config.basis, &answer, p_now, Some(p_offset)),
+                answer,
+            ),
+        };
+        let Some(estimate) = estimate else {
+            report
+                .failures
+                .push(format!("conv {conv}: no deadline estimate"));
+            continue;
+        };
+        let decision = plan_pull(
+            &policy,
+            &seen,
+            &prompt,
+            BLOCK_SIZE,
+            p_now,
+            Some(p_offset),
+            config.pull_time,
+        );
+        let pull = match decision {
+            PullDecision::Pull { blocks, .. } => {
+                if blocks != [BlockId(conv)] {
+                    report
+                        .failures
+                        .push(format!("conv {conv}: pull of {blocks:?}, D holds {conv}"));
+                }
+                true
+            }
+            PullDecision::Recompute(RecomputeReason::DeadlineTooClose) => false,
+            PullDecision::Recompute(other) => {
+                report
+                    .failures
+                    .push(format!("conv {conv}: recompute for {other:?}"));
+                false
             }
         };
-        let needed = config.margin.saturating_add(config.pull_time);
-        let pull = p_now.checked_add(needed).is_some_and(|n| estimate >= n);
 
-        // The oracle: the true deadline on P's clock, and D's cache at the read's end.
-        let free_true = d_clock.true_at(signed_ns(cached.deadline));
+        // The oracle: the true deadline on P's clock, and D's hold at the read's end.
+        let free_true = d_clock.true_at(signed_ns(held.deadline));
         let true_deadline_p = p_clock.local_ns(free_true);
         let err = signed_ns(estimate) - true_deadline_p;
         report
             .deadline_errors_ns
             .push(i64::try_from(err).unwrap_or(i64::MAX));
         let read_end = decide + up(&mut rng) + nanos(config.pull_time);
-        cache.handle_timeout(d_clock.local(read_end));
-        let live = cache.deadline(&request).is_some();
+        hold.handle_timeout(d_clock.local(read_end));
+        let live = hold.deadline(&request).is_some();
         report.decisions += 1;
         match (pull, live) {
             (true, true) => report.safe_pulls += 1,

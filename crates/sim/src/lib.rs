@@ -115,8 +115,10 @@
 //!
 //! # Bidirectional mode
 //! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
-//! and compares how P learns their deadline: absolute D timestamps converted with the
-//! clock-offset estimate, or relative TTLs on the wire (see [`BidirConfig`]).
+//! driving the engine's bidirectional decisions (D's [`DecoderHold`](kvlease_engine::DecoderHold),
+//! P's [`plan_pull`](kvlease_engine::plan_pull)), and compares how P learns their deadline:
+//! absolute D timestamps converted with the clock-offset estimate, or relative TTLs on the
+//! wire (see [`BidirConfig`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -125,7 +127,7 @@ mod config;
 mod rng;
 mod world;
 
-pub use bidir::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, FlightAllowance, run_bidir};
+pub use bidir::{BidirBug, BidirConfig, BidirReport, FlightAllowance, run_bidir};
 pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};

@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use kvlease_sim::{BidirBug, BidirConfig, BidirReport, DeadlineBasis, run_bidir, scenario_seeds};
+use kvlease_engine::DeadlineBasis;
+use kvlease_sim::{BidirBug, BidirConfig, BidirReport, run_bidir, scenario_seeds};
 
 const BASES: [DeadlineBasis; 2] = [DeadlineBasis::ClockOffset, DeadlineBasis::RelativeTtl];
 

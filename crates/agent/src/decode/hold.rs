@@ -1,6 +1,8 @@
 //! D's bidirectional mode: keeping a finished turn's blocks for P to pull, evicting and
 //! expiring them.
 
+use kvlease_engine::{DecoderKvParams, block_hashes};
+
 use super::*;
 
 impl DecodeEngine {
@@ -51,7 +53,6 @@ impl DecodeEngine {
                 return None;
             }
         };
-        self.cache_order.push_back(cache_id.clone());
         for w in &self.workers {
             if let Some((f, _)) = &w.fence
                 && let Err(e) = f.publish(blocks, held.generation.word())
@@ -75,22 +76,18 @@ impl DecodeEngine {
             conversation_id: req.job.conversation_id.clone().unwrap_or_default(),
             kvlease_num_tokens: tokens.len() as u32,
             kvlease_block_size: bs,
-            kvlease_block_hashes: bidir::block_hashes(tokens, bs)
+            kvlease_block_hashes: block_hashes(tokens, bs)
                 .into_iter()
                 .map(|h| format!("{h:016x}"))
                 .collect(),
             kvlease_deadline_ns: deadline_ns,
-            kvlease_ttl_remaining_ms: deadline_ns.saturating_sub(now.as_nanos_saturating())
-                / 1_000_000,
-            kvlease_renew_extension_ms: match &*hold {
-                DecoderHold::Symmetric(t) => t.config().extension().as_millis() as u64,
-                DecoderHold::Fixed(_) => 0,
-            },
+            kvlease_ttl_remaining: held.deadline.saturating_duration_since(now),
+            kvlease_renew_extension_ms: hold.renew_extension().map_or(0, |e| e.as_millis() as u64),
         };
         self.metrics
             .decoder_cached_blocks
             .set(hold.blocks_held() as i64);
-        Some(params.to_value())
+        Some(bidir::params_to_value(&params))
     }
 
     /// Frees the oldest cached turn still held, so that a new request gets its blocks;
@@ -103,15 +100,13 @@ impl DecodeEngine {
         let Some(hold) = self.hold.as_mut() else {
             return false;
         };
-        while let Some(id) = self.cache_order.pop_front() {
-            if hold.read_complete(now, &id) {
-                self.metrics.decoder_cache_evicted.inc();
-                tracing::info!(request = %id, "cached turn evicted for a new request");
-                self.drain_cache();
-                return true;
-            }
-        }
-        false
+        let Some(id) = hold.evict_oldest(now) else {
+            return false;
+        };
+        self.metrics.decoder_cache_evicted.inc();
+        tracing::info!(request = %id, "cached turn evicted for a new request");
+        self.drain_cache();
+        true
     }
 
     /// Frees the cached turns whose TTL passed.
@@ -133,9 +128,6 @@ impl DecodeEngine {
             released.push(r);
         }
         let held = hold.blocks_held();
-        if held == 0 {
-            self.cache_order.clear();
-        }
         for r in released {
             for w in &self.workers {
                 if let Some((f, _)) = &w.fence

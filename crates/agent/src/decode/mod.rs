@@ -16,7 +16,7 @@
 //!    digest against P's;
 //! 6. decode one token for every running request; a finished one frees its blocks.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use kvlease_engine::{
     AdmitError, BatchResult, Cause, DecodeConfig as CoreConfig, DecodeCore,
-    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, LoadError, LoadPlan, Outcome, RemoteEngine,
-    RemoteKv, TransmitKind,
+    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, DecoderHold, LoadError, LoadPlan, Outcome,
+    RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -36,7 +36,7 @@ use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{ApiError, RemoteParams, TransferStats};
-use crate::bidir::{self, DecoderHold, DecoderKvParams, PeerClock};
+use crate::bidir::{self, PeerClock};
 use crate::config::LoadFailurePolicy;
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
@@ -106,8 +106,9 @@ pub struct Summary {
     pub kv_digest: String,
     /// Transfer statistics.
     pub stats: TransferStats,
-    /// Bidirectional mode: D's cached-blocks params ([`DecoderKvParams`]) for P's next
-    /// turn; `None` when D does not keep the turn.
+    /// Bidirectional mode: D's cached-blocks params
+    /// ([`DecoderKvParams`](kvlease_engine::DecoderKvParams)) for P's next turn; `None` when
+    /// D does not keep the turn.
     pub kv_transfer_params: Option<serde_json::Value>,
 }
 
@@ -225,8 +226,6 @@ pub struct DecodeEngine {
     worker_metadata: Vec<Vec<u8>>,
     /// Bidirectional mode: finished turns kept for P (on [`DecodeBidir::clock`]).
     hold: Option<DecoderHold>,
-    /// Cached turns in insertion order (some may be gone already), for eviction.
-    cache_order: VecDeque<RequestId>,
 }
 
 impl DecodeEngine {
@@ -290,7 +289,6 @@ impl DecodeEngine {
                 .bidir
                 .as_ref()
                 .map(|b| DecoderHold::new(b.ttl, b.symmetric)),
-            cache_order: VecDeque::new(),
             cfg,
             metrics,
             workers,

@@ -21,8 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvlease_engine::{
-    Peer, PrefillAction, PrefillConfig as CoreConfig, PrefillCore, PrefillError, PrefillEvent,
-    PrefillNotif,
+    DecoderKvParams, Peer, PrefillAction, PrefillConfig as CoreConfig, PrefillCore, PrefillError,
+    PrefillEvent, PrefillNotif, PullPolicy,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::api::{ApiError, RemoteParams};
-use crate::bidir::{DecoderKvParams, PeerClock, PullDecision, PullPolicy, plan_pull, probe_clock};
+use crate::bidir::{PeerClock, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{Metrics, ReleaseReason as MetricReason};

@@ -7,6 +7,8 @@
 
 use std::sync::Mutex;
 
+use kvlease_engine::{PullDecision, plan_pull};
+
 use super::*;
 use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
 
@@ -243,23 +245,14 @@ impl PullCtx {
             }
             Err(e) => tracing::info!(%engine, error = %e, %probe, "clock probe address"),
         }
-        // Symmetric lease: a heartbeat sent at t0 keeps the entry until at least
-        // t0 (on D's clock) + the extension.
+        // Symmetric lease: the last heartbeat for the entry, sent at t0, renewed it.
         let renewed;
         let mut params = params;
         if let (Some(t0), Some(offset)) = (heartbeat_t0, est.offset())
-            && params.kvlease_renew_extension_ms > 0
+            && let Some(p) = params.renewed_by_heartbeat(offset.to_peer(t0))
         {
-            let until = offset
-                .to_peer(t0)
-                .as_nanos_saturating()
-                .saturating_add(params.kvlease_renew_extension_ms.saturating_mul(1_000_000));
-            if until > params.kvlease_deadline_ns {
-                let mut p = params.clone();
-                p.kvlease_deadline_ns = until;
-                renewed = p;
-                params = &renewed;
-            }
+            renewed = p;
+            params = &renewed;
         }
         let block_bytes: usize = self.workers.iter().map(|w| w.block_bytes).sum();
         let bytes = block_bytes as f64 * params.remote_block_ids.len() as f64;

@@ -29,7 +29,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::bidir::{DecoderKvParams, is_decoder_params};
+use kvlease_engine::DecoderKvParams;
+
+use crate::bidir::{is_decoder_params, params_from_value, params_to_value};
 
 mod store;
 
@@ -658,7 +660,7 @@ impl Proxy {
             "remote_port": null,
         });
         if let (Some(Value::Object(d)), Some(p)) =
-            (cached.map(|c| c.to_value()), params.as_object_mut())
+            (cached.map(|c| params_to_value(&c)), params.as_object_mut())
         {
             p.extend(d);
             p.insert("do_remote_decode".to_owned(), json!(true));
@@ -812,7 +814,7 @@ impl Proxy {
         if !is_decoder_params(Some(v)) {
             return;
         }
-        match DecoderKvParams::from_value(v) {
+        match params_from_value(v) {
             Ok(p) => {
                 if let Ok(mut store) = self.inner.conversations.lock() {
                     store.remember(key.clone(), p, Instant::now());

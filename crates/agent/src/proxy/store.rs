@@ -4,9 +4,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use kvlease_engine::DecoderKvParams;
 use serde_json::Value;
 
-use crate::bidir::DecoderKvParams;
 use crate::kv;
 
 /// The key that associates turns: the request's `conversation_id` when it has one, else a
@@ -44,9 +44,8 @@ impl ConversationStore {
 
     /// Remembers D's params for `key` (replacing the previous turn's).
     pub fn remember(&mut self, key: String, params: DecoderKvParams, now: Instant) {
-        self.entries.retain(|_, (p, at)| {
-            now.saturating_duration_since(*at) < Duration::from_millis(p.kvlease_ttl_remaining_ms)
-        });
+        self.entries
+            .retain(|_, (p, at)| now.saturating_duration_since(*at) < p.kvlease_ttl_remaining);
         if self.entries.len() >= self.cap
             && !self.entries.contains_key(&key)
             && let Some(oldest) = self
@@ -64,8 +63,12 @@ impl ConversationStore {
     /// already past their TTL.
     pub fn take(&mut self, key: &str, now: Instant) -> Option<DecoderKvParams> {
         let (p, at) = self.entries.remove(key)?;
-        let p = p.aged_by(now.saturating_duration_since(at));
-        (p.kvlease_ttl_remaining_ms > 0).then_some(p)
+        // Aged by whole milliseconds, the precision of the TTL on the wire.
+        let held = now.saturating_duration_since(at).as_millis();
+        let p = p.aged_by(Duration::from_millis(
+            u64::try_from(held).unwrap_or(u64::MAX),
+        ));
+        (!p.kvlease_ttl_remaining.is_zero()).then_some(p)
     }
 
     /// Conversations held.
