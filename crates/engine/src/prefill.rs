@@ -315,13 +315,23 @@ struct Waiting {
 ///    releases, for the client and the metrics).
 ///
 /// There is no heartbeat thread: heartbeats are handled in step 3.
+///
+/// # Order
+/// Everything the core hands out comes in an order defined by its inputs, never by a
+/// hash: the queue is served in arrival order, the reaper releases in deadline order (then
+/// grant order, see [`LeaseTable`]), and the actions and events of one input come in the
+/// order the table released. The two hash maps (`prefilling`, `claims`) are looked up,
+/// never walked: `claims` holds one entry per lease (up to the table's millions) and is
+/// read for every id of every heartbeat, so it keeps O(1) lookups.
 #[derive(Debug)]
 pub struct PrefillCore<A> {
     config: PrefillConfig,
     table: LeaseTable,
     blocks: Blocks,
     waiting: VecDeque<Waiting>,
+    /// Looked up only, never iterated (its order would be the hash's).
     prefilling: HashMap<RequestId, Vec<BlockId>>,
+    /// Looked up only, never iterated (its order would be the hash's).
     claims: HashMap<RequestId, Claim<A>>,
     actions: VecDeque<PrefillAction<A>>,
     events: VecDeque<PrefillEvent>,

@@ -191,6 +191,7 @@ impl World {
     /// Drains the core's actions and events (after every input).
     pub(super) fn p_drain(&mut self, p: usize, local_ns: u64) {
         while let Some(action) = self.p[p].core.poll_action() {
+            self.note(|| format!("P{p} action {action:?}"));
             match action {
                 PrefillAction::ClearFences { released } => {
                     if self.config.bug != Some(Bug::SkipFenceClear) {
@@ -230,6 +231,7 @@ impl World {
             }
         }
         while let Some(event) = self.p[p].core.poll_event() {
+            self.note(|| format!("P{p} event {event:?}"));
             if let PrefillEvent::Refused { request, .. } = event {
                 self.p[p].pending.remove(&request);
                 if self.config.bug != Some(Bug::DropRefusals) {
