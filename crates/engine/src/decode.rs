@@ -305,12 +305,15 @@ impl DecodeCore {
         &mut self,
         now: Timestamp,
         engine: &EngineId,
-        result: Result<RemoteEngine, (bool, Cause)>,
+        result: Result<RemoteEngine, HandshakeError>,
     ) {
         // P's answer is peer input: a TP size that does not split the heads (0 planned no
         // batch at all, and the load never ended) fails the handshake.
         let result = result.and_then(|info| match self.tp_misfit(info.tp_size) {
-            Some(e) => Err((false, Arc::new(e) as Cause)),
+            Some(_) => Err(HandshakeError::TpSize {
+                p_tp: info.tp_size,
+                heads: self.config.num_kv_heads,
+            }),
             None => Ok(info),
         });
         match result {
@@ -341,14 +344,13 @@ impl DecodeCore {
                     Some(LoadError::Post { source })
                 });
             }
-            Err((auth, source)) => {
+            Err(source) => {
                 self.remotes.remove(engine);
                 // Only waiting requests exist for an engine that never became ready.
                 self.fail_waiting(engine, |_| {
                     Some(LoadError::Handshake {
                         engine: engine.clone(),
-                        auth,
-                        source: Arc::clone(&source),
+                        source: source.clone(),
                     })
                 });
             }

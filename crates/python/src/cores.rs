@@ -1002,8 +1002,12 @@ impl DecodeCore {
     ) -> PyResult<()> {
         let now = at(py, now)?;
         let engine = engine_id(py, engine)?;
-        self.core
-            .handle_handshake(now, &engine, Err((auth, cause(message))));
+        let error = if auth {
+            engine::HandshakeError::Auth(cause(message))
+        } else {
+            engine::HandshakeError::Other(cause(message))
+        };
+        self.core.handle_handshake(now, &engine, Err(error));
         Ok(())
     }
 

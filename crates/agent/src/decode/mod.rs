@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use kvlease_engine::{
     AdmitError, BatchResult, Cause, DecodeConfig as CoreConfig, DecodeCore,
-    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, LoadError, LoadPlan, Outcome, RemoteEngine,
-    RemoteKv, TransmitKind,
+    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, HandshakeError, LoadError, LoadPlan,
+    Outcome, RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -53,6 +53,7 @@ mod hold;
 mod reads;
 
 pub use errors::{ReadSetupError, VerifyError};
+use errors::{handshake_api, handshake_error};
 use reads::{build_ops, handshake, verify_worker};
 
 /// A decode request handed from HTTP to the engine.
@@ -489,9 +490,8 @@ impl DecodeEngine {
                 Err(e) => {
                     tracing::error!(error = %e, "cannot spawn the handshake thread");
                     let now = self.now();
-                    let cause: Cause = Arc::new(HandshakeFailure::Thread);
-                    self.core
-                        .handle_handshake(now, &hs.engine, Err((false, cause)));
+                    let error = handshake_error(HandshakeFailure::Thread);
+                    self.core.handle_handshake(now, &hs.engine, Err(error));
                 }
             }
         }
@@ -540,9 +540,8 @@ impl DecodeEngine {
                     self.metrics.handshake(outcome).inc();
                     tracing::warn!(%engine, error = %e, "handshake failed");
                     self.remotes.remove(&engine);
-                    let auth = e.is_auth();
-                    let cause: Cause = Arc::new(e);
-                    self.core.handle_handshake(now, &engine, Err((auth, cause)));
+                    self.core
+                        .handle_handshake(now, &engine, Err(handshake_error(e)));
                 }
             }
         }
@@ -959,9 +958,9 @@ impl DecodeEngine {
     /// The HTTP answer to a failed load, by `load_failure_policy`.
     fn load_error(&self, e: &LoadError) -> ApiError {
         if let LoadError::Handshake { source, .. } = e
-            && let Some(h) = source.downcast_ref::<HandshakeFailure>()
+            && let Some(api) = handshake_api(source)
         {
-            return h.to_api();
+            return api;
         }
         self.metrics.kv_load_failures.inc();
         let message = error_chain(e);

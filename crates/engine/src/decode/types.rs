@@ -316,11 +316,9 @@ pub enum LoadError {
     Handshake {
         /// P's engine.
         engine: EngineId,
-        /// Whether P refused our proof (wrong cluster token).
-        auth: bool,
-        /// The cause.
+        /// Why.
         #[source]
-        source: Cause,
+        source: HandshakeError,
     },
     /// The connection to P was lost, or P restarted, before the KV was read.
     #[error("engine {engine} went away or restarted before the KV was read")]
@@ -334,7 +332,56 @@ impl LoadError {
     /// Whether the request may be prefilled again and succeed (every load failure but a
     /// wrong cluster token).
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Self::Handshake { auth: true, .. })
+        !matches!(
+            self,
+            Self::Handshake {
+                source: HandshakeError::Auth(_),
+                ..
+            }
+        )
+    }
+}
+
+/// Why a handshake with a P engine failed: what the shell reports to
+/// [`DecodeCore::handle_handshake`](super::DecodeCore::handle_handshake) (every variant
+/// but [`TpSize`](Self::TpSize), each carrying the shell's own error), or the core's own
+/// check of P's answer. The core and the shells decide by the variant; the shell's error
+/// is there for the message (each variant shows it as it is, sources included).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HandshakeError {
+    /// A proof was refused, ours or P's (the cluster tokens differ): retrying cannot help.
+    #[error(transparent)]
+    Auth(Cause),
+    /// This engine's policy refuses P's address.
+    #[error(transparent)]
+    NotAllowed(Cause),
+    /// The engine the request names is not there as named: its side channel did not
+    /// answer, or answered as another engine, with a model of another shape, or with
+    /// engine or worker info that does not parse.
+    #[error(transparent)]
+    NotFound(Cause),
+    /// P answered, but its workers could not be connected (or the shell's handshake could
+    /// not run at all).
+    #[error(transparent)]
+    Connect(Cause),
+    /// Any other failure, from a shell that does not tell them apart.
+    #[error(transparent)]
+    Other(Cause),
+    /// P's TP size does not divide the model's heads (P's answer, checked by the core;
+    /// 0 would plan no read at all).
+    #[error("{p_tp} does not divide num_kv_heads {heads}")]
+    TpSize {
+        /// P's TP size.
+        p_tp: u32,
+        /// Heads.
+        heads: u32,
+    },
+}
+
+impl HandshakeError {
+    /// Whether P refused our proof, or we refused P's.
+    pub fn is_auth(&self) -> bool {
+        matches!(self, Self::Auth(_))
     }
 }
 

@@ -53,7 +53,7 @@ impl World {
                             .with_instance(instance_of(incarnation)),
                     )
                 }
-                None => Err((false, cause("P engine unreachable"))),
+                None => Err(HandshakeError::Connect(cause("P engine unreachable"))),
             };
             self.d[d].core.handle_handshake(local, &engine, result);
             self.d_drain(d);

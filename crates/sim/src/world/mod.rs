@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_engine::{
-    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, LoadError, LoadPlan,
-    Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent, PrefillNotif,
-    RemoteEngine, RemoteKv, TransmitKind,
+    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError,
+    LoadError, LoadPlan, Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent,
+    PrefillNotif, RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_lease::{
     ConsumerId, EngineId, Generation, LeaseConfig, LeaseMode, ReadCompleteOutcome, ReleaseReason,
