@@ -23,9 +23,8 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use kvlease_engine::{
-    AdmitError, BatchResult, Cause, DecodeConfig as CoreConfig, DecodeCore,
-    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, HandshakeError, LoadError, LoadPlan,
-    Outcome, RemoteEngine, RemoteKv, TransmitKind,
+    AdmitError, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
+    HandshakeError, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -72,7 +71,7 @@ pub struct DecodeJob {
     /// When the HTTP layer got it.
     pub arrived: Instant,
     /// Tokens, then the end or the error.
-    pub events: mpsc::UnboundedSender<DecodeEvent>,
+    pub events: mpsc::UnboundedSender<DecodeStreamEvent>,
 }
 
 /// What the HTTP layer sends D's engine.
@@ -91,7 +90,7 @@ pub enum Job {
 
 /// What a decode request produces, in order.
 #[derive(Debug)]
-pub enum DecodeEvent {
+pub enum DecodeStreamEvent {
     /// One output token's text.
     Token(String),
     /// The request finished.
@@ -132,7 +131,7 @@ pub struct DecodeBidir {
 
 /// How to build a D engine.
 #[derive(Debug, Clone)]
-pub struct DecodeConfig {
+pub struct DecodeAgentConfig {
     /// This engine.
     pub engine_id: EngineId,
     /// Workers.
@@ -214,7 +213,7 @@ struct Req {
 /// decision) and does the IO: transport endpoints, handshakes, reads, verification, the
 /// model's tokens and the client's events.
 pub struct DecodeEngine {
-    cfg: DecodeConfig,
+    cfg: DecodeAgentConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
     core: DecodeCore,
@@ -235,7 +234,7 @@ impl DecodeEngine {
     ///
     /// # Errors
     /// [`EngineError`] naming the step that failed.
-    pub fn new(cfg: DecodeConfig, metrics: Metrics) -> Result<Self, EngineError> {
+    pub fn new(cfg: DecodeAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
             let (layout, pool) =
@@ -269,7 +268,7 @@ impl DecodeEngine {
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
         let worker_metadata = workers.iter().map(|w| w.agent.metadata()).collect();
         let core = DecodeCore::new(
-            CoreConfig::new(
+            DecodeConfig::new(
                 cfg.engine_id.clone(),
                 cfg.tp_size,
                 cfg.shape.num_kv_heads,
@@ -395,7 +394,7 @@ impl DecodeEngine {
         match job {
             Job::Decode(job) => {
                 if let Err((job, e)) = self.admit(job) {
-                    let _ = job.events.send(DecodeEvent::Failed(e));
+                    let _ = job.events.send(DecodeStreamEvent::Failed(e));
                 }
                 self.start_handshakes();
                 self.drain_events();
@@ -602,14 +601,14 @@ impl DecodeEngine {
             };
             for m in msgs {
                 match self.core.handle_notif(&engine, &m) {
-                    CoreNotif::Expired { .. } => {
+                    DecodeNotif::Expired { .. } => {
                         self.metrics.expiry_notices_received.inc();
                     }
-                    CoreNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
+                    DecodeNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
                         cache_heartbeats.extend(ids);
                     }
-                    CoreNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
-                    CoreNotif::Malformed(e) => {
+                    DecodeNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
+                    DecodeNotif::Malformed(e) => {
                         self.metrics.notif_malformed.inc();
                         tracing::debug!(error = %e, %from, "malformed notification");
                     }
@@ -875,7 +874,7 @@ impl DecodeEngine {
                 continue;
             };
             if let Some(t) = text.get(*next) {
-                let _ = req.job.events.send(DecodeEvent::Token(t.clone()));
+                let _ = req.job.events.send(DecodeStreamEvent::Token(t.clone()));
                 *next += 1;
                 self.metrics.decode_tokens.inc();
             }
@@ -900,7 +899,7 @@ impl DecodeEngine {
     fn drain_events(&mut self) {
         while let Some(ev) = self.core.poll_event() {
             match ev {
-                CoreEvent::Loaded {
+                DecodeEvent::Loaded {
                     request,
                     blocks,
                     bytes,
@@ -912,10 +911,10 @@ impl DecodeEngine {
                     let now = self.now();
                     self.send_transmits(now);
                 }
-                CoreEvent::HandshakeDone { engine } => {
+                DecodeEvent::HandshakeDone { engine } => {
                     tracing::debug!(%engine, "requests of the engine may be scheduled");
                 }
-                CoreEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
+                DecodeEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
                 _ => {}
             }
         }
@@ -924,8 +923,8 @@ impl DecodeEngine {
     fn on_finished(&mut self, id: &RequestId, outcome: Outcome) {
         let event = match outcome {
             Outcome::Done => match self.reqs.get_mut(id).and_then(|r| r.decoding.take()) {
-                Some((_, _, summary)) => DecodeEvent::Done(summary),
-                None => DecodeEvent::Failed(ApiError::new(
+                Some((_, _, summary)) => DecodeStreamEvent::Done(summary),
+                None => DecodeStreamEvent::Failed(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "internal_error",
                     "finished without a decode",
@@ -933,14 +932,16 @@ impl DecodeEngine {
             },
             Outcome::Failed(e) => {
                 tracing::warn!(request = %id, error = %error_chain(&e), "KV load failed; no output");
-                DecodeEvent::Failed(self.load_error(&e))
+                DecodeStreamEvent::Failed(self.load_error(&e))
             }
-            Outcome::Aborted => DecodeEvent::Failed(ApiError::new(
+            Outcome::Aborted => DecodeStreamEvent::Failed(ApiError::new(
                 StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
                 "aborted",
                 format!("request {id} was aborted"),
             )),
-            _ => DecodeEvent::Failed(ApiError::overloaded("the decode engine is shutting down")),
+            _ => DecodeStreamEvent::Failed(ApiError::overloaded(
+                "the decode engine is shutting down",
+            )),
         };
         let Some(req) = self.reqs.get_mut(id) else {
             return;

@@ -21,8 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvlease_engine::{
-    Peer, PrefillAction, PrefillConfig as CoreConfig, PrefillCore, PrefillError, PrefillEvent,
-    PrefillNotif,
+    Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent, PrefillNotif,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -36,7 +35,7 @@ use crate::api::{ApiError, RemoteParams};
 use crate::bidir::{DecoderKvParams, PeerClock, PullDecision, PullPolicy, plan_pull, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
-use crate::metrics::{Metrics, ReleaseReason as MetricReason};
+use crate::metrics::{self, Metrics};
 use crate::shell::{EngineError, engine_of_peer, host_port, instance_now, rank_pool};
 use crate::sidechannel::{self, Hello};
 
@@ -107,7 +106,7 @@ struct DRemote {
 
 /// How to build a P engine.
 #[derive(Debug, Clone)]
-pub struct PrefillConfig {
+pub struct PrefillAgentConfig {
     /// This engine.
     pub engine_id: EngineId,
     /// Workers.
@@ -192,7 +191,7 @@ struct Pending {
 /// lease decision) and does the IO: pools, fence words, transport endpoints, the compute
 /// stand-in, the client's answer.
 pub struct PrefillEngine {
-    cfg: PrefillConfig,
+    cfg: PrefillAgentConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
     core: PrefillCore<String>,
@@ -242,7 +241,7 @@ impl PrefillEngine {
     ///
     /// # Errors
     /// [`EngineError`] naming the step that failed.
-    pub fn new(cfg: PrefillConfig, metrics: Metrics) -> Result<Self, EngineError> {
+    pub fn new(cfg: PrefillAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
             let (layout, pool) =
@@ -284,7 +283,7 @@ impl PrefillEngine {
             .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
         let max_consumers = cfg.shape.num_kv_heads.max(cfg.tp_size);
         let core = PrefillCore::new(
-            CoreConfig::new(
+            PrefillConfig::new(
                 cfg.engine_id.clone(),
                 cfg.tp_size,
                 cfg.num_blocks,
@@ -750,9 +749,9 @@ impl PrefillEngine {
 
     fn release(&mut self, r: &Released) {
         let reason = match r.reason {
-            ReleaseReason::Completed => MetricReason::Completed,
-            ReleaseReason::Expired => MetricReason::Expired,
-            _ => MetricReason::Aborted,
+            ReleaseReason::Completed => metrics::ReleaseReason::Completed,
+            ReleaseReason::Expired => metrics::ReleaseReason::Expired,
+            _ => metrics::ReleaseReason::Aborted,
         };
         self.metrics.lease_released(reason).inc();
         if r.reason == ReleaseReason::Expired {
