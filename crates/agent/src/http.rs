@@ -45,7 +45,6 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// What an HTTP client may make an agent spend (the `--http-*` and
 /// `--health-engine-stall-ms` flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct HttpLimits {
     /// Connections open at once; more are closed at accept and counted
     /// (`kvlease_http_connections_refused_total`). Default 256.

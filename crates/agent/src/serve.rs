@@ -45,7 +45,6 @@ const JOB_QUEUE: usize = 4096;
 
 /// Why an agent stopped with an error.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ServeError {
     /// The engine could not start.
     #[error(transparent)]

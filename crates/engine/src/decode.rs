@@ -430,7 +430,7 @@ impl DecodeCore {
                 ids.iter().filter_map(|i| RequestId::new(i).ok()).collect(),
             ),
             Ok(Notif::ReadComplete(rc)) => DecodeNotif::CacheReadComplete(rc.request),
-            Ok(_) => DecodeNotif::Ignored,
+            Ok(Notif::Abort(_) | Notif::App(_)) => DecodeNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 DecodeNotif::Malformed(e)

@@ -26,7 +26,6 @@ pub struct Peer<A> {
 
 /// How to build a [`PrefillCore`].
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct PrefillConfig {
     /// This engine.
     pub engine_id: EngineId,
@@ -104,7 +103,6 @@ impl PrefillConfig {
 
 /// Why P refused or could not finish a request. Typed: the HTTP edge maps it to a status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum PrefillError {
     /// The prompt needs more blocks than a pool has.
     #[error("the prompt needs {needed} blocks, the pool has {pool}")]
@@ -172,7 +170,6 @@ impl PrefillError {
 /// A request whose blocks were allocated: compute and fill them, then call
 /// [`PrefillCore::handle_prefill_done`] (or [`handle_prefill_failed`](PrefillCore::handle_prefill_failed)).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct PrefillStart {
     /// The request.
     pub request: RequestId,
@@ -185,7 +182,6 @@ pub struct PrefillStart {
 /// A granted lease: publish `generation` in every worker's fence words of `blocks`, then
 /// answer with the request's transfer parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Granted {
     /// The request.
     pub request: RequestId,
@@ -200,7 +196,6 @@ pub struct Granted {
 /// Something the shell must do, drained with [`PrefillCore::poll_action`] after every
 /// input and before the next [`poll_prefill`](PrefillCore::poll_prefill).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillAction<A> {
     /// A lease ended: publish [`Generation::FREE_WORD`] in every worker's fence words of
     /// `blocks` **now**. The core hands the blocks to the next allocation only after this
@@ -221,7 +216,6 @@ pub enum PrefillAction<A> {
 
 /// What [`PrefillCore::handle_notif`] did with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillNotif {
     /// A heartbeat. Ids of leases another D engine owns were not applied.
     Heartbeat {
@@ -261,7 +255,6 @@ pub enum PrefillNotif {
 
 /// Counters of a [`PrefillCore`], cumulative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct PrefillStats {
     /// Jobs taken.
     pub jobs: u64,
@@ -340,7 +333,6 @@ pub struct PrefillCore<A> {
 
 /// What the core reports, drained with [`PrefillCore::poll_event`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillEvent {
     /// A queued request was refused (no blocks within the pool wait, shutdown): answer the
     /// client with `error`. Every job ends in exactly one of this, an error from
@@ -734,7 +726,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                     PrefillNotif::Foreign { request: a.request }
                 }
             }
-            Ok(_) => PrefillNotif::Ignored,
+            Ok(Notif::Expired(_) | Notif::App(_)) => PrefillNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 PrefillNotif::Malformed(e)

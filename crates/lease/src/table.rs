@@ -117,7 +117,6 @@ pub struct HeartbeatOutcome {
 
 /// What one [`LeaseTable::handle_read_complete`] call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum ReadCompleteOutcome {
     /// The last expected consumer reported; the lease was released
     /// ([`ReleaseReason::Completed`]).

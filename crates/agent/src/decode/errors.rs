@@ -50,7 +50,6 @@ pub(super) fn handshake_api(e: &HandshakeError) -> Option<ApiError> {
 
 /// Why a read batch could not be set up or failed in the transport.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ReadSetupError {
     /// No connection to that P worker.
     #[error("P worker {p_rank} is not connected")]
@@ -77,7 +76,6 @@ pub enum ReadSetupError {
 
 /// Why the bytes read did not verify.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum VerifyError {
     /// A block could not be read back from the pool.
     #[error("reading back block {block}: {source}")]

@@ -915,7 +915,6 @@ impl DecodeEngine {
                     tracing::debug!(%engine, "requests of the engine may be scheduled");
                 }
                 DecodeEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
-                _ => {}
             }
         }
     }
@@ -939,7 +938,7 @@ impl DecodeEngine {
                 "aborted",
                 format!("request {id} was aborted"),
             )),
-            _ => DecodeStreamEvent::Failed(ApiError::overloaded(
+            Outcome::Shutdown => DecodeStreamEvent::Failed(ApiError::overloaded(
                 "the decode engine is shutting down",
             )),
         };
@@ -981,7 +980,10 @@ fn admit_error(e: &AdmitError) -> ApiError {
         AdmitError::Duplicate { .. } | AdmitError::Track(_) => {
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
         }
-        _ => match e.field() {
+        AdmitError::TokenCount { .. }
+        | AdmitError::BlockCount { .. }
+        | AdmitError::BlockOutOfRange { .. }
+        | AdmitError::TpSize { .. } => match e.field() {
             Some(f) => ApiError::bad_field(format!("kv_transfer_params.{f}"), e.to_string()),
             None => ApiError::bad_field("kv_transfer_params", e.to_string()),
         },

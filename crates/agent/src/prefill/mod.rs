@@ -725,7 +725,6 @@ impl PrefillEngine {
                     }
                 }
                 PrefillAction::Transmit { to, bytes } => self.send_expired(&to, bytes),
-                _ => {}
             }
         }
         while let Some(event) = self.core.poll_event() {
@@ -742,7 +741,6 @@ impl PrefillEngine {
                     }
                 }
                 PrefillEvent::Released(r) => self.release(&r),
-                _ => {}
             }
         }
     }
@@ -751,7 +749,7 @@ impl PrefillEngine {
         let reason = match r.reason {
             ReleaseReason::Completed => metrics::ReleaseReason::Completed,
             ReleaseReason::Expired => metrics::ReleaseReason::Expired,
-            _ => metrics::ReleaseReason::Aborted,
+            ReleaseReason::Aborted => metrics::ReleaseReason::Aborted,
         };
         self.metrics.lease_released(reason).inc();
         if r.reason == ReleaseReason::Expired {
@@ -811,7 +809,9 @@ fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
         PrefillError::PoolWaitTimeout { .. } | PrefillError::ShuttingDown => {
             ApiError::overloaded(e.to_string())
         }
-        _ => ApiError::new(
+        PrefillError::NotPrefilling { .. }
+        | PrefillError::WrongBlockSource { .. }
+        | PrefillError::BlockOutOfRange { .. } => ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             e.to_string(),

@@ -16,7 +16,6 @@ pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// How to build a [`DecodeCore`](super::DecodeCore).
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct DecodeConfig {
     /// This engine.
     pub engine_id: EngineId,
@@ -89,7 +88,6 @@ impl DecodeConfig {
 
 /// Where a request's KV lives on P: the typed core of `kv_transfer_params`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct RemoteKv {
     /// P's engine (`remote_engine_id`).
     pub engine: EngineId,
@@ -149,7 +147,6 @@ impl RemoteKv {
 /// Why D refused a request on arrival. Nothing is tracked; when the request named valid P
 /// coordinates and P is connected, an abort frees P's lease at once.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum AdmitError {
     /// The prompt is not the one P prefilled.
     #[error("P prefilled {prefilled} tokens but this prompt has {prompt}")]
@@ -230,7 +227,11 @@ impl AdmitError {
             Self::TokenCount { .. } => Some("kvlease_num_tokens"),
             Self::BlockCount { .. } | Self::BlockOutOfRange { .. } => Some("remote_block_ids"),
             Self::TpSize { .. } => Some("tp_size"),
-            _ => None,
+            Self::PromptTooLong { .. }
+            | Self::Duplicate { .. }
+            | Self::QueueFull { .. }
+            | Self::StaleInstance { .. }
+            | Self::Track(_) => None,
         }
     }
 
@@ -242,7 +243,6 @@ impl AdmitError {
 
 /// Why [`DecodeCore::start_load`](super::DecodeCore::start_load) refused. Nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum StartLoadError {
     /// The core allocates its own blocks ([`DecodeCore::poll_load`](super::DecodeCore::poll_load)).
     #[error("this decode core's blocks come from {core:?}")]
@@ -274,7 +274,6 @@ pub enum StartLoadError {
 
 /// Why a request's KV load failed. The request produced no output.
 #[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
 pub enum LoadError {
     /// P reclaimed the lease before D read it (an expiry notice).
     #[error("P reclaimed the lease of {request} before it was read")]
@@ -388,7 +387,6 @@ impl HandshakeError {
 /// How a request admitted by [`DecodeCore::on_new_request`](super::DecodeCore::on_new_request) ended. Every admitted
 /// request ends in exactly one.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum Outcome {
     /// Decoded to the end.
     Done,
@@ -404,7 +402,6 @@ pub enum Outcome {
 /// `heads` (global head numbers) of every block and layer, fenced by P's fence word of the
 /// request's first block, and send `notif` to that P worker when it completed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BatchPlan {
     /// D worker posting the batch.
     pub d_worker: u32,
@@ -421,7 +418,6 @@ pub struct BatchPlan {
 /// A request scheduled for loading: allocate-and-read plan of
 /// [`DecodeCore::poll_load`](super::DecodeCore::poll_load) (vLLM: `start_load_kv`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct LoadPlan {
     /// D's id of the request.
     pub request: RequestId,
@@ -441,7 +437,6 @@ pub struct LoadPlan {
 
 /// How one read batch ended, reported by the shell.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum BatchResult {
     /// Every byte arrived under a matching fence.
     Done {
@@ -457,7 +452,6 @@ pub enum BatchResult {
 /// A notification for P, drained with [`DecodeCore::poll_transmit`](super::DecodeCore::poll_transmit): send `bytes` to every
 /// worker of P engine `engine` (from D worker 0).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Transmit {
     /// P's engine.
     pub engine: EngineId,
@@ -471,7 +465,6 @@ pub struct Transmit {
 
 /// What a [`Transmit`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum TransmitKind {
     /// A heartbeat naming `ids` requests.
     Heartbeat {
@@ -484,7 +477,6 @@ pub enum TransmitKind {
 
 /// A handshake to start (off the engine thread): connect to P's side channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct HandshakeStart {
     /// P's engine.
     pub engine: EngineId,
@@ -496,7 +488,6 @@ pub struct HandshakeStart {
 
 /// What a finished handshake learned of P.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct RemoteEngine {
     /// P's TP size.
     pub tp_size: u32,
@@ -526,7 +517,6 @@ impl RemoteEngine {
 
 /// What the core reports, drained with [`DecodeCore::poll_event`](super::DecodeCore::poll_event).
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum DecodeEvent {
     /// Every batch of a request ended well (vLLM: `get_finished` reports it): verify the
     /// bytes in `blocks` now and report with [`DecodeCore::handle_verified`](super::DecodeCore::handle_verified) before any
@@ -555,7 +545,6 @@ pub enum DecodeEvent {
 
 /// What [`DecodeCore::handle_notif`](super::DecodeCore::handle_notif) did with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum DecodeNotif {
     /// An expiry notice from the engine that holds the leases: `failed` waiting requests
     /// ended in [`LoadError::Expired`].
@@ -579,7 +568,6 @@ pub enum DecodeNotif {
 
 /// Counters of a [`DecodeCore`](super::DecodeCore), cumulative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct DecodeStats {
     /// Requests admitted.
     pub admitted: u64,

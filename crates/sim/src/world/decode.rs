@@ -199,7 +199,9 @@ impl World {
                 }
             }
             DecodeNotif::Malformed(e) => Some(format!("message rejected: {e}")),
-            _ => honest.then(|| "a message from P was ignored".to_string()),
+            DecodeNotif::CacheHeartbeat(_)
+            | DecodeNotif::CacheReadComplete(_)
+            | DecodeNotif::Ignored => honest.then(|| "a message from P was ignored".to_string()),
         };
         if let Some(problem) = problem {
             self.fail(format!("D{d}: {problem}"));
@@ -378,7 +380,7 @@ impl World {
                         );
                     }
                     BatchResult::Failed(_) => lost = true,
-                    _ => {}
+                    BatchResult::Stale => {}
                 }
                 self.d[d].core.handle_batch_done(&id, i, result);
                 self.d_drain(d);
@@ -422,7 +424,7 @@ impl World {
                     DecodeEvent::Finished { request, outcome } => {
                         self.d_finished(d, &request, &outcome)
                     }
-                    _ => {}
+                    DecodeEvent::HandshakeDone { .. } => {}
                 }
             }
         }
@@ -440,7 +442,7 @@ impl World {
                 End::Failed
             }
             Outcome::Aborted => End::Aborted,
-            other => {
+            other @ Outcome::Shutdown => {
                 self.fail(format!(
                     "D{d}: {request} ended in {other:?}, which no shell asked for"
                 ));

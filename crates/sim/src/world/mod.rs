@@ -65,7 +65,6 @@ enum Addr {
 
 /// Counters of one run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct SimStats {
     /// Requests that arrived at P.
     pub arrived: u64,
@@ -163,7 +162,6 @@ pub struct SimStats {
 
 /// The outcome of one run.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct Report {
     /// The seed.
     pub seed: u64,

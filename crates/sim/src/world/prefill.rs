@@ -211,7 +211,7 @@ impl World {
                     let reason = match released.reason {
                         ReleaseReason::Completed => 1,
                         ReleaseReason::Expired => 2,
-                        _ => 3,
+                        ReleaseReason::Aborted => 3,
                     };
                     self.trace(&[9, self.now, p as u64, reason]);
                     self.trace_str(released.request.as_str());
@@ -227,7 +227,6 @@ impl World {
                         bytes,
                     );
                 }
-                _ => {}
             }
         }
         while let Some(event) = self.p[p].core.poll_event() {
@@ -311,7 +310,7 @@ impl World {
                 (!expect.foreign).then(|| format!("{who} message about {request} ignored as foreign; the oracle says it may act"))
             }
             PrefillNotif::Malformed(e) => Some(format!("{who} message rejected: {e}")),
-            _ => Some(format!("{who} message ignored")),
+            PrefillNotif::Ignored => Some(format!("{who} message ignored")),
         };
         if let Some(problem) = problem {
             self.fail(format!("P{p}: {problem}"));
