@@ -19,7 +19,6 @@ pub const KV_LOAD_FAILED: &str = "kv_load_failed";
 /// An error answered to an HTTP client.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{status}: {message}")]
-#[non_exhaustive]
 pub struct ApiError {
     /// The HTTP status.
     pub status: StatusCode,

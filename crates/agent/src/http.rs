@@ -32,7 +32,7 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::api::{self, ApiError, ChatRequest, CompletionRequest, RemoteParams};
-use crate::decode::{self, DecodeEvent};
+use crate::decode::{self, DecodeStreamEvent};
 use crate::health::EngineHeartbeat;
 use crate::metrics::{Metrics, RequestOutcome};
 use crate::prefill;
@@ -45,7 +45,6 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// What an HTTP client may make an agent spend (the `--http-*` and
 /// `--health-engine-stall-ms` flags).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct HttpLimits {
     /// Connections open at once; more are closed at accept and counted
     /// (`kvlease_http_connections_refused_total`). Default 256.
@@ -584,7 +583,7 @@ struct DRequest {
     model: String,
     prompt_tokens: usize,
     stream: bool,
-    events: mpsc::UnboundedReceiver<DecodeEvent>,
+    events: mpsc::UnboundedReceiver<DecodeStreamEvent>,
 }
 
 fn d_submit(
@@ -661,11 +660,11 @@ async fn d_serve(
     let mut n = 0usize;
     loop {
         match events.recv().await {
-            Some(DecodeEvent::Token(t)) => {
+            Some(DecodeStreamEvent::Token(t)) => {
                 text.push_str(&t);
                 n += 1;
             }
-            Some(DecodeEvent::Done(summary)) => {
+            Some(DecodeStreamEvent::Done(summary)) => {
                 outcome.set(RequestOutcome::Ok);
                 let mut body =
                     completion_body(id.as_str(), &model, object, &text, prompt_tokens, n);
@@ -677,7 +676,7 @@ async fn d_serve(
                 }
                 return axum::Json(body).into_response();
             }
-            Some(DecodeEvent::Failed(e)) => return outcome.fail(e).into_response(),
+            Some(DecodeStreamEvent::Failed(e)) => return outcome.fail(e).into_response(),
             None => return outcome.fail(engine_gone()).into_response(),
         }
     }
@@ -715,11 +714,11 @@ fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
                     json!({"id": id.as_str(), "object": chunk_object, "created": now_secs(), "model": model, "choices": [choice]})
                 };
                 let (frame, done) = match events.recv().await {
-                    Some(DecodeEvent::Token(t)) => {
+                    Some(DecodeStreamEvent::Token(t)) => {
                         n += 1;
                         (format!("data: {}\n\n", chunk(&t, None)), false)
                     }
-                    Some(DecodeEvent::Done(summary)) => {
+                    Some(DecodeStreamEvent::Done(summary)) => {
                         outcome.set(RequestOutcome::Ok);
                         let mut last = chunk("", Some("length"));
                         last["usage"] = json!({"prompt_tokens": prompt_tokens, "completion_tokens": n,
@@ -732,7 +731,7 @@ fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
                         }
                         (format!("data: {last}\n\ndata: [DONE]\n\n"), true)
                     }
-                    Some(DecodeEvent::Failed(e)) => {
+                    Some(DecodeStreamEvent::Failed(e)) => {
                         let e = outcome.fail(e);
                         (format!("data: {}\n\ndata: [DONE]\n\n", e.body()), true)
                     }

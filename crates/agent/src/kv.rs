@@ -40,7 +40,6 @@ pub struct KvShape {
 
 /// Why a shape or TP split is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum ShapeError {
     /// A dimension is zero.
     #[error("{field} must be at least 1")]

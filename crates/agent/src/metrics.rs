@@ -31,7 +31,6 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 /// Why P released a lease (the `reason` label of `kvlease_leases_released_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum ReleaseReason {
     /// Every expected consumer reported its read.
     Completed,
@@ -58,7 +57,6 @@ impl ReleaseReason {
 /// How a request to an agent's HTTP API ended (the `outcome` label of
 /// `kvlease_requests_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum RequestOutcome {
     /// Served.
     Ok,
@@ -113,7 +111,6 @@ impl RequestOutcome {
 
 /// The data path of a transfer (the `backend` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum Backend {
     /// RDMA verbs.
     Verbs,
@@ -139,7 +136,6 @@ impl Backend {
 
 /// How a handshake with a peer ended (the `outcome` label of `kvlease_handshakes_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum HandshakeOutcome {
     /// Metadata exchanged and connected.
     Ok,
@@ -221,7 +217,6 @@ fn latency_buckets() -> impl Iterator<Item = f64> {
 ///
 /// Clone freely: clones share the values.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct Metrics {
     registry: Arc<Registry>,
 

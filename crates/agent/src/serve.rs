@@ -30,13 +30,13 @@ use crate::config::{
     AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, LimitArgs, MemoryChoice,
     PrefillArgs, TransportChoice,
 };
-use crate::decode::{DecodeBidir, DecodeConfig, DecodeEngine};
+use crate::decode::{DecodeAgentConfig, DecodeBidir, DecodeEngine};
 use crate::health::EngineHeartbeat;
 use crate::http::{self, DecodeApi, HttpLimits, PrefillApi};
 use crate::kv::KvShape;
 use crate::link::LinkConfig;
 use crate::metrics::Metrics;
-use crate::prefill::{PrefillBidir, PrefillConfig, PrefillEngine};
+use crate::prefill::{PrefillAgentConfig, PrefillBidir, PrefillEngine};
 use crate::shell::EngineError;
 use crate::sidechannel;
 
@@ -45,7 +45,6 @@ const JOB_QUEUE: usize = 4096;
 
 /// Why an agent stopped with an error.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ServeError {
     /// The engine could not start.
     #[error(transparent)]
@@ -341,7 +340,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     let engine_id = c.engine_id();
     warn_unauthenticated(c);
     let adv = advertised(c)?;
-    let cfg = PrefillConfig {
+    let cfg = PrefillAgentConfig {
         engine_id: engine_id.clone(),
         tp_size: c.tp_size,
         shape: shape(c),
@@ -440,7 +439,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     let kv = c.kv_config(AgentRole::Decode);
     warn_unauthenticated(c);
     let adv = advertised(c)?;
-    let mut cfg = DecodeConfig {
+    let mut cfg = DecodeAgentConfig {
         engine_id: engine_id.clone(),
         tp_size: c.tp_size,
         shape: shape(c),

@@ -13,7 +13,6 @@ use crate::sidechannel;
 
 /// Why an engine could not start.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum EngineError {
     /// A setup step failed.
     #[error("{what}: {message}")]
@@ -85,7 +84,6 @@ pub(crate) fn host_port(host: &str, port: u16) -> String {
 /// Why a handshake with a remote engine (P for D; D for P's pulls) failed. Mapped to an HTTP error only at the edge
 /// ([`HandshakeFailure::to_api`]).
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum HandshakeFailure {
     /// P refused our proof, or we refused P's (cluster token).
     #[error(

@@ -54,7 +54,6 @@ pub const DEFAULT_MAX_PREAUTH_FRAME: usize = 256 << 10;
 /// What a side-channel server spends on peers, none of which has proven the token while
 /// it is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct ServerLimits {
     /// Handshakes served at once, each on its own thread; a connection over the cap is
     /// closed at once and counted. Default [`DEFAULT_MAX_CONNECTIONS`].
@@ -80,7 +79,6 @@ impl Default for ServerLimits {
 
 /// Why a handshake failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum HandshakeError {
     /// The socket failed or timed out.
     #[error("side channel {addr}: {source}")]

@@ -20,7 +20,6 @@ pub use crate::config::LogFormat;
 
 /// Why logging could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum TelemetryError {
     /// `RUST_LOG` holds a directive `EnvFilter` cannot parse.
     #[error("RUST_LOG: {source}")]

@@ -6,7 +6,6 @@ use kvlease_lease::{AllocError, BlockAllocator, BlockId};
 
 /// Where a core's block ids come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum BlockSource {
     /// The core allocates from its own pool of `num_blocks` blocks
     /// ([`PrefillCore::poll_prefill`](crate::PrefillCore::poll_prefill),

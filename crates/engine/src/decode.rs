@@ -1,7 +1,7 @@
 //! The decode core ([`DecodeCore`]): which requests are tracked and heartbeated, when one
 //! is scheduled and read, and how each one ends.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -69,16 +69,27 @@ impl Req {
 /// 5. the model decodes; [`request_finished`](Self::request_finished) frees a finished
 ///    request's blocks;
 /// 6. after every input: [`poll_event`](Self::poll_event) until `None`.
+///
+/// # Order
+/// Everything the core hands out comes in an order defined by its inputs, never by a
+/// hash: requests that end together (a failed handshake, a lost engine) end in arrival
+/// order, [`shutdown`](Self::shutdown) ends them in id order, heartbeat batches come in
+/// due order. The maps are ordered ones (`BTreeMap`): D holds at most
+/// [`DecodeConfig::max_waiting`] + [`DecodeConfig::max_running`] requests and a few P
+/// engines, and each request is looked up a handful of times in its life, so O(log n)
+/// costs nothing that matters, while no walk over them can depend on a hash seed. The per-id
+/// hot path, heartbeats, is the [`HeartbeatTracker`]'s (hashed, never walked).
 #[derive(Debug)]
 pub struct DecodeCore {
     config: DecodeConfig,
     tracker: HeartbeatTracker,
     blocks: Blocks,
-    remotes: HashMap<EngineId, Remote>,
-    reqs: HashMap<RequestId, Req>,
-    /// D ids in arrival order, of requests not yet scheduled.
+    remotes: BTreeMap<EngineId, Remote>,
+    reqs: BTreeMap<RequestId, Req>,
+    /// D ids in arrival order, of requests not yet scheduled (exactly those in
+    /// [`Phase::Waiting`]).
     queue: VecDeque<RequestId>,
-    by_remote: HashMap<RequestId, RequestId>,
+    by_remote: BTreeMap<RequestId, RequestId>,
     handshakes: VecDeque<HandshakeStart>,
     transmits: VecDeque<Transmit>,
     events: VecDeque<DecodeEvent>,
@@ -91,10 +102,10 @@ impl DecodeCore {
         Self {
             tracker: HeartbeatTracker::new(&config.lease),
             blocks: Blocks::new(config.block_source, config.num_blocks),
-            remotes: HashMap::new(),
-            reqs: HashMap::new(),
+            remotes: BTreeMap::new(),
+            reqs: BTreeMap::new(),
             queue: VecDeque::new(),
-            by_remote: HashMap::new(),
+            by_remote: BTreeMap::new(),
             handshakes: VecDeque::new(),
             transmits: VecDeque::new(),
             events: VecDeque::new(),
@@ -294,12 +305,15 @@ impl DecodeCore {
         &mut self,
         now: Timestamp,
         engine: &EngineId,
-        result: Result<RemoteEngine, (bool, Cause)>,
+        result: Result<RemoteEngine, HandshakeError>,
     ) {
         // P's answer is peer input: a TP size that does not split the heads (0 planned no
         // batch at all, and the load never ended) fails the handshake.
         let result = result.and_then(|info| match self.tp_misfit(info.tp_size) {
-            Some(e) => Err((false, Arc::new(e) as Cause)),
+            Some(_) => Err(HandshakeError::TpSize {
+                p_tp: info.tp_size,
+                heads: self.config.num_kv_heads,
+            }),
             None => Ok(info),
         });
         match result {
@@ -330,14 +344,13 @@ impl DecodeCore {
                     Some(LoadError::Post { source })
                 });
             }
-            Err((auth, source)) => {
+            Err(source) => {
                 self.remotes.remove(engine);
                 // Only waiting requests exist for an engine that never became ready.
                 self.fail_waiting(engine, |_| {
                     Some(LoadError::Handshake {
                         engine: engine.clone(),
-                        auth,
-                        source: Arc::clone(&source),
+                        source: source.clone(),
                     })
                 });
             }
@@ -358,11 +371,13 @@ impl DecodeCore {
         });
     }
 
-    /// Ends every waiting request for `engine` for which `why` gives an error.
+    /// Ends every waiting request for `engine` for which `why` gives an error, in arrival
+    /// order (the queue's).
     fn fail_waiting(&mut self, engine: &EngineId, why: impl Fn(&Req) -> Option<LoadError>) {
         let victims: Vec<(RequestId, LoadError)> = self
-            .reqs
+            .queue
             .iter()
+            .filter_map(|id| Some((id, self.reqs.get(id)?)))
             .filter(|(_, r)| &r.remote.engine == engine && matches!(r.phase, Phase::Waiting))
             .filter_map(|(id, r)| Some((id.clone(), why(r)?)))
             .collect();
@@ -415,7 +430,7 @@ impl DecodeCore {
                 ids.iter().filter_map(|i| RequestId::new(i).ok()).collect(),
             ),
             Ok(Notif::ReadComplete(rc)) => DecodeNotif::CacheReadComplete(rc.request),
-            Ok(_) => DecodeNotif::Ignored,
+            Ok(Notif::Abort(_) | Notif::App(_)) => DecodeNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 DecodeNotif::Malformed(e)
@@ -518,7 +533,7 @@ impl DecodeCore {
         self.free(blocks);
     }
 
-    /// Ends every request ([`Outcome::Shutdown`]), for a shell that stops.
+    /// Ends every request ([`Outcome::Shutdown`]), in id order, for a shell that stops.
     pub fn shutdown(&mut self) {
         let ids: Vec<RequestId> = self.reqs.keys().cloned().collect();
         for id in ids {

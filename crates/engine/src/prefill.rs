@@ -26,7 +26,6 @@ pub struct Peer<A> {
 
 /// How to build a [`PrefillCore`].
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct PrefillConfig {
     /// This engine.
     pub engine_id: EngineId,
@@ -104,7 +103,6 @@ impl PrefillConfig {
 
 /// Why P refused or could not finish a request. Typed: the HTTP edge maps it to a status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum PrefillError {
     /// The prompt needs more blocks than a pool has.
     #[error("the prompt needs {needed} blocks, the pool has {pool}")]
@@ -172,7 +170,6 @@ impl PrefillError {
 /// A request whose blocks were allocated: compute and fill them, then call
 /// [`PrefillCore::handle_prefill_done`] (or [`handle_prefill_failed`](PrefillCore::handle_prefill_failed)).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct PrefillStart {
     /// The request.
     pub request: RequestId,
@@ -185,7 +182,6 @@ pub struct PrefillStart {
 /// A granted lease: publish `generation` in every worker's fence words of `blocks`, then
 /// answer with the request's transfer parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Granted {
     /// The request.
     pub request: RequestId,
@@ -200,7 +196,6 @@ pub struct Granted {
 /// Something the shell must do, drained with [`PrefillCore::poll_action`] after every
 /// input and before the next [`poll_prefill`](PrefillCore::poll_prefill).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillAction<A> {
     /// A lease ended: publish [`Generation::FREE_WORD`] in every worker's fence words of
     /// `blocks` **now**. The core hands the blocks to the next allocation only after this
@@ -221,7 +216,6 @@ pub enum PrefillAction<A> {
 
 /// What [`PrefillCore::handle_notif`] did with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillNotif {
     /// A heartbeat. Ids of leases another D engine owns were not applied.
     Heartbeat {
@@ -261,7 +255,6 @@ pub enum PrefillNotif {
 
 /// Counters of a [`PrefillCore`], cumulative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct PrefillStats {
     /// Jobs taken.
     pub jobs: u64,
@@ -315,13 +308,23 @@ struct Waiting {
 ///    releases, for the client and the metrics).
 ///
 /// There is no heartbeat thread: heartbeats are handled in step 3.
+///
+/// # Order
+/// Everything the core hands out comes in an order defined by its inputs, never by a
+/// hash: the queue is served in arrival order, the reaper releases in deadline order (then
+/// grant order, see [`LeaseTable`]), and the actions and events of one input come in the
+/// order the table released. The two hash maps (`prefilling`, `claims`) are looked up,
+/// never walked: `claims` holds one entry per lease (up to the table's millions) and is
+/// read for every id of every heartbeat, so it keeps O(1) lookups.
 #[derive(Debug)]
 pub struct PrefillCore<A> {
     config: PrefillConfig,
     table: LeaseTable,
     blocks: Blocks,
     waiting: VecDeque<Waiting>,
+    /// Looked up only, never iterated (its order would be the hash's).
     prefilling: HashMap<RequestId, Vec<BlockId>>,
+    /// Looked up only, never iterated (its order would be the hash's).
     claims: HashMap<RequestId, Claim<A>>,
     actions: VecDeque<PrefillAction<A>>,
     events: VecDeque<PrefillEvent>,
@@ -330,7 +333,6 @@ pub struct PrefillCore<A> {
 
 /// What the core reports, drained with [`PrefillCore::poll_event`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PrefillEvent {
     /// A queued request was refused (no blocks within the pool wait, shutdown): answer the
     /// client with `error`. Every job ends in exactly one of this, an error from
@@ -724,7 +726,7 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                     PrefillNotif::Foreign { request: a.request }
                 }
             }
-            Ok(_) => PrefillNotif::Ignored,
+            Ok(Notif::Expired(_) | Notif::App(_)) => PrefillNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 PrefillNotif::Malformed(e)

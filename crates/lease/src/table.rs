@@ -117,7 +117,6 @@ pub struct HeartbeatOutcome {
 
 /// What one [`LeaseTable::handle_read_complete`] call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum ReadCompleteOutcome {
     /// The last expected consumer reported; the lease was released
     /// ([`ReleaseReason::Completed`]).
@@ -387,7 +386,8 @@ impl LeaseTable {
         self.lease(request.as_str()).map(|l| l.blocks.as_slice())
     }
 
-    /// The requests holding a lease, in no particular order.
+    /// The requests holding a lease, in slot order: not grant order, but the same for
+    /// the same calls (slots are reused from a free list, never placed by a hash).
     pub fn requests(&self) -> impl Iterator<Item = &RequestId> + '_ {
         self.slots.iter().filter_map(|slot| match slot {
             Slot::Occupied(lease) => Some(&lease.request),

@@ -11,7 +11,6 @@ use crate::{EXPIRED_PREFIX, HEARTBEAT_PREFIX, MAX_NOTIF_LEN, MIN_SPLIT_LEN};
 /// Borrowed from the received bytes where that saves work on the hot path (heartbeat ids,
 /// application payloads); the rare structured kinds own their ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Notif<'a> {
     /// `HB:` + request ids (D → P): renew these leases.
     Heartbeat(HeartbeatIds<'a>),

@@ -18,7 +18,7 @@ use kvlease_lease::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::{Family, ToPyErr, invalid, raise, raise_err};
+use crate::errors::{Family, ToPyErr, invalid, raise_err};
 
 /// `now` (seconds) as a core's timestamp.
 fn at(py: Python<'_>, now: f64) -> PyResult<Timestamp> {
@@ -458,7 +458,6 @@ impl PrefillCore {
                     ReadCompleteOutcome::Duplicate { remaining } => ("duplicate", Some(remaining)),
                     ReadCompleteOutcome::Unknown => ("unknown", None),
                     ReadCompleteOutcome::InvalidTotal => ("invalid_total", None),
-                    _ => ("other", None),
                 };
                 d.set_item("outcome", what)?;
                 d.set_item("remaining", remaining)?;
@@ -514,7 +513,6 @@ impl PrefillCore {
                 },
             )?
             .into_any(),
-            _ => return Err(raise(py, Family::Prefill, "unknown prefill action")),
         };
         Ok(Some(obj))
     }
@@ -534,7 +532,6 @@ impl PrefillCore {
                 },
             )?
             .into_any(),
-            _ => return Err(raise(py, Family::Prefill, "unknown prefill event")),
         };
         Ok(Some(obj))
     }
@@ -1002,8 +999,12 @@ impl DecodeCore {
     ) -> PyResult<()> {
         let now = at(py, now)?;
         let engine = engine_id(py, engine)?;
-        self.core
-            .handle_handshake(now, &engine, Err((auth, cause(message))));
+        let error = if auth {
+            engine::HandshakeError::Auth(cause(message))
+        } else {
+            engine::HandshakeError::Other(cause(message))
+        };
+        self.core.handle_handshake(now, &engine, Err(error));
         Ok(())
     }
 
@@ -1204,7 +1205,6 @@ impl DecodeCore {
                 )?
                 .into_any()
             }
-            _ => return Err(raise(py, Family::Load, "unknown decode event")),
         };
         Ok(Some(obj))
     }

@@ -10,7 +10,6 @@ use crate::rng::Rng;
 /// A deliberate bug planted in a shell (the code around the engine cores that the agents
 /// and the simulator each write), to prove that the checker catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Bug {
     /// The P shell drops heartbeats instead of feeding them to its core (no extension).
     IgnoreHeartbeats,
@@ -90,7 +89,6 @@ pub struct Partition {
 
 /// Everything that defines a world. The same config gives the same run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct WorldConfig {
     /// Seed of every random choice during the run.
     pub seed: u64,

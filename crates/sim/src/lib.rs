@@ -107,9 +107,10 @@
 //! `KVLEASE_SIM_SEED=1234 cargo test -p kvlease-sim --test sim sim_seeds`. `KVLEASE_SIM_SEEDS=N`
 //! runs seeds `0..N` of the sweep (default 64; CI runs 256); the named scenarios run a fixed
 //! number of seeds each, and `KVLEASE_SIM_SEED` replays one seed in any of them. The same
-//! seed gives the same trace hash (the shell sorts what the cores hand out in hash-map
-//! order). With `KVLEASE_SIM_SEEDS` set, the sweep prints one line,
-//! `sim: seeds=N p_restarts=.. d_restarts=.. stalls=.. partitions=.. forged=.. requests=..
+//! seed gives the same trace hash and the same full trace ([`World::record_log`]): the
+//! cores hand out events and messages in an order their inputs define, and the shell
+//! takes them in that order, unsorted, as the agents do. With `KVLEASE_SIM_SEEDS` set,
+//! the sweep prints one line, `sim: seeds=N p_restarts=.. d_restarts=.. stalls=.. partitions=.. forged=.. requests=..
 //! outcomes_ok=..` (counts over all seeds), and from 256 seeds on it asserts that every
 //! fault occurred.
 //!

@@ -13,7 +13,6 @@ use super::{AgentRole, ConfigError, KvTransferConfig};
 
 /// `--transport`: which data path to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
-#[non_exhaustive]
 pub enum TransportChoice {
     /// Per peer: shared memory on the same host, else RDMA verbs where a device is
     /// usable, else TCP.
@@ -29,7 +28,6 @@ pub enum TransportChoice {
 
 /// `--memory`: where the KV block pool lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
-#[non_exhaustive]
 pub enum MemoryChoice {
     /// CUDA device memory where a driver and GPU exist, page-aligned host memory otherwise.
     #[default]
@@ -47,7 +45,6 @@ pub enum MemoryChoice {
 
 /// `--log-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
-#[non_exhaustive]
 pub enum LogFormat {
     /// Human-readable lines.
     #[default]
@@ -154,7 +151,6 @@ impl std::str::FromStr for Cidr {
 
 /// Why the command-line flags were rejected. The message names the flag.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ArgsError {
     /// A flag's value is out of range or inconsistent with another flag.
     #[error("{flag}: {reason}")]
@@ -566,7 +562,6 @@ const MAX_LIMIT_MS: u64 = 86_400_000;
 /// The limit flags both agents share (`--help` shows them under "Limits").
 #[derive(Debug, Clone, PartialEq, Eq, Args)]
 #[command(next_help_heading = "Limits")]
-#[non_exhaustive]
 pub struct LimitArgs {
     /// Side-channel handshakes served at once (one thread each); more connections are
     /// closed at once and counted in kvlease_side_channel_refused_total.

@@ -66,7 +66,6 @@ pub const MAX_DECODER_KV_BLOCKS_TTL: Duration = Duration::from_secs(86_400);
 
 /// Why a `--kv-transfer-config` value was rejected. The message always names the key.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ConfigError {
     /// The value is not JSON.
     #[error("kv-transfer-config is not valid JSON: {source}")]
@@ -126,7 +125,6 @@ impl ConfigError {
 
 /// Which connector name the config used (both select kvlease).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Connector {
     /// `"kvlease"`.
     Kvlease,
@@ -136,7 +134,6 @@ pub enum Connector {
 
 /// `kv_role`: whether this instance produces KV blocks (P), consumes them (D), or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum KvRole {
     /// `"kv_producer"`.
     Producer,
@@ -170,7 +167,6 @@ impl KvRole {
 /// `kv_load_failure_policy`: what D does when it cannot load a request's KV blocks (P
 /// gone, lease expired, fenced read detected a stale generation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum LoadFailurePolicy {
     /// `"recompute"` (default): answer with a retryable error so that the request is
     /// prefilled again (the proxy retries once from P).
@@ -193,7 +189,6 @@ impl LoadFailurePolicy {
 /// `lease_mode`: leases renewed by heartbeats, or the single fixed timeout of the system
 /// this replaces (kept as a baseline for comparison).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum LeaseModeSetting {
     /// `"lease"` (default): initial lease `kv_lease_duration`, renewed by `HB:` heartbeats.
     #[default]
@@ -214,7 +209,6 @@ impl LeaseModeSetting {
 
 /// Which agent is being configured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum AgentRole {
     /// `prefill-agent` (P).
     Prefill,
@@ -242,7 +236,6 @@ impl AgentRole {
 
 /// A parsed and range-checked `--kv-transfer-config`.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub struct KvTransferConfig {
     /// `kv_connector`.
     pub connector: Connector,

@@ -1,11 +1,55 @@
 //! D's typed errors: handshakes, read setup and verification. HTTP statuses are made only
-//! at the edge ([`HandshakeFailure::to_api`]).
+//! at the edge ([`handshake_api`], [`HandshakeFailure::to_api`]).
 
 use super::*;
 
+/// The core's kind of a failed handshake ([`HandshakeError`]), carrying the shell's error
+/// for the message.
+pub(super) fn handshake_error(e: HandshakeFailure) -> HandshakeError {
+    let kind = match &e {
+        HandshakeFailure::Auth { .. } => HandshakeError::Auth,
+        HandshakeFailure::NotAllowed { .. } => HandshakeError::NotAllowed,
+        HandshakeFailure::Connect { .. } | HandshakeFailure::Thread => HandshakeError::Connect,
+        HandshakeFailure::SideChannel { .. }
+        | HandshakeFailure::BadInfo { .. }
+        | HandshakeFailure::WrongEngine { .. }
+        | HandshakeFailure::Shape { .. }
+        | HandshakeFailure::TpSize { .. }
+        | HandshakeFailure::Metadata { .. } => HandshakeError::NotFound,
+    };
+    kind(Arc::new(e))
+}
+
+/// The HTTP answer to a failed handshake, as [`HandshakeFailure::to_api`] gives it for the
+/// failure `e` carries; `None` for P's TP size, which the core refused (it answers as a
+/// failed load).
+pub(super) fn handshake_api(e: &HandshakeError) -> Option<ApiError> {
+    match e {
+        HandshakeError::Auth(_) => Some(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "peer_auth_failed",
+            e.to_string(),
+        )),
+        HandshakeError::NotAllowed(_) => Some(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "prefill_host_not_allowed",
+            e.to_string(),
+        )),
+        HandshakeError::Connect(_) => Some(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "handshake_failed",
+            e.to_string(),
+        )),
+        HandshakeError::NotFound(_) | HandshakeError::Other(_) => Some(ApiError::bad_field(
+            "kv_transfer_params.remote_engine_id",
+            e.to_string(),
+        )),
+        HandshakeError::TpSize { .. } => None,
+    }
+}
+
 /// Why a read batch could not be set up or failed in the transport.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ReadSetupError {
     /// No connection to that P worker.
     #[error("P worker {p_rank} is not connected")]
@@ -32,7 +76,6 @@ pub enum ReadSetupError {
 
 /// Why the bytes read did not verify.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum VerifyError {
     /// A block could not be read back from the pool.
     #[error("reading back block {block}: {source}")]

@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use kvlease_engine::{
-    AdmitError, BatchResult, Cause, DecodeConfig as CoreConfig, DecodeCore,
-    DecodeEvent as CoreEvent, DecodeNotif as CoreNotif, DecoderHold, LoadError, LoadPlan, Outcome,
-    RemoteEngine, RemoteKv, TransmitKind,
+    AdmitError, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
+    DecoderHold, HandshakeError, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
+    TransmitKind,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -53,6 +53,7 @@ mod hold;
 mod reads;
 
 pub use errors::{ReadSetupError, VerifyError};
+use errors::{handshake_api, handshake_error};
 use reads::{build_ops, handshake, verify_worker};
 
 /// A decode request handed from HTTP to the engine.
@@ -71,7 +72,7 @@ pub struct DecodeJob {
     /// When the HTTP layer got it.
     pub arrived: Instant,
     /// Tokens, then the end or the error.
-    pub events: mpsc::UnboundedSender<DecodeEvent>,
+    pub events: mpsc::UnboundedSender<DecodeStreamEvent>,
 }
 
 /// What the HTTP layer sends D's engine.
@@ -90,7 +91,7 @@ pub enum Job {
 
 /// What a decode request produces, in order.
 #[derive(Debug)]
-pub enum DecodeEvent {
+pub enum DecodeStreamEvent {
     /// One output token's text.
     Token(String),
     /// The request finished.
@@ -132,7 +133,7 @@ pub struct DecodeBidir {
 
 /// How to build a D engine.
 #[derive(Debug, Clone)]
-pub struct DecodeConfig {
+pub struct DecodeAgentConfig {
     /// This engine.
     pub engine_id: EngineId,
     /// Workers.
@@ -214,7 +215,7 @@ struct Req {
 /// decision) and does the IO: transport endpoints, handshakes, reads, verification, the
 /// model's tokens and the client's events.
 pub struct DecodeEngine {
-    cfg: DecodeConfig,
+    cfg: DecodeAgentConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
     core: DecodeCore,
@@ -233,7 +234,7 @@ impl DecodeEngine {
     ///
     /// # Errors
     /// [`EngineError`] naming the step that failed.
-    pub fn new(cfg: DecodeConfig, metrics: Metrics) -> Result<Self, EngineError> {
+    pub fn new(cfg: DecodeAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
             let (layout, pool) =
@@ -267,7 +268,7 @@ impl DecodeEngine {
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
         let worker_metadata = workers.iter().map(|w| w.agent.metadata()).collect();
         let core = DecodeCore::new(
-            CoreConfig::new(
+            DecodeConfig::new(
                 cfg.engine_id.clone(),
                 cfg.tp_size,
                 cfg.shape.num_kv_heads,
@@ -392,7 +393,7 @@ impl DecodeEngine {
         match job {
             Job::Decode(job) => {
                 if let Err((job, e)) = self.admit(job) {
-                    let _ = job.events.send(DecodeEvent::Failed(e));
+                    let _ = job.events.send(DecodeStreamEvent::Failed(e));
                 }
                 self.start_handshakes();
                 self.drain_events();
@@ -487,9 +488,8 @@ impl DecodeEngine {
                 Err(e) => {
                     tracing::error!(error = %e, "cannot spawn the handshake thread");
                     let now = self.now();
-                    let cause: Cause = Arc::new(HandshakeFailure::Thread);
-                    self.core
-                        .handle_handshake(now, &hs.engine, Err((false, cause)));
+                    let error = handshake_error(HandshakeFailure::Thread);
+                    self.core.handle_handshake(now, &hs.engine, Err(error));
                 }
             }
         }
@@ -538,9 +538,8 @@ impl DecodeEngine {
                     self.metrics.handshake(outcome).inc();
                     tracing::warn!(%engine, error = %e, "handshake failed");
                     self.remotes.remove(&engine);
-                    let auth = e.is_auth();
-                    let cause: Cause = Arc::new(e);
-                    self.core.handle_handshake(now, &engine, Err((auth, cause)));
+                    self.core
+                        .handle_handshake(now, &engine, Err(handshake_error(e)));
                 }
             }
         }
@@ -601,14 +600,14 @@ impl DecodeEngine {
             };
             for m in msgs {
                 match self.core.handle_notif(&engine, &m) {
-                    CoreNotif::Expired { .. } => {
+                    DecodeNotif::Expired { .. } => {
                         self.metrics.expiry_notices_received.inc();
                     }
-                    CoreNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
+                    DecodeNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
                         cache_heartbeats.extend(ids);
                     }
-                    CoreNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
-                    CoreNotif::Malformed(e) => {
+                    DecodeNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
+                    DecodeNotif::Malformed(e) => {
                         self.metrics.notif_malformed.inc();
                         tracing::debug!(error = %e, %from, "malformed notification");
                     }
@@ -874,7 +873,7 @@ impl DecodeEngine {
                 continue;
             };
             if let Some(t) = text.get(*next) {
-                let _ = req.job.events.send(DecodeEvent::Token(t.clone()));
+                let _ = req.job.events.send(DecodeStreamEvent::Token(t.clone()));
                 *next += 1;
                 self.metrics.decode_tokens.inc();
             }
@@ -899,7 +898,7 @@ impl DecodeEngine {
     fn drain_events(&mut self) {
         while let Some(ev) = self.core.poll_event() {
             match ev {
-                CoreEvent::Loaded {
+                DecodeEvent::Loaded {
                     request,
                     blocks,
                     bytes,
@@ -911,11 +910,10 @@ impl DecodeEngine {
                     let now = self.now();
                     self.send_transmits(now);
                 }
-                CoreEvent::HandshakeDone { engine } => {
+                DecodeEvent::HandshakeDone { engine } => {
                     tracing::debug!(%engine, "requests of the engine may be scheduled");
                 }
-                CoreEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
-                _ => {}
+                DecodeEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
             }
         }
     }
@@ -923,8 +921,8 @@ impl DecodeEngine {
     fn on_finished(&mut self, id: &RequestId, outcome: Outcome) {
         let event = match outcome {
             Outcome::Done => match self.reqs.get_mut(id).and_then(|r| r.decoding.take()) {
-                Some((_, _, summary)) => DecodeEvent::Done(summary),
-                None => DecodeEvent::Failed(ApiError::new(
+                Some((_, _, summary)) => DecodeStreamEvent::Done(summary),
+                None => DecodeStreamEvent::Failed(ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "internal_error",
                     "finished without a decode",
@@ -932,14 +930,16 @@ impl DecodeEngine {
             },
             Outcome::Failed(e) => {
                 tracing::warn!(request = %id, error = %error_chain(&e), "KV load failed; no output");
-                DecodeEvent::Failed(self.load_error(&e))
+                DecodeStreamEvent::Failed(self.load_error(&e))
             }
-            Outcome::Aborted => DecodeEvent::Failed(ApiError::new(
+            Outcome::Aborted => DecodeStreamEvent::Failed(ApiError::new(
                 StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
                 "aborted",
                 format!("request {id} was aborted"),
             )),
-            _ => DecodeEvent::Failed(ApiError::overloaded("the decode engine is shutting down")),
+            Outcome::Shutdown => DecodeStreamEvent::Failed(ApiError::overloaded(
+                "the decode engine is shutting down",
+            )),
         };
         let Some(req) = self.reqs.get_mut(id) else {
             return;
@@ -957,9 +957,9 @@ impl DecodeEngine {
     /// The HTTP answer to a failed load, by `load_failure_policy`.
     fn load_error(&self, e: &LoadError) -> ApiError {
         if let LoadError::Handshake { source, .. } = e
-            && let Some(h) = source.downcast_ref::<HandshakeFailure>()
+            && let Some(api) = handshake_api(source)
         {
-            return h.to_api();
+            return api;
         }
         self.metrics.kv_load_failures.inc();
         let message = error_chain(e);
@@ -979,7 +979,10 @@ fn admit_error(e: &AdmitError) -> ApiError {
         AdmitError::Duplicate { .. } | AdmitError::Track(_) => {
             ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string())
         }
-        _ => match e.field() {
+        AdmitError::TokenCount { .. }
+        | AdmitError::BlockCount { .. }
+        | AdmitError::BlockOutOfRange { .. }
+        | AdmitError::TpSize { .. } => match e.field() {
             Some(f) => ApiError::bad_field(format!("kv_transfer_params.{f}"), e.to_string()),
             None => ApiError::bad_field("kv_transfer_params", e.to_string()),
         },

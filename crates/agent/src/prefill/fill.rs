@@ -5,7 +5,6 @@ use super::*;
 
 /// Why filling (or syncing) a request's blocks failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum FillError {
     /// A block could not be written or read back.
     #[error("block {block} of layer {layer}: {source}")]

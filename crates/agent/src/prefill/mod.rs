@@ -21,8 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvlease_engine::{
-    DecoderKvParams, Peer, PrefillAction, PrefillConfig as CoreConfig, PrefillCore, PrefillError,
-    PrefillEvent, PrefillNotif, PullPolicy,
+    DecoderKvParams, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,
+    PrefillNotif, PullPolicy,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -36,7 +36,7 @@ use crate::api::{ApiError, RemoteParams};
 use crate::bidir::{PeerClock, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
-use crate::metrics::{Metrics, ReleaseReason as MetricReason};
+use crate::metrics::{self, Metrics};
 use crate::shell::{EngineError, engine_of_peer, host_port, instance_now, rank_pool};
 use crate::sidechannel::{self, Hello};
 
@@ -107,7 +107,7 @@ struct DRemote {
 
 /// How to build a P engine.
 #[derive(Debug, Clone)]
-pub struct PrefillConfig {
+pub struct PrefillAgentConfig {
     /// This engine.
     pub engine_id: EngineId,
     /// Workers.
@@ -192,7 +192,7 @@ struct Pending {
 /// lease decision) and does the IO: pools, fence words, transport endpoints, the compute
 /// stand-in, the client's answer.
 pub struct PrefillEngine {
-    cfg: PrefillConfig,
+    cfg: PrefillAgentConfig,
     metrics: Metrics,
     workers: Vec<Worker>,
     core: PrefillCore<String>,
@@ -242,7 +242,7 @@ impl PrefillEngine {
     ///
     /// # Errors
     /// [`EngineError`] naming the step that failed.
-    pub fn new(cfg: PrefillConfig, metrics: Metrics) -> Result<Self, EngineError> {
+    pub fn new(cfg: PrefillAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
             let (layout, pool) =
@@ -284,7 +284,7 @@ impl PrefillEngine {
             .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
         let max_consumers = cfg.shape.num_kv_heads.max(cfg.tp_size);
         let core = PrefillCore::new(
-            CoreConfig::new(
+            PrefillConfig::new(
                 cfg.engine_id.clone(),
                 cfg.tp_size,
                 cfg.num_blocks,
@@ -726,7 +726,6 @@ impl PrefillEngine {
                     }
                 }
                 PrefillAction::Transmit { to, bytes } => self.send_expired(&to, bytes),
-                _ => {}
             }
         }
         while let Some(event) = self.core.poll_event() {
@@ -743,16 +742,15 @@ impl PrefillEngine {
                     }
                 }
                 PrefillEvent::Released(r) => self.release(&r),
-                _ => {}
             }
         }
     }
 
     fn release(&mut self, r: &Released) {
         let reason = match r.reason {
-            ReleaseReason::Completed => MetricReason::Completed,
-            ReleaseReason::Expired => MetricReason::Expired,
-            _ => MetricReason::Aborted,
+            ReleaseReason::Completed => metrics::ReleaseReason::Completed,
+            ReleaseReason::Expired => metrics::ReleaseReason::Expired,
+            ReleaseReason::Aborted => metrics::ReleaseReason::Aborted,
         };
         self.metrics.lease_released(reason).inc();
         if r.reason == ReleaseReason::Expired {
@@ -812,7 +810,9 @@ fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
         PrefillError::PoolWaitTimeout { .. } | PrefillError::ShuttingDown => {
             ApiError::overloaded(e.to_string())
         }
-        _ => ApiError::new(
+        PrefillError::NotPrefilling { .. }
+        | PrefillError::WrongBlockSource { .. }
+        | PrefillError::BlockOutOfRange { .. } => ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             e.to_string(),

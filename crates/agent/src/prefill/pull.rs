@@ -14,7 +14,6 @@ use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
 
 /// Why a pull of D's cached turn failed (P recomputes instead).
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum PullError {
     /// The handshake with D failed.
     #[error("handshake: {0}")]

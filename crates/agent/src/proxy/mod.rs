@@ -77,7 +77,6 @@ pub fn is_retryable_kv_failure(status: StatusCode, body: &[u8]) -> bool {
 
 /// Why the proxy could not be configured.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ProxyError {
     /// An upstream URL does not parse or is not `http://`.
     #[error("{flag}: {url:?}: {reason}")]
@@ -151,7 +150,6 @@ pub struct ProxyArgs {
 
 /// A validated proxy configuration.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct ProxyConfig {
     /// P base URLs.
     pub prefill: Vec<Url>,
@@ -238,7 +236,6 @@ impl ProxyArgs {
 
 /// How a proxied request ended (the `outcome` label of `kvlease_proxy_requests_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum ProxyOutcome {
     /// D answered with a 2xx.
     Ok,
@@ -291,7 +288,6 @@ struct OutcomeLabel {
 
 /// The proxy's own metrics, on its `/metrics`.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct ProxyMetrics {
     registry: Arc<Registry>,
     /// `kvlease_proxy_retries_total`: requests prefilled again after a retryable KV failure.

@@ -269,7 +269,7 @@ fn a_failed_handshake_fails_its_requests_and_the_next_one_retries() {
         .unwrap();
     c.poll_handshake().unwrap();
     let cause: Cause = Arc::new(std::io::Error::other("refused"));
-    c.handle_handshake(at(1), &engine("p"), Err((false, cause)));
+    c.handle_handshake(at(1), &engine("p"), Err(HandshakeError::Connect(cause)));
     let f = finished(&mut c);
     assert!(matches!(&f[..], [(_, Outcome::Failed(e))] if e.is_retryable()));
     assert!(c.is_idle());
@@ -289,7 +289,13 @@ fn a_handshake_whose_tp_size_cannot_split_the_heads_fails_like_a_refused_one() {
         assert!(c.poll_load().is_none(), "tp {bad_tp}");
         let f = finished(&mut c);
         assert!(
-            matches!(&f[..], [(_, Outcome::Failed(LoadError::Handshake { .. }))]),
+            matches!(
+                &f[..],
+                [(_, Outcome::Failed(LoadError::Handshake {
+                    source: HandshakeError::TpSize { p_tp, .. },
+                    ..
+                }))] if *p_tp == bad_tp
+            ),
             "tp {bad_tp}: {f:?}"
         );
         assert!(c.is_idle());

@@ -16,7 +16,6 @@ pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// How to build a [`DecodeCore`](super::DecodeCore).
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct DecodeConfig {
     /// This engine.
     pub engine_id: EngineId,
@@ -89,7 +88,6 @@ impl DecodeConfig {
 
 /// Where a request's KV lives on P: the typed core of `kv_transfer_params`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct RemoteKv {
     /// P's engine (`remote_engine_id`).
     pub engine: EngineId,
@@ -149,7 +147,6 @@ impl RemoteKv {
 /// Why D refused a request on arrival. Nothing is tracked; when the request named valid P
 /// coordinates and P is connected, an abort frees P's lease at once.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum AdmitError {
     /// The prompt is not the one P prefilled.
     #[error("P prefilled {prefilled} tokens but this prompt has {prompt}")]
@@ -230,7 +227,11 @@ impl AdmitError {
             Self::TokenCount { .. } => Some("kvlease_num_tokens"),
             Self::BlockCount { .. } | Self::BlockOutOfRange { .. } => Some("remote_block_ids"),
             Self::TpSize { .. } => Some("tp_size"),
-            _ => None,
+            Self::PromptTooLong { .. }
+            | Self::Duplicate { .. }
+            | Self::QueueFull { .. }
+            | Self::StaleInstance { .. }
+            | Self::Track(_) => None,
         }
     }
 
@@ -242,7 +243,6 @@ impl AdmitError {
 
 /// Why [`DecodeCore::start_load`](super::DecodeCore::start_load) refused. Nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum StartLoadError {
     /// The core allocates its own blocks ([`DecodeCore::poll_load`](super::DecodeCore::poll_load)).
     #[error("this decode core's blocks come from {core:?}")]
@@ -274,7 +274,6 @@ pub enum StartLoadError {
 
 /// Why a request's KV load failed. The request produced no output.
 #[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
 pub enum LoadError {
     /// P reclaimed the lease before D read it (an expiry notice).
     #[error("P reclaimed the lease of {request} before it was read")]
@@ -316,11 +315,9 @@ pub enum LoadError {
     Handshake {
         /// P's engine.
         engine: EngineId,
-        /// Whether P refused our proof (wrong cluster token).
-        auth: bool,
-        /// The cause.
+        /// Why.
         #[source]
-        source: Cause,
+        source: HandshakeError,
     },
     /// The connection to P was lost, or P restarted, before the KV was read.
     #[error("engine {engine} went away or restarted before the KV was read")]
@@ -334,14 +331,62 @@ impl LoadError {
     /// Whether the request may be prefilled again and succeed (every load failure but a
     /// wrong cluster token).
     pub fn is_retryable(&self) -> bool {
-        !matches!(self, Self::Handshake { auth: true, .. })
+        !matches!(
+            self,
+            Self::Handshake {
+                source: HandshakeError::Auth(_),
+                ..
+            }
+        )
+    }
+}
+
+/// Why a handshake with a P engine failed: what the shell reports to
+/// [`DecodeCore::handle_handshake`](super::DecodeCore::handle_handshake) (every variant
+/// but [`TpSize`](Self::TpSize), each carrying the shell's own error), or the core's own
+/// check of P's answer. The core and the shells decide by the variant; the shell's error
+/// is there for the message (each variant shows it as it is, sources included).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HandshakeError {
+    /// A proof was refused, ours or P's (the cluster tokens differ): retrying cannot help.
+    #[error(transparent)]
+    Auth(Cause),
+    /// This engine's policy refuses P's address.
+    #[error(transparent)]
+    NotAllowed(Cause),
+    /// The engine the request names is not there as named: its side channel did not
+    /// answer, or answered as another engine, with a model of another shape, or with
+    /// engine or worker info that does not parse.
+    #[error(transparent)]
+    NotFound(Cause),
+    /// P answered, but its workers could not be connected (or the shell's handshake could
+    /// not run at all).
+    #[error(transparent)]
+    Connect(Cause),
+    /// Any other failure, from a shell that does not tell them apart.
+    #[error(transparent)]
+    Other(Cause),
+    /// P's TP size does not divide the model's heads (P's answer, checked by the core;
+    /// 0 would plan no read at all).
+    #[error("{p_tp} does not divide num_kv_heads {heads}")]
+    TpSize {
+        /// P's TP size.
+        p_tp: u32,
+        /// Heads.
+        heads: u32,
+    },
+}
+
+impl HandshakeError {
+    /// Whether P refused our proof, or we refused P's.
+    pub fn is_auth(&self) -> bool {
+        matches!(self, Self::Auth(_))
     }
 }
 
 /// How a request admitted by [`DecodeCore::on_new_request`](super::DecodeCore::on_new_request) ended. Every admitted
 /// request ends in exactly one.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum Outcome {
     /// Decoded to the end.
     Done,
@@ -357,7 +402,6 @@ pub enum Outcome {
 /// `heads` (global head numbers) of every block and layer, fenced by P's fence word of the
 /// request's first block, and send `notif` to that P worker when it completed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BatchPlan {
     /// D worker posting the batch.
     pub d_worker: u32,
@@ -374,7 +418,6 @@ pub struct BatchPlan {
 /// A request scheduled for loading: allocate-and-read plan of
 /// [`DecodeCore::poll_load`](super::DecodeCore::poll_load) (vLLM: `start_load_kv`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct LoadPlan {
     /// D's id of the request.
     pub request: RequestId,
@@ -394,7 +437,6 @@ pub struct LoadPlan {
 
 /// How one read batch ended, reported by the shell.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum BatchResult {
     /// Every byte arrived under a matching fence.
     Done {
@@ -410,7 +452,6 @@ pub enum BatchResult {
 /// A notification for P, drained with [`DecodeCore::poll_transmit`](super::DecodeCore::poll_transmit): send `bytes` to every
 /// worker of P engine `engine` (from D worker 0).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Transmit {
     /// P's engine.
     pub engine: EngineId,
@@ -424,7 +465,6 @@ pub struct Transmit {
 
 /// What a [`Transmit`] carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum TransmitKind {
     /// A heartbeat naming `ids` requests.
     Heartbeat {
@@ -437,7 +477,6 @@ pub enum TransmitKind {
 
 /// A handshake to start (off the engine thread): connect to P's side channel.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct HandshakeStart {
     /// P's engine.
     pub engine: EngineId,
@@ -449,7 +488,6 @@ pub struct HandshakeStart {
 
 /// What a finished handshake learned of P.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct RemoteEngine {
     /// P's TP size.
     pub tp_size: u32,
@@ -479,7 +517,6 @@ impl RemoteEngine {
 
 /// What the core reports, drained with [`DecodeCore::poll_event`](super::DecodeCore::poll_event).
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub enum DecodeEvent {
     /// Every batch of a request ended well (vLLM: `get_finished` reports it): verify the
     /// bytes in `blocks` now and report with [`DecodeCore::handle_verified`](super::DecodeCore::handle_verified) before any
@@ -508,7 +545,6 @@ pub enum DecodeEvent {
 
 /// What [`DecodeCore::handle_notif`](super::DecodeCore::handle_notif) did with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum DecodeNotif {
     /// An expiry notice from the engine that holds the leases: `failed` waiting requests
     /// ended in [`LoadError::Expired`].
@@ -532,7 +568,6 @@ pub enum DecodeNotif {
 
 /// Counters of a [`DecodeCore`](super::DecodeCore), cumulative.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct DecodeStats {
     /// Requests admitted.
     pub admitted: u64,

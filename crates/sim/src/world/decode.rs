@@ -53,7 +53,7 @@ impl World {
                             .with_instance(instance_of(incarnation)),
                     )
                 }
-                None => Err((false, cause("P engine unreachable"))),
+                None => Err(HandshakeError::Connect(cause("P engine unreachable"))),
             };
             self.d[d].core.handle_handshake(local, &engine, result);
             self.d_drain(d);
@@ -121,10 +121,9 @@ impl World {
     pub(super) fn d_transmit(&mut self, d: usize, local: Timestamp) {
         let mut transmits = Vec::new();
         while let Some(t) = self.d[d].core.poll_transmit(local) {
+            self.note(|| format!("D{d} transmit {t:?}"));
             transmits.push(t);
         }
-        // The core's order of aborts follows its hash maps; sort for a deterministic run.
-        transmits.sort_by(|a, b| (a.engine.as_str(), &a.bytes).cmp(&(b.engine.as_str(), &b.bytes)));
         let local_ns = local.as_nanos_saturating();
         let incarnation = self.d[d].incarnation;
         for t in transmits {
@@ -200,7 +199,9 @@ impl World {
                 }
             }
             DecodeNotif::Malformed(e) => Some(format!("message rejected: {e}")),
-            _ => honest.then(|| "a message from P was ignored".to_string()),
+            DecodeNotif::CacheHeartbeat(_)
+            | DecodeNotif::CacheReadComplete(_)
+            | DecodeNotif::Ignored => honest.then(|| "a message from P was ignored".to_string()),
         };
         if let Some(problem) = problem {
             self.fail(format!("D{d}: {problem}"));
@@ -379,7 +380,7 @@ impl World {
                         );
                     }
                     BatchResult::Failed(_) => lost = true,
-                    _ => {}
+                    BatchResult::Stale => {}
                 }
                 self.d[d].core.handle_batch_done(&id, i, result);
                 self.d_drain(d);
@@ -406,25 +407,24 @@ impl World {
         }
     }
 
-    /// Drains the core's events (after every input). The core's order of simultaneous
-    /// endings follows its hash maps; they are sorted for a deterministic run.
+    /// Drains the core's events (after every input), in the core's order.
     pub(super) fn d_drain(&mut self, d: usize) {
         loop {
             let mut events = Vec::new();
             while let Some(e) = self.d[d].core.poll_event() {
+                self.note(|| format!("D{d} event {e:?}"));
                 events.push(e);
             }
             if events.is_empty() {
                 return;
             }
-            events.sort_by_key(event_key);
             for event in events {
                 match event {
                     DecodeEvent::Loaded { request, .. } => self.verify(d, &request),
                     DecodeEvent::Finished { request, outcome } => {
                         self.d_finished(d, &request, &outcome)
                     }
-                    _ => {}
+                    DecodeEvent::HandshakeDone { .. } => {}
                 }
             }
         }
@@ -442,7 +442,7 @@ impl World {
                 End::Failed
             }
             Outcome::Aborted => End::Aborted,
-            other => {
+            other @ Outcome::Shutdown => {
                 self.fail(format!(
                     "D{d}: {request} ended in {other:?}, which no shell asked for"
                 ));
@@ -498,13 +498,4 @@ impl World {
     }
 
     // ---- the rogue ----------------------------------------------------------------------
-}
-
-fn event_key(e: &DecodeEvent) -> (u8, String) {
-    match e {
-        DecodeEvent::Loaded { request, .. } => (0, request.as_str().to_string()),
-        DecodeEvent::HandshakeDone { engine } => (1, engine.as_str().to_string()),
-        DecodeEvent::Finished { request, .. } => (2, request.as_str().to_string()),
-        _ => (3, String::new()),
-    }
 }

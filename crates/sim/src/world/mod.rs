@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_engine::{
-    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, LoadError, LoadPlan,
-    Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent, PrefillNotif,
-    RemoteEngine, RemoteKv, TransmitKind,
+    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError,
+    LoadError, LoadPlan, Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent,
+    PrefillNotif, RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_lease::{
     ConsumerId, EngineId, Generation, LeaseConfig, LeaseMode, ReadCompleteOutcome, ReleaseReason,
@@ -65,7 +65,6 @@ enum Addr {
 
 /// Counters of one run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct SimStats {
     /// Requests that arrived at P.
     pub arrived: u64,
@@ -163,12 +162,15 @@ pub struct SimStats {
 
 /// The outcome of one run.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct Report {
     /// The seed.
     pub seed: u64,
     /// A hash of every event in order; the same config gives the same hash.
     pub trace_hash: u64,
+    /// Every traced event, every event and action the cores handed out and every message
+    /// sent or delivered, in order, one line each, for a world built with
+    /// [`World::record_log`]; empty otherwise.
+    pub log: Vec<String>,
     /// The counters.
     pub stats: SimStats,
     /// Every broken rule (at most 20), with the virtual time; empty for a good run.
@@ -458,6 +460,8 @@ pub struct World {
     next_request: u64,
     in_flight_transfers: usize,
     trace: u64,
+    /// The full trace, when recorded ([`World::record_log`]).
+    log: Option<Vec<String>>,
     stats: SimStats,
     failures: Vec<String>,
 }
@@ -614,6 +618,7 @@ impl World {
             next_request: 0,
             in_flight_transfers: 0,
             trace: 0xcbf2_9ce4_8422_2325,
+            log: None,
             stats: SimStats::default(),
             failures: Vec::new(),
             config,
@@ -676,7 +681,23 @@ impl World {
         }));
     }
 
+    /// Records the full trace as well as its hash ([`Report::log`]), to compare two runs
+    /// line by line.
+    #[must_use]
+    pub fn record_log(mut self) -> Self {
+        self.log = Some(Vec::new());
+        self
+    }
+
+    /// Adds a line to the full trace, when it is recorded (`what` is only called then).
+    fn note(&mut self, what: impl FnOnce() -> String) {
+        if let Some(log) = &mut self.log {
+            log.push(format!("{} {}", self.now, what()));
+        }
+    }
+
     fn trace(&mut self, words: &[u64]) {
+        self.note(|| format!("trace {words:?}"));
         for &w in words {
             for b in w.to_le_bytes() {
                 self.trace ^= u64::from(b);
@@ -686,6 +707,7 @@ impl World {
     }
 
     fn trace_str(&mut self, s: &str) {
+        self.note(|| format!("trace {s}"));
         for b in s.bytes() {
             self.trace ^= u64::from(b);
             self.trace = self.trace.wrapping_mul(0x0100_0000_01b3);
@@ -744,6 +766,7 @@ impl World {
         Report {
             seed: self.config.seed,
             trace_hash: self.trace,
+            log: self.log.unwrap_or_default(),
             stats: self.stats,
             failures: self.failures,
         }
@@ -778,6 +801,7 @@ impl World {
         Report {
             seed: self.config.seed,
             trace_hash: self.trace,
+            log: self.log.clone().unwrap_or_default(),
             stats: self.stats.clone(),
             failures: self.failures.clone(),
         }
@@ -913,6 +937,12 @@ impl World {
     // ---- network ------------------------------------------------------------------------
 
     fn send(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
+        self.note(|| {
+            format!(
+                "send {from:?} -> {to:?} {}",
+                String::from_utf8_lossy(&bytes)
+            )
+        });
         let net = self.config.net;
         if self.partitioned(from, to) {
             self.stats.messages_lost += 1;
@@ -967,6 +997,12 @@ impl World {
     }
 
     fn deliver(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
+        self.note(|| {
+            format!(
+                "deliver {from:?} -> {to:?} {}",
+                String::from_utf8_lossy(&bytes)
+            )
+        });
         match to {
             Addr::P { engine, .. } => {
                 let p = &mut self.p[engine];

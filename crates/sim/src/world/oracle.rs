@@ -109,7 +109,7 @@ impl World {
         // The baseline (one fixed timeout) never extends.
         let extension = match self.config.mode {
             LeaseMode::Lease => nanos(self.lease.extension()),
-            _ => 0,
+            LeaseMode::Fixed => 0,
         };
         let rogue = *sender == self.rogue;
         let engine = &mut self.p[p];
@@ -197,7 +197,7 @@ impl World {
                     expect.unknown = true;
                 }
             }
-            _ => {}
+            Ok(Notif::Expired(_) | Notif::App(_)) | Err(_) => {}
         }
         expect
     }
@@ -251,7 +251,7 @@ impl World {
                 self.stats.released_expired += 1;
                 "expired"
             }
-            _ => {
+            ReleaseReason::Aborted => {
                 self.stats.released_aborted += 1;
                 "aborted"
             }
@@ -259,7 +259,7 @@ impl World {
         let legit_early = match released.reason {
             ReleaseReason::Completed => completed,
             ReleaseReason::Expired => false,
-            _ => lease.aborted,
+            ReleaseReason::Aborted => lease.aborted,
         };
         if released.reason == ReleaseReason::Completed && !completed {
             let msg = format!(

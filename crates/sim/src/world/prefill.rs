@@ -191,6 +191,7 @@ impl World {
     /// Drains the core's actions and events (after every input).
     pub(super) fn p_drain(&mut self, p: usize, local_ns: u64) {
         while let Some(action) = self.p[p].core.poll_action() {
+            self.note(|| format!("P{p} action {action:?}"));
             match action {
                 PrefillAction::ClearFences { released } => {
                     if self.config.bug != Some(Bug::SkipFenceClear) {
@@ -210,7 +211,7 @@ impl World {
                     let reason = match released.reason {
                         ReleaseReason::Completed => 1,
                         ReleaseReason::Expired => 2,
-                        _ => 3,
+                        ReleaseReason::Aborted => 3,
                     };
                     self.trace(&[9, self.now, p as u64, reason]);
                     self.trace_str(released.request.as_str());
@@ -226,10 +227,10 @@ impl World {
                         bytes,
                     );
                 }
-                _ => {}
             }
         }
         while let Some(event) = self.p[p].core.poll_event() {
+            self.note(|| format!("P{p} event {event:?}"));
             if let PrefillEvent::Refused { request, .. } = event {
                 self.p[p].pending.remove(&request);
                 if self.config.bug != Some(Bug::DropRefusals) {
@@ -309,7 +310,7 @@ impl World {
                 (!expect.foreign).then(|| format!("{who} message about {request} ignored as foreign; the oracle says it may act"))
             }
             PrefillNotif::Malformed(e) => Some(format!("{who} message rejected: {e}")),
-            _ => Some(format!("{who} message ignored")),
+            PrefillNotif::Ignored => Some(format!("{who} message ignored")),
         };
         if let Some(problem) = problem {
             self.fail(format!("P{p}: {problem}"));
