@@ -29,7 +29,7 @@
 
 use std::fmt;
 
-use kvlease_lease::{EngineId, InvalidId, RequestId};
+use kvlease_lease::{EngineId, InvalidId, MAX_DURATION, RequestId};
 use serde_json::{Map, Value};
 
 /// The name of the whole object, and the prefix of every field path in a [`ParamsError`].
@@ -38,9 +38,13 @@ pub const PARAMS: &str = "kv_transfer_params";
 /// The largest `tp_size`, `dcp_size` or `pp_size` accepted.
 pub const MAX_PARALLEL: u32 = 1024;
 
-/// The longest lease `kvlease_lease_ms` may announce: a day (anything longer is a unit
-/// mistake, not a lease).
-pub const MAX_LEASE_MS: u64 = 24 * 60 * 60 * 1000;
+/// The longest lease `kvlease_lease_ms` may announce, the longest a lease may be configured
+/// ([`kvlease_lease::MAX_DURATION`], a day): anything longer is a unit mistake.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "a day in milliseconds fits a u64"
+)]
+pub const MAX_LEASE_MS: u64 = MAX_DURATION.as_millis() as u64;
 
 /// The canonical key of the lease's duration, in milliseconds.
 pub const LEASE_MS_KEY: &str = "kvlease_lease_ms";

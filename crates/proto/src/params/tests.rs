@@ -465,3 +465,8 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_longest_lease_is_a_day_as_configured() {
+    assert_eq!(MAX_LEASE_MS, 86_400_000);
+}
