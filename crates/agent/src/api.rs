@@ -7,7 +7,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use kvlease_lease::{EngineId, RequestId};
+use kvlease_proto::params::ParamsError;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -82,6 +82,14 @@ impl ApiError {
             "code": self.status.as_u16(),
             "retryable": self.retryable,
         }})
+    }
+}
+
+/// The codec's errors are 400s naming the field (`kv_transfer_params.remote_block_ids`):
+/// the one place `kv_transfer_params` errors become HTTP answers.
+impl From<ParamsError> for ApiError {
+    fn from(e: ParamsError) -> Self {
+        Self::bad_field(e.field, e.reason)
     }
 }
 
@@ -281,162 +289,6 @@ impl CompletionRequest {
     }
 }
 
-/// The `kv_transfer_params` P answers with and D takes (vLLM's NixlConnector names plus
-/// ours under `kvlease_*`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RemoteParams {
-    /// Always true in P's answer: D must pull the KV.
-    pub do_remote_prefill: bool,
-    /// Always false in P's answer.
-    pub do_remote_decode: bool,
-    /// P's engine id.
-    pub remote_engine_id: EngineId,
-    /// P's block ids holding the request, in token order (the same ids on every P rank).
-    pub remote_block_ids: Vec<u32>,
-    /// Host of P's side channel.
-    pub remote_host: String,
-    /// Port of P's side channel.
-    pub remote_port: u16,
-    /// P's id of the request (heartbeats and completions name it).
-    pub remote_request_id: RequestId,
-    /// P's TP size.
-    pub tp_size: u32,
-    /// The lease's fencing generation, published per block in each P rank's fence region.
-    pub kvlease_generation: u64,
-    /// Tokens whose KV the blocks hold.
-    pub kvlease_num_tokens: u32,
-    /// Initial lease in milliseconds (informational: D heartbeats per its own config).
-    pub kvlease_lease_ms: u64,
-    /// The order-independent digest of the whole KV (all ranks).
-    pub kv_digest: kv::KvDigest,
-    /// The P instance that granted the lease (its start time in microseconds): D finds a
-    /// restarted P by it. 0 (or absent) when unknown.
-    #[serde(default)]
-    pub kvlease_instance: u64,
-}
-
-impl RemoteParams {
-    /// Parses D's `kv_transfer_params` (P's answer copied by a proxy), naming the field at
-    /// fault.
-    ///
-    /// # Errors
-    /// 400 naming `kv_transfer_params.<field>`.
-    pub fn from_value(v: &Value) -> Result<Self, ApiError> {
-        let obj = v
-            .as_object()
-            .ok_or_else(|| ApiError::bad_field("kv_transfer_params", "must be an object"))?;
-        let field = |name: &str| -> Result<&Value, ApiError> {
-            match obj.get(name) {
-                Some(Value::Null) | None => Err(ApiError::bad_field(
-                    format!("kv_transfer_params.{name}"),
-                    "missing (copy P's kv_transfer_params)",
-                )),
-                Some(x) => Ok(x),
-            }
-        };
-        let bad = |name: &str, what: &str| {
-            ApiError::bad_field(
-                format!("kv_transfer_params.{name}"),
-                format!("must be {what}"),
-            )
-        };
-        let typed = |name: &str, what: &str| -> Result<&str, ApiError> {
-            field(name)?.as_str().ok_or_else(|| bad(name, what))
-        };
-        let id_err = |name: &str, e: kvlease_lease::InvalidId| {
-            ApiError::bad_field(format!("kv_transfer_params.{name}"), e.to_string())
-        };
-        let string = |name: &str| -> Result<String, ApiError> {
-            field(name)?
-                .as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| bad(name, "a string"))
-        };
-        let uint = |name: &str, max: u64| -> Result<u64, ApiError> {
-            field(name)?
-                .as_u64()
-                .filter(|&n| n <= max)
-                .ok_or_else(|| bad(name, &format!("an integer in 0..={max}")))
-        };
-        let blocks = field("remote_block_ids")?
-            .as_array()
-            .ok_or_else(|| bad("remote_block_ids", "a list of block ids"))?
-            .iter()
-            .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| bad("remote_block_ids", "a list of block ids"))?;
-        let p = Self {
-            do_remote_prefill: obj
-                .get("do_remote_prefill")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            do_remote_decode: obj
-                .get("do_remote_decode")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            remote_engine_id: EngineId::new(typed("remote_engine_id", "a string")?)
-                .map_err(|e| id_err("remote_engine_id", e))?,
-            remote_block_ids: blocks,
-            remote_host: string("remote_host")?,
-            // Bounds checked by `uint`.
-            remote_port: uint("remote_port", u64::from(u16::MAX))? as u16,
-            remote_request_id: RequestId::new(typed("remote_request_id", "a string")?)
-                .map_err(|e| id_err("remote_request_id", e))?,
-            tp_size: uint("tp_size", 1024)? as u32,
-            kvlease_generation: uint("kvlease_generation", u64::MAX)?,
-            kvlease_num_tokens: uint("kvlease_num_tokens", u64::from(u32::MAX))? as u32,
-            kvlease_lease_ms: obj
-                .get("kvlease_lease_ms")
-                .and_then(Value::as_u64)
-                .unwrap_or(0),
-            kv_digest: kv::KvDigest::parse(typed("kv_digest", "kvd-<16 hex digits>")?)
-                .ok_or_else(|| bad("kv_digest", "kvd-<16 hex digits>"))?,
-            kvlease_instance: match obj.get("kvlease_instance") {
-                None | Some(Value::Null) => 0,
-                Some(_) => uint("kvlease_instance", u64::MAX)?,
-            },
-        };
-        if !p.do_remote_prefill {
-            return Err(bad("do_remote_prefill", "true on D"));
-        }
-        if p.tp_size == 0 {
-            return Err(bad("tp_size", "at least 1"));
-        }
-        if p.kvlease_generation == 0 {
-            return Err(bad("kvlease_generation", "a non-zero generation"));
-        }
-        Ok(p)
-    }
-}
-
-/// What a request to P asks for, from its `kv_transfer_params`.
-///
-/// # Errors
-/// 400 naming the field when the params are not an object, `do_remote_decode` is not a
-/// boolean, or it is false (P only serves remote decode).
-pub fn prefill_params(v: Option<&Value>) -> Result<(), ApiError> {
-    let Some(v) = v else {
-        return Err(ApiError::bad_field(
-            "kv_transfer_params",
-            "missing: P needs {\"do_remote_decode\": true}",
-        ));
-    };
-    let obj = v
-        .as_object()
-        .ok_or_else(|| ApiError::bad_field("kv_transfer_params", "must be an object"))?;
-    match obj.get("do_remote_decode") {
-        Some(Value::Bool(true)) => Ok(()),
-        Some(Value::Bool(false)) | None => Err(ApiError::bad_field(
-            "kv_transfer_params.do_remote_decode",
-            "must be true (this is a prefill-only engine)",
-        )),
-        Some(_) => Err(ApiError::bad_field(
-            "kv_transfer_params.do_remote_decode",
-            "must be a boolean",
-        )),
-    }
-}
-
 /// Transfer statistics D adds to its answer.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct TransferStats {
@@ -454,6 +306,8 @@ pub struct TransferStats {
 
 #[cfg(test)]
 mod tests {
+    use kvlease_proto::params::{KvTransferParams, check_prefill_request};
+
     use super::*;
 
     fn p_answer() -> Value {
@@ -467,10 +321,15 @@ mod tests {
         })
     }
 
+    /// D's parse at the HTTP edge: the codec, its errors as 400s naming the field.
+    fn d_params(v: &Value) -> Result<KvTransferParams, ApiError> {
+        Ok(KvTransferParams::from_value(v)?)
+    }
+
     #[test]
     fn remote_params_round_trip_and_name_bad_fields() {
-        let p = RemoteParams::from_value(&p_answer()).expect("valid params");
-        assert_eq!(serde_json::to_value(&p).expect("serializable"), p_answer());
+        let p = d_params(&p_answer()).expect("valid params");
+        assert_eq!(p.to_value(), p_answer());
         for (key, val, param) in [
             (
                 "remote_block_ids",
@@ -503,17 +362,27 @@ mod tests {
                 json!(false),
                 "kv_transfer_params.do_remote_prefill",
             ),
+            (
+                "remote_request_id",
+                json!("a b"),
+                "kv_transfer_params.remote_request_id",
+            ),
+            ("tp_size", json!(0), "kv_transfer_params.tp_size"),
+            ("remote_port", json!(0), "kv_transfer_params.remote_port"),
+            (
+                "kvlease_lease_ms",
+                json!(0),
+                "kv_transfer_params.kvlease_lease_ms",
+            ),
         ] {
             let mut v = p_answer();
             v[key] = val;
-            let e = RemoteParams::from_value(&v).expect_err("invalid");
+            let e = d_params(&v).expect_err("invalid");
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(e.param.as_deref(), Some(param), "{key}");
+            assert!(e.message.starts_with(param), "{}", e.message);
+            assert_eq!(e.body()["error"]["param"], param);
         }
-        // Serde validates the typed fields too.
-        let mut v = p_answer();
-        v["remote_request_id"] = json!("a b");
-        assert!(serde_json::from_value::<RemoteParams>(v).is_err());
     }
 
     #[test]
@@ -521,9 +390,16 @@ mod tests {
         let v = json!({"do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
             "remote_port": null});
-        assert!(prefill_params(Some(&v)).is_ok());
-        assert!(prefill_params(Some(&json!({"do_remote_decode": "yes"}))).is_err());
-        assert!(prefill_params(None).is_err());
+        let p = |v: Option<&Value>| -> Result<(), ApiError> { Ok(check_prefill_request(v)?) };
+        assert!(p(Some(&v)).is_ok());
+        let e = p(Some(&json!({"do_remote_decode": "yes"}))).expect_err("not a boolean");
+        assert_eq!(
+            e.param.as_deref(),
+            Some("kv_transfer_params.do_remote_decode")
+        );
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let e = p(None).expect_err("missing");
+        assert_eq!(e.param.as_deref(), Some("kv_transfer_params"));
         let req: CompletionRequest =
             serde_json::from_value(json!({"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0}))
                 .expect("valid body");

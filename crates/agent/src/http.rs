@@ -28,10 +28,11 @@ use axum::routing::{get, post};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use kvlease_lease::RequestId;
+use kvlease_proto::params::{KvTransferParams, check_prefill_request};
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::api::{self, ApiError, ChatRequest, CompletionRequest, RemoteParams};
+use crate::api::{self, ApiError, ChatRequest, CompletionRequest};
 use crate::decode::{self, DecodeStreamEvent};
 use crate::health::EngineHeartbeat;
 use crate::metrics::{Metrics, RequestOutcome};
@@ -407,7 +408,7 @@ async fn p_run(
     req: CompletionRequest,
     object: &str,
 ) -> Result<Value, ApiError> {
-    api::prefill_params(req.kv_transfer_params.as_ref())?;
+    check_prefill_request(req.kv_transfer_params.as_ref())?;
     // Bidirectional mode: D's cached-blocks params of the previous turn, passed by the proxy.
     let decoder = match req.kv_transfer_params.as_ref() {
         Some(v) if crate::bidir::is_decoder_params(Some(v)) => {
@@ -433,11 +434,10 @@ async fn p_run(
     let done = await_engine(rx).await??;
     let model = req.model.as_deref().unwrap_or(&api.model);
     // The one token a prefill produces is the first output token (vLLM returns it too).
-    let digest = done.params.kv_digest;
-    let first = crate::kv::decode_text(digest, 1).concat();
+    let first = crate::kv::decode_text(done.kv_digest, 1).concat();
     let mut body = completion_body(id.as_str(), model, object, &first, prompt_tokens, 1);
-    body["kv_transfer_params"] = serde_json::to_value(&done.params).map_err(internal)?;
-    body["kv_digest"] = Value::String(done.params.kv_digest.to_string());
+    body["kv_transfer_params"] = done.params.to_value();
+    body["kv_digest"] = Value::String(done.kv_digest.to_string());
     body["cached_tokens_pulled"] = json!(done.cached_tokens_pulled);
     body["kvlease"] = json!({
         "prefill_time_ms": done.prefill_ms,
@@ -593,7 +593,7 @@ fn d_submit(
     outcome: &mut Outcome,
 ) -> Result<DRequest, ApiError> {
     let params = match &req.kv_transfer_params {
-        Some(v) => RemoteParams::from_value(v)?,
+        Some(v) => KvTransferParams::from_value(v)?,
         None => {
             return Err(ApiError::bad_field(
                 "kv_transfer_params",
@@ -601,6 +601,7 @@ fn d_submit(
             ));
         }
     };
+    let kv_digest = params.require_digest()?;
     req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
     let tokens = req.tokens()?;
     let max_tokens = req.max_tokens()?;
@@ -612,6 +613,7 @@ fn d_submit(
             tokens: tokens.clone(),
             max_tokens,
             params,
+            kv_digest,
             conversation_id: req.conversation_id.clone(),
             arrived: Instant::now(),
             events: tx,

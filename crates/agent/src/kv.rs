@@ -15,7 +15,6 @@
 //! instead give `prompt_token_ids` (any `u32`). Generated text maps each output token onto a
 //! lowercase ASCII letter, so it is always valid UTF-8.
 
-use std::fmt;
 use std::ops::Range;
 
 /// The rolling hash of `tokens[0..=i]` for every `i`: the engine's, the one D's
@@ -216,45 +215,9 @@ pub fn chunk_hash(bytes: &[u8], layer: u32, pos: usize, kv: u32, head: u32) -> u
     acc
 }
 
-/// An order-independent digest of KV content: the wrapping sum of its chunk hashes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct KvDigest(pub u64);
-
-impl KvDigest {
-    /// Adds a chunk's (or another partial digest's) contribution.
-    pub fn add(&mut self, other: Self) {
-        self.0 = self.0.wrapping_add(other.0);
-    }
-
-    /// Parses the `kvd-<16 hex>` form.
-    pub fn parse(s: &str) -> Option<Self> {
-        let hex = s.strip_prefix("kvd-")?;
-        if hex.len() != 16 {
-            return None;
-        }
-        u64::from_str_radix(hex, 16).ok().map(Self)
-    }
-}
-
-impl fmt::Display for KvDigest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "kvd-{:016x}", self.0)
-    }
-}
-
-impl serde::Serialize for KvDigest {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-/// Deserializing validates the `kvd-<16 hex>` form.
-impl<'de> serde::Deserialize<'de> for KvDigest {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = <std::borrow::Cow<'de, str> as serde::Deserialize>::deserialize(d)?;
-        Self::parse(&s).ok_or_else(|| serde::de::Error::custom("expected kvd-<16 hex digits>"))
-    }
-}
+/// An order-independent digest of KV content (the wrapping sum of its chunk hashes); its
+/// wire form `kvd-<16 hex>` is part of `kv_transfer_params` and lives with their codec.
+pub use kvlease_proto::params::KvDigest;
 
 /// The digest of the whole model's KV for `tokens`, computed from the generator alone
 /// (what any correct producer or reader must arrive at).

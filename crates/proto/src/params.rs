@@ -1,1 +1,459 @@
-//! (to come)
+//! `kv_transfer_params`: the JSON object a P engine answers a prefill with, which a proxy
+//! copies verbatim into the decode request D receives. One codec for every kvlease shell
+//! (the agents and the vLLM connector through the Python binding).
+//!
+//! The keys are vLLM's (NixlConnector's names, which vLLM's proxies pass along) and
+//! kvlease's own, under `kvlease_*`:
+//!
+//! | key | type | |
+//! |---|---|---|
+//! | `do_remote_prefill` | `true` | required: D pulls the KV |
+//! | `do_remote_decode` | bool | written `false`; read and ignored |
+//! | `remote_engine_id` | [`EngineId`] | required |
+//! | `remote_request_id` | [`RequestId`] | required |
+//! | `remote_block_ids` | list of u32 | required; one KV cache group's list `[[...]]` is read as the list |
+//! | `remote_host`, `remote_port` | string, 1..=65535 | required: P's side channel |
+//! | `tp_size` | 1..=[`MAX_PARALLEL`] | required |
+//! | `dcp_size`, `pp_size` | 1..=[`MAX_PARALLEL`] | optional |
+//! | `remote_num_tokens` | u32 | optional (vLLM's: tokens P computed) |
+//! | `transfer_mode` | string | optional (`"pull"`) |
+//! | `kvlease_generation` | 1..=2^64-1 | required: the lease's fence token |
+//! | `kvlease_num_tokens` | u32 | required: the prompt length P prefilled |
+//! | `kvlease_lease_ms` | 1..=[`MAX_LEASE_MS`] | optional; the old spelling `kvlease_lease_duration` (seconds, a number) is still read |
+//! | `kvlease_instance` | u64 | optional, 0 when absent: P's start time in µs |
+//! | `kv_digest` | [`KvDigest`] | optional (the agents' P always sends it and their D requires it) |
+//!
+//! A `null` value is read as an absent key. Errors name the field by its full path
+//! ([`ParamsError::field`], `kv_transfer_params.remote_block_ids`): the HTTP edge answers
+//! them as 400s naming that field, the Python binding raises `InvalidArgument` with it.
+
+use std::fmt;
+
+use kvlease_lease::{EngineId, InvalidId, MAX_DURATION, RequestId};
+use serde_json::{Map, Value};
+
+/// The name of the whole object, and the prefix of every field path in a [`ParamsError`].
+pub const PARAMS: &str = "kv_transfer_params";
+
+/// The largest `tp_size`, `dcp_size` or `pp_size` accepted.
+pub const MAX_PARALLEL: u32 = 1024;
+
+/// The longest lease `kvlease_lease_ms` may announce, the longest a lease may be configured
+/// ([`kvlease_lease::MAX_DURATION`], a day): anything longer is a unit mistake.
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "a day in milliseconds fits a u64"
+)]
+pub const MAX_LEASE_MS: u64 = MAX_DURATION.as_millis() as u64;
+
+/// The canonical key of the lease's duration, in milliseconds.
+pub const LEASE_MS_KEY: &str = "kvlease_lease_ms";
+
+/// The old key of the lease's duration (seconds, a number), still read when
+/// [`LEASE_MS_KEY`] is absent.
+pub const LEASE_DURATION_KEY: &str = "kvlease_lease_duration";
+
+/// A field of `kv_transfer_params` at fault, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct ParamsError {
+    /// The field's full path (`kv_transfer_params.remote_block_ids`), or `kv_transfer_params`
+    /// for the whole object.
+    pub field: String,
+    /// What is wrong with it, for a human (`must be an integer in 1..=65535`).
+    pub reason: String,
+}
+
+impl ParamsError {
+    /// An error on the key `key` of the object.
+    fn key(key: &str, reason: impl Into<String>) -> Self {
+        Self {
+            field: format!("{PARAMS}.{key}"),
+            reason: reason.into(),
+        }
+    }
+
+    /// An error on the whole object.
+    fn whole(reason: impl Into<String>) -> Self {
+        Self {
+            field: PARAMS.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// An error on `key` that says what it must be.
+    fn must_be(key: &str, what: &str) -> Self {
+        Self::key(key, format!("must be {what}"))
+    }
+
+    /// An error on `key`, a required key the object lacks.
+    fn missing(key: &str) -> Self {
+        Self::key(key, "missing (copy P's kv_transfer_params)")
+    }
+
+    fn id(key: &str, e: &InvalidId) -> Self {
+        Self::key(key, e.to_string())
+    }
+}
+
+/// An order-independent digest of KV content (the wrapping sum of its chunk hashes), on
+/// the wire as `kvd-<16 hex digits>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct KvDigest(pub u64);
+
+impl KvDigest {
+    /// Adds a chunk's (or another partial digest's) contribution.
+    pub fn add(&mut self, other: Self) {
+        self.0 = self.0.wrapping_add(other.0);
+    }
+
+    /// Parses the `kvd-<16 hex digits>` form.
+    pub fn parse(s: &str) -> Option<Self> {
+        let hex = s.strip_prefix("kvd-")?;
+        if hex.len() != 16 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u64::from_str_radix(hex, 16).ok().map(Self)
+    }
+}
+
+impl fmt::Display for KvDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "kvd-{:016x}", self.0)
+    }
+}
+
+/// Checks that `value` of `key` lies in `min..=max`.
+fn in_range(key: &str, value: u64, min: u64, max: u64) -> Result<u64, ParamsError> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else {
+        Err(ParamsError::must_be(
+            key,
+            &format!("an integer in {min}..={max}"),
+        ))
+    }
+}
+
+/// `kv_transfer_params` as P answers them and D takes them: where the KV lives on P and
+/// under which lease.
+///
+/// Build P's answer as a value and write it with [`to_value`](Self::to_value) (it writes
+/// `do_remote_prefill: true, do_remote_decode: false`); read D's with
+/// [`from_value`](Self::from_value). A value that passes [`validate`](Self::validate)
+/// reads back equal from its own `to_value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvTransferParams {
+    /// P's engine id.
+    pub remote_engine_id: EngineId,
+    /// P's id of the request (heartbeats and completions name it).
+    pub remote_request_id: RequestId,
+    /// P's block ids holding the request, in token order (the same ids on every P rank).
+    pub remote_block_ids: Vec<u32>,
+    /// Host of P's side channel.
+    pub remote_host: String,
+    /// Port of P's side channel (not 0).
+    pub remote_port: u16,
+    /// P's TP size, 1..=[`MAX_PARALLEL`].
+    pub tp_size: u32,
+    /// P's decode context parallel size (vLLM's key; kvlease's P writes 1), if given.
+    pub dcp_size: Option<u32>,
+    /// P's pipeline parallel size (vLLM's key; kvlease's P writes 1), if given.
+    pub pp_size: Option<u32>,
+    /// Tokens P computed (vLLM's key), if given.
+    pub remote_num_tokens: Option<u32>,
+    /// vLLM's transfer mode (`"pull"`), if given.
+    pub transfer_mode: Option<String>,
+    /// The lease's fencing generation (not 0), published per block in each P rank's fence
+    /// region.
+    pub kvlease_generation: u64,
+    /// Tokens whose KV the blocks hold.
+    pub kvlease_num_tokens: u32,
+    /// The lease P granted, in milliseconds (1..=[`MAX_LEASE_MS`]), if announced
+    /// (informational: D heartbeats per its own config).
+    pub kvlease_lease_ms: Option<u64>,
+    /// The P instance that granted the lease (its start time in microseconds): D finds a
+    /// restarted P by it. 0 when unknown.
+    pub kvlease_instance: u64,
+    /// The digest of the whole KV (all ranks), if P computed one.
+    pub kv_digest: Option<KvDigest>,
+}
+
+/// The object being read, with the readers that name a key at fault.
+struct Reader<'a>(&'a Map<String, Value>);
+
+impl Reader<'_> {
+    /// The key's value; `None` when absent or null.
+    fn opt(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn req(&self, key: &str) -> Result<&Value, ParamsError> {
+        self.opt(key).ok_or_else(|| ParamsError::missing(key))
+    }
+
+    fn str_of<'v>(key: &str, v: &'v Value) -> Result<&'v str, ParamsError> {
+        v.as_str()
+            .ok_or_else(|| ParamsError::must_be(key, "a string"))
+    }
+
+    fn uint_of(key: &str, v: &Value, min: u64, max: u64) -> Result<u64, ParamsError> {
+        let n = v
+            .as_u64()
+            .ok_or_else(|| ParamsError::must_be(key, &format!("an integer in {min}..={max}")))?;
+        in_range(key, n, min, max)
+    }
+
+    fn uint(&self, key: &str, min: u64, max: u64) -> Result<u64, ParamsError> {
+        Self::uint_of(key, self.req(key)?, min, max)
+    }
+
+    fn opt_uint(&self, key: &str, min: u64, max: u64) -> Result<Option<u64>, ParamsError> {
+        self.opt(key)
+            .map(|v| Self::uint_of(key, v, min, max))
+            .transpose()
+    }
+
+    fn string(&self, key: &str) -> Result<&str, ParamsError> {
+        Self::str_of(key, self.req(key)?)
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ParamsError> {
+        self.opt(key)
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| ParamsError::must_be(key, "a boolean"))
+            })
+            .transpose()
+    }
+
+    /// `remote_block_ids`: a list of block ids, or (as NixlConnector-style producers send
+    /// it) a list of exactly one KV cache group's list.
+    fn blocks(&self) -> Result<Vec<u32>, ParamsError> {
+        const KEY: &str = "remote_block_ids";
+        let bad = || ParamsError::must_be(KEY, "a list of block ids (integers in 0..=4294967295)");
+        let mut list = self.req(KEY)?.as_array().ok_or_else(bad)?;
+        if let Some(Value::Array(_)) = list.first() {
+            match list.as_slice() {
+                [Value::Array(one)] => list = one,
+                _ => {
+                    return Err(ParamsError::key(
+                        KEY,
+                        format!(
+                            "{} KV cache groups; kvlease transfers exactly one",
+                            list.len()
+                        ),
+                    ));
+                }
+            }
+        }
+        list.iter()
+            .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(bad)
+    }
+
+    /// The lease in milliseconds: [`LEASE_MS_KEY`], else the old [`LEASE_DURATION_KEY`]
+    /// (seconds, rounded to the millisecond).
+    fn lease_ms(&self) -> Result<Option<u64>, ParamsError> {
+        if let Some(ms) = self.opt_uint(LEASE_MS_KEY, 1, MAX_LEASE_MS)? {
+            return Ok(Some(ms));
+        }
+        let Some(v) = self.opt(LEASE_DURATION_KEY) else {
+            return Ok(None);
+        };
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "MAX_LEASE_MS is far below 2^52: exact as f64"
+        )]
+        let max_s = MAX_LEASE_MS as f64 / 1e3;
+        let bad = || {
+            ParamsError::must_be(
+                LEASE_DURATION_KEY,
+                &format!("a number of seconds in 0.001..={max_s}"),
+            )
+        };
+        let secs = v.as_f64().ok_or_else(bad)?;
+        let ms = (secs * 1e3).round();
+        if !(1.0..=max_s * 1e3).contains(&ms) {
+            return Err(bad());
+        }
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a whole number in 1..=MAX_LEASE_MS, checked above"
+        )]
+        Ok(Some(ms as u64))
+    }
+}
+
+/// A bounded `u32` read: the bound is at most `u32::MAX`.
+fn to_u32(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl KvTransferParams {
+    /// Reads D's `kv_transfer_params` (P's answer copied by a proxy), checking every field
+    /// (see [`validate`](Self::validate) and the module's table).
+    ///
+    /// # Errors
+    /// A [`ParamsError`] naming the first field at fault: `kv_transfer_params` when `v` is
+    /// not an object, `kv_transfer_params.<key>` when a required key is missing or null, a
+    /// key has the wrong type or is out of range, or `do_remote_prefill` is not true.
+    pub fn from_value(v: &Value) -> Result<Self, ParamsError> {
+        let obj = v
+            .as_object()
+            .ok_or_else(|| ParamsError::whole("must be an object"))?;
+        let r = Reader(obj);
+        if r.opt_bool("do_remote_prefill")? != Some(true) {
+            return Err(ParamsError::must_be("do_remote_prefill", "true on D"));
+        }
+        r.opt_bool("do_remote_decode")?;
+        let max_parallel = u64::from(MAX_PARALLEL);
+        let p = Self {
+            remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
+                .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
+            remote_request_id: RequestId::new(r.string("remote_request_id")?)
+                .map_err(|e| ParamsError::id("remote_request_id", &e))?,
+            remote_block_ids: r.blocks()?,
+            remote_host: r.string("remote_host")?.to_owned(),
+            remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
+                .unwrap_or(u16::MAX),
+            tp_size: to_u32(r.uint("tp_size", 1, max_parallel)?),
+            dcp_size: r.opt_uint("dcp_size", 1, max_parallel)?.map(to_u32),
+            pp_size: r.opt_uint("pp_size", 1, max_parallel)?.map(to_u32),
+            remote_num_tokens: r
+                .opt_uint("remote_num_tokens", 0, u64::from(u32::MAX))?
+                .map(to_u32),
+            transfer_mode: r
+                .opt("transfer_mode")
+                .map(|v| Reader::str_of("transfer_mode", v).map(str::to_owned))
+                .transpose()?,
+            kvlease_generation: r.uint("kvlease_generation", 1, u64::MAX)?,
+            kvlease_num_tokens: to_u32(r.uint("kvlease_num_tokens", 0, u64::from(u32::MAX))?),
+            kvlease_lease_ms: r.lease_ms()?,
+            kvlease_instance: r.opt_uint("kvlease_instance", 0, u64::MAX)?.unwrap_or(0),
+            kv_digest: r
+                .opt("kv_digest")
+                .map(|v| {
+                    v.as_str()
+                        .and_then(KvDigest::parse)
+                        .ok_or_else(|| ParamsError::must_be("kv_digest", "kvd-<16 hex digits>"))
+                })
+                .transpose()?,
+        };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Checks the ranges the typed fields do not hold by themselves: `remote_port` not 0,
+    /// `tp_size` (and `dcp_size`, `pp_size` if given) in 1..=[`MAX_PARALLEL`],
+    /// `kvlease_generation` not 0, `kvlease_lease_ms` (if given) in 1..=[`MAX_LEASE_MS`].
+    ///
+    /// # Errors
+    /// A [`ParamsError`] naming the first field out of range.
+    pub fn validate(&self) -> Result<(), ParamsError> {
+        let max_parallel = u64::from(MAX_PARALLEL);
+        in_range("remote_port", self.remote_port.into(), 1, u16::MAX.into())?;
+        in_range("tp_size", self.tp_size.into(), 1, max_parallel)?;
+        if let Some(n) = self.dcp_size {
+            in_range("dcp_size", n.into(), 1, max_parallel)?;
+        }
+        if let Some(n) = self.pp_size {
+            in_range("pp_size", n.into(), 1, max_parallel)?;
+        }
+        in_range("kvlease_generation", self.kvlease_generation, 1, u64::MAX)?;
+        if let Some(ms) = self.kvlease_lease_ms {
+            in_range(LEASE_MS_KEY, ms, 1, MAX_LEASE_MS)?;
+        }
+        Ok(())
+    }
+
+    /// The JSON object P answers with: every field under its canonical key, optional ones
+    /// only when set, plus `do_remote_prefill: true` and `do_remote_decode: false`.
+    pub fn to_value(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("do_remote_prefill".into(), Value::Bool(true));
+        m.insert("do_remote_decode".into(), Value::Bool(false));
+        m.insert(
+            "remote_engine_id".into(),
+            self.remote_engine_id.as_str().into(),
+        );
+        m.insert(
+            "remote_request_id".into(),
+            self.remote_request_id.as_str().into(),
+        );
+        m.insert(
+            "remote_block_ids".into(),
+            self.remote_block_ids
+                .iter()
+                .copied()
+                .map(Value::from)
+                .collect(),
+        );
+        m.insert("remote_host".into(), self.remote_host.as_str().into());
+        m.insert("remote_port".into(), self.remote_port.into());
+        m.insert("tp_size".into(), self.tp_size.into());
+        if let Some(n) = self.dcp_size {
+            m.insert("dcp_size".into(), n.into());
+        }
+        if let Some(n) = self.pp_size {
+            m.insert("pp_size".into(), n.into());
+        }
+        if let Some(n) = self.remote_num_tokens {
+            m.insert("remote_num_tokens".into(), n.into());
+        }
+        if let Some(mode) = &self.transfer_mode {
+            m.insert("transfer_mode".into(), mode.as_str().into());
+        }
+        m.insert("kvlease_generation".into(), self.kvlease_generation.into());
+        m.insert("kvlease_num_tokens".into(), self.kvlease_num_tokens.into());
+        if let Some(ms) = self.kvlease_lease_ms {
+            m.insert(LEASE_MS_KEY.into(), ms.into());
+        }
+        m.insert("kvlease_instance".into(), self.kvlease_instance.into());
+        if let Some(d) = self.kv_digest {
+            m.insert("kv_digest".into(), d.to_string().into());
+        }
+        Value::Object(m)
+    }
+
+    /// The digest D checks the KV it read against.
+    ///
+    /// # Errors
+    /// A [`ParamsError`] naming `kv_transfer_params.kv_digest` when P sent none.
+    pub fn require_digest(&self) -> Result<KvDigest, ParamsError> {
+        self.kv_digest
+            .ok_or_else(|| ParamsError::missing("kv_digest"))
+    }
+}
+
+/// Checks the `kv_transfer_params` of a request to P: an object with
+/// `do_remote_decode: true` (vLLM's proxies send the other vLLM keys as `null`, and they are
+/// not read).
+///
+/// # Errors
+/// A [`ParamsError`] naming `kv_transfer_params` when the params are missing or not an
+/// object, `kv_transfer_params.do_remote_decode` when it is not a boolean, or is false or
+/// absent (P only serves remote decode).
+pub fn check_prefill_request(v: Option<&Value>) -> Result<(), ParamsError> {
+    let Some(v) = v else {
+        return Err(ParamsError::whole(
+            "missing: P needs {\"do_remote_decode\": true}",
+        ));
+    };
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ParamsError::whole("must be an object"))?;
+    match obj.get("do_remote_decode") {
+        Some(Value::Bool(true)) => Ok(()),
+        Some(Value::Bool(false)) | None => Err(ParamsError::must_be(
+            "do_remote_decode",
+            "true (this is a prefill-only engine)",
+        )),
+        Some(_) => Err(ParamsError::must_be("do_remote_decode", "a boolean")),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,5 +1,6 @@
 //! The native half of the `kvlease` Python package (`kvlease._kvlease`): the transport
-//! agent, the engine cores and the handshake side channel, with Python types.
+//! agent, the engine cores, the handshake side channel and the `kv_transfer_params` codec,
+//! with Python types.
 //!
 //! The Python package (`python/kvlease/`) re-exports these classes, defines the
 //! exception classes (`kvlease.errors`, raised from here by name), describes Python
@@ -21,6 +22,7 @@ mod agent;
 mod cores;
 mod errors;
 mod memory;
+mod params;
 mod sidechannel;
 
 /// The native module `kvlease._kvlease`.
@@ -50,6 +52,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::Loaded>()?;
     m.add_class::<cores::HandshakeDone>()?;
     m.add_class::<cores::Finished>()?;
+    m.add_class::<params::KvTransferParams>()?;
     m.add_class::<sidechannel::SideChannelServer>()?;
     m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;

@@ -32,10 +32,11 @@ use kvlease_lease::{
     BlockId, DecoderTtl, EngineId, Event, Generation, LeaseConfig, ReleaseReason, RequestId,
     Timestamp,
 };
+use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::api::{ApiError, RemoteParams, TransferStats};
+use crate::api::{ApiError, TransferStats};
 use crate::bidir::{self, PeerClock};
 use crate::config::LoadFailurePolicy;
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
@@ -66,7 +67,10 @@ pub struct DecodeJob {
     /// Tokens to generate.
     pub max_tokens: u32,
     /// P's `kv_transfer_params`.
-    pub params: RemoteParams,
+    pub params: KvTransferParams,
+    /// The digest P published (`kv_transfer_params.kv_digest`, required on D): the KV read
+    /// must sum to it.
+    pub kv_digest: KvDigest,
     /// The request's `conversation_id` (bidirectional mode echoes it).
     pub conversation_id: Option<String>,
     /// When the HTTP layer got it.
@@ -859,7 +863,7 @@ impl DecodeEngine {
         for r in results {
             digest.add(r?);
         }
-        let want = req.job.params.kv_digest;
+        let want = req.job.kv_digest;
         if digest != want {
             return Err(VerifyError::Digest { read: digest, want });
         }

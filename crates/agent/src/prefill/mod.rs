@@ -28,11 +28,12 @@ use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Generation, LeaseConfig, ReleaseReason, Released, RequestId, Timestamp,
 };
+use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc, RegionId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use crate::api::{ApiError, RemoteParams};
+use crate::api::ApiError;
 use crate::bidir::{PeerClock, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
@@ -68,7 +69,9 @@ pub struct Job {
 #[derive(Debug, Clone)]
 pub struct Prefilled {
     /// What D needs.
-    pub params: RemoteParams,
+    pub params: KvTransferParams,
+    /// The digest of the KV P filled (also in `params`).
+    pub kv_digest: KvDigest,
     /// Time spent computing and filling.
     pub prefill_ms: f64,
     /// Time spent waiting for free blocks.
@@ -631,23 +634,26 @@ impl PrefillEngine {
         }
         self.metrics.leases_granted.inc();
         self.metrics.prefill_tokens.inc_by(tokens.len() as u64);
-        let params = RemoteParams {
-            do_remote_prefill: true,
-            do_remote_decode: false,
+        let params = KvTransferParams {
             remote_engine_id: self.cfg.engine_id.clone(),
             remote_block_ids: ids,
             remote_host: self.cfg.advertise_host.clone(),
             remote_port: self.cfg.side_channel_port,
             remote_request_id: w.job.id.clone(),
             tp_size: self.cfg.tp_size,
+            dcp_size: None,
+            pp_size: None,
+            remote_num_tokens: None,
+            transfer_mode: None,
             kvlease_generation: generation.word(),
             kvlease_num_tokens: tokens.len() as u32,
-            kvlease_lease_ms: self.cfg.lease.duration().as_millis() as u64,
-            kv_digest: digest,
+            kvlease_lease_ms: Some(self.cfg.lease.duration().as_millis() as u64),
             kvlease_instance: self.instance,
+            kv_digest: Some(digest),
         };
         let done = Prefilled {
             params,
+            kv_digest: digest,
             prefill_ms: started.elapsed().as_secs_f64() * 1e3,
             pool_wait_ms: pool_wait.as_secs_f64() * 1e3,
             cached_tokens_pulled: pulled_tokens as u32,

@@ -5,6 +5,8 @@
 - :class:`FenceWords`: a lease's generation words over shared memory.
 - :class:`PrefillCore`, :class:`DecodeCore`: the engine cores (every lease decision of P
   and D; time is an argument, ``now`` in seconds of ``time.monotonic()``).
+- :class:`KvTransferParams`: ``kv_transfer_params``, read and written by one codec (the
+  agents' too); bad keys raise :class:`InvalidArgument` naming the field.
 - :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
   authenticated with the cluster token.
 - :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
@@ -27,6 +29,7 @@ from ._kvlease import (
     Granted,
     HandshakeDone,
     HandshakeStart,
+    KvTransferParams,
     Loaded,
     LoadPlan,
     Peer,
@@ -89,6 +92,7 @@ __all__ = [
     "Loaded",
     "HandshakeDone",
     "Finished",
+    "KvTransferParams",
     "SideChannelServer",
     "side_channel_fetch",
     "decode_notif",

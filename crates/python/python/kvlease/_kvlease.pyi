@@ -1,6 +1,6 @@
 """Type stubs of the native module ``kvlease._kvlease`` (see ``crates/python/src``)."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from .errors import KvleaseError
@@ -256,6 +256,78 @@ class RemoteKv:
     host: str
     port: int
     instance: int
+
+# ----------------------------------------------------------------- kv_transfer_params
+
+class KvTransferParams:
+    """``kv_transfer_params`` as P answers them and D takes them: vLLM's keys and
+    kvlease's, read and checked by the same codec as the agents' (``kvlease-proto``).
+
+    Every check raises :class:`~kvlease.errors.InvalidArgument` with ``field`` (the full
+    path, ``"kv_transfer_params.remote_port"``) and ``reason``.
+    """
+
+    def __init__(
+        self,
+        *,
+        remote_engine_id: str,
+        remote_request_id: str,
+        remote_block_ids: Sequence[int],
+        remote_host: str,
+        remote_port: int,
+        tp_size: int,
+        kvlease_generation: int,
+        kvlease_num_tokens: int,
+        kvlease_lease_ms: int | None = None,
+        kvlease_instance: int | None = None,
+        kv_digest: str | None = None,
+        dcp_size: int | None = None,
+        pp_size: int | None = None,
+        remote_num_tokens: int | None = None,
+        transfer_mode: str | None = None,
+    ) -> None:
+        """P's answer, checked as D will read it."""
+    @staticmethod
+    def from_dict(params: Mapping[str, Any]) -> KvTransferParams:
+        """Reads D's ``kv_transfer_params`` (``do_remote_prefill`` must be true). Also
+        reads the old ``kvlease_lease_duration`` (seconds) and one KV cache group's
+        ``[[...]]`` block list."""
+    def to_dict(self) -> dict[str, Any]:
+        """The dict P answers with: canonical keys, ``do_remote_prefill: True``,
+        ``do_remote_decode: False``, optional keys only when set."""
+    def to_remote_kv(self) -> RemoteKv:
+        """The typed coordinates :meth:`DecodeCore.on_new_request` takes."""
+    @property
+    def remote_engine_id(self) -> str: ...
+    @property
+    def remote_request_id(self) -> str: ...
+    @property
+    def remote_block_ids(self) -> list[int]: ...
+    @property
+    def remote_host(self) -> str: ...
+    @property
+    def remote_port(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def dcp_size(self) -> int | None: ...
+    @property
+    def pp_size(self) -> int | None: ...
+    @property
+    def remote_num_tokens(self) -> int | None: ...
+    @property
+    def transfer_mode(self) -> str | None: ...
+    @property
+    def kvlease_generation(self) -> int: ...
+    @property
+    def kvlease_num_tokens(self) -> int: ...
+    @property
+    def kvlease_lease_ms(self) -> int | None: ...
+    @property
+    def kvlease_instance(self) -> int: ...
+    @property
+    def kv_digest(self) -> str | None: ...
+    def __eq__(self, other: object) -> bool: ...
 
 class HandshakeStart:
     engine: str

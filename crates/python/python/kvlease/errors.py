@@ -33,7 +33,14 @@ class KvleaseError(Exception):
 
 class InvalidArgument(KvleaseError, ValueError):
     """An argument has the right type but an unusable value (a negative length, an id
-    with a forbidden byte, a range outside a registered region, ...)."""
+    with a forbidden byte, a range outside a registered region, ...).
+
+    Attributes (set by :class:`KvTransferParams`, else ``None``): ``field``, the full path
+    of the key at fault (``"kv_transfer_params.remote_port"``), and ``reason``.
+    """
+
+    field: str | None = None
+    reason: str | None = None
 
 
 class ConfigError(KvleaseError):

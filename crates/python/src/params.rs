@@ -1,0 +1,348 @@
+//! `kv_transfer_params` for Python: `kvlease_proto::params`'s one codec as the pyclass
+//! `KvTransferParams`, so that the connector and the agents read and write the same keys
+//! with the same checks.
+//!
+//! Dicts cross as JSON values: `from_dict` converts the dict, then the codec reads it;
+//! the constructor does the same with its keyword arguments (so both raise the codec's
+//! errors); `to_dict` writes the codec's object.
+
+use kvlease_proto::params::{self, KvDigest, ParamsError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyMapping, PySequence, PyString, PyTuple};
+use serde_json::{Map, Number, Value};
+
+use crate::cores::RemoteKv;
+use crate::errors::{Family, raise_with};
+
+/// How deep a value inside the dict may nest (no kvlease key nests more than twice).
+const MAX_DEPTH: usize = 8;
+
+/// `InvalidArgument` naming the field at fault (`field`, `reason` attributes).
+fn params_err(py: Python<'_>, e: &ParamsError) -> PyErr {
+    let text = |s: &str| PyString::new(py, s).into_any().unbind();
+    raise_with(
+        py,
+        Family::InvalidArgument,
+        e.to_string(),
+        &[("field", text(&e.field)), ("reason", text(&e.reason))],
+    )
+}
+
+/// `InvalidArgument` for a value no JSON holds, naming the key it came under.
+fn unusable(py: Python<'_>, key: Option<&str>, what: &str) -> PyErr {
+    let field = match key {
+        Some(k) => format!("{}.{k}", params::PARAMS),
+        None => params::PARAMS.to_owned(),
+    };
+    params_err(
+        py,
+        &ParamsError {
+            field,
+            reason: what.to_owned(),
+        },
+    )
+}
+
+/// A Python value as JSON; `key` is the top-level key it is under (for errors).
+fn to_json(v: &Bound<'_, PyAny>, key: Option<&str>, depth: usize) -> PyResult<Value> {
+    let py = v.py();
+    if depth > MAX_DEPTH {
+        return Err(unusable(py, key, "nested too deeply"));
+    }
+    if v.is_none() {
+        return Ok(Value::Null);
+    }
+    if let Ok(b) = v.cast::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(Value::String(s.to_str()?.to_owned()));
+    }
+    if !v.is_instance_of::<PyFloat>() {
+        // Python ints, and anything with `__index__` (numpy integers).
+        if let Ok(n) = v.extract::<u64>() {
+            return Ok(n.into());
+        }
+        if let Ok(n) = v.extract::<i64>() {
+            return Ok(n.into());
+        }
+    }
+    if v.is_instance_of::<PyFloat>() || v.hasattr("__index__")? {
+        // Floats, and ints beyond 64 bits (read as an out-of-range number).
+        let Ok(f) = v.extract::<f64>() else {
+            return Err(unusable(py, key, "a number too large"));
+        };
+        return Number::from_f64(f)
+            .map(Value::Number)
+            .ok_or_else(|| unusable(py, key, "not a finite number"));
+    }
+    if let Ok(d) = v.cast::<PyMapping>() {
+        let mut m = Map::new();
+        for item in d.items()?.iter() {
+            let (k, val): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let k = k.str()?.to_str()?.to_owned();
+            let under = key.or(Some(k.as_str())).map(str::to_owned);
+            let val = to_json(&val, under.as_deref(), depth + 1)?;
+            m.insert(k, val);
+        }
+        return Ok(Value::Object(m));
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        let seq = v.cast::<PySequence>()?;
+        let mut out = Vec::with_capacity(seq.len()?);
+        for item in seq.try_iter()? {
+            out.push(to_json(&item?, key, depth + 1)?);
+        }
+        return Ok(Value::Array(out));
+    }
+    let type_name = v.get_type().name()?;
+    Err(unusable(
+        py,
+        key,
+        &format!("a {type_name} is not a JSON value"),
+    ))
+}
+
+/// A JSON value as Python.
+fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
+    Ok(match v {
+        Value::Null => py.None(),
+        Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any().unbind(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64(), n.as_f64()) {
+            (Some(u), _, _) => u.into_pyobject(py)?.into_any().unbind(),
+            (None, Some(i), _) => i.into_pyobject(py)?.into_any().unbind(),
+            (None, None, f) => f.unwrap_or(f64::NAN).into_pyobject(py)?.into_any().unbind(),
+        },
+        Value::String(s) => PyString::new(py, s).into_any().unbind(),
+        Value::Array(items) => {
+            let items = items
+                .iter()
+                .map(|i| to_py(py, i))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any().unbind()
+        }
+        Value::Object(m) => {
+            let d = PyDict::new(py);
+            for (k, val) in m {
+                d.set_item(k, to_py(py, val)?)?;
+            }
+            d.into_any().unbind()
+        }
+    })
+}
+
+/// `kv_transfer_params` as P answers them and D takes them: vLLM's keys and kvlease's,
+/// read and checked by the same codec as the agents'.
+#[pyclass(module = "kvlease._kvlease", frozen, eq, skip_from_py_object)]
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct KvTransferParams(params::KvTransferParams);
+
+impl KvTransferParams {
+    fn read(py: Python<'_>, v: &Value) -> PyResult<Self> {
+        params::KvTransferParams::from_value(v)
+            .map(Self)
+            .map_err(|e| params_err(py, &e))
+    }
+}
+
+#[pymethods]
+impl KvTransferParams {
+    /// P's answer: checked as D will read it (`InvalidArgument` naming the field).
+    #[new]
+    #[pyo3(signature = (
+        *,
+        remote_engine_id,
+        remote_request_id,
+        remote_block_ids,
+        remote_host,
+        remote_port,
+        tp_size,
+        kvlease_generation,
+        kvlease_num_tokens,
+        kvlease_lease_ms = None,
+        kvlease_instance = None,
+        kv_digest = None,
+        dcp_size = None,
+        pp_size = None,
+        remote_num_tokens = None,
+        transfer_mode = None,
+    ))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments, one per key"
+    )]
+    fn new(
+        py: Python<'_>,
+        remote_engine_id: &Bound<'_, PyAny>,
+        remote_request_id: &Bound<'_, PyAny>,
+        remote_block_ids: &Bound<'_, PyAny>,
+        remote_host: &Bound<'_, PyAny>,
+        remote_port: &Bound<'_, PyAny>,
+        tp_size: &Bound<'_, PyAny>,
+        kvlease_generation: &Bound<'_, PyAny>,
+        kvlease_num_tokens: &Bound<'_, PyAny>,
+        kvlease_lease_ms: Option<&Bound<'_, PyAny>>,
+        kvlease_instance: Option<&Bound<'_, PyAny>>,
+        kv_digest: Option<&Bound<'_, PyAny>>,
+        dcp_size: Option<&Bound<'_, PyAny>>,
+        pp_size: Option<&Bound<'_, PyAny>>,
+        remote_num_tokens: Option<&Bound<'_, PyAny>>,
+        transfer_mode: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut m = Map::new();
+        m.insert("do_remote_prefill".into(), Value::Bool(true));
+        for (key, v) in [
+            ("remote_engine_id", Some(remote_engine_id)),
+            ("remote_request_id", Some(remote_request_id)),
+            ("remote_block_ids", Some(remote_block_ids)),
+            ("remote_host", Some(remote_host)),
+            ("remote_port", Some(remote_port)),
+            ("tp_size", Some(tp_size)),
+            ("kvlease_generation", Some(kvlease_generation)),
+            ("kvlease_num_tokens", Some(kvlease_num_tokens)),
+            (params::LEASE_MS_KEY, kvlease_lease_ms),
+            ("kvlease_instance", kvlease_instance),
+            ("kv_digest", kv_digest),
+            ("dcp_size", dcp_size),
+            ("pp_size", pp_size),
+            ("remote_num_tokens", remote_num_tokens),
+            ("transfer_mode", transfer_mode),
+        ] {
+            if let Some(v) = v {
+                m.insert(key.into(), to_json(v, Some(key), 0)?);
+            }
+        }
+        Self::read(py, &Value::Object(m))
+    }
+
+    /// Reads D's `kv_transfer_params` (P's answer, copied by a proxy). Accepts the old
+    /// `kvlease_lease_duration` (seconds) and one KV cache group's `[[...]]` block list.
+    #[staticmethod]
+    fn from_dict(py: Python<'_>, params: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let v = to_json(params, None, 0)?;
+        Self::read(py, &v)
+    }
+
+    /// The dict P answers with (canonical keys; `do_remote_prefill: True`,
+    /// `do_remote_decode: False`; optional keys only when set).
+    fn to_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        to_py(py, &self.0.to_value())
+    }
+
+    /// The typed coordinates D's core takes (`DecodeCore.on_new_request`).
+    fn to_remote_kv<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let p = &self.0;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("engine", p.remote_engine_id.as_str())?;
+        kwargs.set_item("request", p.remote_request_id.as_str())?;
+        kwargs.set_item("blocks", p.remote_block_ids.clone())?;
+        kwargs.set_item("generation", p.kvlease_generation)?;
+        kwargs.set_item("tp_size", p.tp_size)?;
+        kwargs.set_item("num_tokens", p.kvlease_num_tokens)?;
+        kwargs.set_item("host", p.remote_host.as_str())?;
+        kwargs.set_item("port", p.remote_port)?;
+        kwargs.set_item("instance", p.kvlease_instance)?;
+        py.get_type::<RemoteKv>().call((), Some(&kwargs))
+    }
+
+    /// P's engine id.
+    #[getter]
+    fn remote_engine_id(&self) -> &str {
+        self.0.remote_engine_id.as_str()
+    }
+
+    /// P's id of the request.
+    #[getter]
+    fn remote_request_id(&self) -> &str {
+        self.0.remote_request_id.as_str()
+    }
+
+    /// P's block ids, in token order.
+    #[getter]
+    fn remote_block_ids(&self) -> Vec<u32> {
+        self.0.remote_block_ids.clone()
+    }
+
+    /// Host of P's side channel.
+    #[getter]
+    fn remote_host(&self) -> &str {
+        &self.0.remote_host
+    }
+
+    /// Port of P's side channel.
+    #[getter]
+    fn remote_port(&self) -> u16 {
+        self.0.remote_port
+    }
+
+    /// P's TP size.
+    #[getter]
+    fn tp_size(&self) -> u32 {
+        self.0.tp_size
+    }
+
+    /// vLLM's `dcp_size`, if given.
+    #[getter]
+    fn dcp_size(&self) -> Option<u32> {
+        self.0.dcp_size
+    }
+
+    /// vLLM's `pp_size`, if given.
+    #[getter]
+    fn pp_size(&self) -> Option<u32> {
+        self.0.pp_size
+    }
+
+    /// vLLM's `remote_num_tokens`, if given.
+    #[getter]
+    fn remote_num_tokens(&self) -> Option<u32> {
+        self.0.remote_num_tokens
+    }
+
+    /// vLLM's `transfer_mode`, if given.
+    #[getter]
+    fn transfer_mode(&self) -> Option<&str> {
+        self.0.transfer_mode.as_deref()
+    }
+
+    /// The lease's generation (the fence word to expect).
+    #[getter]
+    fn kvlease_generation(&self) -> u64 {
+        self.0.kvlease_generation
+    }
+
+    /// Tokens P prefilled.
+    #[getter]
+    fn kvlease_num_tokens(&self) -> u32 {
+        self.0.kvlease_num_tokens
+    }
+
+    /// The lease P granted, milliseconds, if announced.
+    #[getter]
+    fn kvlease_lease_ms(&self) -> Option<u64> {
+        self.0.kvlease_lease_ms
+    }
+
+    /// The P instance that granted the lease (0: unknown).
+    #[getter]
+    fn kvlease_instance(&self) -> u64 {
+        self.0.kvlease_instance
+    }
+
+    /// The KV's digest (`kvd-<16 hex>`), if P sent one.
+    #[getter]
+    fn kv_digest(&self) -> Option<String> {
+        self.0.kv_digest.map(|d: KvDigest| d.to_string())
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.0;
+        format!(
+            "KvTransferParams(remote_engine_id={:?}, remote_request_id={:?}, blocks={}, kvlease_generation={})",
+            p.remote_engine_id.as_str(),
+            p.remote_request_id.as_str(),
+            p.remote_block_ids.len(),
+            p.kvlease_generation
+        )
+    }
+}
