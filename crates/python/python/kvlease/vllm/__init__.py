@@ -70,19 +70,20 @@ again before posting a read (a mismatch fails the batch: load errors, vLLM recom
 
 Metadata
 --------
-``KvleaseConnectorMetadata`` (scheduler → workers, plain Python values):
-``loads`` (one dict per request: D's ``local_blocks``, P's ``remote_blocks`` to read,
-``fence_block``, ``generation``, P ``engine``, and its ``batches`` with ``index``,
+``KvleaseConnectorMetadata`` (scheduler → workers; dataclasses and named tuples of
+plain values, which vLLM pickles, in ``metadata``): ``loads`` (a ``LoadSpec`` per
+request: D's ``local_blocks``, P's ``remote_blocks`` to read, ``fence_block``,
+``generation``, P ``engine``, and its ``batches``, each a ``BatchSpec`` with ``index``,
 ``d_worker``, ``p_rank``, ``whole`` and the read-completion ``notif``), ``transmits``
-(``(p_engine, kind, message)``: heartbeats ``HB:<ids>`` and aborts), ``engines`` (P
-engine infos learned by handshakes since the last step, as ``_engine_info`` validated
-them: a malformed payload from P fails the handshake), ``failed_loads`` (requests
-vLLM parked for a load the core refused: reported failed at once) and
-``finished_sending`` (P: leases ended; vLLM may free their blocks).
+(``TransmitSpec``: P engine, ``TransmitKind``, message: heartbeats ``HB:<ids>`` and
+aborts), ``engines`` (P's ``EngineInfo`` learned by handshakes since the last step, as
+``_engine_info`` validated it: a malformed payload from P fails the handshake),
+``failed_loads`` (requests vLLM parked for a load the core refused: reported failed at
+once) and ``finished_sending`` (P: leases ended; vLLM may free their blocks).
 
-``KvleaseWorkerMetadata`` (workers → scheduler): ``notifs`` (``(sender, message)``
-received by P's workers) and ``batches`` (``{request: {batch index: (status, bytes,
-error)}}``).
+``KvleaseWorkerMetadata`` (workers → scheduler): ``notifs`` (``ReceivedNotif``: sender,
+message, received by P's workers) and ``batches`` (``{request: {batch index:
+BatchOutcome}}``: ``BatchStatus``, bytes, error).
 
 ``kv_transfer_params`` returned by P: vLLM's keys (``do_remote_prefill``,
 ``do_remote_decode``, ``remote_block_ids``, ``remote_engine_id``, ``remote_request_id``,
@@ -129,8 +130,17 @@ from __future__ import annotations
 from .compat import _block_format, _kv_descriptor, _kv_incompatibility, _layer_format_diff
 from .config import VLLM_VERSION, KvleaseConfig, _agent_name, _engine_of
 from .connector import KvleaseConnector
-from .handshake import _engine_info
-from .metadata import KvleaseConnectorMetadata, KvleaseHandshakeMetadata, KvleaseWorkerMetadata
+from .handshake import EngineInfo, RemoteLayer, WorkerInfo, _engine_info
+from .metadata import (
+    BatchOutcome,
+    BatchSpec,
+    KvleaseConnectorMetadata,
+    KvleaseHandshakeMetadata,
+    KvleaseWorkerMetadata,
+    LoadSpec,
+    ReceivedNotif,
+    TransmitSpec,
+)
 from .scheduler import KvleaseScheduler
 from .stats import KvleaseConnectorStats
 from .worker import KvleaseWorker

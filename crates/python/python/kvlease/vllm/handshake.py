@@ -5,21 +5,64 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from ..errors import SideChannelError
+
+class RemoteLayer(NamedTuple):
+    """One KV cache layer of a P worker, as its handshake names it."""
+
+    name: str
+    #: The id of P's registered region that holds it.
+    region: int
+    #: Byte offset of block 0 in the region.
+    offset: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One P worker: how D's worker connects to it and reads its blocks."""
+
+    rank: int
+    #: Its transport agent's metadata (``Agent.connect``).
+    agent_metadata: bytes
+    layers: list[RemoteLayer]
+    #: The id of P's region holding its fence words.
+    fence_region: int
+    #: layer name -> ``[dtype, block shape, order]`` (``_block_format``); ``None``: P
+    #: names no block format (an older kvlease), and its reads are refused.
+    kv_format: dict[str, list[Any]] | None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """P's engine info, as D validated it from P's handshake payload."""
+
+    engine_id: str
+    #: P's start time in µs (0: not sent).
+    instance: int
+    tp_size: int
+    num_blocks: int
+    #: The KV compatibility descriptor (``_kv_descriptor``), ``None`` when P sent none.
+    kv: dict[str, Any] | None
+    workers: list[WorkerInfo]
+
+    def worker(self, rank: int) -> WorkerInfo | None:
+        """P's worker ``rank``, or ``None`` when it registered no KV."""
+        return next((w for w in self.workers if w.rank == rank), None)
+
 
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
 
 
-def _engine_info(raw: bytes) -> dict[str, Any]:
+def _engine_info(raw: bytes) -> EngineInfo:
     """P's handshake payload (``KvleaseScheduler._payload``) validated and normalised to
-    what D uses, each value of the type it is used as: ``engine_id``, ``instance``,
-    ``tp_size``, ``num_blocks``, ``kv`` (the descriptor, ``None`` when P sent none) and
-    ``workers``, each with ``rank``, ``agent_metadata`` (bytes), ``layers`` (``[name,
-    region, offset, block stride, block bytes, num blocks]``), ``fence_region`` and
-    ``kv_format``. P is a peer: anything else raises ``SideChannelError``, so a
+    what D uses (``EngineInfo``), each value of the type it is used as. P is a peer: anything else raises ``SideChannelError``, so a
     malformed payload fails the handshake and never reaches a scheduler or worker hook.
     """
 
@@ -60,12 +103,12 @@ def _engine_info(raw: bytes) -> dict[str, Any]:
             kv["layers"] = formats(kv["layers"], "kv.layers")
     if not isinstance(info.get("workers"), list):
         raise bad("workers must be a list")
-    workers: list[dict[str, Any]] = []
+    workers: list[WorkerInfo] = []
     for w in info["workers"]:
         if not isinstance(w, dict):
             raise bad("a worker must be an object")
         rank = integer(w, "rank", 0, tp_size - 1)
-        if any(other["rank"] == rank for other in workers):
+        if any(other.rank == rank for other in workers):
             raise bad(f"two workers of rank {rank}")
         try:
             metadata = base64.b64decode(w.get("agent_metadata"), validate=True)
@@ -73,7 +116,7 @@ def _engine_info(raw: bytes) -> dict[str, Any]:
             raise bad(f"worker {rank}'s agent_metadata is not base64 ({e})") from None
         if not isinstance(w.get("layers"), list):
             raise bad(f"worker {rank}'s layers must be a list")
-        layers = []
+        layers: list[RemoteLayer] = []
         for layer in w["layers"]:
             if not (
                 isinstance(layer, list)
@@ -88,25 +131,25 @@ def _engine_info(raw: bytes) -> dict[str, Any]:
             _, _, offset, stride, _, n = layer
             if offset + n * stride > _U64:
                 raise bad(f"worker {rank}'s layer {layer[0]} reaches past 2^64 bytes")
-            layers.append(list(layer))
+            layers.append(RemoteLayer(*layer))
         kv_format = w.get("kv_format")
         workers.append(
-            {
-                "rank": rank,
-                "agent_metadata": metadata,
-                "layers": layers,
-                "fence_region": integer(w, "fence_region"),
+            WorkerInfo(
+                rank=rank,
+                agent_metadata=metadata,
+                layers=layers,
+                fence_region=integer(w, "fence_region"),
                 # None: P names no block format (an older kvlease); its reads are refused.
-                "kv_format": None
+                kv_format=None
                 if kv_format is None
                 else formats(kv_format, f"worker {rank}'s kv_format"),
-            }
+            )
         )
-    return {
-        "engine_id": engine_id,
-        "instance": integer(info, "instance", default=0),
-        "tp_size": tp_size,
-        "num_blocks": integer(info, "num_blocks", 1, _U32),
-        "kv": kv,
-        "workers": workers,
-    }
+    return EngineInfo(
+        engine_id=engine_id,
+        instance=integer(info, "instance", default=0),
+        tp_size=tp_size,
+        num_blocks=integer(info, "num_blocks", 1, _U32),
+        kv=kv,
+        workers=workers,
+    )

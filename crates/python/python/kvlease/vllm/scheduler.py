@@ -15,10 +15,19 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
 from ..errors import AuthError, ConfigError, KvleaseError
+from ..kinds import TransmitKind
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
-from .handshake import _engine_info
-from .metadata import KvleaseConnectorMetadata, KvleaseHandshakeMetadata, KvleaseWorkerMetadata
+from .handshake import EngineInfo, _engine_info
+from .metadata import (
+    BatchSpec,
+    KvleaseConnectorMetadata,
+    KvleaseHandshakeMetadata,
+    KvleaseWorkerMetadata,
+    LoadSpec,
+    ReceivedNotif,
+    TransmitSpec,
+)
 from .stats import _Counters
 
 if TYPE_CHECKING:
@@ -125,11 +134,11 @@ class KvleaseScheduler:
         self._finished_sending: list[str] = []
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
-        self._loads: list[dict[str, Any]] = []
+        self._loads: list[LoadSpec] = []
         self._failed_loads: dict[str, list[int]] = {}
-        self.engines: dict[str, dict[str, Any]] = {}
-        self._new_engines: dict[str, dict[str, Any]] = {}
-        self._handshakes: queue.Queue[tuple[str, dict[str, Any] | None, Exception | None]] = (
+        self.engines: dict[str, EngineInfo] = {}
+        self._new_engines: dict[str, EngineInfo] = {}
+        self._handshakes: queue.Queue[tuple[str, EngineInfo | None, Exception | None]] = (
             queue.Queue()
         )
         # D: P engines whose KV this engine must not load, with the reason.
@@ -246,7 +255,7 @@ class KvleaseScheduler:
         while self.prefill.poll_event() is not None:
             pass
 
-    def _handle_notifs(self, now: float, notifs: list[tuple[str, bytes]]) -> None:
+    def _handle_notifs(self, now: float, notifs: list[ReceivedNotif]) -> None:
         if self.prefill is None:
             if notifs:
                 # Nothing leased here: P engines never send D notifications.
@@ -306,9 +315,9 @@ class KvleaseScheduler:
             )
             # Validated here, off the engine thread: _pump and the workers use it as is.
             info = _engine_info(raw)
-            if info["engine_id"] != engine:
+            if info.engine_id != engine:
                 raise KvleaseError(
-                    f"{host}:{port} serves engine {info['engine_id']!r}, not {engine!r}"
+                    f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}"
                 )
             self._handshakes.put((engine, info, None))
         except Exception as e:  # reported to the core, which fails the waiting requests
@@ -333,9 +342,9 @@ class KvleaseScheduler:
                 self.decode.handle_handshake(
                     now,
                     engine,
-                    tp_size=info["tp_size"],
-                    num_blocks=info["num_blocks"],
-                    instance=info["instance"],
+                    tp_size=info.tp_size,
+                    num_blocks=info.num_blocks,
+                    instance=info.instance,
                 )
                 self.counters.add("handshakes_done")
             else:
@@ -346,10 +355,10 @@ class KvleaseScheduler:
                 self.counters.add("handshakes_failed")
         self._drain_decode()
 
-    def _check_compatibility(self, engine: str, info: dict[str, Any]) -> None:
+    def _check_compatibility(self, engine: str, info: EngineInfo) -> None:
         """Record whether P engine ``engine``'s KV blocks can be loaded as ours: the
         answer of the latest handshake stands (a restarted P handshakes again)."""
-        reason = _kv_incompatibility(self.kv_descriptor, info["kv"])
+        reason = _kv_incompatibility(self.kv_descriptor, info.kv)
         if reason is None:
             self._incompatible.pop(engine, None)
             return
@@ -478,15 +487,15 @@ class KvleaseScheduler:
         self._loads.append(self._load_spec(plan))
         self.counters.add("loads_started")
 
-    def _load_spec(self, plan: native.LoadPlan) -> dict[str, Any]:
+    def _load_spec(self, plan: native.LoadPlan) -> LoadSpec:
         remote = plan.remote
         p_tp = max(1, int(remote.tp_size))
         info = self.engines.get(remote.engine)
         if info is not None:
-            p_tp = info["tp_size"]
+            p_tp = info.tp_size
         d_per = self.num_kv_heads // self.tp_size
         p_per = self.num_kv_heads // p_tp if p_tp and self.num_kv_heads % p_tp == 0 else 0
-        batches = []
+        batches: list[BatchSpec] = []
         for index, b in enumerate(plan.batches):
             start, end = b.heads
             whole = (
@@ -495,27 +504,27 @@ class KvleaseScheduler:
                 and (start, end) == (b.p_rank * p_per, (b.p_rank + 1) * p_per)
             )
             batches.append(
-                {
-                    "index": index,
-                    "d_worker": b.d_worker,
-                    "p_rank": b.p_rank,
-                    "whole": whole,
-                    "notif": bytes(b.notif),
-                }
+                BatchSpec(
+                    index=index,
+                    d_worker=int(b.d_worker),
+                    p_rank=int(b.p_rank),
+                    whole=whole,
+                    notif=bytes(b.notif),
+                )
             )
-        return {
-            "request": plan.request,
-            "engine": remote.engine,
-            "remote_request": remote.request,
-            "local_blocks": list(plan.blocks),
-            "remote_blocks": list(remote.blocks[plan.skip_blocks :]),
+        return LoadSpec(
+            request=plan.request,
+            engine=remote.engine,
+            remote_request=remote.request,
+            local_blocks=list(plan.blocks),
+            remote_blocks=list(remote.blocks[plan.skip_blocks :]),
             # The last block is the one least likely shared with another request's lease
             # through P's prefix cache (a shared block's word holds the later grant's
             # generation); every block of a lease carries its generation.
-            "fence_block": int(remote.blocks[-1]),
-            "generation": int(plan.fence_generation),
-            "batches": batches,
-        }
+            fence_block=int(remote.blocks[-1]),
+            generation=int(plan.fence_generation),
+            batches=batches,
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvleaseConnectorMetadata:
         now = self.clock()
@@ -529,7 +538,8 @@ class KvleaseScheduler:
             while (t := self.decode.poll_transmit(now)) is not None:
                 # Counted as sent by D's worker 0, which sends them (vLLM sums the
                 # scheduler's and the workers' stats).
-                meta.transmits.append((t.engine, t.kind, bytes(t.message)))
+                kind = TransmitKind(t.kind)
+                meta.transmits.append(TransmitSpec(t.engine, kind, bytes(t.message)))
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}
@@ -549,6 +559,7 @@ class KvleaseScheduler:
                 # later. The core completes the load when every batch is in.
                 for rid, results in worker_meta.batches.items():
                     for index, (status, nbytes, error) in sorted(results.items()):
+                        # BatchStatus, or its value: the core takes either.
                         self.decode.handle_batch_done(
                             rid, index, status, bytes=nbytes, error=error
                         )

@@ -8,15 +8,25 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any
 
 from .. import _kvlease as native
 from ..errors import ConfigError, KvleaseError, NotifError, TransferError
+from ..kinds import BatchStatus
 from .compat import _block_format, _layer_format_diff
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
-from .metadata import KvleaseConnectorMetadata, KvleaseHandshakeMetadata, KvleaseWorkerMetadata
+from .handshake import EngineInfo
+from .metadata import (
+    BatchOutcome,
+    BatchSpec,
+    KvleaseConnectorMetadata,
+    KvleaseHandshakeMetadata,
+    KvleaseWorkerMetadata,
+    LoadSpec,
+    ReceivedNotif,
+)
 from .stats import _Counters
 
 if TYPE_CHECKING:
@@ -63,6 +73,21 @@ class _PeerLink:
     incompatible: str | None
 
 
+@dataclass
+class _Load:
+    """One request's load on this worker, from its batches posted to the last one ended
+    (then ``_finish_load`` reports it)."""
+
+    #: D's blocks it writes: reported as load errors when a batch failed or was stale.
+    blocks: list[int]
+    #: Indexes of this worker's batches not ended yet.
+    pending: set[int]
+    #: Batch index -> (the posted batch, (P's engine, P rank) it reads from).
+    inflight: dict[int, tuple[native.Batch, tuple[str, int]]] = field(default_factory=dict)
+    #: Whether a batch failed or was stale.
+    failed: bool = False
+
+
 class KvleaseWorker:
     """The worker half: one transport agent with this worker's KV caches and fence
     words registered; posts D's fenced reads and forwards P's notifications."""
@@ -94,17 +119,15 @@ class KvleaseWorker:
         self._fence_map: mmap.mmap | None = None
         self._fence_region: native.Region | None = None
         # D: P engines (``_engine_info``), links by (engine, P rank), batches in flight.
-        self.engines: dict[str, dict[str, Any]] = {}
+        self.engines: dict[str, EngineInfo] = {}
         self._links: dict[tuple[str, int], _PeerLink] = {}
         # A peer that could not be reached is not tried again before this time: a dead or
         # blackholed P must not stall every step of this worker in connect timeouts.
         self._unreachable: dict[tuple[str, int], float] = {}
-        # D id -> batch index -> (the posted batch, (P's engine, P rank) it reads from).
-        self._inflight: dict[str, dict[int, tuple[Any, tuple[str, int]]]] = {}
-        self._pending: dict[str, set[int]] = {}
-        self._blocks_of: dict[str, list[int]] = {}
-        self._failed: set[str] = set()
-        self._results: dict[str, dict[int, tuple[str, int, str | None]]] = {}
+        self._loads: dict[str, _Load] = {}
+        # What the step reports (``get_finished``, ``get_block_ids_with_load_errors``,
+        # ``build_connector_worker_meta``), gathered since the last report.
+        self._outcomes: dict[str, dict[int, BatchOutcome]] = {}
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
@@ -228,24 +251,24 @@ class KvleaseWorker:
         info = self.engines.get(engine)
         if info is None:
             raise KvleaseError(f"engine {engine} is not handshaken")
-        w = next((w for w in info["workers"] if w["rank"] == p_rank), None)
+        w = info.worker(p_rank)
         if w is None:
             raise KvleaseError(f"engine {engine} has no worker {p_rank} with registered KV")
-        peer = self.agent.connect(w["agent_metadata"])
+        peer = self.agent.connect(w.agent_metadata)
         try:
             if _engine_of(peer.name) != engine:
                 raise KvleaseError(f"worker {p_rank} of {engine} calls itself {peer.name!r}")
             layers = {
                 name: (peer.region(region), offset, stride, page, n)
-                for name, region, offset, stride, page, n in w["layers"]
+                for name, region, offset, stride, page, n in w.layers
             }
-            fence = peer.region(w["fence_region"])
+            fence = peer.region(w.fence_region)
         except BaseException:
             self._disconnect(peer)
             raise
         # The same check D's scheduler made at the handshake, per P worker: a batch is
         # never posted from a worker whose blocks are laid out differently.
-        theirs = w["kv_format"]
+        theirs = w.kv_format
         if not theirs:
             incompatible = (
                 f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
@@ -289,39 +312,42 @@ class KvleaseWorker:
         for load in meta.loads:
             self._post(load)
 
-    def _post(self, load: dict[str, Any]) -> None:
-        rid = load["request"]
-        mine = [b for b in load["batches"] if int(b["d_worker"]) == self.rank]
-        self._blocks_of[rid] = list(load["local_blocks"])
+    def _post(self, load: LoadSpec) -> None:
+        rid = load.request
+        mine = [b for b in load.batches if b.d_worker == self.rank]
+        previous = self._loads.get(rid)
         # Every batch is pending before any is posted: a batch that fails at once must
         # not finish the load while this worker's other batches are still to post.
-        self._pending[rid] = {int(b["index"]) for b in mine}
-        self._inflight[rid] = {}
+        record = _Load(
+            blocks=list(load.local_blocks),
+            pending={b.index for b in mine},
+            failed=previous is not None and previous.failed,
+        )
+        self._loads[rid] = record
         if not mine:
             self._finish_load(rid)
             return
         for b in mine:
-            index = int(b["index"])
             try:
                 batch = self._post_batch(load, b)
             except KvleaseError as e:
-                self._batch_done(rid, index, "failed", 0, str(e))
+                self._batch_done(rid, b.index, BatchStatus.FAILED, 0, str(e))
                 continue
-            self._inflight[rid][index] = (batch, (load["engine"], int(b["p_rank"])))
+            record.inflight[b.index] = (batch, (load.engine, b.p_rank))
         # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
-    def _post_batch(self, load: dict[str, Any], b: dict[str, Any]) -> Any:
-        if not b["whole"]:
+    def _post_batch(self, load: LoadSpec, b: BatchSpec) -> native.Batch:
+        if not b.whole:
             raise KvleaseError(
                 "heterogeneous TP (a batch reading part of a block's heads) is not "
                 "supported by KvleaseConnector"
             )
-        engine, p_rank = load["engine"], int(b["p_rank"])
+        engine, p_rank = load.engine, b.p_rank
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
             raise KvleaseError(link.incompatible)
-        local_blocks = [int(x) for x in load["local_blocks"]]
-        remote_blocks = [int(x) for x in load["remote_blocks"]]
+        local_blocks = [int(x) for x in load.local_blocks]
+        remote_blocks = [int(x) for x in load.remote_blocks]
         if len(local_blocks) != len(remote_blocks):
             raise KvleaseError("the plan's block lists differ in length")
         ops = []
@@ -358,51 +384,54 @@ class KvleaseWorker:
                     )
                 )
                 i = j
-        fence = (link.fence, int(load["fence_block"]) * 8, int(load["generation"]))
+        fence = (link.fence, int(load.fence_block) * 8, int(load.generation))
         batch = self.agent.post_read(
             link.peer,
             ops,
-            notif=bytes(b["notif"]),
+            notif=bytes(b.notif),
             fence=fence,
             timeout=self.config.read_timeout,
         )
         self.counters.add("batches_posted")
         return batch
 
-    def _batch_done(self, rid: str, index: int, status: str, nbytes: int, error: str | None) -> None:
-        self._results.setdefault(rid, {})[index] = (status, nbytes, error)
-        self._pending.get(rid, set()).discard(index)
-        self._inflight.get(rid, {}).pop(index, None)
+    def _batch_done(
+        self, rid: str, index: int, status: BatchStatus, nbytes: int, error: str | None
+    ) -> None:
+        self._outcomes.setdefault(rid, {})[index] = BatchOutcome(status, nbytes, error)
+        record = self._loads.get(rid)
+        if record is not None:
+            record.pending.discard(index)
+            record.inflight.pop(index, None)
         self.counters.add(f"batches_{status}")
-        if status != "done":
-            self._failed.add(rid)
+        if status != BatchStatus.DONE:
+            if record is not None:
+                record.failed = True
             logger.warning("load of %s, batch %d: %s (%s)", rid, index, status, error)
         else:
             self.counters.add("bytes_read", nbytes)
-        if not self._pending.get(rid):
+        if record is None or not record.pending:
             self._finish_load(rid)
 
     def _finish_load(self, rid: str) -> None:
         self._finished_recving.add(rid)
-        if rid in self._failed:
-            self._load_errors.update(self._blocks_of.get(rid, ()))
-        self._failed.discard(rid)
-        self._pending.pop(rid, None)
-        self._inflight.pop(rid, None)
-        self._blocks_of.pop(rid, None)
+        record = self._loads.pop(rid, None)
+        if record is not None and record.failed:
+            self._load_errors.update(record.blocks)
 
     def _poll(self) -> None:
-        for rid, batches in list(self._inflight.items()):
-            for index, (batch, key) in list(batches.items()):
+        for rid, record in list(self._loads.items()):
+            for index, (batch, key) in list(record.inflight.items()):
                 result = self.agent.poll(batch)
                 if result is None:
                     continue
                 error = None if result.error is None else str(result.error)
-                if result.status == "failed":
+                status = BatchStatus(result.status)
+                if status == BatchStatus.FAILED:
                     # The connection to this P worker may be what failed: connect afresh
                     # next time. A stale batch is a lease outcome: the link is fine.
                     self._forget_link(key)
-                self._batch_done(rid, index, result.status, int(result.bytes), error)
+                self._batch_done(rid, index, status, int(result.bytes), error)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
@@ -416,11 +445,11 @@ class KvleaseWorker:
 
     def build_worker_meta(self) -> KvleaseWorkerMetadata | None:
         notifs = [
-            (sender, bytes(m))
+            ReceivedNotif(sender, bytes(m))
             for sender, messages in self.agent.get_new_notifs().items()
             for m in messages
         ]
-        results, self._results = self._results, {}
+        results, self._outcomes = self._outcomes, {}
         if notifs:
             self.counters.add("notifs_forwarded", len(notifs))
         if not notifs and not results:
