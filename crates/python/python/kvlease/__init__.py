@@ -8,6 +8,8 @@
 - :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
   authenticated with the cluster token.
 - :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
+- :mod:`kvlease.kinds`: the enums every kind, status, reason and outcome is returned as
+  (``str`` enums: each member equals its value).
 - :mod:`kvlease.vllm`: ``KvleaseConnector``, a vLLM KV connector built on the engine cores.
 
 See ``crates/python/README.md`` for the API and ``docs/python.md`` for vLLM launch lines.
@@ -22,6 +24,8 @@ from ._kvlease import (
     BatchResult,
     ClearFences,
     DecodeCore,
+    DecodedNotif,
+    DecodeNotifOutcome,
     FenceWords,
     Finished,
     Granted,
@@ -31,6 +35,7 @@ from ._kvlease import (
     LoadPlan,
     Peer,
     PrefillCore,
+    PrefillNotifOutcome,
     PrefillStart,
     Refused,
     Region,
@@ -45,7 +50,7 @@ from ._kvlease import (
     encode_heartbeats,
     side_channel_fetch,
 )
-from . import errors
+from . import errors, kinds
 from .errors import (
     AdmitError,
     AuthError,
@@ -62,6 +67,14 @@ from .errors import (
     StaleFenceError,
     TransferError,
     TransferTimeout,
+)
+from .kinds import (
+    BatchStatus,
+    NotifKind,
+    Outcome,
+    ReadCompleteOutcome,
+    ReleaseReason,
+    TransmitKind,
 )
 
 __all__ = [
@@ -80,6 +93,7 @@ __all__ = [
     "ClearFences",
     "SendNotif",
     "Refused",
+    "PrefillNotifOutcome",
     "DecodeCore",
     "RemoteKv",
     "HandshakeStart",
@@ -89,9 +103,12 @@ __all__ = [
     "Loaded",
     "HandshakeDone",
     "Finished",
+    "DecodeNotifOutcome",
+    "DecodedNotif",
     "SideChannelServer",
     "side_channel_fetch",
     "decode_notif",
     "encode_heartbeats",
 ]
 __all__ += errors.__all__
+__all__ += kinds.__all__

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
 from ..errors import AuthError, ConfigError, KvleaseError
-from ..kinds import TransmitKind
+from ..kinds import Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
@@ -269,8 +269,7 @@ class KvleaseScheduler:
                 logger.warning("notification from %r ignored: %s", sender, e)
                 self.counters.add("notifs_invalid_sender")
                 continue
-            kind = out.get("kind")
-            self.counters.add(f"notifs_{kind}")
+            self.counters.add(f"notifs_{out.kind}")
         self._drain_prefill()
 
     # ------------------------------------------------------------------- D side
@@ -383,7 +382,7 @@ class KvleaseScheduler:
                 self.counters.add("bytes_loaded", event.bytes)
             elif isinstance(event, native.Finished):
                 self._remote.discard(event.request)
-                if event.outcome == "failed":
+                if event.outcome == Outcome.FAILED:
                     self.counters.add("loads_failed")
                     logger.warning("load of %s failed: %s", event.request, event.error)
 
@@ -538,8 +537,7 @@ class KvleaseScheduler:
             while (t := self.decode.poll_transmit(now)) is not None:
                 # Counted as sent by D's worker 0, which sends them (vLLM sums the
                 # scheduler's and the workers' stats).
-                kind = TransmitKind(t.kind)
-                meta.transmits.append(TransmitSpec(t.engine, kind, bytes(t.message)))
+                meta.transmits.append(TransmitSpec(t.engine, t.kind, bytes(t.message)))
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}

@@ -426,7 +426,7 @@ class KvleaseWorker:
                 if result is None:
                     continue
                 error = None if result.error is None else str(result.error)
-                status = BatchStatus(result.status)
+                status = result.status
                 if status == BatchStatus.FAILED:
                     # The connection to this P worker may be what failed: connect afresh
                     # next time. A stale batch is a lease outcome: the link is fine.
