@@ -13,6 +13,7 @@ use kvlease_transport::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::cores::PyEnum;
 use crate::errors::{Family, ToPyErr, invalid, raise};
 use crate::memory::Described;
 
@@ -156,10 +157,10 @@ pub(crate) struct Batch {
 /// How a batch ended.
 #[pyclass(module = "kvlease._kvlease", frozen)]
 pub(crate) struct BatchResult {
-    /// `"done"`, `"stale"` (the fence word did not match: nothing read may be used) or
-    /// `"failed"`.
+    /// A `BatchStatus`: `done`, `stale` (the fence word did not match: nothing read may
+    /// be used) or `failed`.
     #[pyo3(get)]
-    status: &'static str,
+    status: Py<PyAny>,
     /// Data bytes read (0 unless done).
     #[pyo3(get)]
     bytes: u64,
@@ -179,7 +180,8 @@ impl BatchResult {
     /// Whether every read completed and the fence matched.
     #[getter]
     fn ok(&self) -> bool {
-        self.status == "done"
+        // Only a batch that is done carries no exception.
+        self.error.is_none()
     }
 
     /// Raises [`error`](Self::error) unless the batch is done.
@@ -190,20 +192,21 @@ impl BatchResult {
         }
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "BatchResult(status={:?}, bytes={})",
-            self.status, self.bytes
+            self.status.bind(py).to_string(),
+            self.bytes
         )
     }
 }
 
 impl BatchResult {
-    fn from_status(py: Python<'_>, status: BatchStatus) -> Option<Self> {
-        match status {
+    fn from_status(py: Python<'_>, status: BatchStatus) -> PyResult<Option<Self>> {
+        Ok(match status {
             BatchStatus::Pending => None,
             BatchStatus::Done(stats) => Some(Self {
-                status: "done",
+                status: PyEnum::BatchStatus.member(py, "done")?,
                 bytes: stats.bytes,
                 fence_word: stats.fence_word,
                 backend: Some(stats.backend.as_str()),
@@ -217,7 +220,7 @@ impl BatchResult {
                     _ => ("failed", None),
                 };
                 Some(Self {
-                    status,
+                    status: PyEnum::BatchStatus.member(py, status)?,
                     bytes: 0,
                     fence_word,
                     backend: None,
@@ -226,7 +229,7 @@ impl BatchResult {
             }
             // A status added later: report it as a failure rather than hang.
             _ => Some(Self {
-                status: "failed",
+                status: PyEnum::BatchStatus.member(py, "failed")?,
                 bytes: 0,
                 fence_word: None,
                 backend: None,
@@ -236,7 +239,7 @@ impl BatchResult {
                         .into_any(),
                 ),
             }),
-        }
+        })
     }
 }
 
@@ -504,7 +507,7 @@ impl Agent {
     fn poll(&self, py: Python<'_>, batch: &Batch) -> PyResult<Option<BatchResult>> {
         let agent = self.get(py)?;
         let status = agent.poll_batch(batch.id).map_err(|e| e.to_py(py))?;
-        Ok(BatchResult::from_status(py, status))
+        BatchResult::from_status(py, status)
     }
 
     /// Waits, without the GIL, until every batch of `batches` ended, and returns their
@@ -528,10 +531,14 @@ impl Agent {
         let statuses = py
             .detach(|| wait_all(&agent, &ids, deadline))
             .map_err(|e| e.to_py(py))?;
-        Ok(statuses
+        statuses
             .into_iter()
-            .map(|s| s.and_then(|s| BatchResult::from_status(py, s)))
-            .collect())
+            .map(|s| {
+                Ok(s.map(|s| BatchResult::from_status(py, s))
+                    .transpose()?
+                    .flatten())
+            })
+            .collect()
     }
 
     /// `post_read` and `wait` in one call: returns the result when the batch is done and
@@ -558,7 +565,9 @@ impl Agent {
             })
             .map_err(|e| e.to_py(py))?;
         let result = status
-            .and_then(|s| BatchResult::from_status(py, s))
+            .map(|s| BatchResult::from_status(py, s))
+            .transpose()?
+            .flatten()
             .ok_or_else(|| raise(py, Family::Transfer, "the batch reported no status"))?;
         result.raise_for_status(py)?;
         Ok(result)

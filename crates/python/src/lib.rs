@@ -43,6 +43,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::ClearFences>()?;
     m.add_class::<cores::SendNotif>()?;
     m.add_class::<cores::Refused>()?;
+    m.add_class::<cores::PrefillNotifOutcome>()?;
     m.add_class::<cores::DecodeCore>()?;
     m.add_class::<cores::RemoteKv>()?;
     m.add_class::<cores::HandshakeStart>()?;
@@ -53,6 +54,8 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::HandshakeDone>()?;
     m.add_class::<cores::Finished>()?;
     m.add_class::<params::KvTransferParams>()?;
+    m.add_class::<cores::DecodeNotifOutcome>()?;
+    m.add_class::<cores::DecodedNotif>()?;
     m.add_class::<sidechannel::SideChannelServer>()?;
     m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;

@@ -145,8 +145,8 @@ def test_a_reader_in_another_process_heartbeats_past_the_lease_then_reads_under_
         assert event["core_events"][-1] == "Loaded"
         assert child.wait(timeout=PATIENCE) == 0
         assert heartbeats >= 2
-        renewed = [n for n in p.notifs if n["kind"] == "heartbeat"]
-        assert renewed and all(n["held"] == 1 for n in renewed)
+        renewed = [n for n in p.notifs if n.kind == "heartbeat"]
+        assert renewed and all(n.held == 1 for n in renewed)
         # The read completion releases the lease: completed, not expired.
         deadline = time.monotonic() + PATIENCE
         while not p.released and time.monotonic() < deadline:
@@ -198,7 +198,7 @@ def test_a_killed_reader_lets_p_reclaim_and_a_late_read_sees_a_stale_fence():
             # A heartbeat for the reclaimed lease changes nothing.
             hb = kvlease.encode_heartbeats(["req-2"])[0]
             out = p.core.handle_notif(time.monotonic(), "engine-late", "engine-late#0", hb)
-            assert out["held"] == 0
+            assert out.held == 0
     finally:
         p.close()
 

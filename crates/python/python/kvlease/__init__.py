@@ -10,6 +10,8 @@
 - :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
   authenticated with the cluster token.
 - :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
+- :mod:`kvlease.kinds`: the enums every kind, status, reason and outcome is returned as
+  (``str`` enums: each member equals its value).
 - :mod:`kvlease.vllm`: ``KvleaseConnector``, a vLLM KV connector built on the engine cores.
 
 See ``crates/python/README.md`` for the API and ``docs/python.md`` for vLLM launch lines.
@@ -24,6 +26,8 @@ from ._kvlease import (
     BatchResult,
     ClearFences,
     DecodeCore,
+    DecodedNotif,
+    DecodeNotifOutcome,
     FenceWords,
     Finished,
     Granted,
@@ -34,6 +38,7 @@ from ._kvlease import (
     LoadPlan,
     Peer,
     PrefillCore,
+    PrefillNotifOutcome,
     PrefillStart,
     Refused,
     Region,
@@ -48,7 +53,7 @@ from ._kvlease import (
     encode_heartbeats,
     side_channel_fetch,
 )
-from . import errors
+from . import errors, kinds
 from .errors import (
     AdmitError,
     AuthError,
@@ -65,6 +70,14 @@ from .errors import (
     StaleFenceError,
     TransferError,
     TransferTimeout,
+)
+from .kinds import (
+    BatchStatus,
+    NotifKind,
+    Outcome,
+    ReadCompleteOutcome,
+    ReleaseReason,
+    TransmitKind,
 )
 
 __all__ = [
@@ -83,6 +96,7 @@ __all__ = [
     "ClearFences",
     "SendNotif",
     "Refused",
+    "PrefillNotifOutcome",
     "DecodeCore",
     "RemoteKv",
     "HandshakeStart",
@@ -93,9 +107,12 @@ __all__ = [
     "HandshakeDone",
     "Finished",
     "KvTransferParams",
+    "DecodeNotifOutcome",
+    "DecodedNotif",
     "SideChannelServer",
     "side_channel_fetch",
     "decode_notif",
     "encode_heartbeats",
 ]
 __all__ += errors.__all__
+__all__ += kinds.__all__

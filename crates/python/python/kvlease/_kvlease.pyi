@@ -4,6 +4,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from .errors import KvleaseError
+from .kinds import (
+    BatchStatus,
+    NotifKind,
+    Outcome,
+    ReadCompleteOutcome,
+    ReleaseReason,
+    TransmitKind,
+)
 
 __version__: str
 
@@ -61,7 +69,7 @@ class BatchResult:
     """How a batch ended."""
 
     @property
-    def status(self) -> Literal["done", "stale", "failed"]: ...
+    def status(self) -> BatchStatus: ...
     @property
     def ok(self) -> bool: ...
     @property
@@ -161,7 +169,7 @@ class Released:
     request: str
     blocks: list[int]
     generation: int
-    reason: Literal["completed", "expired", "aborted"]
+    reason: ReleaseReason
     granted_at: float
     expiry: float
     last_heartbeat: float | None
@@ -175,6 +183,27 @@ class ClearFences:
 class SendNotif:
     to: str
     message: bytes
+
+class PrefillNotifOutcome:
+    """What ``PrefillCore.handle_notif`` did: ``kind`` and the fields of that kind (the
+    others are ``None``)."""
+
+    kind: NotifKind
+    #: heartbeat: ids named; held, extended, unknown, late and foreign ids
+    ids: int | None
+    #: heartbeat: ids of live leases; abort: 1 when it released a lease, else 0
+    held: int | None
+    extended: int | None
+    unknown: int | None
+    late: int | None
+    foreign: int | None
+    #: read_complete, abort, foreign
+    request: str | None
+    #: read_complete
+    outcome: ReadCompleteOutcome | None
+    remaining: int | None
+    #: malformed
+    error: str | None
 
 class Refused:
     request: str
@@ -223,7 +252,7 @@ class PrefillCore:
     def shutdown(self) -> None: ...
     def handle_notif(
         self, now: float, sender_engine: str, sender: str, message: bytes
-    ) -> dict[str, Any]: ...
+    ) -> PrefillNotifOutcome: ...
     def handle_timeout(self, now: float) -> None: ...
     def poll_timeout(self) -> float | None: ...
     def poll_action(self) -> ClearFences | SendNotif | None: ...
@@ -338,7 +367,7 @@ class Transmit:
     engine: str
     workers: int
     message: bytes
-    kind: Literal["heartbeat", "abort"]
+    kind: TransmitKind
     ids: int
 
 class BatchPlan:
@@ -366,9 +395,20 @@ class HandshakeDone:
 
 class Finished:
     request: str
-    outcome: Literal["done", "failed", "aborted", "shutdown"]
+    outcome: Outcome
     error: KvleaseError | None
     retryable: bool
+
+class DecodeNotifOutcome:
+    """What ``DecodeCore.handle_notif`` did: ``kind`` and the fields of that kind (the
+    others are ``None``)."""
+
+    kind: NotifKind
+    #: expired: leases named, waiting requests failed
+    leases: int | None
+    failed: int | None
+    #: malformed
+    error: str | None
 
 class DecodeCore:
     """Every tracking and load decision of a decode engine (D)."""
@@ -414,13 +454,13 @@ class DecodeCore:
         self, now: float, engine: str, message: str, *, auth: bool = False
     ) -> None: ...
     def forget_engine(self, engine: str) -> None: ...
-    def handle_notif(self, engine: str, message: bytes) -> dict[str, Any]: ...
+    def handle_notif(self, engine: str, message: bytes) -> DecodeNotifOutcome: ...
     def abort(self, request: str) -> bool: ...
     def handle_batch_done(
         self,
         request: str,
         batch: int,
-        status: Literal["done", "stale", "failed"],
+        status: BatchStatus | Literal["done", "stale", "failed"],
         *,
         bytes: int = 0,
         error: str | None = None,
@@ -435,7 +475,23 @@ class DecodeCore:
     def poll_timeout(self) -> float | None: ...
     def poll_event(self) -> Loaded | HandshakeDone | Finished | None: ...
 
-def decode_notif(message: bytes) -> dict[str, Any]: ...
+class DecodedNotif:
+    """What a notification says: ``kind`` and the fields of that kind (the others are
+    ``None``)."""
+
+    kind: NotifKind
+    #: heartbeat
+    ids: list[str] | None
+    #: read_complete, abort
+    request: str | None
+    engine: str | None
+    rank: int | None
+    #: read_complete
+    consumers_total: int | None
+    #: expired: (request, generation) of each lease
+    leases: list[tuple[str, int]] | None
+
+def decode_notif(message: bytes) -> DecodedNotif: ...
 def encode_heartbeats(requests: Sequence[str], max_len: int = ...) -> list[bytes]: ...
 
 # ---------------------------------------------------------------------- side channel

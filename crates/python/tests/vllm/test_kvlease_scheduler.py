@@ -32,10 +32,12 @@ from vllm.v1.request import RequestStatus
 from kvlease import KvleaseError, SideChannelError
 from kvlease import _kvlease as native
 from kvlease.vllm import (
+    BatchSpec,
     KvleaseConfig,
     KvleaseConnectorMetadata,
     KvleaseWorker,
     KvleaseWorkerMetadata,
+    LoadSpec,
     _block_format,
     _engine_info,
     _kv_incompatibility,
@@ -185,12 +187,12 @@ def test_d_waits_heartbeats_at_the_interval_loads_and_runs(engines):
     metas = wait_for_handshake(d, req)
     assert d.connector.scheduler.decode.is_ready("p0")
     (load,) = [load for meta in metas for load in meta.loads]
-    assert load["request"] == req.request_id and load["engine"] == "p0"
-    assert load["remote_blocks"] == params["remote_block_ids"]
-    assert load["local_blocks"] == list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
-    assert load["generation"] == params["kvlease_generation"]
-    (batch,) = load["batches"]
-    read_complete = batch["notif"]
+    assert load.request == req.request_id and load.engine == "p0"
+    assert load.remote_blocks == params["remote_block_ids"]
+    assert load.local_blocks == list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
+    assert load.generation == params["kvlease_generation"]
+    (batch,) = load.batches
+    read_complete = batch.notif
 
     # D waits for its KV for 2.5 lease durations of virtual time. Every step carries the
     # heartbeats that came due; P gets them as its worker would forward them.
@@ -352,18 +354,18 @@ def test_tp2_a_stale_batch_reported_before_the_load_finishes_is_a_load_error(eng
     d.add_request(req)
     metas = wait_for_handshake(d, req)
     (load,) = [load for meta in metas for load in meta.loads]
-    by_worker = {b["d_worker"]: b for b in load["batches"]}
-    assert sorted(by_worker) == [0, 1] and len(load["batches"]) == 2
-    assert all(b["whole"] and b["p_rank"] == b["d_worker"] for b in load["batches"])
+    by_worker = {b.d_worker: b for b in load.batches}
+    assert sorted(by_worker) == [0, 1] and len(load.batches) == 2
+    assert all(b.whole and b.p_rank == b.d_worker for b in load.batches)
     blocks = list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
 
     # Step k: worker 1's read was stale; it names the request's blocks as load errors and
     # is done with the request, but worker 0 is still reading: not finished_recving yet.
-    feed(d, worker_output(batches={req.request_id: {by_worker[1]["index"]: ("stale", 0, "fence")}},
+    feed(d, worker_output(batches={req.request_id: {by_worker[1].index: ("stale", 0, "fence")}},
                           invalid_block_ids=set(blocks)))
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     # Step k+1: worker 0's read is done; now vLLM reports the request finished_recving.
-    feed(d, worker_output(batches={req.request_id: {by_worker[0]["index"]: ("done", 2048, None)}},
+    feed(d, worker_output(batches={req.request_id: {by_worker[0].index: ("done", 2048, None)}},
                           finished_recving={req.request_id}))
     stats = d.connector.scheduler.decode.stats()
     assert stats["stale_reads"] == 1 and stats["failed"] == 1 and stats["done"] == 0, stats
@@ -522,17 +524,17 @@ def raw(payload) -> bytes:
 
 def test_engine_info_normalises_a_good_payload():
     info = _engine_info(raw(p_payload(kv={"model": "m", "layers": {"l0": ["float16", [1], [1]]}})))
-    assert info["engine_id"] == "p0" and info["tp_size"] == 1 and info["num_blocks"] == 64
-    assert info["instance"] == 77 and info["kv"]["layers"] == {"l0": ["float16", [1], [1]]}
-    (w,) = info["workers"]
-    assert w["rank"] == 0 and w["agent_metadata"] == b"agent metadata"
-    assert w["layers"] == [["l0", 1, 0, 4096, 4096, 64]] and w["fence_region"] == 2
+    assert info.engine_id == "p0" and info.tp_size == 1 and info.num_blocks == 64
+    assert info.instance == 77 and info.kv["layers"] == {"l0": ["float16", [1], [1]]}
+    (w,) = info.workers
+    assert w.rank == 0 and w.agent_metadata == b"agent metadata"
+    assert w.layers == [("l0", 1, 0, 4096, 4096, 64)] and w.fence_region == 2
     # An older P: no instance, no descriptor, no block formats (refused later, not here).
     old = p_payload()
     del old["instance"], old["kv"], old["workers"][0]["kv_format"]
     info = _engine_info(raw(old))
-    assert info["instance"] == 0 and info["kv"] is None
-    assert info["workers"][0]["kv_format"] is None
+    assert info.instance == 0 and info.kv is None
+    assert info.workers[0].kv_format is None
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
@@ -646,12 +648,12 @@ def test_a_failed_batch_drops_only_its_own_link():
 
         def load(rid, p_rank, fence_block):
             # generation 5: P's fence words are all 0, so a read that gets that far is stale.
-            worker._post({
-                "request": rid, "engine": "p0", "local_blocks": [0], "remote_blocks": [0],
-                "fence_block": fence_block, "generation": 5,
-                "batches": [{"index": 0, "d_worker": 0, "p_rank": p_rank, "whole": True,
-                             "notif": b"read"}],
-            })
+            worker._post(LoadSpec(
+                request=rid, engine="p0", remote_request=rid, local_blocks=[0],
+                remote_blocks=[0], fence_block=fence_block, generation=5,
+                batches=[BatchSpec(index=0, d_worker=0, p_rank=p_rank, whole=True,
+                                   notif=b"read")],
+            ))
 
         def results(rid):
             deadline = time.monotonic() + 30

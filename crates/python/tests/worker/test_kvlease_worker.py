@@ -119,8 +119,8 @@ def test_load_is_byte_exact_after_the_lease_was_renewed_past_its_duration(pd):
     assert d.outputs[req.request_id].finish_reason is not None
     loaded = [h for h in d.history if h["meta"].loads]
     (load,) = [x for h in loaded for x in h["meta"].loads]
-    d_blocks = load["local_blocks"]
-    assert load["remote_blocks"] == p_blocks and len(d_blocks) == len(p_blocks) == 3
+    d_blocks = load.local_blocks
+    assert load.remote_blocks == p_blocks and len(d_blocks) == len(p_blocks) == 3
     recv = [h["kv_out"] for h in d.history if h["kv_out"] and h["kv_out"].finished_recving]
     assert any(req.request_id in o.finished_recving for o in recv)
     assert not any(o.invalid_block_ids for o in recv), "the load reported errors"
@@ -198,7 +198,7 @@ def test_read_after_the_lease_expired_is_stale_and_vllm_recomputes(pd):
               [d, p], 60, "D's stale read")
     bad = set().union(*(h["kv_out"].invalid_block_ids for h in d.history if h["kv_out"]))
     (load,) = [x for h in d.history for x in h["meta"].loads]
-    assert bad == set(load["local_blocks"])
+    assert bad == set(load.local_blocks)
     assert d.connector.scheduler.decode.stats()["stale_reads"] == 1
     run_until(lambda: req.request_id in d.outputs, [d, p], 60, "D recomputing")
     # Recomputed: the whole prompt was scheduled for computation after the failed load.
@@ -215,7 +215,7 @@ def load_once(p: Engine, d: Engine):
     run_until(lambda: req.request_id in d.outputs, [d, p], 60, "D's load and decode")
     (load,) = [x for h in d.history for x in h["meta"].loads]
     errors = set().union(*(h["kv_out"].invalid_block_ids for h in d.history if h["kv_out"]))
-    return list(params["remote_block_ids"]), list(load["local_blocks"]), req, errors
+    return list(params["remote_block_ids"]), list(load.local_blocks), req, errors
 
 
 def test_load_is_byte_exact_from_a_layer_outer_to_a_block_outer_layout(pd):
@@ -280,7 +280,7 @@ def test_a_layout_mismatch_behind_a_compatible_handshake_fails_the_read(pd):
     assert d.connector.scheduler.incompatibility("p0") is None
     (load,) = [x for h in d.history for x in h["meta"].loads]
     bad = set().union(*(h["kv_out"].invalid_block_ids for h in d.history if h["kv_out"]))
-    assert bad == set(load["local_blocks"]), "the read was not refused"
+    assert bad == set(load.local_blocks), "the read was not refused"
     results = [h["kv_out"].kv_connector_worker_meta.batches.get(req.request_id)
                for h in d.history if h["kv_out"] and h["kv_out"].kv_connector_worker_meta]
     ((status, nbytes, error),) = [r[0] for r in results if r]
@@ -291,7 +291,7 @@ def test_a_layout_mismatch_behind_a_compatible_handshake_fails_the_read(pd):
     # Nothing was read into D's blocks: they still hold the zeros vLLM allocated (the
     # harness's "model" writes KV only on P), while P's hold its prefill.
     p_pages = p.worker.request("blocks", block_ids=list(params["remote_block_ids"]))
-    d_pages = d.worker.request("blocks", block_ids=list(load["local_blocks"]))
+    d_pages = d.worker.request("blocks", block_ids=list(load.local_blocks))
     for layer in LAYERS:
         assert all(any(page) for page in p_pages[layer])
         assert not any(any(page) for page in d_pages[layer]), f"{layer}: D read P's bytes"

@@ -1,0 +1,103 @@
+"""The enums of ``kvlease``: every kind, status, reason and outcome the native module
+(``kvlease._kvlease``) returns, and the connector passes between its halves.
+
+Each is a ``str`` enum (like ``enum.StrEnum``, which Python 3.10 lacks): a member is
+equal to, hashes like and formats as its value (``BatchStatus.DONE == "done"``,
+``f"batches_{status}"``), so it pickles by name, encodes to JSON as its value, and the
+native methods that take a status accept either. The native module builds the members
+by value from here (like the exceptions of ``kvlease.errors``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = [
+    "BatchStatus",
+    "NotifKind",
+    "Outcome",
+    "ReadCompleteOutcome",
+    "ReleaseReason",
+    "TransmitKind",
+]
+
+
+class _StrEnum(str, Enum):
+    """A ``str`` enum whose members format and print as their values."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class BatchStatus(_StrEnum):
+    """How a read batch ended (``BatchResult.status``, ``DecodeCore.handle_batch_done``)."""
+
+    #: Every read completed and the fence matched.
+    DONE = "done"
+    #: The fence word did not match: nothing read may be used.
+    STALE = "stale"
+    #: The read failed (connection, timeout, refused).
+    FAILED = "failed"
+
+
+class ReleaseReason(_StrEnum):
+    """Why a lease ended (``Released.reason``)."""
+
+    #: Every reader reported.
+    COMPLETED = "completed"
+    #: The reaper found it past its expiry.
+    EXPIRED = "expired"
+    #: D (or P) aborted it.
+    ABORTED = "aborted"
+
+
+class Outcome(_StrEnum):
+    """How a request ended on D (``Finished.outcome``)."""
+
+    DONE = "done"
+    #: The load failed (``Finished.error`` is a ``LoadError``).
+    FAILED = "failed"
+    ABORTED = "aborted"
+    SHUTDOWN = "shutdown"
+
+
+class TransmitKind(_StrEnum):
+    """What a notification for P is (``Transmit.kind``)."""
+
+    HEARTBEAT = "heartbeat"
+    ABORT = "abort"
+
+
+class NotifKind(_StrEnum):
+    """What a notification was (``decode_notif``) or what a core did with it
+    (``PrefillCore.handle_notif``, ``DecodeCore.handle_notif``)."""
+
+    HEARTBEAT = "heartbeat"
+    READ_COMPLETE = "read_complete"
+    ABORT = "abort"
+    EXPIRED = "expired"
+    #: Names a request of another engine (P), or comes from another P (D).
+    FOREIGN = "foreign"
+    #: Not a valid notification: nothing changed.
+    MALFORMED = "malformed"
+    #: Valid, but nothing this core acts on.
+    IGNORED = "ignored"
+    #: An application notification (``decode_notif``).
+    APP = "app"
+
+
+class ReadCompleteOutcome(_StrEnum):
+    """What P's core did with a read completion (``PrefillNotifResult.outcome``)."""
+
+    #: The last reader reported: the lease is released.
+    RELEASED = "released"
+    #: More readers are to report.
+    WAITING = "waiting"
+    #: This reader had reported already.
+    DUPLICATE = "duplicate"
+    #: No such lease.
+    UNKNOWN = "unknown"
+    #: The reader count disagrees with the lease's.
+    INVALID_TOTAL = "invalid_total"
+    #: An outcome this binding does not name.
+    OTHER = "other"

@@ -1,0 +1,106 @@
+"""KV compatibility: what makes a KV block's bytes mean the same on P and D
+(``_kv_descriptor``, ``_block_format``) and how two engines' descriptors differ
+(``_kv_incompatibility``, ``_layer_format_diff``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+#: The descriptor keys P and D must agree on for P's block bytes to mean the same KV on
+#: D (compared by ``_kv_incompatibility``; ``kv_cache_layout`` is carried for the logs:
+#: a layer-outer and a block-outer layout with the same order inside a block are
+#: compatible, ``block_order`` says that order).
+_KV_KEYS = (
+    "model",
+    "dtype",
+    "cache_dtype",
+    "num_kv_heads",
+    "head_size",
+    "num_layers",
+    "block_size",
+    "block_order",
+    "use_mla",
+)
+
+
+def _kv_descriptor(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """What makes a KV block's bytes mean the same on two engines, from the config
+    (like NixlConnector's ``compute_nixl_compatibility_hash``, plus what NIXL checks at
+    its handshake: block size and layout). Plain JSON values."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    try:
+        layout: str | None = cache.get_resolved_kv_cache_layout().name
+    except (ValueError, KeyError, AttributeError):
+        layout = None  # not resolved here: the workers' block formats still decide
+    return {
+        "model": str(model.model),
+        "dtype": str(model.dtype),
+        "cache_dtype": str(cache.cache_dtype),
+        "num_kv_heads": int(model.get_total_num_kv_heads()),
+        "head_size": int(model.get_head_size()),
+        "num_layers": int(model.get_total_num_hidden_layers()),
+        "block_size": int(cache.block_size),
+        "kv_cache_layout": layout,
+        # The order of heads (H), tokens (N) and K|V content (C) inside one layer's
+        # block: the layout's name without its layer (L) and block (B) axes.
+        "block_order": None if layout is None else layout.replace("L", "").replace("B", ""),
+        "use_mla": bool(getattr(model, "use_mla", False)),
+        "layers": {},
+    }
+
+
+def _block_format(t: "torch.Tensor") -> list[Any]:
+    """``[dtype, logical block shape, physical order]`` of one layer's KV cache view:
+    the order lists the block's logical dims (1-based, size-1 dims left out: they do not
+    move bytes) from the largest stride to the smallest. Two layers whose formats are
+    equal store a block's elements at the same byte offsets."""
+    dims = [(i, int(t.shape[i]), int(t.stride(i))) for i in range(1, t.dim())]
+    order = [i for i, size, stride in sorted(dims, key=lambda d: (-d[2], d[0])) if size != 1]
+    return [str(t.dtype).removeprefix("torch."), [size for _, size, _ in dims], order]
+
+
+def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
+    """Why P's KV (descriptor ``theirs``, from its handshake) cannot be loaded as ours,
+    or ``None`` when it can. ``layers`` (layer name -> ``_block_format``) is compared
+    when both sides know their workers' formats."""
+    if not isinstance(theirs, dict):
+        return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
+    diffs = []
+    for key in _KV_KEYS:
+        if key == "block_order" and None in (theirs.get(key), ours.get(key)):
+            continue  # a layout not resolved at the scheduler: the layer formats decide
+        if theirs.get(key) != ours.get(key):
+            what = f"{key}: P {theirs.get(key)!r}, D {ours.get(key)!r}"
+            if key == "block_order":
+                what += (
+                    f" (kv_cache_layout P {theirs.get('kv_cache_layout')!r}, "
+                    f"D {ours.get('kv_cache_layout')!r})"
+                )
+            diffs.append(what)
+    mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
+    if mine and p_layers:
+        diff = _layer_format_diff(mine, p_layers)
+        if diff is not None:
+            diffs.append(diff)
+    return "; ".join(diffs) or None
+
+
+def _layer_format_diff(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """How P's per-layer block formats (layer name -> ``_block_format``) differ from
+    ours, or ``None`` when P holds the same layers, each in the same format."""
+    if set(mine) != set(theirs):
+        only_p = sorted(set(theirs) - set(mine))[:3]
+        only_d = sorted(set(mine) - set(theirs))[:3]
+        return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
+    bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
+    if not bad:
+        return None
+    return (
+        f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
+        f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"
+    )

@@ -1,0 +1,121 @@
+"""The connector's settings (``KvleaseConfig``, read from ``kv_connector_extra_config``)
+and the names and addresses both halves derive from them."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+VLLM_VERSION = "0.33.0"
+
+#: Separates an engine id from a worker rank in agent names (a byte no engine id holds).
+_RANK_SEP = "#"
+
+
+def _agent_name(engine_id: str, rank: int) -> str:
+    return f"{engine_id}{_RANK_SEP}{rank}"
+
+
+def _engine_of(agent_name: str) -> str:
+    return agent_name.rpartition(_RANK_SEP)[0] or agent_name
+
+
+@dataclass(frozen=True)
+class KvleaseConfig:
+    """The connector's settings, read from ``kv_connector_extra_config``."""
+
+    engine_id: str
+    lease_duration: float = 30.0
+    decoder_kv_blocks_ttl: float = 480.0
+    token: bytes | None = None
+    transport: str = "auto"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    transport_host: str = "127.0.0.1"
+    read_timeout: float = 30.0
+    handshake_timeout: float = 5.0
+
+    @classmethod
+    def from_vllm(cls, vllm_config: "VllmConfig") -> "KvleaseConfig":
+        ktc = vllm_config.kv_transfer_config
+        if ktc is None:
+            raise ConfigError("kv_transfer_config must be set")
+        extra = dict(ktc.kv_connector_extra_config or {})
+
+        def number(key: str, default: float) -> float:
+            value = extra.get(key, default)
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key} must be a number of seconds, not {value!r}") from None
+            if not value > 0 or value != value or value == float("inf"):
+                raise ConfigError(f"{key} must be a positive number of seconds, not {value}")
+            return value
+
+        lease = number("kv_lease_duration", 30.0)
+        ttl = number("decoder_kv_blocks_ttl", 480.0)
+        if extra.get("bidirectional_kv_xfer"):
+            raise ConfigError("bidirectional_kv_xfer is not supported by KvleaseConnector")
+        token: str | bytes | None = extra.get("cluster_token") or os.environ.get(
+            "KVLEASE_CLUSTER_TOKEN"
+        )
+        token_file = extra.get("cluster_token_file")
+        if token is None and token_file:
+            with open(token_file, "rb") as f:
+                token = f.read().strip()
+        if isinstance(token, str):
+            token = token.encode()
+        if token is not None and len(token) == 0:
+            raise ConfigError("cluster_token must not be empty")
+        transport = str(extra.get("transport", "auto"))
+        if transport not in ("auto", "tcp", "shm", "verbs"):
+            raise ConfigError(f"transport must be auto, tcp, shm or verbs, not {transport!r}")
+        host = str(
+            extra.get("side_channel_host")
+            or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+            or "127.0.0.1"
+        )
+        port = extra.get("side_channel_port", 0)
+        try:
+            port = int(port)
+        except (TypeError, ValueError):
+            raise ConfigError(f"side_channel_port must be a port number, not {port!r}") from None
+        if not 0 <= port < 65536:
+            raise ConfigError(f"side_channel_port must be a port number, not {port}")
+        transport_host = str(extra.get("transport_host") or host)
+        engine_id = ktc.engine_id
+        if not engine_id:
+            raise ConfigError("kv_transfer_config.engine_id is not set")
+        return cls(
+            engine_id=str(engine_id),
+            lease_duration=lease,
+            decoder_kv_blocks_ttl=ttl,
+            token=token,
+            transport=transport,
+            side_channel_host=host,
+            side_channel_port=port,
+            transport_host=transport_host,
+            read_timeout=number("read_timeout", lease),
+            handshake_timeout=number("handshake_timeout", 5.0),
+        )
+
+
+def _ip_of(host: str) -> str:
+    """An IP literal for ``host`` (the transport's addresses are IP:port)."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ConfigError(f"cannot resolve {host!r}: {e}") from None
+
+
+def _listen_addr(host: str, port: int) -> str:
+    """``ip:port`` (``[ip]:port`` for IPv6) for a listener on ``host``."""
+    ip = _ip_of(host)
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

@@ -1,0 +1,134 @@
+"""The metadata vLLM carries between the connector's halves: scheduler → workers
+(``KvleaseConnectorMetadata``: ``LoadSpec`` with its ``BatchSpec``, ``TransmitSpec``, P's
+``EngineInfo``), workers → scheduler (``KvleaseWorkerMetadata``: ``ReceivedNotif``,
+``BatchOutcome``) and a worker's registration (``KvleaseHandshakeMetadata``). Each is a
+dataclass or named tuple of plain values, so vLLM can pickle it between processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from ..kinds import BatchStatus, TransmitKind
+from .handshake import EngineInfo
+
+
+class TransmitSpec(NamedTuple):
+    """A notification D's worker 0 sends to P's worker 0 (heartbeats, aborts)."""
+
+    #: P's engine.
+    engine: str
+    kind: TransmitKind
+    #: The encoded notification.
+    message: bytes
+
+
+class ReceivedNotif(NamedTuple):
+    """A notification one of P's workers received, for P's scheduler."""
+
+    #: The authenticated sender's agent name (D's engine id, ``#``, rank).
+    sender: str
+    message: bytes
+
+
+class BatchOutcome(NamedTuple):
+    """How one read batch ended on D's worker, for D's scheduler."""
+
+    status: BatchStatus
+    #: Data bytes read (0 unless done).
+    nbytes: int
+    #: Why it failed or was stale, else ``None``.
+    error: str | None
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One read batch of a load: D's worker ``d_worker`` reads P worker ``p_rank``'s part
+    of the load's blocks (``whole``: whole blocks, the only reads supported) and, when
+    the fence matched, sends P the read completion ``notif``."""
+
+    #: The batch's index in the load's plan (``DecodeCore.handle_batch_done``).
+    index: int
+    d_worker: int
+    p_rank: int
+    whole: bool
+    notif: bytes
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One request's load, for every D worker: D's ``local_blocks`` receive P's
+    ``remote_blocks``, fenced by P's fence word of ``fence_block`` holding
+    ``generation``."""
+
+    #: D's id of the request.
+    request: str
+    #: P's engine.
+    engine: str
+    #: P's id of the request.
+    remote_request: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    fence_block: int
+    generation: int
+    batches: list[BatchSpec]
+
+
+@dataclass
+class KvleaseConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → workers, once per step (plain values and dataclasses of them: vLLM
+    pickles it to the worker processes)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    transmits: list[TransmitSpec] = field(default_factory=list)
+    #: P engine infos learned by handshakes since the last step.
+    engines: dict[str, EngineInfo] = field(default_factory=dict)
+    #: D requests whose load the core refused: reported failed at once, with their blocks.
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
+    #: P: leases ended; vLLM may free their blocks.
+    finished_sending: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KvleaseWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers → scheduler, once per step; vLLM aggregates every worker's."""
+
+    notifs: list[ReceivedNotif] = field(default_factory=list)
+    #: D request -> batch index -> how the batch ended.
+    batches: dict[str, dict[int, BatchOutcome]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KvleaseWorkerMetadata):
+            return self
+        merged = KvleaseWorkerMetadata(
+            notifs=self.notifs + other.notifs,
+            batches={k: dict(v) for k, v in self.batches.items()},
+        )
+        for req, results in other.batches.items():
+            merged.batches.setdefault(req, {}).update(results)
+        return merged
+
+
+@dataclass
+class KvleaseHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler after registering its KV caches."""
+
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    #: (layer name, region id, byte offset, block stride, block bytes, num blocks)
+    layers: list[tuple[str, int, int, int, int, int]]
+    fence_region: int
+    fence_pid: int
+    fence_fd: int
+    num_blocks: int
+    device: str
+    #: layer name -> [dtype, logical block shape, physical order of the block's dims]
+    #: (``_block_format``): what D compares before it reads P's blocks as its own.
+    kv_format: dict[str, list[Any]] = field(default_factory=dict)

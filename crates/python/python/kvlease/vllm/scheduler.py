@@ -1,0 +1,644 @@
+"""The scheduler half: both engine cores, P's side channel and fence words, D's
+handshakes and load plans (``KvleaseScheduler``)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import _kvlease as native
+from ..errors import AuthError, ConfigError, KvleaseError
+from ..kinds import Outcome
+from .compat import _kv_descriptor, _kv_incompatibility
+from .config import KvleaseConfig, _engine_of, _listen_addr
+from .handshake import EngineInfo, _engine_info
+from .metadata import (
+    BatchSpec,
+    KvleaseConnectorMetadata,
+    KvleaseHandshakeMetadata,
+    KvleaseWorkerMetadata,
+    LoadSpec,
+    ReceivedNotif,
+    TransmitSpec,
+)
+from .stats import _Counters
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvlease.vllm")
+
+
+def _params_block_ids(value: Any) -> list[int] | None:
+    """``remote_block_ids`` as vLLM's proxies forward it: a list, or (from NixlConnector
+    style producers) a list per KV cache group."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    if value and isinstance(value[0], (list, tuple)):
+        if len(value) != 1:
+            return None
+        value = value[0]
+    try:
+        return [int(b) for b in value]
+    except (TypeError, ValueError):
+        return None
+
+
+class KvleaseScheduler:
+    """The scheduler half: both engine cores, the side channel (P) and the handshakes
+    (D). ``clock`` (``time.monotonic``) is the cores' time source; tests may replace it.
+    """
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        config: KvleaseConfig,
+        kv_cache_config: "KVCacheConfig | None",
+    ):
+        self.config = config
+        self.clock: Callable[[], float] = time.monotonic
+        self.counters = _Counters()
+        self.engine_id = config.engine_id
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        if int(getattr(parallel, "pipeline_parallel_size", 1)) != 1:
+            raise ConfigError("KvleaseConnector does not support pipeline parallelism")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        num_blocks = getattr(kv_cache_config, "num_blocks", None) or getattr(
+            vllm_config.cache_config, "num_gpu_blocks", None
+        )
+        if not num_blocks:
+            raise ConfigError("the KV cache config names no block count")
+        self.num_blocks = int(num_blocks)
+        per_rank_heads = int(vllm_config.model_config.get_num_kv_heads(parallel))
+        self.num_kv_heads = per_rank_heads * self.tp_size
+        self.instance = time.time_ns() // 1000
+        # What P's blocks must match to be loaded as this engine's KV (the workers'
+        # block formats join it in set_xfer_handshake_metadata).
+        self.kv_descriptor = _kv_descriptor(vllm_config)
+        # kv_producer: P only (no DecodeCore); kv_consumer: D only (no PrefillCore, no
+        # side channel); kv_both: both.
+        ktc = vllm_config.kv_transfer_config
+        role = str(getattr(ktc, "kv_role", None) or "kv_both")
+        self.is_producer = role != "kv_consumer"
+        self.is_consumer = role != "kv_producer"
+        self.prefill: native.PrefillCore | None = None
+        self.decode: native.DecodeCore | None = None
+        if self.is_producer:
+            self.prefill = native.PrefillCore(
+                self.engine_id,
+                tp_size=self.tp_size,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                lease_duration=config.lease_duration,
+                external_blocks=True,
+                first_generation=self.instance,
+            )
+        if self.is_consumer:
+            self.decode = native.DecodeCore(
+                self.engine_id,
+                tp_size=self.tp_size,
+                num_kv_heads=self.num_kv_heads,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                lease_duration=config.lease_duration,
+                external_blocks=True,
+                max_waiting=1 << 20,
+            )
+        # P: the workers' fence words, by rank; what the side channel serves.
+        self.fences: dict[int, native.FenceWords] = {}
+        self._fence_maps: list[mmap.mmap] = []
+        self._workers: dict[int, KvleaseHandshakeMetadata] = {}
+        # The side channel listens on side_channel_host only: the address it publishes
+        # as remote_host (127.0.0.1 unless configured), not every interface.
+        self.side_channel: native.SideChannelServer | None = None
+        self.side_channel_port = 0
+        if self.is_producer:
+            self.side_channel = native.SideChannelServer(
+                self._payload(),
+                token=config.token,
+                listen=_listen_addr(config.side_channel_host, config.side_channel_port),
+            )
+            self.side_channel_port = self.side_channel.port
+        self._finished_sending: list[str] = []
+        # D: requests the core admitted, loads planned for the workers, P engines.
+        self._remote: set[str] = set()
+        self._loads: list[LoadSpec] = []
+        self._failed_loads: dict[str, list[int]] = {}
+        self.engines: dict[str, EngineInfo] = {}
+        self._new_engines: dict[str, EngineInfo] = {}
+        self._handshakes: queue.Queue[tuple[str, EngineInfo | None, Exception | None]] = (
+            queue.Queue()
+        )
+        # D: P engines whose KV this engine must not load, with the reason.
+        self._incompatible: dict[str, str] = {}
+        logger.info(
+            "kvlease scheduler %s (%s): lease %.1fs, side channel %s, %s",
+            self.engine_id,
+            role,
+            config.lease_duration,
+            f"{config.side_channel_host}:{self.side_channel_port}"
+            if self.side_channel is not None
+            else "not served (kv_consumer)",
+            "token set" if config.token else "NO cluster token",
+        )
+
+    def _p(self) -> native.PrefillCore:
+        assert self.prefill is not None, "a P hook on a kv_consumer engine"
+        return self.prefill
+
+    def _d(self) -> native.DecodeCore:
+        assert self.decode is not None, "a D hook on a kv_producer engine"
+        return self.decode
+
+    def incompatibility(self, engine: str) -> str | None:
+        """Why this engine (D) refuses to load P engine ``engine``'s KV, as found at the
+        last handshake with it; ``None`` when compatible or not handshaken."""
+        return self._incompatible.get(engine)
+
+    # ------------------------------------------------------------------- P side
+
+    def _payload(self) -> bytes:
+        workers = []
+        for rank, w in sorted(self._workers.items()):
+            workers.append(
+                {
+                    "rank": rank,
+                    "agent_name": w.agent_name,
+                    "agent_metadata": base64.b64encode(w.agent_metadata).decode(),
+                    "layers": [list(layer) for layer in w.layers],
+                    "fence_region": w.fence_region,
+                    "num_blocks": w.num_blocks,
+                    "device": w.device,
+                    "kv_format": w.kv_format,
+                }
+            )
+        return json.dumps(
+            {
+                "format": 2,
+                "engine_id": self.engine_id,
+                "instance": self.instance,
+                "tp_size": self.tp_size,
+                "num_blocks": self.num_blocks,
+                "block_size": self.block_size,
+                "num_kv_heads": self.num_kv_heads,
+                # Format 2: what D checks before it loads any of P's blocks as its KV.
+                "kv": self.kv_descriptor,
+                "workers": workers,
+            }
+        ).encode()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers registered their KV caches: map their fence words and serve their
+        transport metadata on the side channel."""
+        for rank, meta in sorted(metadata.items()):
+            if not isinstance(meta, KvleaseHandshakeMetadata):
+                raise ConfigError(
+                    f"worker {rank} sent {type(meta).__name__}, not KvleaseHandshakeMetadata"
+                )
+            self._workers[int(rank)] = meta
+            path = f"/proc/{meta.fence_pid}/fd/{meta.fence_fd}"
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot open worker {rank}'s fence words at {path} ({e}): P's "
+                    "scheduler and workers must share a host"
+                ) from None
+            try:
+                mapped = mmap.mmap(fd, max(meta.num_blocks * 8, mmap.PAGESIZE))
+            finally:
+                os.close(fd)
+            self._fence_maps.append(mapped)
+            self.fences[int(rank)] = native.FenceWords(mapped, meta.num_blocks)
+        if self._workers:
+            # The lowest rank's block formats stand for the engine's (every rank holds
+            # the same layers in the same format; D's worker checks each P rank again).
+            first = self._workers[min(self._workers)]
+            self.kv_descriptor["layers"] = json.loads(json.dumps(first.kv_format))
+        if self.side_channel is not None:
+            self.side_channel.set_payload(self._payload())
+
+    def _publish(self, blocks: list[int], word: int) -> None:
+        for words in self.fences.values():
+            words.publish(blocks, word)
+
+    def _drain_prefill(self) -> None:
+        """Fence clears and events after every input to the prefill core."""
+        if self.prefill is None:
+            return
+        while (action := self.prefill.poll_action()) is not None:
+            if isinstance(action, native.ClearFences):
+                released = action.released
+                # The free word first: from here vLLM may reuse the blocks.
+                self._publish(released.blocks, 0)
+                self._finished_sending.append(released.request)
+                self.counters.add(f"leases_released_{released.reason}")
+                logger.debug(
+                    "lease of %s released (%s)", released.request, released.reason
+                )
+            elif isinstance(action, native.SendNotif):
+                # Expiry notices need a connection from P to D, which this connector
+                # does not open: D's fenced read catches the reclaimed lease.
+                self.counters.add("expiry_notices_dropped")
+        while self.prefill.poll_event() is not None:
+            pass
+
+    def _handle_notifs(self, now: float, notifs: list[ReceivedNotif]) -> None:
+        if self.prefill is None:
+            if notifs:
+                # Nothing leased here: P engines never send D notifications.
+                self.counters.add("notifs_ignored", len(notifs))
+            return
+        for sender, message in notifs:
+            try:
+                out = self.prefill.handle_notif(now, _engine_of(sender), sender, message)
+            except KvleaseError as e:
+                # A sender whose name holds no valid engine id: ignore it.
+                logger.warning("notification from %r ignored: %s", sender, e)
+                self.counters.add("notifs_invalid_sender")
+                continue
+            self.counters.add(f"notifs_{out.kind}")
+        self._drain_prefill()
+
+    # ------------------------------------------------------------------- D side
+
+    def _remote_kv(self, request: "Request") -> native.RemoteKv | None:
+        params = request.kv_transfer_params or {}
+        blocks = _params_block_ids(params.get("remote_block_ids"))
+        try:
+            return native.RemoteKv(
+                engine=str(params["remote_engine_id"]),
+                request=str(params["remote_request_id"]),
+                blocks=blocks if blocks is not None else [],
+                generation=int(params["kvlease_generation"]),
+                tp_size=int(params.get("tp_size", 1)),
+                num_tokens=int(params.get("kvlease_num_tokens", params.get("remote_num_tokens", 0))),
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]),
+                instance=int(params.get("kvlease_instance", 0)),
+            )
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            logger.warning(
+                "request %s: kv_transfer_params are not a kvlease lease (%s): computing locally",
+                request.request_id,
+                e,
+            )
+            return None
+
+    def _start_handshakes(self) -> None:
+        while (hs := self._d().poll_handshake()) is not None:
+            thread = threading.Thread(
+                target=self._handshake,
+                args=(hs.engine, hs.host, hs.port),
+                name=f"kvlease-handshake-{hs.engine}",
+                daemon=True,
+            )
+            thread.start()
+
+    def _handshake(self, engine: str, host: str, port: int) -> None:
+        try:
+            raw = native.side_channel_fetch(
+                host, port, token=self.config.token, timeout=self.config.handshake_timeout
+            )
+            # Validated here, off the engine thread: _pump and the workers use it as is.
+            info = _engine_info(raw)
+            if info.engine_id != engine:
+                raise KvleaseError(
+                    f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}"
+                )
+            self._handshakes.put((engine, info, None))
+        except Exception as e:  # reported to the core, which fails the waiting requests
+            self._handshakes.put((engine, None, e))
+
+    def _pump(self, now: float) -> None:
+        """Handshake results, then the decode core's events."""
+        if self.decode is None:
+            return
+        self._start_handshakes()
+        while True:
+            try:
+                engine, info, error = self._handshakes.get_nowait()
+            except queue.Empty:
+                break
+            if info is not None:
+                self._check_compatibility(engine, info)
+                # Handshaken even when incompatible: D's worker 0 needs P's engine info to
+                # send the aborts that free the leases D will not read.
+                self.engines[engine] = info
+                self._new_engines[engine] = info
+                self.decode.handle_handshake(
+                    now,
+                    engine,
+                    tp_size=info.tp_size,
+                    num_blocks=info.num_blocks,
+                    instance=info.instance,
+                )
+                self.counters.add("handshakes_done")
+            else:
+                logger.warning("handshake with engine %s failed: %s", engine, error)
+                self.decode.handle_handshake_failed(
+                    now, engine, str(error), auth=isinstance(error, AuthError)
+                )
+                self.counters.add("handshakes_failed")
+        self._drain_decode()
+
+    def _check_compatibility(self, engine: str, info: EngineInfo) -> None:
+        """Record whether P engine ``engine``'s KV blocks can be loaded as ours: the
+        answer of the latest handshake stands (a restarted P handshakes again)."""
+        reason = _kv_incompatibility(self.kv_descriptor, info.kv)
+        if reason is None:
+            self._incompatible.pop(engine, None)
+            return
+        self._incompatible[engine] = reason
+        self.counters.add("handshakes_incompatible")
+        logger.error(
+            "P engine %s is not KV-compatible with engine %s: %s. Its requests are "
+            "computed here instead of loaded (their leases are aborted).",
+            engine,
+            self.engine_id,
+            reason,
+        )
+
+    def _drain_decode(self) -> None:
+        if self.decode is None:
+            return
+        while (event := self.decode.poll_event()) is not None:
+            if isinstance(event, native.Loaded):
+                # vLLM checks nothing more: the fence matched for every batch.
+                self.decode.handle_verified(event.request)
+                self.counters.add("loads_done")
+                self.counters.add("bytes_loaded", event.bytes)
+            elif isinstance(event, native.Finished):
+                self._remote.discard(event.request)
+                if event.outcome == Outcome.FAILED:
+                    self.counters.add("loads_failed")
+                    logger.warning("load of %s failed: %s", event.request, event.error)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if self.decode is None:
+            logger.warning(
+                "request %s asks to load remote KV, but this engine is a kv_producer: "
+                "computing locally",
+                request.request_id,
+            )
+            return
+        remote = self._remote_kv(request)
+        if remote is None:
+            return
+        now = self.clock()
+        try:
+            self.decode.on_new_request(
+                now, request.request_id, int(request.num_prompt_tokens), remote
+            )
+        except KvleaseError as e:
+            self.counters.add("requests_refused")
+            logger.warning(
+                "request %s refused, computing locally: %s", request.request_id, e
+            )
+            self._drain_decode()
+            return
+        self._remote.add(request.request_id)
+        self.counters.add("requests_tracked")
+        self._pump(now)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid not in self._remote:
+            return 0, False
+        self._pump(self.clock())
+        decode = self._d()
+        if not decode.is_waiting(rid):
+            # Failed (handshake, expiry) or aborted meanwhile: compute locally.
+            return 0, False
+        remote = decode.remote_of(rid)
+        if remote is None or not decode.is_ready(remote.engine):
+            return None, False
+        reason = self._incompatible.get(remote.engine)
+        if reason is not None:
+            # P's blocks would be loaded as KV they are not: never read them. The abort
+            # frees P's lease at once; vLLM computes the prompt here whatever its
+            # kv_load_failure_policy (no load was attempted).
+            logger.warning(
+                "request %s: not loading from P engine %s, which is not KV-compatible "
+                "(%s): computing the prompt locally",
+                rid,
+                remote.engine,
+                reason,
+            )
+            decode.abort(rid)
+            self._drain_decode()
+            self.counters.add("loads_refused_incompatible")
+            return 0, False
+        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        if count <= 0:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        if rid not in self._remote or not params or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request, even if it is preempted and scheduled again.
+        params["do_remote_prefill"] = False
+        decode = self._d()
+        if num_external_tokens <= 0:
+            # A full local prefix hit (or nothing left to load): P may free at once.
+            if decode.abort(rid):
+                self.counters.add("loads_skipped")
+            self._drain_decode()
+            return
+        local = list(blocks.get_unhashed_block_ids())
+        remote = decode.remote_of(rid)
+        n_remote = len(remote.blocks) if remote is not None else 0
+        if len(local) > n_remote:
+            local = local[:n_remote]
+        skip = n_remote - len(local)
+        try:
+            plan = decode.start_load(rid, local, skip)
+        except KvleaseError as e:
+            logger.warning("request %s: cannot load (%s): recomputing", rid, e)
+            self._failed_loads[rid] = local
+            decode.abort(rid)
+            self._drain_decode()
+            return
+        self._loads.append(self._load_spec(plan))
+        self.counters.add("loads_started")
+
+    def _load_spec(self, plan: native.LoadPlan) -> LoadSpec:
+        remote = plan.remote
+        p_tp = max(1, int(remote.tp_size))
+        info = self.engines.get(remote.engine)
+        if info is not None:
+            p_tp = info.tp_size
+        d_per = self.num_kv_heads // self.tp_size
+        p_per = self.num_kv_heads // p_tp if p_tp and self.num_kv_heads % p_tp == 0 else 0
+        batches: list[BatchSpec] = []
+        for index, b in enumerate(plan.batches):
+            start, end = b.heads
+            whole = (
+                p_per > 0
+                and (start, end) == (b.d_worker * d_per, (b.d_worker + 1) * d_per)
+                and (start, end) == (b.p_rank * p_per, (b.p_rank + 1) * p_per)
+            )
+            batches.append(
+                BatchSpec(
+                    index=index,
+                    d_worker=int(b.d_worker),
+                    p_rank=int(b.p_rank),
+                    whole=whole,
+                    notif=bytes(b.notif),
+                )
+            )
+        return LoadSpec(
+            request=plan.request,
+            engine=remote.engine,
+            remote_request=remote.request,
+            local_blocks=list(plan.blocks),
+            remote_blocks=list(remote.blocks[plan.skip_blocks :]),
+            # The last block is the one least likely shared with another request's lease
+            # through P's prefix cache (a shared block's word holds the later grant's
+            # generation); every block of a lease carries its generation.
+            fence_block=int(remote.blocks[-1]),
+            generation=int(plan.fence_generation),
+            batches=batches,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvleaseConnectorMetadata:
+        now = self.clock()
+        self._pump(now)
+        # P: the reaper.
+        if self.prefill is not None:
+            self.prefill.handle_timeout(now)
+            self._drain_prefill()
+        meta = KvleaseConnectorMetadata()
+        if self.decode is not None:
+            while (t := self.decode.poll_transmit(now)) is not None:
+                # Counted as sent by D's worker 0, which sends them (vLLM sums the
+                # scheduler's and the workers' stats).
+                meta.transmits.append(TransmitSpec(t.engine, t.kind, bytes(t.message)))
+        self._drain_decode()
+        meta.loads, self._loads = self._loads, []
+        meta.engines, self._new_engines = self._new_engines, {}
+        meta.failed_loads, self._failed_loads = self._failed_loads, {}
+        meta.finished_sending, self._finished_sending = self._finished_sending, []
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        now = self.clock()
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KvleaseWorkerMetadata):
+            self._handle_notifs(now, worker_meta.notifs)
+            if self.decode is not None:
+                # Each batch as soon as its worker reports it: with TP > 1 a worker
+                # reports its batches in the step they end, but vLLM lists the request
+                # in finished_recving only once every worker is done, maybe steps
+                # later. The core completes the load when every batch is in.
+                for rid, results in worker_meta.batches.items():
+                    for index, (status, nbytes, error) in sorted(results.items()):
+                        # BatchStatus, or its value: the core takes either.
+                        self.decode.handle_batch_done(
+                            rid, index, status, bytes=nbytes, error=error
+                        )
+        self._drain_decode()
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        now = self.clock()
+        params = request.kv_transfer_params or {}
+        if rid in self._remote:
+            # D: decoded to the end, or aborted before (or while) loading.
+            decode = self._d()
+            if not decode.request_finished(rid):
+                decode.abort(rid)
+            self._drain_decode()
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            # Aborted (or failed) on P: nobody will read it; vLLM frees at once.
+            return False, None
+        blocks = [int(b) for b in block_ids]
+        if not blocks:
+            return False, None
+        if self.prefill is None:
+            logger.warning(
+                "request %s asks P to keep its KV, but this engine is a kv_consumer: "
+                "no lease, its blocks are freed",
+                rid,
+            )
+            self.counters.add("grants_refused")
+            return False, None
+        try:
+            granted = self.prefill.handle_prefill_done_in(now, rid, blocks)
+        except KvleaseError as e:
+            logger.warning("request %s: no lease granted (%s)", rid, e)
+            self.counters.add("grants_refused")
+            self._drain_prefill()
+            return False, None
+        self._drain_prefill()
+        # The generation is in every worker's fence words before anyone learns it.
+        self._publish(blocks, granted.generation)
+        self.counters.add("leases_granted")
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "transfer_mode": "pull",
+            "kvlease_generation": granted.generation,
+            "kvlease_instance": self.instance,
+            "kvlease_num_tokens": int(request.num_prompt_tokens),
+            "kvlease_lease_duration": self.config.lease_duration,
+        }
+
+    def shutdown(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+        if self.prefill is not None:
+            self.prefill.shutdown()
+        if self.decode is not None:
+            self.decode.shutdown()
+        self.fences.clear()
+        for m in self._fence_maps:
+            try:
+                m.close()
+            except BufferError:
+                # Still exported to a FenceWords someone holds: the mapping goes with it.
+                pass
+        self._fence_maps.clear()

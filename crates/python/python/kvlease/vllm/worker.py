@@ -1,0 +1,463 @@
+"""The worker half: one transport agent with the worker's KV caches and fence words
+registered; posts D's fenced reads and forwards P's notifications (``KvleaseWorker``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+from .. import _kvlease as native
+from ..errors import ConfigError, KvleaseError, NotifError, TransferError
+from ..kinds import BatchStatus
+from .compat import _block_format, _layer_format_diff
+from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
+from .handshake import EngineInfo
+from .metadata import (
+    BatchOutcome,
+    BatchSpec,
+    KvleaseConnectorMetadata,
+    KvleaseHandshakeMetadata,
+    KvleaseWorkerMetadata,
+    LoadSpec,
+    ReceivedNotif,
+)
+from .stats import _Counters
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("kvlease.vllm")
+
+
+def _layer_layout(name: str, t: "torch.Tensor") -> tuple[int, int, int, int]:
+    """``(byte offset in its storage, block stride, block bytes, num blocks)`` of one
+    layer's KV cache: dim 0 counts blocks, and each block's bytes must be dense."""
+    if t.dim() < 2:
+        raise ConfigError(f"KV cache {name}: expected a blocks dimension and more")
+    elem = t.element_size()
+    sizes, strides = list(t.shape[1:]), list(t.stride()[1:])
+    page = prod(sizes) * elem
+    expected = 1
+    for size, stride in sorted(zip(sizes, strides), key=lambda p: p[1]):
+        if size != 1 and stride != expected:
+            raise ConfigError(
+                f"KV cache {name}: a block's bytes are not dense (shape {tuple(t.shape)}, "
+                f"stride {tuple(t.stride())})"
+            )
+        expected *= size
+    block_stride = t.stride(0) * elem
+    if t.shape[0] > 1 and block_stride < page:
+        raise ConfigError(f"KV cache {name}: blocks overlap (stride {block_stride} < {page})")
+    storage = t.untyped_storage()
+    offset = t.data_ptr() - storage.data_ptr()
+    return offset, block_stride, page, int(t.shape[0])
+
+
+@dataclass
+class _PeerLink:
+    """D's worker's connection to one P worker, with what it learned from P's engine
+    info for it: made whole by ``KvleaseWorker._connect`` or not at all."""
+
+    peer: native.Peer
+    #: layer name -> (P's region, offset, block stride, block bytes, num blocks)
+    layers: dict[str, tuple[native.RemoteRegion, int, int, int, int]]
+    fence: native.RemoteRegion
+    #: Why P's blocks cannot be read as ours, or None.
+    incompatible: str | None
+
+
+@dataclass
+class _Load:
+    """One request's load on this worker, from its batches posted to the last one ended
+    (then ``_finish_load`` reports it)."""
+
+    #: D's blocks it writes: reported as load errors when a batch failed or was stale.
+    blocks: list[int]
+    #: Indexes of this worker's batches not ended yet.
+    pending: set[int]
+    #: Batch index -> (the posted batch, (P's engine, P rank) it reads from).
+    inflight: dict[int, tuple[native.Batch, tuple[str, int]]] = field(default_factory=dict)
+    #: Whether a batch failed or was stale.
+    failed: bool = False
+
+
+class KvleaseWorker:
+    """The worker half: one transport agent with this worker's KV caches and fence
+    words registered; posts D's fenced reads and forwards P's notifications."""
+
+    def __init__(self, vllm_config: "VllmConfig", config: KvleaseConfig):
+        self.config = config
+        self.counters = _Counters()
+        self.rank = self._tp_rank()
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.engine_id = config.engine_id
+        host = _ip_of(config.transport_host)
+        # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
+        listen = "0.0.0.0:0" if host in ("0.0.0.0", "::") else _listen_addr(host, 0)
+        self.agent = native.Agent(
+            _agent_name(self.engine_id, self.rank),
+            listen=listen,
+            token=config.token,
+            backend=config.transport,
+            handshake_timeout=config.handshake_timeout,
+        )
+        # name -> (region, offset, block stride, block bytes, num blocks)
+        self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
+        # name -> [dtype, block shape, order] (``_block_format``)
+        self.kv_format: dict[str, list[Any]] = {}
+        self._regions: dict[int, native.Region] = {}
+        self.num_blocks = 0
+        self.device = "cpu"
+        self._fence_fd: int | None = None
+        self._fence_map: mmap.mmap | None = None
+        self._fence_region: native.Region | None = None
+        # D: P engines (``_engine_info``), links by (engine, P rank), batches in flight.
+        self.engines: dict[str, EngineInfo] = {}
+        self._links: dict[tuple[str, int], _PeerLink] = {}
+        # A peer that could not be reached is not tried again before this time: a dead or
+        # blackholed P must not stall every step of this worker in connect timeouts.
+        self._unreachable: dict[tuple[str, int], float] = {}
+        self._loads: dict[str, _Load] = {}
+        # What the step reports (``get_finished``, ``get_block_ids_with_load_errors``,
+        # ``build_connector_worker_meta``), gathered since the last report.
+        self._outcomes: dict[str, dict[int, BatchOutcome]] = {}
+        self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    @staticmethod
+    def _tp_rank() -> int:
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank())
+        except Exception:
+            # No distributed state (a single worker, or a test harness): rank 0.
+            return 0
+
+    # ------------------------------------------------------------ registration
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        storages: dict[int, native.Region] = {}
+        num_blocks = None
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            offset, stride, page, n = _layer_layout(name, t)
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            region = storages.get(base)
+            if region is None:
+                device = t.device
+                ordinal = None
+                if device.type == "cuda":
+                    ordinal = device.index if device.index is not None else 0
+                    self.device = f"cuda:{ordinal}"
+                elif device.type != "cpu":
+                    raise ConfigError(f"KV cache {name} is on {device.type}: unsupported")
+                region = self.agent.register_memory(
+                    base, storage.nbytes(), owner=storage, device=ordinal
+                )
+                storages[base] = region
+                self._regions[region.id] = region
+            self.layers[name] = (region, offset, stride, page, n)
+            self.kv_format[name] = _block_format(t)
+            num_blocks = n if num_blocks is None else min(num_blocks, n)
+        self.num_blocks = int(num_blocks or 0)
+        if self.num_blocks == 0:
+            raise ConfigError("no KV cache blocks to register")
+        # The fence words: a memfd this worker's scheduler maps too.
+        size = max(self.num_blocks * 8, mmap.PAGESIZE)
+        fd = os.memfd_create(f"kvlease-fence-{self.engine_id}-{self.rank}")
+        os.ftruncate(fd, size)
+        self._fence_fd = fd
+        self._fence_map = mmap.mmap(fd, size)
+        self._fence_region = self.agent.register(self._fence_map)
+        logger.info(
+            "kvlease worker %s rank %d: %d layers, %d blocks on %s, agent %s",
+            self.engine_id,
+            self.rank,
+            len(self.layers),
+            self.num_blocks,
+            self.device,
+            self.agent.address,
+        )
+
+    def handshake_metadata(self) -> KvleaseHandshakeMetadata:
+        if self._fence_region is None or self._fence_fd is None:
+            raise ConfigError("register_kv_caches must run before the handshake")
+        return KvleaseHandshakeMetadata(
+            rank=self.rank,
+            agent_name=self.agent.name,
+            agent_metadata=bytes(self.agent.metadata()),
+            layers=[
+                (name, region.id, offset, stride, page, n)
+                for name, (region, offset, stride, page, n) in sorted(self.layers.items())
+            ],
+            fence_region=self._fence_region.id,
+            fence_pid=os.getpid(),
+            fence_fd=self._fence_fd,
+            num_blocks=self.num_blocks,
+            device=self.device,
+            kv_format=json.loads(json.dumps(self.kv_format)),
+        )
+
+    # -------------------------------------------------------------- connecting
+
+    def _disconnect(self, peer: native.Peer) -> None:
+        try:
+            self.agent.disconnect(peer)
+        except KvleaseError:
+            pass
+
+    def _forget_peers(self, engine: str) -> None:
+        """Every link to ``engine``: a new handshake (P restarted) may name new agents."""
+        for key in [k for k in self._links if k[0] == engine]:
+            self._disconnect(self._links.pop(key).peer)
+        for key in [k for k in self._unreachable if k[0] == engine]:
+            del self._unreachable[key]
+
+    def _forget_link(self, key: tuple[str, int]) -> None:
+        """The link to one P worker, after a failure on it: made afresh when next used.
+        The links to P's other workers, and their reads, are left alone."""
+        link = self._links.pop(key, None)
+        if link is not None:
+            self._disconnect(link.peer)
+
+    def _link(self, engine: str, p_rank: int) -> _PeerLink:
+        key = (engine, p_rank)
+        link = self._links.get(key)
+        if link is not None:
+            return link
+        retry_at = self._unreachable.get(key)
+        if retry_at is not None and time.monotonic() < retry_at:
+            raise KvleaseError(f"worker {p_rank} of engine {engine} was unreachable; retrying later")
+        try:
+            return self._connect(engine, p_rank)
+        except KvleaseError:
+            self._unreachable[key] = time.monotonic() + self.config.handshake_timeout
+            raise
+
+    def _connect(self, engine: str, p_rank: int) -> _PeerLink:
+        """Connects to P's worker ``p_rank`` (``self.engines`` holds what D's scheduler
+        validated, ``_engine_info``); the link is kept only once all of it is made."""
+        key = (engine, p_rank)
+        info = self.engines.get(engine)
+        if info is None:
+            raise KvleaseError(f"engine {engine} is not handshaken")
+        w = info.worker(p_rank)
+        if w is None:
+            raise KvleaseError(f"engine {engine} has no worker {p_rank} with registered KV")
+        peer = self.agent.connect(w.agent_metadata)
+        try:
+            if _engine_of(peer.name) != engine:
+                raise KvleaseError(f"worker {p_rank} of {engine} calls itself {peer.name!r}")
+            layers = {
+                name: (peer.region(region), offset, stride, page, n)
+                for name, region, offset, stride, page, n in w.layers
+            }
+            fence = peer.region(w.fence_region)
+        except BaseException:
+            self._disconnect(peer)
+            raise
+        # The same check D's scheduler made at the handshake, per P worker: a batch is
+        # never posted from a worker whose blocks are laid out differently.
+        theirs = w.kv_format
+        if not theirs:
+            incompatible = (
+                f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
+            )
+        else:
+            diff = _layer_format_diff(self.kv_format, theirs)
+            incompatible = (
+                None
+                if diff is None
+                else f"worker {p_rank} of {engine} is not KV-compatible: {diff}"
+            )
+        link = _PeerLink(peer=peer, layers=layers, fence=fence, incompatible=incompatible)
+        self._links[key] = link
+        self._unreachable.pop(key, None)
+        self.counters.add("peers_connected")
+        return link
+
+    # ------------------------------------------------------------------ loading
+
+    def start_load_kv(self, meta: KvleaseConnectorMetadata) -> None:
+        for engine, info in meta.engines.items():
+            # A new handshake (P restarted, or re-registered): its agents may be new.
+            self._forget_peers(engine)
+            self.engines[engine] = info
+        self._finished_sending.update(meta.finished_sending)
+        for rid, blocks in meta.failed_loads.items():
+            self._finished_recving.add(rid)
+            self._load_errors.update(blocks)
+        if self.rank == 0:
+            for engine, kind, message in meta.transmits:
+                try:
+                    self.agent.send_notif(self._link(engine, 0).peer, message)
+                    self.counters.add(f"{kind}s_sent")
+                except KvleaseError as e:
+                    # A lost heartbeat is renewed by the next one; a lost abort by expiry.
+                    # A broken connection (to P's worker 0) is dropped, to be made again.
+                    if isinstance(e, (TransferError, NotifError)):
+                        self._forget_link((engine, 0))
+                    self.counters.add(f"{kind}s_failed")
+                    logger.warning("%s to engine %s not sent: %s", kind, engine, e)
+        for load in meta.loads:
+            self._post(load)
+
+    def _post(self, load: LoadSpec) -> None:
+        rid = load.request
+        mine = [b for b in load.batches if b.d_worker == self.rank]
+        previous = self._loads.get(rid)
+        # Every batch is pending before any is posted: a batch that fails at once must
+        # not finish the load while this worker's other batches are still to post.
+        record = _Load(
+            blocks=list(load.local_blocks),
+            pending={b.index for b in mine},
+            failed=previous is not None and previous.failed,
+        )
+        self._loads[rid] = record
+        if not mine:
+            self._finish_load(rid)
+            return
+        for b in mine:
+            try:
+                batch = self._post_batch(load, b)
+            except KvleaseError as e:
+                self._batch_done(rid, b.index, BatchStatus.FAILED, 0, str(e))
+                continue
+            record.inflight[b.index] = (batch, (load.engine, b.p_rank))
+        # The last batch to end (here, failed at once, or in _poll) finishes the load.
+
+    def _post_batch(self, load: LoadSpec, b: BatchSpec) -> native.Batch:
+        if not b.whole:
+            raise KvleaseError(
+                "heterogeneous TP (a batch reading part of a block's heads) is not "
+                "supported by KvleaseConnector"
+            )
+        engine, p_rank = load.engine, b.p_rank
+        link = self._link(engine, p_rank)
+        if link.incompatible is not None:
+            raise KvleaseError(link.incompatible)
+        local_blocks = [int(x) for x in load.local_blocks]
+        remote_blocks = [int(x) for x in load.remote_blocks]
+        if len(local_blocks) != len(remote_blocks):
+            raise KvleaseError("the plan's block lists differ in length")
+        ops = []
+        for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
+            remote = link.layers.get(name)
+            if remote is None:
+                raise KvleaseError(f"P has no KV cache layer {name}")
+            r_region, r_offset, r_stride, r_page, r_n = remote
+            if r_page != page:
+                raise KvleaseError(f"layer {name}: P's blocks hold {r_page} bytes, ours {page}")
+            if remote_blocks and max(remote_blocks) >= r_n:
+                raise KvleaseError(
+                    f"layer {name}: P's block {max(remote_blocks)} is past its {r_n} blocks"
+                )
+            # Runs of consecutive blocks on both sides with dense blocks become one op.
+            i = 0
+            while i < len(local_blocks):
+                j = i + 1
+                while (
+                    j < len(local_blocks)
+                    and stride == page
+                    and r_stride == r_page
+                    and local_blocks[j] == local_blocks[j - 1] + 1
+                    and remote_blocks[j] == remote_blocks[j - 1] + 1
+                ):
+                    j += 1
+                ops.append(
+                    (
+                        region,
+                        offset + local_blocks[i] * stride,
+                        r_region,
+                        r_offset + remote_blocks[i] * r_stride,
+                        page * (j - i),
+                    )
+                )
+                i = j
+        fence = (link.fence, int(load.fence_block) * 8, int(load.generation))
+        batch = self.agent.post_read(
+            link.peer,
+            ops,
+            notif=bytes(b.notif),
+            fence=fence,
+            timeout=self.config.read_timeout,
+        )
+        self.counters.add("batches_posted")
+        return batch
+
+    def _batch_done(
+        self, rid: str, index: int, status: BatchStatus, nbytes: int, error: str | None
+    ) -> None:
+        self._outcomes.setdefault(rid, {})[index] = BatchOutcome(status, nbytes, error)
+        record = self._loads.get(rid)
+        if record is not None:
+            record.pending.discard(index)
+            record.inflight.pop(index, None)
+        self.counters.add(f"batches_{status}")
+        if status != BatchStatus.DONE:
+            if record is not None:
+                record.failed = True
+            logger.warning("load of %s, batch %d: %s (%s)", rid, index, status, error)
+        else:
+            self.counters.add("bytes_read", nbytes)
+        if record is None or not record.pending:
+            self._finish_load(rid)
+
+    def _finish_load(self, rid: str) -> None:
+        self._finished_recving.add(rid)
+        record = self._loads.pop(rid, None)
+        if record is not None and record.failed:
+            self._load_errors.update(record.blocks)
+
+    def _poll(self) -> None:
+        for rid, record in list(self._loads.items()):
+            for index, (batch, key) in list(record.inflight.items()):
+                result = self.agent.poll(batch)
+                if result is None:
+                    continue
+                error = None if result.error is None else str(result.error)
+                status = result.status
+                if status == BatchStatus.FAILED:
+                    # The connection to this P worker may be what failed: connect afresh
+                    # next time. A stale batch is a lease outcome: the link is fine.
+                    self._forget_link(key)
+                self._batch_done(rid, index, status, int(result.bytes), error)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        sending, self._finished_sending = self._finished_sending, set()
+        recving, self._finished_recving = self._finished_recving, set()
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> KvleaseWorkerMetadata | None:
+        notifs = [
+            ReceivedNotif(sender, bytes(m))
+            for sender, messages in self.agent.get_new_notifs().items()
+            for m in messages
+        ]
+        results, self._outcomes = self._outcomes, {}
+        if notifs:
+            self.counters.add("notifs_forwarded", len(notifs))
+        if not notifs and not results:
+            return None
+        return KvleaseWorkerMetadata(notifs=notifs, batches=results)
+
+    def shutdown(self) -> None:
+        self.agent.close()
+        if self._fence_fd is not None:
+            os.close(self._fence_fd)
+            self._fence_fd = None
