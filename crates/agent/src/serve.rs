@@ -24,11 +24,11 @@ use kvlease_lease::{DecoderTtl, LeaseConfig, LeaseMode};
 use kvlease_transport::{BackendChoice, Limits};
 
 use crate::bidir::{
-    ClockProbeServer, DeadlineBasis, PeerClock, PullPolicy, test_clock_offset_from_env,
+    ClockProbeServer, DeadlineBasis, PeerClock, ProbeHandle, PullPolicy, test_clock_offset_from_env,
 };
 use crate::config::{
-    AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, LimitArgs, MemoryChoice,
-    PrefillArgs, TransportChoice,
+    AgentRole, CommonArgs, DecodeArgs, KvRole, KvTransferConfig, LeaseModeSetting, LimitArgs,
+    MemoryChoice, PrefillArgs, TransportChoice,
 };
 use crate::decode::{DecodeBidir, DecodeConfig, DecodeEngine};
 use crate::health::EngineHeartbeat;
@@ -429,6 +429,40 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     served
 }
 
+/// D's bidirectional mode: its clock (offset for tests), the cached blocks' TTL, and the
+/// clock probe, listening on an ephemeral port of `listen_ip`.
+fn decode_bidir(
+    c: &CommonArgs,
+    kv: &KvTransferConfig,
+    listen_ip: IpAddr,
+    advertise_host: String,
+) -> Result<(DecodeBidir, ProbeHandle), ServeError> {
+    let clock = PeerClock::new(test_clock_offset_from_env().map_err(|e| ServeError::Flag {
+        flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
+        message: e.to_string(),
+    })?);
+    let ttl =
+        DecoderTtl::from_duration(kv.decoder_kv_blocks_ttl).map_err(|e| ServeError::Flag {
+            flag: "--kv-transfer-config",
+            message: format!("decoder_kv_blocks_ttl: {e}"),
+        })?;
+    let handle = ClockProbeServer { clock }
+        .spawn(SocketAddr::new(listen_ip, 0))
+        .map_err(|source| ServeError::Io {
+            what: "clock probe: cannot listen".into(),
+            source,
+        })?;
+    let bidir = DecodeBidir {
+        ttl,
+        symmetric: kv.symmetric_decoder_lease,
+        clock,
+        advertise_host,
+        side_channel_port: c.side_channel_port,
+        clock_port: handle.addr.port(),
+    };
+    Ok((bidir, handle))
+}
+
 /// Runs `decode-agent` until a signal.
 ///
 /// # Errors
@@ -462,29 +496,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     // side channel serving D's cached-block regions to P.
     let mut probe = None;
     if kv.bidirectional_kv_xfer && kv.role == KvRole::Both {
-        let clock = PeerClock::new(test_clock_offset_from_env().map_err(|e| ServeError::Flag {
-            flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
-            message: e.to_string(),
-        })?);
-        let ttl =
-            DecoderTtl::from_duration(kv.decoder_kv_blocks_ttl).map_err(|e| ServeError::Flag {
-                flag: "--kv-transfer-config",
-                message: format!("decoder_kv_blocks_ttl: {e}"),
-            })?;
-        let handle = ClockProbeServer { clock }
-            .spawn(SocketAddr::new(listen_ip, 0))
-            .map_err(|source| ServeError::Io {
-                what: "clock probe: cannot listen".into(),
-                source,
-            })?;
-        cfg.bidir = Some(DecodeBidir {
-            ttl,
-            symmetric: kv.symmetric_decoder_lease,
-            clock,
-            advertise_host: adv.host,
-            side_channel_port: c.side_channel_port,
-            clock_port: handle.addr.port(),
-        });
+        let (bidir, handle) = decode_bidir(c, &kv, listen_ip, adv.host)?;
+        cfg.bidir = Some(bidir);
         probe = Some(handle);
     }
     let engine = DecodeEngine::new(cfg, metrics.clone())?;
