@@ -70,12 +70,8 @@ pub fn send_with_fds(
         // SAFETY: `msg` names one iovec over the live borrow `rest` and, on the first
         // send, the control buffer `cmsg` built above; sendmsg only reads them.
         let n = unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const msg, libc::MSG_NOSIGNAL) };
-        let Ok(n) = usize::try_from(n) else {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
+        let Some(n) = byte_count(n)? else {
+            continue;
         };
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
@@ -110,12 +106,8 @@ pub fn recv_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usiz
         // SAFETY: `msg` names one iovec over the live `&mut buf` and the control buffer
         // `cmsg`, both writable for their lengths; recvmsg writes only inside them.
         let n = unsafe { libc::recvmsg(socket.as_raw_fd(), &raw mut msg, libc::MSG_CMSG_CLOEXEC) };
-        let Ok(n) = usize::try_from(n) else {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
+        let Some(n) = byte_count(n)? else {
+            continue;
         };
         let mut fds = Vec::new();
         // SAFETY: `msg` was filled by recvmsg: its control pointer and (kernel-set) length
@@ -150,5 +142,21 @@ pub fn recv_with_fds(socket: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usiz
             ));
         }
         return Ok((n, fds));
+    }
+}
+
+/// A `sendmsg`/`recvmsg` return value as a byte count: `None` when the call was
+/// interrupted (`EINTR`; call it again), the OS error when it failed.
+fn byte_count(ret: isize) -> io::Result<Option<usize>> {
+    match usize::try_from(ret) {
+        Ok(n) => Ok(Some(n)),
+        Err(_) => {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                Ok(None)
+            } else {
+                Err(err)
+            }
+        }
     }
 }
