@@ -17,6 +17,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvlease_gpu_mem::MemoryRequest;
@@ -374,23 +375,9 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         &metrics,
     )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let heartbeat = Arc::new(EngineHeartbeat::new());
-    let beat = Arc::clone(&heartbeat);
-    let stall = test_engine_stall()?;
-    let engine_thread = std::thread::Builder::new()
-        .name("p-engine".into())
-        .spawn(move || {
-            if let Some(stall) = stall {
-                std::thread::sleep(stall);
-            }
-            engine.run(jobs_rx, hello_rx, stop2, beat);
-        })
-        .map_err(|source| ServeError::Io {
-            what: "engine thread".into(),
-            source,
-        })?;
+    let (engine_thread, heartbeat) = spawn_engine("p-engine", move |stop, beat| {
+        engine.run(jobs_rx, hello_rx, stop, beat);
+    })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
     let api = PrefillApi {
@@ -400,31 +387,25 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         limits,
         heartbeat,
     };
-    let served = rt.block_on(async {
-        let listener = bind_http(c).await?;
-        tracing::info!(
-            engine = %engine_id,
-            http = %format!("{}:{}", c.host, c.port),
-            side_channel = %side.addr,
-            tp = c.tp_size,
-            "prefill agent ready"
-        );
-        http::serve(
-            listener,
-            crate::apikey::protect(http::prefill_router(api), c.api_key.as_ref()),
-            &limits,
-            &metrics.http_connections_refused,
-            shutdown_signal(Arc::clone(&stop)),
-        )
-        .await
-        .map_err(|source| ServeError::Io {
-            what: "http server".into(),
-            source,
-        })
-    });
-    stop.store(true, Ordering::Relaxed);
-    rt.shutdown_timeout(Duration::from_secs(2));
-    let _ = engine_thread.join();
+    let router = http::prefill_router(api);
+    let served = serve_http(
+        &rt,
+        c,
+        router,
+        &limits,
+        &metrics,
+        &engine_thread.stop,
+        || {
+            tracing::info!(
+                engine = %engine_id,
+                http = %format!("{}:{}", c.host, c.port),
+                side_channel = %side.addr,
+                tp = c.tp_size,
+                "prefill agent ready"
+            );
+        },
+    );
+    engine_thread.stop(rt);
     drop(side);
     served
 }
@@ -515,23 +496,9 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         None => None,
     };
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let heartbeat = Arc::new(EngineHeartbeat::new());
-    let beat = Arc::clone(&heartbeat);
-    let stall = test_engine_stall()?;
-    let engine_thread = std::thread::Builder::new()
-        .name("d-engine".into())
-        .spawn(move || {
-            if let Some(stall) = stall {
-                std::thread::sleep(stall);
-            }
-            engine.run(jobs_rx, stop2, beat);
-        })
-        .map_err(|source| ServeError::Io {
-            what: "engine thread".into(),
-            source,
-        })?;
+    let (engine_thread, heartbeat) = spawn_engine("d-engine", move |stop, beat| {
+        engine.run(jobs_rx, stop, beat);
+    })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
     let api = DecodeApi {
@@ -541,34 +508,98 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         limits,
         heartbeat,
     };
-    let served = rt.block_on(async {
+    let router = http::decode_router(api);
+    let served = serve_http(
+        &rt,
+        c,
+        router,
+        &limits,
+        &metrics,
+        &engine_thread.stop,
+        || {
+            tracing::info!(
+                engine = %engine_id,
+                http = %format!("{}:{}", c.host, c.port),
+                tp = c.tp_size,
+                max_running = args.max_running,
+                "decode agent ready"
+            );
+        },
+    );
+    engine_thread.stop(rt);
+    drop(side);
+    drop(probe);
+    served
+}
+
+/// A running engine thread and the flag that stops it.
+struct EngineThread {
+    handle: JoinHandle<()>,
+    stop: Arc<AtomicBool>,
+}
+
+impl EngineThread {
+    /// Stops the engine thread and the runtime after the HTTP server returned.
+    fn stop(self, rt: tokio::runtime::Runtime) {
+        self.stop.store(true, Ordering::Relaxed);
+        rt.shutdown_timeout(Duration::from_secs(2));
+        let _ = self.handle.join();
+    }
+}
+
+/// Spawns an agent's engine thread `name` running `run(stop, heartbeat)` (after the
+/// test stall, `KVLEASE_TEST_STALL_ENGINE_MS`, when set); returns it and its heartbeat.
+fn spawn_engine(
+    name: &str,
+    run: impl FnOnce(Arc<AtomicBool>, Arc<EngineHeartbeat>) + Send + 'static,
+) -> Result<(EngineThread, Arc<EngineHeartbeat>), ServeError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let heartbeat = Arc::new(EngineHeartbeat::new());
+    let beat = Arc::clone(&heartbeat);
+    let stall = test_engine_stall()?;
+    let handle = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            if let Some(stall) = stall {
+                std::thread::sleep(stall);
+            }
+            run(stop2, beat);
+        })
+        .map_err(|source| ServeError::Io {
+            what: "engine thread".into(),
+            source,
+        })?;
+    Ok((EngineThread { handle, stop }, heartbeat))
+}
+
+/// Serves `router` (behind `--api-key`) on `--host:--port` until a signal or `stop`;
+/// `ready` runs once the listener is bound.
+fn serve_http(
+    rt: &tokio::runtime::Runtime,
+    c: &CommonArgs,
+    router: axum::Router,
+    limits: &HttpLimits,
+    metrics: &Metrics,
+    stop: &Arc<AtomicBool>,
+    ready: impl FnOnce(),
+) -> Result<(), ServeError> {
+    rt.block_on(async {
         let listener = bind_http(c).await?;
-        tracing::info!(
-            engine = %engine_id,
-            http = %format!("{}:{}", c.host, c.port),
-            tp = c.tp_size,
-            max_running = args.max_running,
-            "decode agent ready"
-        );
+        ready();
         http::serve(
             listener,
-            crate::apikey::protect(http::decode_router(api), c.api_key.as_ref()),
-            &limits,
+            crate::apikey::protect(router, c.api_key.as_ref()),
+            limits,
             &metrics.http_connections_refused,
-            shutdown_signal(Arc::clone(&stop)),
+            shutdown_signal(Arc::clone(stop)),
         )
         .await
         .map_err(|source| ServeError::Io {
             what: "http server".into(),
             source,
         })
-    });
-    stop.store(true, Ordering::Relaxed);
-    rt.shutdown_timeout(Duration::from_secs(2));
-    let _ = engine_thread.join();
-    drop(side);
-    drop(probe);
-    served
+    })
 }
 
 /// Starts an agent's side channel on `listen_ip:--side-channel-port`, reporting this
