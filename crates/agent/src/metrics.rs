@@ -24,7 +24,7 @@ use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// The HTTP `Content-Type` of [`Metrics::encode`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -375,249 +375,180 @@ impl Default for Metrics {
     }
 }
 
+/// Registers metrics in one registry, each under `kvlease_` + its name and its help, and
+/// hands back the handle the [`Metrics`] field keeps (the registry keeps a clone).
+struct Registrar<'a>(&'a mut Registry);
+
+impl Registrar<'_> {
+    fn add<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: M) -> M {
+        self.0
+            .register(format!("kvlease_{name}"), help, metric.clone());
+        metric
+    }
+
+    fn gauge(&mut self, name: &str, help: &str) -> Gauge {
+        self.add(name, help, Gauge::default())
+    }
+
+    fn counter(&mut self, name: &str, help: &str) -> Counter {
+        self.add(name, help, Counter::default())
+    }
+
+    fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        buckets: impl Iterator<Item = f64>,
+    ) -> Histogram {
+        self.add(name, help, Histogram::new(buckets))
+    }
+
+    fn family<S, M>(&mut self, name: &str, help: &str) -> Family<S, M>
+    where
+        S: EncodeLabelSet + Clone + std::hash::Hash + Eq + Send + Sync + std::fmt::Debug + 'static,
+        M: prometheus_client::metrics::TypedMetric
+            + EncodeMetric
+            + Default
+            + Send
+            + Sync
+            + std::fmt::Debug
+            + 'static,
+    {
+        self.add(name, help, Family::<S, M>::default())
+    }
+}
+
 impl Metrics {
     /// Registers every metric, all at zero.
     pub fn new() -> Self {
         let mut registry = Registry::default();
         let transports = Arc::new(TransportCollector::default());
         registry.register_collector(Box::new(SharedCollector(Arc::clone(&transports))));
-        let r = &mut registry;
-
-        fn gauge(r: &mut Registry, name: &str, help: &str) -> Gauge {
-            let g = Gauge::default();
-            r.register(name, help, g.clone());
-            g
-        }
-        fn counter(r: &mut Registry, name: &str, help: &str) -> Counter {
-            let c = Counter::default();
-            r.register(name, help, c.clone());
-            c
-        }
-        fn histogram(
-            r: &mut Registry,
-            name: &str,
-            help: &str,
-            buckets: impl Iterator<Item = f64>,
-        ) -> Histogram {
-            let h = Histogram::new(buckets);
-            r.register(name, help, h.clone());
-            h
-        }
-        fn family<S, M>(r: &mut Registry, name: &str, help: &str) -> Family<S, M>
-        where
-            S: EncodeLabelSet
-                + Clone
-                + std::hash::Hash
-                + Eq
-                + Send
-                + Sync
-                + std::fmt::Debug
-                + 'static,
-            M: prometheus_client::metrics::TypedMetric
-                + EncodeMetric
-                + Default
-                + Send
-                + Sync
-                + std::fmt::Debug
-                + 'static,
-        {
-            let f = Family::<S, M>::default();
-            r.register(name, help, f.clone());
-            f
-        }
+        let mut r = Registrar(&mut registry);
 
         let metrics = Self {
-            blocks_total: gauge(
-                r,
-                "kvlease_blocks_total",
-                "KV blocks in the pool (all ranks)",
-            ),
-            blocks_held: gauge(
-                r,
-                "kvlease_blocks_held",
+            blocks_total: r.gauge("blocks_total", "KV blocks in the pool (all ranks)"),
+            blocks_held: r.gauge(
+                "blocks_held",
                 "KV blocks pinned by a lease or a running prefill",
             ),
-            leases_active: gauge(
-                r,
-                "kvlease_leases_active",
-                "Leases granted and not yet released",
-            ),
-            leases_granted: counter(r, "kvlease_leases_granted", "Leases granted"),
-            leases_released: family(r, "kvlease_leases_released", "Leases released, by reason"),
-            heartbeats_received: counter(
-                r,
-                "kvlease_heartbeats_received",
-                "HB: heartbeat messages received",
-            ),
-            heartbeat_ids_received: counter(
-                r,
-                "kvlease_heartbeat_ids_received",
+            leases_active: r.gauge("leases_active", "Leases granted and not yet released"),
+            leases_granted: r.counter("leases_granted", "Leases granted"),
+            leases_released: r.family("leases_released", "Leases released, by reason"),
+            heartbeats_received: r
+                .counter("heartbeats_received", "HB: heartbeat messages received"),
+            heartbeat_ids_received: r.counter(
+                "heartbeat_ids_received",
                 "Request ids in received heartbeats",
             ),
-            heartbeat_unknown_ids: counter(
-                r,
-                "kvlease_heartbeat_unknown_ids",
-                "Heartbeat ids for leases not held",
-            ),
-            lease_extensions: counter(
-                r,
-                "kvlease_lease_extensions",
+            heartbeat_unknown_ids: r
+                .counter("heartbeat_unknown_ids", "Heartbeat ids for leases not held"),
+            lease_extensions: r.counter(
+                "lease_extensions",
                 "Heartbeats that extended a lease's expiry",
             ),
-            lease_reclaim_seconds: histogram(
-                r,
-                "kvlease_lease_reclaim_seconds",
+            lease_reclaim_seconds: r.histogram(
+                "lease_reclaim_seconds",
                 "Seconds from the last heartbeat (or the grant) to the reclaim of an expired lease",
                 seconds_buckets(),
             ),
-            expiry_notices_sent: counter(
-                r,
-                "kvlease_expiry_notices_sent",
-                "Expiry signals sent to D",
-            ),
-            pool_wait_seconds: histogram(
-                r,
-                "kvlease_pool_wait_seconds",
+            expiry_notices_sent: r.counter("expiry_notices_sent", "Expiry signals sent to D"),
+            pool_wait_seconds: r.histogram(
+                "pool_wait_seconds",
                 "Seconds prefills waited for free KV blocks",
                 seconds_buckets(),
             ),
-            prefill_tokens: counter(r, "kvlease_prefill_tokens", "Prompt tokens prefilled"),
-            heartbeats_sent: counter(r, "kvlease_heartbeats_sent", "HB: heartbeat messages sent"),
-            heartbeat_ids_sent: counter(
-                r,
-                "kvlease_heartbeat_ids_sent",
-                "Request ids in sent heartbeats",
-            ),
-            requests_tracked: gauge(
-                r,
-                "kvlease_requests_tracked",
-                "Requests whose leases D renews",
-            ),
-            requests_waiting: gauge(
-                r,
-                "kvlease_requests_waiting",
-                "Requests in D's waiting queue",
-            ),
-            requests_running: gauge(r, "kvlease_requests_running", "Requests decoding on D"),
-            queue_wait_seconds: histogram(
-                r,
-                "kvlease_queue_wait_seconds",
+            prefill_tokens: r.counter("prefill_tokens", "Prompt tokens prefilled"),
+            heartbeats_sent: r.counter("heartbeats_sent", "HB: heartbeat messages sent"),
+            heartbeat_ids_sent: r.counter("heartbeat_ids_sent", "Request ids in sent heartbeats"),
+            requests_tracked: r.gauge("requests_tracked", "Requests whose leases D renews"),
+            requests_waiting: r.gauge("requests_waiting", "Requests in D's waiting queue"),
+            requests_running: r.gauge("requests_running", "Requests decoding on D"),
+            queue_wait_seconds: r.histogram(
+                "queue_wait_seconds",
                 "Seconds from arrival on D to scheduling",
                 seconds_buckets(),
             ),
-            read_seconds: histogram(
-                r,
-                "kvlease_read_seconds",
+            read_seconds: r.histogram(
+                "read_seconds",
                 "Seconds per KV read batch",
                 latency_buckets(),
             ),
-            stale_reads: counter(
-                r,
-                "kvlease_stale_reads",
+            stale_reads: r.counter(
+                "stale_reads",
                 "KV reads whose fence showed the lease was released",
             ),
-            expiry_notices_received: counter(
-                r,
-                "kvlease_expiry_notices_received",
-                "Expiry signals received from P",
-            ),
-            kv_load_failures: counter(
-                r,
-                "kvlease_kv_load_failures",
-                "Requests whose KV load failed",
-            ),
-            decode_tokens: counter(r, "kvlease_decode_tokens", "Tokens decoded"),
-            transfer_bytes: counter(r, "kvlease_transfer_bytes", "KV bytes transferred"),
-            transfers: family(
-                r,
-                "kvlease_transfers",
-                "KV read batches completed, by backend",
-            ),
-            peer_backend: family(
-                r,
-                "kvlease_peer_backend",
+            expiry_notices_received: r
+                .counter("expiry_notices_received", "Expiry signals received from P"),
+            kv_load_failures: r.counter("kv_load_failures", "Requests whose KV load failed"),
+            decode_tokens: r.counter("decode_tokens", "Tokens decoded"),
+            transfer_bytes: r.counter("transfer_bytes", "KV bytes transferred"),
+            transfers: r.family("transfers", "KV read batches completed, by backend"),
+            peer_backend: r.family(
+                "peer_backend",
                 "Backend in use per peer engine (1 = in use)",
             ),
-            handshakes: family(
-                r,
-                "kvlease_handshakes",
-                "Side-channel handshakes, by outcome",
-            ),
-            requests: family(r, "kvlease_requests", "HTTP requests, by outcome"),
-            decoder_cached_blocks: gauge(
-                r,
-                "kvlease_decoder_cached_blocks",
+            handshakes: r.family("handshakes", "Side-channel handshakes, by outcome"),
+            requests: r.family("requests", "HTTP requests, by outcome"),
+            decoder_cached_blocks: r.gauge(
+                "decoder_cached_blocks",
                 "KV blocks D keeps for a next turn (bidirectional mode)",
             ),
-            decoder_cache_expired: counter(
-                r,
-                "kvlease_decoder_cache_expired",
+            decoder_cache_expired: r.counter(
+                "decoder_cache_expired",
                 "Cached turns D freed at decoder_kv_blocks_ttl",
             ),
-            decoder_cache_pulled: counter(
-                r,
-                "kvlease_decoder_cache_pulled",
+            decoder_cache_pulled: r.counter(
+                "decoder_cache_pulled",
                 "Cached turns P reported read, then freed by D",
             ),
-            decoder_cache_evicted: counter(
-                r,
-                "kvlease_decoder_cache_evicted",
+            decoder_cache_evicted: r.counter(
+                "decoder_cache_evicted",
                 "Cached turns D freed early because a new request needed the blocks",
             ),
-            cached_tokens_pulled: counter(
-                r,
-                "kvlease_cached_tokens_pulled",
+            cached_tokens_pulled: r.counter(
+                "cached_tokens_pulled",
                 "Prompt tokens P read from D instead of computing them",
             ),
-            pull_recomputes: counter(
-                r,
-                "kvlease_pull_recomputes",
+            pull_recomputes: r.counter(
+                "pull_recomputes",
                 "Next-turn requests with D's params that P recomputed",
             ),
-            notif_malformed: counter(
-                r,
-                "kvlease_notif_malformed",
-                "Notifications that did not decode",
-            ),
-            notifs_foreign: counter(
-                r,
-                "kvlease_notifs_foreign",
+            notif_malformed: r.counter("notif_malformed", "Notifications that did not decode"),
+            notifs_foreign: r.counter(
+                "notifs_foreign",
                 "Notifications about a lease another D engine owns (ignored)",
             ),
             transports: Arc::clone(&transports),
-            side_channel_refused: counter(
-                r,
-                "kvlease_side_channel_refused",
+            side_channel_refused: r.counter(
+                "side_channel_refused",
                 "Side-channel connections closed at accept: too many handshakes at once",
             ),
-            http_connections_refused: counter(
-                r,
-                "kvlease_http_connections_refused",
+            http_connections_refused: r.counter(
+                "http_connections_refused",
                 "HTTP connections closed at accept: too many open",
             ),
             registry: Arc::new(registry),
         };
+        metrics.create_label_sets();
+        metrics
+    }
+
+    /// Creates every labelled series at zero, so that a scrape shows each label value
+    /// before its first event.
+    fn create_label_sets(&self) {
         for reason in ReleaseReason::ALL {
-            drop(
-                metrics
-                    .leases_released
-                    .get_or_create(&ReasonLabel { reason }),
-            );
+            drop(self.leases_released.get_or_create(&ReasonLabel { reason }));
         }
         for outcome in RequestOutcome::ALL {
-            drop(metrics.requests.get_or_create(&OutcomeLabel { outcome }));
+            drop(self.requests.get_or_create(&OutcomeLabel { outcome }));
         }
         for outcome in HandshakeOutcome::ALL {
-            drop(
-                metrics
-                    .handshakes
-                    .get_or_create(&HandshakeLabel { outcome }),
-            );
+            drop(self.handshakes.get_or_create(&HandshakeLabel { outcome }));
         }
         for backend in Backend::ALL {
-            drop(metrics.transfers.get_or_create(&BackendLabel { backend }));
+            drop(self.transfers.get_or_create(&BackendLabel { backend }));
         }
-        metrics
     }
 
     /// The counter `kvlease_leases_released_total{reason}`.

@@ -17,6 +17,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvlease_gpu_mem::MemoryRequest;
@@ -25,10 +26,10 @@ use kvlease_transport::{BackendChoice, Limits};
 
 use kvlease_engine::{DeadlineBasis, PullPolicy};
 
-use crate::bidir::{ClockProbeServer, PeerClock, test_clock_offset_from_env};
+use crate::bidir::{ClockProbeServer, PeerClock, ProbeHandle, test_clock_offset_from_env};
 use crate::config::{
-    AgentRole, CommonArgs, DecodeArgs, KvRole, LeaseModeSetting, LimitArgs, MemoryChoice,
-    PrefillArgs, TransportChoice,
+    AgentRole, CommonArgs, DecodeArgs, KvRole, KvTransferConfig, LeaseModeSetting, LimitArgs,
+    MemoryChoice, PrefillArgs, TransportChoice,
 };
 use crate::decode::{DecodeAgentConfig, DecodeBidir, DecodeEngine};
 use crate::health::EngineHeartbeat;
@@ -373,23 +374,9 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         &metrics,
     )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let heartbeat = Arc::new(EngineHeartbeat::new());
-    let beat = Arc::clone(&heartbeat);
-    let stall = test_engine_stall()?;
-    let engine_thread = std::thread::Builder::new()
-        .name("p-engine".into())
-        .spawn(move || {
-            if let Some(stall) = stall {
-                std::thread::sleep(stall);
-            }
-            engine.run(jobs_rx, hello_rx, stop2, beat);
-        })
-        .map_err(|source| ServeError::Io {
-            what: "engine thread".into(),
-            source,
-        })?;
+    let (engine_thread, heartbeat) = spawn_engine("p-engine", move |stop, beat| {
+        engine.run(jobs_rx, hello_rx, stop, beat);
+    })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
     let api = PrefillApi {
@@ -399,33 +386,61 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         limits,
         heartbeat,
     };
-    let served = rt.block_on(async {
-        let listener = bind_http(c).await?;
-        tracing::info!(
-            engine = %engine_id,
-            http = %format!("{}:{}", c.host, c.port),
-            side_channel = %side.addr,
-            tp = c.tp_size,
-            "prefill agent ready"
-        );
-        http::serve(
-            listener,
-            crate::apikey::protect(http::prefill_router(api), c.api_key.as_ref()),
-            &limits,
-            &metrics.http_connections_refused,
-            shutdown_signal(Arc::clone(&stop)),
-        )
-        .await
-        .map_err(|source| ServeError::Io {
-            what: "http server".into(),
-            source,
-        })
-    });
-    stop.store(true, Ordering::Relaxed);
-    rt.shutdown_timeout(Duration::from_secs(2));
-    let _ = engine_thread.join();
+    let router = http::prefill_router(api);
+    let served = serve_http(
+        &rt,
+        c,
+        router,
+        &limits,
+        &metrics,
+        &engine_thread.stop,
+        || {
+            tracing::info!(
+                engine = %engine_id,
+                http = %format!("{}:{}", c.host, c.port),
+                side_channel = %side.addr,
+                tp = c.tp_size,
+                "prefill agent ready"
+            );
+        },
+    );
+    engine_thread.stop(rt);
     drop(side);
     served
+}
+
+/// D's bidirectional mode: its clock (offset for tests), the cached blocks' TTL, and the
+/// clock probe, listening on an ephemeral port of `listen_ip`.
+fn decode_bidir(
+    c: &CommonArgs,
+    kv: &KvTransferConfig,
+    listen_ip: IpAddr,
+    advertise_host: String,
+) -> Result<(DecodeBidir, ProbeHandle), ServeError> {
+    let clock = PeerClock::new(test_clock_offset_from_env().map_err(|e| ServeError::Flag {
+        flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
+        message: e.to_string(),
+    })?);
+    let ttl =
+        DecoderTtl::from_duration(kv.decoder_kv_blocks_ttl).map_err(|e| ServeError::Flag {
+            flag: "--kv-transfer-config",
+            message: format!("decoder_kv_blocks_ttl: {e}"),
+        })?;
+    let handle = ClockProbeServer { clock }
+        .spawn(SocketAddr::new(listen_ip, 0))
+        .map_err(|source| ServeError::Io {
+            what: "clock probe: cannot listen".into(),
+            source,
+        })?;
+    let bidir = DecodeBidir {
+        ttl,
+        symmetric: kv.symmetric_decoder_lease,
+        clock,
+        advertise_host,
+        side_channel_port: c.side_channel_port,
+        clock_port: handle.addr.port(),
+    };
+    Ok((bidir, handle))
 }
 
 /// Runs `decode-agent` until a signal.
@@ -461,29 +476,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     // side channel serving D's cached-block regions to P.
     let mut probe = None;
     if kv.bidirectional_kv_xfer && kv.role == KvRole::Both {
-        let clock = PeerClock::new(test_clock_offset_from_env().map_err(|e| ServeError::Flag {
-            flag: "KVLEASE_TEST_CLOCK_OFFSET_MS",
-            message: e.to_string(),
-        })?);
-        let ttl =
-            DecoderTtl::from_duration(kv.decoder_kv_blocks_ttl).map_err(|e| ServeError::Flag {
-                flag: "--kv-transfer-config",
-                message: format!("decoder_kv_blocks_ttl: {e}"),
-            })?;
-        let handle = ClockProbeServer { clock }
-            .spawn(SocketAddr::new(listen_ip, 0))
-            .map_err(|source| ServeError::Io {
-                what: "clock probe: cannot listen".into(),
-                source,
-            })?;
-        cfg.bidir = Some(DecodeBidir {
-            ttl,
-            symmetric: kv.symmetric_decoder_lease,
-            clock,
-            advertise_host: adv.host,
-            side_channel_port: c.side_channel_port,
-            clock_port: handle.addr.port(),
-        });
+        let (bidir, handle) = decode_bidir(c, &kv, listen_ip, adv.host)?;
+        cfg.bidir = Some(bidir);
         probe = Some(handle);
     }
     let engine = DecodeEngine::new(cfg, metrics.clone())?;
@@ -501,23 +495,9 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         None => None,
     };
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let heartbeat = Arc::new(EngineHeartbeat::new());
-    let beat = Arc::clone(&heartbeat);
-    let stall = test_engine_stall()?;
-    let engine_thread = std::thread::Builder::new()
-        .name("d-engine".into())
-        .spawn(move || {
-            if let Some(stall) = stall {
-                std::thread::sleep(stall);
-            }
-            engine.run(jobs_rx, stop2, beat);
-        })
-        .map_err(|source| ServeError::Io {
-            what: "engine thread".into(),
-            source,
-        })?;
+    let (engine_thread, heartbeat) = spawn_engine("d-engine", move |stop, beat| {
+        engine.run(jobs_rx, stop, beat);
+    })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
     let api = DecodeApi {
@@ -527,34 +507,98 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         limits,
         heartbeat,
     };
-    let served = rt.block_on(async {
+    let router = http::decode_router(api);
+    let served = serve_http(
+        &rt,
+        c,
+        router,
+        &limits,
+        &metrics,
+        &engine_thread.stop,
+        || {
+            tracing::info!(
+                engine = %engine_id,
+                http = %format!("{}:{}", c.host, c.port),
+                tp = c.tp_size,
+                max_running = args.max_running,
+                "decode agent ready"
+            );
+        },
+    );
+    engine_thread.stop(rt);
+    drop(side);
+    drop(probe);
+    served
+}
+
+/// A running engine thread and the flag that stops it.
+struct EngineThread {
+    handle: JoinHandle<()>,
+    stop: Arc<AtomicBool>,
+}
+
+impl EngineThread {
+    /// Stops the engine thread and the runtime after the HTTP server returned.
+    fn stop(self, rt: tokio::runtime::Runtime) {
+        self.stop.store(true, Ordering::Relaxed);
+        rt.shutdown_timeout(Duration::from_secs(2));
+        let _ = self.handle.join();
+    }
+}
+
+/// Spawns an agent's engine thread `name` running `run(stop, heartbeat)` (after the
+/// test stall, `KVLEASE_TEST_STALL_ENGINE_MS`, when set); returns it and its heartbeat.
+fn spawn_engine(
+    name: &str,
+    run: impl FnOnce(Arc<AtomicBool>, Arc<EngineHeartbeat>) + Send + 'static,
+) -> Result<(EngineThread, Arc<EngineHeartbeat>), ServeError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let heartbeat = Arc::new(EngineHeartbeat::new());
+    let beat = Arc::clone(&heartbeat);
+    let stall = test_engine_stall()?;
+    let handle = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            if let Some(stall) = stall {
+                std::thread::sleep(stall);
+            }
+            run(stop2, beat);
+        })
+        .map_err(|source| ServeError::Io {
+            what: "engine thread".into(),
+            source,
+        })?;
+    Ok((EngineThread { handle, stop }, heartbeat))
+}
+
+/// Serves `router` (behind `--api-key`) on `--host:--port` until a signal or `stop`;
+/// `ready` runs once the listener is bound.
+fn serve_http(
+    rt: &tokio::runtime::Runtime,
+    c: &CommonArgs,
+    router: axum::Router,
+    limits: &HttpLimits,
+    metrics: &Metrics,
+    stop: &Arc<AtomicBool>,
+    ready: impl FnOnce(),
+) -> Result<(), ServeError> {
+    rt.block_on(async {
         let listener = bind_http(c).await?;
-        tracing::info!(
-            engine = %engine_id,
-            http = %format!("{}:{}", c.host, c.port),
-            tp = c.tp_size,
-            max_running = args.max_running,
-            "decode agent ready"
-        );
+        ready();
         http::serve(
             listener,
-            crate::apikey::protect(http::decode_router(api), c.api_key.as_ref()),
-            &limits,
+            crate::apikey::protect(router, c.api_key.as_ref()),
+            limits,
             &metrics.http_connections_refused,
-            shutdown_signal(Arc::clone(&stop)),
+            shutdown_signal(Arc::clone(stop)),
         )
         .await
         .map_err(|source| ServeError::Io {
             what: "http server".into(),
             source,
         })
-    });
-    stop.store(true, Ordering::Relaxed);
-    rt.shutdown_timeout(Duration::from_secs(2));
-    let _ = engine_thread.join();
-    drop(side);
-    drop(probe);
-    served
+    })
 }
 
 /// Starts an agent's side channel on `listen_ip:--side-channel-port`, reporting this

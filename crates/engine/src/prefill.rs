@@ -9,7 +9,7 @@ use kvlease_lease::{
     AllocError, BlockId, ConsumerId, EngineId, Event, Generation, GrantError, HeartbeatOutcome,
     LeaseConfig, LeaseTable, ReadCompleteOutcome, ReleaseReason, Released, RequestId, Timestamp,
 };
-use kvlease_notif::{DecodeError, ExpiredLease, Notif, PrefillRouter};
+use kvlease_notif::{DecodeError, ExpiredLease, Notif, expiry_notice};
 
 use crate::blocks::{BlockSource, Blocks};
 
@@ -826,10 +826,8 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 ReleaseReason::Expired => self.stats.released_expired += 1,
                 ReleaseReason::Aborted => self.stats.released_aborted += 1,
             }
-            if let (Some(notice), Some(to)) = (
-                PrefillRouter::<A>::expiry_notice(&r),
-                claim.and_then(|c| c.heartbeater),
-            ) {
+            if let (Some(notice), Some(to)) = (expiry_notice(&r), claim.and_then(|c| c.heartbeater))
+            {
                 match notices.iter_mut().find(|(a, _)| *a == to) {
                     Some((_, v)) => v.push(notice),
                     None => notices.push((to, vec![notice])),

@@ -27,8 +27,8 @@ pub enum ForeignRegionError {
     },
 }
 
-/// The raw start of the range. Only this private type is `Send`/`Sync` (`STYLE.md`:
-/// `unsafe impl` only on private pointer types).
+/// The raw start of the range. Only this private type is `Send`/`Sync`: in this crate
+/// `unsafe impl` goes only on private pointer types (like `host::Mapping`, `cuda::PinnedPtr`).
 struct ForeignPtr(NonNull<u8>);
 
 // SAFETY: a `ForeignPtr` is only built by `ForeignRegion::new`, whose caller promised that

@@ -1,10 +1,11 @@
-//! The wire format of every kvlease notification, and its routing.
+//! The wire format of every kvlease notification.
 //!
 //! Heartbeats, read completions, aborts and expiry notices ride the transport's
 //! notification channel (`send_notif` / `get_new_notifs`) next to the application's own
 //! messages. This crate says which bytes are ours and what they mean ([`decode()`], the
-//! `encode*` functions), and hands each decoded message to the right state machine of
-//! `kvlease-lease` ([`PrefillRouter`] on P, [`DecodeRouter`] on D).
+//! `encode*` functions, and [`expiry_notice`]: which released lease deserves a notice).
+//! Feeding a decoded message to the state machines of `kvlease-lease` is the engine
+//! cores' work (`kvlease-engine`'s `PrefillCore` and `DecodeCore`).
 //!
 //! It does **not** send or receive anything, read a clock or start threads: `now` is an
 //! argument and bytes come in and go out as slices and vectors.
@@ -50,13 +51,13 @@
 //! batch into several messages; they never drop or truncate an id.
 //!
 //! # Call order
-//! P, in each forward-loop step: for every `(peer, bytes)` from `get_new_notifs`, call
-//! [`PrefillRouter::route`] with the step's `now` and the `LeaseTable`, then handle the
-//! returned [`Routed::App`] payloads; run the table's reaper and drain its events as
-//! `kvlease-lease` documents; send [`encode_expired`] notices for leases that expired while
-//! their reader still heartbeated them. D, in each step: [`DecodeRouter::route`] for every
-//! received message (expiry notices untrack the requests and are returned for the
-//! scheduler to recompute or abort), then [`encode_heartbeats`] every
+//! P, in each forward-loop step: [`decode()`] every `(peer, bytes)` from `get_new_notifs`
+//! and feed heartbeats, read completions and aborts to its `LeaseTable` with the step's
+//! `now`, passing [`Notif::App`] payloads on; run the table's reaper and drain its events
+//! as `kvlease-lease` documents; send [`encode_expired`] notices (entries from
+//! [`expiry_notice`]) for leases that expired while their reader still heartbeated them.
+//! D, in each step: [`decode()`] every received message (expiry notices untrack the
+//! requests, for the scheduler to recompute or abort), then [`encode_heartbeats`] every
 //! `HeartbeatTracker::poll_heartbeat` batch and send the messages to each P worker.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -64,14 +65,13 @@
 mod decode;
 mod error;
 mod message;
-mod route;
 
 pub use decode::{decode, is_reserved};
 pub use error::{DecodeError, EncodeError, Field};
 pub use message::{
     Abort, ExpiredLease, HeartbeatIds, Notif, ReadComplete, encode_expired, encode_heartbeats,
+    expiry_notice,
 };
-pub use route::{DecodeRouted, DecodeRouter, DecodeStats, PrefillRouter, PrefillStats, Routed};
 
 /// The prefix of every heartbeat message (`HB:`), defined here and nowhere else.
 pub const HEARTBEAT_PREFIX: &[u8] = b"HB:";

@@ -1,6 +1,6 @@
 //! The messages and their encoders.
 
-use kvlease_lease::{ConsumerId, Generation, RequestId};
+use kvlease_lease::{ConsumerId, Generation, ReleaseReason, Released, RequestId};
 
 use crate::error::EncodeError;
 use crate::{ABORT_PREFIX, READ_COMPLETE_PREFIX};
@@ -163,6 +163,17 @@ pub struct ExpiredLease {
     /// The generation of the lease that expired, so that D can tell a notice about an old
     /// grant from one about the lease it holds now.
     pub generation: Generation,
+}
+
+/// The expiry notice entry for `released`, if it deserves one: it expired (not completed
+/// or aborted) and had been heartbeated, so a D still tracks it.
+pub fn expiry_notice(released: &Released) -> Option<ExpiredLease> {
+    (released.reason == ReleaseReason::Expired && released.last_heartbeat.is_some()).then(|| {
+        ExpiredLease {
+            request: released.request.clone(),
+            generation: released.generation,
+        }
+    })
 }
 
 /// Encodes heartbeats for `ids` as `HB:id,id,...` messages of at most `max_len` bytes.

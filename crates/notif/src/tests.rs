@@ -4,8 +4,7 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_lease::{
-    BlockId, ConsumerId, EngineId, Generation, HeartbeatTracker, LeaseConfig, LeaseTable,
-    ReadCompleteOutcome, RequestId, Timestamp,
+    BlockId, ConsumerId, EngineId, Generation, LeaseConfig, LeaseTable, RequestId, Timestamp,
 };
 
 use crate::*;
@@ -442,194 +441,24 @@ fn table() -> LeaseTable {
 }
 
 #[test]
-fn prefill_router_routes_every_kind() {
+fn expiry_notices_go_only_to_heartbeated_expired_leases() {
     let mut table = table();
-    let mut router = PrefillRouter::<u32>::new();
-    let t0 = Timestamp::ZERO;
-    table.grant(t0, req("a"), vec![BlockId(0)], 2).unwrap();
-    table.grant(t0, req("b"), vec![BlockId(1)], 1).unwrap();
-    let expiry_before = table.get(&req("a")).unwrap().expiry;
-
-    let t1 = Timestamp::from_millis(20_000);
-    let routed = router.route(t1, &7, b"HB:a,b,zz", &mut table);
-    let Routed::Heartbeat { ids: 3, outcome } = routed else {
-        panic!("{routed:?}")
-    };
-    assert_eq!((outcome.held, outcome.extended, outcome.unknown), (2, 2, 1));
-    assert!(table.get(&req("a")).unwrap().expiry > expiry_before);
-
-    let rc = |rank| ReadComplete {
-        request: req("a"),
-        consumer: consumer("d", rank),
-        consumers_total: 2,
-    };
-    let bytes = rc(0).encode();
-    let routed = router.route(t1, &7, &bytes, &mut table);
-    assert!(matches!(
-        routed,
-        Routed::ReadComplete {
-            outcome: ReadCompleteOutcome::Waiting { remaining: 1 },
-            ..
-        }
-    ));
-    let bytes = rc(0).encode();
-    let routed = router.route(t1, &7, &bytes, &mut table);
-    assert!(matches!(
-        routed,
-        Routed::ReadComplete {
-            outcome: ReadCompleteOutcome::Duplicate { remaining: 1 },
-            ..
-        }
-    ));
-    let bytes = rc(1).encode();
-    let routed = router.route(t1, &7, &bytes, &mut table);
-    assert!(matches!(
-        routed,
-        Routed::ReadComplete {
-            outcome: ReadCompleteOutcome::Released,
-            ..
-        }
-    ));
-    assert!(table.get(&req("a")).is_none());
-
-    let abort = Abort {
-        request: req("b"),
-        consumer: consumer("d", 0),
-    };
-    let bytes = abort.encode();
-    let routed = router.route(t1, &7, &bytes, &mut table);
-    assert_eq!(
-        routed,
-        Routed::Aborted {
-            request: req("b"),
-            held: true
-        }
-    );
-    assert!(table.is_empty());
-
-    assert_eq!(router.route(t1, &7, b"hi", &mut table), Routed::App(b"hi"));
-    let ex = encode_expired(
-        &[ExpiredLease {
-            request: req("a"),
-            generation: generation(1),
-        }],
-        MAX_NOTIF_LEN,
-    )
-    .unwrap();
-    assert_eq!(
-        router.route(t1, &7, &ex[0], &mut table),
-        Routed::Misdirected
-    );
-    assert!(matches!(
-        router.route(t1, &7, b"HB:a,a", &mut table),
-        Routed::Rejected(DecodeError::DuplicateId { .. })
-    ));
-    let stats = router.stats();
-    assert_eq!(
-        (
-            stats.heartbeats,
-            stats.heartbeat_ids,
-            stats.extended,
-            stats.unknown_ids,
-            stats.read_completions,
-            stats.aborts,
-            stats.app,
-            stats.misdirected,
-            stats.rejected
-        ),
-        (1, 3, 2, 1, 3, 1, 1, 1, 1)
-    );
-}
-
-#[test]
-fn prefill_router_addresses_expiry_notices() {
-    let mut table = table();
-    let mut router = PrefillRouter::<&str>::new();
     table
         .grant(Timestamp::ZERO, req("quiet"), vec![BlockId(0)], 1)
         .unwrap();
     table
         .grant(Timestamp::ZERO, req("beat"), vec![BlockId(1)], 1)
         .unwrap();
-    let _ = router.route(Timestamp::from_millis(1000), &"d1", b"HB:beat", &mut table);
-    let _ = router.route(
-        Timestamp::from_millis(500),
-        &"d2",
-        b"HB:nothing",
-        &mut table,
-    );
+    let Ok(Notif::Heartbeat(ids)) = decode(b"HB:beat") else {
+        panic!("a heartbeat");
+    };
+    let _ = table.handle_heartbeat(Timestamp::from_millis(1000), ids.iter());
     table.handle_timeout(Timestamp::from_millis(60_000));
     let mut notices = Vec::new();
     while let Some(kvlease_lease::Event::Released(released)) = table.poll_event() {
-        notices.extend(PrefillRouter::<&str>::expiry_notice(&released));
+        notices.extend(expiry_notice(&released));
     }
     // Only the heartbeated lease gets a notice.
     assert_eq!(notices.len(), 1);
     assert_eq!(notices[0].request, req("beat"));
-    let mut peers: Vec<_> = router
-        .recent_heartbeat_peers(Timestamp::from_millis(0))
-        .copied()
-        .collect();
-    peers.sort_unstable();
-    assert_eq!(peers, ["d1", "d2"]);
-    let peers: Vec<_> = router
-        .recent_heartbeat_peers(Timestamp::from_millis(800))
-        .copied()
-        .collect();
-    assert_eq!(peers, ["d1"]);
-}
-
-#[test]
-fn decode_router_untracks_expired_requests() {
-    let config = LeaseConfig::from_duration(Duration::from_secs(30)).unwrap();
-    let mut tracker = HeartbeatTracker::new(&config);
-    let engine = EngineId::new("p0").unwrap();
-    tracker
-        .track(Timestamp::ZERO, req("a"), engine.clone(), 1)
-        .unwrap();
-    tracker.track(Timestamp::ZERO, req("b"), engine, 1).unwrap();
-    let mut router = DecodeRouter::new();
-    let leases = [
-        ExpiredLease {
-            request: req("a"),
-            generation: generation(3),
-        },
-        ExpiredLease {
-            request: req("gone"),
-            generation: generation(4),
-        },
-    ];
-    let bytes = encode_expired(&leases, MAX_NOTIF_LEN).unwrap();
-    let routed = router.route(&bytes[0], &mut tracker);
-    assert_eq!(
-        routed,
-        DecodeRouted::Expired {
-            leases: leases.to_vec(),
-            untracked: 1
-        }
-    );
-    assert_eq!(tracker.len(), 1);
-    assert!(tracker.engine_of(&req("a")).is_none());
-    assert_eq!(
-        router.route(b"HB:b", &mut tracker),
-        DecodeRouted::Misdirected
-    );
-    assert_eq!(tracker.len(), 1);
-    assert_eq!(router.route(b"x", &mut tracker), DecodeRouted::App(b"x"));
-    assert!(matches!(
-        router.route(b"KVL1:EX:a;0", &mut tracker),
-        DecodeRouted::Rejected(DecodeError::BadNumber { .. })
-    ));
-    let stats = router.stats();
-    assert_eq!(
-        (
-            stats.expiry_notices,
-            stats.expired_leases,
-            stats.untracked,
-            stats.misdirected,
-            stats.app,
-            stats.rejected
-        ),
-        (1, 2, 1, 1, 1, 1)
-    );
 }

@@ -27,12 +27,14 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvlease_engine::DecoderKvParams;
 
 use crate::bidir::{is_decoder_params, params_from_value, params_to_value};
 
+mod config;
+mod metrics;
 mod store;
 
 use axum::body::{Body, Bytes};
@@ -40,18 +42,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use clap::Parser;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+pub use config::{ProxyArgs, ProxyConfig, ProxyError};
+pub use metrics::{ProxyMetrics, ProxyOutcome};
 use reqwest::Url;
 use serde_json::{Map, Value, json};
 pub use store::{ConversationStore, conversation_key};
 
 use crate::api::{ApiError, KV_LOAD_FAILED};
-use crate::config::LogFormat;
 
 /// The header carrying the request id to P and D (as vLLM's proxies send it).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -73,310 +70,6 @@ pub fn is_retryable_kv_failure(status: StatusCode, body: &[u8]) -> bool {
     };
     let error = &value["error"];
     error["type"] == KV_LOAD_FAILED && error["retryable"] == true
-}
-
-/// Why the proxy could not be configured.
-#[derive(Debug, thiserror::Error)]
-pub enum ProxyError {
-    /// An upstream URL does not parse or is not `http://`.
-    #[error("{flag}: {url:?}: {reason}")]
-    BadUrl {
-        /// `--prefill` or `--decode`.
-        flag: &'static str,
-        /// The URL given.
-        url: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// No upstream of a kind was given.
-    #[error("{flag}: at least one URL is required")]
-    NoUpstream {
-        /// `--prefill` or `--decode`.
-        flag: &'static str,
-    },
-    /// A timeout flag is zero or absurd.
-    #[error("{flag}: {reason}")]
-    BadTimeout {
-        /// The flag.
-        flag: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The HTTP client could not be built.
-    #[error("building the HTTP client: {source}")]
-    Client {
-        /// reqwest's error.
-        #[source]
-        source: reqwest::Error,
-    },
-}
-
-/// `kvlease-proxy`'s command line.
-#[derive(Debug, Clone, Parser)]
-#[command(
-    name = "kvlease-proxy",
-    version,
-    about = "kvlease routing proxy: prefill on P, then decode on D with P's kv_transfer_params"
-)]
-pub struct ProxyArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 8080)]
-    pub port: u16,
-    /// Prefill agents' base URLs (http://host:port), used round-robin.
-    #[arg(long, required = true, num_args = 1..)]
-    pub prefill: Vec<String>,
-    /// Decode agents' base URLs (http://host:port), used round-robin.
-    #[arg(long, required = true, num_args = 1..)]
-    pub decode: Vec<String>,
-    /// Time limit for one upstream request, in seconds: for P the whole answer, for D the
-    /// whole answer (or, when streaming, the first byte and every gap between chunks).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 600.0)]
-    pub timeout_secs: f64,
-    /// Time limit for connecting to an upstream, in milliseconds.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 3000)]
-    pub connect_timeout_ms: u64,
-    /// Idle upstream connections are closed after this, in milliseconds. Keep it below the
-    /// agents' `--http-header-timeout-ms` (default 10000), their idle keep-alive limit:
-    /// otherwise an agent may close a pooled connection just as the proxy sends on it.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 4000)]
-    pub upstream_idle_timeout_ms: u64,
-    /// Log line format (the level comes from RUST_LOG, default info).
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    pub log_format: LogFormat,
-}
-
-/// A validated proxy configuration.
-#[derive(Debug, Clone)]
-pub struct ProxyConfig {
-    /// P base URLs.
-    pub prefill: Vec<Url>,
-    /// D base URLs.
-    pub decode: Vec<Url>,
-    /// See [`ProxyArgs::timeout_secs`].
-    pub timeout: Duration,
-    /// See [`ProxyArgs::connect_timeout_ms`].
-    pub connect_timeout: Duration,
-    /// See [`ProxyArgs::upstream_idle_timeout_ms`].
-    pub upstream_idle_timeout: Duration,
-}
-
-fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
-    if urls.is_empty() {
-        return Err(ProxyError::NoUpstream { flag });
-    }
-    urls.iter()
-        .map(|raw| {
-            let bad = |reason: &str| ProxyError::BadUrl {
-                flag,
-                url: raw.clone(),
-                reason: reason.to_owned(),
-            };
-            let url = Url::parse(raw).map_err(|e| bad(&e.to_string()))?;
-            if url.scheme() != "http" {
-                return Err(bad("only http:// is supported"));
-            }
-            if url.host_str().is_none_or(str::is_empty) {
-                return Err(bad("has no host"));
-            }
-            if url.query().is_some() || url.fragment().is_some() {
-                return Err(bad("must be a base URL without query or fragment"));
-            }
-            Ok(url)
-        })
-        .collect()
-}
-
-impl ProxyArgs {
-    /// Checks the flags and builds the configuration.
-    ///
-    /// # Errors
-    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, or a
-    /// timeout that is zero, not finite or over a day.
-    pub fn config(&self) -> Result<ProxyConfig, ProxyError> {
-        if self.port == 0 {
-            return Err(ProxyError::BadTimeout {
-                flag: "--port",
-                reason: "must be 1..=65535".to_owned(),
-            });
-        }
-        let timeout = Duration::try_from_secs_f64(self.timeout_secs)
-            .ok()
-            .filter(|t| !t.is_zero() && *t <= Duration::from_secs(86_400))
-            .ok_or_else(|| ProxyError::BadTimeout {
-                flag: "--timeout-secs",
-                reason: format!(
-                    "must be > 0 and at most 86400 seconds, got {}",
-                    self.timeout_secs
-                ),
-            })?;
-        if self.connect_timeout_ms == 0 || self.connect_timeout_ms > 600_000 {
-            return Err(ProxyError::BadTimeout {
-                flag: "--connect-timeout-ms",
-                reason: format!("must be 1..=600000, got {}", self.connect_timeout_ms),
-            });
-        }
-        if self.upstream_idle_timeout_ms == 0 || self.upstream_idle_timeout_ms > 600_000 {
-            return Err(ProxyError::BadTimeout {
-                flag: "--upstream-idle-timeout-ms",
-                reason: format!("must be 1..=600000, got {}", self.upstream_idle_timeout_ms),
-            });
-        }
-        Ok(ProxyConfig {
-            prefill: parse_upstreams("--prefill", &self.prefill)?,
-            decode: parse_upstreams("--decode", &self.decode)?,
-            timeout,
-            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
-            upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
-        })
-    }
-}
-
-/// How a proxied request ended (the `outcome` label of `kvlease_proxy_requests_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ProxyOutcome {
-    /// D answered with a 2xx.
-    Ok,
-    /// D answered with a 2xx after one retry from P.
-    OkAfterRetry,
-    /// P or D answered with an error status, passed through.
-    UpstreamError,
-    /// An upstream was unreachable or answered garbage (502).
-    BadGateway,
-    /// An upstream did not answer in time (504).
-    Timeout,
-    /// The client's request was not a JSON object (400).
-    BadRequest,
-}
-
-impl ProxyOutcome {
-    /// Every outcome, in label order.
-    pub const ALL: [Self; 6] = [
-        Self::Ok,
-        Self::OkAfterRetry,
-        Self::UpstreamError,
-        Self::BadGateway,
-        Self::Timeout,
-        Self::BadRequest,
-    ];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ok => "ok",
-            Self::OkAfterRetry => "ok_after_retry",
-            Self::UpstreamError => "upstream_error",
-            Self::BadGateway => "bad_gateway",
-            Self::Timeout => "timeout",
-            Self::BadRequest => "bad_request",
-        }
-    }
-}
-
-impl EncodeLabelValue for ProxyOutcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
-        EncodeLabelValue::encode(&self.as_str(), encoder)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-struct OutcomeLabel {
-    outcome: ProxyOutcome,
-}
-
-/// The proxy's own metrics, on its `/metrics`.
-#[derive(Debug, Clone)]
-pub struct ProxyMetrics {
-    registry: Arc<Registry>,
-    /// `kvlease_proxy_retries_total`: requests prefilled again after a retryable KV failure.
-    pub retries: Counter,
-    /// `kvlease_proxy_prefill_requests_total`: requests sent to P (retries included).
-    pub prefill_requests: Counter,
-    /// `kvlease_proxy_decode_requests_total`: requests sent to D (retries included).
-    pub decode_requests: Counter,
-    /// `kvlease_proxy_request_seconds` (histogram): client request to the start of the answer.
-    pub request_seconds: Histogram,
-    /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
-    /// because the connection cap was reached.
-    pub http_connections_refused: Counter,
-    requests: Family<OutcomeLabel, Counter>,
-}
-
-impl Default for ProxyMetrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl ProxyMetrics {
-    /// Registers every metric, at zero.
-    pub fn new() -> Self {
-        let mut registry = Registry::default();
-        let retries = Counter::default();
-        let prefill_requests = Counter::default();
-        let decode_requests = Counter::default();
-        let request_seconds = Histogram::new(
-            prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20),
-        );
-        let requests = Family::<OutcomeLabel, Counter>::default();
-        let http_connections_refused = Counter::default();
-        registry.register(
-            "kvlease_proxy_http_connections_refused",
-            "Client connections closed at accept: too many open",
-            http_connections_refused.clone(),
-        );
-        registry.register(
-            "kvlease_proxy_retries",
-            "Requests prefilled again after a retryable KV load failure on D",
-            retries.clone(),
-        );
-        registry.register(
-            "kvlease_proxy_prefill_requests",
-            "Requests sent to prefill agents",
-            prefill_requests.clone(),
-        );
-        registry.register(
-            "kvlease_proxy_decode_requests",
-            "Requests sent to decode agents",
-            decode_requests.clone(),
-        );
-        registry.register(
-            "kvlease_proxy_request_seconds",
-            "Seconds from a client request to the start of its answer",
-            request_seconds.clone(),
-        );
-        registry.register(
-            "kvlease_proxy_requests",
-            "Client requests, by outcome",
-            requests.clone(),
-        );
-        for outcome in ProxyOutcome::ALL {
-            drop(requests.get_or_create(&OutcomeLabel { outcome }));
-        }
-        Self {
-            registry: Arc::new(registry),
-            retries,
-            prefill_requests,
-            decode_requests,
-            request_seconds,
-            http_connections_refused,
-            requests,
-        }
-    }
-
-    /// The counter `kvlease_proxy_requests_total{outcome}`.
-    pub fn request(&self, outcome: ProxyOutcome) -> Counter {
-        self.requests
-            .get_or_create(&OutcomeLabel { outcome })
-            .clone()
-    }
-
-    /// Renders the metrics in the OpenMetrics text format.
-    pub fn encode(&self) -> String {
-        crate::metrics::encode_registry(&self.registry)
-    }
 }
 
 #[derive(Debug)]

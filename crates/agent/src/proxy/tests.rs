@@ -1,3 +1,5 @@
+use clap::Parser;
+
 use super::*;
 
 #[test]

@@ -1,0 +1,167 @@
+//! The proxy's command line and its validated configuration.
+
+use std::time::Duration;
+
+use clap::Parser;
+use reqwest::Url;
+
+use crate::config::LogFormat;
+
+/// Why the proxy could not be configured.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// An upstream URL does not parse or is not `http://`.
+    #[error("{flag}: {url:?}: {reason}")]
+    BadUrl {
+        /// `--prefill` or `--decode`.
+        flag: &'static str,
+        /// The URL given.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No upstream of a kind was given.
+    #[error("{flag}: at least one URL is required")]
+    NoUpstream {
+        /// `--prefill` or `--decode`.
+        flag: &'static str,
+    },
+    /// A timeout flag is zero or absurd.
+    #[error("{flag}: {reason}")]
+    BadTimeout {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client: {source}")]
+    Client {
+        /// reqwest's error.
+        #[source]
+        source: reqwest::Error,
+    },
+}
+
+/// `kvlease-proxy`'s command line.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvlease-proxy",
+    version,
+    about = "kvlease routing proxy: prefill on P, then decode on D with P's kv_transfer_params"
+)]
+pub struct ProxyArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8080)]
+    pub port: u16,
+    /// Prefill agents' base URLs (http://host:port), used round-robin.
+    #[arg(long, required = true, num_args = 1..)]
+    pub prefill: Vec<String>,
+    /// Decode agents' base URLs (http://host:port), used round-robin.
+    #[arg(long, required = true, num_args = 1..)]
+    pub decode: Vec<String>,
+    /// Time limit for one upstream request, in seconds: for P the whole answer, for D the
+    /// whole answer (or, when streaming, the first byte and every gap between chunks).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 600.0)]
+    pub timeout_secs: f64,
+    /// Time limit for connecting to an upstream, in milliseconds.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3000)]
+    pub connect_timeout_ms: u64,
+    /// Idle upstream connections are closed after this, in milliseconds. Keep it below the
+    /// agents' `--http-header-timeout-ms` (default 10000), their idle keep-alive limit:
+    /// otherwise an agent may close a pooled connection just as the proxy sends on it.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 4000)]
+    pub upstream_idle_timeout_ms: u64,
+    /// Log line format (the level comes from RUST_LOG, default info).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// A validated proxy configuration.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// P base URLs.
+    pub prefill: Vec<Url>,
+    /// D base URLs.
+    pub decode: Vec<Url>,
+    /// See [`ProxyArgs::timeout_secs`].
+    pub timeout: Duration,
+    /// See [`ProxyArgs::connect_timeout_ms`].
+    pub connect_timeout: Duration,
+    /// See [`ProxyArgs::upstream_idle_timeout_ms`].
+    pub upstream_idle_timeout: Duration,
+}
+
+fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
+    if urls.is_empty() {
+        return Err(ProxyError::NoUpstream { flag });
+    }
+    urls.iter()
+        .map(|raw| {
+            let bad = |reason: &str| ProxyError::BadUrl {
+                flag,
+                url: raw.clone(),
+                reason: reason.to_owned(),
+            };
+            let url = Url::parse(raw).map_err(|e| bad(&e.to_string()))?;
+            if url.scheme() != "http" {
+                return Err(bad("only http:// is supported"));
+            }
+            if url.host_str().is_none_or(str::is_empty) {
+                return Err(bad("has no host"));
+            }
+            if url.query().is_some() || url.fragment().is_some() {
+                return Err(bad("must be a base URL without query or fragment"));
+            }
+            Ok(url)
+        })
+        .collect()
+}
+
+impl ProxyArgs {
+    /// Checks the flags and builds the configuration.
+    ///
+    /// # Errors
+    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, or a
+    /// timeout that is zero, not finite or over a day.
+    pub fn config(&self) -> Result<ProxyConfig, ProxyError> {
+        if self.port == 0 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--port",
+                reason: "must be 1..=65535".to_owned(),
+            });
+        }
+        let timeout = Duration::try_from_secs_f64(self.timeout_secs)
+            .ok()
+            .filter(|t| !t.is_zero() && *t <= Duration::from_secs(86_400))
+            .ok_or_else(|| ProxyError::BadTimeout {
+                flag: "--timeout-secs",
+                reason: format!(
+                    "must be > 0 and at most 86400 seconds, got {}",
+                    self.timeout_secs
+                ),
+            })?;
+        if self.connect_timeout_ms == 0 || self.connect_timeout_ms > 600_000 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--connect-timeout-ms",
+                reason: format!("must be 1..=600000, got {}", self.connect_timeout_ms),
+            });
+        }
+        if self.upstream_idle_timeout_ms == 0 || self.upstream_idle_timeout_ms > 600_000 {
+            return Err(ProxyError::BadTimeout {
+                flag: "--upstream-idle-timeout-ms",
+                reason: format!("must be 1..=600000, got {}", self.upstream_idle_timeout_ms),
+            });
+        }
+        Ok(ProxyConfig {
+            prefill: parse_upstreams("--prefill", &self.prefill)?,
+            decode: parse_upstreams("--decode", &self.decode)?,
+            timeout,
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
+        })
+    }
+}

@@ -1,0 +1,154 @@
+//! The proxy's own metrics (`kvlease_proxy_*`) on its `/metrics`.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// How a proxied request ended (the `outcome` label of `kvlease_proxy_requests_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProxyOutcome {
+    /// D answered with a 2xx.
+    Ok,
+    /// D answered with a 2xx after one retry from P.
+    OkAfterRetry,
+    /// P or D answered with an error status, passed through.
+    UpstreamError,
+    /// An upstream was unreachable or answered garbage (502).
+    BadGateway,
+    /// An upstream did not answer in time (504).
+    Timeout,
+    /// The client's request was not a JSON object (400).
+    BadRequest,
+}
+
+impl ProxyOutcome {
+    /// Every outcome, in label order.
+    pub const ALL: [Self; 6] = [
+        Self::Ok,
+        Self::OkAfterRetry,
+        Self::UpstreamError,
+        Self::BadGateway,
+        Self::Timeout,
+        Self::BadRequest,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::OkAfterRetry => "ok_after_retry",
+            Self::UpstreamError => "upstream_error",
+            Self::BadGateway => "bad_gateway",
+            Self::Timeout => "timeout",
+            Self::BadRequest => "bad_request",
+        }
+    }
+}
+
+impl EncodeLabelValue for ProxyOutcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: ProxyOutcome,
+}
+
+/// The proxy's own metrics, on its `/metrics`.
+#[derive(Debug, Clone)]
+pub struct ProxyMetrics {
+    registry: Arc<Registry>,
+    /// `kvlease_proxy_retries_total`: requests prefilled again after a retryable KV failure.
+    pub retries: Counter,
+    /// `kvlease_proxy_prefill_requests_total`: requests sent to P (retries included).
+    pub prefill_requests: Counter,
+    /// `kvlease_proxy_decode_requests_total`: requests sent to D (retries included).
+    pub decode_requests: Counter,
+    /// `kvlease_proxy_request_seconds` (histogram): client request to the start of the answer.
+    pub request_seconds: Histogram,
+    /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
+    /// because the connection cap was reached.
+    pub http_connections_refused: Counter,
+    requests: Family<OutcomeLabel, Counter>,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProxyMetrics {
+    /// Registers every metric, at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let retries = Counter::default();
+        let prefill_requests = Counter::default();
+        let decode_requests = Counter::default();
+        let request_seconds = Histogram::new(
+            prometheus_client::metrics::histogram::exponential_buckets(0.001, 2.0, 20),
+        );
+        let requests = Family::<OutcomeLabel, Counter>::default();
+        let http_connections_refused = Counter::default();
+        registry.register(
+            "kvlease_proxy_http_connections_refused",
+            "Client connections closed at accept: too many open",
+            http_connections_refused.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_retries",
+            "Requests prefilled again after a retryable KV load failure on D",
+            retries.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_prefill_requests",
+            "Requests sent to prefill agents",
+            prefill_requests.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_decode_requests",
+            "Requests sent to decode agents",
+            decode_requests.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_request_seconds",
+            "Seconds from a client request to the start of its answer",
+            request_seconds.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_requests",
+            "Client requests, by outcome",
+            requests.clone(),
+        );
+        for outcome in ProxyOutcome::ALL {
+            drop(requests.get_or_create(&OutcomeLabel { outcome }));
+        }
+        Self {
+            registry: Arc::new(registry),
+            retries,
+            prefill_requests,
+            decode_requests,
+            request_seconds,
+            http_connections_refused,
+            requests,
+        }
+    }
+
+    /// The counter `kvlease_proxy_requests_total{outcome}`.
+    pub fn request(&self, outcome: ProxyOutcome) -> Counter {
+        self.requests
+            .get_or_create(&OutcomeLabel { outcome })
+            .clone()
+    }
+
+    /// Renders the metrics in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        crate::metrics::encode_registry(&self.registry)
+    }
+}
