@@ -73,6 +73,13 @@ pub const SHM_ROLES: Roles = Roles {
     server: b"shm-server",
 };
 
+/// The verbs backend's connection setup (its own exchange over the queue pair's first
+/// messages; the labels are defined here with the others).
+pub const VERBS_ROLES: Roles = Roles {
+    client: b"verbs-client",
+    server: b"verbs-server",
+};
+
 /// The side channel: D (the client) fetches P's engine info.
 pub const SIDE_CHANNEL_ROLES: Roles = Roles {
     client: b"side-channel-client",
@@ -734,7 +741,7 @@ mod tests {
             run((SIDE_CHANNEL_ROLES, TCP_ROLES), t, t),
             (Err(AuthError::Rejected), false)
         );
-        let all = [TCP_ROLES, SHM_ROLES, SIDE_CHANNEL_ROLES];
+        let all = [TCP_ROLES, SHM_ROLES, VERBS_ROLES, SIDE_CHANNEL_ROLES];
         for (i, a) in all.iter().enumerate() {
             assert_ne!(a.client, a.server);
             for b in &all[i + 1..] {
