@@ -288,15 +288,19 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Checks a frame's kind against the step's.
-fn expect(kind: Kind, want: Kind, expected: &'static str) -> Result<(), SideChannelError> {
-    if kind == want {
-        Ok(())
-    } else {
-        Err(SideChannelError::Unexpected {
-            expected,
-            got: kind,
-        })
+/// Checks a frame's kind against the step's; a refusal in its place is P's last word.
+fn expect(
+    kind: Kind,
+    body: &[u8],
+    want: Kind,
+    expected: &'static str,
+) -> Result<(), SideChannelError> {
+    match kind {
+        k if k == want => Ok(()),
+        Kind::Refused => Err(SideChannelError::Refused(
+            String::from_utf8_lossy(body).into_owned(),
+        )),
+        got => Err(SideChannelError::Unexpected { expected, got }),
     }
 }
 
@@ -365,7 +369,7 @@ impl Client {
         kind: Kind,
         body: &[u8],
     ) -> Result<(ClientProved, Vec<u8>), SideChannelError> {
-        expect(kind, Kind::Challenge, "challenge")?;
+        expect(kind, body, Kind::Challenge, "challenge")?;
         let (auth, proof) = self.auth.on_challenge(body)?;
         Ok((ClientProved { auth }, encode_frame(Kind::Proof, &proof)))
     }
@@ -383,7 +387,7 @@ impl ClientProved {
         body: &[u8],
         registration: &Registration,
     ) -> Result<(ClientRegistered, Vec<u8>), SideChannelError> {
-        expect(kind, Kind::AuthResult, "auth result")?;
+        expect(kind, body, Kind::AuthResult, "auth result")?;
         let server_name = self.auth.on_result(body)?;
         Ok((
             ClientRegistered { server_name },
@@ -398,19 +402,11 @@ impl ClientRegistered {
     /// # Errors
     /// [`SideChannelError::Refused`] with P's message, or a malformed answer.
     pub fn on_answer(self, kind: Kind, body: &[u8]) -> Result<Served, SideChannelError> {
-        match kind {
-            Kind::Welcome => Ok(Served {
-                engine_id: self.server_name,
-                welcome: Welcome::decode(body)?,
-            }),
-            Kind::Refused => Err(SideChannelError::Refused(
-                String::from_utf8_lossy(body).into_owned(),
-            )),
-            got => Err(SideChannelError::Unexpected {
-                expected: "welcome",
-                got,
-            }),
-        }
+        expect(kind, body, Kind::Welcome, "welcome")?;
+        Ok(Served {
+            engine_id: self.server_name,
+            welcome: Welcome::decode(body)?,
+        })
     }
 }
 
@@ -480,7 +476,7 @@ impl Server {
         kind: Kind,
         body: &[u8],
     ) -> Result<(ServerChallenged, Vec<u8>), SideChannelError> {
-        expect(kind, Kind::Hello, "hello")?;
+        expect(kind, body, Kind::Hello, "hello")?;
         let challenged = self.auth.on_hello(body)?;
         let reply = encode_frame(Kind::Challenge, &challenged.reply);
         let auth = challenged.into_waiting()?;
@@ -500,7 +496,7 @@ impl ServerChallenged {
     /// # Errors
     /// [`SideChannelError`] for another frame or a malformed proof.
     pub fn on_proof(self, kind: Kind, body: &[u8]) -> Result<ProofVerdict, SideChannelError> {
-        expect(kind, Kind::Proof, "proof")?;
+        expect(kind, body, Kind::Proof, "proof")?;
         let v = self.auth.on_proof(body)?;
         let reply = encode_frame(Kind::AuthResult, &v.reply);
         Ok(if v.ok {
@@ -531,7 +527,7 @@ impl ServerProved {
     /// # Errors
     /// [`SideChannelError`] for another frame or a malformed registration.
     pub fn on_register(self, kind: Kind, body: &[u8]) -> Result<Peer, SideChannelError> {
-        expect(kind, Kind::Register, "registration")?;
+        expect(kind, body, Kind::Register, "registration")?;
         Ok(Peer {
             engine_id: self.engine_id,
             registration: Registration::decode(body)?,
