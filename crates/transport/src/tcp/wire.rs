@@ -42,7 +42,10 @@ use std::io::{self, Read, Write};
 
 use kvlease_proto::auth::{self, AuthError, ClientAuth, Roles};
 
-pub(crate) use kvlease_proto::auth::{Nonce, PROTOCOL_VERSION, proof, proofs_equal};
+pub(crate) use kvlease_proto::auth::{Nonce, PROTOCOL_VERSION};
+/// The verbs backend's connection setup proves with the same HMAC.
+#[cfg(feature = "verbs")]
+pub(crate) use kvlease_proto::auth::{proof, proofs_equal};
 
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const CHALLENGE: u8 = 2;
