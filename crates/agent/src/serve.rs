@@ -614,6 +614,7 @@ fn spawn_side_channel(
     let port = c.side_channel_port;
     let epoch = std::time::SystemTime::UNIX_EPOCH;
     sidechannel::Server {
+        engine_id: c.engine_id().to_string(),
         info,
         token,
         on_peer,

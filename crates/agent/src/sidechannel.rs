@@ -1,29 +1,32 @@
 //! The handshake side channel (like vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT`): a TCP endpoint on
 //! which P hands its transport metadata and KV layout to a D that proves the cluster token.
 //!
-//! Frames are a 4-byte big-endian length and a JSON body (at most [`MAX_FRAME`] bytes).
+//! The wire format is `kvlease_proto::sidechannel`'s, the same the Python binding speaks
+//! (a P of one serves a D of the other), and the connection's two halves are
+//! `kvlease_transport::sidechannel`'s; this module keeps the agents' listener, limits and
+//! types:
 //!
-//! 1. D → P `Hello { engine_id, nonce }`: D's engine id and a fresh 32-byte nonce.
-//! 2. P → D `Challenge { nonce, proof }`: P's nonce and, with a token, P's proof
-//!    `HMAC-SHA256(token, "kvlease-sc-p" ‖ D's nonce)` (D checks P too).
-//! 3. D → P `Proof { proof, workers }`: `HMAC-SHA256(token, "kvlease-sc-d" ‖ P's nonce ‖
-//!    engine_id)` and, only now that P proved the token, the transport metadata of each D
-//!    worker (so P can reach D with expiry notices): D names nothing of its regions to a
-//!    peer that has not proven the token.
-//! 4. P → D `Welcome { info, server_time_ns }` or `Refused { message }`.
+//! 1. The authenticated exchange of `kvlease_proto::auth` (side-channel roles): D proves
+//!    the token under its engine id, P under its own, both nonces and both names bound
+//!    into each proof. A wrong or missing token is refused either way.
+//! 2. Only once P proved the token does D register: its TP size, instance and the
+//!    transport metadata of each D worker (so P can reach D with expiry notices): D names
+//!    nothing of its regions to a peer that has not proven the token.
+//! 3. P answers with a welcome (its engine info as JSON, and its wall clock) or a refusal.
 //!
-//! Without a token both proofs are empty and only a peer with a token set is refused (a
-//! mismatch of configuration, named in the message). Every socket has read and write
-//! timeouts; the server runs one short-lived thread per connection.
+//! Without a token no proofs are sent and only a peer with a token set fails (a mismatch
+//! of configuration). Every socket has read and write timeouts; the server runs one
+//! short-lived thread per connection.
 //!
 //! Everything the server reads comes from a peer that has not proven the token yet, so
 //! the server is bounded by [`ServerLimits`]: at most `max_connections` handshakes (and
 //! threads) at once, more are closed at once; each whole handshake ends by an absolute
-//! deadline from accept; and no frame over `max_frame` is accepted. A frame's buffer
-//! grows with the bytes that actually arrive, so announcing a large length costs the
-//! peer as much as it costs us.
+//! deadline from accept; and no frame over `max_frame` is accepted (the auth frames before
+//! D's proof are bounded tighter by the format). A frame's buffer grows with the bytes
+//! that actually arrive, so announcing a large length costs the peer as much as it costs
+//! us.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -31,16 +34,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use kvlease_transport::deadline::Deadlined;
+use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
 use prometheus_client::metrics::counter::Counter;
-
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 
 /// Largest frame D accepts from a P that proved the token (the welcome, with P's info).
 pub const MAX_FRAME: usize = 4 << 20;
-/// Largest frame D accepts before P has proven the token (the challenge).
-const MAX_CHALLENGE_FRAME: usize = 4 << 10;
 /// Read/write timeout of every socket D opens to a side channel.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -61,8 +60,9 @@ pub struct ServerLimits {
     /// A whole handshake, from accept to the welcome, must end within this; reads and
     /// writes get only the time left. Default [`DEFAULT_HANDSHAKE_TIMEOUT`].
     pub handshake_timeout: Duration,
-    /// Largest frame read from a peer (hello, proof); a longer announced length closes
-    /// the connection before anything is allocated for it. Default
+    /// Largest frame read from a peer (its registration; the frames before its proof are
+    /// bounded tighter by the format); a longer announced length closes the connection
+    /// before anything is allocated for it. Default
     /// [`DEFAULT_MAX_PREAUTH_FRAME`].
     pub max_frame: usize,
 }
@@ -107,71 +107,20 @@ pub enum HandshakeError {
     },
 }
 
-/// What a D sends first.
+/// What P learns of a D that proved the token.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Hello {
-    /// D's engine id.
+    /// D's engine id, as proven in the exchange.
     pub engine_id: String,
     /// D's TP size.
     pub tp_size: u32,
-    /// Hex nonce.
-    pub nonce: String,
-    /// Hex transport metadata of each D worker, by rank. Sent in the proof frame, after P
-    /// proved the token (empty in the hello on the wire).
+    /// Hex transport metadata of each D worker, by rank.
     #[serde(default)]
     pub workers: Vec<String>,
     /// D's instance (its start time in microseconds): a restarted D under the same engine
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
     #[serde(default)]
     pub instance: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-enum Frame {
-    Hello(Hello),
-    Challenge {
-        nonce: String,
-        proof: String,
-    },
-    Proof {
-        proof: String,
-        #[serde(default)]
-        workers: Vec<String>,
-    },
-    Welcome {
-        info: serde_json::Value,
-        server_time_ns: u64,
-    },
-    Refused {
-        message: String,
-    },
-}
-
-type HmacSha256 = Hmac<Sha256>;
-
-fn mac(token: &str, label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
-    // Invariant: HMAC accepts keys of any length.
-    #[allow(clippy::expect_used)]
-    let mut m = HmacSha256::new_from_slice(token.as_bytes()).expect("HMAC takes any key length");
-    m.update(label);
-    for p in parts {
-        m.update(p);
-    }
-    m
-}
-
-fn prove(token: Option<&str>, label: &[u8], parts: &[&[u8]]) -> String {
-    token.map_or_else(String::new, |t| {
-        to_hex(&mac(t, label, parts).finalize().into_bytes())
-    })
-}
-
-fn verify(token: Option<&str>, label: &[u8], parts: &[&[u8]], proof: &str) -> bool {
-    match token {
-        None => proof.is_empty(),
-        Some(t) => from_hex(proof).is_some_and(|p| mac(t, label, parts).verify_slice(&p).is_ok()),
-    }
 }
 
 /// Lowercase hex of `bytes`.
@@ -188,48 +137,6 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
         .collect()
-}
-
-fn nonce() -> io::Result<[u8; 32]> {
-    let mut n = [0u8; 32];
-    getrandom::fill(&mut n).map_err(|e| io::Error::other(e.to_string()))?;
-    Ok(n)
-}
-
-fn write_frame(s: &mut impl Write, f: &Frame) -> io::Result<()> {
-    let body = serde_json::to_vec(f).map_err(io::Error::other)?;
-    let len = u32::try_from(body.len()).map_err(io::Error::other)?;
-    s.write_all(&len.to_be_bytes())?;
-    s.write_all(&body)?;
-    s.flush()
-}
-
-/// Why a frame was not read.
-#[derive(Debug, thiserror::Error)]
-#[error("frame of {len} bytes exceeds the limit of {max}")]
-struct FrameTooLarge {
-    len: usize,
-    max: usize,
-}
-
-/// Reads one frame of at most `max` bytes. The buffer grows with the bytes received, never
-/// to an announced length up front.
-fn read_frame(s: &mut impl Read, max: usize) -> io::Result<Frame> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > max {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            FrameTooLarge { len, max },
-        ));
-    }
-    let mut body = Vec::with_capacity(len.min(4096));
-    s.take(len as u64).read_to_end(&mut body)?;
-    if body.len() != len {
-        return Err(io::ErrorKind::UnexpectedEof.into());
-    }
-    serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Holds one of the server's connection slots; frees it when dropped.
@@ -254,6 +161,8 @@ impl Drop for Slot {
 
 /// What P's side channel serves, and what it does with a D that proved the token.
 pub struct Server {
+    /// P's engine id, its name in the exchange.
+    pub engine_id: String,
     /// The info every authenticated D receives.
     pub info: serde_json::Value,
     /// The cluster token, if any.
@@ -334,7 +243,8 @@ impl Server {
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                             let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
                             if let Err(e) = this.serve(s) {
-                                tracing::warn!(%peer, error = %e, "side-channel handshake failed");
+                                let error = crate::telemetry::error_chain(&e);
+                                tracing::warn!(%peer, %error, "side-channel handshake failed");
                             }
                         });
                     if let Err(e) = spawned {
@@ -345,81 +255,37 @@ impl Server {
         Ok(ServerHandle { addr, stop })
     }
 
-    fn serve(&self, mut s: Deadlined) -> io::Result<()> {
+    fn serve(&self, mut s: Deadlined) -> Result<(), sc::Error> {
         s.get_ref().set_nodelay(true)?;
-        let max = self.limits.max_frame;
-        let Frame::Hello(hello) = read_frame(&mut s, max)? else {
-            return write_frame(
-                &mut s,
-                &Frame::Refused {
-                    message: "expected hello".into(),
-                },
-            );
-        };
-        let d_nonce = from_hex(&hello.nonce).unwrap_or_default();
-        let p_nonce = nonce()?;
-        let token = self.token.as_deref();
-        write_frame(
+        let token = self.token.as_deref().map(str::as_bytes);
+        let outcome = sc::serve(
             &mut s,
-            &Frame::Challenge {
-                nonce: to_hex(&p_nonce),
-                proof: prove(token, b"kvlease-sc-p", &[&d_nonce]),
+            &self.engine_id,
+            token,
+            self.limits.max_frame,
+            |peer| {
+                let r = &peer.registration;
+                // Hand the peer over before answering, so that when D holds its welcome,
+                // P already knows it (and can send it expiry notices).
+                (self.on_peer)(Hello {
+                    engine_id: peer.engine_id.clone(),
+                    tp_size: r.tp_size,
+                    workers: r.workers.iter().map(|w| to_hex(w)).collect(),
+                    instance: r.instance,
+                });
+                sc::Welcome {
+                    server_time_ns: (self.clock_ns)(),
+                    payload: serde_json::to_vec(&self.info).unwrap_or_default(),
+                }
             },
         )?;
-        // D checks our proof first: a D with another cluster token hangs up here.
-        let answer = read_frame(&mut s, max).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "engine {} closed the handshake after our challenge: it refused our \
-                         proof (a different cluster token on the two sides?)",
-                        hello.engine_id
-                    ),
-                )
-            } else {
-                e
-            }
-        })?;
-        let Frame::Proof { proof, workers } = answer else {
-            return write_frame(
-                &mut s,
-                &Frame::Refused {
-                    message: "expected proof".into(),
-                },
-            );
-        };
-        if !verify(
-            token,
-            b"kvlease-sc-d",
-            &[&p_nonce, hello.engine_id.as_bytes()],
-            &proof,
-        ) {
-            let message = if token.is_some() {
-                "wrong or missing cluster token"
-            } else {
-                "this engine has no cluster token configured but the peer sent a proof"
-            };
-            tracing::warn!(engine = %hello.engine_id, message, "side-channel peer refused");
-            return write_frame(
-                &mut s,
-                &Frame::Refused {
-                    message: message.into(),
-                },
+        if let Outcome::Refused { claimed } = outcome {
+            tracing::warn!(
+                engine = %claimed,
+                "side-channel peer refused: wrong or missing cluster token"
             );
         }
-        // Hand the peer over before answering, so that when D holds its welcome, P
-        // already knows it (and can send it expiry notices).
-        let mut hello = hello;
-        hello.workers = workers;
-        (self.on_peer)(hello);
-        write_frame(
-            &mut s,
-            &Frame::Welcome {
-                info: self.info.clone(),
-                server_time_ns: (self.clock_ns)(),
-            },
-        )
+        Ok(())
     }
 }
 
@@ -461,56 +327,47 @@ pub fn handshake(
     s.set_read_timeout(Some(IO_TIMEOUT)).map_err(io_err)?;
     s.set_write_timeout(Some(IO_TIMEOUT)).map_err(io_err)?;
     s.set_nodelay(true).map_err(io_err)?;
-    let d_nonce = nonce().map_err(io_err)?;
-    let hello = Hello {
-        engine_id: engine_id.to_owned(),
+    let registration = Registration {
         tp_size,
-        nonce: to_hex(&d_nonce),
-        // Named only in the proof, once P proved the token.
-        workers: Vec::new(),
         instance,
+        workers: workers.to_vec(),
     };
-    write_frame(&mut s, &Frame::Hello(hello)).map_err(io_err)?;
-    let (p_nonce, p_proof) = match read_frame(&mut s, MAX_CHALLENGE_FRAME).map_err(io_err)? {
-        Frame::Challenge { nonce, proof } => {
-            (from_hex(&nonce).ok_or_else(|| proto("bad nonce"))?, proof)
-        }
-        Frame::Refused { message } => {
-            return Err(HandshakeError::Auth {
+    let token = token.map(str::as_bytes);
+    let served = sc::fetch(&mut s, engine_id, token, None, &registration, MAX_FRAME).map_err(
+        |e| match e {
+            sc::Error::Io(source) => io_err(source),
+            e if e.is_auth() => HandshakeError::Auth {
                 addr: addr.to_owned(),
-                message,
-            });
+                message: auth_message(&e),
+            },
+            e => HandshakeError::Protocol {
+                addr: addr.to_owned(),
+                message: e.to_string(),
+            },
+        },
+    )?;
+    let info = serde_json::from_slice(&served.welcome.payload)
+        .map_err(|e| proto(&format!("the welcome is not JSON: {e}")))?;
+    Ok(Welcome {
+        info,
+        server_time_ns: served.welcome.server_time_ns,
+    })
+}
+
+/// What D says of a token mismatch.
+fn auth_message(e: &sc::Error) -> String {
+    match e {
+        sc::Error::Protocol(sc::SideChannelError::Auth(sc::AuthError::PeerAuthFailed)) => {
+            "the prefill engine did not prove the cluster token".into()
         }
-        _ => return Err(proto("expected challenge")),
-    };
-    if !verify(token, b"kvlease-sc-p", &[&d_nonce], &p_proof) {
-        return Err(HandshakeError::Auth {
-            addr: addr.to_owned(),
-            message: "the prefill engine did not prove the cluster token".into(),
-        });
-    }
-    let proof = prove(token, b"kvlease-sc-d", &[&p_nonce, engine_id.as_bytes()]);
-    let workers = workers.iter().map(|w| to_hex(w)).collect();
-    write_frame(&mut s, &Frame::Proof { proof, workers }).map_err(io_err)?;
-    match read_frame(&mut s, MAX_FRAME).map_err(io_err)? {
-        Frame::Welcome {
-            info,
-            server_time_ns,
-        } => Ok(Welcome {
-            info,
-            server_time_ns,
-        }),
-        Frame::Refused { message } => Err(HandshakeError::Auth {
-            addr: addr.to_owned(),
-            message,
-        }),
-        _ => Err(proto("expected welcome")),
+        e => e.to_string(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
     use std::sync::Mutex;
 
     fn serve(token: Option<&str>) -> (ServerHandle, Arc<Mutex<Vec<Hello>>>) {
@@ -525,6 +382,7 @@ mod tests {
         let peers = Arc::new(Mutex::new(Vec::new()));
         let p2 = Arc::clone(&peers);
         let h = Server {
+            engine_id: "p0".into(),
             info: serde_json::json!({"engine_id": "p0", "tp_size": 2}),
             token: token.map(str::to_owned),
             on_peer: Box::new(move |hello| {
@@ -542,33 +400,40 @@ mod tests {
     }
 
     /// D names its workers (its transport metadata, its regions) only after P proved
-    /// the token: a peer posing as P sees a hello without them.
+    /// the token: a peer posing as P sees only the auth exchange's hello and proof.
     #[test]
     fn d_names_its_workers_only_after_p_proved_the_token() {
+        use kvlease_proto::auth;
+        use kvlease_proto::sidechannel::{Kind, encode_frame};
         let fake_p = TcpListener::bind("127.0.0.1:0").expect("loopback");
         let addr = fake_p.local_addr().expect("bound").to_string();
         let seen = thread::spawn(move || {
             let (mut s, _) = fake_p.accept().expect("D connects");
-            let hello = read_frame(&mut s, MAX_FRAME).expect("a frame");
-            // A challenge with a proof made without the token.
-            write_frame(
-                &mut s,
-                &Frame::Challenge {
-                    nonce: to_hex(&[7; 32]),
-                    proof: to_hex(&[0; 32]),
-                },
-            )
-            .expect("write");
-            let next = read_frame(&mut s, MAX_FRAME);
-            (hello, next.is_ok())
+            let (hello, _) = sc::read_frame(&mut s, MAX_FRAME).expect("a frame");
+            let challenge = auth::Challenge {
+                version: auth::PROTOCOL_VERSION,
+                auth_required: true,
+                nonce: [7; 32],
+                name: "p0".into(),
+            };
+            s.write_all(&encode_frame(Kind::Challenge, &challenge.encode()))
+                .expect("write");
+            let (proof, _) = sc::read_frame(&mut s, MAX_FRAME).expect("a frame");
+            // A verdict whose proof was made without the token.
+            let result = auth::AuthResult {
+                ok: true,
+                proof: Some([0; 32]),
+            };
+            s.write_all(&encode_frame(Kind::AuthResult, &result.encode()))
+                .expect("write");
+            let next = sc::read_frame(&mut s, MAX_FRAME);
+            (hello, proof, next.is_ok())
         });
         let r = handshake(&addr, Some("s3cret"), "d0", 1, &[vec![9; 64]], 1);
         assert!(matches!(r, Err(HandshakeError::Auth { .. })));
-        let (hello, sent_more) = seen.join().expect("fake P");
-        let Frame::Hello(hello) = hello else {
-            panic!("expected a hello");
-        };
-        assert!(hello.workers.is_empty(), "the hello names no worker");
+        let (hello, proof, sent_more) = seen.join().expect("fake P");
+        assert_eq!(hello, Kind::Hello, "the hello names no worker");
+        assert_eq!(proof, Kind::Proof, "the proof names no worker");
         assert!(!sent_more, "D sent nothing after P's bad proof");
     }
 
@@ -629,7 +494,9 @@ mod tests {
         let (h, peers) = serve_with(Some("t"), limits, refused.clone());
         // An announced frame over the limit: closed before anything is read or answered.
         let mut big = TcpStream::connect(h.addr).expect("connect");
-        big.write_all(&(4u32 << 20).to_be_bytes()).expect("write");
+        let mut header = vec![kvlease_proto::sidechannel::Kind::Hello as u8];
+        header.extend_from_slice(&(4u32 << 20).to_le_bytes());
+        big.write_all(&header).expect("write");
         assert!(closed_unanswered(&mut big));
         // Two silent peers take both slots; a third is closed at once and counted.
         let mut slow: Vec<TcpStream> = (0..2)
@@ -640,7 +507,9 @@ mod tests {
         assert!(closed_unanswered(&mut third));
         assert_eq!(refused.get(), 1);
         // A peer dribbling a valid-length frame is still cut off by the whole deadline.
-        slow[0].write_all(&100u32.to_be_bytes()).expect("write");
+        let mut header = vec![kvlease_proto::sidechannel::Kind::Hello as u8];
+        header.extend_from_slice(&100u32.to_le_bytes());
+        slow[0].write_all(&header).expect("write");
         let start = Instant::now();
         for s in &mut slow {
             assert!(closed_unanswered(s));

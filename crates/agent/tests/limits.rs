@@ -132,14 +132,14 @@ async fn slow_pre_auth_side_channel_connections_stay_bounded() -> Result<()> {
     wait_healthy(&c, &mut p.agent).await?;
     let pid = p.agent.proc.child.id();
     let (rss0, threads0) = rss_and_threads(pid)?;
-    // 400 connections, each announcing a frame just under the limit and sending 1 KiB of
-    // it, then holding on.
+    // 400 connections, each announcing a first frame (a hello) of the largest size allowed
+    // before auth and sending 1 KiB of it, then holding on.
     let mut held = Vec::new();
     for _ in 0..400 {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", p.side_port)) else {
             continue;
         };
-        let _ = s.write_all(&((256u32 << 10) - 1).to_be_bytes());
+        let _ = s.write_all(&side_channel_header(kvlease_proto::auth::MAX_BODY as u32));
         let _ = s.write_all(&[b' '; 1024]);
         held.push(s);
     }
@@ -189,6 +189,13 @@ async fn slow_pre_auth_side_channel_connections_stay_bounded() -> Result<()> {
     Ok(())
 }
 
+/// The header of a side-channel hello frame announcing `len` body bytes.
+fn side_channel_header(len: u32) -> Vec<u8> {
+    let mut h = vec![kvlease_proto::sidechannel::Kind::Hello as u8];
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_four_mib_side_channel_frame_before_auth_is_refused_unread() -> Result<()> {
     let mut p = spawn("sc-big", &["--auth-token", TOKEN], &[])?;
@@ -199,7 +206,7 @@ async fn a_four_mib_side_channel_frame_before_auth_is_refused_unread() -> Result
     let mut closed = 0;
     for _ in 0..50 {
         let mut s = TcpStream::connect(("127.0.0.1", p.side_port))?;
-        s.write_all(&(4u32 << 20).to_be_bytes())?;
+        s.write_all(&side_channel_header(4u32 << 20))?;
         // Offer data the server should never wait for.
         let _ = s.write_all(&[b'{'; 64 << 10]);
         if closed_within(&mut s, Duration::from_secs(3))? {

@@ -2,158 +2,66 @@
 //! engine's scheduler hands its engine info (transport metadata of every worker, KV
 //! layout, TP size, instance) to a D that proves the cluster token, and proves it back.
 //!
-//! Frames are a 4-byte big-endian length and a body.
+//! The wire format is `kvlease_proto::sidechannel`'s, the one the agents speak too (a
+//! Python P serves an agent D and the reverse), and both halves of a connection are
+//! `kvlease_transport::sidechannel`'s: the authenticated exchange of `kvlease_proto::auth`
+//! (D proves the token under its engine id, P under its own, both nonces and names bound
+//! into each proof; D checks P's proof before it sends anything else, so a peer without
+//! the token learns nothing of D), then D's registration (empty from this client), then
+//! P's welcome carrying the payload. This module keeps the listener and the PyO3 surface.
 //!
-//! 1. D → P: `MAGIC` ‖ D's 32-byte nonce.
-//! 2. P → D: P's 32-byte nonce ‖ P's proof (empty without a token):
-//!    `HMAC-SHA256(token, "kvlease-sc/p" ‖ D's nonce ‖ P's nonce)`. D checks it before
-//!    it sends anything else, so a peer without the token learns nothing of D.
-//! 3. D → P: D's proof `HMAC-SHA256(token, "kvlease-sc/d" ‖ P's nonce ‖ D's nonce)`.
-//! 4. P → D: `0` ‖ the payload, or `1` ‖ why P refused D's proof.
-//!
-//! Everything the server reads comes from a peer that has not proven the token yet: at
-//! most `max_connections` handshakes run at once (one short-lived thread each), each
-//! ends by an absolute deadline from accept, and frames before the payload are at most
-//! [`MAX_PREAUTH_FRAME`] bytes.
+//! Everything the server reads before a peer proved the token is bounded by the format
+//! (auth messages of at most `kvlease_proto::auth::MAX_BODY` bytes); at most
+//! `max_connections` handshakes run at once (one short-lived thread each) and each ends by
+//! an absolute deadline from accept. The server listens on loopback unless told otherwise,
+//! and refuses to listen beyond loopback without a token unless the caller opts out.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use hmac::{Hmac, Mac};
 use kvlease_transport::deadline::Deadlined;
+use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use sha2::Sha256;
 
 use crate::errors::{Family, invalid, raise};
 
-const MAGIC: &[u8; 6] = b"KVLSC1";
-const NONCE: usize = 32;
-/// Largest frame read before the peer proved the token.
-const MAX_PREAUTH_FRAME: usize = 1024;
+/// Largest registration a server reads (from a D that proved the token): room for the
+/// transport metadata of hundreds of TP workers.
+const MAX_REGISTRATION: usize = 256 << 10;
 /// Largest payload a client accepts.
 const MAX_PAYLOAD: usize = 64 << 20;
 /// Longest handshake or fetch timeout (a deadline past what `Instant` holds would panic).
 const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// How often the accept loop checks for `close()`.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
-
-type HmacSha256 = Hmac<Sha256>;
-
-/// Why a side-channel exchange failed.
-#[derive(Debug, thiserror::Error)]
-enum SideChannelError {
-    #[error("side channel IO failed")]
-    Io(#[from] io::Error),
-    #[error("the peer broke the side-channel protocol: {0}")]
-    Protocol(&'static str),
-    #[error("the server did not prove the cluster token")]
-    ServerAuth,
-    #[error("the server refused our proof: {0}")]
-    TokenRefused(String),
-    #[error("random source failed: {0}")]
-    Random(getrandom::Error),
-}
-
-impl SideChannelError {
-    fn is_auth(&self) -> bool {
-        matches!(self, Self::ServerAuth | Self::TokenRefused(_))
-    }
-}
-
-fn proof(token: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Vec<u8> {
-    // HMAC accepts keys of any length.
-    let Ok(mut mac) = HmacSha256::new_from_slice(token) else {
-        return Vec::new();
-    };
-    mac.update(label);
-    mac.update(first);
-    mac.update(second);
-    mac.finalize().into_bytes().to_vec()
-}
-
-fn verify(token: &[u8], label: &[u8], first: &[u8], second: &[u8], got: &[u8]) -> bool {
-    let Ok(mut mac) = HmacSha256::new_from_slice(token) else {
-        return false;
-    };
-    mac.update(label);
-    mac.update(first);
-    mac.update(second);
-    mac.verify_slice(got).is_ok()
-}
-
-fn write_frame(s: &mut impl Write, body: &[u8]) -> io::Result<()> {
-    let len =
-        u32::try_from(body.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let mut buf = Vec::with_capacity(4 + body.len());
-    buf.extend_from_slice(&len.to_be_bytes());
-    buf.extend_from_slice(body);
-    s.write_all(&buf)
-}
-
-fn read_frame(s: &mut impl Read, max: usize) -> Result<Vec<u8>, SideChannelError> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_be_bytes(len) as usize;
-    if len > max {
-        return Err(SideChannelError::Protocol("frame too long"));
-    }
-    // Grows with the bytes that arrive: announcing a large length costs the peer as much.
-    let mut body = Vec::new();
-    s.take(len as u64).read_to_end(&mut body)?;
-    if body.len() != len {
-        return Err(SideChannelError::Protocol("frame cut short"));
-    }
-    Ok(body)
-}
-
-fn nonce() -> Result<[u8; NONCE], SideChannelError> {
-    let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(SideChannelError::Random)?;
-    Ok(n)
-}
+/// The engine id of a server or client whose caller names none.
+const DEFAULT_ENGINE_ID: &str = "kvlease-python";
 
 /// The client's half: fetch the payload of the server at `addr`.
 fn fetch(
     addr: SocketAddr,
+    engine_id: &str,
     token: Option<&[u8]>,
     timeout: Duration,
-) -> Result<Vec<u8>, SideChannelError> {
+) -> Result<Vec<u8>, sc::Error> {
     // The whole exchange, connect included, ends by one deadline.
     let deadline = Instant::now() + timeout;
     let mut s = Deadlined::new(TcpStream::connect_timeout(&addr, timeout)?, deadline);
     s.get_ref().set_nodelay(true)?;
-    let mine = nonce()?;
-    let mut hello = MAGIC.to_vec();
-    hello.extend_from_slice(&mine);
-    write_frame(&mut s, &hello)?;
-    let challenge = read_frame(&mut s, MAX_PREAUTH_FRAME)?;
-    if challenge.len() < NONCE {
-        return Err(SideChannelError::Protocol("short challenge"));
-    }
-    let (theirs, their_proof) = challenge.split_at(NONCE);
-    let my_proof = match token {
-        Some(token) => {
-            if !verify(token, b"kvlease-sc/p", &mine, theirs, their_proof) {
-                return Err(SideChannelError::ServerAuth);
-            }
-            proof(token, b"kvlease-sc/d", theirs, &mine)
-        }
-        None => Vec::new(),
-    };
-    write_frame(&mut s, &my_proof)?;
-    let answer = read_frame(&mut s, MAX_PAYLOAD + 1)?;
-    match answer.split_first() {
-        Some((0, payload)) => Ok(payload.to_vec()),
-        Some((_, message)) => Err(SideChannelError::TokenRefused(
-            String::from_utf8_lossy(message).into_owned(),
-        )),
-        None => Err(SideChannelError::Protocol("empty answer")),
-    }
+    let served = sc::fetch(
+        &mut s,
+        engine_id,
+        token,
+        None,
+        &Registration::default(),
+        MAX_PAYLOAD,
+    )?;
+    Ok(served.welcome.payload)
 }
 
 #[derive(Debug, Default)]
@@ -165,6 +73,7 @@ struct Counters {
 }
 
 struct Shared {
+    engine_id: String,
     token: Option<Vec<u8>>,
     payload: Mutex<Arc<Vec<u8>>>,
     stop: AtomicBool,
@@ -175,49 +84,33 @@ struct Shared {
 }
 
 /// The server's half of one handshake.
-fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), SideChannelError> {
-    let hello = read_frame(&mut s, MAX_PREAUTH_FRAME)?;
-    let Some(theirs) = hello.strip_prefix(MAGIC.as_slice()) else {
-        return Err(SideChannelError::Protocol("bad magic"));
+fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), sc::Error> {
+    let outcome = sc::serve(
+        &mut s,
+        &shared.engine_id,
+        shared.token.as_deref(),
+        MAX_REGISTRATION,
+        |_| sc::Welcome {
+            server_time_ns: SystemTime::UNIX_EPOCH
+                .elapsed()
+                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+            payload: {
+                // Copied without the lock held.
+                let payload = Arc::clone(
+                    &shared
+                        .payload
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner),
+                );
+                payload.to_vec()
+            },
+        },
+    )?;
+    let counter = match outcome {
+        Outcome::Welcomed(_) => &shared.counters.served,
+        Outcome::Refused { .. } => &shared.counters.refused,
     };
-    if theirs.len() != NONCE {
-        return Err(SideChannelError::Protocol("bad nonce"));
-    }
-    let mine = nonce()?;
-    let mut challenge = mine.to_vec();
-    if let Some(token) = &shared.token {
-        challenge.extend_from_slice(&proof(token, b"kvlease-sc/p", theirs, &mine));
-    }
-    write_frame(&mut s, &challenge)?;
-    let their_proof = read_frame(&mut s, MAX_PREAUTH_FRAME)?;
-    let refusal = match &shared.token {
-        Some(_) if their_proof.is_empty() => Some("this engine requires the cluster token"),
-        Some(token) if !verify(token, b"kvlease-sc/d", &mine, theirs, &their_proof) => {
-            Some("wrong cluster token")
-        }
-        None if !their_proof.is_empty() => {
-            Some("this engine has no cluster token but the peer sent a proof of one")
-        }
-        _ => None,
-    };
-    if let Some(message) = refusal {
-        shared.counters.refused.fetch_add(1, Ordering::Relaxed);
-        let mut answer = vec![1u8];
-        answer.extend_from_slice(message.as_bytes());
-        write_frame(&mut s, &answer)?;
-        return Ok(());
-    }
-    let payload = Arc::clone(
-        &shared
-            .payload
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner),
-    );
-    let mut answer = Vec::with_capacity(1 + payload.len());
-    answer.push(0);
-    answer.extend_from_slice(&payload);
-    write_frame(&mut s, &answer)?;
-    shared.counters.served.fetch_add(1, Ordering::Relaxed);
+    counter.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
@@ -277,9 +170,12 @@ pub(crate) struct SideChannelServer {
 
 #[pymethods]
 impl SideChannelServer {
-    /// Listens on `listen` (`"host:port"`, port 0: any free port) and serves `payload`.
+    /// Listens on `listen` (`"host:port"`, port 0: any free port; loopback by default)
+    /// and serves `payload` as the engine `engine_id`. Without a token, a `listen` address
+    /// beyond loopback is refused unless `allow_unauthenticated` says so.
     #[new]
-    #[pyo3(signature = (payload, *, token = None, listen = "0.0.0.0:0", max_connections = 64, handshake_timeout = 10.0))]
+    #[pyo3(signature = (payload, *, token = None, listen = "127.0.0.1:0", max_connections = 64, handshake_timeout = 10.0, engine_id = DEFAULT_ENGINE_ID, allow_unauthenticated = false))]
+    #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
         py: Python<'_>,
         payload: Vec<u8>,
@@ -287,16 +183,30 @@ impl SideChannelServer {
         listen: &str,
         max_connections: usize,
         handshake_timeout: f64,
+        engine_id: &str,
+        allow_unauthenticated: bool,
     ) -> PyResult<Self> {
         if token.as_ref().is_some_and(Vec::is_empty) {
             return Err(invalid(py, "the cluster token must not be empty"));
         }
+        kvlease_proto::auth::check_name(engine_id)
+            .map_err(|e| invalid(py, format!("engine_id: {e}")))?;
         if payload.len() > MAX_PAYLOAD {
             return Err(invalid(py, "the payload exceeds 64 MiB"));
         }
         let addr: SocketAddr = listen
             .parse()
             .map_err(|e| invalid(py, format!("listen address {listen:?}: {e}")))?;
+        if token.is_none() && !addr.ip().is_loopback() && !allow_unauthenticated {
+            return Err(invalid(
+                py,
+                format!(
+                    "listening on {addr} without a cluster token would serve the payload to \
+                     anyone who can reach it: set a token, listen on loopback, or pass \
+                     allow_unauthenticated=True"
+                ),
+            ));
+        }
         let deadline = Duration::try_from_secs_f64(handshake_timeout)
             .ok()
             .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
@@ -308,6 +218,7 @@ impl SideChannelServer {
             .local_addr()
             .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
         let shared = Arc::new(Shared {
+            engine_id: engine_id.to_owned(),
             token,
             payload: Mutex::new(Arc::new(payload)),
             stop: AtomicBool::new(false),
@@ -399,18 +310,21 @@ impl Drop for SideChannelServer {
     }
 }
 
-/// Fetches the payload of the side channel at `host:port`, proving `token` (and
-/// checking the server proves it too). Releases the GIL. Raises `AuthError` for a token
-/// mismatch and `SideChannelError` otherwise.
+/// Fetches the payload of the side channel at `host:port` as the engine `engine_id`,
+/// proving `token` (and checking the server proves it too). Releases the GIL. Raises
+/// `AuthError` for a token mismatch and `SideChannelError` otherwise.
 #[pyfunction]
-#[pyo3(signature = (host, port, *, token = None, timeout = 5.0))]
+#[pyo3(signature = (host, port, *, token = None, timeout = 5.0, engine_id = DEFAULT_ENGINE_ID))]
 pub(crate) fn side_channel_fetch<'py>(
     py: Python<'py>,
     host: &str,
     port: u16,
     token: Option<Vec<u8>>,
     timeout: f64,
+    engine_id: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
+    kvlease_proto::auth::check_name(engine_id)
+        .map_err(|e| invalid(py, format!("engine_id: {e}")))?;
     let timeout = Duration::try_from_secs_f64(timeout)
         .ok()
         .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
@@ -423,7 +337,7 @@ pub(crate) fn side_channel_fetch<'py>(
                 .map_err(|e| format!("resolving {host}:{port}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("{host}:{port} resolves to nothing"))?;
-            Ok((addr, fetch(addr, token.as_deref(), timeout)))
+            Ok((addr, fetch(addr, engine_id, token.as_deref(), timeout)))
         })
         .map_err(|message: String| raise(py, Family::SideChannel, message))?;
     match result {

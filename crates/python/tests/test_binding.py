@@ -336,7 +336,8 @@ def test_a_side_channel_handshake_ends_by_its_deadline_while_a_peer_trickles_byt
     try:
         with socket.create_connection(("127.0.0.1", server.port)) as s:
             s.settimeout(0.05)
-            s.sendall(struct.pack(">I", 1000))  # a first frame that takes 50 s at this pace
+            # A side-channel hello header (kind 21, length LE) whose body takes 50 s at this pace.
+            s.sendall(struct.pack("<BI", 21, 1000))
             started = time.monotonic()
             closed = False
             while not closed and time.monotonic() - started < 10:
@@ -355,3 +356,21 @@ def test_a_side_channel_handshake_ends_by_its_deadline_while_a_peer_trickles_byt
         assert server.stats()["failed"] == 1 and server.stats()["served"] == 0
     finally:
         server.close()
+
+
+def test_a_side_channel_server_listens_on_loopback_and_beyond_it_only_with_a_token():
+    server = kvlease.SideChannelServer(b"info")
+    try:
+        assert server.address.startswith("127.0.0.1:")
+        assert kvlease.side_channel_fetch("127.0.0.1", server.port) == b"info"
+    finally:
+        server.close()
+    # Every interface without a token: refused, unless the caller opts out explicitly.
+    with pytest.raises(kvlease.InvalidArgument, match="allow_unauthenticated"):
+        kvlease.SideChannelServer(b"info", listen="0.0.0.0:0")
+    for kwargs in ({"token": TOKEN}, {"allow_unauthenticated": True}):
+        server = kvlease.SideChannelServer(b"info", listen="0.0.0.0:0", **kwargs)
+        try:
+            assert server.address.startswith("0.0.0.0:")
+        finally:
+            server.close()

@@ -53,6 +53,7 @@ mod error;
 pub mod metadata;
 mod notify;
 mod shm;
+pub mod sidechannel;
 mod tcp;
 
 // `unsafe` is allowed only in three verbs modules, each with its own

@@ -504,9 +504,11 @@ class SideChannelServer:
         payload: bytes,
         *,
         token: bytes | None = None,
-        listen: str = "0.0.0.0:0",
+        listen: str = "127.0.0.1:0",
         max_connections: int = 64,
         handshake_timeout: float = 10.0,
+        engine_id: str = "kvlease-python",
+        allow_unauthenticated: bool = False,
     ) -> None: ...
     @property
     def port(self) -> int: ...
@@ -517,5 +519,10 @@ class SideChannelServer:
     def close(self) -> None: ...
 
 def side_channel_fetch(
-    host: str, port: int, *, token: bytes | None = None, timeout: float = 5.0
+    host: str,
+    port: int,
+    *,
+    token: bytes | None = None,
+    timeout: float = 5.0,
+    engine_id: str = "kvlease-python",
 ) -> bytes: ...

@@ -350,7 +350,7 @@ fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<
     wire::client_handshake(
         s,
         wire::SHM_ROLES,
-        &0u16.to_le_bytes(),
+        0,
         &inner.name,
         inner.token.as_deref(),
         &meta.name,

@@ -13,11 +13,12 @@ use std::thread::JoinHandle;
 use kvlease_gpu_mem::{
     DmaRegion, HostRegion, HugePagePolicy, RegionBytes, RingReader, send_with_fds,
 };
+use kvlease_proto::auth::ServerAuth;
 
 use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
 use crate::agent::{Inner, bump, lock};
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
-use crate::tcp::wire::{self, Body, FrameError};
+use crate::tcp::wire::{self, FrameError};
 
 /// The Unix-socket connections being served, shut down when the agent stops.
 #[derive(Debug, Default)]
@@ -256,34 +257,19 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     s.set_write_timeout(Some(inner.limits.handshake_timeout))?;
     let (_, len) = wire::read_header(&mut s, &[wire::HELLO], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
-    let mut b = Body(&body);
-    let version = b.u16()?;
-    let _conn_index = b.u16()?;
-    let client_nonce = b.nonce()?;
-    let client_name = b.name()?;
-    b.finish()?;
     let server_nonce = wire::random_nonce().map_err(|e| io::Error::other(e.to_string()))?;
-    let extra = [u8::from(inner.token.is_some())];
-    s.write_all(&wire::frame(
-        wire::CHALLENGE,
-        &wire::hello_body(&extra, &server_nonce, &inner.name),
-    ))?;
-    if version != wire::PROTOCOL_VERSION {
-        return Err(FrameError::Malformed(format!("protocol version {version}")));
-    }
+    let challenged = ServerAuth::new(
+        wire::SHM_ROLES,
+        server_nonce,
+        &inner.name,
+        inner.token.as_deref(),
+    )
+    .on_hello(&body)?;
+    s.write_all(&wire::frame(wire::CHALLENGE, &challenged.reply))?;
+    let auth = challenged.into_waiting()?;
     let (_, len) = wire::read_header(&mut s, &[wire::PROOF], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
-    let mut b = Body(&body);
-    let proof = b.proof()?;
-    b.finish()?;
-    let exchange = wire::Exchange {
-        roles: wire::SHM_ROLES,
-        server_nonce: &server_nonce,
-        client_nonce: &client_nonce,
-        client_name: &client_name,
-        server_name: &inner.name,
-    };
-    let ok = crate::tcp::server::answer_client_proof(inner, &exchange, proof, &mut s)?;
+    let (ok, client_name) = crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s)?;
     if !ok {
         tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
         return Ok(());

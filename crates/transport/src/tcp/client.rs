@@ -280,7 +280,7 @@ fn handshake(
     wire::client_handshake(
         stream,
         wire::TCP_ROLES,
-        &index.to_le_bytes(),
+        index,
         &inner.name,
         inner.token.as_deref(),
         &meta.name,

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
+use kvlease_proto::auth::{AwaitingProof, ServerAuth};
 
 use super::notif::Handoff;
 use super::wire::{self, Body, FrameError};
@@ -158,9 +159,7 @@ enum Phase {
     Hello,
     /// CHALLENGE sent, waiting for PROOF.
     Proof {
-        client_nonce: wire::Nonce,
-        server_nonce: wire::Nonce,
-        client_name: String,
+        auth: AwaitingProof,
         /// The HELLO marked the notification connection.
         notif_conn: bool,
     },
@@ -202,49 +201,28 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
         let mut b = Body(&body);
         match ty {
             wire::HELLO => {
-                let version = b.u16()?;
-                let conn_index = b.u16()?;
-                let client_nonce = b.nonce()?;
-                let client_name = b.name()?;
-                b.finish()?;
                 let server_nonce =
                     wire::random_nonce().map_err(|e| io::Error::other(e.to_string()))?;
-                let extra = [u8::from(inner.token.is_some())];
-                out.write_all(&wire::frame(
-                    wire::CHALLENGE,
-                    &wire::hello_body(&extra, &server_nonce, &inner.name),
-                ))?;
-                if version != wire::PROTOCOL_VERSION {
-                    // The client sees our version in the CHALLENGE and gives up.
-                    return Err(FrameError::Malformed(format!("protocol version {version}")));
-                }
-                phase = Phase::Proof {
-                    client_nonce,
+                let challenged = ServerAuth::new(
+                    wire::TCP_ROLES,
                     server_nonce,
-                    client_name,
-                    notif_conn: conn_index == wire::NOTIF_CONN_INDEX,
-                };
+                    &inner.name,
+                    inner.token.as_deref(),
+                )
+                .on_hello(&body)?;
+                out.write_all(&wire::frame(wire::CHALLENGE, &challenged.reply))?;
+                let notif_conn = challenged.hello.extra == wire::NOTIF_CONN_INDEX;
+                // The client sees our version in the CHALLENGE and gives up.
+                let auth = challenged.into_waiting()?;
+                phase = Phase::Proof { auth, notif_conn };
             }
             wire::PROOF => {
-                let proof = b.proof()?;
-                b.finish()?;
-                let Phase::Proof {
-                    client_nonce,
-                    server_nonce,
-                    client_name,
-                    notif_conn,
-                } = std::mem::replace(&mut phase, Phase::Rejected)
+                let Phase::Proof { auth, notif_conn } =
+                    std::mem::replace(&mut phase, Phase::Rejected)
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
                 };
-                let exchange = wire::Exchange {
-                    roles: wire::TCP_ROLES,
-                    server_nonce: &server_nonce,
-                    client_nonce: &client_nonce,
-                    client_name: &client_name,
-                    server_name: &inner.name,
-                };
-                let ok = answer_client_proof(inner, &exchange, proof, &mut out)?;
+                let (ok, client_name) = answer_client_proof(inner, auth, &body, &mut out)?;
                 if ok && notif_conn {
                     // The peer sends nothing between its PROOF and our AUTH_RESULT, but
                     // whatever the buffer holds goes along.
@@ -388,22 +366,20 @@ fn serve_read(
     Ok(())
 }
 
-/// The server's side of a client's token proof: checks `given`, counts a failure
-/// (before answering, so a peer that sees the refusal sees it counted too), and writes
-/// the `AUTH_RESULT` frame with the server's own proof. Returns whether the proof held.
+/// The server's side of a client's token proof (the `PROOF` body `given`): checks it,
+/// counts a failure (before answering, so a peer that sees the refusal sees it counted
+/// too), and writes the `AUTH_RESULT` frame with the server's own proof. Returns whether
+/// the proof held, and the client's name.
 pub(crate) fn answer_client_proof(
     inner: &Inner,
-    exchange: &wire::Exchange<'_>,
-    given: Option<[u8; 32]>,
+    auth: AwaitingProof,
+    given: &[u8],
     out: &mut impl Write,
-) -> io::Result<bool> {
-    let (ok, answer) = exchange.check_client(inner.token.as_deref(), given);
-    if !ok {
+) -> Result<(bool, String), FrameError> {
+    let verdict = auth.on_proof(given)?;
+    if !verdict.ok {
         bump(&inner.counters.auth_failures);
     }
-    out.write_all(&wire::frame(
-        wire::AUTH_RESULT,
-        &wire::proof_body(Some(u8::from(ok)), answer.as_ref()),
-    ))?;
-    Ok(ok)
+    out.write_all(&wire::frame(wire::AUTH_RESULT, &verdict.reply))?;
+    Ok((verdict.ok, verdict.client_name))
 }

@@ -30,19 +30,22 @@
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
 //! `shm-server` in the proofs (see the `shm` module).
 //!
-//! Proofs are HMAC-SHA256 under the cluster token: the client proves
-//! `"kvlease-tcp-v1 client" ‖ server nonce ‖ client nonce ‖ client name ‖ 0 ‖ server name`,
-//! the server answers with `"kvlease-tcp-v1 server" ‖ client nonce ‖ server nonce ‖ server
-//! name ‖ 0 ‖ client name`. Both nonces are fresh per connection, so a recorded proof is
-//! worthless on another connection.
+//! The bodies of types 1 to 4, the proofs and their role labels are
+//! `kvlease_proto::auth`'s, the one exchange every kvlease connection runs: the client
+//! proves `"kvlease-tcp-v1 client" ‖ server nonce ‖ client nonce ‖ client name ‖ 0 ‖
+//! server name`, the server answers with `"kvlease-tcp-v1 server" ‖ client nonce ‖
+//! server nonce ‖ server name ‖ 0 ‖ client name`. Both nonces are fresh per connection,
+//! so a recorded proof is worthless on another connection. This module keeps the frame
+//! header and the frames of the other types.
 
 use std::io::{self, Read, Write};
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use kvlease_proto::auth::{self, AuthError, ClientAuth, Roles};
 
-/// Protocol version spoken in `HELLO` / `CHALLENGE`.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+pub(crate) use kvlease_proto::auth::{Nonce, PROTOCOL_VERSION};
+/// The verbs backend's connection setup proves with the same HMAC.
+#[cfg(feature = "verbs")]
+pub(crate) use kvlease_proto::auth::{proof, proofs_equal};
 
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const CHALLENGE: u8 = 2;
@@ -79,9 +82,7 @@ pub(crate) const READ_RESP_LEN: usize = 16;
 /// Body of a `READ_ERR`.
 pub(crate) const READ_ERR_LEN: usize = 9;
 /// Largest control body besides notifications (HELLO with a 64 KiB name is refused).
-pub(crate) const MAX_CONTROL_BODY: usize = 2 + 2 + 32 + 2 + 1024;
-
-pub(crate) type Nonce = [u8; 32];
+pub(crate) const MAX_CONTROL_BODY: usize = auth::MAX_BODY;
 
 /// A frame that breaks the format: the connection is closed and the event counted.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +91,13 @@ pub(crate) enum FrameError {
     Io(#[from] io::Error),
     #[error("malformed frame: {0}")]
     Malformed(String),
+}
+
+/// A malformed handshake body (or a peer of another version) breaks the format.
+impl From<AuthError> for FrameError {
+    fn from(e: AuthError) -> Self {
+        Self::Malformed(e.to_string())
+    }
 }
 
 /// Reads one header, checking the type against `allowed` and the length against `max`.
@@ -142,35 +150,10 @@ impl Body<'_> {
     pub(crate) fn u8(&mut self) -> Result<u8, FrameError> {
         Ok(self.take(1)?[0])
     }
-    pub(crate) fn u16(&mut self) -> Result<u16, FrameError> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
     pub(crate) fn u64(&mut self) -> Result<u64, FrameError> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(a))
-    }
-    pub(crate) fn nonce(&mut self) -> Result<Nonce, FrameError> {
-        let mut a = [0u8; 32];
-        a.copy_from_slice(self.take(32)?);
-        Ok(a)
-    }
-    pub(crate) fn name(&mut self) -> Result<String, FrameError> {
-        let n = self.u16()? as usize;
-        let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| FrameError::Malformed("name is not UTF-8".into()))
-    }
-    pub(crate) fn proof(&mut self) -> Result<Option<[u8; 32]>, FrameError> {
-        match self.u8()? {
-            0 => Ok(None),
-            32 => {
-                let mut a = [0u8; 32];
-                a.copy_from_slice(self.take(32)?);
-                Ok(Some(a))
-            }
-            n => Err(FrameError::Malformed(format!("proof of {n} bytes"))),
-        }
     }
     pub(crate) fn finish(&self) -> Result<(), FrameError> {
         if self.0.is_empty() {
@@ -185,33 +168,6 @@ pub(crate) fn read_body(r: &mut impl Read, len: usize) -> Result<Vec<u8>, FrameE
     let mut b = vec![0u8; len];
     r.read_exact(&mut b)?;
     Ok(b)
-}
-
-/// `HELLO` / `CHALLENGE` bodies.
-pub(crate) fn hello_body(extra: &[u8], nonce: &Nonce, name: &str) -> Vec<u8> {
-    let mut b = Vec::with_capacity(2 + extra.len() + 32 + 2 + name.len());
-    b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    b.extend_from_slice(extra);
-    b.extend_from_slice(nonce);
-    // Names are checked to be at most 1024 bytes when the agent is built.
-    b.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    b.extend_from_slice(name.as_bytes());
-    b
-}
-
-pub(crate) fn proof_body(ok: Option<u8>, proof: Option<&[u8; 32]>) -> Vec<u8> {
-    let mut b = Vec::with_capacity(34);
-    if let Some(ok) = ok {
-        b.push(ok);
-    }
-    match proof {
-        Some(p) => {
-            b.push(32);
-            b.extend_from_slice(p);
-        }
-        None => b.push(0),
-    }
-    b
 }
 
 pub(crate) fn read_req(
@@ -251,47 +207,11 @@ pub(crate) fn random_nonce() -> Result<Nonce, getrandom::Error> {
     Ok(n)
 }
 
-/// The proof for `role` (`b"client"` or `b"server"`).
-pub(crate) fn proof(
-    token: &[u8],
-    role: &[u8],
-    first: &Nonce,
-    second: &Nonce,
-    own_name: &str,
-    peer_name: &str,
-) -> [u8; 32] {
-    // HMAC accepts keys of any length.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).unwrap_or_else(|_| unreachable!());
-    mac.update(b"kvlease-tcp-v1 ");
-    mac.update(role);
-    mac.update(first);
-    mac.update(second);
-    mac.update(own_name.as_bytes());
-    mac.update(&[0]);
-    mac.update(peer_name.as_bytes());
-    mac.finalize().into_bytes().into()
-}
-
-/// The role labels of one kind of handshake: the client proves with `client`, the server
-/// answers with `server`. Distinct labels per kind keep a proof of one kind from being
-/// replayed in another.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Roles {
-    pub(crate) client: &'static [u8],
-    pub(crate) server: &'static [u8],
-}
-
 /// The TCP data connection's handshake.
-pub(crate) const TCP_ROLES: Roles = Roles {
-    client: b"client",
-    server: b"server",
-};
+pub(crate) const TCP_ROLES: Roles = auth::TCP_ROLES;
 
 /// The shared-memory socket's handshake.
-pub(crate) const SHM_ROLES: Roles = Roles {
-    client: b"shm-client",
-    server: b"shm-server",
-};
+pub(crate) const SHM_ROLES: Roles = auth::SHM_ROLES;
 
 /// Why the connecting side's half of the handshake ([`client_handshake`]) failed; each
 /// backend maps it to its own error type.
@@ -317,6 +237,18 @@ impl From<FrameError> for ClientAuthError {
     }
 }
 
+impl From<AuthError> for ClientAuthError {
+    fn from(e: AuthError) -> Self {
+        match e {
+            AuthError::Version(v) => Self::Version(v),
+            AuthError::WrongName(name) => Self::WrongName(name),
+            AuthError::Rejected => Self::Rejected,
+            AuthError::PeerAuthFailed => Self::PeerAuthFailed,
+            malformed => Self::Frame(malformed.into()),
+        }
+    }
+}
+
 impl From<io::Error> for ClientAuthError {
     fn from(e: io::Error) -> Self {
         Self::Frame(FrameError::Io(e))
@@ -329,123 +261,25 @@ impl From<io::Error> for ClientAuthError {
 pub(crate) fn client_handshake(
     mut s: impl Read + Write,
     roles: Roles,
-    extra: &[u8],
+    extra: u16,
     name: &str,
     token: Option<&[u8]>,
     expected: &str,
 ) -> Result<(), ClientAuthError> {
     let client_nonce = random_nonce().map_err(ClientAuthError::Random)?;
-    s.write_all(&frame(HELLO, &hello_body(extra, &client_nonce, name)))?;
+    let client = ClientAuth::new(roles, extra, client_nonce, name, token, Some(expected));
+    s.write_all(&frame(HELLO, &client.hello()))?;
     let (_, len) = read_header(&mut s, &[CHALLENGE], |_| MAX_CONTROL_BODY)?;
     let body = read_body(&mut s, len)?;
-    let mut b = Body(&body);
-    let version = b.u16()?;
-    if version != PROTOCOL_VERSION {
-        return Err(ClientAuthError::Version(version));
-    }
-    let auth_required = b.u8()? != 0;
-    let server_nonce = b.nonce()?;
-    let server_name = b.name()?;
-    b.finish()?;
-    if server_name != expected {
-        return Err(ClientAuthError::WrongName(server_name));
-    }
-    let exchange = Exchange {
-        roles,
-        server_nonce: &server_nonce,
-        client_nonce: &client_nonce,
-        client_name: name,
-        server_name: &server_name,
-    };
-    let proof = exchange.client_proof(token);
-    s.write_all(&frame(PROOF, &proof_body(None, proof.as_ref())))?;
+    let (client, proof) = client.on_challenge(&body)?;
+    s.write_all(&frame(PROOF, &proof))?;
     let (_, len) = read_header(&mut s, &[AUTH_RESULT], |_| MAX_CONTROL_BODY)?;
     let body = read_body(&mut s, len)?;
-    let mut b = Body(&body);
-    let ok = b.u8()? != 0;
-    let answer = b.proof()?;
-    b.finish()?;
-    if !ok {
-        return Err(ClientAuthError::Rejected);
-    }
-    if token.is_some() && (!auth_required || !exchange.check_server(token, answer)) {
-        return Err(ClientAuthError::PeerAuthFailed);
-    }
+    client.on_result(&body)?;
     Ok(())
-}
-
-/// One handshake's identities, as the client sees them: the nonces and names of both
-/// sides.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Exchange<'a> {
-    pub(crate) roles: Roles,
-    pub(crate) server_nonce: &'a Nonce,
-    pub(crate) client_nonce: &'a Nonce,
-    pub(crate) client_name: &'a str,
-    pub(crate) server_name: &'a str,
-}
-
-impl Exchange<'_> {
-    /// The client's proof (`None` without a token).
-    pub(crate) fn client_proof(&self, token: Option<&[u8]>) -> Option<[u8; 32]> {
-        token.map(|t| {
-            proof(
-                t,
-                self.roles.client,
-                self.server_nonce,
-                self.client_nonce,
-                self.client_name,
-                self.server_name,
-            )
-        })
-    }
-
-    /// The server's answer proof (`None` without a token).
-    pub(crate) fn server_proof(&self, token: Option<&[u8]>) -> Option<[u8; 32]> {
-        token.map(|t| {
-            proof(
-                t,
-                self.roles.server,
-                self.client_nonce,
-                self.server_nonce,
-                self.server_name,
-                self.client_name,
-            )
-        })
-    }
-
-    /// Server side: whether the client's `given` proof holds (always, without a token)
-    /// and, when it does, the answer proof to send back.
-    pub(crate) fn check_client(
-        &self,
-        token: Option<&[u8]>,
-        given: Option<[u8; 32]>,
-    ) -> (bool, Option<[u8; 32]>) {
-        match self.client_proof(token) {
-            None => (true, None),
-            Some(want) => {
-                let ok = given.is_some_and(|p| proofs_equal(&p, &want));
-                (ok, ok.then(|| self.server_proof(token)).flatten())
-            }
-        }
-    }
-
-    /// Client side: whether the server's `given` answer proof holds (`false` without a
-    /// token: nothing to check).
-    pub(crate) fn check_server(&self, token: Option<&[u8]>, given: Option<[u8; 32]>) -> bool {
-        match (self.server_proof(token), given) {
-            (Some(want), Some(got)) => proofs_equal(&got, &want),
-            _ => false,
-        }
-    }
 }
 
 /// Comparison of region keys without an early exit.
 pub(crate) fn keys_equal(a: u64, b: u64) -> bool {
     (a ^ b) == 0
-}
-
-/// Constant-time comparison of two proofs.
-pub(crate) fn proofs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

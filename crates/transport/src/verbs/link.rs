@@ -43,8 +43,8 @@ const ACCEPT: &[u8; 4] = b"KVVA";
 const REFUSE: &[u8; 4] = b"KVVE";
 const CHALLENGE: &[u8; 4] = b"KVVN";
 const PROOF: &[u8; 4] = b"KVVP";
-const CLIENT_ROLE: &[u8] = b"verbs-client";
-const SERVER_ROLE: &[u8] = b"verbs-server";
+const CLIENT_ROLE: &[u8] = kvlease_proto::auth::VERBS_ROLES.client;
+const SERVER_ROLE: &[u8] = kvlease_proto::auth::VERBS_ROLES.server;
 const INFO_LEN: usize = 40;
 /// Fence words per link (8 bytes each): batches with a fence in flight at once.
 const FENCE_SLOTS: u32 = 512;
