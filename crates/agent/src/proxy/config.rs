@@ -26,7 +26,7 @@ pub enum ProxyError {
         /// `--prefill` or `--decode`.
         flag: &'static str,
     },
-    /// A timeout flag is zero or absurd.
+    /// A timeout or limit flag is zero or absurd.
     #[error("{flag}: {reason}")]
     BadTimeout {
         /// The flag.
@@ -75,10 +75,21 @@ pub struct ProxyArgs {
     /// otherwise an agent may close a pooled connection just as the proxy sends on it.
     #[arg(long, allow_negative_numbers = true, default_value_t = 4000)]
     pub upstream_idle_timeout_ms: u64,
+    /// Largest upstream answer the proxy reads whole, in bytes: P's answer (parsed for its
+    /// kv_transfer_params) and D's non-streamed answer. A larger one (announced or sent)
+    /// is a 502 naming this flag; D's streamed answers are passed through unbuffered.
+    #[arg(long, default_value_t = DEFAULT_MAX_UPSTREAM_BODY_BYTES)]
+    pub max_upstream_body_bytes: usize,
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
+
+/// Default of `--max-upstream-body-bytes`: 64 MiB.
+const DEFAULT_MAX_UPSTREAM_BODY_BYTES: usize = 64 << 20;
+
+/// Most `--max-upstream-body-bytes` accepts: 1 GiB.
+const MAX_UPSTREAM_BODY_LIMIT: usize = 1 << 30;
 
 /// A validated proxy configuration.
 #[derive(Debug, Clone)]
@@ -93,6 +104,8 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// See [`ProxyArgs::upstream_idle_timeout_ms`].
     pub upstream_idle_timeout: Duration,
+    /// See [`ProxyArgs::max_upstream_body_bytes`].
+    pub max_upstream_body_bytes: usize,
 }
 
 fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
@@ -125,8 +138,9 @@ impl ProxyArgs {
     /// Checks the flags and builds the configuration.
     ///
     /// # Errors
-    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, or a
-    /// timeout that is zero, not finite or over a day.
+    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, a
+    /// timeout that is zero, not finite or over a day, or a body limit that is zero or
+    /// over 1 GiB.
     pub fn config(&self) -> Result<ProxyConfig, ProxyError> {
         if self.port == 0 {
             return Err(ProxyError::BadTimeout {
@@ -156,12 +170,24 @@ impl ProxyArgs {
                 reason: format!("must be 1..=600000, got {}", self.upstream_idle_timeout_ms),
             });
         }
+        if self.max_upstream_body_bytes == 0
+            || self.max_upstream_body_bytes > MAX_UPSTREAM_BODY_LIMIT
+        {
+            return Err(ProxyError::BadTimeout {
+                flag: "--max-upstream-body-bytes",
+                reason: format!(
+                    "must be 1..={MAX_UPSTREAM_BODY_LIMIT}, got {}",
+                    self.max_upstream_body_bytes
+                ),
+            });
+        }
         Ok(ProxyConfig {
             prefill: parse_upstreams("--prefill", &self.prefill)?,
             decode: parse_upstreams("--decode", &self.decode)?,
             timeout,
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
+            max_upstream_body_bytes: self.max_upstream_body_bytes,
         })
     }
 }

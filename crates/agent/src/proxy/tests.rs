@@ -76,6 +76,14 @@ fn flags_are_checked_and_errors_name_them() {
             "--upstream-idle-timeout-ms: must be 1..=600000",
         ),
         (&["http://x:1", "--port", "0"][..], "--port"),
+        (
+            &["http://x:1", "--max-upstream-body-bytes", "0"][..],
+            "--max-upstream-body-bytes: must be 1..=1073741824, got 0",
+        ),
+        (
+            &["http://x:1", "--max-upstream-body-bytes", "1073741825"][..],
+            "--max-upstream-body-bytes: must be 1..=1073741824",
+        ),
     ] {
         let message = args(extra).config().unwrap_err().to_string();
         assert!(message.starts_with(start), "{extra:?}: {message}");
