@@ -167,8 +167,8 @@ impl Proxy {
     }
 
     /// Serves on `listener` until the future is dropped or the listener fails, with the
-    /// agents' connection cap and header (and idle keep-alive) timeout
-    /// ([`HttpLimits`](crate::http::HttpLimits) defaults: 256 connections, 10 s).
+    /// agents' accept loop: the connection caps (in all and per client address) and the
+    /// header (and idle keep-alive) timeout of [`ProxyConfig::http`].
     ///
     /// # Errors
     /// The listener's IO error.
@@ -177,7 +177,7 @@ impl Proxy {
         crate::http::serve(
             listener,
             self.router(),
-            &crate::http::HttpLimits::default(),
+            &self.inner.config.http,
             &refused,
             std::future::pending(),
         )
