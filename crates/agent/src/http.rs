@@ -7,8 +7,9 @@
 //! request whose client went away (the handler future or the SSE body dropped) is counted
 //! as `aborted`, and D is told to abort it.
 //!
-//! Every resource a client can hold is bounded by [`HttpLimits`]: open connections (more
-//! are closed at accept), the time to send the headers (also the idle keep-alive limit),
+//! Every resource a client can hold is bounded by [`HttpLimits`]: open connections, in all
+//! and per client address (more are closed at accept), the time to send the headers
+//! (from accept: also the pre-request and the idle keep-alive limit),
 //! the time and size of the body (408 and 413), the time to the response head (408), and
 //! a text prompt's length, checked before it is tokenized. Every refusal answers in the
 //! JSON error shape of [`ApiError`]. `/health` answers 503 when the engine loop has
@@ -38,6 +39,8 @@ use crate::health::EngineHeartbeat;
 use crate::metrics::{Metrics, RequestOutcome};
 use crate::prefill;
 
+mod sources;
+
 /// Longest an HTTP handler waits for its engine before answering 504.
 pub const ENGINE_REPLY_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a shutdown waits for open requests to finish.
@@ -50,6 +53,10 @@ pub struct HttpLimits {
     /// Connections open at once; more are closed at accept and counted
     /// (`kvlease_http_connections_refused_total`). Default 256.
     pub max_connections: usize,
+    /// Connections one client address may hold at once (so that one source cannot take
+    /// every slot of `max_connections`); more are closed at accept and counted with the
+    /// others. Default 64, a quarter of the default `max_connections`.
+    pub max_connections_per_source: usize,
     /// Largest request body (larger: 413). Default 2 MiB.
     pub max_body_bytes: usize,
     /// Longest text prompt, in bytes, checked before tokenizing (longer: 400). Default
@@ -71,6 +78,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             max_connections: 256,
+            max_connections_per_source: 64,
             max_body_bytes: 2 << 20,
             max_prompt_bytes: 256 << 10,
             body_timeout: Duration::from_secs(30),
@@ -761,9 +769,10 @@ fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
 /// (for up to 10 s).
 ///
 /// `axum::serve` has no header timeout and no connection cap, so this is its accept loop
-/// on hyper's HTTP/1 builder with a timer: at most `limits.max_connections` connections
-/// (one more is closed at accept and counted in `metrics`), each with
-/// `limits.header_timeout` to send a request's headers, between requests too.
+/// on hyper's HTTP/1 builder with a timer: at most `limits.max_connections` connections,
+/// and `limits.max_connections_per_source` from one client address (one more is closed at
+/// accept and counted in `refused`), each with `limits.header_timeout` from accept to send
+/// a request's headers, between requests too.
 ///
 /// # Errors
 /// None so far: accept errors (out of descriptors) are logged and retried.
@@ -775,6 +784,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let sources = sources::Sources::new(limits.max_connections_per_source);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
@@ -794,6 +804,15 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        let Some(source_slot) = sources.try_take(peer.ip()) else {
+            refused.inc();
+            tracing::debug!(
+                %peer,
+                limit = limits.max_connections_per_source,
+                "too many HTTP connections from this address; connection closed"
+            );
+            continue;
+        };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             refused.inc();
             tracing::debug!(
@@ -809,7 +828,7 @@ pub async fn serve(
             if let Err(error) = conn.await {
                 tracing::debug!(%peer, %error, "HTTP connection ended");
             }
-            drop(slot);
+            drop((slot, source_slot));
         });
     }
     drop(listener);

@@ -320,7 +320,8 @@ pub struct Metrics {
     /// because `--side-channel-max-connections` handshakes were running.
     pub side_channel_refused: Counter,
     /// `kvlease_http_connections_refused_total`: HTTP connections closed at accept because
-    /// `--http-max-connections` were open.
+    /// `--http-max-connections` were open (or `--http-max-connections-per-source` from the
+    /// client's address).
     pub http_connections_refused: Counter,
 }
 

@@ -204,6 +204,7 @@ fn transport_limits(l: &LimitArgs) -> Limits {
 fn http_limits(l: &LimitArgs) -> HttpLimits {
     HttpLimits {
         max_connections: l.http_max_connections,
+        max_connections_per_source: l.http_max_connections_per_source(),
         max_body_bytes: l.http_max_body_bytes,
         max_prompt_bytes: l.http_max_prompt_bytes,
         body_timeout: l.http_body_timeout(),

@@ -663,3 +663,229 @@ async fn fake_upstreams_idle_connections_are_closed_by_the_proxy_first() -> Resu
     assert_eq!(p_conns.load(Ordering::SeqCst), 3);
     Ok(())
 }
+
+/// How a hostile upstream frames its endless body.
+#[derive(Debug, Clone, Copy)]
+enum Endless {
+    /// `Content-Length: 10000000000`, then 64 KiB writes.
+    Announced,
+    /// `Transfer-Encoding: chunked`, 64 KiB chunks, no length known in advance.
+    Chunked,
+}
+
+/// Reads one request (head and its `Content-Length` body) from `socket`; false when the
+/// peer went away first.
+async fn read_request(socket: &mut tokio::net::TcpStream) -> bool {
+    let mut request = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match socket.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => request.extend_from_slice(&buf[..n]),
+        }
+        let text = String::from_utf8_lossy(&request);
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let length = text[..head_end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            if request.len() >= head_end + 4 + length {
+                return true;
+            }
+        }
+    }
+}
+
+/// A hostile upstream (P or D): every request gets `200` and a body that never ends (up
+/// to 4 GiB per connection, so the loop is bounded), in 64 KiB writes. Returns the bytes
+/// it managed to send, over all connections, and its URL.
+async fn start_endless_upstream(framing: Endless) -> Result<(Arc<AtomicUsize>, String)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&sent);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let sent = Arc::clone(&counter);
+            tokio::spawn(async move {
+                if !read_request(&mut socket).await {
+                    return;
+                }
+                let head = match framing {
+                    Endless::Announced => {
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 10000000000\r\n\r\n"
+                    }
+                    Endless::Chunked => {
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                    }
+                };
+                if socket.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let data = vec![b' '; 64 << 10];
+                let chunk = match framing {
+                    Endless::Announced => data,
+                    Endless::Chunked => {
+                        let mut c = format!("{:x}\r\n", data.len()).into_bytes();
+                        c.extend_from_slice(&data);
+                        c.extend_from_slice(b"\r\n");
+                        c
+                    }
+                };
+                for _ in 0..(4usize << 30) / chunk.len() {
+                    if socket.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                    sent.fetch_add(chunk.len(), Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    Ok((sent, url))
+}
+
+/// A `kvlease-proxy` process (killed on drop), so that its own memory can be read.
+struct ProxyProcess {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl ProxyProcess {
+    async fn start(prefill: &str, decode: &str, extra: &[&str]) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvlease-proxy"))
+            .args(["--port", &port.to_string(), "--prefill", prefill])
+            .args(["--decode", decode])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("spawning kvlease-proxy")?;
+        let proxy = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        };
+        for _ in 0..200 {
+            if reqwest::get(format!("{}/health", proxy.url))
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return Ok(proxy);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("kvlease-proxy did not come up on {}", proxy.url)
+    }
+
+    /// The process's peak resident memory (`VmHWM`), in KiB.
+    fn peak_rss_kib(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .context("VmHWM missing from /proc/<pid>/status")
+    }
+}
+
+/// A hostile P or D that answers `200` with an endless body (announced as 10 GB, or
+/// chunked without a length) gets a quick 502 naming the limit, and the proxy's peak
+/// memory stays far below what the body would take; D's streamed answers still pass
+/// through, unbuffered, however long they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_upstream_bodies_are_capped_with_a_502_and_memory_stays_flat() -> Result<()> {
+    const LIMIT: &str = "4194304";
+    let (_p, honest_p) = fake_prefill("p0").await?;
+    let (_d, honest_d) = fake_decode("d0").await?;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()?;
+    for framing in [Endless::Announced, Endless::Chunked] {
+        for hostile_role in ["prefill", "decode"] {
+            let (sent, hostile) = start_endless_upstream(framing).await?;
+            let (p, d) = if hostile_role == "prefill" {
+                (hostile.as_str(), honest_d.as_str())
+            } else {
+                (honest_p.as_str(), hostile.as_str())
+            };
+            let proxy = ProxyProcess::start(
+                p,
+                d,
+                &["--max-upstream-body-bytes", LIMIT, "--timeout-secs", "60"],
+            )
+            .await?;
+            let start = std::time::Instant::now();
+            let response = client
+                .post(format!("{}/v1/completions", proxy.url))
+                .json(&json!({"prompt": "a", "max_tokens": 2}))
+                .send()
+                .await
+                .with_context(|| format!("{framing:?} {hostile_role}: no answer in 20 s"))?;
+            let took = start.elapsed();
+            let status = response.status();
+            let text = response.text().await?;
+            let case = format!("{framing:?} body from {hostile_role}");
+            assert_eq!(status, StatusCode::BAD_GATEWAY, "{case}: {text}");
+            assert!(
+                text.contains(LIMIT) && text.contains("--max-upstream-body-bytes"),
+                "{case}: the 502 must name the limit: {text}"
+            );
+            assert!(took < Duration::from_secs(10), "{case}: took {took:?}");
+            let peak = proxy.peak_rss_kib()?;
+            let sent_mib = sent.load(Ordering::Relaxed) >> 20;
+            eprintln!(
+                "{case}: 502 after {took:?}, proxy VmHWM {peak} KiB, upstream sent {sent_mib} MiB"
+            );
+            assert!(
+                peak < 64 << 10,
+                "{case}: the proxy's peak RSS reached {peak} KiB"
+            );
+        }
+    }
+
+    // A streamed D answer is passed through as it comes, not read whole: 32 MiB of an
+    // endless one leave the proxy's memory where it was.
+    let (sent, hostile) = start_endless_upstream(Endless::Chunked).await?;
+    let proxy = ProxyProcess::start(
+        &honest_p,
+        &hostile,
+        &["--max-upstream-body-bytes", LIMIT, "--timeout-secs", "60"],
+    )
+    .await?;
+    let mut response = client
+        .post(format!("{}/v1/completions", proxy.url))
+        .json(&json!({"prompt": "a", "max_tokens": 2, "stream": true}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut received = 0usize;
+    while received < 32 << 20 {
+        let chunk = response.chunk().await?.context("the stream ended early")?;
+        received += chunk.len();
+    }
+    drop(response);
+    let peak = proxy.peak_rss_kib()?;
+    eprintln!(
+        "streamed: {} MiB through, proxy VmHWM {peak} KiB, upstream sent {} MiB",
+        received >> 20,
+        sent.load(Ordering::Relaxed) >> 20
+    );
+    assert!(
+        peak < 64 << 10,
+        "streamed: the proxy's peak RSS reached {peak} KiB"
+    );
+    Ok(())
+}

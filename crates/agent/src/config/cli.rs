@@ -559,6 +559,12 @@ impl DecodeArgs {
 /// Longest duration any limit flag accepts: one day.
 const MAX_LIMIT_MS: u64 = 86_400_000;
 
+/// The default per-address HTTP connection cap for a global cap of `max_connections`: a
+/// quarter of it, at least 1.
+pub fn default_per_source(max_connections: usize) -> usize {
+    (max_connections / 4).max(1)
+}
+
 /// The limit flags both agents share (`--help` shows them under "Limits").
 #[derive(Debug, Clone, PartialEq, Eq, Args)]
 #[command(next_help_heading = "Limits")]
@@ -592,6 +598,12 @@ pub struct LimitArgs {
     /// kvlease_http_connections_refused_total.
     #[arg(long, default_value_t = 256)]
     pub http_max_connections: usize,
+    /// HTTP connections one client address may hold at once, at most
+    /// --http-max-connections; more are closed at accept and counted with the others.
+    /// Default: a quarter of --http-max-connections (at least 1). kvlease-proxy is one
+    /// address: give it at least its peak number of requests in flight to this agent.
+    #[arg(long)]
+    pub http_max_connections_per_source: Option<usize>,
     /// Largest HTTP request body, in bytes (larger: 413).
     #[arg(long, default_value_t = 2 << 20)]
     pub http_max_body_bytes: usize,
@@ -602,8 +614,8 @@ pub struct LimitArgs {
     /// A request's whole body must arrive within this, in milliseconds (else 408).
     #[arg(long, default_value_t = 30_000)]
     pub http_body_timeout_ms: u64,
-    /// A request's headers must arrive within this, in milliseconds, and an idle
-    /// keep-alive connection is closed after it.
+    /// A request's headers must arrive within this, in milliseconds (from accept for a
+    /// connection's first request), and an idle keep-alive connection is closed after it.
     #[arg(long, default_value_t = 10_000)]
     pub http_header_timeout_ms: u64,
     /// Longest a request may take to produce its response head, in milliseconds (else
@@ -617,8 +629,9 @@ pub struct LimitArgs {
 }
 
 impl LimitArgs {
-    /// Checks that every limit is non-zero, durations are at most a day and the
-    /// notification buffer holds at least one notification.
+    /// Checks that every limit is non-zero, durations are at most a day, the per-address
+    /// HTTP connection cap is at most the global one and the notification buffer holds at
+    /// least one notification.
     ///
     /// # Errors
     /// [`ArgsError`] naming the first offending flag.
@@ -637,6 +650,10 @@ impl LimitArgs {
                 self.transport_max_connections,
             ),
             ("--http-max-connections", self.http_max_connections),
+            (
+                "--http-max-connections-per-source",
+                self.http_max_connections_per_source(),
+            ),
             ("--http-max-body-bytes", self.http_max_body_bytes),
             ("--http-max-prompt-bytes", self.http_max_prompt_bytes),
         ] {
@@ -662,6 +679,16 @@ impl LimitArgs {
                 return Err(bad(flag, format!("must be 1..={MAX_LIMIT_MS}, got {ms}")));
             }
         }
+        if self.http_max_connections_per_source() > self.http_max_connections {
+            return Err(bad(
+                "--http-max-connections-per-source",
+                format!(
+                    "must be at most --http-max-connections ({}), got {}",
+                    self.http_max_connections,
+                    self.http_max_connections_per_source()
+                ),
+            ));
+        }
         if self.max_pending_notif_bytes < kvlease_notif::MAX_NOTIF_LEN {
             return Err(bad(
                 "--max-pending-notif-bytes",
@@ -683,6 +710,13 @@ impl LimitArgs {
     /// `--transport-handshake-timeout-ms` as a duration.
     pub fn transport_handshake_timeout(&self) -> Duration {
         Duration::from_millis(self.transport_handshake_timeout_ms)
+    }
+
+    /// `--http-max-connections-per-source`, or its default: a quarter of
+    /// `--http-max-connections`, at least 1.
+    pub fn http_max_connections_per_source(&self) -> usize {
+        self.http_max_connections_per_source
+            .unwrap_or_else(|| default_per_source(self.http_max_connections))
     }
 
     /// `--http-body-timeout-ms` as a duration.

@@ -396,3 +396,42 @@ fn limit_flags_default_sanely_and_refuse_zero() {
     let message = d.validate().unwrap_err().to_string();
     assert!(message.starts_with("--health-engine-stall-ms"), "{message}");
 }
+
+#[test]
+fn http_per_source_cap_defaults_to_a_quarter_and_stays_under_the_global_cap() {
+    let l = prefill(&[]).unwrap().common.limits;
+    assert_eq!(l.http_max_connections_per_source(), 64);
+    let l = prefill(&["--http-max-connections", "10"])
+        .unwrap()
+        .common
+        .limits;
+    assert_eq!(l.http_max_connections_per_source(), 2);
+    let l = prefill(&["--http-max-connections", "3"])
+        .unwrap()
+        .common
+        .limits;
+    assert_eq!(l.http_max_connections_per_source(), 1, "at least 1");
+    let p = prefill(&[
+        "--http-max-connections",
+        "8",
+        "--http-max-connections-per-source",
+        "8",
+    ])
+    .unwrap();
+    p.validate().unwrap();
+    for args in [
+        &["--http-max-connections-per-source", "0"][..],
+        &[
+            "--http-max-connections",
+            "8",
+            "--http-max-connections-per-source",
+            "9",
+        ][..],
+    ] {
+        let message = prefill(args).unwrap().validate().unwrap_err().to_string();
+        assert!(
+            message.starts_with("--http-max-connections-per-source: must be"),
+            "{args:?}: {message}"
+        );
+    }
+}

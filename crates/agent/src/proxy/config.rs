@@ -5,7 +5,8 @@ use std::time::Duration;
 use clap::Parser;
 use reqwest::Url;
 
-use crate::config::LogFormat;
+use crate::config::{LogFormat, default_per_source};
+use crate::http::HttpLimits;
 
 /// Why the proxy could not be configured.
 #[derive(Debug, thiserror::Error)]
@@ -26,7 +27,7 @@ pub enum ProxyError {
         /// `--prefill` or `--decode`.
         flag: &'static str,
     },
-    /// A timeout flag is zero or absurd.
+    /// A timeout or limit flag is zero or absurd.
     #[error("{flag}: {reason}")]
     BadTimeout {
         /// The flag.
@@ -75,10 +76,36 @@ pub struct ProxyArgs {
     /// otherwise an agent may close a pooled connection just as the proxy sends on it.
     #[arg(long, allow_negative_numbers = true, default_value_t = 4000)]
     pub upstream_idle_timeout_ms: u64,
+    /// Largest upstream answer the proxy reads whole, in bytes: P's answer (parsed for its
+    /// kv_transfer_params) and D's non-streamed answer. A larger one (announced or sent)
+    /// is a 502 naming this flag; D's streamed answers are passed through unbuffered.
+    #[arg(long, default_value_t = DEFAULT_MAX_UPSTREAM_BODY_BYTES)]
+    pub max_upstream_body_bytes: usize,
+    /// Client connections open at once; more are closed at accept and counted in
+    /// kvlease_proxy_http_connections_refused_total.
+    #[arg(long, default_value_t = 256)]
+    pub http_max_connections: usize,
+    /// Client connections one address may hold at once, at most --http-max-connections;
+    /// more are closed at accept and counted with the others. Default: a quarter of
+    /// --http-max-connections (at least 1). Behind a load balancer every client is its
+    /// address: raise this to --http-max-connections there.
+    #[arg(long)]
+    pub http_max_connections_per_source: Option<usize>,
+    /// A client request's headers must arrive within this, in milliseconds (from accept
+    /// for a connection's first request), and an idle keep-alive connection is closed
+    /// after it.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10_000)]
+    pub http_header_timeout_ms: u64,
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
+
+/// Default of `--max-upstream-body-bytes`: 64 MiB.
+const DEFAULT_MAX_UPSTREAM_BODY_BYTES: usize = 64 << 20;
+
+/// Most `--max-upstream-body-bytes` accepts: 1 GiB.
+const MAX_UPSTREAM_BODY_LIMIT: usize = 1 << 30;
 
 /// A validated proxy configuration.
 #[derive(Debug, Clone)]
@@ -93,6 +120,12 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// See [`ProxyArgs::upstream_idle_timeout_ms`].
     pub upstream_idle_timeout: Duration,
+    /// See [`ProxyArgs::max_upstream_body_bytes`].
+    pub max_upstream_body_bytes: usize,
+    /// The client listener's limits: [`ProxyArgs::http_max_connections`],
+    /// [`ProxyArgs::http_max_connections_per_source`] and
+    /// [`ProxyArgs::http_header_timeout_ms`]; the rest are [`HttpLimits`]' defaults.
+    pub http: HttpLimits,
 }
 
 fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
@@ -125,8 +158,10 @@ impl ProxyArgs {
     /// Checks the flags and builds the configuration.
     ///
     /// # Errors
-    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, or a
-    /// timeout that is zero, not finite or over a day.
+    /// [`ProxyError`] naming the flag: a URL that is not `http://host:port`, no URL, a
+    /// timeout that is zero, not finite or over a day (over 10 minutes for the
+    /// millisecond ones), a body limit that is zero or over 1 GiB, or a connection cap
+    /// that is zero (or, per address, over the global one).
     pub fn config(&self) -> Result<ProxyConfig, ProxyError> {
         if self.port == 0 {
             return Err(ProxyError::BadTimeout {
@@ -156,12 +191,56 @@ impl ProxyArgs {
                 reason: format!("must be 1..=600000, got {}", self.upstream_idle_timeout_ms),
             });
         }
+        if self.max_upstream_body_bytes == 0
+            || self.max_upstream_body_bytes > MAX_UPSTREAM_BODY_LIMIT
+        {
+            return Err(ProxyError::BadTimeout {
+                flag: "--max-upstream-body-bytes",
+                reason: format!(
+                    "must be 1..={MAX_UPSTREAM_BODY_LIMIT}, got {}",
+                    self.max_upstream_body_bytes
+                ),
+            });
+        }
+        let http = self.http_limits()?;
         Ok(ProxyConfig {
             prefill: parse_upstreams("--prefill", &self.prefill)?,
             decode: parse_upstreams("--decode", &self.decode)?,
             timeout,
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
+            max_upstream_body_bytes: self.max_upstream_body_bytes,
+            http,
+        })
+    }
+
+    fn http_limits(&self) -> Result<HttpLimits, ProxyError> {
+        let bad = |flag, reason| Err(ProxyError::BadTimeout { flag, reason });
+        let max = self.http_max_connections;
+        if max == 0 {
+            return bad("--http-max-connections", "must be at least 1".to_owned());
+        }
+        let per_source = self
+            .http_max_connections_per_source
+            .unwrap_or_else(|| default_per_source(max));
+        if per_source == 0 || per_source > max {
+            return bad(
+                "--http-max-connections-per-source",
+                format!("must be 1..=--http-max-connections ({max}), got {per_source}"),
+            );
+        }
+        let header_ms = self.http_header_timeout_ms;
+        if header_ms == 0 || header_ms > 600_000 {
+            return bad(
+                "--http-header-timeout-ms",
+                format!("must be 1..=600000, got {header_ms}"),
+            );
+        }
+        Ok(HttpLimits {
+            max_connections: max,
+            max_connections_per_source: per_source,
+            header_timeout: Duration::from_millis(header_ms),
+            ..HttpLimits::default()
         })
     }
 }

@@ -73,7 +73,7 @@ pub struct ProxyMetrics {
     /// `kvlease_proxy_request_seconds` (histogram): client request to the start of the answer.
     pub request_seconds: Histogram,
     /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
-    /// because the connection cap was reached.
+    /// because the connection cap (in all, or the client address's share) was reached.
     pub http_connections_refused: Counter,
     requests: Family<OutcomeLabel, Counter>,
 }

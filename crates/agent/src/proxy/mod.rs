@@ -20,8 +20,10 @@
 //!    into the `kv_transfer_params` P gets with the conversation's next turn (aged by the
 //!    time held); P's `cached_tokens_pulled` is added to D's answer.
 //!
-//! An unreachable upstream is a 502, an upstream that does not answer in time a 504, both
-//! in the OpenAI error shape; P's own errors (400, 503 ...) are passed through. The proxy
+//! An unreachable upstream is a 502, an upstream that does not answer in time a 504, an
+//! answer the proxy must read whole (P's, D's non-streamed one) over
+//! `--max-upstream-body-bytes` a 502 naming the limit (read no further), all in the
+//! OpenAI error shape; P's own errors (400, 503 ...) are passed through. The proxy
 //! keeps no per-request state (only the bounded per-conversation params of step 4): a
 //! client that disconnects drops the upstream request, which D sees as an abort.
 
@@ -165,8 +167,8 @@ impl Proxy {
     }
 
     /// Serves on `listener` until the future is dropped or the listener fails, with the
-    /// agents' connection cap and header (and idle keep-alive) timeout
-    /// ([`HttpLimits`](crate::http::HttpLimits) defaults: 256 connections, 10 s).
+    /// agents' accept loop: the connection caps (in all and per client address) and the
+    /// header (and idle keep-alive) timeout of [`ProxyConfig::http`].
     ///
     /// # Errors
     /// The listener's IO error.
@@ -175,7 +177,7 @@ impl Proxy {
         crate::http::serve(
             listener,
             self.router(),
-            &crate::http::HttpLimits::default(),
+            &self.inner.config.http,
             &refused,
             std::future::pending(),
         )
@@ -376,7 +378,12 @@ impl Proxy {
             .map_err(unreachable)?;
         let status = response.status();
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-        let bytes = response.bytes().await.map_err(unreachable)?;
+        let limit = self.inner.config.max_upstream_body_bytes;
+        let bytes = match read_capped(response, limit).await {
+            Ok(bytes) => bytes,
+            Err(Capped::Read(e)) => return Err(unreachable(e)),
+            Err(Capped::TooLarge) => return Err(too_large("prefill", &url, limit)),
+        };
         if !status.is_success() {
             tracing::debug!(request = %id, %url, %status, "prefill failed; passing its answer through");
             return Err(Failure::Respond(
@@ -475,10 +482,11 @@ impl Proxy {
                 .body(Body::from_stream(response.bytes_stream()))
                 .map_err(|e| bad_gateway(&format!("building the streamed answer: {e}")));
         }
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| upstream_failure("decode", &url, &e))?;
+        let limit = self.inner.config.max_upstream_body_bytes;
+        let bytes = read_capped(response, limit).await.map_err(|e| match e {
+            Capped::Read(e) => upstream_failure("decode", &url, &e),
+            Capped::TooLarge => too_large("decode", &url, limit),
+        })?;
         if status.is_success()
             && let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(&bytes)
             && is_decoder_params(answer.get("kv_transfer_params"))
@@ -551,6 +559,41 @@ async fn read_limited(mut response: reqwest::Response, limit: usize) -> reqwest:
         }
     }
     Ok(Bytes::from(out))
+}
+
+/// Why [`read_capped`] returned no body.
+enum Capped {
+    /// The body announced or sent more than the limit.
+    TooLarge,
+    /// Reading the body failed.
+    Read(reqwest::Error),
+}
+
+/// The whole body of `response`, or [`Capped::TooLarge`] as soon as its `Content-Length`
+/// or the bytes received so far exceed `limit` (dropping the response closes the
+/// connection: nothing more is read).
+async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Bytes, Capped> {
+    let announced = response.content_length();
+    if announced.is_some_and(|n| n > limit as u64) {
+        return Err(Capped::TooLarge);
+    }
+    let capacity = announced.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
+    let mut out = Vec::with_capacity(capacity);
+    while let Some(chunk) = response.chunk().await.map_err(Capped::Read)? {
+        if chunk.len() > limit - out.len() {
+            return Err(Capped::TooLarge);
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(out))
+}
+
+/// The 502 for an upstream answer over `--max-upstream-body-bytes`.
+fn too_large(kind: &str, url: &Url, limit: usize) -> Failure {
+    bad_gateway(&format!(
+        "{kind} {url} answered with a body over the proxy's limit of {limit} bytes \
+         (--max-upstream-body-bytes)"
+    ))
 }
 
 fn passthrough(status: StatusCode, content_type: Option<HeaderValue>, body: Bytes) -> Response {

@@ -76,11 +76,53 @@ fn flags_are_checked_and_errors_name_them() {
             "--upstream-idle-timeout-ms: must be 1..=600000",
         ),
         (&["http://x:1", "--port", "0"][..], "--port"),
+        (
+            &["http://x:1", "--max-upstream-body-bytes", "0"][..],
+            "--max-upstream-body-bytes: must be 1..=1073741824, got 0",
+        ),
+        (
+            &["http://x:1", "--max-upstream-body-bytes", "1073741825"][..],
+            "--max-upstream-body-bytes: must be 1..=1073741824",
+        ),
+        (
+            &["http://x:1", "--http-max-connections", "0"][..],
+            "--http-max-connections: must be at least 1",
+        ),
+        (
+            &["http://x:1", "--http-max-connections-per-source", "0"][..],
+            "--http-max-connections-per-source: must be 1..=--http-max-connections (256), got 0",
+        ),
+        (
+            &[
+                "http://x:1",
+                "--http-max-connections",
+                "8",
+                "--http-max-connections-per-source",
+                "9",
+            ][..],
+            "--http-max-connections-per-source: must be 1..=--http-max-connections (8)",
+        ),
+        (
+            &["http://x:1", "--http-header-timeout-ms", "0"][..],
+            "--http-header-timeout-ms: must be 1..=600000",
+        ),
     ] {
         let message = args(extra).config().unwrap_err().to_string();
         assert!(message.starts_with(start), "{extra:?}: {message}");
     }
     assert!(ProxyArgs::try_parse_from(["kvlease-proxy", "--prefill", "http://a:1"]).is_err());
+    let http = args(&["http://x:1"]).config().unwrap().http;
+    assert_eq!(
+        (http.max_connections, http.max_connections_per_source),
+        (256, 64),
+        "a quarter of the global cap by default"
+    );
+    assert_eq!(http.header_timeout, std::time::Duration::from_secs(10));
+    let http = args(&["http://x:1", "--http-max-connections", "40"])
+        .config()
+        .unwrap()
+        .http;
+    assert_eq!(http.max_connections_per_source, 10);
 }
 
 #[test]

@@ -1,0 +1,205 @@
+//! Per-source fairness on the HTTP listeners of a real `prefill-agent` and a real
+//! `kvlease-proxy` (issue #24): one address flooding idle connections gets its share of
+//! the connection cap and no more, each of them is closed by the pre-header deadline, and
+//! `/health` from another address is answered meanwhile.
+//!
+//! The flood comes from 127.0.0.1, the other source binds 127.0.0.2 (Linux routes all of
+//! 127.0.0.0/8 to loopback). Every loop is bounded.
+
+mod common;
+
+use std::io::Read;
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use common::{Agent, Proc, agent_command, free_port, log_path, metric};
+
+const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
+const PROXY: &str = env!("CARGO_BIN_EXE_kvlease-proxy");
+
+/// The caps every test below runs with: the flood's share is half of the slots.
+const LIMIT_FLAGS: [&str; 6] = [
+    "--http-max-connections",
+    "8",
+    "--http-max-connections-per-source",
+    "4",
+    "--http-header-timeout-ms",
+    "4000",
+];
+
+/// Whether the server closed `s` (EOF or reset) within `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> Result<bool> {
+    let deadline = Instant::now() + within;
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(true),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(false);
+            }
+            Err(_) => return Ok(true),
+        }
+    }
+}
+
+/// A client whose connections come from `ip` and are not kept for reuse.
+fn client_from(ip: Ipv4Addr) -> Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .local_address(IpAddr::V4(ip))
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(10))
+        .build()?)
+}
+
+async fn wait_healthy(url: &str, proc: &mut Proc) -> Result<()> {
+    let c = client_from(Ipv4Addr::new(127, 0, 0, 3))?;
+    for _ in 0..400 {
+        if c.get(format!("{url}/health"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            return Ok(());
+        }
+        ensure!(
+            proc.child.try_wait()?.is_none(),
+            "{} exited: {}",
+            proc.name,
+            proc.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("{} not healthy in 20 s: {}", proc.name, proc.log_tail())
+}
+
+/// Floods `port` with 8 idle connections from 127.0.0.1 (the whole global cap) and checks
+/// that 4 are kept (the per-source share), 4 are closed at accept, `/health` from
+/// 127.0.0.2 is answered meanwhile, the kept ones are closed by the header deadline, and
+/// `refused_series` counts the refusals.
+async fn a_flood_from_one_source_takes_only_its_share(
+    url: &str,
+    port: u16,
+    refused_series: &str,
+) -> Result<()> {
+    let mut flood: Vec<TcpStream> = (0..8)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)))
+        .collect::<std::io::Result<_>>()?;
+    let flooded = Instant::now();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut kept = Vec::new();
+    for mut s in flood.drain(..) {
+        if !closed_within(&mut s, Duration::from_millis(200))? {
+            kept.push(s);
+        }
+    }
+    ensure!(
+        kept.len() == 4,
+        "{} of 8 idle connections from one source kept; its share is 4",
+        kept.len()
+    );
+
+    // Another source is served while the flood holds its share.
+    let other = client_from(Ipv4Addr::new(127, 0, 0, 2))?;
+    let health = other
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .context("/health from 127.0.0.2 under the flood")?;
+    ensure!(health.status().is_success(), "/health: {}", health.status());
+    // The flooding source gets nothing more.
+    let mut more = TcpStream::connect(("127.0.0.1", port))?;
+    ensure!(
+        closed_within(&mut more, Duration::from_millis(500))?,
+        "a connection over the source's share was kept"
+    );
+    ensure!(
+        flooded.elapsed() < Duration::from_secs(4),
+        "the checks above took {:?}, past the header deadline",
+        flooded.elapsed()
+    );
+
+    // The pre-header deadline frees the flood's slots (4 s after accept).
+    for s in &mut kept {
+        ensure!(
+            closed_within(s, Duration::from_secs(10))?,
+            "an idle connection outlived the header deadline"
+        );
+    }
+    ensure!(
+        flooded.elapsed() >= Duration::from_secs(3),
+        "idle connections closed after {:?}, before the 4 s header deadline",
+        flooded.elapsed()
+    );
+    let text = other
+        .get(format!("{url}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let refused = metric(&text, refused_series);
+    ensure!(refused >= 5.0, "{refused_series} = {refused}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_http_a_flood_from_one_source_leaves_health_answerable() -> Result<()> {
+    let port = free_port();
+    let log = log_path("fairness", "p");
+    let mut cmd = agent_command(
+        PREFILL,
+        "fair-p",
+        port,
+        free_port(),
+        "host",
+        std::fs::File::create(&log)?,
+    );
+    cmd.args(LIMIT_FLAGS);
+    let mut agent = Agent::new(cmd.spawn().context("spawn prefill-agent")?, "p", log, port);
+    wait_healthy(&agent.url, &mut agent.proc).await?;
+    a_flood_from_one_source_takes_only_its_share(
+        &agent.url,
+        port,
+        "kvlease_http_connections_refused_total",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_http_a_flood_from_one_source_leaves_health_answerable() -> Result<()> {
+    let port = free_port();
+    let log = log_path("fairness", "proxy");
+    let child = std::process::Command::new(PROXY)
+        .args(["--port", &port.to_string()])
+        // Nothing listens there: /health does not ask the upstreams.
+        .args([
+            "--prefill",
+            "http://127.0.0.1:9",
+            "--decode",
+            "http://127.0.0.1:9",
+        ])
+        .args(LIMIT_FLAGS)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()
+        .context("spawn kvlease-proxy")?;
+    let mut proxy = Agent::new(child, "proxy", log, port);
+    wait_healthy(&proxy.url, &mut proxy.proc).await?;
+    a_flood_from_one_source_takes_only_its_share(
+        &proxy.url,
+        port,
+        "kvlease_proxy_http_connections_refused_total",
+    )
+    .await
+}
