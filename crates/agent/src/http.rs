@@ -55,7 +55,7 @@ pub struct HttpLimits {
     pub max_connections: usize,
     /// Connections one client address may hold at once (so that one source cannot take
     /// every slot of `max_connections`); more are closed at accept and counted with the
-    /// others. Default 64, a quarter of the default `max_connections`.
+    /// others. Default 224, seven eighths of the default `max_connections`.
     pub max_connections_per_source: usize,
     /// Largest request body (larger: 413). Default 2 MiB.
     pub max_body_bytes: usize,
@@ -78,7 +78,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         Self {
             max_connections: 256,
-            max_connections_per_source: 64,
+            max_connections_per_source: 224,
             max_body_bytes: 2 << 20,
             max_prompt_bytes: 256 << 10,
             body_timeout: Duration::from_secs(30),

@@ -559,10 +559,12 @@ impl DecodeArgs {
 /// Longest duration any limit flag accepts: one day.
 const MAX_LIMIT_MS: u64 = 86_400_000;
 
-/// The default per-address HTTP connection cap for a global cap of `max_connections`: a
-/// quarter of it, at least 1.
+/// The default per-address HTTP connection cap for a global cap of `max_connections`:
+/// seven eighths of it, at least 1. The last eighth is kept for other addresses (health
+/// checks, scrapers, a second proxy) while one source floods; a lower default would cap
+/// kvlease-proxy, which is one address to each agent, below the agent's own capacity.
 pub fn default_per_source(max_connections: usize) -> usize {
-    (max_connections / 4).max(1)
+    (max_connections - max_connections / 8).max(1)
 }
 
 /// The limit flags both agents share (`--help` shows them under "Limits").
@@ -600,7 +602,7 @@ pub struct LimitArgs {
     pub http_max_connections: usize,
     /// HTTP connections one client address may hold at once, at most
     /// --http-max-connections; more are closed at accept and counted with the others.
-    /// Default: a quarter of --http-max-connections (at least 1). kvlease-proxy is one
+    /// Default: seven eighths of --http-max-connections (at least 1). kvlease-proxy is one
     /// address: give it at least its peak number of requests in flight to this agent.
     #[arg(long)]
     pub http_max_connections_per_source: Option<usize>,
@@ -712,7 +714,7 @@ impl LimitArgs {
         Duration::from_millis(self.transport_handshake_timeout_ms)
     }
 
-    /// `--http-max-connections-per-source`, or its default: a quarter of
+    /// `--http-max-connections-per-source`, or its default: seven eighths of
     /// `--http-max-connections`, at least 1.
     pub fn http_max_connections_per_source(&self) -> usize {
         self.http_max_connections_per_source

@@ -398,15 +398,15 @@ fn limit_flags_default_sanely_and_refuse_zero() {
 }
 
 #[test]
-fn http_per_source_cap_defaults_to_a_quarter_and_stays_under_the_global_cap() {
+fn http_per_source_cap_defaults_to_seven_eighths_and_stays_under_the_global_cap() {
     let l = prefill(&[]).unwrap().common.limits;
-    assert_eq!(l.http_max_connections_per_source(), 64);
+    assert_eq!(l.http_max_connections_per_source(), 224);
     let l = prefill(&["--http-max-connections", "10"])
         .unwrap()
         .common
         .limits;
-    assert_eq!(l.http_max_connections_per_source(), 2);
-    let l = prefill(&["--http-max-connections", "3"])
+    assert_eq!(l.http_max_connections_per_source(), 9);
+    let l = prefill(&["--http-max-connections", "1"])
         .unwrap()
         .common
         .limits;

@@ -86,7 +86,7 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = 256)]
     pub http_max_connections: usize,
     /// Client connections one address may hold at once, at most --http-max-connections;
-    /// more are closed at accept and counted with the others. Default: a quarter of
+    /// more are closed at accept and counted with the others. Default: seven eighths of
     /// --http-max-connections (at least 1). Behind a load balancer every client is its
     /// address: raise this to --http-max-connections there.
     #[arg(long)]

@@ -114,15 +114,15 @@ fn flags_are_checked_and_errors_name_them() {
     let http = args(&["http://x:1"]).config().unwrap().http;
     assert_eq!(
         (http.max_connections, http.max_connections_per_source),
-        (256, 64),
-        "a quarter of the global cap by default"
+        (256, 224),
+        "seven eighths of the global cap by default"
     );
     assert_eq!(http.header_timeout, std::time::Duration::from_secs(10));
     let http = args(&["http://x:1", "--http-max-connections", "40"])
         .config()
         .unwrap()
         .http;
-    assert_eq!(http.max_connections_per_source, 10);
+    assert_eq!(http.max_connections_per_source, 35);
 }
 
 #[test]
