@@ -523,8 +523,7 @@ impl DecodeEngine {
                     let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
                     if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
                         let name = link::peer_backend(&w0.agent, peer);
-                        self.metrics
-                            .set_peer_backend(engine.as_str(), link::backend_metric(name));
+                        self.metrics.set_peer_backend(engine.as_str(), name);
                         let reason = link::backend_reason(&w0.agent, peer);
                         tracing::info!(%engine, backend = %name, %reason, "handshake complete");
                     } else {
@@ -819,7 +818,7 @@ impl DecodeEngine {
                 } else {
                     kvlease_transport::Backend::Tcp
                 };
-                self.metrics.transfer(link::backend_metric(backend)).inc();
+                self.metrics.transfer(backend).inc();
                 let queue_ms = req.scheduled.map_or(0.0, |s| {
                     s.duration_since(req.job.arrived).as_secs_f64() * 1e3
                 });
