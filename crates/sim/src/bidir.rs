@@ -52,7 +52,6 @@ pub enum FlightAllowance {
 
 /// A deliberate bug in P's deadline estimate, to prove that the oracle catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum BidirBug {
     /// Offset basis: P reads D's timestamp as if it were its own clock (a zero offset).
     IgnoreOffset,
@@ -62,7 +61,6 @@ pub enum BidirBug {
 
 /// One bidirectional world. The same config gives the same run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BidirConfig {
     /// Seed of every random choice.
     pub seed: u64,
@@ -129,7 +127,6 @@ impl BidirConfig {
 
 /// The outcome of one bidirectional run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BidirReport {
     /// The seed.
     pub seed: u64,
