@@ -188,24 +188,11 @@ impl DecodeEngine {
 
     fn verify(&self, req: &Req, blocks: &[BlockId]) -> Result<KvDigest, VerifyError> {
         let hashes = kv::prefix_hashes(&req.job.tokens);
-        let results: Vec<Result<KvDigest, VerifyError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .workers
-                .iter()
-                .map(|w| {
-                    let hashes = &hashes;
-                    s.spawn(move || verify_worker(w, blocks, hashes))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(Err(VerifyError::Panicked)))
-                .collect()
-        });
-        let mut digest = KvDigest::default();
-        for r in results {
-            digest.add(r?);
-        }
+        let digest = kv::digest_workers(
+            &self.workers,
+            || VerifyError::Panicked,
+            |w| verify_worker(w, blocks, &hashes),
+        )?;
         let want = req.job.kv_digest;
         if digest != want {
             return Err(VerifyError::Digest { read: digest, want });
