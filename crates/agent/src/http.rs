@@ -3,7 +3,7 @@
 //!
 //! Handlers only parse and validate; the engine thread does the work. A handler sends a job
 //! over a channel and awaits the engine's answer. Every request ends in exactly one
-//! `kvlease_requests_total{outcome}` count: an [`Outcome`] guard counts on drop, so a
+//! `kvlease_requests_total{outcome}` count: an [`OutcomeGuard`] counts on drop, so a
 //! request whose client went away (the handler future or the SSE body dropped) is counted
 //! as `aborted`, and D is told to abort it.
 //!
@@ -186,13 +186,13 @@ fn with_limits(router: Router, limits: &HttpLimits) -> Router {
 
 /// Counts a request's outcome exactly once: the last [`set`](Self::set) wins, and a guard
 /// dropped without one counts `aborted` (the client went away) and runs `on_abort`.
-pub struct Outcome {
+pub struct OutcomeGuard {
     metrics: Metrics,
     outcome: Option<RequestOutcome>,
     on_abort: Option<Box<dyn FnOnce() + Send>>,
 }
 
-impl Outcome {
+impl OutcomeGuard {
     /// A guard for one request.
     pub fn new(metrics: Metrics) -> Self {
         Self {
@@ -214,7 +214,7 @@ impl Outcome {
     }
 }
 
-impl Drop for Outcome {
+impl Drop for OutcomeGuard {
     fn drop(&mut self) {
         let outcome = self.outcome.unwrap_or(RequestOutcome::Aborted);
         self.metrics.request(outcome).inc();
@@ -373,7 +373,7 @@ async fn p_completions(
     headers: HeaderMap,
     body: Result<BoundedBody, ApiError>,
 ) -> Response {
-    let mut outcome = Outcome::new(api.metrics.clone());
+    let mut outcome = OutcomeGuard::new(api.metrics.clone());
     let req = match body.and_then(|b| parse_json::<CompletionRequest>(&b.0)) {
         Ok(r) => r,
         Err(e) => return outcome.fail(e).into_response(),
@@ -386,7 +386,7 @@ async fn p_chat(
     headers: HeaderMap,
     body: Result<BoundedBody, ApiError>,
 ) -> Response {
-    let mut outcome = Outcome::new(api.metrics.clone());
+    let mut outcome = OutcomeGuard::new(api.metrics.clone());
     let req = match body.and_then(|b| parse_json::<ChatRequest>(&b.0)) {
         Ok(r) => r.into_completion(),
         Err(e) => return outcome.fail(e).into_response(),
@@ -399,7 +399,7 @@ async fn p_serve(
     headers: &HeaderMap,
     req: CompletionRequest,
     object: &str,
-    outcome: &mut Outcome,
+    outcome: &mut OutcomeGuard,
 ) -> Response {
     match p_run(api, headers, req, object).await {
         Ok(v) => {
@@ -558,7 +558,7 @@ async fn d_completions(
     headers: HeaderMap,
     body: Result<BoundedBody, ApiError>,
 ) -> Response {
-    let mut outcome = Outcome::new(api.metrics.clone());
+    let mut outcome = OutcomeGuard::new(api.metrics.clone());
     match body.and_then(|b| parse_json::<CompletionRequest>(&b.0)) {
         Ok(r) => d_serve(api, &headers, r, "text_completion", outcome).await,
         Err(e) => outcome.fail(e).into_response(),
@@ -570,7 +570,7 @@ async fn d_chat(
     headers: HeaderMap,
     body: Result<BoundedBody, ApiError>,
 ) -> Response {
-    let mut outcome = Outcome::new(api.metrics.clone());
+    let mut outcome = OutcomeGuard::new(api.metrics.clone());
     match body.and_then(|b| parse_json::<ChatRequest>(&b.0)) {
         Ok(r) => {
             d_serve(
@@ -598,7 +598,7 @@ fn d_submit(
     api: &Arc<DecodeApi>,
     headers: &HeaderMap,
     req: CompletionRequest,
-    outcome: &mut Outcome,
+    outcome: &mut OutcomeGuard,
 ) -> Result<DRequest, ApiError> {
     let params = match &req.kv_transfer_params {
         Some(v) => KvTransferParams::from_value(v)?,
@@ -650,7 +650,7 @@ async fn d_serve(
     headers: &HeaderMap,
     req: CompletionRequest,
     object: &'static str,
-    mut outcome: Outcome,
+    mut outcome: OutcomeGuard,
 ) -> Response {
     let r = match d_submit(&api, headers, req, &mut outcome) {
         Ok(r) => r,
@@ -692,7 +692,7 @@ async fn d_serve(
     }
 }
 
-fn d_stream(r: DRequest, object: &'static str, outcome: Outcome) -> Response {
+fn d_stream(r: DRequest, object: &'static str, outcome: OutcomeGuard) -> Response {
     let DRequest {
         id,
         model,

@@ -365,6 +365,36 @@ pub fn for_each_block(
     }
 }
 
+/// Runs `per_worker` for every worker on its own scoped thread and adds up their digests;
+/// the first error (a panicked thread counts as `panicked`) ends it.
+///
+/// # Errors
+/// The first worker's error, in worker order.
+pub(crate) fn digest_workers<W: Sync, E: Send>(
+    workers: &[W],
+    panicked: fn() -> E,
+    per_worker: impl Fn(&W) -> Result<KvDigest, E> + Sync,
+) -> Result<KvDigest, E> {
+    let results: Vec<Result<KvDigest, E>> = std::thread::scope(|s| {
+        let handles: Vec<_> = workers
+            .iter()
+            .map(|w| {
+                let per_worker = &per_worker;
+                s.spawn(move || per_worker(w))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(panicked())))
+            .collect()
+    });
+    let mut digest = KvDigest::default();
+    for r in results {
+        digest.add(r?);
+    }
+    Ok(digest)
+}
+
 fn block_image<'a>(layout: &RankLayout, pool: &'a [u8], layer: u32, block: u32) -> &'a [u8] {
     let off = layout.head_offset(layer, block, 0, 0);
     &pool[off..off + layout.block_bytes()]

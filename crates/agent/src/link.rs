@@ -2,17 +2,18 @@
 //! read batches and classifying their outcome.
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::time::Duration;
 
 use kvlease_transport::{
-    Agent, AgentConfig, BackendChoice, BatchStatus, Limits, PeerId, ReadBatch, RegionDesc,
-    TransferError,
+    Agent, AgentConfig, BackendChoice, BatchStatus, Limits, LocalRange, PeerId, ReadBatch,
+    RegionDesc, RegionId, TransferError,
 };
 
-use crate::metrics::{Backend, Metrics};
+use crate::metrics::Metrics;
 use crate::shell::EngineError;
 
-pub use kvlease_transport::BatchId;
+pub use kvlease_transport::{BatchId, ReadOp};
 
 /// Transport settings shared by every worker of an engine.
 #[derive(Clone)]
@@ -61,19 +62,22 @@ pub fn agent(cfg: &LinkConfig, name: &str) -> Result<Agent, EngineError> {
     Ok(agent)
 }
 
-/// One read: `len` bytes from `remote` at `remote_offset` into `local` at `local_offset`.
-#[derive(Debug, Clone, Copy)]
-pub struct ReadOp {
-    /// The local (destination) region.
-    pub local: RegionDesc,
-    /// Offset in it.
-    pub local_offset: u64,
-    /// The remote (source) region.
-    pub remote: RegionDesc,
-    /// Offset in it.
-    pub remote_offset: u64,
-    /// Bytes.
-    pub len: u64,
+/// The read of `local_range` of region `local` from region `remote` at `remote_offset`
+/// (as many bytes as the local range holds).
+pub fn read_op(
+    local: &RegionDesc,
+    local_range: Range<u64>,
+    remote: &RegionDesc,
+    remote_offset: u64,
+) -> ReadOp {
+    ReadOp {
+        local: LocalRange {
+            region: RegionId(local.id),
+            offset: local_range.start,
+            len: local_range.end - local_range.start,
+        },
+        remote: remote.at(remote_offset),
+    }
 }
 
 /// The generation word read after the data.
@@ -130,17 +134,7 @@ pub fn post_read(
     timeout: Duration,
 ) -> Result<BatchId, TransferError> {
     let batch = ReadBatch {
-        ops: ops
-            .into_iter()
-            .map(|op| kvlease_transport::ReadOp {
-                local: kvlease_transport::LocalRange {
-                    region: kvlease_transport::RegionId(op.local.id),
-                    offset: op.local_offset,
-                    len: op.len,
-                },
-                remote: op.remote.at(op.remote_offset),
-            })
-            .collect(),
+        ops,
         notif,
         fence: fence.map(|f| kvlease_transport::FenceRead {
             remote: f.region.at(f.offset),
@@ -178,13 +172,4 @@ pub fn backend_reason(agent: &Agent, peer: PeerId) -> String {
     agent
         .peer_backend(peer)
         .map_or_else(|| "unknown peer".to_owned(), |(_, why)| why)
-}
-
-/// The metric label of a backend.
-pub fn backend_metric(backend: kvlease_transport::Backend) -> Backend {
-    match backend {
-        kvlease_transport::Backend::Verbs => Backend::Verbs,
-        kvlease_transport::Backend::Shm => Backend::Shm,
-        _ => Backend::Tcp,
-    }
 }

@@ -15,7 +15,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use kvlease_transport::StatsHandle;
+use kvlease_transport::{Backend, StatsHandle};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
@@ -109,28 +109,15 @@ impl RequestOutcome {
     }
 }
 
-/// The data path of a transfer (the `backend` label).
+/// The data path of a transfer as the `backend` label writes it (the transport's
+/// [`Backend::as_str`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// RDMA verbs.
-    Verbs,
-    /// The TCP fallback.
-    Tcp,
-    /// Shared memory with a peer on the same host.
-    Shm,
-}
+struct BackendName(Backend);
 
-impl Backend {
-    /// Every backend, in label order.
-    pub const ALL: [Self; 3] = [Self::Verbs, Self::Tcp, Self::Shm];
-
+impl BackendName {
     /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Verbs => "verbs",
-            Self::Tcp => "tcp",
-            Self::Shm => "shm",
-        }
+    fn as_str(self) -> &'static str {
+        self.0.as_str()
     }
 }
 
@@ -168,7 +155,7 @@ macro_rules! label_value {
         }
     )*};
 }
-label_value!(ReleaseReason, RequestOutcome, Backend, HandshakeOutcome);
+label_value!(ReleaseReason, RequestOutcome, BackendName, HandshakeOutcome);
 
 /// `{reason="..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
@@ -191,14 +178,14 @@ struct HandshakeLabel {
 /// `{backend="..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct BackendLabel {
-    backend: Backend,
+    backend: BackendName,
 }
 
 /// `{peer="...",backend="..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct PeerBackendLabel {
     peer: String,
-    backend: Backend,
+    backend: BackendName,
 }
 
 /// Buckets in seconds from 1 ms to about 17 minutes (×2 each): covers a sub-second test
@@ -548,7 +535,9 @@ impl Metrics {
             drop(self.handshakes.get_or_create(&HandshakeLabel { outcome }));
         }
         for backend in Backend::ALL {
-            drop(self.transfers.get_or_create(&BackendLabel { backend }));
+            drop(self.transfers.get_or_create(&BackendLabel {
+                backend: BackendName(backend),
+            }));
         }
     }
 
@@ -569,7 +558,9 @@ impl Metrics {
     /// The counter `kvlease_transfers_total{backend}`.
     pub fn transfer(&self, backend: Backend) -> Counter {
         self.transfers
-            .get_or_create(&BackendLabel { backend })
+            .get_or_create(&BackendLabel {
+                backend: BackendName(backend),
+            })
             .clone()
     }
 
@@ -586,7 +577,7 @@ impl Metrics {
         for other in Backend::ALL {
             let label = PeerBackendLabel {
                 peer: peer.to_owned(),
-                backend: other,
+                backend: BackendName(other),
             };
             if other == backend {
                 self.peer_backend.get_or_create(&label).set(1);
@@ -601,7 +592,7 @@ impl Metrics {
         for backend in Backend::ALL {
             self.peer_backend.remove(&PeerBackendLabel {
                 peer: peer.to_owned(),
-                backend,
+                backend: BackendName(backend),
             });
         }
     }

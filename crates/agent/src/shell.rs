@@ -1,12 +1,10 @@
 //! What the prefill and decode shells share: the per-rank pool setup, the engine setup
 //! error, and the peer naming and address formatting of the remote-engine handshakes.
 
-use axum::http::StatusCode;
 use kvlease_gpu_mem::{BlockPool, KvLayout, MemoryRequest};
 use kvlease_lease::EngineId;
 use kvlease_transport::{Agent, PeerId};
 
-use crate::api::ApiError;
 use crate::kv::{self, KvShape, RankLayout};
 use crate::prefill::EngineInfo;
 use crate::sidechannel;
@@ -81,8 +79,9 @@ pub(crate) fn host_port(host: &str, port: u16) -> String {
     }
 }
 
-/// Why a handshake with a remote engine (P for D; D for P's pulls) failed. Mapped to an HTTP error only at the edge
-/// ([`HandshakeFailure::to_api`]).
+/// Why a handshake with a remote engine (P for D; D for P's pulls) failed. D hands it to
+/// its core as a [`HandshakeError`](kvlease_engine::HandshakeError), which is mapped to an
+/// HTTP error only at the edge, in one place (`decode::errors::handshake_api`).
 #[derive(Debug, thiserror::Error)]
 pub enum HandshakeFailure {
     /// P refused our proof, or we refused P's (cluster token).
@@ -177,26 +176,6 @@ pub enum HandshakeFailure {
 }
 
 impl HandshakeFailure {
-    /// The HTTP answer.
-    pub fn to_api(&self) -> ApiError {
-        match self {
-            Self::Auth { .. } => {
-                ApiError::new(StatusCode::FORBIDDEN, "peer_auth_failed", self.to_string())
-            }
-            Self::NotAllowed { .. } => ApiError::new(
-                StatusCode::FORBIDDEN,
-                "prefill_host_not_allowed",
-                self.to_string(),
-            ),
-            Self::Connect { .. } | Self::Thread => ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "handshake_failed",
-                self.to_string(),
-            ),
-            _ => ApiError::bad_field("kv_transfer_params.remote_engine_id", self.to_string()),
-        }
-    }
-
     pub(crate) fn is_auth(&self) -> bool {
         matches!(self, Self::Auth { .. })
     }

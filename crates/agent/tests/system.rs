@@ -518,25 +518,15 @@ async fn abort_frees_p_at_once() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
-    let cfg = |role| kv_config(role, json!({"kv_lease_duration": 1}));
-    let (pc, dc) = (cfg("kv_producer"), cfg("kv_consumer"));
-    let (c, p, d) = pd(
-        &["--num-blocks", "64", "--kv-transfer-config", &pc],
-        &[
-            "--num-blocks",
-            "64",
-            "--step-ms",
-            "5",
-            "--kv-transfer-config",
-            &dc,
-        ],
-        "bad",
-    )
-    .await?;
+/// Malformed JSON on both sides, bad `kv_transfer_params` on P and on D, and unknown
+/// engines: each a 400 that names the field or the engine.
+async fn refusals_name_the_field_or_engine(
+    c: &reqwest::Client,
+    p: &Agent,
+    d: &Agent,
+) -> Result<()> {
     // Malformed JSON, both sides.
-    for a in [&p, &d] {
+    for a in [p, d] {
         let r = c
             .post(format!("{}/v1/completions", a.url))
             .header("content-type", "application/json")
@@ -554,7 +544,7 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     }
     // Bad kv_transfer_params on P and on D; the error names the field.
     let (s, v) = post(
-        &c,
+        c,
         &p.url,
         &json!({"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}}),
     )
@@ -563,16 +553,16 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
         s == 400 && v["error"]["param"] == "kv_transfer_params.do_remote_decode",
         "{s} {v}"
     );
-    let pa = do_prefill(&c, &p, &prompt(5)).await?;
+    let pa = do_prefill(c, p, &prompt(5)).await?;
     let mut bad = d_body(&prompt(5), 2, &pa);
     bad["kv_transfer_params"]["remote_block_ids"] = json!("nope");
-    let (s, v) = post(&c, &d.url, &bad).await?;
+    let (s, v) = post(c, &d.url, &bad).await?;
     ensure!(
         s == 400 && v["error"]["param"] == "kv_transfer_params.remote_block_ids",
         "{s} {v}"
     );
     let bad = d_body("a different prompt", 2, &pa);
-    let (s, v) = post(&c, &d.url, &bad).await?;
+    let (s, v) = post(c, &d.url, &bad).await?;
     ensure!(
         s == 400 && v["error"]["param"] == "kv_transfer_params.kvlease_num_tokens",
         "{s} {v}"
@@ -580,7 +570,7 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     // Unknown engine: P's side channel serves another engine; and nothing listens.
     let mut bad = d_body(&prompt(5), 2, &pa);
     bad["kv_transfer_params"]["remote_engine_id"] = json!("no-such-engine");
-    let (s, v) = post(&c, &d.url, &bad).await?;
+    let (s, v) = post(c, &d.url, &bad).await?;
     ensure!(
         s == 400
             && v["error"]["message"]
@@ -591,7 +581,7 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     let mut bad = d_body(&prompt(5), 2, &pa);
     bad["kv_transfer_params"]["remote_engine_id"] = json!("ghost");
     bad["kv_transfer_params"]["remote_port"] = json!(free_port());
-    let (s, v) = post(&c, &d.url, &bad).await?;
+    let (s, v) = post(c, &d.url, &bad).await?;
     ensure!(
         s == 400
             && v["error"]["message"]
@@ -599,6 +589,60 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
                 .is_some_and(|m| m.contains("unknown engine")),
         "{s} {v}"
     );
+    Ok(())
+}
+
+/// A P with the token `right` and a D with `wrong`, both healthy.
+async fn agents_with_other_tokens(
+    c: &reqwest::Client,
+    pc: &str,
+    dc: &str,
+) -> Result<(Agent, Agent)> {
+    let mut tp = prefill(
+        "p-auth",
+        &[
+            "--num-blocks",
+            "16",
+            "--kv-transfer-config",
+            pc,
+            "--auth-token",
+            "right",
+        ],
+    )?;
+    let mut td = decode(
+        "d-auth",
+        &[
+            "--num-blocks",
+            "16",
+            "--kv-transfer-config",
+            dc,
+            "--auth-token",
+            "wrong",
+        ],
+    )?;
+    wait_healthy(c, &mut tp).await?;
+    wait_healthy(c, &mut td).await?;
+    Ok((tp, td))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
+    let cfg = |role| kv_config(role, json!({"kv_lease_duration": 1}));
+    let (pc, dc) = (cfg("kv_producer"), cfg("kv_consumer"));
+    let (c, p, d) = pd(
+        &["--num-blocks", "64", "--kv-transfer-config", &pc],
+        &[
+            "--num-blocks",
+            "64",
+            "--step-ms",
+            "5",
+            "--kv-transfer-config",
+            &dc,
+        ],
+        "bad",
+    )
+    .await?;
+    refusals_name_the_field_or_engine(&c, &p, &d).await?;
     // A real request still works afterwards. (It gets its own prefill: a refusal of a
     // request with valid P coordinates tells a connected P to free that lease at once.)
     let pa = do_prefill(&c, &p, &prompt(5)).await?;
@@ -620,30 +664,7 @@ async fn bad_input_gets_clear_4xx_and_nothing_leaks() -> Result<()> {
     .await?;
 
     // Wrong auth token: a P with a token, a D with another.
-    let mut tp = prefill(
-        "p-auth",
-        &[
-            "--num-blocks",
-            "16",
-            "--kv-transfer-config",
-            &pc,
-            "--auth-token",
-            "right",
-        ],
-    )?;
-    let mut td = decode(
-        "d-auth",
-        &[
-            "--num-blocks",
-            "16",
-            "--kv-transfer-config",
-            &dc,
-            "--auth-token",
-            "wrong",
-        ],
-    )?;
-    wait_healthy(&c, &mut tp).await?;
-    wait_healthy(&c, &mut td).await?;
+    let (tp, td) = agents_with_other_tokens(&c, &pc, &dc).await?;
     let pa = do_prefill(&c, &tp, &prompt(6)).await?;
     let (s, v) = post(&c, &td.url, &d_body(&prompt(6), 2, &pa)).await?;
     ensure!(

@@ -244,7 +244,6 @@ pub struct PullPolicy {
 
 /// Why P recomputes instead of pulling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum RecomputeReason {
     /// The first block already differs (or no whole block is cached).
     NoCommonBlock,

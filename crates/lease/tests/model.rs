@@ -212,146 +212,161 @@ impl Harness {
                 id,
                 blocks,
                 expected,
-            } => {
-                let n = usize::from(blocks).min(self.model.free.len());
-                let at = self.model.free.len() - n;
-                let blocks: Vec<BlockId> = self.model.free[at..].to_vec();
-                let result = self.table.grant(now, rid(id), blocks.clone(), expected);
-                if expected == 0 {
-                    assert_eq!(result, Err(GrantError::ZeroConsumers { request: rid(id) }));
-                } else if self.model.find(id).is_some() {
-                    assert_eq!(result, Err(GrantError::Duplicate { request: rid(id) }));
-                } else {
-                    let generation = result.unwrap().word();
-                    assert!(self.granted.insert(generation), "generation reused");
-                    self.model.free.truncate(at);
-                    self.model.leases.push(ModelLease {
-                        id,
-                        blocks,
-                        generation,
-                        granted_at: self.now,
-                        expiry: self.now + self.model.config.duration().as_nanos() as u64,
-                        last_heartbeat: None,
-                        expected,
-                        consumers: Vec::new(),
-                    });
-                }
-                self.expect_released(Vec::new());
-            }
-            Op::Heartbeat { ids } => {
-                let names: Vec<RequestId> = ids.iter().map(|&i| rid(i)).collect();
-                let out = self.table.handle_heartbeat(now, &names);
-                let (mut held, mut extended, mut unknown, mut late) = (0, 0, 0, 0);
-                let renewed = self.now + self.extension();
-                let fixed = self.model.config.mode() == LeaseMode::Fixed;
-                for &i in &ids {
-                    match self.model.find(i) {
-                        None => unknown += 1,
-                        Some(k) => {
-                            let l = &mut self.model.leases[k];
-                            if l.expiry <= self.now {
-                                late += 1;
-                                continue;
-                            }
-                            held += 1;
-                            l.last_heartbeat = Some(self.now);
-                            if !fixed && renewed > l.expiry {
-                                l.expiry = renewed;
-                                extended += 1;
-                            }
-                        }
-                    }
-                }
-                assert_eq!(
-                    (out.held, out.extended, out.unknown, out.late),
-                    (held, extended, unknown, late)
-                );
-                self.expect_released(Vec::new());
-            }
+            } => self.grant(now, id, blocks, expected),
+            Op::Heartbeat { ids } => self.heartbeat(now, ids),
             Op::ReadComplete {
                 id,
                 engine: e,
                 rank,
                 total,
-            } => {
-                let consumer = ConsumerId::new(engine(e), rank);
-                let out = self
-                    .table
-                    .handle_read_complete(now, &rid(id), consumer, total);
-                let expected_out = if total == Some(0) {
-                    ReadCompleteOutcome::InvalidTotal
-                } else if let Some(k) = self.model.find(id) {
-                    let l = &mut self.model.leases[k];
-                    if let Some(t) = total {
-                        l.expected = t;
-                    }
-                    let duplicate = l.consumers.contains(&(e, rank));
-                    if !duplicate {
-                        l.consumers.push((e, rank));
-                    }
-                    let remaining = l.expected.saturating_sub(l.consumers.len() as u32);
-                    if remaining == 0 {
-                        ReadCompleteOutcome::Released
-                    } else if duplicate {
-                        ReadCompleteOutcome::Duplicate { remaining }
-                    } else {
-                        ReadCompleteOutcome::Waiting { remaining }
-                    }
-                } else {
-                    ReadCompleteOutcome::Unknown
-                };
-                assert_eq!(out, expected_out);
-                if out == ReadCompleteOutcome::Released {
-                    let l = self.model.take(id);
-                    self.expect_released(vec![(l, ReleaseReason::Completed)]);
-                } else {
-                    self.expect_released(Vec::new());
-                }
-            }
-            Op::Abort { id } => {
-                let held = self.table.abort(now, &rid(id));
-                assert_eq!(held, self.model.find(id).is_some());
-                if held {
-                    let l = self.model.take(id);
-                    self.expect_released(vec![(l, ReleaseReason::Aborted)]);
-                }
-            }
-            Op::Advance { ms, drive } => {
-                let target = self.now + ms * 1_000_000;
-                if drive {
-                    // A driver: reap at every deadline on the way. Then every lease that
-                    // expires during the advance is released exactly at its expiry: no
-                    // later than the last heartbeat + extension.
-                    let start = self.now;
-                    while let Some(t) = self.table.poll_timeout() {
-                        let t = ns(t);
-                        if t > target {
-                            break;
-                        }
-                        self.now = self.now.max(t);
-                        let late: Vec<u64> = self
-                            .model
-                            .leases
-                            .iter()
-                            .filter(|l| l.expiry > start && l.expiry < self.now)
-                            .map(|l| l.expiry)
-                            .collect();
-                        assert!(
-                            late.is_empty(),
-                            "missed deadlines {late:?} before {}",
-                            self.now
-                        );
-                        self.reap();
-                        assert!(self.table.poll_timeout().is_none_or(|t| ns(t) > self.now));
-                    }
-                }
-                self.now = target;
-            }
+            } => self.read_complete(now, id, e, rank, total),
+            Op::Abort { id } => self.abort(now, id),
+            Op::Advance { ms, drive } => self.advance(ms, drive),
             Op::Timeout => {
                 self.reap();
             }
         }
         self.check();
+    }
+
+    /// A grant: refused for no consumers or a held id, else the model takes the blocks.
+    fn grant(&mut self, now: Timestamp, id: u8, blocks: u8, expected: u32) {
+        let n = usize::from(blocks).min(self.model.free.len());
+        let at = self.model.free.len() - n;
+        let blocks: Vec<BlockId> = self.model.free[at..].to_vec();
+        let result = self.table.grant(now, rid(id), blocks.clone(), expected);
+        if expected == 0 {
+            assert_eq!(result, Err(GrantError::ZeroConsumers { request: rid(id) }));
+        } else if self.model.find(id).is_some() {
+            assert_eq!(result, Err(GrantError::Duplicate { request: rid(id) }));
+        } else {
+            let generation = result.unwrap().word();
+            assert!(self.granted.insert(generation), "generation reused");
+            self.model.free.truncate(at);
+            self.model.leases.push(ModelLease {
+                id,
+                blocks,
+                generation,
+                granted_at: self.now,
+                expiry: self.now + self.model.config.duration().as_nanos() as u64,
+                last_heartbeat: None,
+                expected,
+                consumers: Vec::new(),
+            });
+        }
+        self.expect_released(Vec::new());
+    }
+
+    /// A heartbeat batch: the table's counts match the model's, which renews held leases.
+    fn heartbeat(&mut self, now: Timestamp, ids: Vec<u8>) {
+        let names: Vec<RequestId> = ids.iter().map(|&i| rid(i)).collect();
+        let out = self.table.handle_heartbeat(now, &names);
+        let (mut held, mut extended, mut unknown, mut late) = (0, 0, 0, 0);
+        let renewed = self.now + self.extension();
+        let fixed = self.model.config.mode() == LeaseMode::Fixed;
+        for &i in &ids {
+            match self.model.find(i) {
+                None => unknown += 1,
+                Some(k) => {
+                    let l = &mut self.model.leases[k];
+                    if l.expiry <= self.now {
+                        late += 1;
+                        continue;
+                    }
+                    held += 1;
+                    l.last_heartbeat = Some(self.now);
+                    if !fixed && renewed > l.expiry {
+                        l.expiry = renewed;
+                        extended += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            (out.held, out.extended, out.unknown, out.late),
+            (held, extended, unknown, late)
+        );
+        self.expect_released(Vec::new());
+    }
+
+    /// A read completion: the table's answer matches the model's, and the last one releases.
+    fn read_complete(&mut self, now: Timestamp, id: u8, e: u8, rank: u32, total: Option<u32>) {
+        let consumer = ConsumerId::new(engine(e), rank);
+        let out = self
+            .table
+            .handle_read_complete(now, &rid(id), consumer, total);
+        let expected_out = if total == Some(0) {
+            ReadCompleteOutcome::InvalidTotal
+        } else if let Some(k) = self.model.find(id) {
+            let l = &mut self.model.leases[k];
+            if let Some(t) = total {
+                l.expected = t;
+            }
+            let duplicate = l.consumers.contains(&(e, rank));
+            if !duplicate {
+                l.consumers.push((e, rank));
+            }
+            let remaining = l.expected.saturating_sub(l.consumers.len() as u32);
+            if remaining == 0 {
+                ReadCompleteOutcome::Released
+            } else if duplicate {
+                ReadCompleteOutcome::Duplicate { remaining }
+            } else {
+                ReadCompleteOutcome::Waiting { remaining }
+            }
+        } else {
+            ReadCompleteOutcome::Unknown
+        };
+        assert_eq!(out, expected_out);
+        if out == ReadCompleteOutcome::Released {
+            let l = self.model.take(id);
+            self.expect_released(vec![(l, ReleaseReason::Completed)]);
+        } else {
+            self.expect_released(Vec::new());
+        }
+    }
+
+    /// An abort releases a held lease.
+    fn abort(&mut self, now: Timestamp, id: u8) {
+        let held = self.table.abort(now, &rid(id));
+        assert_eq!(held, self.model.find(id).is_some());
+        if held {
+            let l = self.model.take(id);
+            self.expect_released(vec![(l, ReleaseReason::Aborted)]);
+        }
+    }
+
+    /// Time moves on by `ms`, reaped at every deadline on the way when `drive`.
+    fn advance(&mut self, ms: u64, drive: bool) {
+        let target = self.now + ms * 1_000_000;
+        if drive {
+            // A driver: reap at every deadline on the way. Then every lease that
+            // expires during the advance is released exactly at its expiry: no
+            // later than the last heartbeat + extension.
+            let start = self.now;
+            while let Some(t) = self.table.poll_timeout() {
+                let t = ns(t);
+                if t > target {
+                    break;
+                }
+                self.now = self.now.max(t);
+                let late: Vec<u64> = self
+                    .model
+                    .leases
+                    .iter()
+                    .filter(|l| l.expiry > start && l.expiry < self.now)
+                    .map(|l| l.expiry)
+                    .collect();
+                assert!(
+                    late.is_empty(),
+                    "missed deadlines {late:?} before {}",
+                    self.now
+                );
+                self.reap();
+                assert!(self.table.poll_timeout().is_none_or(|t| ns(t) > self.now));
+            }
+        }
+        self.now = target;
     }
 
     fn check(&mut self) {

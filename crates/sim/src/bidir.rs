@@ -52,7 +52,6 @@ pub enum FlightAllowance {
 
 /// A deliberate bug in P's deadline estimate, to prove that the oracle catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum BidirBug {
     /// Offset basis: P reads D's timestamp as if it were its own clock (a zero offset).
     IgnoreOffset,
@@ -62,7 +61,6 @@ pub enum BidirBug {
 
 /// One bidirectional world. The same config gives the same run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BidirConfig {
     /// Seed of every random choice.
     pub seed: u64,
@@ -129,7 +127,6 @@ impl BidirConfig {
 
 /// The outcome of one bidirectional run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct BidirReport {
     /// The seed.
     pub seed: u64,
@@ -237,17 +234,6 @@ fn d_answer(
 /// Runs one bidirectional world.
 pub fn run_bidir(config: &BidirConfig) -> BidirReport {
     let mut rng = Rng::new(config.seed);
-    let p_clock = Clock {
-        offset_ns: 0,
-        drift_ppm: 0,
-    };
-    let d_clock = Clock {
-        offset_ns: i128::from(config.skew_ms) * 1_000_000,
-        drift_ppm: i128::from(config.drift_ppm.clamp(-100_000, 100_000)),
-    };
-    let jitter = nanos(config.jitter);
-    let up = |rng: &mut Rng| nanos(config.delay_up) + rng.range(0, jitter);
-    let down = |rng: &mut Rng| nanos(config.delay_down) + rng.range(0, jitter);
     let mut report = BidirReport {
         seed: config.seed,
         ..BidirReport::default()
@@ -258,73 +244,136 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
             .push(format!("TTL {:?} out of range", config.ttl));
         return report;
     };
-
-    // The handshake: probes 10 ms apart, each (t0, D's clock on arrival, t1).
-    let mut est = ClockOffsetEstimator::new();
-    let mut now: u64 = 1_000_000_000;
-    for _ in 0..config.probes.max(1) {
-        let t0 = now;
-        let at_d = t0 + up(&mut rng);
-        let t1 = at_d + down(&mut rng);
-        let remote = PeerTimestamp::from_nanos(d_clock.local(at_d).as_nanos_saturating());
-        // t1 > t0 always (delays are non-negative), so the sample is accepted or ignored.
-        let _ = est.add_sample(p_clock.local(t0), remote, p_clock.local(t1));
-        now = t1 + 10_000_000;
-    }
-    let Some(offset) = est.offset() else {
-        report.failures.push("no clock sample".into());
-        return report;
+    let mut world = BidirWorld {
+        config,
+        p_clock: Clock {
+            offset_ns: 0,
+            drift_ppm: 0,
+        },
+        d_clock: Clock {
+            offset_ns: i128::from(config.skew_ms) * 1_000_000,
+            drift_ppm: i128::from(config.drift_ppm.clamp(-100_000, 100_000)),
+        },
+        ttl,
+        rng: &mut rng,
+        now: 1_000_000_000,
+        report,
+    };
+    let Some(offset) = world.probe_offset() else {
+        world.report.failures.push("no clock sample".into());
+        return world.report;
     };
     let rtt = offset.rtt();
-    let policy = PullPolicy {
-        threshold_tokens: BLOCK_SIZE,
-        safety_margin: config.margin,
-        basis: config.basis,
+    let p = PView {
+        policy: PullPolicy {
+            threshold_tokens: BLOCK_SIZE,
+            safety_margin: config.margin,
+            basis: config.basis,
+        },
+        // The planted bug: a zero offset, as if D's clock were P's.
+        offset: match config.bug {
+            Some(BidirBug::IgnoreOffset) => ClockOffset::from_nanos(0),
+            _ => offset,
+        },
+        allowance: match config.flight {
+            FlightAllowance::None => Duration::ZERO,
+            FlightAllowance::HalfRtt => rtt / 2,
+            FlightAllowance::FullRtt => rtt,
+        },
     };
-    // The planted bug: a zero offset, as if D's clock were P's.
-    let p_offset = match config.bug {
-        Some(BidirBug::IgnoreOffset) => ClockOffset::from_nanos(0),
-        _ => offset,
-    };
-    let allowance = match config.flight {
-        FlightAllowance::None => Duration::ZERO,
-        FlightAllowance::HalfRtt => rtt / 2,
-        FlightAllowance::FullRtt => rtt,
-    };
-
     for conv in 0..config.conversations {
+        world.conversation(&p, conv);
+    }
+    world.report
+}
+
+/// One run in progress: the config, both clocks, the true time and the report so far.
+struct BidirWorld<'a> {
+    config: &'a BidirConfig,
+    p_clock: Clock,
+    d_clock: Clock,
+    ttl: DecoderTtl,
+    rng: &'a mut Rng,
+    /// True time, in nanoseconds.
+    now: u64,
+    report: BidirReport,
+}
+
+/// P's side of the run, fixed at the handshake: its policy, its reading of D's clock and
+/// what it subtracts for the flight of D's answer.
+struct PView {
+    policy: PullPolicy,
+    offset: ClockOffset,
+    allowance: Duration,
+}
+
+impl BidirWorld<'_> {
+    /// One message's flight P → D.
+    fn up(&mut self) -> u64 {
+        nanos(self.config.delay_up) + self.rng.range(0, nanos(self.config.jitter))
+    }
+
+    /// One message's flight D → P.
+    fn down(&mut self) -> u64 {
+        nanos(self.config.delay_down) + self.rng.range(0, nanos(self.config.jitter))
+    }
+
+    /// The handshake: probes 10 ms apart, each (t0, D's clock on arrival, t1); P's
+    /// estimate of D's clock, if any sample was taken.
+    fn probe_offset(&mut self) -> Option<ClockOffset> {
+        let mut est = ClockOffsetEstimator::new();
+        for _ in 0..self.config.probes.max(1) {
+            let t0 = self.now;
+            let at_d = t0 + self.up();
+            let t1 = at_d + self.down();
+            let remote = PeerTimestamp::from_nanos(self.d_clock.local(at_d).as_nanos_saturating());
+            // t1 > t0 always (delays are non-negative), so the sample is accepted or ignored.
+            let _ = est.add_sample(self.p_clock.local(t0), remote, self.p_clock.local(t1));
+            self.now = t1 + 10_000_000;
+        }
+        est.offset()
+    }
+
+    /// One conversation: D finishes a turn and holds its blocks, P decides on the next
+    /// turn, and the oracle checks the decision against D's hold at the read's end.
+    fn conversation(&mut self, p: &PView, conv: u32) {
+        let config = self.config;
         // D finishes a turn and holds its blocks, then answers P with the deadline.
-        now += rng.range(0, 2_000_000_000);
-        let finish = now;
-        let mut hold = DecoderHold::new(ttl, false);
+        self.now += self.rng.range(0, 2_000_000_000);
+        let finish = self.now;
+        let mut hold = DecoderHold::new(self.ttl, false);
         let Ok(request) = RequestId::new(&format!("conv-{conv}")) else {
-            report.failures.push(format!("conv {conv}: bad request id"));
-            continue;
+            self.report
+                .failures
+                .push(format!("conv {conv}: bad request id"));
+            return;
         };
-        let d_now = d_clock.local(finish);
+        let d_now = self.d_clock.local(finish);
         let turn = turn_tokens(conv);
         let Ok(held) = hold.insert(d_now, request.clone(), vec![BlockId(conv)]) else {
-            report.failures.push(format!("conv {conv}: insert failed"));
-            continue;
+            self.report
+                .failures
+                .push(format!("conv {conv}: insert failed"));
+            return;
         };
         let answer = d_answer(&request, &turn, BlockId(conv), held, d_now);
         if let Err(e) = answer.check() {
-            report
+            self.report
                 .failures
                 .push(format!("conv {conv}: D's params: {e}"));
         }
-        let received = finish + down(&mut rng);
-        let p_received = p_clock.local(received);
+        let received = finish + self.down();
+        let p_received = self.p_clock.local(received);
 
         // The next turn (the finished one and more) arrives after a think time around the
         // TTL.
         let ttl_ns = nanos(config.ttl);
-        let think = rng.range(
+        let think = self.rng.range(
             ttl_ns.saturating_sub(20_000_000_000),
             ttl_ns + 5_000_000_000,
         );
         let decide = received + think;
-        let p_now = p_clock.local(decide);
+        let p_now = self.p_clock.local(decide);
         let mut prompt = turn;
         prompt.extend(0..BLOCK_SIZE / 2);
 
@@ -336,60 +385,45 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
                 answer,
             ),
             (DeadlineBasis::RelativeTtl, _) => {
-                let arrived = answer.aged_by(allowance);
+                let arrived = answer.aged_by(p.allowance);
                 (
                     estimated_deadline(config.basis, &arrived, p_received, None),
                     arrived.aged_by(p_now.saturating_duration_since(p_received)),
                 )
             }
             (DeadlineBasis::ClockOffset, _) => (
-                estimated_deadline(config.basis, &answer, p_now, Some(p_offset)),
+                estimated_deadline(config.basis, &answer, p_now, Some(p.offset)),
                 answer,
             ),
         };
         let Some(estimate) = estimate else {
-            report
+            self.report
                 .failures
                 .push(format!("conv {conv}: no deadline estimate"));
-            continue;
+            return;
         };
         let decision = plan_pull(
-            &policy,
+            &p.policy,
             &seen,
             &prompt,
             BLOCK_SIZE,
             p_now,
-            Some(p_offset),
+            Some(p.offset),
             config.pull_time,
         );
-        let pull = match decision {
-            PullDecision::Pull { blocks, .. } => {
-                if blocks != [BlockId(conv)] {
-                    report
-                        .failures
-                        .push(format!("conv {conv}: pull of {blocks:?}, D holds {conv}"));
-                }
-                true
-            }
-            PullDecision::Recompute(RecomputeReason::DeadlineTooClose) => false,
-            PullDecision::Recompute(other) => {
-                report
-                    .failures
-                    .push(format!("conv {conv}: recompute for {other:?}"));
-                false
-            }
-        };
+        let pull = self.pulls(conv, decision);
 
         // The oracle: the true deadline on P's clock, and D's hold at the read's end.
-        let free_true = d_clock.true_at(signed_ns(held.deadline));
-        let true_deadline_p = p_clock.local_ns(free_true);
+        let free_true = self.d_clock.true_at(signed_ns(held.deadline));
+        let true_deadline_p = self.p_clock.local_ns(free_true);
         let err = signed_ns(estimate) - true_deadline_p;
-        report
+        self.report
             .deadline_errors_ns
             .push(i64::try_from(err).unwrap_or(i64::MAX));
-        let read_end = decide + up(&mut rng) + nanos(config.pull_time);
-        hold.handle_timeout(d_clock.local(read_end));
+        let read_end = decide + self.up() + nanos(config.pull_time);
+        hold.handle_timeout(self.d_clock.local(read_end));
         let live = hold.deadline(&request).is_some();
+        let report = &mut self.report;
         report.decisions += 1;
         match (pull, live) {
             (true, true) => report.safe_pulls += 1,
@@ -408,7 +442,28 @@ pub fn run_bidir(config: &BidirConfig) -> BidirReport {
             (false, false) => report.needed_recomputes += 1,
         }
     }
-    report
+
+    /// Whether P's `decision` pulls; a pull of anything but D's block, or a recompute for
+    /// any reason but the deadline, is a failure.
+    fn pulls(&mut self, conv: u32, decision: PullDecision) -> bool {
+        match decision {
+            PullDecision::Pull { blocks, .. } => {
+                if blocks != [BlockId(conv)] {
+                    self.report
+                        .failures
+                        .push(format!("conv {conv}: pull of {blocks:?}, D holds {conv}"));
+                }
+                true
+            }
+            PullDecision::Recompute(RecomputeReason::DeadlineTooClose) => false,
+            PullDecision::Recompute(other) => {
+                self.report
+                    .failures
+                    .push(format!("conv {conv}: recompute for {other:?}"));
+                false
+            }
+        }
+    }
 }
 
 #[cfg(test)]

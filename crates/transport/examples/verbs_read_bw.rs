@@ -27,7 +27,7 @@ fn main() -> anyhow::Result<()> {
     use anyhow::{Context, bail};
     use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
     use kvlease_transport::verbs::{
-        BatchStatus, ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointConfig, ReadOp,
+        BatchStatus, ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointConfig, RdmaRead,
     };
 
     let args: Vec<String> = std::env::args().collect();
@@ -70,8 +70,8 @@ fn main() -> anyhow::Result<()> {
     let src_mr = p_pd.register(Arc::clone(&src) as Arc<dyn DmaRegion>)?;
     let dst_mr = d_pd.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
     let slots = span / size;
-    let ops: Vec<ReadOp> = (0..iters)
-        .map(|i| ReadOp {
+    let ops: Vec<RdmaRead> = (0..iters)
+        .map(|i| RdmaRead {
             local: dst_mr.clone(),
             local_offset: (i % slots) * size,
             remote: src_mr.remote(),

@@ -18,7 +18,7 @@ use crate::error::TransferError;
 
 /// Where a batch stands.
 #[derive(Debug)]
-pub(crate) enum Outcome {
+pub(crate) enum BatchPhase {
     Running,
     Done(BatchStats),
     Failed(TransferError),
@@ -35,7 +35,7 @@ pub(crate) struct BatchState {
     pub(crate) fence: Option<FenceRead>,
     /// The notification, taken when it is sent.
     pub(crate) notif: Option<Vec<u8>>,
-    pub(crate) outcome: Outcome,
+    pub(crate) phase: BatchPhase,
     pub(crate) bytes: u64,
     pub(crate) ops: usize,
     pub(crate) fence_word: Option<u64>,
@@ -59,7 +59,7 @@ pub(crate) enum Next {
 
 impl BatchState {
     pub(crate) fn is_running(&self) -> bool {
-        matches!(self.outcome, Outcome::Running)
+        matches!(self.phase, BatchPhase::Running)
     }
 
     /// Records a completed data chunk of `bytes` bytes.
@@ -82,7 +82,7 @@ impl BatchState {
         }
         self.fence_word = Some(found);
         if found != expected {
-            self.outcome = Outcome::Failed(TransferError::FenceMismatch {
+            self.phase = BatchPhase::Failed(TransferError::FenceMismatch {
                 peer: peer.to_owned(),
                 expected,
                 found,
@@ -105,7 +105,7 @@ impl BatchState {
     /// Marks the batch done (after its notification, if any, was handed to the link).
     pub(crate) fn finish(&mut self) {
         if self.is_running() {
-            self.outcome = Outcome::Done(BatchStats {
+            self.phase = BatchPhase::Done(BatchStats {
                 bytes: self.bytes,
                 ops: self.ops,
                 fence_word: self.fence_word,
@@ -117,7 +117,7 @@ impl BatchState {
     /// Fails the batch unless it already ended. Returns whether this call failed it.
     pub(crate) fn fail(&mut self, err: TransferError) -> bool {
         if self.is_running() {
-            self.outcome = Outcome::Failed(err);
+            self.phase = BatchPhase::Failed(err);
             true
         } else {
             false
@@ -189,7 +189,7 @@ impl Batch {
                 in_receive: 0,
                 fence,
                 notif,
-                outcome: Outcome::Running,
+                phase: BatchPhase::Running,
                 bytes: 0,
                 ops,
                 fence_word: None,

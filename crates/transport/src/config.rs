@@ -45,6 +45,9 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every backend, in the order metrics list them.
+    pub const ALL: [Self; 3] = [Self::Verbs, Self::Tcp, Self::Shm];
+
     /// The backend's name as logs and metrics write it: `"verbs"`, `"tcp"` or `"shm"`.
     pub fn as_str(self) -> &'static str {
         match self {

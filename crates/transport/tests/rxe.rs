@@ -20,7 +20,7 @@ use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 use kvlease_transport::Backend;
 use kvlease_transport::verbs::{
     BatchId, BatchStatus, Device, DeviceConfig, Endpoint, EndpointConfig, EndpointState,
-    MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion, VerbsError, WorkCompletionStatus,
+    MemoryRegion, ProtectionDomain, RdmaRead, RemoteRegion, VerbsError, WorkCompletionStatus,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -168,7 +168,7 @@ fn multi_mb_read_batch_is_byte_exact() -> Result<()> {
     let mut ops = Vec::new();
     for i in 0..64u64 {
         let j = (i * 37) % 64;
-        ops.push(ReadOp {
+        ops.push(RdmaRead {
             local: dst_mr.clone(),
             local_offset: j * BLOCK,
             remote,
@@ -177,7 +177,7 @@ fn multi_mb_read_batch_is_byte_exact() -> Result<()> {
         });
     }
     let big = 4u64 << 20;
-    ops.push(ReadOp {
+    ops.push(RdmaRead {
         local: dst_mr.clone(),
         local_offset: 16 << 20,
         remote,
@@ -249,7 +249,7 @@ fn notifications_flow_both_ways_in_order() -> Result<()> {
     // A batch's notification reaches P once the batch is done.
     let (_src, src_mr) = region(&pair.p_pd, 1 << 20, 9)?;
     let (_dst, dst_mr) = region(&pair.d_pd, 1 << 20, 0)?;
-    let op = ReadOp {
+    let op = RdmaRead {
         local: dst_mr,
         local_offset: 0,
         remote: src_mr.remote(),
@@ -287,8 +287,8 @@ fn many_batches_through_a_small_window_complete_byte_exact() -> Result<()> {
     for b in 0..15u64 {
         let n = 1 + (b * 3) % 7;
         let n = n.min(BLOCKS - next);
-        let ops: Vec<ReadOp> = (next..next + n)
-            .map(|i| ReadOp {
+        let ops: Vec<RdmaRead> = (next..next + n)
+            .map(|i| RdmaRead {
                 local: dst_mr.clone(),
                 local_offset: (BLOCKS - 1 - i) * BLOCK,
                 remote: src_mr.remote(),
@@ -339,14 +339,14 @@ fn fenced_read_sees_the_generation_after_the_data() -> Result<()> {
     let slot = 8 * 5;
     for generation in [41u64, 42] {
         fences.store_u64(slot, generation)?;
-        let data = ReadOp {
+        let data = RdmaRead {
             local: dst_mr.clone(),
             local_offset: 0,
             remote: src_mr.remote(),
             remote_offset: 0,
             len: 4 << 20,
         };
-        let fence = ReadOp {
+        let fence = RdmaRead {
             local: word_mr.clone(),
             local_offset: 0,
             remote: fence_mr.remote(),
@@ -359,7 +359,7 @@ fn fenced_read_sees_the_generation_after_the_data() -> Result<()> {
         ensure!(bytes(&dst, 0, 4 << 20)? == bytes(&src, 0, 4 << 20)?, "data");
     }
     // A fence that does not fit one work request is refused up front.
-    let too_big = ReadOp {
+    let too_big = RdmaRead {
         local: dst_mr,
         local_offset: 0,
         remote: src_mr.remote(),
@@ -377,7 +377,7 @@ fn wrong_rkey_fails_only_its_batch_and_the_qp_recovers() -> Result<()> {
     let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
     let (src, src_mr) = region(&pair.p_pd, 8 << 20, 3)?;
     let (dst, dst_mr) = region(&pair.d_pd, 8 << 20, 0)?;
-    let read = |off: u64, len: u64, remote: RemoteRegion| ReadOp {
+    let read = |off: u64, len: u64, remote: RemoteRegion| RdmaRead {
         local: dst_mr.clone(),
         local_offset: off,
         remote,
@@ -459,7 +459,7 @@ fn out_of_bounds_and_foreign_regions_are_refused_before_posting() -> Result<()> 
     let mut pair = Pair::new(&p_dev, &d_dev, EndpointConfig::default())?;
     let (_src, src_mr) = region(&pair.p_pd, 1 << 20, 1)?;
     let (_dst, dst_mr) = region(&pair.d_pd, 1 << 20, 0)?;
-    let op = |local: MemoryRegion, lo: u64, ro: u64, len: u64| ReadOp {
+    let op = |local: MemoryRegion, lo: u64, ro: u64, len: u64| RdmaRead {
         local,
         local_offset: lo,
         remote: src_mr.remote(),

@@ -39,7 +39,6 @@ pub const MAX_TEST_CLOCK_OFFSET_MS: i64 = 86_400_000;
 
 /// Why a bidirectional-mode input was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum BidirError {
     /// [`TEST_CLOCK_OFFSET_ENV`] is not a signed integer within range.
     #[error(

@@ -1,5 +1,5 @@
 //! D's typed errors: handshakes, read setup and verification. HTTP statuses are made only
-//! at the edge ([`handshake_api`], [`HandshakeFailure::to_api`]).
+//! at the edge ([`handshake_api`]).
 
 use super::*;
 
@@ -20,9 +20,9 @@ pub(super) fn handshake_error(e: HandshakeFailure) -> HandshakeError {
     kind(Arc::new(e))
 }
 
-/// The HTTP answer to a failed handshake, as [`HandshakeFailure::to_api`] gives it for the
-/// failure `e` carries; `None` for P's TP size, which the core refused (it answers as a
-/// failed load).
+/// The HTTP answer to a failed handshake (the one mapping of a [`HandshakeFailure`], by the
+/// kind [`handshake_error`] gave it); `None` for P's TP size, which the core refused (it
+/// answers as a failed load).
 pub(super) fn handshake_api(e: &HandshakeError) -> Option<ApiError> {
     match e {
         HandshakeError::Auth(_) => Some(ApiError::new(

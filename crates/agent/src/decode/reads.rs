@@ -86,13 +86,7 @@ pub(super) fn build_ops(
                         what: "P block",
                         source,
                     })?;
-                ops.push(ReadOp {
-                    local: w.pool_desc,
-                    local_offset: local.start,
-                    remote: pw.pool,
-                    remote_offset: remote.start,
-                    len: local.end - local.start,
-                });
+                ops.push(link::read_op(&w.pool_desc, local, &pw.pool, remote.start));
             }
         }
     }

@@ -46,24 +46,11 @@ pub(super) fn fill_workers(
     pulled: usize,
 ) -> Result<KvDigest, FillError> {
     let hashes = kv::prefix_hashes(tokens);
-    let results: Vec<Result<KvDigest, FillError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = workers
-            .iter()
-            .map(|w| {
-                let hashes = &hashes;
-                s.spawn(move || fill_worker(w, blocks, hashes, pulled))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or(Err(FillError::Panicked)))
-            .collect()
-    });
-    let mut digest = KvDigest::default();
-    for r in results {
-        digest.add(r?);
-    }
-    Ok(digest)
+    kv::digest_workers(
+        workers,
+        || FillError::Panicked,
+        |w| fill_worker(w, blocks, &hashes, pulled),
+    )
 }
 
 pub(super) fn fill_worker(

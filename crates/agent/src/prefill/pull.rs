@@ -366,13 +366,7 @@ impl PullCtx {
                 for (&db, &pb) in d_blocks.iter().zip(p_blocks) {
                     let local = w.pool_layout.block_range(layer, BlockId(pb))?;
                     let far = d_layout.block_range(layer, db)?;
-                    ops.push(link::ReadOp {
-                        local: w.pool,
-                        local_offset: local.start,
-                        remote: dw.pool,
-                        remote_offset: far.start,
-                        len: local.end - local.start,
-                    });
+                    ops.push(link::read_op(&w.pool, local, &dw.pool, far.start));
                 }
             }
             let first = d_blocks.first().map_or(0, |b| b.0);

@@ -1,11 +1,14 @@
 //! The world: engine cores in their shells, network, virtual time, faults, and the checker.
 //!
-//! `mod.rs` holds the world's state, its event loop and the network; `prefill` and
-//! `decode` are the P and D shells, `oracle` the checks, `rogue` the forger.
+//! `mod.rs` holds the world's state and its event loop; `net` is the network, `prefill`
+//! and `decode` are the P and D shells, `oracle` the checks, `rogue` the forger, and
+//! `report` what a run hands back.
 
 mod decode;
+mod net;
 mod oracle;
 mod prefill;
+mod report;
 mod rogue;
 
 use std::cmp::Reverse;
@@ -31,6 +34,8 @@ use kvlease_notif::{
 
 use crate::config::{Bug, WorldConfig};
 use crate::rng::Rng;
+
+pub use report::{Report, SimStats};
 
 /// Content of a freed block: what P writes over blocks it releases.
 const POISON: u64 = 0xdead_dead_dead_dead;
@@ -61,120 +66,6 @@ enum Addr {
     /// The forger: a third peer that sniffs request ids and sends notifications under its
     /// own (authenticated) engine id.
     Rogue,
-}
-
-/// Counters of one run.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct SimStats {
-    /// Requests that arrived at P.
-    pub arrived: u64,
-    /// Requests that ended in exactly one outcome.
-    pub outcomes_ok: u64,
-    /// Outcome: refused by P (no blocks, or a prompt it cannot take).
-    pub refused_at_p: u64,
-    /// Outcome: refused by D on arrival.
-    pub refused_at_d: u64,
-    /// Outcome: lost with a crashed P (queued or prefilling when it crashed, or arrived
-    /// while it was down).
-    pub lost_with_p: u64,
-    /// Outcome: lost with a crashed D.
-    pub lost_with_d: u64,
-    /// Outcome: decoded to the end.
-    pub done: u64,
-    /// Outcome: the load failed (no output).
-    pub failed: u64,
-    /// Outcome: aborted by the client.
-    pub aborted: u64,
-    /// Leases granted.
-    pub granted: u64,
-    /// Leases released because every consumer reported.
-    pub released_completed: u64,
-    /// Leases released by the reaper.
-    pub released_expired: u64,
-    /// Leases released by an abort.
-    pub released_aborted: u64,
-    /// Requests D read and verified.
-    pub reads_ok: u64,
-    /// Read batches that found a changed fence word.
-    pub stale_reads: u64,
-    /// Read batches that failed because P was gone, restarted or unreachable.
-    pub failed_reads: u64,
-    /// Requests D failed without reading, after an expiry notice.
-    pub recomputed_after_notice: u64,
-    /// Requests the client aborted on D.
-    pub client_aborts: u64,
-    /// Heartbeat messages sent (one per P worker).
-    pub heartbeat_messages: u64,
-    /// Bytes of those messages.
-    pub heartbeat_bytes: u64,
-    /// Heartbeat ids routed on P that named no live lease (late or unknown).
-    pub heartbeat_ids_unknown_or_late: u64,
-    /// Heartbeat ids that arrived after their lease was released.
-    pub heartbeats_after_release: u64,
-    /// Expiry notices (messages) sent by P.
-    pub expiry_notices: u64,
-    /// Messages lost by the network.
-    pub messages_lost: u64,
-    /// Messages duplicated by the network.
-    pub messages_duplicated: u64,
-    /// Of the lost messages, those dropped by a partition.
-    pub messages_partitioned: u64,
-    /// Partitions that began.
-    pub partitions: u64,
-    /// P engines restarted (under the same engine id).
-    pub p_restarts: u64,
-    /// D engines restarted (under the same engine id).
-    pub d_restarts: u64,
-    /// Stalls (P or D) that began.
-    pub stalls: u64,
-    /// Forged notifications sent by the rogue.
-    pub forged: u64,
-    /// Forged notifications a core ignored as another engine's.
-    pub forged_ignored: u64,
-    /// Leases the rogue claimed first (released without the early-release checks).
-    pub rogue_owned: u64,
-    /// `forget_engine` calls (a connection to P was lost).
-    pub forgotten_engines: u64,
-    /// Times a D core found a P engine restarted (a request named a newer instance).
-    pub peer_restarts_seen: u64,
-    /// Requests checked by the restart oracle (the first one to a restarted P past the bound).
-    pub restart_checks: u64,
-    /// Leases reclaimed after their D crashed.
-    pub crash_reclaims: u64,
-    /// Smallest and largest time from the last delivered heartbeat to the reclaim of a
-    /// lease whose D crashed (P's clock).
-    pub crash_reclaim_after_heartbeat: Option<(Duration, Duration)>,
-    /// Longest time from a D crash to the reclaim of one of its leases (true time).
-    pub crash_reclaim_since_crash_max: Duration,
-    /// Longest time a request stayed admitted on D before its load began.
-    pub max_queue_wait: Duration,
-    /// Read completions P accepted.
-    pub read_completions: u64,
-    /// Handshakes D started.
-    pub handshakes: u64,
-    /// Heartbeat batches deferred while their engine handshaked.
-    pub deferred_batches: u64,
-    /// Integral of the requests D tracks over true time (request·ns), for the mean.
-    pub tracked_request_ns: u128,
-    /// Virtual time at the end.
-    pub end: Duration,
-}
-
-/// The outcome of one run.
-#[derive(Debug, Clone)]
-pub struct Report {
-    /// The seed.
-    pub seed: u64,
-    /// A hash of every event in order; the same config gives the same hash.
-    pub trace_hash: u64,
-    /// Every traced event, every event and action the cores handed out and every message
-    /// sent or delivered, in order, one line each, for a world built with
-    /// [`World::record_log`]; empty otherwise.
-    pub log: Vec<String>,
-    /// The counters.
-    pub stats: SimStats,
-    /// Every broken rule (at most 20), with the virtual time; empty for a good run.
-    pub failures: Vec<String>,
 }
 
 /// A clock: local = offset + true × (1 + drift).
@@ -520,6 +411,58 @@ fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore 
     )
 }
 
+impl PEngine {
+    /// P engine `i`, alive in its first incarnation, with empty pools and queues.
+    fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
+        let id = engine_id(&format!("p{i}"));
+        Self {
+            core: p_core(config, lease, id.clone(), 0),
+            id,
+            alive: true,
+            incarnation: 0,
+            clock,
+            pools: (0..config.p_tp)
+                .map(|_| Pool::new(config.blocks_per_worker))
+                .collect(),
+            jobs: VecDeque::new(),
+            pending: BTreeSet::new(),
+            prefilling: VecDeque::new(),
+            inbox: VecDeque::new(),
+            oracle: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            grant_order: VecDeque::new(),
+            stalled_until: 0,
+            stall_end: 0,
+            watch_from: None,
+        }
+    }
+}
+
+impl DEngine {
+    /// D engine `i`, alive in its first incarnation, with nothing admitted.
+    fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
+        let id = engine_id(&format!("d{i}"));
+        Self {
+            core: d_core(config, lease, id.clone()),
+            id,
+            alive: true,
+            incarnation: 0,
+            clock,
+            arrivals: VecDeque::new(),
+            handshakes: VecDeque::new(),
+            lost_conns: VecDeque::new(),
+            inbox: VecDeque::new(),
+            loads: BTreeMap::new(),
+            decoding: Vec::new(),
+            admitted: BTreeMap::new(),
+            tracked: HashSet::new(),
+            conns: HashMap::new(),
+            stalled_until: 0,
+            last_step: 0,
+        }
+    }
+}
+
 impl World {
     /// A world for `config`.
     ///
@@ -546,52 +489,10 @@ impl World {
                 - i64::from(config.drift_ppm_max),
         };
         let p: Vec<PEngine> = (0..config.p_engines)
-            .map(|i| {
-                let id = engine_id(&format!("p{i}"));
-                PEngine {
-                    core: p_core(&config, lease, id.clone(), 0),
-                    id,
-                    alive: true,
-                    incarnation: 0,
-                    clock: clock(&mut rng),
-                    pools: (0..config.p_tp)
-                        .map(|_| Pool::new(config.blocks_per_worker))
-                        .collect(),
-                    jobs: VecDeque::new(),
-                    pending: BTreeSet::new(),
-                    prefilling: VecDeque::new(),
-                    inbox: VecDeque::new(),
-                    oracle: HashMap::new(),
-                    deadlines: BTreeSet::new(),
-                    grant_order: VecDeque::new(),
-                    stalled_until: 0,
-                    stall_end: 0,
-                    watch_from: None,
-                }
-            })
+            .map(|i| PEngine::new(&config, lease, i, clock(&mut rng)))
             .collect();
         let d = (0..config.d_engines)
-            .map(|i| {
-                let id = engine_id(&format!("d{i}"));
-                DEngine {
-                    core: d_core(&config, lease, id.clone()),
-                    id,
-                    alive: true,
-                    incarnation: 0,
-                    clock: clock(&mut rng),
-                    arrivals: VecDeque::new(),
-                    handshakes: VecDeque::new(),
-                    lost_conns: VecDeque::new(),
-                    inbox: VecDeque::new(),
-                    loads: BTreeMap::new(),
-                    decoding: Vec::new(),
-                    admitted: BTreeMap::new(),
-                    tracked: HashSet::new(),
-                    conns: HashMap::new(),
-                    stalled_until: 0,
-                    last_step: 0,
-                }
-            })
+            .map(|i| DEngine::new(&config, lease, i, clock(&mut rng)))
             .collect();
         let p_by_id = p
             .iter()
@@ -623,32 +524,39 @@ impl World {
             failures: Vec::new(),
             config,
         };
-        for p in 0..world.p.len() {
-            let at = world.rng.range(0, nanos(world.config.p_step));
-            world.schedule(at, Ev::PStep { p, incarnation: 0 });
+        world.schedule_start();
+        world
+    }
+
+    /// The first events: every engine's first step (at a random phase), the first
+    /// arrival, and every configured crash, stall, partition and forgery.
+    fn schedule_start(&mut self) {
+        for p in 0..self.p.len() {
+            let at = self.rng.range(0, nanos(self.config.p_step));
+            self.schedule(at, Ev::PStep { p, incarnation: 0 });
         }
-        for d in 0..world.d.len() {
-            let at = world.rng.range(0, nanos(world.config.d_step));
-            world.schedule(at, Ev::DStep { d, incarnation: 0 });
+        for d in 0..self.d.len() {
+            let at = self.rng.range(0, nanos(self.config.d_step));
+            self.schedule(at, Ev::DStep { d, incarnation: 0 });
         }
-        world.schedule(0, Ev::Arrival);
-        for crash in world.config.d_crashes.clone() {
+        self.schedule(0, Ev::Arrival);
+        for crash in self.config.d_crashes.clone() {
             let ev = Ev::CrashD {
                 d: crash.engine,
                 restart_after: crash.restart_after,
             };
-            world.schedule(nanos(crash.at), ev);
+            self.schedule(nanos(crash.at), ev);
         }
-        for crash in world.config.p_crashes.clone() {
+        for crash in self.config.p_crashes.clone() {
             let ev = Ev::CrashP {
                 p: crash.engine,
                 restart_after: crash.restart_after,
             };
-            world.schedule(nanos(crash.at), ev);
+            self.schedule(nanos(crash.at), ev);
         }
         for (on_p, stalls) in [
-            (true, world.config.p_stalls.clone()),
-            (false, world.config.d_stalls.clone()),
+            (true, self.config.p_stalls.clone()),
+            (false, self.config.d_stalls.clone()),
         ] {
             for s in stalls {
                 let ev = Ev::Stall {
@@ -656,20 +564,19 @@ impl World {
                     engine: s.engine,
                     duration: s.duration,
                 };
-                world.schedule(nanos(s.at), ev);
+                self.schedule(nanos(s.at), ev);
             }
         }
-        for cut in world.config.partitions.clone() {
+        for cut in self.config.partitions.clone() {
             let ev = Ev::Partition {
                 duration: cut.duration,
             };
-            world.schedule(nanos(cut.at), ev);
+            self.schedule(nanos(cut.at), ev);
         }
-        if let Some(gap) = world.config.forged_gap {
-            let at = world.rng.range(0, 2 * nanos(gap));
-            world.schedule(at, Ev::Forge);
+        if let Some(gap) = self.config.forged_gap {
+            let at = self.rng.range(0, 2 * nanos(gap));
+            self.schedule(at, Ev::Forge);
         }
-        world
     }
 
     fn schedule(&mut self, at: u64, ev: Ev) {
@@ -931,100 +838,6 @@ impl World {
                 self.faults.push((self.now, self.now + nanos(duration)));
             }
             Ev::Forge => self.forge(),
-        }
-    }
-
-    // ---- network ------------------------------------------------------------------------
-
-    fn send(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
-        self.note(|| {
-            format!(
-                "send {from:?} -> {to:?} {}",
-                String::from_utf8_lossy(&bytes)
-            )
-        });
-        let net = self.config.net;
-        if self.partitioned(from, to) {
-            self.stats.messages_lost += 1;
-            self.stats.messages_partitioned += 1;
-            self.trace(&[15, self.now]);
-            return;
-        }
-        // Consecutive losses count per link and per stream (heartbeats apart from the rest),
-        // so that "at most N heartbeats lost in a row" holds whatever else the link carries.
-        let link = (from, to, bytes.starts_with(kvlease_notif::HEARTBEAT_PREFIX));
-        let in_a_row = self.losses_in_a_row.get(&link).copied().unwrap_or(0);
-        let may_lose = net.max_consecutive_losses.is_none_or(|max| in_a_row < max);
-        if may_lose && self.rng.chance(net.loss_per_million) {
-            self.losses_in_a_row.insert(link, in_a_row + 1);
-            self.stats.messages_lost += 1;
-            self.trace(&[3, self.now]);
-            return;
-        }
-        if in_a_row > 0 {
-            self.losses_in_a_row.insert(link, 0);
-        }
-        let copies = if self.rng.chance(net.duplicate_per_million) {
-            self.stats.messages_duplicated += 1;
-            2
-        } else {
-            1
-        };
-        for _ in 0..copies {
-            let at = self.now + nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
-            self.schedule(
-                at,
-                Ev::Deliver {
-                    from,
-                    to,
-                    bytes: bytes.clone(),
-                },
-            );
-        }
-    }
-
-    fn partitioned(&self, a: Addr, b: Addr) -> bool {
-        let ((Addr::D { engine: d, .. }, Addr::P { engine: p, .. })
-        | (Addr::P { engine: p, .. }, Addr::D { engine: d, .. })) = (a, b)
-        else {
-            return false;
-        };
-        self.config.partitions.iter().any(|cut| {
-            cut.d == d
-                && cut.p == p
-                && (nanos(cut.at)..nanos(cut.at) + nanos(cut.duration)).contains(&self.now)
-        })
-    }
-
-    fn deliver(&mut self, from: Addr, to: Addr, bytes: Vec<u8>) {
-        self.note(|| {
-            format!(
-                "deliver {from:?} -> {to:?} {}",
-                String::from_utf8_lossy(&bytes)
-            )
-        });
-        match to {
-            Addr::P { engine, .. } => {
-                let p = &mut self.p[engine];
-                if p.alive {
-                    p.inbox.push_back((from, bytes));
-                }
-            }
-            Addr::D { engine, .. } => {
-                let d = &mut self.d[engine];
-                if d.alive {
-                    d.inbox.push_back((from, bytes));
-                }
-            }
-            Addr::Rogue => {}
-        }
-    }
-
-    fn sender_engine(&self, from: Addr) -> EngineId {
-        match from {
-            Addr::P { engine, .. } => self.p[engine].id.clone(),
-            Addr::D { engine, .. } => self.d[engine].id.clone(),
-            Addr::Rogue => self.rogue.clone(),
         }
     }
 

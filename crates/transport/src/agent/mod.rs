@@ -76,7 +76,7 @@ pub(crate) struct Inner {
     shm: Mutex<Option<crate::shm::Server>>,
     /// The verbs backend, or why this agent has none.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Result<crate::verbs::link::Backend, Arc<crate::error::LinkError>>,
+    pub(crate) verbs: Result<crate::verbs::link::VerbsDomain, Arc<crate::error::LinkError>>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -9,7 +9,7 @@ use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
 use super::{
     Agent, BatchId, BatchStatus, Peer, PeerId, ReadBatch, ReadOp, Registered, RemoteRange, lock,
 };
-use crate::batch::{Batch, Outcome};
+use crate::batch::{Batch, BatchPhase};
 use crate::error::TransferError;
 use crate::tcp;
 
@@ -144,7 +144,7 @@ impl Agent {
                 peer: b.peer.clone(),
                 timeout: b.timeout,
             });
-            if matches!(st.outcome, Outcome::Failed(_)) {
+            if matches!(st.phase, BatchPhase::Failed(_)) {
                 let receiving = st.in_receive > 0;
                 drop(st);
                 // Cancels queued chunks and cuts short a transfer into the destination.
@@ -156,11 +156,11 @@ impl Agent {
                 st = b.lock();
             }
         }
-        let status = match &st.outcome {
-            Outcome::Running => return Ok(BatchStatus::Pending),
-            Outcome::Done(stats) => BatchStatus::Done(*stats),
-            Outcome::Failed(_) if st.in_receive > 0 => return Ok(BatchStatus::Pending),
-            Outcome::Failed(e) => BatchStatus::Failed(e.clone()),
+        let status = match &st.phase {
+            BatchPhase::Running => return Ok(BatchStatus::Pending),
+            BatchPhase::Done(stats) => BatchStatus::Done(*stats),
+            BatchPhase::Failed(_) if st.in_receive > 0 => return Ok(BatchStatus::Pending),
+            BatchPhase::Failed(e) => BatchStatus::Failed(e.clone()),
         };
         drop(st);
         lock(&self.inner.batches).remove(&batch.0);

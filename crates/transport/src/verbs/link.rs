@@ -1,6 +1,6 @@
-//! The verbs backend inside the [`Agent`](crate::Agent): a per-agent [`Backend`] (device,
-//! protection domain, registrations, the queue-pair side channel listener) and a per-peer
-//! [`Link`] (one RC queue pair; notifications stay on the peer's TCP link).
+//! The verbs backend inside the [`Agent`](crate::Agent): a per-agent [`VerbsDomain`]
+//! (device, protection domain, registrations, the queue-pair side channel listener) and a
+//! per-peer [`Link`] (one RC queue pair; notifications stay on the peer's TCP link).
 //!
 //! Queue pair info travels over a small TCP side channel of this module (P listens on
 //! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
@@ -28,8 +28,8 @@ use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 use super::mirror::Registration;
 use super::{
     BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
-    Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, ReadOp, RemoteRegion,
-    VerbsError,
+    Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, RdmaRead,
+    RemoteRegion, VerbsError,
 };
 use crate::agent::FenceRead;
 use crate::batch::{Batch, Next};
@@ -54,9 +54,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The agent's verbs state: present when a usable device was found.
+/// The agent's verbs state: the protection domain, the regions registered in it and the
+/// queue-pair side channel listener; present when a usable device was found.
 #[derive(Debug)]
-pub(crate) struct Backend {
+pub(crate) struct VerbsDomain {
     pd: ProtectionDomain,
     regions: Mutex<HashMap<u64, Registration>>,
     listen: SocketAddr,
@@ -66,7 +67,7 @@ pub(crate) struct Backend {
     shutdown: Arc<AtomicBool>,
 }
 
-impl Backend {
+impl VerbsDomain {
     /// Opens the device whose RoCE v2 GID carries `ip` (any device if `ip` is
     /// unspecified or loopback) and starts the side-channel listener on `ip`; with a
     /// `token`, the side channel requires and gives the token proof.
@@ -262,7 +263,7 @@ impl Backend {
     }
 }
 
-impl Backend {
+impl VerbsDomain {
     /// D's side of the connect reply: answers P's challenge (with a token) and checks
     /// P's proof; a D with a token refuses a P that does not prove it.
     fn authenticated_reply(
@@ -304,7 +305,7 @@ impl Backend {
     }
 }
 
-impl Drop for Backend {
+impl Drop for VerbsDomain {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::SeqCst);
     }
@@ -645,7 +646,7 @@ impl Link {
         let mut lens = Vec::with_capacity(chunks.len());
         let mut copy_back: Vec<(Registration, u64, u64)> = Vec::new();
         for (c, reg) in chunks.iter().zip(regs) {
-            ops.push(ReadOp {
+            ops.push(RdmaRead {
                 local: reg.mr().clone(),
                 local_offset: c.dest_offset,
                 remote: self.remote(&c.remote)?,
@@ -680,7 +681,7 @@ impl Link {
             None => None,
         };
         let fence_op = match &fence {
-            Some((slot, f)) => Some(ReadOp {
+            Some((slot, f)) => Some(RdmaRead {
                 local: self.fence_mr.clone(),
                 local_offset: u64::from(*slot) * 8,
                 remote: self.remote(&f.remote)?,
@@ -875,14 +876,14 @@ pub(crate) fn start_for(
     token: &Option<Vec<u8>>,
     ip: IpAddr,
     limits: &crate::config::Limits,
-) -> Result<Backend, LinkError> {
+) -> Result<VerbsDomain, LinkError> {
     use crate::config::BackendChoice;
     match choice {
         BackendChoice::Tcp => return Err(LinkError::TcpRequested),
         BackendChoice::Shm => return Err(LinkError::ShmRequested),
         _ => {}
     }
-    let backend = Backend::start(ip, limits.handshake_timeout, token.clone());
+    let backend = VerbsDomain::start(ip, limits.handshake_timeout, token.clone());
     if let Err(e) = &backend {
         tracing::info!(reason = %e.chain(), "verbs backend unavailable");
     }

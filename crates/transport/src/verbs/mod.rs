@@ -38,7 +38,7 @@ pub(crate) mod mirror;
 
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{
-    BatchId, BatchStatus, ConnectionInfo, Endpoint, EndpointConfig, EndpointState, ReadOp,
+    BatchId, BatchStatus, ConnectionInfo, Endpoint, EndpointConfig, EndpointState, RdmaRead,
     RemoteRegion,
 };
 pub use error::{VerbsError, WorkCompletionStatus};

@@ -13,7 +13,7 @@ fn public_types_are_send_and_sync() {
     assert_send_sync::<VerbsError>();
     assert_send_sync::<ConnectionInfo>();
     assert_send_sync::<RemoteRegion>();
-    assert_send_sync::<ReadOp>();
+    assert_send_sync::<RdmaRead>();
 }
 
 fn info() -> ConnectionInfo {

@@ -6,7 +6,7 @@ mod recover;
 mod types;
 
 pub use types::{
-    BatchId, BatchStatus, ConnectionInfo, EndpointConfig, EndpointState, ReadOp, RemoteRegion,
+    BatchId, BatchStatus, ConnectionInfo, EndpointConfig, EndpointState, RdmaRead, RemoteRegion,
 };
 
 use std::collections::{HashMap, VecDeque};
@@ -393,8 +393,8 @@ impl Endpoint {
     /// errors. Nothing is posted when validation fails.
     pub fn post_read_batch(
         &mut self,
-        ops: &[ReadOp],
-        fence: Option<&ReadOp>,
+        ops: &[RdmaRead],
+        fence: Option<&RdmaRead>,
         notif: Option<Vec<u8>>,
     ) -> Result<BatchId, VerbsError> {
         if self.state == EndpointState::Closed {
@@ -584,7 +584,7 @@ fn qp_error(
     }
 }
 
-fn remote_oob(op: &ReadOp) -> VerbsError {
+fn remote_oob(op: &RdmaRead) -> VerbsError {
     VerbsError::OutOfBounds {
         side: "remote",
         offset: op.remote_offset,

@@ -8,7 +8,7 @@ use sideway::ibverbs::queue_pair::{
 };
 
 use super::{
-    Chunk, Endpoint, EndpointState, Posted, PostedKind, RECV_BIT, ReadOp, qp_error, random_psn,
+    Chunk, Endpoint, EndpointState, Posted, PostedKind, RECV_BIT, RdmaRead, qp_error, random_psn,
     remote_oob,
 };
 use crate::verbs::VerbsError;
@@ -18,7 +18,7 @@ impl Endpoint {
     pub(super) fn split(
         &self,
         batch: u64,
-        op: &ReadOp,
+        op: &RdmaRead,
         fence: bool,
         out: &mut Vec<Chunk>,
     ) -> Result<(), VerbsError> {

@@ -80,9 +80,12 @@ impl RemoteRegion {
     }
 }
 
-/// One read: `len` bytes from `remote` at `remote_offset` into `local` at `local_offset`.
+/// One RDMA READ on the queue pair: `len` bytes from the peer's registered `remote` at
+/// `remote_offset` into our registered `local` at `local_offset`. (The
+/// [`Agent`](crate::Agent)'s reads, [`ReadOp`](crate::ReadOp), name regions by id
+/// instead, whatever the backend.)
 #[derive(Debug, Clone)]
-pub struct ReadOp {
+pub struct RdmaRead {
     /// Destination (registered in the endpoint's protection domain).
     pub local: MemoryRegion,
     /// Offset in `local`.

@@ -1,0 +1,101 @@
+//! D's handshakes with P engines: started on background threads when the core asks for
+//! one, and their results handed back to the core.
+
+use super::*;
+
+impl DecodeEngine {
+    /// Starts every handshake the core asks for, each on its own thread.
+    pub(super) fn start_handshakes(&mut self) {
+        while let Some(hs) = self.core.poll_handshake() {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let addr = host_port(&hs.host, hs.port);
+            let want = hs.engine.clone();
+            let token = self.cfg.link.auth_token.clone();
+            let me = self.cfg.engine_id.to_string();
+            let tp = self.cfg.tp_size;
+            let mds = self.worker_metadata.clone();
+            let agents: Vec<Arc<Agent>> =
+                self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
+            let shape = self.cfg.shape;
+            let instance = self.instance;
+            let allowed = self.cfg.allowed_prefill.clone();
+            let spawned = std::thread::Builder::new()
+                .name("d-handshake".into())
+                .spawn(move || {
+                    let me = Me {
+                        token: token.as_deref(),
+                        engine: &me,
+                        tp_size: tp,
+                        metadata: &mds,
+                        shape,
+                        instance,
+                    };
+                    let r = handshake(&addr, &me, &want, &agents, &allowed);
+                    let _ = tx.send(r);
+                });
+            match spawned {
+                Ok(_) => {
+                    self.remotes.insert(hs.engine, Remote::Handshaking(rx));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot spawn the handshake thread");
+                    let now = self.now();
+                    let error = handshake_error(HandshakeFailure::Thread);
+                    self.core.handle_handshake(now, &hs.engine, Err(error));
+                }
+            }
+        }
+    }
+
+    /// Hands every handshake that ended to the core, counting it and recording the
+    /// backend of a ready engine.
+    pub(super) fn poll_handshakes(&mut self) {
+        let mut ended = Vec::new();
+        for (engine, remote) in &mut self.remotes {
+            let Remote::Handshaking(rx) = remote else {
+                continue;
+            };
+            match rx.try_recv() {
+                Ok(r) => ended.push((engine.clone(), r)),
+                Err(crossbeam_channel::TryRecvError::Empty) => {}
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    ended.push((engine.clone(), Err(HandshakeFailure::Thread)));
+                }
+            }
+        }
+        let now = self.now();
+        for (engine, result) in ended {
+            match result {
+                Ok(ready) => {
+                    self.metrics.handshake(HandshakeOutcome::Ok).inc();
+                    let info = RemoteEngine::new(ready.info.tp_size, ready.info.num_blocks)
+                        .with_instance(ready.info.instance);
+                    let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
+                    if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
+                        let name = link::peer_backend(&w0.agent, peer);
+                        self.metrics.set_peer_backend(engine.as_str(), name);
+                        let reason = link::backend_reason(&w0.agent, peer);
+                        tracing::info!(%engine, backend = %name, %reason, "handshake complete");
+                    } else {
+                        tracing::info!(%engine, "handshake complete");
+                    }
+                    self.remotes.insert(engine.clone(), Remote::Ready(ready));
+                    self.core.handle_handshake(now, &engine, Ok(info));
+                }
+                Err(e) => {
+                    let outcome = if e.is_auth() {
+                        HandshakeOutcome::AuthFailed
+                    } else {
+                        HandshakeOutcome::Failed
+                    };
+                    self.metrics.handshake(outcome).inc();
+                    tracing::warn!(%engine, error = %e, "handshake failed");
+                    self.remotes.remove(&engine);
+                    self.core
+                        .handle_handshake(now, &engine, Err(handshake_error(e)));
+                }
+            }
+        }
+        self.drain_events();
+    }
+}
