@@ -91,7 +91,9 @@ BatchOutcome}}``: ``BatchStatus``, bytes, error).
 ``remote_num_tokens``, ``transfer_mode``), which vLLM's proxies pass along unchanged,
 plus ``kvlease_generation`` (the lease's fence token), ``kvlease_instance`` (P's start
 time in µs: a restarted P is detected), ``kvlease_num_tokens`` (the prompt length P
-prefilled) and ``kvlease_lease_duration``.
+prefilled) and ``kvlease_lease_ms`` (the lease, in ms). Both sides read and write them
+through the one codec, :class:`kvlease.KvTransferParams` (D still reads the old
+``kvlease_lease_duration``, in seconds).
 
 Configuration (``kv_connector_extra_config``)
 ---------------------------------------------
