@@ -122,7 +122,8 @@ The package
 One module per concern: ``config`` (``KvleaseConfig``, names and addresses),
 ``compat`` (the KV compatibility descriptor and its comparison), ``handshake`` (P's
 engine info, validated), ``metadata`` (what crosses between the halves), ``stats``
-(counters), ``connector`` (``KvleaseConnector``, vLLM's interface), ``scheduler``
+(counters, and their Prometheus metrics ``vllm:kvlease_*``), ``connector``
+(``KvleaseConnector``, vLLM's interface), ``scheduler``
 (``KvleaseScheduler``, the scheduler half) and ``worker`` (``KvleaseWorker``, the worker
 half).
 """
@@ -144,7 +145,7 @@ from .metadata import (
     TransmitSpec,
 )
 from .scheduler import KvleaseScheduler
-from .stats import KvleaseConnectorStats
+from .stats import KvleaseConnectorStats, KvleasePromMetrics
 from .worker import KvleaseWorker
 
 __all__ = [
@@ -153,5 +154,6 @@ __all__ = [
     "KvleaseWorkerMetadata",
     "KvleaseHandshakeMetadata",
     "KvleaseConnectorStats",
+    "KvleasePromMetrics",
     "KvleaseConfig",
 ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
 from ..errors import AuthError, ConfigError, InvalidArgument, KvleaseError
-from ..kinds import Outcome
+from ..kinds import NotifKind, Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
@@ -255,6 +255,8 @@ class KvleaseScheduler:
                 self.counters.add("notifs_invalid_sender")
                 continue
             self.counters.add(f"notifs_{out.kind}")
+            if out.kind == NotifKind.HEARTBEAT and out.extended:
+                self.counters.add("leases_renewed", out.extended)
         self._drain_prefill()
 
     # ------------------------------------------------------------------- D side
