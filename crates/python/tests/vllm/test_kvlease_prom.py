@@ -2,10 +2,14 @@
 ``PrometheusStatLogger``: vLLM builds them with ``KvleaseConnector.build_prom_metrics``
 (its ``KVConnectorProm``), a ``SchedulerStats`` carrying the connector's stats is recorded
 as the engine core's frontend records it, and vLLM's registry (prometheus_client's
-``REGISTRY``) is scraped. tests/worker/test_worker_prom.py feeds them from real engines.
+``REGISTRY``) is scraped: a hand-made interval (every series), then the stats vLLM's
+real Schedulers return (workers played by the test). tests/worker/test_worker_prom.py
+feeds them from engines whose workers move real bytes.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
@@ -14,7 +18,6 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 from vllm.v1.metrics.stats import SchedulerStats
 
 from kvlease.vllm import KvleaseConnectorStats, KvleasePromMetrics
-from kvlease.vllm.stats import READ_SECONDS_BUCKETS
 
 
 def prom_logger(engine_indexes=(0,)) -> tuple[PrometheusStatLogger, str]:
@@ -92,7 +95,6 @@ def test_every_series_is_scraped_with_vllms_engine_labels():
     assert value("vllm:kvlease_read_seconds_bucket", backend="tcp", le="0.005") == 1
     assert value("vllm:kvlease_read_seconds_bucket", backend="tcp", le="0.25") == 2
     assert value("vllm:kvlease_read_seconds_bucket", backend="shm", le="0.001") == 1
-    assert READ_SECONDS_BUCKETS[0] == 0.001
 
     # The other engine's series exist, at 0; nothing was recorded under its label.
     other = {"model_name": model, "engine": "1"}
@@ -133,3 +135,98 @@ def test_stats_aggregate_lists_and_log_their_mean():
     assert shared == [0.3], "aggregate changed the other payload's list"
     assert a.reduce() == {"bytes_read": 15, "read_seconds.tcp_mean": 0.2}
     assert not KvleaseConnectorStats(data={"read_seconds.tcp": []}).reduce()
+
+
+def test_stats_of_real_schedulers_are_scraped():
+    """vLLM's real Schedulers (tests/vllm's P and D, workers played by the test) return
+    the connector's stats in their SchedulerStats; recorded by vLLM's logger they give
+    P's grants and its releases by reason, and D's failed handshake."""
+    import socket
+
+    from sched_harness import create_model_runner_output, create_request
+    from test_kvlease_scheduler import (
+        D_WORKER,
+        LEASE,
+        kvlease_scheduler,
+        request_from,
+        worker_output,
+    )
+    from vllm.v1.request import RequestStatus
+
+    p, p_clock = kvlease_scheduler("kv_producer", "p0")
+    d, _ = kvlease_scheduler("kv_consumer", "d0")
+    stats = {id(p): [], id(d): []}
+
+    def run(engine, connector_output=None, output=True):
+        sched_out = engine.schedule()
+        scheduled = [engine.requests[r] for r in sched_out.num_scheduled_tokens]
+        runner = create_model_runner_output(scheduled if output else [])
+        if connector_output is not None:
+            runner.kv_connector_output = connector_output
+        finished = {}
+        for eco in engine.update_from_output(sched_out, runner).values():
+            if eco.scheduler_stats is not None:
+                stats[id(engine)].append(eco.scheduler_stats)
+            finished.update({o.request_id: o for o in eco.outputs if o.finish_reason})
+        run.finished = finished
+        return sched_out
+
+    try:
+        # P grants two leases.
+        granted = []
+        for _ in range(2):
+            req = create_request(num_tokens=40, max_tokens=1,
+                                 kv_transfer_params={"do_remote_decode": True})
+            p.add_request(req)
+            run(p)
+            granted.append((req, run.finished[req.request_id].kv_transfer_params))
+        (a, params), (b, _) = granted
+
+        # D takes A, handshakes with P, then aborts it: P releases A (aborted).
+        d_req = request_from(params, a)
+        d.add_request(d_req)
+        deadline = time.monotonic() + 30
+        while d_req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert time.monotonic() < deadline, "D never finished its handshake with P"
+            run(d, output=False)
+            time.sleep(0.01)
+        d.finish_requests([d_req.request_id], RequestStatus.FINISHED_ABORTED)
+        sched_out = run(d, output=False)
+        aborts = [m for e, kind, m in sched_out.kv_connector_metadata.transmits
+                  if kind == "abort"]
+        assert aborts
+        run(p, worker_output(notifs=[(D_WORKER, m) for m in aborts]), output=False)
+
+        # Nobody heartbeats B: the reaper releases it (expired).
+        p_clock.advance(2 * LEASE)
+        run(p, worker_output(), output=False)
+        assert p.connector.scheduler.prefill.lease(b.request_id) is None
+
+        # D is sent to a P whose side channel is gone: the handshake fails.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]
+        lost = create_request(num_tokens=40, max_tokens=1, kv_transfer_params={
+            **params, "remote_engine_id": "p9", "remote_request_id": "p9-lease",
+            "remote_port": dead_port})
+        d.add_request(lost)
+        deadline = time.monotonic() + 30
+        while not d.connector.scheduler.decode.stats()["failed"]:
+            assert time.monotonic() < deadline, "D's handshake with a dead P never failed"
+            run(d)  # the step that finds the failure schedules the prompt locally
+            time.sleep(0.01)
+        assert lost.num_computed_tokens == len(lost.prompt_token_ids)
+
+        logger, model = prom_logger(engine_indexes=(0, 1))
+        for index, engine in enumerate((p, d)):
+            for s in stats[id(engine)]:
+                logger.record(s, None, engine_idx=index)
+
+        assert sample("vllm:kvlease_leases_granted_total", model, 0) == 2
+        for reason, n in [("aborted", 1), ("expired", 1), ("completed", 0)]:
+            assert sample("vllm:kvlease_leases_released_total", model, 0, reason=reason) == n
+        assert sample("vllm:kvlease_handshake_failures_total", model, 1) == 1
+        assert sample("vllm:kvlease_handshake_failures_total", model, 0) == 0
+    finally:
+        p.connector.shutdown()
+        d.connector.shutdown()
