@@ -165,7 +165,8 @@ def test_p_request_finishes_with_lease_params(engines):
     assert params["remote_request_id"] == req.request_id
     assert params["remote_block_ids"] == list(blocks) and len(blocks) == 3
     assert params["remote_port"] == p.connector.scheduler.side_channel_port
-    assert params["tp_size"] == 1 and params["kvlease_lease_duration"] == LEASE
+    assert params["tp_size"] == 1 and params["kvlease_lease_ms"] == round(LEASE * 1000)
+    assert "kvlease_lease_duration" not in params
     assert isinstance(params["kvlease_generation"], int) and params["kvlease_generation"] != 0
 
     # The lease holds the blocks: vLLM did not free them.
@@ -174,6 +175,77 @@ def test_p_request_finishes_with_lease_params(engines):
     assert lease["generation"] == params["kvlease_generation"]
     assert pool.free_block_queue.num_free_blocks == 64 - 1 - 3
     assert req.request_id in p.requests
+
+
+def nixl_shaped(params: dict) -> dict:
+    """P's params as NixlConnector's pull scheduler shapes them: one list of block ids per
+    KV cache group, its expiry and registration keys, vLLM's parallel sizes."""
+    shaped = dict(params)
+    shaped["remote_block_ids"] = (list(params["remote_block_ids"]),)
+    shaped.update(remote_blocks_expiry_time=None, remote_registration_generation=0,
+                  dcp_size=1, pp_size=1, transfer_mode="pull")
+    return shaped
+
+
+def old_lease_key(params: dict) -> dict:
+    """P's params as the connector wrote them before the one codec: the lease in seconds."""
+    old = {k: v for k, v in params.items() if k != "kvlease_lease_ms"}
+    old["kvlease_lease_duration"] = params["kvlease_lease_ms"] / 1000
+    return old
+
+
+@pytest.mark.parametrize("shape", [nixl_shaped, old_lease_key])
+def test_d_reads_nixl_shaped_params_and_the_old_lease_key(engines, shape):
+    """The codec reads what vLLM's proxies may forward: NixlConnector's shape of the keys
+    and the lease in seconds; D plans the same load as from P's own answer."""
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    req = request_from(shape(params), p_req)
+    d.add_request(req)
+    metas = wait_for_handshake(d, req)
+    (load,) = [load for meta in metas for load in meta.loads]
+    assert load.engine == "p0" and load.remote_request == params["remote_request_id"]
+    assert load.remote_blocks == params["remote_block_ids"]
+    assert load.generation == params["kvlease_generation"]
+
+
+INVALID_PARAMS = {
+    # The codec is stricter than the connector's hand parsing was: no defaults for
+    # tp_size or kvlease_num_tokens, no string-to-int coercion.
+    "tp_size missing": ("tp_size", lambda p: {k: v for k, v in p.items() if k != "tp_size"}),
+    "kvlease_num_tokens missing": (
+        "kvlease_num_tokens",
+        lambda p: {k: v for k, v in p.items() if k != "kvlease_num_tokens"},
+    ),
+    "remote_port a string": ("remote_port", lambda p: {**p, "remote_port": str(p["remote_port"])}),
+    "generation 0": ("kvlease_generation", lambda p: {**p, "kvlease_generation": 0}),
+    "two KV cache groups": (
+        "remote_block_ids",
+        lambda p: {**p, "remote_block_ids": [p["remote_block_ids"], p["remote_block_ids"]]},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_PARAMS))
+def test_d_computes_params_that_are_no_lease_with_a_warning_naming_the_field(
+    engines, case, caplog
+):
+    field, mangle = INVALID_PARAMS[case]
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    req = request_from(mangle(params), p_req)
+    with caplog.at_level("WARNING", logger="kvlease.vllm"):
+        d.add_request(req)
+    assert f"kv_transfer_params.{field}" in caplog.text and "computing locally" in caplog.text
+    assert not d.connector.scheduler.decode.is_waiting(req.request_id)
+    sched_out, _ = step(d)
+    assert not sched_out.kv_connector_metadata.loads
+    assert req.num_computed_tokens == len(req.prompt_token_ids)
+    step(d, use_eos=True)
+    step(d, output_for=[])
+    assert_scheduler_empty(d)
 
 
 def test_d_waits_heartbeats_at_the_interval_loads_and_runs(engines):

@@ -158,6 +158,7 @@ class Engine:
         self.steps = 0
         self.outputs: dict[str, object] = {}  # request id -> its final EngineCoreOutput
         self.history: list[dict] = []  # per step: metadata and the worker's connector output
+        self.stats: list[object] = []  # the SchedulerStats the steps returned (log_stats)
 
     def ready(self) -> "Engine":
         """Wait for the worker; hand its handshake metadata to the scheduler's connector
@@ -201,6 +202,8 @@ class Engine:
                  scheduled=dict(sched_out.num_scheduled_tokens))
         )
         for eco in engine_outs.values():
+            if eco.scheduler_stats is not None:
+                self.stats.append(eco.scheduler_stats)
             for out in eco.outputs:
                 if out.finish_reason is not None:
                     self.outputs[out.request_id] = out

@@ -91,7 +91,9 @@ BatchOutcome}}``: ``BatchStatus``, bytes, error).
 ``remote_num_tokens``, ``transfer_mode``), which vLLM's proxies pass along unchanged,
 plus ``kvlease_generation`` (the lease's fence token), ``kvlease_instance`` (P's start
 time in µs: a restarted P is detected), ``kvlease_num_tokens`` (the prompt length P
-prefilled) and ``kvlease_lease_duration``.
+prefilled) and ``kvlease_lease_ms`` (the lease, in ms). Both sides read and write them
+through the one codec, :class:`kvlease.KvTransferParams` (D still reads the old
+``kvlease_lease_duration``, in seconds).
 
 Configuration (``kv_connector_extra_config``)
 ---------------------------------------------
@@ -120,7 +122,8 @@ The package
 One module per concern: ``config`` (``KvleaseConfig``, names and addresses),
 ``compat`` (the KV compatibility descriptor and its comparison), ``handshake`` (P's
 engine info, validated), ``metadata`` (what crosses between the halves), ``stats``
-(counters), ``connector`` (``KvleaseConnector``, vLLM's interface), ``scheduler``
+(counters, and their Prometheus metrics ``vllm:kvlease_*``), ``connector``
+(``KvleaseConnector``, vLLM's interface), ``scheduler``
 (``KvleaseScheduler``, the scheduler half) and ``worker`` (``KvleaseWorker``, the worker
 half).
 """
@@ -142,7 +145,7 @@ from .metadata import (
     TransmitSpec,
 )
 from .scheduler import KvleaseScheduler
-from .stats import KvleaseConnectorStats
+from .stats import KvleaseConnectorStats, KvleasePromMetrics
 from .worker import KvleaseWorker
 
 __all__ = [
@@ -151,5 +154,6 @@ __all__ = [
     "KvleaseWorkerMetadata",
     "KvleaseHandshakeMetadata",
     "KvleaseConnectorStats",
+    "KvleasePromMetrics",
     "KvleaseConfig",
 ]

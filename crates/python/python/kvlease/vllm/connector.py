@@ -13,17 +13,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from .config import KvleaseConfig
 from .metadata import KvleaseConnectorMetadata
 from .scheduler import KvleaseScheduler
-from .stats import KvleaseConnectorStats
+from .stats import KvleaseConnectorStats, KvleasePromMetrics
 from .worker import KvleaseWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -99,6 +103,20 @@ class KvleaseConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KvleaseConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: "dict[type[PromMetric], type[PromMetricT]]",
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """``vllm:kvlease_*`` (``KvleasePromMetrics``), fed with the stats of
+        ``get_kv_connector_stats``."""
+        return KvleasePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is not None:

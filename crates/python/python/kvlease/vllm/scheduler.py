@@ -14,8 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
-from ..errors import AuthError, ConfigError, KvleaseError
-from ..kinds import Outcome
+from ..errors import AuthError, ConfigError, InvalidArgument, KvleaseError
+from ..kinds import NotifKind, Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
@@ -38,21 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvlease.vllm")
-
-
-def _params_block_ids(value: Any) -> list[int] | None:
-    """``remote_block_ids`` as vLLM's proxies forward it: a list, or (from NixlConnector
-    style producers) a list per KV cache group."""
-    if not isinstance(value, (list, tuple)):
-        return None
-    if value and isinstance(value[0], (list, tuple)):
-        if len(value) != 1:
-            return None
-        value = value[0]
-    try:
-        return [int(b) for b in value]
-    except (TypeError, ValueError):
-        return None
 
 
 class KvleaseScheduler:
@@ -270,32 +255,28 @@ class KvleaseScheduler:
                 self.counters.add("notifs_invalid_sender")
                 continue
             self.counters.add(f"notifs_{out.kind}")
+            if out.kind == NotifKind.HEARTBEAT and out.extended:
+                self.counters.add("leases_renewed", out.extended)
         self._drain_prefill()
 
     # ------------------------------------------------------------------- D side
 
     def _remote_kv(self, request: "Request") -> native.RemoteKv | None:
-        params = request.kv_transfer_params or {}
-        blocks = _params_block_ids(params.get("remote_block_ids"))
+        """D's coordinates of the request's KV on P, read by the one codec
+        (``KvTransferParams``); ``None``, with a warning naming the field at fault, when
+        its ``kv_transfer_params`` are not a kvlease lease (the request is computed here)."""
         try:
-            return native.RemoteKv(
-                engine=str(params["remote_engine_id"]),
-                request=str(params["remote_request_id"]),
-                blocks=blocks if blocks is not None else [],
-                generation=int(params["kvlease_generation"]),
-                tp_size=int(params.get("tp_size", 1)),
-                num_tokens=int(params.get("kvlease_num_tokens", params.get("remote_num_tokens", 0))),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
-                instance=int(params.get("kvlease_instance", 0)),
-            )
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            params = native.KvTransferParams.from_dict(request.kv_transfer_params or {})
+        except InvalidArgument as e:
             logger.warning(
-                "request %s: kv_transfer_params are not a kvlease lease (%s): computing locally",
+                "request %s: kv_transfer_params are not a kvlease lease (%s: %s): "
+                "computing locally",
                 request.request_id,
-                e,
+                e.field,
+                e.reason,
             )
             return None
+        return params.to_remote_kv()
 
     def _start_handshakes(self) -> None:
         while (hs := self._d().poll_handshake()) is not None:
@@ -608,24 +589,38 @@ class KvleaseScheduler:
         # The generation is in every worker's fence words before anyone learns it.
         self._publish(blocks, granted.generation)
         self.counters.add("leases_granted")
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": rid,
-            "remote_host": self.config.side_channel_host,
-            "remote_port": self.side_channel_port,
-            "tp_size": self.tp_size,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": int(request.num_computed_tokens),
-            "transfer_mode": "pull",
-            "kvlease_generation": granted.generation,
-            "kvlease_instance": self.instance,
-            "kvlease_num_tokens": int(request.num_prompt_tokens),
-            "kvlease_lease_duration": self.config.lease_duration,
-        }
+        try:
+            answer = self._answer(request, rid, blocks, granted.generation)
+        except InvalidArgument as e:
+            # Nothing D could read: free the lease now rather than at its expiry.
+            logger.error("request %s: no kv_transfer_params for its lease (%s)", rid, e)
+            self._p().abort(now, rid)
+            self._drain_prefill()
+            self.counters.add("grants_refused")
+            return False, None
+        return True, answer
+
+    def _answer(
+        self, request: "Request", rid: str, blocks: list[int], generation: int
+    ) -> dict[str, Any]:
+        """P's ``kv_transfer_params`` for a granted lease, written by the one codec
+        (``KvTransferParams``): vLLM's keys (what its proxies pass along) and the lease's."""
+        return native.KvTransferParams(
+            remote_engine_id=self.engine_id,
+            remote_request_id=rid,
+            remote_block_ids=blocks,
+            remote_host=self.config.side_channel_host,
+            remote_port=self.side_channel_port,
+            tp_size=self.tp_size,
+            dcp_size=1,
+            pp_size=1,
+            remote_num_tokens=int(request.num_computed_tokens),
+            transfer_mode="pull",
+            kvlease_generation=generation,
+            kvlease_instance=self.instance,
+            kvlease_num_tokens=int(request.num_prompt_tokens),
+            kvlease_lease_ms=max(1, round(self.config.lease_duration * 1000)),
+        ).to_dict()
 
     def shutdown(self) -> None:
         if self.side_channel is not None:

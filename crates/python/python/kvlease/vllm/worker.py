@@ -86,6 +86,8 @@ class _Load:
     inflight: dict[int, tuple[native.Batch, tuple[str, int]]] = field(default_factory=dict)
     #: Whether a batch failed or was stale.
     failed: bool = False
+    #: Batch index -> (when it was posted, the backend it reads over), for the stats.
+    posted: dict[int, tuple[float, str]] = field(default_factory=dict)
 
 
 class KvleaseWorker:
@@ -334,6 +336,9 @@ class KvleaseWorker:
                 self._batch_done(rid, b.index, BatchStatus.FAILED, 0, str(e))
                 continue
             record.inflight[b.index] = (batch, (load.engine, b.p_rank))
+            link = self._links.get((load.engine, b.p_rank))
+            backend = str(link.peer.backend) if link is not None else "unknown"
+            record.posted[b.index] = (time.monotonic(), backend)
         # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
     def _post_batch(self, load: LoadSpec, b: BatchSpec) -> native.Batch:
@@ -404,6 +409,14 @@ class KvleaseWorker:
             record.pending.discard(index)
             record.inflight.pop(index, None)
         self.counters.add(f"batches_{status}")
+        posted = record.posted.pop(index, None) if record is not None else None
+        if posted is not None:
+            # Posted reads by backend (vllm:kvlease_reads, _read_bytes, _read_seconds).
+            at, backend = posted
+            self.counters.add(f"reads_{status}.{backend}")
+            if status == BatchStatus.DONE:
+                self.counters.add(f"read_bytes.{backend}", nbytes)
+                self.counters.observe(f"read_seconds.{backend}", time.monotonic() - at)
         if status != BatchStatus.DONE:
             if record is not None:
                 record.failed = True
