@@ -11,8 +11,9 @@ ours, and they differ where our connector needs it: ``create_request`` takes the
 
 ``prepare_environment()`` must run before anything imports ``huggingface_hub`` or ``vllm``
 (the package conftest calls it at import time): vLLM's ``ModelConfig`` looks the model up on
-the hub, so we point ``HF_HOME`` at a directory holding a fake hub cache entry for
-``facebook/opt-125m`` (a tiny config, no weights, no tokenizer) and set ``HF_HUB_OFFLINE=1``.
+the hub, so we point ``HF_HOME`` at a directory holding fake hub cache entries for
+``facebook/opt-125m`` and ``MLA_MODEL`` (tiny configs, no weights, no tokenizer) and set
+``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations

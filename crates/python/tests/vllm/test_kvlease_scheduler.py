@@ -814,3 +814,50 @@ def test_layer_formats_may_differ_only_in_heads_by_the_tp_ratio():
     # MLA: one latent "head" on every rank, whatever the TP sizes.
     mla = dict(base, use_mla=True, layers={"l0": ["float16", [1, 16, 24], [2, 3]]})
     assert _kv_incompatibility(mla, mla, d_tp=1, p_tp=8) is None
+
+
+@pytest.mark.parametrize("layout", ["NHC", "HNC"])
+def test_head_runs_copy_exactly_the_planned_heads(layout):
+    """The worker's byte runs for a batch's heads, applied to real [B, H, N, C] views in
+    both block orders (tokens outermost, NHC: a run per token; heads outermost, HNC: one
+    run), land P's heads at D's heads and touch nothing else: P TP 2 → D TP 1 (two P
+    ranks into one D block) and P TP 1 → D TP 2 (one P block split over two D ranks)."""
+    import torch
+
+    from kvlease.vllm.worker import _head_runs
+
+    def view(heads, seed):
+        data = torch.randn(3, 16, heads, 32, generator=torch.Generator().manual_seed(seed))
+        data = data.to(torch.float16)
+        return data.permute(0, 2, 1, 3) if layout == "NHC" else data.transpose(1, 2) \
+            .contiguous().view(3, heads, 16, 32)
+
+    def storage(t):
+        return bytearray(t.untyped_storage())
+
+    def from_storage(buf, like):
+        flat = torch.frombuffer(buf, dtype=torch.float16)
+        return flat.as_strided(like.shape, like.stride())
+
+    def copy(d, p, local, remote):
+        d_buf, p_buf = storage(d), storage(p)
+        d_page, p_page = d[0].numel() * 2, p[0].numel() * 2
+        runs = _head_runs((_block_format(d), d_page), (_block_format(p), p_page),
+                          local, remote)
+        assert len(runs) == (16 if layout == "NHC" else 1)
+        for block in range(3):
+            for lo, ro, n in runs:
+                dl, pl = block * d.stride(0) * 2 + lo, block * p.stride(0) * 2 + ro
+                d_buf[dl:dl + n] = p_buf[pl:pl + n]
+        return from_storage(d_buf, d)
+
+    d = torch.zeros_like(view(4, 0))
+    p0, p1 = view(2, 1), view(2, 2)
+    d = copy(d, p0, (0, 2), (0, 2))
+    d = copy(d, p1, (2, 4), (0, 2))
+    assert torch.equal(d[:, :2], p0) and torch.equal(d[:, 2:], p1)
+
+    p = view(4, 3)
+    for rank in range(2):
+        d = copy(torch.zeros_like(view(2, 0)), p, (0, 2), (2 * rank, 2 * rank + 2))
+        assert torch.equal(d, p[:, 2 * rank:2 * rank + 2])
