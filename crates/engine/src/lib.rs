@@ -72,8 +72,8 @@ pub use bidir::{
 pub use blocks::BlockSource;
 pub use decode::{
     AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
-    DecodeStats, HandshakeError, HandshakeStart, LoadError, LoadPlan, Outcome, RemoteEngine,
-    RemoteKv, StartLoadError, Transmit, TransmitKind,
+    DecodeStats, HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome,
+    RemoteEngine, RemoteKv, StartLoadError, Transmit, TransmitKind,
 };
 pub use prefill::{
     Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,

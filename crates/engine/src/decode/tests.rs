@@ -504,3 +504,81 @@ fn a_pool_core_refuses_start_load() {
     );
     assert!(c.poll_load().is_some());
 }
+
+/// `(d_worker, p_rank, heads, d_first_head, p_first_head, consumer, consumers_total)`.
+type BatchRow = (u32, u32, Range<u32>, u32, u32, u32, u32);
+
+/// A [`BatchRow`] for every batch of a plan, the notification decoded.
+fn batch_rows(plan: &LoadPlan) -> Vec<BatchRow> {
+    plan.batches
+        .iter()
+        .map(|b| {
+            let Ok(Notif::ReadComplete(rc)) = kvlease_notif::decode(&b.notif) else {
+                panic!("a batch's notification is not a read completion");
+            };
+            assert_eq!(rc.request, plan.remote.request);
+            (
+                b.d_worker,
+                b.p_rank,
+                b.heads.clone(),
+                b.d_first_head,
+                b.p_first_head,
+                rc.consumer.rank,
+                rc.consumers_total,
+            )
+        })
+        .collect()
+}
+
+fn plan_for(d_tp: u32, heads: u32, split: KvSplit, p_tp: u32) -> LoadPlan {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let mut c = DecodeCore::new(
+        DecodeConfig::new(engine("d"), d_tp, heads, 16, 8, lease).with_kv_split(split),
+    );
+    c.on_new_request(at(0), id("a"), 32, remote("ra", p_tp, 2))
+        .unwrap();
+    ready(&mut c, at(0), p_tp);
+    c.poll_load().unwrap()
+}
+
+#[test]
+fn heterogeneous_tp_plans_name_both_sides_first_heads_and_count_every_reader() {
+    // P TP 2 -> D TP 1 (4 heads): D's worker reads heads 0..2 from P rank 0 and 2..4
+    // from P rank 1, each landing at its global place in D's block.
+    assert_eq!(
+        batch_rows(&plan_for(1, 4, KvSplit::Heads, 2)),
+        [(0, 0, 0..2, 0, 0, 0, 2), (0, 1, 2..4, 0, 2, 1, 2)]
+    );
+    // P TP 1 -> D TP 2: both D workers read their half of P rank 0's heads.
+    assert_eq!(
+        batch_rows(&plan_for(2, 4, KvSplit::Heads, 1)),
+        [(0, 0, 0..2, 0, 0, 0, 2), (1, 0, 2..4, 2, 0, 1, 2)]
+    );
+}
+
+#[test]
+fn a_replicated_kv_is_read_once_per_d_worker_from_one_p_rank() {
+    // MLA (one latent "head", on every rank). P TP 2 -> D TP 1: one batch, from P rank
+    // 0 only, and the lease expects exactly that one reader.
+    assert_eq!(
+        batch_rows(&plan_for(1, 1, KvSplit::Replicated, 2)),
+        [(0, 0, 0..1, 0, 0, 0, 1)]
+    );
+    // P TP 1 -> D TP 2: each D worker reads P rank 0's whole cache once.
+    assert_eq!(
+        batch_rows(&plan_for(2, 1, KvSplit::Replicated, 1)),
+        [(0, 0, 0..1, 0, 0, 0, 2), (1, 0, 0..1, 0, 0, 1, 2)]
+    );
+    // P TP 4 -> D TP 2: D's workers spread over P's ranks (0 and 2), one read each.
+    assert_eq!(
+        batch_rows(&plan_for(2, 1, KvSplit::Replicated, 4)),
+        [(0, 0, 0..1, 0, 0, 0, 2), (1, 2, 0..1, 0, 0, 6, 2)]
+    );
+    // Split by head, 1 head cannot go over P TP 2; replicated, any P TP fits.
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let mut c = DecodeCore::new(DecodeConfig::new(engine("d"), 1, 1, 16, 8, lease));
+    assert!(matches!(
+        c.on_new_request(at(0), id("a"), 32, remote("ra", 2, 2)),
+        Err(AdmitError::TpSize { p_tp: 2, heads: 1 })
+    ));
+}

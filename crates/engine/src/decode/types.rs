@@ -37,6 +37,21 @@ pub struct DecodeConfig {
     pub retry: Duration,
     /// Where block ids come from: the core's own pool (default) or the serving engine.
     pub block_source: BlockSource,
+    /// How the KV is spread over the TP ranks (of D and of every P): split by head
+    /// (default) or replicated whole on every rank (MLA's latent cache).
+    pub kv_split: KvSplit,
+}
+
+/// How a model's KV cache is spread over an engine's TP ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvSplit {
+    /// Each rank holds `num_kv_heads / tp_size` consecutive heads: a D worker reads its
+    /// heads from every P rank that holds some of them.
+    #[default]
+    Heads,
+    /// Every rank holds the whole KV (MLA: one latent vector per token, no heads to
+    /// split): each D worker reads it once, from one P rank.
+    Replicated,
 }
 
 impl DecodeConfig {
@@ -60,7 +75,15 @@ impl DecodeConfig {
             max_waiting: 1024,
             retry: Duration::from_millis(5),
             block_source: BlockSource::Pool,
+            kv_split: KvSplit::Heads,
         }
+    }
+
+    /// Sets [`kv_split`](Self::kv_split).
+    #[must_use]
+    pub fn with_kv_split(mut self, split: KvSplit) -> Self {
+        self.kv_split = split;
+        self
     }
 
     /// Sets [`block_source`](Self::block_source).
@@ -409,8 +432,12 @@ pub struct BatchPlan {
     pub p_rank: u32,
     /// Global heads read.
     pub heads: Range<u32>,
-    /// The first global head of P worker `p_rank`.
+    /// The first global head of P worker `p_rank` (`heads - p_first_head`: the heads read
+    /// within P's block).
     pub p_first_head: u32,
+    /// The first global head of D worker `d_worker` (`heads - d_first_head`: the heads
+    /// written within D's block).
+    pub d_first_head: u32,
     /// The read-completion notification for P (one consumer of the lease).
     pub notif: Vec<u8>,
 }

@@ -375,6 +375,7 @@ class BatchPlan:
     p_rank: int
     heads: tuple[int, int]
     p_first_head: int
+    d_first_head: int
     notif: bytes
 
 class LoadPlan:
@@ -426,6 +427,7 @@ class DecodeCore:
         max_running: int = 64,
         max_waiting: int = 1024,
         retry: float = 0.005,
+        replicated_kv: bool = False,
     ) -> None: ...
     @property
     def engine_id(self) -> str: ...

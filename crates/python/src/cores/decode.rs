@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use kvlease_engine as engine;
 use kvlease_engine::{
-    BatchResult, BlockSource, DecodeConfig, DecodeEvent, DecodeNotif, Outcome, RemoteEngine,
-    TransmitKind,
+    BatchResult, BlockSource, DecodeConfig, DecodeEvent, DecodeNotif, KvSplit, Outcome,
+    RemoteEngine, TransmitKind,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -146,8 +146,9 @@ pub(crate) struct Transmit {
 
 /// One read batch: from D worker `d_worker`, read P worker `p_rank`'s part of `heads`
 /// (global head numbers, `(start, end)`) of the plan's blocks in every layer, fenced by
-/// P's fence word of the request's first block; on success send `notif` to that P
-/// worker (one consumer of the lease).
+/// P's fence word; on success send `notif` to that P worker (one consumer of the lease,
+/// which counts every batch of the plan). Within P's block the heads read are `heads`
+/// minus `p_first_head`; within D's, minus `d_first_head`.
 #[pyclass(module = "kvlease._kvlease", frozen, get_all)]
 pub(crate) struct BatchPlan {
     /// D worker posting the batch.
@@ -158,6 +159,8 @@ pub(crate) struct BatchPlan {
     heads: (u32, u32),
     /// The first global head of P worker `p_rank`.
     p_first_head: u32,
+    /// The first global head of D worker `d_worker`.
+    d_first_head: u32,
     /// The read-completion notification for P.
     notif: Py<PyBytes>,
 }
@@ -192,6 +195,7 @@ fn load_plan(py: Python<'_>, p: &engine::LoadPlan) -> PyResult<LoadPlan> {
                     p_rank: b.p_rank,
                     heads: (b.heads.start, b.heads.end),
                     p_first_head: b.p_first_head,
+                    d_first_head: b.d_first_head,
                     notif: PyBytes::new(py, &b.notif).unbind(),
                 },
             )
@@ -295,9 +299,11 @@ impl DecodeCore {
     /// A core for D engine `engine_id` with `tp_size` workers over `num_kv_heads` KV
     /// heads, `num_blocks` blocks of `block_size` tokens; heartbeats every
     /// `lease_duration / 6` seconds. With `external_blocks`, the serving engine allocates
-    /// blocks and schedules loads (`start_load`).
+    /// blocks and schedules loads (`start_load`). With `replicated_kv`, every worker (of D
+    /// and of every P) holds the whole KV (MLA's latent cache, `num_kv_heads` 1): each D
+    /// worker reads it once, from one P rank, whatever the two TP sizes.
     #[new]
-    #[pyo3(signature = (engine_id, *, tp_size, num_kv_heads, block_size, num_blocks, lease_duration = 30.0, external_blocks = false, max_running = 64, max_waiting = 1024, retry = 0.005))]
+    #[pyo3(signature = (engine_id, *, tp_size, num_kv_heads, block_size, num_blocks, lease_duration = 30.0, external_blocks = false, max_running = 64, max_waiting = 1024, retry = 0.005, replicated_kv = false))]
     #[allow(
         clippy::too_many_arguments,
         reason = "a Python constructor's keyword arguments"
@@ -314,6 +320,7 @@ impl DecodeCore {
         max_running: u32,
         max_waiting: u32,
         retry: f64,
+        replicated_kv: bool,
     ) -> PyResult<Self> {
         if tp_size == 0 || num_kv_heads == 0 || block_size == 0 || num_blocks == 0 {
             return Err(invalid(
@@ -321,7 +328,7 @@ impl DecodeCore {
                 "tp_size, num_kv_heads, block_size and num_blocks must be positive",
             ));
         }
-        if !num_kv_heads.is_multiple_of(tp_size) {
+        if !replicated_kv && !num_kv_heads.is_multiple_of(tp_size) {
             return Err(invalid(
                 py,
                 format!("tp_size {tp_size} does not divide num_kv_heads {num_kv_heads}"),
@@ -344,6 +351,11 @@ impl DecodeCore {
             BlockSource::External
         } else {
             BlockSource::Pool
+        })
+        .with_kv_split(if replicated_kv {
+            KvSplit::Replicated
+        } else {
+            KvSplit::Heads
         });
         Ok(Self {
             core: engine::DecodeCore::new(config),

@@ -11,8 +11,9 @@ ours, and they differ where our connector needs it: ``create_request`` takes the
 
 ``prepare_environment()`` must run before anything imports ``huggingface_hub`` or ``vllm``
 (the package conftest calls it at import time): vLLM's ``ModelConfig`` looks the model up on
-the hub, so we point ``HF_HOME`` at a directory holding a fake hub cache entry for
-``facebook/opt-125m`` (a tiny config, no weights, no tokenizer) and set ``HF_HUB_OFFLINE=1``.
+the hub, so we point ``HF_HOME`` at a directory holding fake hub cache entries for
+``facebook/opt-125m`` and ``MLA_MODEL`` (tiny configs, no weights, no tokenizer) and set
+``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,38 @@ _FAKE_OPT_CONFIG = {
     "pad_token_id": 1,
 }
 EOS_TOKEN_ID = 50256
+# A tiny DeepSeek-V2 (MLA: one latent KV vector per token, kv_lora_rank 16 + rope 8, the
+# same on every TP rank): vLLM's ModelConfig reports use_mla for it. No tokenizer either,
+# and unlike OPT's, vLLM cannot make one from nothing ("Couldn't instantiate the backend
+# tokenizer ... You need to have sentencepiece or tiktoken installed"), so its configs
+# skip tokenizer init (``create_vllm_config``).
+MLA_MODEL = "kvlease-test/tiny-deepseek-v2-mla"
+_FAKE_MLA_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float16",
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+}
+_FAKE_CONFIGS = {MODEL: _FAKE_OPT_CONFIG, MLA_MODEL: _FAKE_MLA_CONFIG}
 
 
 def write_fake_hf_cache(hf_home: Path, model: str = MODEL) -> None:
@@ -56,7 +89,7 @@ def write_fake_hf_cache(hf_home: Path, model: str = MODEL) -> None:
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(_FAKE_REVISION)
-    (snapshot / "config.json").write_text(json.dumps(_FAKE_OPT_CONFIG))
+    (snapshot / "config.json").write_text(json.dumps(_FAKE_CONFIGS[model]))
 
 
 def prepare_environment() -> None:
@@ -75,7 +108,8 @@ def prepare_environment() -> None:
     else:
         root = Path(tempfile.mkdtemp(prefix="kvlease-hf-"))
         atexit.register(shutil.rmtree, root, True)
-    write_fake_hf_cache(root / "hf")
+    for model in _FAKE_CONFIGS:
+        write_fake_hf_cache(root / "hf", model)
     os.environ["HF_HOME"] = str(root / "hf")
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -99,8 +133,11 @@ def create_vllm_config(
     kv_load_failure_policy: str = "recompute",
     kv_cache_layout: str = "LBNHC",
     dtype: str = "float16",
+    model: str = MODEL,
+    tp_size: int = 1,
 ):
-    """A ``VllmConfig`` for the fake OPT on CPU with an out-of-tree KV connector."""
+    """A ``VllmConfig`` for the fake OPT (or ``model``: ``MLA_MODEL``) on CPU with an
+    out-of-tree KV connector, for an engine of ``tp_size`` workers."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -110,7 +147,9 @@ def create_vllm_config(
         VllmConfig,
     )
 
-    model_config = ModelConfig(model=MODEL, dtype=dtype, seed=42)
+    model_config = ModelConfig(
+        model=model, dtype=dtype, seed=42, skip_tokenizer_init=model != MODEL
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -134,13 +173,16 @@ def create_vllm_config(
     )
     if engine_id is not None:
         transfer["engine_id"] = engine_id
-    return VllmConfig(
+    config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
         kv_transfer_config=KVTransferConfig(**transfer),
         device_config=DeviceConfig("cpu"),
     )
+    # Set after VllmConfig's checks, which would look for tp_size devices.
+    config.parallel_config.tensor_parallel_size = tp_size
+    return config
 
 
 def scheduler_kv_cache_config(vllm_config, num_blocks: int):

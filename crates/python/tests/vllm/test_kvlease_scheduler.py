@@ -20,6 +20,7 @@ import time
 
 import pytest
 from sched_harness import (
+    MLA_MODEL,
     assert_scheduler_empty,
     create_request,
     create_scheduler,
@@ -428,7 +429,8 @@ def test_tp2_a_stale_batch_reported_before_the_load_finishes_is_a_load_error(eng
     (load,) = [load for meta in metas for load in meta.loads]
     by_worker = {b.d_worker: b for b in load.batches}
     assert sorted(by_worker) == [0, 1] and len(load.batches) == 2
-    assert all(b.whole and b.p_rank == b.d_worker for b in load.batches)
+    assert all(b.p_rank == b.d_worker and b.local_heads == b.remote_heads == (0, 2)
+               for b in load.batches)
     blocks = list(d.kv_cache_manager.get_block_ids(req.request_id)[0])
 
     # Step k: worker 1's read was stale; it names the request's blocks as load errors and
@@ -723,8 +725,8 @@ def test_a_failed_batch_drops_only_its_own_link():
             worker._post(LoadSpec(
                 request=rid, engine="p0", remote_request=rid, local_blocks=[0],
                 remote_blocks=[0], fence_block=fence_block, generation=5,
-                batches=[BatchSpec(index=0, d_worker=0, p_rank=p_rank, whole=True,
-                                   notif=b"read")],
+                batches=[BatchSpec(index=0, d_worker=0, p_rank=p_rank, local_heads=(0, 16),
+                                   remote_heads=(0, 16), notif=b"read")],
             ))
 
         def results(rid):
@@ -755,3 +757,179 @@ def test_a_failed_batch_drops_only_its_own_link():
         worker.shutdown()
         for agent in p_agents:
             agent.close()
+
+
+# ------------------------------------------------- heterogeneous TP and MLA (the plans)
+
+
+def plan_between(engines, p_tp: int, d_tp: int, **sched):
+    """P with TP ``p_tp`` prefills, D with TP ``d_tp`` handshakes and plans the load:
+    (P, D, P's request, D's request, the LoadSpec D's workers get)."""
+    p, _ = engines("kv_producer", "p0", tp_size=p_tp, **sched)
+    d, _ = engines("kv_consumer", "d0", tp_size=d_tp, **sched)
+    p_req, params = prefill_on_p(p)
+    assert params["tp_size"] == p_tp
+    req = request_from(params, p_req)
+    d.add_request(req)
+    metas = wait_for_handshake(d, req)
+    (load,) = [load for meta in metas for load in meta.loads]
+    assert d.connector.scheduler.incompatibility("p0") is None
+    return p, d, p_req, req, load
+
+
+def rows(load: LoadSpec) -> list[tuple]:
+    return [(b.d_worker, b.p_rank, b.local_heads, b.remote_heads) for b in load.batches]
+
+
+def complete_every_batch(p, d, p_req, req, load):
+    """Each batch ends done on its D worker and its read completion reaches P from that
+    worker; P's lease must wait for the last of them, and no longer."""
+    table = p.connector.scheduler.prefill
+    for k, b in enumerate(load.batches):
+        assert table.lease(p_req.request_id) is not None, f"released after {k} readers"
+        feed(p, worker_output(notifs=[(f"d0#{b.d_worker}", b.notif)]))
+        lease = table.lease(p_req.request_id)
+        if k + 1 < len(load.batches):
+            assert lease["consumers_expected"] == len(load.batches), lease
+            assert lease["consumers_reported"] == k + 1, lease
+    assert table.lease(p_req.request_id) is None
+    assert table.stats()["released_completed"] == 1
+    feed(d, worker_output(
+        batches={req.request_id: {b.index: ("done", 1024, None) for b in load.batches}},
+        finished_recving={req.request_id}))
+    stats = d.connector.scheduler.decode.stats()
+    assert stats["failed"] == 0 and stats["stale_reads"] == 0, stats
+    assert not d.connector.scheduler.decode.is_waiting(req.request_id)
+    # Loaded: vLLM runs the request from the loaded KV (the prompt's last token at most).
+    sched_out, _ = step(d)
+    assert req.status == RequestStatus.RUNNING
+    assert sched_out.num_scheduled_tokens[req.request_id] <= 1
+
+
+def test_p_tp2_to_d_tp1_reads_each_p_ranks_heads_and_p_waits_for_both(engines):
+    """P TP 2 → D TP 1 (4 KV heads): D's one worker reads heads 0-1 from P rank 0 and
+    2-3 from P rank 1 (each P rank's whole share, landing at its place in D's block);
+    P's lease counts both readers and frees after the second."""
+    p, d, p_req, req, load = plan_between(engines, 2, 1)
+    assert rows(load) == [(0, 0, (0, 2), (0, 2)), (0, 1, (2, 4), (0, 2))]
+    assert d.connector.scheduler.engines["p0"].tp_size == 2
+    complete_every_batch(p, d, p_req, req, load)
+
+
+def test_p_tp1_to_d_tp2_reads_half_of_p_rank0_into_each_d_worker(engines):
+    """P TP 1 → D TP 2: each D worker reads its half of P rank 0's heads; P's lease
+    (granted expecting its own TP size, 1) waits for both D workers."""
+    p, d, p_req, req, load = plan_between(engines, 1, 2)
+    assert rows(load) == [(0, 0, (0, 2), (0, 2)), (1, 0, (0, 2), (2, 4))]
+    complete_every_batch(p, d, p_req, req, load)
+
+
+def test_mla_is_read_once_per_d_worker_from_one_p_rank(engines):
+    """An MLA model (vLLM reports use_mla; the latent cache is one 'head', the same on
+    every rank). P TP 2 → D TP 1: one batch, from P rank 0 only, and P's lease (granted
+    expecting 2, its TP size) frees at that one reader's completion. P TP 1 → D TP 2:
+    each D worker reads P rank 0's latent cache once."""
+    p, d, p_req, req, load = plan_between(engines, 2, 1, model=MLA_MODEL)
+    assert d.connector.scheduler.kv_replicated and p.connector.scheduler.kv_replicated
+    assert d.connector.scheduler.kv_descriptor["use_mla"] is True
+    assert rows(load) == [(0, 0, (0, 1), (0, 1))]
+    complete_every_batch(p, d, p_req, req, load)
+
+    p, d, p_req, req, load = plan_between(engines, 1, 2, model=MLA_MODEL)
+    assert rows(load) == [(0, 0, (0, 1), (0, 1)), (1, 0, (0, 1), (0, 1))]
+    complete_every_batch(p, d, p_req, req, load)
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused(engines):
+    """P TP 8 over the model's 4 KV heads: vLLM replicates heads over P's ranks, which
+    no plan of head ranges describes. D's core refuses the request on arrival (P's
+    params name its TP size; a P whose handshake says so is refused there too, see
+    the next test) and vLLM computes the prompt."""
+    p, _ = engines("kv_producer", "p0", tp_size=8)
+    d, _ = engines("kv_consumer", "d0", tp_size=1)
+    p_req, params = prefill_on_p(p)
+    req = request_from(params, p_req)
+    d.add_request(req)
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "D never scheduled the request"
+        sched_out, _ = step(d)
+        assert not sched_out.kv_connector_metadata.loads
+        if req.request_id in sched_out.num_scheduled_tokens:
+            break
+        time.sleep(0.01)
+    assert d.connector.scheduler.decode.stats()["refused"] == 1
+    assert sched_out.num_scheduled_tokens[req.request_id] == len(req.prompt_token_ids)
+
+
+def test_layer_formats_may_differ_only_in_heads_by_the_tp_ratio():
+    base = {
+        "model": "m", "dtype": "torch.float16", "cache_dtype": "auto", "num_kv_heads": 4,
+        "head_size": 16, "num_layers": 1, "block_size": 16, "block_order": "NHC",
+        "kv_cache_layout": "LBNHC", "use_mla": False,
+    }
+    four = ["float16", [4, 16, 32], [2, 1, 3]]
+    two = ["float16", [2, 16, 32], [2, 1, 3]]
+    one = ["float16", [1, 16, 32], [2, 3]]  # a size-1 dim is left out of the order
+    d1, p2 = dict(base, layers={"l0": four}), dict(base, layers={"l0": two})
+    assert _kv_incompatibility(d1, p2, d_tp=1, p_tp=2) is None
+    assert _kv_incompatibility(p2, d1, d_tp=2, p_tp=1) is None
+    assert _kv_incompatibility(d1, dict(base, layers={"l0": one}), d_tp=1, p_tp=4) is None
+    # Equal TP sizes: the formats must be equal.
+    assert "store a block differently" in _kv_incompatibility(d1, p2)
+    # Heads that do not match the ratio, or another order, are refused.
+    why = _kv_incompatibility(d1, p2, d_tp=1, p_tp=4)
+    assert "heads per worker: P 1, D 4" in why, why
+    hnc = dict(base, layers={"l0": ["float16", [2, 16, 32], [1, 2, 3]]})
+    assert "store a block differently" in _kv_incompatibility(d1, hnc, d_tp=1, p_tp=2)
+    assert "tp_size: P 8, D 1" in _kv_incompatibility(d1, p2, d_tp=1, p_tp=8)
+    # MLA: one latent "head" on every rank, whatever the TP sizes.
+    mla = dict(base, use_mla=True, layers={"l0": ["float16", [1, 16, 24], [2, 3]]})
+    assert _kv_incompatibility(mla, mla, d_tp=1, p_tp=8) is None
+
+
+@pytest.mark.parametrize("layout", ["NHC", "HNC"])
+def test_head_runs_copy_exactly_the_planned_heads(layout):
+    """The worker's byte runs for a batch's heads, applied to real [B, H, N, C] views in
+    both block orders (tokens outermost, NHC: a run per token; heads outermost, HNC: one
+    run), land P's heads at D's heads and touch nothing else: P TP 2 → D TP 1 (two P
+    ranks into one D block) and P TP 1 → D TP 2 (one P block split over two D ranks)."""
+    import torch
+
+    from kvlease.vllm.worker import _head_runs
+
+    def view(heads, seed):
+        data = torch.randn(3, 16, heads, 32, generator=torch.Generator().manual_seed(seed))
+        data = data.to(torch.float16)
+        return data.permute(0, 2, 1, 3) if layout == "NHC" else data.transpose(1, 2) \
+            .contiguous().view(3, heads, 16, 32)
+
+    def storage(t):
+        return bytearray(t.untyped_storage())
+
+    def from_storage(buf, like):
+        flat = torch.frombuffer(buf, dtype=torch.float16)
+        return flat.as_strided(like.shape, like.stride())
+
+    def copy(d, p, local, remote):
+        d_buf, p_buf = storage(d), storage(p)
+        d_page, p_page = d[0].numel() * 2, p[0].numel() * 2
+        runs = _head_runs((_block_format(d), d_page), (_block_format(p), p_page),
+                          local, remote)
+        assert len(runs) == (16 if layout == "NHC" else 1)
+        for block in range(3):
+            for lo, ro, n in runs:
+                dl, pl = block * d.stride(0) * 2 + lo, block * p.stride(0) * 2 + ro
+                d_buf[dl:dl + n] = p_buf[pl:pl + n]
+        return from_storage(d_buf, d)
+
+    d = torch.zeros_like(view(4, 0))
+    p0, p1 = view(2, 1), view(2, 2)
+    d = copy(d, p0, (0, 2), (0, 2))
+    d = copy(d, p1, (2, 4), (0, 2))
+    assert torch.equal(d[:, :2], p0) and torch.equal(d[:, 2:], p1)
+
+    p = view(4, 3)
+    for rank in range(2):
+        d = copy(torch.zeros_like(view(2, 0)), p, (0, 2), (2 * rank, 2 * rank + 2))
+        assert torch.equal(d, p[:, 2 * rank:2 * rank + 2])

@@ -1,6 +1,8 @@
 """A P or D engine for the worker tests: vLLM's real ``Scheduler`` in the test process and
-one worker process (``worker_proc.py``) holding the connector's worker half and CPU KV
-tensors.
+one worker process per TP rank (``worker_proc.py``) holding the connector's worker half and
+CPU KV tensors. With TP > 1 the workers form vLLM's real tensor-parallel group (gloo, on
+CPU) and their outputs are merged by vLLM's own ``KVOutputAggregator``, as vLLM's
+multiprocess executor does.
 
 This is the split vLLM itself makes (engine core with the scheduler; workers with the KV
 cache), minus the model: ``Engine.step()`` schedules, sends the ``SchedulerOutput`` to the
@@ -62,8 +64,15 @@ class WorkerProcess:
             self._ready = True
 
     def request(self, name: str, **kwargs):
+        self.send(name, **kwargs)
+        return self._reply()
+
+    def send(self, name: str, **kwargs) -> None:
+        """A request whose reply ``receive`` waits for (one in flight at a time)."""
         self.wait_ready()
         write_msg(self._to_child, (name, kwargs))
+
+    def receive(self):
         return self._reply()
 
     def _reply(self):
@@ -113,18 +122,25 @@ class WorkerProcess:
 
 
 def plan_kv_cache_config(vllm_config, num_blocks: int):
-    """The KVCacheConfig vLLM's planner makes for the model's attention layers (the fake
-    OPT: 2 layers, 4 KV heads of 16), ``num_blocks`` blocks (``num_gpu_blocks_override``),
-    in the config's resolved layout."""
+    """The KVCacheConfig vLLM's planner makes for one worker of the model's attention
+    layers (the fake OPT: 2 layers, 4 KV heads of 16, split over the TP ranks; the fake
+    MLA model: 2 layers of one latent vector of 24 per token, vLLM's
+    ``MLAAttentionSpec``, the same on every rank), ``num_blocks`` blocks
+    (``num_gpu_blocks_override``), in the config's resolved layout."""
     import torch
 
     model = vllm_config.model_config
     num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
     head_size = model.get_head_size()
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
 
-    spec = FullAttentionSpec(
+    kind = MLAAttentionSpec if model.use_mla else FullAttentionSpec
+    spec = kind(
         block_size=vllm_config.cache_config.block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
@@ -138,33 +154,46 @@ def plan_kv_cache_config(vllm_config, num_blocks: int):
 
 
 class Engine:
-    """vLLM's scheduler here, the connector's worker half in a child process."""
+    """vLLM's scheduler here, the connector's worker half in one child process per TP
+    rank (``workers``; ``worker`` is rank 0)."""
 
     def __init__(self, name: str, vllm_config, num_blocks: int, log_dir: Path, seed: int):
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
         self.name = name
         self.vllm_config = vllm_config
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.kv_cache_config = plan_kv_cache_config(vllm_config, num_blocks)
         self.scheduler = sched_harness.create_scheduler(
             vllm_config, kv_cache_config=self.kv_cache_config
         )
         self.connector = self.scheduler.connector
-        self.worker = WorkerProcess(
-            f"{name}-worker",
-            log_dir,
-            dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, seed=seed,
-                 device=KV_DEVICE),
-        )
+        # vLLM's TP group among the workers (gloo on CPU): its rendezvous address.
+        dist = f"tcp://127.0.0.1:{_free_port()}" if self.tp_size > 1 else None
+        self.workers = [
+            WorkerProcess(
+                f"{name}-worker{rank}" if self.tp_size > 1 else f"{name}-worker",
+                log_dir,
+                dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config,
+                     seed=seed + 1000 * rank, device=KV_DEVICE, rank=rank, dist=dist),
+            )
+            for rank in range(self.tp_size)
+        ]
+        self.worker = self.workers[0]
+        self.aggregator = KVOutputAggregator(self.tp_size)
         self._handshaken = False
         self.steps = 0
         self.outputs: dict[str, object] = {}  # request id -> its final EngineCoreOutput
-        self.history: list[dict] = []  # per step: metadata and the worker's connector output
+        self.history: list[dict] = []  # per step: metadata and the workers' connector output
         self.stats: list[object] = []  # the SchedulerStats the steps returned (log_stats)
 
     def ready(self) -> "Engine":
-        """Wait for the worker; hand its handshake metadata to the scheduler's connector
-        (what EngineCore does once the workers registered their KV caches)."""
+        """Wait for the workers; hand their handshake metadata to the scheduler's
+        connector (what EngineCore does once the workers registered their KV caches)."""
         if not self._handshaken:
-            meta = self.worker.request("handshake_metadata")
+            meta = {}
+            for w in self.workers:
+                meta.update(w.request("handshake_metadata") or {})
             if meta:
                 self.connector.set_xfer_handshake_metadata_pp_aware(meta)
             self._handshaken = True
@@ -185,12 +214,24 @@ class Engine:
     def _step(self, fill_new: bool, sample_eos: bool):
         """One engine step. ``fill_new``: the "forward" writes random KV into every block of
         the requests scheduled this step (a prefill). Returns the SchedulerOutput."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
         sched_out = self.scheduler.schedule()
         fill = []
         if fill_new:
             for new in sched_out.scheduled_new_reqs:
                 fill.extend(new.block_ids[0])
-        kv_out = self.worker.request("step", scheduler_output=sched_out, fill=fill)
+        # Every worker gets the step before any is waited for, as vLLM broadcasts it.
+        for w in self.workers:
+            w.send("step", scheduler_output=sched_out, fill=fill)
+        outs = [w.receive() for w in self.workers]
+        if self.tp_size > 1:
+            merged = self.aggregator.aggregate(
+                [ModelRunnerOutput.with_kv_conn_output_only(o) for o in outs]
+            )
+            kv_out = merged.kv_connector_output
+        else:
+            kv_out = outs[0]
         runner_out = sched_harness.create_model_runner_output(
             [self.scheduler.requests[rid] for rid in sched_out.num_scheduled_tokens],
             use_eos=sample_eos,
@@ -199,7 +240,7 @@ class Engine:
         engine_outs = self.scheduler.update_from_output(sched_out, runner_out)
         self.history.append(
             dict(t=time.monotonic(), meta=sched_out.kv_connector_metadata, kv_out=kv_out,
-                 scheduled=dict(sched_out.num_scheduled_tokens))
+                 worker_outs=outs, scheduled=dict(sched_out.num_scheduled_tokens))
         )
         for eco in engine_outs.values():
             if eco.scheduler_stats is not None:
@@ -223,10 +264,20 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
 
     def kill_worker(self) -> None:
-        self.worker.kill()
+        for w in self.workers:
+            w.kill()
 
     def close(self) -> None:
-        self.worker.close()
+        for w in self.workers:
+            w.close()
         shutdown = getattr(self.connector, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -64,14 +64,37 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def _join_tp_group(vllm_config, rank: int, dist: str) -> None:
+    """Makes this process rank ``rank`` of vLLM's tensor-parallel group (gloo: the CPU
+    path), as vLLM's workers do before they build the connector; the connector reads its
+    rank from it (``get_tensor_model_parallel_rank``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=tp, rank=rank, distributed_init_method=dist, local_rank=rank,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(tp, 1)
+
+
 class Worker:
-    def __init__(self, vllm_config, kv_cache_config, seed: int, device: str = "cpu"):
+    def __init__(self, vllm_config, kv_cache_config, seed: int, device: str = "cpu",
+                 rank: int = 0, dist: str | None = None):
         import torch
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.worker.utils import allocate_kv_cache
 
+        if dist is not None:
+            _join_tp_group(vllm_config, rank, dist)
+        self.rank = rank
         self.torch = torch
         self.vllm_config = vllm_config
         self.generator = torch.Generator().manual_seed(seed)
@@ -87,7 +110,7 @@ class Worker:
     def handshake_metadata(self):
         """What the worker reports to the engine core (keyed by (pp_rank, tp_rank))."""
         meta = self.connector.get_handshake_metadata()
-        return None if meta is None else {(0, 0): meta}
+        return None if meta is None else {(0, self.rank): meta}
 
     def layout(self):
         return {
@@ -112,6 +135,18 @@ class Worker:
         return {
             name: [
                 t[b].contiguous().view(self.torch.uint8).cpu().numpy().tobytes()
+                for b in block_ids
+            ]
+            for name, t in self.kv_caches.items()
+        }
+
+    def heads(self, block_ids: list[int]) -> dict[str, list[list[bytes]]]:
+        """The bytes of each head of each block in each layer (``[block][head]``; a
+        layer's block is vLLM's view ``[heads, tokens, K|V]``, its latent cache for MLA)."""
+        return {
+            name: [
+                [t[b][h].contiguous().view(self.torch.uint8).cpu().numpy().tobytes()
+                 for h in range(t.shape[1])]
                 for b in block_ids
             ]
             for name, t in self.kv_caches.items()

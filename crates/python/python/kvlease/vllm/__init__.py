@@ -74,7 +74,8 @@ Metadata
 plain values, which vLLM pickles, in ``metadata``): ``loads`` (a ``LoadSpec`` per
 request: D's ``local_blocks``, P's ``remote_blocks`` to read, ``fence_block``,
 ``generation``, P ``engine``, and its ``batches``, each a ``BatchSpec`` with ``index``,
-``d_worker``, ``p_rank``, ``whole`` and the read-completion ``notif``), ``transmits``
+``d_worker``, ``p_rank``, the ``local_heads`` and ``remote_heads`` it copies within
+D's and P's blocks, and the read-completion ``notif``), ``transmits``
 (``TransmitSpec``: P engine, ``TransmitKind``, message: heartbeats ``HB:<ids>`` and
 aborts), ``engines`` (P's ``EngineInfo`` learned by handshakes since the last step, as
 ``_engine_info`` validated it: a malformed payload from P fails the handshake),
@@ -109,9 +110,16 @@ channel listens on, only that one, and D reaches P at; default env
 ``read_timeout`` (seconds per read batch, default the lease duration),
 ``handshake_timeout`` (seconds, default 5).
 
-Not supported (yet): heterogeneous TP between P and D (refused by the compatibility
-check: a worker's block shape differs; a load whose batches do not read whole blocks
-fails, and vLLM recomputes), KV layouts whose layer block is not dense (``BHLNC``:
+**TP sizes and MLA.** P and D may run different TP sizes when each divides the model's
+KV heads (P TP = k·D TP or D TP = k·P TP): the decode core plans which D worker reads
+which heads from which P rank (``LoadPlan``: one batch per overlapping pair, each a
+consumer of P's one lease per request, ``consumers_total`` counting them all), each batch
+fenced by its own P rank's fence word. An MLA model's latent cache (one "head", the same
+on every rank) is read once per D worker, from one P rank (``replicated_kv``), and P's
+lease waits for exactly those readers.
+
+Not supported (yet): TP sizes that do not divide the KV heads when P's and D's differ
+(vLLM replicates heads there; refused at the handshake), KV layouts whose layer block is not dense (``BHLNC``:
 ``register_kv_caches`` refuses it), hybrid KV cache groups (vLLM turns its hybrid
 manager off for this connector), pipeline parallelism, P engines spread over several
 hosts (the scheduler maps the workers' fence memfds), expiry notices from P to D (D's

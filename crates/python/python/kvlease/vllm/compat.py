@@ -64,10 +64,26 @@ def _block_format(t: "torch.Tensor") -> list[Any]:
     return [str(t.dtype).removeprefix("torch."), [size for _, size, _ in dims], order]
 
 
-def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
-    """Why P's KV (descriptor ``theirs``, from its handshake) cannot be loaded as ours,
-    or ``None`` when it can. ``layers`` (layer name -> ``_block_format``) is compared
-    when both sides know their workers' formats."""
+def _rank_heads(kv: dict[str, Any], tp: int) -> int | None:
+    """KV heads one of an engine's ``tp`` workers holds, as vLLM splits the descriptor
+    ``kv``'s model: MLA's latent cache is one "head" on every rank; otherwise
+    ``num_kv_heads / tp``. ``None`` when ``tp`` does not split the heads (vLLM then
+    replicates heads over ranks, which the plan's head ranges do not describe)."""
+    if kv.get("use_mla"):
+        return 1
+    total = kv.get("num_kv_heads")
+    if type(total) is not int or total <= 0 or tp <= 0 or total % tp:
+        return None
+    return total // tp
+
+
+def _kv_incompatibility(
+    ours: dict[str, Any], theirs: Any, *, d_tp: int = 1, p_tp: int = 1
+) -> str | None:
+    """Why P's KV (descriptor ``theirs``, from its handshake, over ``p_tp`` workers)
+    cannot be loaded as ours (over ``d_tp``), or ``None`` when it can. ``layers`` (layer
+    name -> ``_block_format``) is compared when both sides know their workers' formats;
+    with different TP sizes a block's head count differs by the ratio, nothing else."""
     if not isinstance(theirs, dict):
         return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
     diffs = []
@@ -82,25 +98,63 @@ def _kv_incompatibility(ours: dict[str, Any], theirs: Any) -> str | None:
                     f"D {ours.get('kv_cache_layout')!r})"
                 )
             diffs.append(what)
+    heads = None
+    if d_tp != p_tp and not diffs:
+        d_heads, p_heads = _rank_heads(ours, d_tp), _rank_heads(theirs, p_tp)
+        if d_heads is None or p_heads is None:
+            diffs.append(
+                f"tp_size: P {p_tp}, D {d_tp}: heterogeneous TP needs both TP sizes to "
+                f"divide the model's {ours.get('num_kv_heads')} KV heads (vLLM replicates "
+                "heads over the ranks beyond them)"
+            )
+        else:
+            heads = (d_heads, p_heads)
     mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
-    if mine and p_layers:
-        diff = _layer_format_diff(mine, p_layers)
+    if mine and p_layers and not diffs:
+        diff = _layer_format_diff(mine, p_layers, heads=heads)
         if diff is not None:
             diffs.append(diff)
     return "; ".join(diffs) or None
 
 
-def _layer_format_diff(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+def _same_but_heads(mine: list[Any], theirs: list[Any], heads: tuple[int, int]) -> bool:
+    """Whether two ``_block_format`` s are the same apart from the head count (block dim
+    1), which is ``heads`` (D's, P's): the dtype, the other dims and their order agree
+    (a dim of size 1 is left out of an order, so the head dim is compared only where
+    both sides list it)."""
+    (d_dtype, d_shape, d_order), (p_dtype, p_shape, p_order) = mine, theirs
+    if d_dtype != p_dtype or len(d_shape) != len(p_shape) or not d_shape:
+        return False
+    if (d_shape[0], p_shape[0]) != heads or d_shape[1:] != p_shape[1:]:
+        return False
+    if 1 in d_order and 1 in p_order:
+        return list(d_order) == list(p_order)
+    return [d for d in d_order if d != 1] == [d for d in p_order if d != 1]
+
+
+def _layer_format_diff(
+    mine: dict[str, Any], theirs: dict[str, Any], *, heads: tuple[int, int] | None = None
+) -> str | None:
     """How P's per-layer block formats (layer name -> ``_block_format``) differ from
-    ours, or ``None`` when P holds the same layers, each in the same format."""
+    ours, or ``None`` when P holds the same layers, each in the same format; with
+    ``heads`` (D's, P's heads per worker: different TP sizes), each layer's block holds
+    that many heads on each side and is otherwise the same."""
     if set(mine) != set(theirs):
         only_p = sorted(set(theirs) - set(mine))[:3]
         only_d = sorted(set(mine) - set(theirs))[:3]
         return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
-    bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
+    if heads is None or heads[0] == heads[1]:
+        bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
+    else:
+        bad = [
+            n
+            for n in sorted(mine)
+            if not _same_but_heads(list(mine[n]), list(theirs[n]), heads)
+        ]
     if not bad:
         return None
+    what = "" if heads is None else f" (heads per worker: P {heads[1]}, D {heads[0]})"
     return (
-        f"{len(bad)} layer(s) store a block differently, e.g. {bad[0]}: "
+        f"{len(bad)} layer(s) store a block differently{what}, e.g. {bad[0]}: "
         f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"
     )

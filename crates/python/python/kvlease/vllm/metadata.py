@@ -49,15 +49,20 @@ class BatchOutcome(NamedTuple):
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """One read batch of a load: D's worker ``d_worker`` reads P worker ``p_rank``'s part
-    of the load's blocks (``whole``: whole blocks, the only reads supported) and, when
-    the fence matched, sends P the read completion ``notif``."""
+    """One read batch of a load, as the decode core planned it: D's worker ``d_worker``
+    reads heads ``remote_heads`` of P worker ``p_rank``'s blocks into heads
+    ``local_heads`` of its own (``(start, end)``, counted within each side's block: a
+    worker's block holds only its share of the heads) and, when the fence matched, sends
+    P the read completion ``notif``."""
 
     #: The batch's index in the load's plan (``DecodeCore.handle_batch_done``).
     index: int
     d_worker: int
     p_rank: int
-    whole: bool
+    #: Heads written in D's block (the plan's heads minus D's worker's first head).
+    local_heads: tuple[int, int]
+    #: Heads read in P's block (the plan's heads minus P's worker's first head).
+    remote_heads: tuple[int, int]
     notif: bytes
 
 

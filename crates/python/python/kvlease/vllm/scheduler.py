@@ -66,8 +66,11 @@ class KvleaseScheduler:
         if not num_blocks:
             raise ConfigError("the KV cache config names no block count")
         self.num_blocks = int(num_blocks)
+        # MLA: one latent vector per token, the same on every TP rank (one "head",
+        # replicated); otherwise each rank holds its share of the KV heads.
+        self.kv_replicated = bool(getattr(vllm_config.model_config, "use_mla", False))
         per_rank_heads = int(vllm_config.model_config.get_num_kv_heads(parallel))
-        self.num_kv_heads = per_rank_heads * self.tp_size
+        self.num_kv_heads = 1 if self.kv_replicated else per_rank_heads * self.tp_size
         self.instance = time.time_ns() // 1000
         # What P's blocks must match to be loaded as this engine's KV (the workers'
         # block formats join it in set_xfer_handshake_metadata).
@@ -100,6 +103,7 @@ class KvleaseScheduler:
                 lease_duration=config.lease_duration,
                 external_blocks=True,
                 max_waiting=1 << 20,
+                replicated_kv=self.kv_replicated,
             )
         # P: the workers' fence words, by rank; what the side channel serves.
         self.fences: dict[int, native.FenceWords] = {}
@@ -338,7 +342,9 @@ class KvleaseScheduler:
     def _check_compatibility(self, engine: str, info: EngineInfo) -> None:
         """Record whether P engine ``engine``'s KV blocks can be loaded as ours: the
         answer of the latest handshake stands (a restarted P handshakes again)."""
-        reason = _kv_incompatibility(self.kv_descriptor, info.kv)
+        reason = _kv_incompatibility(
+            self.kv_descriptor, info.kv, d_tp=self.tp_size, p_tp=info.tp_size
+        )
         if reason is None:
             self._incompatible.pop(engine, None)
             return
@@ -469,29 +475,19 @@ class KvleaseScheduler:
 
     def _load_spec(self, plan: native.LoadPlan) -> LoadSpec:
         remote = plan.remote
-        p_tp = max(1, int(remote.tp_size))
-        info = self.engines.get(remote.engine)
-        if info is not None:
-            p_tp = info.tp_size
-        d_per = self.num_kv_heads // self.tp_size
-        p_per = self.num_kv_heads // p_tp if p_tp and self.num_kv_heads % p_tp == 0 else 0
-        batches: list[BatchSpec] = []
-        for index, b in enumerate(plan.batches):
-            start, end = b.heads
-            whole = (
-                p_per > 0
-                and (start, end) == (b.d_worker * d_per, (b.d_worker + 1) * d_per)
-                and (start, end) == (b.p_rank * p_per, (b.p_rank + 1) * p_per)
+        # The core's plan, as it is: which D worker reads which heads from which P rank
+        # (split by head, or, for a replicated latent cache, once from one P rank).
+        batches = [
+            BatchSpec(
+                index=index,
+                d_worker=int(b.d_worker),
+                p_rank=int(b.p_rank),
+                local_heads=(b.heads[0] - b.d_first_head, b.heads[1] - b.d_first_head),
+                remote_heads=(b.heads[0] - b.p_first_head, b.heads[1] - b.p_first_head),
+                notif=bytes(b.notif),
             )
-            batches.append(
-                BatchSpec(
-                    index=index,
-                    d_worker=int(b.d_worker),
-                    p_rank=int(b.p_rank),
-                    whole=whole,
-                    notif=bytes(b.notif),
-                )
-            )
+            for index, b in enumerate(plan.batches)
+        ]
         return LoadSpec(
             request=plan.request,
             engine=remote.engine,

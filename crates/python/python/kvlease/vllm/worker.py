@@ -9,13 +9,14 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
+from itertools import product
 from math import prod
 from typing import TYPE_CHECKING, Any
 
 from .. import _kvlease as native
 from ..errors import ConfigError, KvleaseError, NotifError, TransferError
 from ..kinds import BatchStatus
-from .compat import _block_format, _layer_format_diff
+from .compat import _block_format, _layer_format_diff, _rank_heads
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
 from .handshake import EngineInfo
 from .metadata import (
@@ -60,6 +61,61 @@ def _layer_layout(name: str, t: "torch.Tensor") -> tuple[int, int, int, int]:
     return offset, block_stride, page, int(t.shape[0])
 
 
+def _block_strides(fmt: list[Any], page: int, order: list[int]) -> list[int]:
+    """Byte strides of a dense block's dims (``fmt``: ``_block_format``; ``page``: its
+    bytes) laid out in ``order`` (1-based dims, outermost first, every dim listed)."""
+    shape = [int(x) for x in fmt[1]]
+    count = prod(shape)
+    if count <= 0 or page % count:
+        raise KvleaseError(f"a block of {page} bytes cannot hold a {shape} block")
+    strides, acc = [0] * len(shape), page // count
+    for dim in reversed(order):
+        strides[dim - 1] = acc
+        acc *= shape[dim - 1]
+    return strides
+
+
+def _head_runs(
+    local: tuple[list[Any], int],
+    remote: tuple[list[Any], int],
+    local_heads: tuple[int, int],
+    remote_heads: tuple[int, int],
+) -> list[tuple[int, int, int]]:
+    """The byte runs ``(offset in D's block, offset in P's block, length)`` that copy
+    heads ``remote_heads`` of P's block into heads ``local_heads`` of D's. Each side is
+    ``(_block_format, block bytes)``; a block is ``[heads, ...]`` (vLLM's per-layer view
+    ``[B, H, N, C]``), dense, and its dims other than the heads are the same on both
+    sides and in the same order (``_layer_format_diff`` checked it). Adjacent runs are
+    merged: a whole block of the same layout on both sides is one run."""
+    (d_fmt, d_page), (p_fmt, p_page) = local, remote
+    (d0, d1), (p0, p1) = local_heads, remote_heads
+    d_shape, p_shape = list(d_fmt[1]), list(p_fmt[1])
+    if not (0 <= d0 < d1 <= d_shape[0] and 0 <= p0 < p1 <= p_shape[0] and d1 - d0 == p1 - p0):
+        raise KvleaseError(
+            f"heads {p0}..{p1} of P's {p_shape[0]} cannot fill heads {d0}..{d1} of D's "
+            f"{d_shape[0]}"
+        )
+    # One order for both sides: a dim of size 1 is left out of a format's order, so take
+    # the side that lists more dims and put any dim neither lists last (size 1 on both).
+    order = max(list(d_fmt[2]), list(p_fmt[2]), key=len)
+    order += [d for d in range(1, len(d_shape) + 1) if d not in order]
+    d_strides = _block_strides(d_fmt, d_page, order)
+    p_strides = _block_strides(p_fmt, p_page, order)
+    length = (d1 - d0) * d_strides[0]
+    if length != (p1 - p0) * p_strides[0]:
+        raise KvleaseError("a head holds a different number of bytes on P and D")
+    outer = order[: order.index(1)]
+    runs: list[tuple[int, int, int]] = []
+    for index in product(*(range(int(d_shape[d - 1])) for d in outer)):
+        lo = d0 * d_strides[0] + sum(i * d_strides[d - 1] for i, d in zip(index, outer))
+        ro = p0 * p_strides[0] + sum(i * p_strides[d - 1] for i, d in zip(index, outer))
+        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == ro:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((lo, ro, length))
+    return runs
+
+
 @dataclass
 class _PeerLink:
     """D's worker's connection to one P worker, with what it learned from P's engine
@@ -69,6 +125,8 @@ class _PeerLink:
     #: layer name -> (P's region, offset, block stride, block bytes, num blocks)
     layers: dict[str, tuple[native.RemoteRegion, int, int, int, int]]
     fence: native.RemoteRegion
+    #: layer name -> P's ``_block_format`` of it.
+    formats: dict[str, list[Any]]
     #: Why P's blocks cannot be read as ours, or None.
     incompatible: str | None
 
@@ -269,20 +327,33 @@ class KvleaseWorker:
             self._disconnect(peer)
             raise
         # The same check D's scheduler made at the handshake, per P worker: a batch is
-        # never posted from a worker whose blocks are laid out differently.
+        # never posted from a worker whose blocks are laid out differently (with another
+        # TP size, only the head count of a block may differ, by the TP ratio).
         theirs = w.kv_format
+        heads = None
+        if info.kv is not None and info.tp_size != self.tp_size:
+            d_heads = _rank_heads(info.kv, self.tp_size)
+            p_heads = _rank_heads(info.kv, info.tp_size)
+            if d_heads is not None and p_heads is not None:
+                heads = (d_heads, p_heads)
         if not theirs:
             incompatible = (
                 f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
             )
         else:
-            diff = _layer_format_diff(self.kv_format, theirs)
+            diff = _layer_format_diff(self.kv_format, theirs, heads=heads)
             incompatible = (
                 None
                 if diff is None
                 else f"worker {p_rank} of {engine} is not KV-compatible: {diff}"
             )
-        link = _PeerLink(peer=peer, layers=layers, fence=fence, incompatible=incompatible)
+        link = _PeerLink(
+            peer=peer,
+            layers=layers,
+            fence=fence,
+            formats=dict(theirs or {}),
+            incompatible=incompatible,
+        )
         self._links[key] = link
         self._unreachable.pop(key, None)
         self.counters.add("peers_connected")
@@ -342,11 +413,6 @@ class KvleaseWorker:
         # The last batch to end (here, failed at once, or in _poll) finishes the load.
 
     def _post_batch(self, load: LoadSpec, b: BatchSpec) -> native.Batch:
-        if not b.whole:
-            raise KvleaseError(
-                "heterogeneous TP (a batch reading part of a block's heads) is not "
-                "supported by KvleaseConnector"
-            )
         engine, p_rank = load.engine, b.p_rank
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
@@ -358,15 +424,35 @@ class KvleaseWorker:
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
             remote = link.layers.get(name)
-            if remote is None:
+            if remote is None or name not in link.formats:
                 raise KvleaseError(f"P has no KV cache layer {name}")
             r_region, r_offset, r_stride, r_page, r_n = remote
-            if r_page != page:
-                raise KvleaseError(f"layer {name}: P's blocks hold {r_page} bytes, ours {page}")
             if remote_blocks and max(remote_blocks) >= r_n:
                 raise KvleaseError(
                     f"layer {name}: P's block {max(remote_blocks)} is past its {r_n} blocks"
                 )
+            # The batch's heads within each block: all of it when both sides hold the
+            # same heads in the same layout, else a run per head slice (per token in a
+            # tokens-outer block, one run in a heads-outer one).
+            runs = _head_runs(
+                (self.kv_format[name], page),
+                (link.formats[name], r_page),
+                tuple(b.local_heads),
+                tuple(b.remote_heads),
+            )
+            if runs != [(0, 0, page)] or r_page != page:
+                for lb, rb in zip(local_blocks, remote_blocks):
+                    for lo, ro, length in runs:
+                        ops.append(
+                            (
+                                region,
+                                offset + lb * stride + lo,
+                                r_region,
+                                r_offset + rb * r_stride + ro,
+                                length,
+                            )
+                        )
+                continue
             # Runs of consecutive blocks on both sides with dense blocks become one op.
             i = 0
             while i < len(local_blocks):
