@@ -306,6 +306,9 @@ pub struct Metrics {
     /// `kvlease_notifs_foreign_total` (P): heartbeats, completions and aborts about a
     /// lease another D engine owns (ignored).
     pub notifs_foreign: Counter,
+    /// `kvlease_notifs_unregistered_total` (P): notifications from a transport connection
+    /// whose proven name is no worker a D engine registered on the side channel (dropped).
+    pub notifs_unregistered: Counter,
 
     // Limits.
     /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
@@ -518,6 +521,10 @@ impl Metrics {
             notifs_foreign: r.counter(
                 "notifs_foreign",
                 "Notifications about a lease another D engine owns (ignored)",
+            ),
+            notifs_unregistered: r.counter(
+                "notifs_unregistered",
+                "Notifications from a connection no D engine registered on the side channel (dropped)",
             ),
             transports: Arc::clone(&transports),
             side_channel_refused: r.counter(

@@ -97,6 +97,15 @@ pub enum HandshakeError {
         /// What was wrong.
         message: String,
     },
+    /// The side channel is served by another engine than the one asked for (the name
+    /// it proved in the exchange).
+    #[error("side channel {addr}: served by engine {serves}, not the one asked for")]
+    WrongEngine {
+        /// The peer.
+        addr: String,
+        /// The engine it proved to be.
+        serves: String,
+    },
     /// The peer refused us (wrong token) or failed to prove the token.
     #[error("side channel {addr}: authentication failed: {message}")]
     Auth {
@@ -298,14 +307,17 @@ pub struct Welcome {
     pub server_time_ns: u64,
 }
 
-/// Runs the handshake against P's side channel at `addr` (D side).
+/// Runs the handshake against P's side channel at `addr` (D side). With `expected`, the
+/// server must prove that engine id in the exchange (else
+/// [`HandshakeError::WrongEngine`], before D names any of its workers).
 ///
 /// # Errors
-/// [`HandshakeError`]: IO or timeout, a protocol violation, or failed authentication
-/// either way.
+/// [`HandshakeError`]: IO or timeout, a protocol violation, a server proving another
+/// engine id, or failed authentication either way.
 pub fn handshake(
     addr: &str,
     token: Option<&str>,
+    expected: Option<&str>,
     engine_id: &str,
     tp_size: u32,
     workers: &[Vec<u8>],
@@ -333,9 +345,15 @@ pub fn handshake(
         workers: workers.to_vec(),
     };
     let token = token.map(str::as_bytes);
-    let served = sc::fetch(&mut s, engine_id, token, None, &registration, MAX_FRAME).map_err(
+    let served = sc::fetch(&mut s, engine_id, token, expected, &registration, MAX_FRAME).map_err(
         |e| match e {
             sc::Error::Io(source) => io_err(source),
+            sc::Error::Protocol(sc::SideChannelError::Auth(sc::AuthError::WrongName(serves))) => {
+                HandshakeError::WrongEngine {
+                    addr: addr.to_owned(),
+                    serves,
+                }
+            }
             e if e.is_auth() => HandshakeError::Auth {
                 addr: addr.to_owned(),
                 message: auth_message(&e),
@@ -429,7 +447,7 @@ mod tests {
             let next = sc::read_frame(&mut s, MAX_FRAME);
             (hello, proof, next.is_ok())
         });
-        let r = handshake(&addr, Some("s3cret"), "d0", 1, &[vec![9; 64]], 1);
+        let r = handshake(&addr, Some("s3cret"), None, "d0", 1, &[vec![9; 64]], 1);
         assert!(matches!(r, Err(HandshakeError::Auth { .. })));
         let (hello, proof, sent_more) = seen.join().expect("fake P");
         assert_eq!(hello, Kind::Hello, "the hello names no worker");
@@ -441,8 +459,16 @@ mod tests {
     fn token_is_proven_both_ways_and_mismatches_are_refused() {
         let (h, peers) = serve(Some("s3cret"));
         let addr = h.addr.to_string();
-        let w = handshake(&addr, Some("s3cret"), "d0", 2, &[vec![1, 2], vec![3]], 7)
-            .expect("handshake");
+        let w = handshake(
+            &addr,
+            Some("s3cret"),
+            None,
+            "d0",
+            2,
+            &[vec![1, 2], vec![3]],
+            7,
+        )
+        .expect("handshake");
         assert_eq!(w.info["engine_id"], "p0");
         assert_eq!(w.server_time_ns, 42);
         {
@@ -453,19 +479,19 @@ mod tests {
         }
         // Wrong token: P's proof fails on D's side first.
         assert!(matches!(
-            handshake(&addr, Some("wrong"), "d0", 2, &[], 7),
+            handshake(&addr, Some("wrong"), None, "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         // No token at all against a server that requires one: P refuses.
         assert!(matches!(
-            handshake(&addr, None, "d0", 2, &[], 7),
+            handshake(&addr, None, None, "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         assert_eq!(peers.lock().expect("not poisoned").len(), 1);
 
         let (open, _) = serve(None);
-        assert!(handshake(&open.addr.to_string(), None, "d1", 1, &[], 7).is_ok());
-        assert!(handshake(&open.addr.to_string(), Some("x"), "d1", 1, &[], 7).is_err());
+        assert!(handshake(&open.addr.to_string(), None, None, "d1", 1, &[], 7).is_ok());
+        assert!(handshake(&open.addr.to_string(), Some("x"), None, "d1", 1, &[], 7).is_err());
     }
 
     /// Whether the server closed `s` within 5 s without answering.
@@ -518,11 +544,26 @@ mod tests {
         // The slots are free again: an honest handshake works.
         let addr = h.addr.to_string();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while handshake(&addr, Some("t"), "d0", 1, &[], 1).is_err() {
+        while handshake(&addr, Some("t"), None, "d0", 1, &[], 1).is_err() {
             assert!(Instant::now() < deadline, "slots never freed");
             thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(peers.lock().expect("not poisoned").len(), 1);
+    }
+
+    /// D checks the engine id P proved against the one it asked for, before it names
+    /// any of its workers.
+    #[test]
+    fn d_refuses_a_side_channel_proving_another_engine() {
+        let (h, peers) = serve(Some("s3cret"));
+        let addr = h.addr.to_string();
+        let r = handshake(&addr, Some("s3cret"), Some("p1"), "d0", 1, &[vec![1]], 1);
+        assert!(
+            matches!(&r, Err(HandshakeError::WrongEngine { serves, .. }) if serves == "p0"),
+            "{r:?}"
+        );
+        assert!(peers.lock().expect("not poisoned").is_empty());
+        assert!(handshake(&addr, Some("s3cret"), Some("p0"), "d0", 1, &[vec![1]], 1).is_ok());
     }
 
     #[test]

@@ -171,7 +171,17 @@ async fn slow_pre_auth_side_channel_connections_stay_bounded() -> Result<()> {
     let welcome = loop {
         match tokio::task::spawn_blocking({
             let addr = addr.clone();
-            move || kvlease_agent::sidechannel::handshake(&addr, Some(TOKEN), "d-honest", 1, &[], 1)
+            move || {
+                kvlease_agent::sidechannel::handshake(
+                    &addr,
+                    Some(TOKEN),
+                    None,
+                    "d-honest",
+                    1,
+                    &[],
+                    1,
+                )
+            }
         })
         .await?
         {

@@ -208,6 +208,13 @@ pub struct PrefillEngine {
     d_peers: HashMap<String, PeerId>,
     /// The newest instance of each D engine that said hello.
     d_instances: HashMap<String, u64>,
+    /// The D workers each D engine registered on the side channel (its newest instance),
+    /// by transport name: a notification is taken only from a connection whose proven
+    /// name is here, and speaks for the engine that registered it.
+    d_registered: HashMap<String, EngineId>,
+    /// The side channel's hellos (taken before every notification poll, so that a D's
+    /// registration is known before its first notification).
+    hellos: Option<crossbeam_channel::Receiver<Hello>>,
     /// D workers being connected to (off the engine thread).
     connecting: std::collections::HashSet<String>,
     /// Connections made off the engine thread: (D instance, worker name, peer).
@@ -305,6 +312,8 @@ impl PrefillEngine {
             epoch: Instant::now(),
             d_peers: HashMap::new(),
             d_instances: HashMap::new(),
+            d_registered: HashMap::new(),
+            hellos: None,
             connecting: std::collections::HashSet::new(),
             connected: crossbeam_channel::unbounded(),
             d_caches: Arc::default(),
@@ -348,6 +357,7 @@ impl PrefillEngine {
         heartbeat: Arc<crate::health::EngineHeartbeat>,
     ) {
         let idle = Duration::from_millis(1);
+        self.hellos = Some(hellos);
         while !stop.load(Ordering::Relaxed) {
             heartbeat.beat();
             // 1. Intake: block briefly only when there is nothing to prefill.
@@ -363,9 +373,7 @@ impl PrefillEngine {
             for job in first.into_iter().chain(jobs.try_iter()) {
                 self.intake(job);
             }
-            for hello in hellos.try_iter() {
-                self.connect_d(&hello);
-            }
+            self.take_hellos();
             self.take_connected();
             // 2. Prefill (and the prefills whose pulls from D ended).
             self.drop_gone_clients();
@@ -431,15 +439,56 @@ impl PrefillEngine {
         }
     }
 
+    /// Registers the D engines that said hello on the side channel since the last call.
+    fn take_hellos(&mut self) {
+        let hellos: Vec<Hello> = self
+            .hellos
+            .as_ref()
+            .map(|h| h.try_iter().collect())
+            .unwrap_or_default();
+        for hello in &hellos {
+            self.connect_d(hello);
+        }
+    }
+
+    /// Records the D workers a D engine registered (the transport names in its workers'
+    /// metadata): only a worker named `{engine}/...` for the engine that proved itself on
+    /// the side channel is taken. A newer instance replaces the older one's workers.
+    fn register_d(&mut self, hello: &Hello, engine: &EngineId, restarted: bool) {
+        if restarted {
+            self.d_registered.retain(|_, e| e != engine);
+        }
+        for md in &hello.workers {
+            let Some(name) = sidechannel::from_hex(md)
+                .and_then(|b| kvlease_transport::metadata::decode_metadata(&b).ok())
+                .map(|m| m.name)
+            else {
+                continue;
+            };
+            if engine_of_peer(&name).as_ref() == Some(engine) {
+                self.d_registered.insert(name, engine.clone());
+            } else {
+                tracing::warn!(%engine, worker = %name, "D registered a worker named for another engine; ignored");
+            }
+        }
+    }
+
     /// A D engine said hello: connect back to its workers (for expiry notices) on a
     /// background thread, so that a D whose workers P cannot reach delays nothing here. A
     /// newer instance of a D engine (restarted under the same id) replaces the connections
     /// to the old one.
     fn connect_d(&mut self, hello: &Hello) {
-        let Some(w0) = self.workers.first() else {
+        let Some(agent) = self.workers.first().map(|w| Arc::clone(&w.agent)) else {
+            return;
+        };
+        let Ok(engine) = EngineId::new(&hello.engine_id) else {
+            tracing::warn!(engine = %hello.engine_id, "hello under an invalid engine id ignored");
             return;
         };
         let known = self.d_instances.get(&hello.engine_id).copied().unwrap_or(0);
+        if hello.instance >= known {
+            self.register_d(hello, &engine, hello.instance > known);
+        }
         if hello.instance > known {
             if known != 0 {
                 tracing::info!(engine = %hello.engine_id, "D engine restarted; reconnecting to it");
@@ -472,7 +521,6 @@ impl PrefillEngine {
         if todo.is_empty() {
             return;
         }
-        let agent = Arc::clone(&w0.agent);
         let tx = self.connected.0.clone();
         let instance = hello.instance;
         let engine = hello.engine_id.clone();
@@ -666,14 +714,20 @@ impl PrefillEngine {
     }
 
     fn poll_notifs(&mut self) {
+        // A D's registration is known before anything its workers send.
+        self.take_hellos();
         let now = self.now();
         let mut batches = Vec::new();
         for w in &self.workers {
             batches.extend(w.agent.get_new_notifs());
         }
         for (from, msgs) in batches {
-            let Some(engine) = engine_of_peer(&from) else {
-                self.metrics.notif_malformed.inc();
+            // `from` is the name the connection proved in the transport's authenticated
+            // exchange; it speaks only for the engine that registered it on the side
+            // channel.
+            let Some(engine) = self.d_registered.get(&from).cloned() else {
+                self.metrics.notifs_unregistered.inc_by(msgs.len() as u64);
+                tracing::debug!(connection = %from, count = msgs.len(), "notifications from a connection no D engine registered dropped");
                 continue;
             };
             let peer = Peer { engine, addr: from };
