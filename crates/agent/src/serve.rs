@@ -354,6 +354,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         memory: memory(c),
         link: link(c, &adv, &metrics)?,
         bidir: prefill_bidir(c)?,
+        connect_back_any_host: args.connect_back_any_host,
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
@@ -468,7 +469,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         link: link(c, &adv, &metrics)?,
         read_timeout: Duration::from_secs(30),
         bidir: None,
-        allowed_prefill: args.allowed_prefill_hosts.clone(),
+        allowed_prefill: allowed_prefill_hosts(args),
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();
@@ -529,6 +530,21 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     drop(side);
     drop(probe);
     served
+}
+
+/// `--allowed-prefill-hosts`, or by default loopback and this host's attached networks
+/// ([`crate::config::local_networks`]), logged so that an operator sees what D allows.
+fn allowed_prefill_hosts(args: &DecodeArgs) -> Vec<crate::config::Cidr> {
+    if !args.allowed_prefill_hosts.is_empty() {
+        return args.allowed_prefill_hosts.clone();
+    }
+    let nets = crate::config::local_networks();
+    let list: Vec<String> = nets.iter().map(ToString::to_string).collect();
+    tracing::info!(
+        networks = %list.join(","),
+        "--allowed-prefill-hosts not set: D connects only to P agents on loopback and this host's attached networks"
+    );
+    nets
 }
 
 /// A running engine thread and the flag that stops it.

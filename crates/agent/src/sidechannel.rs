@@ -130,6 +130,10 @@ pub struct Hello {
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
     #[serde(default)]
     pub instance: u64,
+    /// The address D's side-channel connection came from (P connects back only to D
+    /// workers there unless told otherwise). `None` when unknown.
+    #[serde(default)]
+    pub peer_ip: Option<std::net::IpAddr>,
 }
 
 /// Lowercase hex of `bytes`.
@@ -266,6 +270,7 @@ impl Server {
 
     fn serve(&self, mut s: Deadlined) -> Result<(), sc::Error> {
         s.get_ref().set_nodelay(true)?;
+        let peer_ip = s.get_ref().peer_addr().ok().map(|a| a.ip());
         let token = self.token.as_deref().map(str::as_bytes);
         let outcome = sc::serve(
             &mut s,
@@ -281,6 +286,7 @@ impl Server {
                     tp_size: r.tp_size,
                     workers: r.workers.iter().map(|w| to_hex(w)).collect(),
                     instance: r.instance,
+                    peer_ip,
                 });
                 sc::Welcome {
                     server_time_ns: (self.clock_ns)(),

@@ -141,6 +141,21 @@ async fn advertised_address_api_key_and_allow_list() -> Result<()> {
     ensure!(s == 200, "with the key: {s} {v}");
     ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
 
+    // The default allow-list (issue 24, item 5): loopback and this host's attached
+    // networks. A `remote_host` elsewhere (a documentation address) is refused at once,
+    // before D connects anywhere.
+    let mut far = pa["kv_transfer_params"].clone();
+    far["remote_host"] = json!("198.51.100.7");
+    far["remote_engine_id"] = json!("p-elsewhere");
+    let body = json!({"prompt": "secure prompt", "max_tokens": 1, "kv_transfer_params": far});
+    let (s, v) = post(&c, &d.url, &body, Some("k3y")).await?;
+    ensure!(
+        s == 403 && v["error"]["type"] == "prefill_host_not_allowed",
+        "default allow-list: {s} {v}"
+    );
+    let log = std::fs::read_to_string(&d.proc.log)?;
+    ensure!(log.contains("--allowed-prefill-hosts not set"), "{log}");
+
     // The allow-list: P at 127.0.0.2 is outside 10.0.0.0/8.
     let (s, pa2) = post(&c, &p.url, &p_body("another prompt"), None).await?;
     ensure!(s == 200, "{s} {pa2}");
@@ -475,5 +490,66 @@ async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<
     ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
     let (s, v) = slow.await??;
     ensure!(s == 200, "{s} {v}");
+    Ok(())
+}
+
+/// Issue 24, item 5: a token holder's worker metadata used to make P connect (for expiry
+/// notices) to any address. P now connects back only to D workers on the address the
+/// side-channel handshake came from: a hello from loopback naming a worker at another
+/// address is refused and counted (`kvlease_connect_back_refused_total`), while a worker
+/// on loopback is connected to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p_connects_back_only_to_the_handshakes_address() -> Result<()> {
+    let c = client();
+    let token = "connect-back-token";
+    let mut p = spawn(
+        PREFILL,
+        "p-connect-back",
+        "127.0.0.1",
+        &[],
+        &[("KVLEASE_AUTH_TOKEN", token)],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    let worker = |name: &str, advertise: &str| -> Result<kvlease_transport::Agent> {
+        let mut cfg = kvlease_transport::AgentConfig::new(name);
+        cfg.backend = kvlease_transport::BackendChoice::Tcp;
+        cfg.auth_token = Some(token.as_bytes().to_vec());
+        cfg.advertise = Some(advertise.parse()?);
+        Ok(kvlease_transport::Agent::new(cfg)?)
+    };
+    // A worker claiming a documentation address (192.0.2.0/24, reachable nowhere).
+    let far = worker("d-far/d0", "192.0.2.7:4000")?;
+    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
+    let md = far.metadata();
+    let a = addr.clone();
+    tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&a, Some(token), None, "d-far", 1, &[md], 1)
+    })
+    .await??;
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_connect_back_refused_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 1.0,
+    )
+    .await?;
+    // A worker on loopback, as the handshake: connected back to, nothing refused.
+    let near = worker("d-near/d0", "127.0.0.1:0")?;
+    let md = near.metadata();
+    tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "d-near", 1, &[md], 1)
+    })
+    .await??;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while near.stats().connections_accepted == 0 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "P never connected back to the loopback worker"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    let refused = common::metric_of(&c, &p, "kvlease_connect_back_refused_total").await?;
+    ensure!(refused == 1.0, "refused {refused}");
     Ok(())
 }

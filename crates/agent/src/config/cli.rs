@@ -84,13 +84,22 @@ impl std::str::FromStr for AuthToken {
 }
 
 /// An IP network, `address/prefix` (a bare address is a single host).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Cidr {
     addr: std::net::IpAddr,
     prefix: u8,
 }
 
 impl Cidr {
+    /// The network of `addr` with `prefix` bits (at most the address's width).
+    pub(crate) fn new(addr: std::net::IpAddr, prefix: u8) -> Self {
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        Self {
+            addr,
+            prefix: prefix.min(max),
+        }
+    }
+
     /// Whether `ip` is in this network (an IPv4-mapped IPv6 address counts as IPv4).
     pub fn contains(&self, ip: std::net::IpAddr) -> bool {
         use std::net::IpAddr;
@@ -441,6 +450,11 @@ pub struct PrefillArgs {
     /// How long a request waits for free KV blocks before it gets a 503, in milliseconds.
     #[arg(long, allow_negative_numbers = true, default_value_t = 5000)]
     pub pool_wait_ms: u64,
+    /// Connect back (for expiry notices) to a D worker whatever address its metadata
+    /// names. By default P connects back only to D workers on the address D's
+    /// side-channel handshake came from (loopback counts as one address).
+    #[arg(long)]
+    pub connect_back_any_host: bool,
 }
 
 impl PrefillArgs {
@@ -503,7 +517,8 @@ pub struct DecodeArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 1024)]
     pub max_waiting: u32,
     /// Networks (CIDRs, comma-separated, e.g. 10.0.0.0/8,fd00::/8) whose P agents this D
-    /// may connect to; a request naming a P elsewhere gets a 403. Default: any.
+    /// may connect to; a request naming a P elsewhere gets a 403. Default: loopback and
+    /// the networks this host's interfaces are attached to; `0.0.0.0/0,::/0` allows any.
     #[arg(long, value_delimiter = ',')]
     pub allowed_prefill_hosts: Vec<Cidr>,
 }

@@ -135,6 +135,22 @@ pub struct PrefillAgentConfig {
     pub link: LinkConfig,
     /// Bidirectional mode; `None` ignores D's cached-blocks params (always computes).
     pub bidir: Option<PrefillBidir>,
+    /// `--connect-back-any-host`: connect back to D workers wherever their metadata
+    /// points; `false` only to those on the address D's handshake came from
+    /// (the same address, or both on loopback).
+    pub connect_back_any_host: bool,
+}
+
+/// Whether P may connect back to a D worker listening on `worker` when D's side-channel
+/// handshake came from `peer`: the same address (an IPv4-mapped IPv6 address counts as
+/// IPv4), or both on loopback.
+pub(crate) fn same_host(peer: std::net::IpAddr, worker: std::net::IpAddr) -> bool {
+    let canon = |ip: std::net::IpAddr| match ip {
+        std::net::IpAddr::V6(v6) => v6.to_canonical(),
+        v4 => v4,
+    };
+    let (peer, worker) = (canon(peer), canon(worker));
+    peer == worker || (peer.is_loopback() && worker.is_loopback())
 }
 
 /// One P worker's remote view, served on the side channel.
@@ -506,13 +522,21 @@ impl PrefillEngine {
             let Some(bytes) = sidechannel::from_hex(md) else {
                 continue;
             };
-            let name = match kvlease_transport::metadata::decode_metadata(&bytes) {
-                Ok(m) => m.name,
+            let (name, at) = match kvlease_transport::metadata::decode_metadata(&bytes) {
+                Ok(m) => (m.name, m.tcp_addr),
                 Err(e) => {
                     tracing::warn!(engine = %hello.engine_id, error = %e, "bad worker metadata from D");
                     continue;
                 }
             };
+            if !self.may_connect_back(hello, &at) {
+                self.metrics.connect_back_refused.inc();
+                tracing::warn!(
+                    engine = %hello.engine_id, worker = %name, %at, from = ?hello.peer_ip,
+                    "D worker not on the address its handshake came from: not connecting back (--connect-back-any-host allows it)"
+                );
+                continue;
+            }
             if self.d_peers.contains_key(&name) || !self.connecting.insert(name.clone()) {
                 continue;
             }
@@ -543,6 +567,16 @@ impl PrefillEngine {
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot spawn the connect-back thread");
         }
+    }
+
+    /// Whether P may connect back to a D worker at `at` (its metadata's TCP address),
+    /// registered by `hello`.
+    fn may_connect_back(&self, hello: &Hello, at: &str) -> bool {
+        if self.cfg.connect_back_any_host {
+            return true;
+        }
+        let worker = at.parse::<std::net::SocketAddr>().map(|a| a.ip());
+        matches!((hello.peer_ip, worker), (Some(peer), Ok(worker)) if same_host(peer, worker))
     }
 
     /// Takes the connections made off the engine thread.
@@ -877,5 +911,21 @@ fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
             "internal_error",
             e.to_string(),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_host;
+
+    #[test]
+    fn connect_back_only_to_the_handshakes_address() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("literal");
+        assert!(same_host(ip("10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("::ffff:10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("127.0.0.1"), ip("127.0.0.2")));
+        assert!(same_host(ip("::1"), ip("127.0.0.1")));
+        assert!(!same_host(ip("10.0.0.5"), ip("10.0.0.6")));
+        assert!(!same_host(ip("127.0.0.1"), ip("10.0.0.5")));
     }
 }
