@@ -196,6 +196,7 @@ fn test_engine_stall() -> Result<Option<Duration>, ServeError> {
 fn transport_limits(l: &LimitArgs) -> Limits {
     let mut limits = Limits::default();
     limits.max_inbound_connections = l.transport_max_connections;
+    limits.max_inbound_per_address = l.transport_max_connections_per_address;
     limits.handshake_timeout = l.transport_handshake_timeout();
     limits.max_pending_notif_bytes = l.max_pending_notif_bytes;
     limits
@@ -216,6 +217,7 @@ fn http_limits(l: &LimitArgs) -> HttpLimits {
 fn side_channel_limits(l: &LimitArgs) -> sidechannel::ServerLimits {
     sidechannel::ServerLimits {
         max_connections: l.side_channel_max_connections,
+        max_per_address: l.side_channel_max_connections_per_address,
         handshake_timeout: l.side_channel_handshake_timeout(),
         max_frame: l.side_channel_max_frame_bytes,
     }

@@ -20,7 +20,8 @@
 //!
 //! Everything the server reads comes from a peer that has not proven the token yet, so
 //! the server is bounded by [`ServerLimits`]: at most `max_connections` handshakes (and
-//! threads) at once, more are closed at once; each whole handshake ends by an absolute
+//! threads) at once, and at most `max_per_address` from one peer address, more are
+//! closed at once; each whole handshake ends by an absolute
 //! deadline from accept; and no frame over `max_frame` is accepted (the auth frames before
 //! D's proof are bounded tighter by the format). A frame's buffer grows with the bytes
 //! that actually arrive, so announcing a large length costs the peer as much as it costs
@@ -35,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
+use kvlease_transport::slots::PerAddress;
 use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +47,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Default for [`ServerLimits::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Default for [`ServerLimits::max_per_address`].
+pub const DEFAULT_MAX_PER_ADDRESS: usize = 16;
 /// Default for [`ServerLimits::handshake_timeout`].
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default for [`ServerLimits::max_frame`]: room for the hello of hundreds of TP workers.
@@ -57,6 +61,10 @@ pub struct ServerLimits {
     /// Handshakes served at once, each on its own thread; a connection over the cap is
     /// closed at once and counted. Default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
+    /// Handshakes served at once for one peer address (below `max_connections`, so that
+    /// one source cannot take every slot); more from that address are closed at once and
+    /// counted like the others. Default [`DEFAULT_MAX_PER_ADDRESS`].
+    pub max_per_address: usize,
     /// A whole handshake, from accept to the welcome, must end within this; reads and
     /// writes get only the time left. Default [`DEFAULT_HANDSHAKE_TIMEOUT`].
     pub handshake_timeout: Duration,
@@ -71,6 +79,7 @@ impl Default for ServerLimits {
     fn default() -> Self {
         Self {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_address: DEFAULT_MAX_PER_ADDRESS,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_PREAUTH_FRAME,
         }
@@ -214,7 +223,11 @@ impl Server {
     /// The bind error; `InvalidInput` for a limit of zero.
     pub fn spawn(self, addr: SocketAddr) -> io::Result<ServerHandle> {
         let l = &self.limits;
-        if l.max_connections == 0 || l.handshake_timeout.is_zero() || l.max_frame == 0 {
+        if l.max_connections == 0
+            || l.max_per_address == 0
+            || l.handshake_timeout.is_zero()
+            || l.max_frame == 0
+        {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "side-channel limits must be non-zero",
@@ -223,6 +236,7 @@ impl Server {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
+        let per_address = PerAddress::new(self.limits.max_per_address);
         let this = Arc::new(self);
         let stop2 = Arc::clone(&stop);
         let active = Arc::new(AtomicUsize::new(0));
@@ -239,6 +253,17 @@ impl Server {
                         continue;
                     };
                     let accepted = Instant::now();
+                    let Some(address_slot) =
+                        conn.peer_addr().ok().and_then(|a| per_address.take(a.ip()))
+                    else {
+                        this.refused.inc();
+                        tracing::debug!(
+                            peer = ?conn.peer_addr().ok(),
+                            limit = this.limits.max_per_address,
+                            "side channel: too many handshakes at once from this address; connection closed"
+                        );
+                        continue;
+                    };
                     let Some(slot) = Slot::take(&active, this.limits.max_connections) else {
                         this.refused.inc();
                         tracing::debug!(
@@ -252,7 +277,7 @@ impl Server {
                     let spawned = thread::Builder::new()
                         .name("side-channel-conn".into())
                         .spawn(move || {
-                            let _slot = slot;
+                            let _slots = (slot, address_slot);
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                             let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
                             if let Err(e) = this.serve(s) {
@@ -519,6 +544,7 @@ mod tests {
     fn frames_over_the_limit_slow_handshakes_and_extra_connections_are_closed() {
         let limits = ServerLimits {
             max_connections: 2,
+            max_per_address: 2,
             handshake_timeout: Duration::from_millis(300),
             max_frame: 1024,
         };

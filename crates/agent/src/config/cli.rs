@@ -582,6 +582,11 @@ pub struct LimitArgs {
     /// closed at once and counted in kvlease_side_channel_refused_total.
     #[arg(long, default_value_t = 64)]
     pub side_channel_max_connections: usize,
+    /// Side-channel handshakes served at once for one peer address (so that one source
+    /// cannot take every slot); more from it are closed at once and counted like the
+    /// others.
+    #[arg(long, default_value_t = 16)]
+    pub side_channel_max_connections_per_address: usize,
     /// A whole side-channel handshake must end this long after accept, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub side_channel_handshake_timeout_ms: u64,
@@ -592,6 +597,10 @@ pub struct LimitArgs {
     /// Inbound data-port (transport) connections served at once, per TP worker.
     #[arg(long, default_value_t = 1024)]
     pub transport_max_connections: usize,
+    /// Inbound data-port connections held at once from one peer address, per TP worker
+    /// (so that one source cannot take every slot).
+    #[arg(long, default_value_t = 256)]
+    pub transport_max_connections_per_address: usize,
     /// An inbound data-port connection not authenticated this long after accept is
     /// closed, whatever it sends meanwhile, in milliseconds (also the outbound connect
     /// and per-step handshake limit).
@@ -648,8 +657,16 @@ impl LimitArgs {
                 self.side_channel_max_frame_bytes,
             ),
             (
+                "--side-channel-max-connections-per-address",
+                self.side_channel_max_connections_per_address,
+            ),
+            (
                 "--transport-max-connections",
                 self.transport_max_connections,
+            ),
+            (
+                "--transport-max-connections-per-address",
+                self.transport_max_connections_per_address,
             ),
             ("--http-max-connections", self.http_max_connections),
             ("--http-max-body-bytes", self.http_max_body_bytes),
