@@ -293,6 +293,12 @@ pub struct Metrics {
     /// `kvlease_notifs_foreign_total` (P): heartbeats, completions and aborts about a
     /// lease another D engine owns (ignored).
     pub notifs_foreign: Counter,
+    /// `kvlease_notifs_unregistered_total` (P): notifications from a transport connection
+    /// whose proven name is no worker a D engine registered on the side channel (dropped).
+    pub notifs_unregistered: Counter,
+    /// `kvlease_connect_back_refused_total` (P): D workers P did not connect back to
+    /// because their address is not the one D's side-channel handshake came from.
+    pub connect_back_refused: Counter,
 
     // Limits.
     /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
@@ -506,6 +512,14 @@ impl Metrics {
             notifs_foreign: r.counter(
                 "notifs_foreign",
                 "Notifications about a lease another D engine owns (ignored)",
+            ),
+            notifs_unregistered: r.counter(
+                "notifs_unregistered",
+                "Notifications from a connection no D engine registered on the side channel (dropped)",
+            ),
+            connect_back_refused: r.counter(
+                "connect_back_refused",
+                "D workers not connected back to: not on the address of D's side-channel handshake",
             ),
             transports: Arc::clone(&transports),
             side_channel_refused: r.counter(

@@ -196,6 +196,7 @@ fn test_engine_stall() -> Result<Option<Duration>, ServeError> {
 fn transport_limits(l: &LimitArgs) -> Limits {
     let mut limits = Limits::default();
     limits.max_inbound_connections = l.transport_max_connections;
+    limits.max_inbound_per_address = l.transport_max_connections_per_address;
     limits.handshake_timeout = l.transport_handshake_timeout();
     limits.max_pending_notif_bytes = l.max_pending_notif_bytes;
     limits
@@ -217,6 +218,7 @@ fn http_limits(l: &LimitArgs) -> HttpLimits {
 fn side_channel_limits(l: &LimitArgs) -> sidechannel::ServerLimits {
     sidechannel::ServerLimits {
         max_connections: l.side_channel_max_connections,
+        max_per_address: l.side_channel_max_connections_per_address,
         handshake_timeout: l.side_channel_handshake_timeout(),
         max_frame: l.side_channel_max_frame_bytes,
     }
@@ -355,6 +357,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         memory: memory(c),
         link: link(c, &adv, &metrics)?,
         bidir: prefill_bidir(c)?,
+        connect_back_any_host: args.connect_back_any_host,
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
@@ -469,7 +472,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         link: link(c, &adv, &metrics)?,
         read_timeout: Duration::from_secs(30),
         bidir: None,
-        allowed_prefill: args.allowed_prefill_hosts.clone(),
+        allowed_prefill: allowed_prefill_hosts(args),
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();
@@ -530,6 +533,21 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     drop(side);
     drop(probe);
     served
+}
+
+/// `--allowed-prefill-hosts`, or by default loopback and this host's attached networks
+/// ([`crate::config::local_networks`]), logged so that an operator sees what D allows.
+fn allowed_prefill_hosts(args: &DecodeArgs) -> Vec<crate::config::Cidr> {
+    if !args.allowed_prefill_hosts.is_empty() {
+        return args.allowed_prefill_hosts.clone();
+    }
+    let nets = crate::config::local_networks();
+    let list: Vec<String> = nets.iter().map(ToString::to_string).collect();
+    tracing::info!(
+        networks = %list.join(","),
+        "--allowed-prefill-hosts not set: D connects only to P agents on loopback and this host's attached networks"
+    );
+    nets
 }
 
 /// A running engine thread and the flag that stops it.

@@ -222,12 +222,18 @@ pub(crate) fn remote_engine(
     let welcome = sidechannel::handshake(
         addr,
         me.token,
+        Some(want.as_str()),
         me.engine,
         me.tp_size,
         me.metadata,
         me.instance,
     )
     .map_err(|e| match e {
+        sidechannel::HandshakeError::WrongEngine { serves, .. } => HandshakeFailure::WrongEngine {
+            engine: want.clone(),
+            addr: addr.to_owned(),
+            serves,
+        },
         e @ sidechannel::HandshakeError::Auth { .. } => HandshakeFailure::Auth {
             engine: want.clone(),
             source: e,

@@ -20,7 +20,8 @@
 //!
 //! Everything the server reads comes from a peer that has not proven the token yet, so
 //! the server is bounded by [`ServerLimits`]: at most `max_connections` handshakes (and
-//! threads) at once, more are closed at once; each whole handshake ends by an absolute
+//! threads) at once, and at most `max_per_address` from one peer address, more are
+//! closed at once; each whole handshake ends by an absolute
 //! deadline from accept; and no frame over `max_frame` is accepted (the auth frames before
 //! D's proof are bounded tighter by the format). A frame's buffer grows with the bytes
 //! that actually arrive, so announcing a large length costs the peer as much as it costs
@@ -35,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
+use kvlease_transport::slots::PerAddress;
 use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +47,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Default for [`ServerLimits::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+/// Default for [`ServerLimits::max_per_address`].
+pub const DEFAULT_MAX_PER_ADDRESS: usize = 16;
 /// Default for [`ServerLimits::handshake_timeout`].
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default for [`ServerLimits::max_frame`]: room for the hello of hundreds of TP workers.
@@ -57,6 +61,10 @@ pub struct ServerLimits {
     /// Handshakes served at once, each on its own thread; a connection over the cap is
     /// closed at once and counted. Default [`DEFAULT_MAX_CONNECTIONS`].
     pub max_connections: usize,
+    /// Handshakes served at once for one peer address (below `max_connections`, so that
+    /// one source cannot take every slot); more from that address are closed at once and
+    /// counted like the others. Default [`DEFAULT_MAX_PER_ADDRESS`].
+    pub max_per_address: usize,
     /// A whole handshake, from accept to the welcome, must end within this; reads and
     /// writes get only the time left. Default [`DEFAULT_HANDSHAKE_TIMEOUT`].
     pub handshake_timeout: Duration,
@@ -71,6 +79,7 @@ impl Default for ServerLimits {
     fn default() -> Self {
         Self {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_per_address: DEFAULT_MAX_PER_ADDRESS,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             max_frame: DEFAULT_MAX_PREAUTH_FRAME,
         }
@@ -97,6 +106,15 @@ pub enum HandshakeError {
         /// What was wrong.
         message: String,
     },
+    /// The side channel is served by another engine than the one asked for (the name
+    /// it proved in the exchange).
+    #[error("side channel {addr}: served by engine {serves}, not the one asked for")]
+    WrongEngine {
+        /// The peer.
+        addr: String,
+        /// The engine it proved to be.
+        serves: String,
+    },
     /// The peer refused us (wrong token) or failed to prove the token.
     #[error("side channel {addr}: authentication failed: {message}")]
     Auth {
@@ -121,6 +139,10 @@ pub struct Hello {
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
     #[serde(default)]
     pub instance: u64,
+    /// The address D's side-channel connection came from (P connects back only to D
+    /// workers there unless told otherwise). `None` when unknown.
+    #[serde(default)]
+    pub peer_ip: Option<std::net::IpAddr>,
 }
 
 /// Lowercase hex of `bytes`.
@@ -201,7 +223,11 @@ impl Server {
     /// The bind error; `InvalidInput` for a limit of zero.
     pub fn spawn(self, addr: SocketAddr) -> io::Result<ServerHandle> {
         let l = &self.limits;
-        if l.max_connections == 0 || l.handshake_timeout.is_zero() || l.max_frame == 0 {
+        if l.max_connections == 0
+            || l.max_per_address == 0
+            || l.handshake_timeout.is_zero()
+            || l.max_frame == 0
+        {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "side-channel limits must be non-zero",
@@ -210,6 +236,7 @@ impl Server {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
+        let per_address = PerAddress::new(self.limits.max_per_address);
         let this = Arc::new(self);
         let stop2 = Arc::clone(&stop);
         let active = Arc::new(AtomicUsize::new(0));
@@ -226,6 +253,17 @@ impl Server {
                         continue;
                     };
                     let accepted = Instant::now();
+                    let Some(address_slot) =
+                        conn.peer_addr().ok().and_then(|a| per_address.take(a.ip()))
+                    else {
+                        this.refused.inc();
+                        tracing::debug!(
+                            peer = ?conn.peer_addr().ok(),
+                            limit = this.limits.max_per_address,
+                            "side channel: too many handshakes at once from this address; connection closed"
+                        );
+                        continue;
+                    };
                     let Some(slot) = Slot::take(&active, this.limits.max_connections) else {
                         this.refused.inc();
                         tracing::debug!(
@@ -239,7 +277,7 @@ impl Server {
                     let spawned = thread::Builder::new()
                         .name("side-channel-conn".into())
                         .spawn(move || {
-                            let _slot = slot;
+                            let _slots = (slot, address_slot);
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                             let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
                             if let Err(e) = this.serve(s) {
@@ -257,6 +295,7 @@ impl Server {
 
     fn serve(&self, mut s: Deadlined) -> Result<(), sc::Error> {
         s.get_ref().set_nodelay(true)?;
+        let peer_ip = s.get_ref().peer_addr().ok().map(|a| a.ip());
         let token = self.token.as_deref().map(str::as_bytes);
         let outcome = sc::serve(
             &mut s,
@@ -272,6 +311,7 @@ impl Server {
                     tp_size: r.tp_size,
                     workers: r.workers.iter().map(|w| to_hex(w)).collect(),
                     instance: r.instance,
+                    peer_ip,
                 });
                 sc::Welcome {
                     server_time_ns: (self.clock_ns)(),
@@ -298,14 +338,17 @@ pub struct Welcome {
     pub server_time_ns: u64,
 }
 
-/// Runs the handshake against P's side channel at `addr` (D side).
+/// Runs the handshake against P's side channel at `addr` (D side). With `expected`, the
+/// server must prove that engine id in the exchange (else
+/// [`HandshakeError::WrongEngine`], before D names any of its workers).
 ///
 /// # Errors
-/// [`HandshakeError`]: IO or timeout, a protocol violation, or failed authentication
-/// either way.
+/// [`HandshakeError`]: IO or timeout, a protocol violation, a server proving another
+/// engine id, or failed authentication either way.
 pub fn handshake(
     addr: &str,
     token: Option<&str>,
+    expected: Option<&str>,
     engine_id: &str,
     tp_size: u32,
     workers: &[Vec<u8>],
@@ -333,9 +376,15 @@ pub fn handshake(
         workers: workers.to_vec(),
     };
     let token = token.map(str::as_bytes);
-    let served = sc::fetch(&mut s, engine_id, token, None, &registration, MAX_FRAME).map_err(
+    let served = sc::fetch(&mut s, engine_id, token, expected, &registration, MAX_FRAME).map_err(
         |e| match e {
             sc::Error::Io(source) => io_err(source),
+            sc::Error::Protocol(sc::SideChannelError::Auth(sc::AuthError::WrongName(serves))) => {
+                HandshakeError::WrongEngine {
+                    addr: addr.to_owned(),
+                    serves,
+                }
+            }
             e if e.is_auth() => HandshakeError::Auth {
                 addr: addr.to_owned(),
                 message: auth_message(&e),
@@ -429,7 +478,7 @@ mod tests {
             let next = sc::read_frame(&mut s, MAX_FRAME);
             (hello, proof, next.is_ok())
         });
-        let r = handshake(&addr, Some("s3cret"), "d0", 1, &[vec![9; 64]], 1);
+        let r = handshake(&addr, Some("s3cret"), None, "d0", 1, &[vec![9; 64]], 1);
         assert!(matches!(r, Err(HandshakeError::Auth { .. })));
         let (hello, proof, sent_more) = seen.join().expect("fake P");
         assert_eq!(hello, Kind::Hello, "the hello names no worker");
@@ -441,8 +490,16 @@ mod tests {
     fn token_is_proven_both_ways_and_mismatches_are_refused() {
         let (h, peers) = serve(Some("s3cret"));
         let addr = h.addr.to_string();
-        let w = handshake(&addr, Some("s3cret"), "d0", 2, &[vec![1, 2], vec![3]], 7)
-            .expect("handshake");
+        let w = handshake(
+            &addr,
+            Some("s3cret"),
+            None,
+            "d0",
+            2,
+            &[vec![1, 2], vec![3]],
+            7,
+        )
+        .expect("handshake");
         assert_eq!(w.info["engine_id"], "p0");
         assert_eq!(w.server_time_ns, 42);
         {
@@ -453,19 +510,19 @@ mod tests {
         }
         // Wrong token: P's proof fails on D's side first.
         assert!(matches!(
-            handshake(&addr, Some("wrong"), "d0", 2, &[], 7),
+            handshake(&addr, Some("wrong"), None, "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         // No token at all against a server that requires one: P refuses.
         assert!(matches!(
-            handshake(&addr, None, "d0", 2, &[], 7),
+            handshake(&addr, None, None, "d0", 2, &[], 7),
             Err(HandshakeError::Auth { .. })
         ));
         assert_eq!(peers.lock().expect("not poisoned").len(), 1);
 
         let (open, _) = serve(None);
-        assert!(handshake(&open.addr.to_string(), None, "d1", 1, &[], 7).is_ok());
-        assert!(handshake(&open.addr.to_string(), Some("x"), "d1", 1, &[], 7).is_err());
+        assert!(handshake(&open.addr.to_string(), None, None, "d1", 1, &[], 7).is_ok());
+        assert!(handshake(&open.addr.to_string(), Some("x"), None, "d1", 1, &[], 7).is_err());
     }
 
     /// Whether the server closed `s` within 5 s without answering.
@@ -487,6 +544,7 @@ mod tests {
     fn frames_over_the_limit_slow_handshakes_and_extra_connections_are_closed() {
         let limits = ServerLimits {
             max_connections: 2,
+            max_per_address: 2,
             handshake_timeout: Duration::from_millis(300),
             max_frame: 1024,
         };
@@ -518,11 +576,26 @@ mod tests {
         // The slots are free again: an honest handshake works.
         let addr = h.addr.to_string();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while handshake(&addr, Some("t"), "d0", 1, &[], 1).is_err() {
+        while handshake(&addr, Some("t"), None, "d0", 1, &[], 1).is_err() {
             assert!(Instant::now() < deadline, "slots never freed");
             thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(peers.lock().expect("not poisoned").len(), 1);
+    }
+
+    /// D checks the engine id P proved against the one it asked for, before it names
+    /// any of its workers.
+    #[test]
+    fn d_refuses_a_side_channel_proving_another_engine() {
+        let (h, peers) = serve(Some("s3cret"));
+        let addr = h.addr.to_string();
+        let r = handshake(&addr, Some("s3cret"), Some("p1"), "d0", 1, &[vec![1]], 1);
+        assert!(
+            matches!(&r, Err(HandshakeError::WrongEngine { serves, .. }) if serves == "p0"),
+            "{r:?}"
+        );
+        assert!(peers.lock().expect("not poisoned").is_empty());
+        assert!(handshake(&addr, Some("s3cret"), Some("p0"), "d0", 1, &[vec![1]], 1).is_ok());
     }
 
     #[test]

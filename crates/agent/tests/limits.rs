@@ -171,7 +171,17 @@ async fn slow_pre_auth_side_channel_connections_stay_bounded() -> Result<()> {
     let welcome = loop {
         match tokio::task::spawn_blocking({
             let addr = addr.clone();
-            move || kvlease_agent::sidechannel::handshake(&addr, Some(TOKEN), "d-honest", 1, &[], 1)
+            move || {
+                kvlease_agent::sidechannel::handshake(
+                    &addr,
+                    Some(TOKEN),
+                    None,
+                    "d-honest",
+                    1,
+                    &[],
+                    1,
+                )
+            }
         })
         .await?
         {
@@ -409,5 +419,106 @@ async fn health_answers_503_while_the_engine_is_stalled() -> Result<()> {
     // Once the loop runs again, so do requests.
     wait_healthy(&c, &mut p.agent).await?;
     honest_prefill(&c, &p.agent).await?;
+    Ok(())
+}
+
+/// A TCP connection to `to` from the local address `from` (a second loopback address
+/// plays a second host).
+async fn connect_from(from: &str, to: std::net::SocketAddr) -> Result<TcpStream> {
+    let s = tokio::net::TcpSocket::new_v4()?;
+    s.bind(format!("{from}:0").parse()?)?;
+    let stream = s.connect(to).await?.into_std()?;
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
+/// Issue 24, item 4: connection caps were global, so one source holding idle connections
+/// made every other peer's handshake fail. Now each listener also caps one peer address
+/// below its global cap: idle connections from one address take at most their share of
+/// the side channel's and the data port's slots, and a peer at another address still
+/// completes its handshake at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_cannot_take_every_side_channel_or_data_port_slot() -> Result<()> {
+    let mut p = spawn(
+        "per-address",
+        &[
+            "--auth-token",
+            TOKEN,
+            "--side-channel-max-connections",
+            "8",
+            "--side-channel-max-connections-per-address",
+            "4",
+            "--side-channel-handshake-timeout-ms",
+            "30000",
+            "--transport-max-connections",
+            "4",
+            "--transport-max-connections-per-address",
+            "2",
+            "--transport-handshake-timeout-ms",
+            "30000",
+        ],
+        &[],
+    )?;
+    let c = client();
+    wait_healthy(&c, &mut p.agent).await?;
+    let side: std::net::SocketAddr = format!("127.0.0.1:{}", p.side_port).parse()?;
+    // Side channel: 8 idle connections (the global cap) from 127.0.0.1...
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(TcpStream::connect(side)?);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...hold only 4 slots: a D at 127.0.0.2 completes its handshake at once.
+    let mut s = connect_from("127.0.0.2", side).await?;
+    let served = tokio::task::spawn_blocking(move || {
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let registration = kvlease_transport::sidechannel::Registration {
+            tp_size: 1,
+            instance: 1,
+            workers: Vec::new(),
+        };
+        anyhow::Ok(kvlease_transport::sidechannel::fetch(
+            &mut s,
+            "d-other-host",
+            Some(TOKEN.as_bytes()),
+            Some("per-address"),
+            &registration,
+            4 << 20,
+        )?)
+    })
+    .await??;
+    let info: Value = serde_json::from_slice(&served.welcome.payload)?;
+    let refused = metric_of(&c, &p.agent, "kvlease_side_channel_refused_total").await?;
+    ensure!(
+        refused >= 4.0,
+        "kvlease_side_channel_refused_total = {refused}"
+    );
+
+    // Data port: 4 idle connections (the global cap) from 127.0.0.2 hold only 2 slots...
+    let hex = info["workers"][0]["metadata"]
+        .as_str()
+        .context("P's worker metadata")?;
+    let md = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let data: std::net::SocketAddr = kvlease_transport::metadata::decode_metadata(&md)?
+        .tcp_addr
+        .parse()?;
+    for _ in 0..4 {
+        held.push(connect_from("127.0.0.2", data).await?);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...so a peer at 127.0.0.1 (one data and one notification connection) gets in.
+    let mut cfg = kvlease_transport::AgentConfig::new("d-other-host/d0");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(TOKEN.as_bytes().to_vec());
+    cfg.num_connections = 1;
+    let d = kvlease_transport::Agent::new(cfg)?;
+    let connected = tokio::task::spawn_blocking(move || d.connect(&md).map(|_| d)).await?;
+    ensure!(
+        connected.is_ok(),
+        "a peer at another address was refused: {:?}",
+        connected.err()
+    );
+    drop(held);
+    ensure!(p.agent.proc.child.try_wait()?.is_none(), "agent exited");
     Ok(())
 }

@@ -141,6 +141,21 @@ async fn advertised_address_api_key_and_allow_list() -> Result<()> {
     ensure!(s == 200, "with the key: {s} {v}");
     ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
 
+    // The default allow-list (issue 24, item 5): loopback and this host's attached
+    // networks. A `remote_host` elsewhere (a documentation address) is refused at once,
+    // before D connects anywhere.
+    let mut far = pa["kv_transfer_params"].clone();
+    far["remote_host"] = json!("198.51.100.7");
+    far["remote_engine_id"] = json!("p-elsewhere");
+    let body = json!({"prompt": "secure prompt", "max_tokens": 1, "kv_transfer_params": far});
+    let (s, v) = post(&c, &d.url, &body, Some("k3y")).await?;
+    ensure!(
+        s == 403 && v["error"]["type"] == "prefill_host_not_allowed",
+        "default allow-list: {s} {v}"
+    );
+    let log = std::fs::read_to_string(&d.proc.log)?;
+    ensure!(log.contains("--allowed-prefill-hosts not set"), "{log}");
+
     // The allow-list: P at 127.0.0.2 is outside 10.0.0.0/8.
     let (s, pa2) = post(&c, &p.url, &p_body("another prompt"), None).await?;
     ensure!(s == 200, "{s} {pa2}");
@@ -198,7 +213,7 @@ async fn a_hello_naming_silent_workers_stalls_no_prefill() -> Result<()> {
         .context("side channel address in P's log")?;
     let addr = format!("127.0.0.1:{port}");
     tokio::task::spawn_blocking(move || {
-        kvlease_agent::sidechannel::handshake(&addr, Some(token), "d-silent", 3, &mds, 1)
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "d-silent", 3, &mds, 1)
     })
     .await??;
     let t0 = std::time::Instant::now();
@@ -297,7 +312,7 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     let rogue = kvlease_transport::Agent::new(cfg)?;
     let md = rogue.metadata();
     let welcome = tokio::task::spawn_blocking(move || {
-        kvlease_agent::sidechannel::handshake(&addr, Some(token), "rogue", 1, &[md], 1)
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "rogue", 1, &[md], 1)
     })
     .await??;
     let hex = welcome.info["workers"][0]["metadata"]
@@ -349,5 +364,192 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
     let (s, v) = slow.await??;
     ensure!(s == 200, "{s} {v}");
+    Ok(())
+}
+
+/// The audit's repro (issue 24, item 2): D engine `vic` heartbeats a lease; a token holder
+/// makes a transport agent named `vic/x9`, which no side-channel handshake of `vic`
+/// registered, connects to P's worker and sends an abort (and a completion) for vic's
+/// lease as `vic`. P used to take the engine from the connection's name and released the
+/// lease; now a connection speaks only for the engine that registered it on the side
+/// channel: P drops and counts the messages (`kvlease_notifs_unregistered_total`), the
+/// lease stays, and vic's request ends with the right bytes. A side-channel handshake
+/// under another engine id that names `vic/x9` as its worker does not help either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<()> {
+    use kvlease_lease::{ConsumerId, EngineId, RequestId};
+    let c = client();
+    let token = "ident-token";
+    let env = [("KVLEASE_AUTH_TOKEN", token)];
+    let mut p = spawn(
+        PREFILL,
+        "p-ident",
+        "127.0.0.1",
+        &["--num-blocks", "64"],
+        &env,
+    )?;
+    let mut d = spawn(
+        DECODE,
+        "vic",
+        "127.0.0.1",
+        &["--max-running", "1", "--step-ms", "40"],
+        &env,
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut d).await?;
+    let (s, first) = post(&c, &p.url, &p_body("the first prompt"), None).await?;
+    ensure!(s == 200, "{s} {first}");
+    let (s, pa) = post(&c, &p.url, &p_body("the victim's prompt"), None).await?;
+    ensure!(s == 200, "{s} {pa}");
+    let body = |prompt: &str, params: &Value, max_tokens: u32| {
+        json!({"prompt": prompt, "max_tokens": max_tokens,
+            "kv_transfer_params": params["kv_transfer_params"]})
+    };
+    // The first request holds D's only slot for ~8 s; the second waits, heartbeated.
+    let (c1, d_url) = (c.clone(), d.url.clone());
+    let b1 = body("the first prompt", &first, 200);
+    let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
+    common::wait_metric(
+        &c,
+        &d,
+        "kvlease_requests_running",
+        std::time::Duration::from_secs(10),
+        |v| v >= 1.0,
+    )
+    .await?;
+    let (c2, d_url) = (c.clone(), d.url.clone());
+    let b2 = body("the victim's prompt", &pa, 4);
+    let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_heartbeat_ids_received_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 2.0,
+    )
+    .await?;
+
+    // The attacker: a token holder with a transport agent named like vic's workers.
+    let mut cfg = kvlease_transport::AgentConfig::new("vic/x9");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(token.as_bytes().to_vec());
+    let attacker = kvlease_transport::Agent::new(cfg)?;
+    // P's worker metadata, from a handshake under another engine id that (in vain)
+    // registers the attacker's agent as its worker.
+    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
+    let md = attacker.metadata();
+    let welcome = tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "mallory", 1, &[md], 1)
+    })
+    .await??;
+    let hex = welcome.info["workers"][0]["metadata"]
+        .as_str()
+        .context("P's worker metadata")?;
+    let bytes = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let peer = attacker.connect(&bytes)?;
+    let lease = RequestId::new(
+        pa["kv_transfer_params"]["remote_request_id"]
+            .as_str()
+            .context("remote_request_id")?,
+    )?;
+    let vic = EngineId::new("vic")?;
+    let before = common::metric_of(&c, &p, "kvlease_leases_active").await?;
+    ensure!(before >= 1.0, "no lease active before the attack");
+    // `KVL1:AB:<rid>;vic;0`, then a completion.
+    for m in [
+        kvlease_notif::Abort {
+            request: lease.clone(),
+            consumer: ConsumerId::new(vic.clone(), 0),
+        }
+        .encode(),
+        kvlease_notif::ReadComplete {
+            request: lease.clone(),
+            consumer: ConsumerId::new(vic, 0),
+            consumers_total: 1,
+        }
+        .encode(),
+    ] {
+        attacker.send_notif(peer, m)?;
+    }
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_notifs_unregistered_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 2.0,
+    )
+    .await?;
+    let aborted = common::metric_of(&c, &p, "kvlease_leases_released_total{reason=\"aborted\"}")
+        .await
+        .unwrap_or(0.0);
+    ensure!(aborted == 0.0, "the forged abort released vic's lease");
+    let active = common::metric_of(&c, &p, "kvlease_leases_active").await?;
+    ensure!(active >= 1.0, "the forged messages released the lease");
+    let (s, v) = honest.await??;
+    ensure!(s == 200, "the honest request: {s} {v}");
+    ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
+    let (s, v) = slow.await??;
+    ensure!(s == 200, "{s} {v}");
+    Ok(())
+}
+
+/// Issue 24, item 5: a token holder's worker metadata used to make P connect (for expiry
+/// notices) to any address. P now connects back only to D workers on the address the
+/// side-channel handshake came from: a hello from loopback naming a worker at another
+/// address is refused and counted (`kvlease_connect_back_refused_total`), while a worker
+/// on loopback is connected to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p_connects_back_only_to_the_handshakes_address() -> Result<()> {
+    let c = client();
+    let token = "connect-back-token";
+    let mut p = spawn(
+        PREFILL,
+        "p-connect-back",
+        "127.0.0.1",
+        &[],
+        &[("KVLEASE_AUTH_TOKEN", token)],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    let worker = |name: &str, advertise: &str| -> Result<kvlease_transport::Agent> {
+        let mut cfg = kvlease_transport::AgentConfig::new(name);
+        cfg.backend = kvlease_transport::BackendChoice::Tcp;
+        cfg.auth_token = Some(token.as_bytes().to_vec());
+        cfg.advertise = Some(advertise.parse()?);
+        Ok(kvlease_transport::Agent::new(cfg)?)
+    };
+    // A worker claiming a documentation address (192.0.2.0/24, reachable nowhere).
+    let far = worker("d-far/d0", "192.0.2.7:4000")?;
+    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
+    let md = far.metadata();
+    let a = addr.clone();
+    tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&a, Some(token), None, "d-far", 1, &[md], 1)
+    })
+    .await??;
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_connect_back_refused_total",
+        std::time::Duration::from_secs(10),
+        |v| v >= 1.0,
+    )
+    .await?;
+    // A worker on loopback, as the handshake: connected back to, nothing refused.
+    let near = worker("d-near/d0", "127.0.0.1:0")?;
+    let md = near.metadata();
+    tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "d-near", 1, &[md], 1)
+    })
+    .await??;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while near.stats().connections_accepted == 0 {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "P never connected back to the loopback worker"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    let refused = common::metric_of(&c, &p, "kvlease_connect_back_refused_total").await?;
+    ensure!(refused == 1.0, "refused {refused}");
     Ok(())
 }

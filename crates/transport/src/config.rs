@@ -108,6 +108,10 @@ pub struct Limits {
     /// connections count too, one per link); more are closed at once with a log line.
     /// Default 1024.
     pub max_inbound_connections: usize,
+    /// Inbound TCP connections held at once from one peer address (data and notification
+    /// connections, authenticated or not), so that one source cannot take all of
+    /// `max_inbound_connections`; more are closed at once with a log line. Default 256.
+    pub max_inbound_per_address: usize,
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
     pub serve_write_timeout: Duration,
@@ -125,6 +129,7 @@ impl Default for Limits {
             chunk_len: 1 << 20,
             handshake_timeout: Duration::from_secs(5),
             max_inbound_connections: 1024,
+            max_inbound_per_address: 256,
             serve_write_timeout: Duration::from_secs(30),
         }
     }

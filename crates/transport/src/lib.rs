@@ -54,6 +54,7 @@ pub mod metadata;
 mod notify;
 mod shm;
 pub mod sidechannel;
+pub mod slots;
 mod tcp;
 
 // `unsafe` is allowed only in three verbs modules, each with its own

@@ -84,13 +84,22 @@ impl std::str::FromStr for AuthToken {
 }
 
 /// An IP network, `address/prefix` (a bare address is a single host).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Cidr {
     addr: std::net::IpAddr,
     prefix: u8,
 }
 
 impl Cidr {
+    /// The network of `addr` with `prefix` bits (at most the address's width).
+    pub(crate) fn new(addr: std::net::IpAddr, prefix: u8) -> Self {
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        Self {
+            addr,
+            prefix: prefix.min(max),
+        }
+    }
+
     /// Whether `ip` is in this network (an IPv4-mapped IPv6 address counts as IPv4).
     pub fn contains(&self, ip: std::net::IpAddr) -> bool {
         use std::net::IpAddr;
@@ -441,6 +450,11 @@ pub struct PrefillArgs {
     /// How long a request waits for free KV blocks before it gets a 503, in milliseconds.
     #[arg(long, allow_negative_numbers = true, default_value_t = 5000)]
     pub pool_wait_ms: u64,
+    /// Connect back (for expiry notices) to a D worker whatever address its metadata
+    /// names. By default P connects back only to D workers on the address D's
+    /// side-channel handshake came from (loopback counts as one address).
+    #[arg(long)]
+    pub connect_back_any_host: bool,
 }
 
 impl PrefillArgs {
@@ -503,7 +517,8 @@ pub struct DecodeArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 1024)]
     pub max_waiting: u32,
     /// Networks (CIDRs, comma-separated, e.g. 10.0.0.0/8,fd00::/8) whose P agents this D
-    /// may connect to; a request naming a P elsewhere gets a 403. Default: any.
+    /// may connect to; a request naming a P elsewhere gets a 403. Default: loopback and
+    /// the networks this host's interfaces are attached to; `0.0.0.0/0,::/0` allows any.
     #[arg(long, value_delimiter = ',')]
     pub allowed_prefill_hosts: Vec<Cidr>,
 }
@@ -575,6 +590,11 @@ pub struct LimitArgs {
     /// closed at once and counted in kvlease_side_channel_refused_total.
     #[arg(long, default_value_t = 64)]
     pub side_channel_max_connections: usize,
+    /// Side-channel handshakes served at once for one peer address (so that one source
+    /// cannot take every slot); more from it are closed at once and counted like the
+    /// others.
+    #[arg(long, default_value_t = 16)]
+    pub side_channel_max_connections_per_address: usize,
     /// A whole side-channel handshake must end this long after accept, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub side_channel_handshake_timeout_ms: u64,
@@ -585,6 +605,10 @@ pub struct LimitArgs {
     /// Inbound data-port (transport) connections served at once, per TP worker.
     #[arg(long, default_value_t = 1024)]
     pub transport_max_connections: usize,
+    /// Inbound data-port connections held at once from one peer address, per TP worker
+    /// (so that one source cannot take every slot).
+    #[arg(long, default_value_t = 256)]
+    pub transport_max_connections_per_address: usize,
     /// An inbound data-port connection not authenticated this long after accept is
     /// closed, whatever it sends meanwhile, in milliseconds (also the outbound connect
     /// and per-step handshake limit).
@@ -648,8 +672,16 @@ impl LimitArgs {
                 self.side_channel_max_frame_bytes,
             ),
             (
+                "--side-channel-max-connections-per-address",
+                self.side_channel_max_connections_per_address,
+            ),
+            (
                 "--transport-max-connections",
                 self.transport_max_connections,
+            ),
+            (
+                "--transport-max-connections-per-address",
+                self.transport_max_connections_per_address,
             ),
             ("--http-max-connections", self.http_max_connections),
             (

@@ -606,6 +606,8 @@ fn secs(key: &str, value: &Value, min: Duration, max: Duration) -> Result<Durati
 }
 
 mod cli;
+mod local_nets;
+pub use local_nets::local_networks;
 
 pub use cli::*;
 

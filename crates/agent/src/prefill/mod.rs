@@ -135,6 +135,22 @@ pub struct PrefillAgentConfig {
     pub link: LinkConfig,
     /// Bidirectional mode; `None` ignores D's cached-blocks params (always computes).
     pub bidir: Option<PrefillBidir>,
+    /// `--connect-back-any-host`: connect back to D workers wherever their metadata
+    /// points; `false` only to those on the address D's handshake came from
+    /// (the same address, or both on loopback).
+    pub connect_back_any_host: bool,
+}
+
+/// Whether P may connect back to a D worker listening on `worker` when D's side-channel
+/// handshake came from `peer`: the same address (an IPv4-mapped IPv6 address counts as
+/// IPv4), or both on loopback.
+pub(crate) fn same_host(peer: std::net::IpAddr, worker: std::net::IpAddr) -> bool {
+    let canon = |ip: std::net::IpAddr| match ip {
+        std::net::IpAddr::V6(v6) => v6.to_canonical(),
+        v4 => v4,
+    };
+    let (peer, worker) = (canon(peer), canon(worker));
+    peer == worker || (peer.is_loopback() && worker.is_loopback())
 }
 
 /// One P worker's remote view, served on the side channel.
@@ -208,6 +224,13 @@ pub struct PrefillEngine {
     d_peers: HashMap<String, PeerId>,
     /// The newest instance of each D engine that said hello.
     d_instances: HashMap<String, u64>,
+    /// The D workers each D engine registered on the side channel (its newest instance),
+    /// by transport name: a notification is taken only from a connection whose proven
+    /// name is here, and speaks for the engine that registered it.
+    d_registered: HashMap<String, EngineId>,
+    /// The side channel's hellos (taken before every notification poll, so that a D's
+    /// registration is known before its first notification).
+    hellos: Option<crossbeam_channel::Receiver<Hello>>,
     /// D workers being connected to (off the engine thread).
     connecting: std::collections::HashSet<String>,
     /// Connections made off the engine thread: (D instance, worker name, peer).
@@ -305,6 +328,8 @@ impl PrefillEngine {
             epoch: Instant::now(),
             d_peers: HashMap::new(),
             d_instances: HashMap::new(),
+            d_registered: HashMap::new(),
+            hellos: None,
             connecting: std::collections::HashSet::new(),
             connected: crossbeam_channel::unbounded(),
             d_caches: Arc::default(),
@@ -348,6 +373,7 @@ impl PrefillEngine {
         heartbeat: Arc<crate::health::EngineHeartbeat>,
     ) {
         let idle = Duration::from_millis(1);
+        self.hellos = Some(hellos);
         while !stop.load(Ordering::Relaxed) {
             heartbeat.beat();
             // 1. Intake: block briefly only when there is nothing to prefill.
@@ -363,9 +389,7 @@ impl PrefillEngine {
             for job in first.into_iter().chain(jobs.try_iter()) {
                 self.intake(job);
             }
-            for hello in hellos.try_iter() {
-                self.connect_d(&hello);
-            }
+            self.take_hellos();
             self.take_connected();
             // 2. Prefill (and the prefills whose pulls from D ended).
             self.drop_gone_clients();
@@ -431,15 +455,56 @@ impl PrefillEngine {
         }
     }
 
+    /// Registers the D engines that said hello on the side channel since the last call.
+    fn take_hellos(&mut self) {
+        let hellos: Vec<Hello> = self
+            .hellos
+            .as_ref()
+            .map(|h| h.try_iter().collect())
+            .unwrap_or_default();
+        for hello in &hellos {
+            self.connect_d(hello);
+        }
+    }
+
+    /// Records the D workers a D engine registered (the transport names in its workers'
+    /// metadata): only a worker named `{engine}/...` for the engine that proved itself on
+    /// the side channel is taken. A newer instance replaces the older one's workers.
+    fn register_d(&mut self, hello: &Hello, engine: &EngineId, restarted: bool) {
+        if restarted {
+            self.d_registered.retain(|_, e| e != engine);
+        }
+        for md in &hello.workers {
+            let Some(name) = sidechannel::from_hex(md)
+                .and_then(|b| kvlease_transport::metadata::decode_metadata(&b).ok())
+                .map(|m| m.name)
+            else {
+                continue;
+            };
+            if engine_of_peer(&name).as_ref() == Some(engine) {
+                self.d_registered.insert(name, engine.clone());
+            } else {
+                tracing::warn!(%engine, worker = %name, "D registered a worker named for another engine; ignored");
+            }
+        }
+    }
+
     /// A D engine said hello: connect back to its workers (for expiry notices) on a
     /// background thread, so that a D whose workers P cannot reach delays nothing here. A
     /// newer instance of a D engine (restarted under the same id) replaces the connections
     /// to the old one.
     fn connect_d(&mut self, hello: &Hello) {
-        let Some(w0) = self.workers.first() else {
+        let Some(agent) = self.workers.first().map(|w| Arc::clone(&w.agent)) else {
+            return;
+        };
+        let Ok(engine) = EngineId::new(&hello.engine_id) else {
+            tracing::warn!(engine = %hello.engine_id, "hello under an invalid engine id ignored");
             return;
         };
         let known = self.d_instances.get(&hello.engine_id).copied().unwrap_or(0);
+        if hello.instance >= known {
+            self.register_d(hello, &engine, hello.instance > known);
+        }
         if hello.instance > known {
             if known != 0 {
                 tracing::info!(engine = %hello.engine_id, "D engine restarted; reconnecting to it");
@@ -457,13 +522,21 @@ impl PrefillEngine {
             let Some(bytes) = sidechannel::from_hex(md) else {
                 continue;
             };
-            let name = match kvlease_transport::metadata::decode_metadata(&bytes) {
-                Ok(m) => m.name,
+            let (name, at) = match kvlease_transport::metadata::decode_metadata(&bytes) {
+                Ok(m) => (m.name, m.tcp_addr),
                 Err(e) => {
                     tracing::warn!(engine = %hello.engine_id, error = %e, "bad worker metadata from D");
                     continue;
                 }
             };
+            if !self.may_connect_back(hello, &at) {
+                self.metrics.connect_back_refused.inc();
+                tracing::warn!(
+                    engine = %hello.engine_id, worker = %name, %at, from = ?hello.peer_ip,
+                    "D worker not on the address its handshake came from: not connecting back (--connect-back-any-host allows it)"
+                );
+                continue;
+            }
             if self.d_peers.contains_key(&name) || !self.connecting.insert(name.clone()) {
                 continue;
             }
@@ -472,7 +545,6 @@ impl PrefillEngine {
         if todo.is_empty() {
             return;
         }
-        let agent = Arc::clone(&w0.agent);
         let tx = self.connected.0.clone();
         let instance = hello.instance;
         let engine = hello.engine_id.clone();
@@ -495,6 +567,16 @@ impl PrefillEngine {
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot spawn the connect-back thread");
         }
+    }
+
+    /// Whether P may connect back to a D worker at `at` (its metadata's TCP address),
+    /// registered by `hello`.
+    fn may_connect_back(&self, hello: &Hello, at: &str) -> bool {
+        if self.cfg.connect_back_any_host {
+            return true;
+        }
+        let worker = at.parse::<std::net::SocketAddr>().map(|a| a.ip());
+        matches!((hello.peer_ip, worker), (Some(peer), Ok(worker)) if same_host(peer, worker))
     }
 
     /// Takes the connections made off the engine thread.
@@ -666,14 +748,20 @@ impl PrefillEngine {
     }
 
     fn poll_notifs(&mut self) {
+        // A D's registration is known before anything its workers send.
+        self.take_hellos();
         let now = self.now();
         let mut batches = Vec::new();
         for w in &self.workers {
             batches.extend(w.agent.get_new_notifs());
         }
         for (from, msgs) in batches {
-            let Some(engine) = engine_of_peer(&from) else {
-                self.metrics.notif_malformed.inc();
+            // `from` is the name the connection proved in the transport's authenticated
+            // exchange; it speaks only for the engine that registered it on the side
+            // channel.
+            let Some(engine) = self.d_registered.get(&from).cloned() else {
+                self.metrics.notifs_unregistered.inc_by(msgs.len() as u64);
+                tracing::debug!(connection = %from, count = msgs.len(), "notifications from a connection no D engine registered dropped");
                 continue;
             };
             let peer = Peer { engine, addr: from };
@@ -823,5 +911,21 @@ fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
             "internal_error",
             e.to_string(),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_host;
+
+    #[test]
+    fn connect_back_only_to_the_handshakes_address() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("literal");
+        assert!(same_host(ip("10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("::ffff:10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("127.0.0.1"), ip("127.0.0.2")));
+        assert!(same_host(ip("::1"), ip("127.0.0.1")));
+        assert!(!same_host(ip("10.0.0.5"), ip("10.0.0.6")));
+        assert!(!same_host(ip("127.0.0.1"), ip("10.0.0.5")));
     }
 }

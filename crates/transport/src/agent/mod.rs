@@ -67,6 +67,8 @@ pub(crate) struct Inner {
     pub(crate) shutdown: AtomicBool,
     /// Inbound sockets by connection id, shut down when the agent drops.
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
+    /// Inbound TCP connections held per peer address (`limits.max_inbound_per_address`).
+    pub(crate) per_address: crate::slots::PerAddress,
     /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
     /// notification queues waiting for their sockets.
     pub(crate) tcp_notifs: tcp::NotifHub,
@@ -288,6 +290,7 @@ impl Agent {
         }
         if l.max_pending_notifs == 0
             || l.max_inbound_connections == 0
+            || l.max_inbound_per_address == 0
             || l.max_queued_notif_bytes == 0
         {
             return Err(AgentError::Config("limits must be non-zero"));
@@ -325,6 +328,7 @@ impl Agent {
         let inner = Arc::new(Inner {
             name: config.name,
             token: config.auth_token,
+            per_address: crate::slots::PerAddress::new(config.limits.max_inbound_per_address),
             limits: config.limits,
             num_connections: config.num_connections,
             backend: config.backend,

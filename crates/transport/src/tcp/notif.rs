@@ -73,6 +73,8 @@ pub(crate) struct Handoff {
     pub(crate) peer: String,
     /// Bytes the serving thread had read past the handshake.
     pub(crate) buffered: Vec<u8>,
+    /// The connection's slot of its peer address, held as long as the connection.
+    pub(crate) slot: Option<crate::slots::AddressSlot>,
 }
 
 /// The receiving side: this agent's inbound notification connections, and the queues
@@ -102,6 +104,8 @@ struct Sources {
 #[derive(Debug)]
 struct Source {
     peer: String,
+    /// The connection's slot of its peer address (given back when it closes).
+    _slot: Option<crate::slots::AddressSlot>,
     stream: mio::net::TcpStream,
     /// `buf[start..end]` holds bytes received and not yet delivered: whole frames the
     /// inbox had no room for, then at most one partial frame.
@@ -157,6 +161,7 @@ impl NotifHub {
             stream,
             peer,
             buffered,
+            slot,
         } = handoff;
         let mut s = lock(&self.sources);
         if s.closed {
@@ -188,6 +193,7 @@ impl NotifHub {
             token,
             Source {
                 peer,
+                _slot: slot,
                 stream,
                 buf,
                 start: 0,

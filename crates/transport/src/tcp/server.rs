@@ -58,6 +58,18 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             );
             continue;
         }
+        let Some(slot) = stream
+            .peer_addr()
+            .ok()
+            .and_then(|a| inner.per_address.take(a.ip()))
+        else {
+            tracing::warn!(
+                peer = ?stream.peer_addr().ok(),
+                limit = inner.limits.max_inbound_per_address,
+                "too many inbound connections from one address; connection closed"
+            );
+            continue;
+        };
         bump(&inner.counters.connections_accepted);
         // The pre-authentication deadline runs from here, whatever the peer sends later.
         let deadline = Instant::now() + inner.limits.handshake_timeout;
@@ -71,7 +83,8 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             .spawn(move || {
                 let peer_addr = stream.peer_addr().ok();
                 let served = serve(&inner2, stream, deadline);
-                if let Ok(handoff) = served {
+                if let Ok(mut handoff) = served {
+                    handoff.slot = Some(slot);
                     // The socket lives on in the notification hub, read by
                     // `get_new_notifs`; this thread ends. It leaves `inbound` (without a
                     // shutdown) only once the hub counts it, so that the accept limit
@@ -230,6 +243,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
                         buffered: r.buffer().to_vec(),
                         stream: r.into_inner().stream,
                         peer: client_name,
+                        slot: None,
                     });
                 }
                 if ok {
