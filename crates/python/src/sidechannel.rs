@@ -25,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
+use kvlease_transport::slots::PerAddress;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -79,6 +80,9 @@ struct Shared {
     stop: AtomicBool,
     active: AtomicUsize,
     max_connections: usize,
+    /// Handshakes one peer address may hold at once (below `max_connections`, so that
+    /// one source cannot take every slot).
+    per_address: PerAddress,
     deadline: Duration,
     counters: Counters,
 }
@@ -116,8 +120,8 @@ fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), sc::Error> {
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
     while !shared.stop.load(Ordering::Acquire) {
-        let s = match listener.accept() {
-            Ok((s, _)) => s,
+        let (s, peer) = match listener.accept() {
+            Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(ACCEPT_POLL);
                 continue;
@@ -127,6 +131,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 std::thread::sleep(ACCEPT_POLL);
                 continue;
             }
+        };
+        let Some(address_slot) = shared.per_address.take(peer.ip()) else {
+            shared
+                .counters
+                .over_capacity
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "side channel: this address holds its share of handshakes; closed");
+            continue;
         };
         if shared.active.fetch_add(1, Ordering::AcqRel) >= shared.max_connections {
             shared.active.fetch_sub(1, Ordering::AcqRel);
@@ -141,6 +153,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
         let spawned = std::thread::Builder::new()
             .name("kvlease-sc".into())
             .spawn(move || {
+                let _address_slot = address_slot;
                 let result = (|| {
                     s.set_nonblocking(false)?;
                     // The whole handshake, not each read or write, ends by the deadline.
@@ -172,9 +185,11 @@ pub(crate) struct SideChannelServer {
 impl SideChannelServer {
     /// Listens on `listen` (`"host:port"`, port 0: any free port; loopback by default)
     /// and serves `payload` as the engine `engine_id`. Without a token, a `listen` address
-    /// beyond loopback is refused unless `allow_unauthenticated` says so.
+    /// beyond loopback is refused unless `allow_unauthenticated` says so. At most
+    /// `max_connections` handshakes run at once, at most `max_connections_per_address`
+    /// of them from one peer address (default a quarter of `max_connections`, at least 1).
     #[new]
-    #[pyo3(signature = (payload, *, token = None, listen = "127.0.0.1:0", max_connections = 64, handshake_timeout = 10.0, engine_id = DEFAULT_ENGINE_ID, allow_unauthenticated = false))]
+    #[pyo3(signature = (payload, *, token = None, listen = "127.0.0.1:0", max_connections = 64, handshake_timeout = 10.0, engine_id = DEFAULT_ENGINE_ID, allow_unauthenticated = false, max_connections_per_address = None))]
     #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
     fn new(
         py: Python<'_>,
@@ -185,7 +200,26 @@ impl SideChannelServer {
         handshake_timeout: f64,
         engine_id: &str,
         allow_unauthenticated: bool,
+        max_connections_per_address: Option<usize>,
     ) -> PyResult<Self> {
+        let max_connections = max_connections.max(1);
+        let per_address = max_connections_per_address.unwrap_or(max_connections / 4);
+        if per_address == 0 && max_connections_per_address.is_some() {
+            return Err(invalid(
+                py,
+                "max_connections_per_address must be at least 1",
+            ));
+        }
+        if per_address > max_connections {
+            return Err(invalid(
+                py,
+                format!(
+                    "max_connections_per_address ({per_address}) exceeds max_connections \
+                     ({max_connections})"
+                ),
+            ));
+        }
+        let per_address = per_address.max(1);
         if token.as_ref().is_some_and(Vec::is_empty) {
             return Err(invalid(py, "the cluster token must not be empty"));
         }
@@ -223,7 +257,8 @@ impl SideChannelServer {
             payload: Mutex::new(Arc::new(payload)),
             stop: AtomicBool::new(false),
             active: AtomicUsize::new(0),
-            max_connections: max_connections.max(1),
+            max_connections,
+            per_address: PerAddress::new(per_address),
             deadline,
             counters: Counters::default(),
         });

@@ -374,3 +374,33 @@ def test_a_side_channel_server_listens_on_loopback_and_beyond_it_only_with_a_tok
             assert server.address.startswith("0.0.0.0:")
         finally:
             server.close()
+
+
+def test_one_address_cannot_take_every_side_channel_slot():
+    server = kvlease.SideChannelServer(
+        b"info", token=TOKEN, max_connections=4, max_connections_per_address=2
+    )
+    idle = []
+    try:
+        # Two silent peers from 127.0.0.2 take that address's share (not the global cap).
+        for _ in range(2):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", server.port))
+            idle.append(s)
+        time.sleep(0.2)
+        third = socket.socket()
+        third.bind(("127.0.0.2", 0))
+        third.connect(("127.0.0.1", server.port))
+        idle.append(third)
+        third.settimeout(PATIENCE)
+        assert third.recv(1) == b"", "a third handshake from one address was served"
+        # Another address still gets its handshake while 127.0.0.2 holds its share.
+        assert kvlease.side_channel_fetch("127.0.0.1", server.port, token=TOKEN) == b"info"
+        assert server.stats()["over_capacity"] >= 1
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+    with pytest.raises(kvlease.InvalidArgument, match="max_connections_per_address"):
+        kvlease.SideChannelServer(b"info", max_connections=4, max_connections_per_address=5)

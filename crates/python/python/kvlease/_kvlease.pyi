@@ -511,6 +511,7 @@ class SideChannelServer:
         handshake_timeout: float = 10.0,
         engine_id: str = "kvlease-python",
         allow_unauthenticated: bool = False,
+        max_connections_per_address: int | None = None,
     ) -> None: ...
     @property
     def port(self) -> int: ...
