@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use crossbeam_channel::Sender;
 use kvlease_gpu_mem::DmaRegion;
 
-use super::link::{Core, MappedRegion};
+use super::link::{CopyError, Core, MappedRegion};
 use crate::batch::Batch;
 use crate::error::TransferError;
 
@@ -52,7 +52,7 @@ struct Job {
 impl Job {
     fn run_part(&self, part: usize) {
         let range = self.parts.get(part).cloned().unwrap_or(0..0);
-        if !copy_some(&self.batch, &self.copies[range]) {
+        if !copy_some(&self.core, &self.batch, &self.copies[range]) {
             self.copied.store(false, Ordering::Relaxed);
         }
         // AcqRel: the last part sees every other part's copies (and `copied`) as done.
@@ -111,7 +111,7 @@ pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
         0
     };
     if helpers == 0 {
-        let copied = copy_some(batch, &copies);
+        let copied = copy_some(core, batch, &copies);
         core.complete(batch, &copies, copied);
         return;
     }
@@ -158,7 +158,7 @@ fn split(copies: &[CopyOp], n: usize, total: u64) -> Vec<Range<usize>> {
 
 /// Copies `copies` in order. Returns false when the batch stopped running meanwhile
 /// (failed or timed out): the caller's memory must not be written any further.
-fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
+fn copy_some(core: &Core, batch: &Batch, copies: &[CopyOp]) -> bool {
     for c in copies {
         if !batch.lock().is_running() {
             return false;
@@ -168,6 +168,13 @@ fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
             .source
             .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len)
         {
+            // The kernel refused cross-memory attach between the batch's probe and this
+            // copy (the peer named another ptracer meanwhile): later batches go over TCP.
+            if let CopyError::Cma(err) = &err
+                && err.is_refusal()
+            {
+                core.cma_refused(err);
+            }
             // Both ranges were checked at post time; fail rather than panic.
             batch.lock().fail(TransferError::LocalCopy {
                 peer: batch.peer.clone(),
