@@ -185,6 +185,7 @@ pub fn backend_metric(backend: kvlease_transport::Backend) -> Backend {
     match backend {
         kvlease_transport::Backend::Verbs => Backend::Verbs,
         kvlease_transport::Backend::Shm => Backend::Shm,
+        kvlease_transport::Backend::Cma => Backend::Cma,
         _ => Backend::Tcp,
     }
 }

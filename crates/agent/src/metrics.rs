@@ -118,11 +118,14 @@ pub enum Backend {
     Tcp,
     /// Shared memory with a peer on the same host.
     Shm,
+    /// Cross-memory attach (`process_vm_readv`) with a peer on the same host: its host
+    /// memory that is not memfd-backed, on an shm link.
+    Cma,
 }
 
 impl Backend {
     /// Every backend, in label order.
-    pub const ALL: [Self; 3] = [Self::Verbs, Self::Tcp, Self::Shm];
+    pub const ALL: [Self; 4] = [Self::Verbs, Self::Tcp, Self::Shm, Self::Cma];
 
     /// The label value.
     pub fn as_str(self) -> &'static str {
@@ -130,6 +133,7 @@ impl Backend {
             Self::Verbs => "verbs",
             Self::Tcp => "tcp",
             Self::Shm => "shm",
+            Self::Cma => "cma",
         }
     }
 }
