@@ -33,8 +33,8 @@ mod fds;
 mod view;
 
 pub use cma::{
-    CmaError, PeerProcessRange, PeerRangeError, Ptracer, set_ptracer, socket_peer_pid,
-    yama_ptrace_scope,
+    CmaError, CmaRead, MAX_CMA_IOVECS, PeerProcessRange, PeerRangeError, Ptracer, read_vectored,
+    set_ptracer, socket_peer_pid, yama_ptrace_scope,
 };
 pub use fds::{MAX_FDS_PER_MESSAGE, recv_with_fds, send_with_fds};
 pub(crate) use view::sealed_file;

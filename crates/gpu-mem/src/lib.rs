@@ -56,10 +56,10 @@ mod pool;
 
 pub use foreign::{ForeignRegion, ForeignRegionError};
 pub use host::{
-    CmaError, HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_FDS_PER_MESSAGE,
-    MAX_HOST_REGION, PageKind, PeerProcessRange, PeerRangeError, Ptracer, ShareError,
-    SharedRegionView, StagedHostRegion, recv_with_fds, send_with_fds, set_ptracer, socket_peer_pid,
-    yama_ptrace_scope,
+    CmaError, CmaRead, HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_CMA_IOVECS,
+    MAX_FDS_PER_MESSAGE, MAX_HOST_REGION, PageKind, PeerProcessRange, PeerRangeError, Ptracer,
+    ShareError, SharedRegionView, StagedHostRegion, read_vectored, recv_with_fds, send_with_fds,
+    set_ptracer, socket_peer_pid, yama_ptrace_scope,
 };
 /// The free list of block ids lives in the sans-IO `kvlease-lease` crate (the engine cores
 /// allocate blocks); re-exported here where the pools are.

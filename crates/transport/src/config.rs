@@ -70,7 +70,10 @@ impl Backend {
 /// peers on this host, the one that authenticated last may read; the others' reads are
 /// refused by the kernel and go over TCP (logged once per link). Without Yama (or with
 /// `ptrace_scope` 0) every peer of the same user may read; with 2 only peers with
-/// `CAP_SYS_PTRACE`, with 3 none.
+/// `CAP_SYS_PTRACE`, with 3 none. Naming a process as ptracer lets it attach to this one
+/// with `ptrace`, not only read it: the kernel has no read-only grant. This process names
+/// one only for an authenticated peer (it proved the cluster token), and only when it has
+/// such regions to hand over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum CmaPolicy {

@@ -158,56 +158,73 @@ impl PeerProcessRange {
         }
         let to = crate::region::host_ptr(dst, dst_offset, len)?;
         // Both fit a `usize`: inside this range (checked above).
-        let (offset, len) = (offset as usize, len as usize);
-        let mut copied = 0;
-        while copied < len {
-            let part = (len - copied).min(MAX_CALL);
-            let local = libc::iovec {
-                iov_base: to.wrapping_add(copied).cast(),
-                iov_len: part,
-            };
-            let remote = libc::iovec {
-                iov_base: std::ptr::without_provenance_mut(self.addr + offset + copied),
-                iov_len: part,
-            };
-            // SAFETY: the local iovec is `to + copied .. + part`, inside `dst`'s host
-            // memory (checked by `host_ptr`), writable from any thread while `dst` lives
-            // (`DmaRegion` contract; the kernel writes it like a DMA engine, no Rust
-            // reference to it exists). The remote iovec names memory of another address
-            // space, which the kernel checks and never dereferences in ours. The iovecs
-            // live on this stack for the call.
-            let n = unsafe {
-                libc::process_vm_readv(self.pid, &raw const local, 1, &raw const remote, 1, 0)
-            };
-            match usize::try_from(n) {
-                Ok(0) => {
-                    return Err(CmaError::Failed {
-                        copied,
-                        len,
-                        source: io::ErrorKind::UnexpectedEof.into(),
-                    });
-                }
-                Ok(n) => copied += n,
-                Err(_) => {
-                    let source = io::Error::last_os_error();
-                    match source.raw_os_error() {
-                        Some(libc::EINTR) => {}
-                        Some(libc::EPERM | libc::ESRCH) if copied == 0 => {
-                            return Err(CmaError::Refused { source });
-                        }
-                        _ => {
-                            return Err(CmaError::Failed {
-                                copied,
-                                len,
-                                source,
-                            });
-                        }
+        read_one(
+            self.pid,
+            self.addr + offset as usize,
+            to,
+            len as usize,
+            true,
+        )
+    }
+}
+
+/// Reads `len` bytes at `at` of process `pid` into `to .. to + len`, in calls of at most
+/// [`MAX_CALL`] bytes. `first`: nothing was read before, so a refusal is
+/// [`CmaError::Refused`] (else [`CmaError::Failed`]).
+fn read_one(
+    pid: libc::pid_t,
+    at: usize,
+    to: *mut u8,
+    len: usize,
+    first: bool,
+) -> Result<(), CmaError> {
+    let mut copied = 0;
+    while copied < len {
+        let part = (len - copied).min(MAX_CALL);
+        let local = libc::iovec {
+            iov_base: to.wrapping_add(copied).cast(),
+            iov_len: part,
+        };
+        let remote = libc::iovec {
+            iov_base: std::ptr::without_provenance_mut(at + copied),
+            iov_len: part,
+        };
+        // SAFETY: the caller checked that `to .. to + len` lies inside a destination's
+        // host memory (`host_ptr`), writable from any thread while it lives (`DmaRegion`
+        // contract; the kernel writes it like a DMA engine, no Rust reference to it
+        // exists). The remote iovec names memory of another address space, which the
+        // kernel checks and never dereferences in ours. The iovecs live on this stack for
+        // the call.
+        let n =
+            unsafe { libc::process_vm_readv(pid, &raw const local, 1, &raw const remote, 1, 0) };
+        match usize::try_from(n) {
+            Ok(0) => {
+                return Err(CmaError::Failed {
+                    copied,
+                    len,
+                    source: io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+            Ok(n) => copied += n,
+            Err(_) => {
+                let source = io::Error::last_os_error();
+                match source.raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    Some(libc::EPERM | libc::ESRCH) if first && copied == 0 => {
+                        return Err(CmaError::Refused { source });
+                    }
+                    _ => {
+                        return Err(CmaError::Failed {
+                            copied,
+                            len,
+                            source,
+                        });
                     }
                 }
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 impl PeerProcessRange {
@@ -268,6 +285,139 @@ impl PeerProcessRange {
             },
         })
     }
+}
+
+/// Most reads one `process_vm_readv` call of [`read_vectored`] takes (the kernel's
+/// `IOV_MAX`).
+pub const MAX_CMA_IOVECS: usize = 1024;
+
+/// One read of [`read_vectored`]: `len` bytes at `offset` of `src` into `dst` at
+/// `dst_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct CmaRead<'a> {
+    /// The peer's range.
+    pub src: &'a PeerProcessRange,
+    /// Where in it.
+    pub offset: u64,
+    /// The destination (host memory).
+    pub dst: &'a dyn DmaRegion,
+    /// Where in it.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Performs `reads` (all of one process) with as few `process_vm_readv` calls as it
+/// can: up to [`MAX_CMA_IOVECS`] reads and 1 GiB per call, one system call instead of one
+/// per read. Every range is checked before the first call.
+///
+/// # Errors
+/// [`CmaError::Access`] when a range lies outside its region or a destination is not host
+/// memory, or the reads name more than one process (nothing read); [`CmaError::Refused`]
+/// when the kernel refuses the first call; [`CmaError::Failed`] otherwise (the
+/// destinations' bytes are unspecified).
+pub fn read_vectored(reads: &[CmaRead<'_>]) -> Result<(), CmaError> {
+    let Some(first) = reads.first() else {
+        return Ok(());
+    };
+    let pid = first.src.pid;
+    let mut iovecs = Vec::with_capacity(reads.len());
+    for r in reads {
+        if r.src.pid != pid {
+            return Err(RegionAccessError::OutOfBounds {
+                offset: r.offset,
+                len: r.len,
+                region_len: 0,
+            }
+            .into());
+        }
+        match r.offset.checked_add(r.len) {
+            Some(end) if end <= r.src.len as u64 => {}
+            _ => {
+                return Err(RegionAccessError::OutOfBounds {
+                    offset: r.offset,
+                    len: r.len,
+                    region_len: r.src.len as u64,
+                }
+                .into());
+            }
+        }
+        let to = crate::region::host_ptr(r.dst, r.dst_offset, r.len)?;
+        // Inside the peer's range: fits a `usize`.
+        iovecs.push((to, r.src.addr + r.offset as usize, r.len as usize));
+    }
+    let mut copied = 0usize;
+    let total: usize = iovecs.iter().map(|&(.., len)| len).sum();
+    let mut rest = &iovecs[..];
+    while let Some(&(to, at, len)) = rest.first() {
+        if len > MAX_CALL {
+            // One read past what one call takes: in pieces.
+            read_one(pid, at, to, len, copied == 0)?;
+            copied += len;
+            rest = &rest[1..];
+            continue;
+        }
+        let mut n = 0;
+        let mut bytes = 0;
+        while n < rest.len().min(MAX_CMA_IOVECS) && bytes + rest[n].2 <= MAX_CALL {
+            bytes += rest[n].2;
+            n += 1;
+        }
+        let local: Vec<libc::iovec> = rest[..n]
+            .iter()
+            .map(|&(to, _, len)| libc::iovec {
+                iov_base: to.cast(),
+                iov_len: len,
+            })
+            .collect();
+        let remote: Vec<libc::iovec> = rest[..n]
+            .iter()
+            .map(|&(_, at, len)| libc::iovec {
+                iov_base: std::ptr::without_provenance_mut(at),
+                iov_len: len,
+            })
+            .collect();
+        // `n <= MAX_CMA_IOVECS`, a `c_ulong`.
+        let count = n as libc::c_ulong;
+        // SAFETY: each local iovec lies inside its destination's host memory (checked by
+        // `host_ptr` above), writable from any thread while the destination lives
+        // (`DmaRegion` contract; the kernel writes it like a DMA engine, no Rust reference
+        // to it exists). The remote iovecs name memory of another address space, which the
+        // kernel checks and never dereferences in ours. Both arrays live for the call.
+        let got = unsafe {
+            libc::process_vm_readv(pid, local.as_ptr(), count, remote.as_ptr(), count, 0)
+        };
+        match usize::try_from(got) {
+            Ok(got) if got == bytes => {
+                copied += bytes;
+                rest = &rest[n..];
+            }
+            Ok(got) => {
+                return Err(CmaError::Failed {
+                    copied: copied + got,
+                    len: total,
+                    source: io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+            Err(_) => {
+                let source = io::Error::last_os_error();
+                match source.raw_os_error() {
+                    Some(libc::EINTR) => {}
+                    Some(libc::EPERM | libc::ESRCH) if copied == 0 => {
+                        return Err(CmaError::Refused { source });
+                    }
+                    _ => {
+                        return Err(CmaError::Failed {
+                            copied,
+                            len: total,
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whom [`set_ptracer`] lets read this process.
@@ -423,6 +573,41 @@ mod tests {
         // SAFETY: any initialised `u64`s are valid bytes; the length is in bytes of the
         // same allocation, borrowed for as long as `words`.
         unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 8) }
+    }
+
+    #[test]
+    fn many_reads_go_in_one_call_and_are_checked_first() {
+        let a: Vec<u8> = (0..70_000u32).map(|i| (i % 253) as u8).collect();
+        let b: Vec<u8> = (0..5000u32).map(|i| (i % 7) as u8).collect();
+        let (ra, rb) = (own(&a), own(&b));
+        let dst = HostRegion::new(1 << 20).expect("host memory");
+        let reads: Vec<CmaRead<'_>> = (0..2000u64)
+            .map(|i| CmaRead {
+                src: if i % 2 == 0 { &ra } else { &rb },
+                offset: i,
+                dst: &dst,
+                dst_offset: i * 100,
+                len: 64,
+            })
+            .collect();
+        read_vectored(&reads).expect("readable");
+        for i in [0u64, 1, 1023, 1024, 1999] {
+            let mut got = [0u8; 64];
+            dst.read_into(i * 100, &mut got).expect("in bounds");
+            let src = if i % 2 == 0 { &a } else { &b };
+            assert_eq!(got[..], src[i as usize..i as usize + 64], "read {i}");
+        }
+        let mut bad = reads[..3].to_vec();
+        bad[1].offset = 4990; // `b` has 5000 bytes
+        dst.write_from(0, &[9; 8]).expect("in bounds");
+        assert!(matches!(
+            read_vectored(&bad),
+            Err(CmaError::Access(RegionAccessError::OutOfBounds { .. }))
+        ));
+        let mut first = [0u8; 8];
+        dst.read_into(0, &mut first).expect("in bounds");
+        assert_eq!(first, [9; 8], "nothing read before the checks passed");
+        assert!(read_vectored(&[]).is_ok());
     }
 
     #[test]

@@ -76,7 +76,8 @@
 //! same device, a peer copy from another). The fence word must lie in a memfd or cma
 //! region (host memory: a `FenceTable` slot, a Python `mmap`). A cma source is copied
 //! with `process_vm_readv` (the kernel copies from P's pages straight into D's
-//! destination), a cma fence word with one 8-byte `process_vm_readv`; such a batch
+//! destination; consecutive cma chunks of a copying thread go in one vectored call of up
+//! to 1024 ranges and 64 MiB), a cma fence word with one 8-byte `process_vm_readv`; such a batch
 //! reports [`Backend::Cma`](crate::Backend::Cma) (`Backend::Shm` when no byte went that
 //! way). Before its copies, a batch with a cma source probes 8 bytes of it: the kernel
 //! checks permission on every call, and P may have named another ptracer since. A

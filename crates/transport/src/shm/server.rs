@@ -312,7 +312,6 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
         return Ok(());
     }
-    name_ptracer(&s, inner.cma, &client_name);
     let Some(table_fd) = grants.table.shared_fd() else {
         return Err(FrameError::Io(io::Error::other(
             "the grant table is not shareable",
@@ -360,6 +359,14 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let devices: Vec<_> = regions
         .extract_if(.., |(region, ..)| super::cuda::is_device(region.kind()))
         .collect();
+    // Before any address goes out, and only when one will (naming a ptracer lets that
+    // process attach to this one, not only read it).
+    if regions
+        .iter()
+        .any(|(r, ..)| r.shared_fd().is_none() && r.kind().is_host_accessible())
+    {
+        name_ptracer(&s, inner.cma, &client_name);
+    }
     let handed = (|| -> Result<(), FrameError> {
         for (region, desc, slot) in &regions {
             let body = super::region_body(desc, *slot);
