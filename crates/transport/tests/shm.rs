@@ -1354,3 +1354,103 @@ fn cma_follows_the_policy_of_both_ends_and_the_grants() -> Result<()> {
     }
     Ok(())
 }
+
+const CMA_REFUSED_CHILD_ENV: &str = "KVLEASE_SHM_CMA_REFUSED_CHILD";
+const REFUSED_LEN: usize = (2 << 20) + 77;
+
+/// The D side of `a_reader_the_kernel_refuses_reads_over_tcp`, started by it as another
+/// user: reads P's heap region (P's metadata and region on stdin) and prints the backend
+/// of each batch.
+#[test]
+fn cma_refused_child_process() -> Result<()> {
+    if std::env::var_os(CMA_REFUSED_CHILD_ENV).is_none() {
+        return Ok(());
+    }
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let [id, key, meta] = words[..] else {
+        bail!("want id, key and metadata, got {line:?}");
+    };
+    let meta: Vec<u8> = (0..meta.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&meta[i..i + 2], 16))
+        .collect::<Result<_, _>>()?;
+    let src = RegionDesc {
+        id: id.parse()?,
+        key: key.parse()?,
+        len: REFUSED_LEN as u64,
+        base: 0,
+    };
+    let d = agent_cma("d-other-user", CmaPolicy::LastPeer);
+    let dst = Arc::new(HostRegion::new(REFUSED_LEN)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&meta)?;
+    let (link, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(link == Backend::Shm, "{link}: {why}");
+    let want: Vec<u8> = (0..REFUSED_LEN).map(|i| pattern(29, i)).collect();
+    let mut backends = Vec::new();
+    for _ in 0..2 {
+        dst.write_from(0, &vec![0; REFUSED_LEN])?;
+        let batch = ReadBatch {
+            ops: vec![read(dst_id, 0, REFUSED_LEN as u64, &src, 0)],
+            ..ReadBatch::default()
+        };
+        match run(&d, peer, batch)? {
+            BatchStatus::Done(stats) => backends.push(stats.backend.to_string()),
+            other => bail!("{other:?}"),
+        }
+        ensure!(
+            bytes_of(dst.as_ref(), 0, REFUSED_LEN as u64) == want,
+            "bytes differ"
+        );
+    }
+    println!("\nBACKENDS {}", backends.join(" "));
+    Ok(())
+}
+
+/// D runs as another user (`nobody`, without `CAP_SYS_PTRACE`): P hands it the address
+/// of its heap region, but the kernel refuses D's `process_vm_readv` (`EPERM`), so D's
+/// batches go over TCP, report `tcp`, and the bytes are right. Needs root (to start D as
+/// another user); skipped otherwise.
+#[test]
+fn a_reader_the_kernel_refuses_reads_over_tcp() -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    if std::fs::metadata("/proc/self")?.uid() != 0 {
+        eprintln!("skipped: starting D as another user needs root");
+        return Ok(());
+    }
+    let p = agent_cma("p", CmaPolicy::LastPeer);
+    let desc = p.register(heap(REFUSED_LEN, 29))?;
+    let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", "cma_refused_child_process", "--nocapture"])
+        .args(["--test-threads=1"])
+        .env(CMA_REFUSED_CHILD_ENV, "1")
+        .uid(65534)
+        .gid(65534)
+        .current_dir("/")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    writeln!(
+        child.stdin.take().context("stdin")?,
+        "{} {} {meta}",
+        desc.id,
+        desc.key
+    )?;
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .context("stdout")?
+        .read_to_string(&mut out)?;
+    ensure!(child.wait()?.success(), "D failed: {out}");
+    let backends = out
+        .lines()
+        .find_map(|l| l.strip_prefix("BACKENDS "))
+        .context("no BACKENDS line")?;
+    ensure!(backends == "tcp tcp", "{backends}");
+    Ok(())
+}
