@@ -1343,6 +1343,22 @@ fn cma_follows_the_policy_of_both_ends_and_the_grants() -> Result<()> {
                 (other, _) => bail!("{case}: fence {ok}: {other:?}"),
             }
         }
+        // Data from memfd memory, the fence word from heap memory: `cma` too.
+        let memfd_data = ReadBatch {
+            ops: vec![read(dst_id, 0, 4096, &memfd, 0)],
+            notif: None,
+            fence: Some(FenceRead {
+                remote: desc.at(8),
+                expected: word,
+            }),
+        };
+        match run(&d, peer, memfd_data)? {
+            BatchStatus::Done(stats) => ensure!(
+                stats.backend == expect && stats.fence_word == Some(word),
+                "{case}: {stats:?}"
+            ),
+            other => bail!("{case}: {other:?}"),
+        }
         p.deregister(RegionId(desc.id))?;
         match run(&d, peer, whole)? {
             BatchStatus::Failed(TransferError::Refused {

@@ -289,7 +289,7 @@ impl Core {
     /// ptracer since the last batch. A refusal turns cma off for the link (logged once)
     /// and returns false: the caller moves the batch over TCP. A chunk the checks refuse
     /// is left to them.
-    fn cma_allowed(&self, chunks: &[Chunk], fence_region: Option<u64>) -> bool {
+    fn cma_allowed(&self, chunks: &[Chunk], fence: Option<RemoteRange>) -> bool {
         let cma_range = |region: u64| match &self.regions.get(&region)?.source {
             Source::Cma(range) => Some(range),
             _ => None,
@@ -298,8 +298,13 @@ impl Core {
             .iter()
             .find_map(|c| Some((c, cma_range(c.remote.region)?)))
         else {
-            // No data through cma; a fence word in such a region: probe with its start.
-            return match fence_region.and_then(cma_range).map(|r| r.read_u64(0)) {
+            // No data through cma; a fence word in such a region: probe with it.
+            // (Only one still granted under its key: the read checks the rest.)
+            let word = fence.and_then(|f| {
+                self.region(f.region, f.key).ok()?;
+                Some(cma_range(f.region)?.read_u64(f.offset))
+            });
+            return match word {
                 Some(Err(err)) if err.is_refusal() => {
                     self.cma_refused(&err);
                     false
@@ -688,7 +693,8 @@ fn region_words(
 impl ShmLink {
     pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
         let core = &self.core;
-        let fence_region = batch.lock().fence.map(|f| f.remote.region);
+        let fence = batch.lock().fence.map(|f| f.remote);
+        let fence_region = fence.map(|f| f.region);
         let cma = core.cma.load(Ordering::Acquire);
         let eligible = chunks.iter().all(|c| {
             core.regions.get(&c.remote.region).is_some_and(|r| {
@@ -714,7 +720,7 @@ impl ShmLink {
         if !core.tcp.is_connected() {
             return Err(self.disconnected("no live connection"));
         }
-        if !core.cma_allowed(&chunks, fence_region) {
+        if !core.cma_allowed(&chunks, fence) {
             return core.tcp.post(batch, chunks);
         }
         let mut copies = Vec::with_capacity(chunks.len());
