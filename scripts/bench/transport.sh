@@ -5,6 +5,9 @@
 #   ours TCP   tcp_bench (crates/transport/examples/tcp_bench.rs): READ sweep 16 KiB..4 MiB
 #              x 1..256 blocks, READ 64 x 1 MiB and 64 x 64 KiB, notification RTT.
 #   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*.
+#   ours cma   tcp_bench --backend cma: the same link, the target's region plain heap memory
+#              (not memfd-backed, as host tensors registered from Python), read with
+#              cross-memory attach (process_vm_readv), keys cma_*.
 #   iperf3     one stream; ucx_perftest -t ucp_get over UCX_TLS=tcp (Debian's UCX 1.13).
 #   NIXL 1.5.1 from PyPI (scripts/bench/nixl/nixl_pair.py), twice: UCX's default transports
 #              (UCX_TLS unset; on one host READ goes through cma), keys nixl_shm_*; and
@@ -17,6 +20,8 @@
 #                               64 x 1 MiB, over NIXL with UCX's defaults
 #   ratio_vs_nixl_shm_read_64k= the same at 64 x 64 KiB
 #   ratio_vs_memcpy=            ours best same-host READ 64 x 1 MiB over memcpy
+#   cma_ratio_vs_memcpy=        our cma READ 64 x 1 MiB (non-memfd host memory) over memcpy
+#   cma_ratio_vs_nixl_shm_read= the same over NIXL with UCX's defaults (UCX's cma)
 #   ratio_vs_mooncake_read=     our TCP READ 64 x 1 MiB over Mooncake's (and _64k=)
 #   notif_ratio_vs_nixl=        our TCP notification RTT over NIXL over TCP's
 #   shm_notif_ratio_vs_nixl=    our shm notification RTT over NIXL with UCX's defaults
@@ -51,6 +56,14 @@ ours_shm() {
   o=$(timeout 120 "$BENCH" --backend shm --seconds 0.25) || return 1
   grep -qx 'backend=shm' <<<"$o" \
     || { echo "tcp_bench printed no backend=shm (built without --backend?)" >&2; return 1; }
+  printf '%s\n' "$o"
+}
+# The cma figures only count when every measured batch said cma (tcp_bench checks it).
+ours_cma() {
+  local o
+  o=$(timeout 120 "$BENCH" --backend cma --seconds 0.25) || return 1
+  grep -qx 'backend=cma' <<<"$o" \
+    || { echo "tcp_bench printed no backend=cma (built without --backend cma?)" >&2; return 1; }
   printf '%s\n' "$o"
 }
 # The TCP run's 64 x 64 KiB figure: its own longer point, else the sweep's.
@@ -95,6 +108,7 @@ peer memcpy "memcpy_64k_x64_gbps memcpy_1m_x64_gbps" timeout 60 "$MEMCPY" --seco
 peer ours_tcp "read_1m_x64_gbps read_64k_x64_gbps notif_rtt_us notif_rtt_p99_us" ours_tcp
 peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_notif_rtt_p99_us" \
   --prefix shm_ ours_shm
+peer ours_cma "cma_read_1m_x64_gbps cma_read_64k_x64_gbps" --prefix cma_ ours_cma
 peer iperf3 "iperf3_gbps" iperf
 peer ucx_perftest "ucx_ucp_get_1m_gbps" ucx
 nixl_keys() { for k in read_64k_x64_gbps read_1m_x64_gbps write_64k_x64_gbps write_1m_x64_gbps notif_rtt_us; do printf 'nixl_%s_%s ' "$1" "$k"; done; }
@@ -110,6 +124,8 @@ echo "ours_same_host_read_64k_x64_gbps=$same_64k"
 echo "ratio_vs_nixl_shm_read=$(ratio "$same_1m" "$(get nixl_shm_read_1m_x64_gbps)")"
 echo "ratio_vs_nixl_shm_read_64k=$(ratio "$same_64k" "$(get nixl_shm_read_64k_x64_gbps)")"
 echo "ratio_vs_memcpy=$(ratio "$same_1m" "$(get memcpy_1m_x64_gbps)")"
+echo "cma_ratio_vs_memcpy=$(ratio "$(get cma_read_1m_x64_gbps)" "$(get memcpy_1m_x64_gbps)")"
+echo "cma_ratio_vs_nixl_shm_read=$(ratio "$(get cma_read_1m_x64_gbps)" "$(get nixl_shm_read_1m_x64_gbps)")"
 echo "ratio_vs_mooncake_read=$(ratio "$(get read_1m_x64_gbps)" "$(get mooncake_read_1m_x64_gbps)")"
 echo "ratio_vs_mooncake_read_64k=$(ratio "$(get read_64k_x64_gbps)" "$(get mooncake_read_64k_x64_gbps)")"
 echo "notif_ratio_vs_nixl=$(ratio "$(get notif_rtt_us)" "$(get nixl_tcp_notif_rtt_us)")"

@@ -41,14 +41,34 @@ unsafe impl Send for ForeignPtr {}
 // documented there), never through references.
 unsafe impl Sync for ForeignPtr {}
 
+/// Heap bytes that [`ForeignRegion::from_heap`] took over, freed when the region drops.
+struct HeapBytes(NonNull<[u8]>);
+
+// SAFETY: the allocation is owned by exactly this value (taken with `Box::into_raw`) and
+// freed once, in `Drop`, from whichever thread drops it; no reference to the bytes is tied
+// to it (the region reaches them through raw pointers only).
+unsafe impl Send for HeapBytes {}
+// SAFETY: `&HeapBytes` gives nothing but the value's existence: no access to the bytes.
+unsafe impl Sync for HeapBytes {}
+
+impl Drop for HeapBytes {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::into_raw` in `from_heap` and is freed only
+        // here; the region that used the bytes is gone (its owner drops last).
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
+}
+
 /// A [`DmaRegion`] over memory allocated and owned elsewhere: `len` bytes at `ptr`, kept
 /// valid by `owner`, which the region holds (and drops with itself).
 ///
 /// Built for foreign-language memory: the Python binding registers the bytes of a
 /// `bytearray`, a numpy array or a torch tensor (host or CUDA) with the owner being a
 /// reference to that Python object. Such memory is not memfd-backed, so
-/// [`shared_fd`](DmaRegion::shared_fd) is `None` and the transport's shared-memory backend
-/// serves it over TCP instead.
+/// [`shared_fd`](DmaRegion::shared_fd) is `None`: the transport's shared-memory backend
+/// hands a same-host peer its address instead, which the peer reads with cross-memory
+/// attach ([`PeerProcessRange`](crate::PeerProcessRange)), or over TCP where the kernel
+/// refuses that.
 pub struct ForeignRegion {
     ptr: ForeignPtr,
     len: usize,
@@ -98,6 +118,26 @@ impl ForeignRegion {
             kind,
             _owner: owner,
         })
+    }
+}
+
+impl ForeignRegion {
+    /// A [`MemoryKind::Host`] region over `bytes`, which it takes over and frees when it
+    /// drops: plain heap memory, not memfd-backed (like a serving engine's own CPU cache,
+    /// or a buffer registered from Python), for Rust callers and tests.
+    ///
+    /// # Errors
+    /// [`ForeignRegionError::Empty`] for no bytes.
+    pub fn from_heap(bytes: Vec<u8>) -> Result<Self, ForeignRegionError> {
+        let len = bytes.len();
+        let raw = Box::into_raw(bytes.into_boxed_slice());
+        // `Box::into_raw` never returns null.
+        let owner = HeapBytes(NonNull::new(raw).ok_or(ForeignRegionError::Null)?);
+        // SAFETY: `raw` is one heap allocation of `len` bytes that `owner` (moved into the
+        // region, dropped after it) keeps alive, never moves and frees only on drop; it is
+        // ordinary host memory, readable and writable from any thread, reached from now on
+        // only through the region's raw pointers.
+        unsafe { Self::new(raw.cast::<u8>(), len, MemoryKind::Host, Box::new(owner)) }
     }
 }
 
@@ -186,6 +226,20 @@ mod tests {
             drops.load(Ordering::SeqCst),
             1,
             "the owner goes with the region"
+        );
+    }
+
+    #[test]
+    fn heap_bytes_become_a_host_region() {
+        let region = ForeignRegion::from_heap((0..=255u8).collect()).expect("not empty");
+        assert_eq!((region.len(), region.kind()), (256, MemoryKind::Host));
+        assert!(region.shared_fd().is_none());
+        let mut got = [0u8; 4];
+        region.read_into(100, &mut got).expect("in bounds");
+        assert_eq!(got, [100, 101, 102, 103]);
+        assert_eq!(
+            ForeignRegion::from_heap(Vec::new()).map(drop),
+            Err(ForeignRegionError::Empty)
         );
     }
 

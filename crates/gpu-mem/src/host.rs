@@ -1,6 +1,8 @@
 //! Page-aligned host memory: one shared mapping of a sealed memfd, huge pages tried first;
 //! the read-only view another process maps of it ([`SharedRegionView`]); and handing its
-//! file descriptor over a Unix socket ([`send_with_fds`], [`recv_with_fds`]).
+//! file descriptor over a Unix socket ([`send_with_fds`], [`recv_with_fds`]); and reading
+//! host memory of another process that is not memfd-backed with cross-memory attach
+//! ([`PeerProcessRange`], `process_vm_readv`).
 //!
 //! # Why memfd
 //! A [`HostRegion`] is a `MAP_SHARED` mapping of a `memfd_create` file rather than an
@@ -26,9 +28,14 @@ use std::ptr::NonNull;
 
 use crate::region::{DmaRegion, MemoryKind};
 
+mod cma;
 mod fds;
 mod view;
 
+pub use cma::{
+    CmaError, CmaRead, MAX_CMA_IOVECS, PeerProcessRange, PeerRangeError, Ptracer, read_vectored,
+    set_ptracer, socket_peer_pid, yama_ptrace_scope,
+};
 pub use fds::{MAX_FDS_PER_MESSAGE, recv_with_fds, send_with_fds};
 pub(crate) use view::sealed_file;
 pub use view::{ShareError, SharedRegionView};

@@ -6,7 +6,10 @@
 //!   byte accessors (with the DMA-like aliasing model documented on [`RegionBytes`]).
 //! - [`HostRegion`]: one page-aligned shared mapping of a sealed memfd, huge pages tried
 //!   first; [`SharedRegionView`]: another process's read-only mapping of it, and
-//!   [`send_with_fds`] / [`recv_with_fds`] to hand its descriptor over a Unix socket.
+//!   [`send_with_fds`] / [`recv_with_fds`] to hand its descriptor over a Unix socket;
+//!   [`PeerProcessRange`]: host memory of another process on this host that is not
+//!   memfd-backed, read with cross-memory attach (`process_vm_readv`), with
+//!   [`set_ptracer`] and [`socket_peer_pid`] for the permission the kernel asks.
 //! - [`RingReader`] / [`RingWriter`]: a bounded single-producer, single-consumer ring of
 //!   byte records in a sealed memfd shared by two processes, each end distrusting the
 //!   other (the transport's same-host notifications).
@@ -27,8 +30,8 @@
 #![warn(missing_docs)]
 
 // `unsafe` is allowed only in the modules that own raw memory: `region` (the DmaRegion
-// contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap, and
-// passing a memfd over a Unix socket), `ring` (atomics and copies on a ring shared with
+// contract, its bounds-checked byte accessors and socket IO), `host` (memfd, mmap,
+// passing a memfd over a Unix socket, and `process_vm_readv`), `ring` (atomics and copies on a ring shared with
 // another process), `foreign` (memory owned by another language's runtime) and `cuda`
 // with its `cuda::ipc` (cudarc).
 #[allow(unsafe_code)]
@@ -53,9 +56,10 @@ mod pool;
 
 pub use foreign::{ForeignRegion, ForeignRegionError};
 pub use host::{
-    HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_FDS_PER_MESSAGE,
-    MAX_HOST_REGION, PageKind, ShareError, SharedRegionView, StagedHostRegion, recv_with_fds,
-    send_with_fds,
+    CmaError, CmaRead, HUGE_PAGE_SIZE, HostAllocError, HostRegion, HugePagePolicy, MAX_CMA_IOVECS,
+    MAX_FDS_PER_MESSAGE, MAX_HOST_REGION, PageKind, PeerProcessRange, PeerRangeError, Ptracer,
+    ShareError, SharedRegionView, StagedHostRegion, read_vectored, recv_with_fds, send_with_fds,
+    set_ptracer, socket_peer_pid, yama_ptrace_scope,
 };
 /// The free list of block ids lives in the sans-IO `kvlease-lease` crate (the engine cores
 /// allocate blocks); re-exported here where the pools are.
@@ -87,6 +91,8 @@ mod tests {
         send_sync::<RingError>();
         send_sync::<ForeignRegion>();
         send_sync::<ShareError>();
+        send_sync::<PeerProcessRange>();
+        send_sync::<CmaError>();
         send_sync::<StagedHostRegion>();
         send_sync::<std::sync::Arc<dyn DmaRegion>>();
         send_sync::<BlockPool>();

@@ -167,7 +167,9 @@ pub(crate) struct BatchResult {
     /// The fence word read, when the batch had a fence and got that far.
     #[pyo3(get)]
     fence_word: Option<u64>,
-    /// The backend that moved the bytes (done only).
+    /// The backend that moved the bytes (done only): `"tcp"`, `"shm"`, `"cma"` (any byte
+    /// read with cross-memory attach: a same-host peer's host memory that is not a memfd,
+    /// such as buffers and tensors registered from Python) or `"verbs"`.
     #[pyo3(get)]
     backend: Option<&'static str>,
     /// The exception (`StaleFenceError`, `TransferTimeout`, `TransferError`) unless done.

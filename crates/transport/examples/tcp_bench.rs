@@ -1,13 +1,16 @@
 //! Transport throughput and notification round trip, two processes on one host.
 //!
-//! `tcp_bench [--backend tcp|shm] [--conns N] [--seconds S] [--sweep]` starts itself
+//! `tcp_bench [--backend tcp|shm|cma] [--conns N] [--seconds S] [--sweep]` starts itself
 //! again as the target (`--serve`), which registers a region filled with a pattern and
 //! echoes notifications; this process reads from it with batches of `block × batch` and
 //! verifies the bytes of the first batch of every point. `--backend` (default `tcp`)
 //! picks the backend both agents use: `tcp` over loopback, `shm` the same-host
 //! shared-memory backend (both agents `BackendChoice::Shm`; the registered host regions
 //! are memfd-backed, so each link lands on shm, which the run checks with
-//! `Agent::peer_backend`). Prints one `key=value` per figure: `backend=`,
+//! `Agent::peer_backend`), `cma` the same link with the target's region plain heap memory
+//! (`ForeignRegion::from_heap`, not memfd-backed, as a buffer registered from Python),
+//! which D reads with cross-memory attach (the run checks that the batches say `cma`).
+//! Prints one `key=value` per figure: `backend=`,
 //! `read_gbps_<block>x<batch>=` (GB/s, 10^9 bytes, with `--sweep`), `read_1m_x64_gbps=`
 //! and `read_64k_x64_gbps=` (the headlines, measured longer), `notif_rtt_us=` (median)
 //! and `notif_rtt_p99_us=`.
@@ -18,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_gpu_mem::{HostRegion, RegionBytes};
+use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes};
 use kvlease_transport::{
     Agent, AgentConfig, Backend, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp,
     RegionDesc, RegionId,
@@ -46,7 +49,7 @@ fn pattern(i: usize) -> u8 {
 fn config(name: &str, conns: usize, backend: Backend) -> AgentConfig {
     let mut c = AgentConfig::new(name);
     c.backend = match backend {
-        Backend::Shm => BackendChoice::Shm,
+        Backend::Shm | Backend::Cma => BackendChoice::Shm,
         _ => BackendChoice::Tcp,
     };
     c.num_connections = conns;
@@ -57,25 +60,36 @@ fn parse_backend(s: &str) -> Result<Backend> {
     match s {
         "tcp" => Ok(Backend::Tcp),
         "shm" => Ok(Backend::Shm),
-        other => bail!("--backend {other}: expected tcp or shm"),
+        "cma" => Ok(Backend::Cma),
+        other => bail!("--backend {other}: expected tcp, shm or cma"),
     }
 }
 
 /// Fails unless `peer` landed on `want`.
 fn check_backend(agent: &Agent, peer: kvlease_transport::PeerId, want: Backend) -> Result<()> {
     let (got, why) = agent.peer_backend(peer).context("peer backend")?;
-    ensure!(got == want, "the link landed on {got}, not {want}: {why}");
+    // A cma batch runs on an shm link.
+    let link = if want == Backend::Cma {
+        Backend::Shm
+    } else {
+        want
+    };
+    ensure!(got == link, "the link landed on {got}, not {link}: {why}");
     Ok(())
 }
 
 /// The target: serve reads, echo notifications until `quit`.
 fn serve(conns: usize, backend: Backend) -> Result<()> {
     let agent = Agent::new(config("bench-target", conns, backend))?;
-    let region = HostRegion::new(REGION)?;
     let bytes: Vec<u8> = (0..REGION).map(pattern).collect();
-    region.write_from(0, &bytes)?;
-    drop(bytes);
-    agent.register(Arc::new(region))?;
+    let region: Arc<dyn DmaRegion> = if backend == Backend::Cma {
+        Arc::new(ForeignRegion::from_heap(bytes)?)
+    } else {
+        let region = HostRegion::new(REGION)?;
+        region.write_from(0, &bytes)?;
+        Arc::new(region)
+    };
+    agent.register(region)?;
     println!("META {}", hex(&agent.metadata()));
     std::io::stdout().flush()?;
     let mut line = String::new();
@@ -96,11 +110,12 @@ fn serve(conns: usize, backend: Backend) -> Result<()> {
     }
 }
 
-fn wait(agent: &Agent, id: kvlease_transport::BatchId) -> Result<()> {
+/// Waits for batch `id`; returns the backend that moved it.
+fn wait(agent: &Agent, id: kvlease_transport::BatchId) -> Result<Backend> {
     loop {
         match agent.poll_batch(id)? {
             BatchStatus::Pending => std::thread::yield_now(),
-            BatchStatus::Done(_) => return Ok(()),
+            BatchStatus::Done(stats) => return Ok(stats.backend),
             BatchStatus::Failed(e) => bail!("batch failed: {e}"),
             other => bail!("unexpected status {other:?}"),
         }
@@ -136,13 +151,15 @@ fn measure(
     block: u64,
     n: u64,
     seconds: f64,
+    want: Backend,
 ) -> Result<f64> {
-    // Verify the first batch byte for byte.
+    // Verify the first batch byte for byte, and the backend that moved it.
     dst_region.write_from(0, &vec![0; (block * n) as usize])?;
-    wait(
+    let moved = wait(
         agent,
         agent.post_read(peer, batch(dst, src, block, n), TIMEOUT)?,
     )?;
+    ensure!(moved == want, "the batch went over {moved}, not {want}");
     let mut got = vec![0; (block * n) as usize];
     dst_region.read_into(0, &mut got)?;
     for i in 0..n {
@@ -223,7 +240,17 @@ fn main() -> Result<()> {
                 if block * n > REGION as u64 {
                     continue;
                 }
-                let gbps = measure(&agent, peer, &dst_region, dst, &src, block, n, seconds)?;
+                let gbps = measure(
+                    &agent,
+                    peer,
+                    &dst_region,
+                    dst,
+                    &src,
+                    block,
+                    n,
+                    seconds,
+                    backend,
+                )?;
                 println!("read_gbps_{block_kib}k_x{n}={gbps:.3}");
             }
         }
@@ -239,6 +266,7 @@ fn main() -> Result<()> {
             block,
             64,
             seconds.max(2.0),
+            backend,
         )?;
         println!("read_{label}_x64_gbps={gbps:.3}");
     }

@@ -42,20 +42,59 @@ pub enum Backend {
     /// Shared memory with a peer on the same host (plain copies out of its memfd-backed
     /// regions, mapped read-only).
     Shm,
+    /// Cross-memory attach with a peer on the same host (`process_vm_readv` out of its
+    /// host regions that are not memfd-backed: buffers and tensors registered from
+    /// Python). A link is [`Shm`](Self::Shm); a batch that read any of its bytes so is
+    /// `Cma`.
+    Cma,
 }
 
 impl Backend {
     /// Every backend, in the order metrics list them.
-    pub const ALL: [Self; 3] = [Self::Verbs, Self::Tcp, Self::Shm];
+    pub const ALL: [Self; 4] = [Self::Verbs, Self::Tcp, Self::Shm, Self::Cma];
 
-    /// The backend's name as logs and metrics write it: `"verbs"`, `"tcp"` or `"shm"`.
+    /// The backend's name as logs and metrics write it: `"verbs"`, `"tcp"`, `"shm"` or
+    /// `"cma"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Verbs => "verbs",
             Self::Tcp => "tcp",
             Self::Shm => "shm",
+            Self::Cma => "cma",
         }
     }
+}
+
+/// Whether same-host peers read this agent's host memory that is not memfd-backed with
+/// cross-memory attach (`process_vm_readv`), and whom this process names as its ptracer
+/// for it (Yama's `ptrace_scope` 1 lets only a named process read another's memory).
+///
+/// Yama holds one ptracer per process: with [`LastPeer`](Self::LastPeer) and several
+/// peers on this host, the one that authenticated last may read; the others' reads are
+/// refused by the kernel and go over TCP (logged once per link). Without Yama (or with
+/// `ptrace_scope` 0) every peer of the same user may read; with 2 only peers with
+/// `CAP_SYS_PTRACE`, with 3 none. Naming a process as ptracer lets it attach to this one
+/// with `ptrace`, not only read it: the kernel has no read-only grant. This process names
+/// one only for an authenticated peer (it proved the cluster token), and only when it has
+/// such regions to hand over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum CmaPolicy {
+    /// On: after a same-host peer proved the token on the shared-memory socket, this
+    /// process names that peer's process (its pid as the kernel reports it for the
+    /// socket, `SO_PEERCRED`) as its ptracer (`PR_SET_PTRACER`), replacing the one named
+    /// before, and hands it the address and length of its registered host regions that
+    /// are not memfd-backed.
+    #[default]
+    LastPeer,
+    /// On, for several peers at once: this process lets any process of its user trace
+    /// it (`PR_SET_PTRACER_ANY`). Only the addresses of registered regions are handed
+    /// over, and only to authenticated peers, but under Yama scope 1 any process of the
+    /// user could then attach to this one: set it only where that is acceptable.
+    AnyProcess,
+    /// Off: this agent hands no addresses over and reads none; such regions of a
+    /// same-host peer are read over TCP.
+    Off,
 }
 
 impl std::fmt::Display for Backend {
@@ -156,6 +195,9 @@ pub struct AgentConfig {
     /// get reads served and notifications accepted, and this agent only connects to
     /// peers that prove it back.
     pub auth_token: Option<Vec<u8>>,
+    /// Cross-memory attach on the shared-memory backend. Default
+    /// [`CmaPolicy::LastPeer`].
+    pub cma: CmaPolicy,
     /// Bounds on peer input.
     pub limits: Limits,
 }
@@ -170,6 +212,7 @@ impl AgentConfig {
             advertise: None,
             num_connections: 2,
             auth_token: None,
+            cma: CmaPolicy::default(),
             limits: Limits::default(),
         }
     }
@@ -185,6 +228,7 @@ impl std::fmt::Debug for AgentConfig {
             .field("num_connections", &self.num_connections)
             // Never print the token.
             .field("auth_token", &self.auth_token.as_ref().map(|_| "<set>"))
+            .field("cma", &self.cma)
             .field("limits", &self.limits)
             .finish()
     }

@@ -22,7 +22,10 @@
 //!   notifications travel through a shared-memory ring P created for it, which P's
 //!   [`Agent::get_new_notifs`] drains on the caller's thread. With the `cuda` feature, P's
 //!   CUDA device regions are handed over as CUDA IPC handles and D reads them with device
-//!   copies (not yet run on a GPU). See the `shm` module.
+//!   copies (not yet run on a GPU). P's host regions that are not memfd-backed (Python
+//!   buffers and tensors) are handed over as (address, length) and D reads them with
+//!   cross-memory attach (`process_vm_readv`, [`CmaPolicy`]), or over TCP where the kernel
+//!   refuses it. See the `shm` module.
 //! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
 //!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
 //!   lists what a link implements: posting chunks and completing them through the shared
@@ -68,8 +71,8 @@ pub use agent::{
     ReadBatch, ReadOp, RegionId, RemoteRange, StatsHandle, TransportStats,
 };
 pub use config::{
-    AgentConfig, Backend, BackendChoice, DEFAULT_MAX_NOTIF_LEN, DEFAULT_MAX_PENDING_NOTIF_BYTES,
-    Limits,
+    AgentConfig, Backend, BackendChoice, CmaPolicy, DEFAULT_MAX_NOTIF_LEN,
+    DEFAULT_MAX_PENDING_NOTIF_BYTES, Limits,
 };
 pub use error::{
     AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes, recv_with_fds};
+use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes, recv_with_fds};
 use kvlease_transport::metadata::decode_metadata;
 use kvlease_transport::{
-    Agent, AgentConfig, Backend, BackendChoice, BatchId, BatchStatus, ConnectError, FenceRead,
-    LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
+    Agent, AgentConfig, Backend, BackendChoice, BatchId, BatchStatus, CmaPolicy, ConnectError,
+    FenceRead, LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
 };
 
 const LIMIT: Duration = Duration::from_secs(20);
@@ -23,6 +23,25 @@ fn agent(name: &str, backend: BackendChoice, token: Option<&[u8]>) -> Agent {
     c.backend = backend;
     c.auth_token = token.map(<[u8]>::to_vec);
     Agent::new(c).expect("agent binds on loopback")
+}
+
+fn agent_cma(name: &str, cma: CmaPolicy) -> Agent {
+    let mut c = AgentConfig::new(name);
+    c.auth_token = Some(b"tok".to_vec());
+    c.cma = cma;
+    Agent::new(c).expect("agent binds on loopback")
+}
+
+/// Plain heap memory (not memfd-backed, as a buffer registered from Python is), filled.
+fn heap(len: usize, seed: u64) -> Arc<ForeignRegion> {
+    let bytes = (0..len).map(|i| pattern(seed, i)).collect();
+    Arc::new(ForeignRegion::from_heap(bytes).expect("not empty"))
+}
+
+/// Posts `batch` and waits for it.
+fn run(d: &Agent, peer: kvlease_transport::PeerId, batch: ReadBatch) -> Result<BatchStatus> {
+    let id = d.post_read(peer, batch, LIMIT)?;
+    wait(d, id)
 }
 
 fn pattern(seed: u64, i: usize) -> u8 {
@@ -1139,5 +1158,315 @@ fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
     }
     child.stdin.take().context("stdin")?.write_all(b"quit\n")?;
     ensure!(child.wait()?.success());
+    Ok(())
+}
+
+const CMA_CHILD_ENV: &str = "KVLEASE_SHM_CMA_TEST_CHILD";
+const CMA_LEN: usize = (6 << 20) + 123;
+
+/// The P side of `heap_memory_of_another_process_is_read_through_cma`: does nothing
+/// unless started by it.
+#[test]
+fn cma_child_target_process() -> Result<()> {
+    if std::env::var_os(CMA_CHILD_ENV).is_none() {
+        return Ok(());
+    }
+    let p = agent_cma("p-cma", CmaPolicy::LastPeer);
+    let desc = p.register(heap(CMA_LEN, 17))?;
+    let fence = Arc::new(HostRegion::new(4096)?);
+    fence.store_u64(8, 77)?;
+    let fence_desc = p.register(fence)?;
+    let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    println!(
+        "\nDESC {} {} {} {}\nMETA {meta}",
+        desc.id, desc.key, fence_desc.id, fence_desc.key
+    );
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    Ok(())
+}
+
+/// P (a child process) registers plain heap memory; D reads it with cross-memory attach
+/// (the batch says `cma`, the bytes are equal), its reads outside the registered range or
+/// under a wrong key are refused as over TCP; a D with cma off reads it over TCP.
+#[test]
+fn heap_memory_of_another_process_is_read_through_cma() -> Result<()> {
+    let (mut child, mut out) = spawn_child("cma_child_target_process", CMA_CHILD_ENV, &[])?;
+    let (desc, meta) = read_announcement(&mut out)?;
+    let [id, key, fence_id, fence_key] = desc[..] else {
+        bail!("DESC line {desc:?}: want 4 numbers");
+    };
+    let src = RegionDesc {
+        id,
+        key,
+        len: CMA_LEN as u64,
+        base: 0,
+    };
+    let fence = RegionDesc {
+        id: fence_id,
+        key: fence_key,
+        len: 4096,
+        base: 0,
+    };
+    let want: Vec<u8> = (0..CMA_LEN).map(|i| pattern(17, i)).collect();
+    for (cma, expect) in [
+        (CmaPolicy::LastPeer, Backend::Cma),
+        (CmaPolicy::Off, Backend::Tcp),
+    ] {
+        let d = agent_cma("d", cma);
+        let dst = Arc::new(HostRegion::new(CMA_LEN + 4096)?);
+        let dst_id = RegionId(d.register(dst.clone())?.id);
+        let peer = d.connect(&meta)?;
+        let (backend, why) = d.peer_backend(peer).context("connected")?;
+        ensure!(backend == Backend::Shm, "{backend}: {why}");
+        // Odd offsets and lengths, more than the split threshold, a fence in memfd memory.
+        let half = CMA_LEN as u64 / 2 + 5;
+        let batch = ReadBatch {
+            ops: vec![
+                read(dst_id, 1, half, &src, 0),
+                read(dst_id, 1 + half, CMA_LEN as u64 - half, &src, half),
+            ],
+            notif: None,
+            fence: Some(FenceRead {
+                remote: fence.at(8),
+                expected: 77,
+            }),
+        };
+        match run(&d, peer, batch)? {
+            BatchStatus::Done(stats) => ensure!(
+                stats.backend == expect
+                    && stats.bytes == CMA_LEN as u64
+                    && stats.fence_word == Some(77),
+                "{cma:?}: {stats:?}"
+            ),
+            other => bail!("{cma:?}: {other:?}"),
+        }
+        ensure!(
+            bytes_of(dst.as_ref(), 1, CMA_LEN as u64) == want,
+            "{cma:?}: bytes differ"
+        );
+        let bad_key = RegionDesc {
+            key: key ^ 1,
+            ..src
+        };
+        for (op, reason) in [
+            (
+                read(dst_id, 0, 16, &src, CMA_LEN as u64 - 8),
+                Refusal::OutOfBounds,
+            ),
+            (
+                read(dst_id, 0, 1, &src, CMA_LEN as u64),
+                Refusal::OutOfBounds,
+            ),
+            (read(dst_id, 0, 16, &bad_key, 0), Refusal::BadKey),
+        ] {
+            let batch = ReadBatch {
+                ops: vec![op],
+                ..ReadBatch::default()
+            };
+            match run(&d, peer, batch)? {
+                BatchStatus::Failed(TransferError::Refused { reason: got, .. }) => {
+                    ensure!(got == reason, "{cma:?}: {got:?}, want {reason:?}");
+                }
+                other => bail!("{cma:?}: an out-of-range read ended {other:?}"),
+            }
+        }
+    }
+    child.stdin.take().context("stdin")?.write_all(b"quit\n")?;
+    ensure!(child.wait()?.success());
+    Ok(())
+}
+
+/// In one process: heap memory is read through cma, also after the ptracer was named;
+/// a P with cma off hands no address over (D reads over TCP); a deregistered region is
+/// refused; a fence word in heap memory is read through cma as well.
+#[test]
+fn cma_follows_the_policy_of_both_ends_and_the_grants() -> Result<()> {
+    let want: Vec<u8> = (0..1 << 20).map(|i| pattern(23, i)).collect();
+    for (p_cma, d_cma, expect) in [
+        (CmaPolicy::LastPeer, CmaPolicy::LastPeer, Backend::Cma),
+        (CmaPolicy::AnyProcess, CmaPolicy::LastPeer, Backend::Cma),
+        (CmaPolicy::Off, CmaPolicy::LastPeer, Backend::Tcp),
+        (CmaPolicy::LastPeer, CmaPolicy::Off, Backend::Tcp),
+    ] {
+        let p = agent_cma("p", p_cma);
+        let desc = p.register(heap(1 << 20, 23))?;
+        let memfd = p.register(filled(4096, 2))?;
+        let d = agent_cma("d", d_cma);
+        let dst = Arc::new(HostRegion::new(1 << 20)?);
+        let dst_id = RegionId(d.register(dst.clone())?.id);
+        let peer = d.connect(&p.metadata())?;
+        let case = format!("P {p_cma:?}, D {d_cma:?}");
+        let whole = ReadBatch {
+            ops: vec![read(dst_id, 0, 1 << 20, &desc, 0)],
+            ..ReadBatch::default()
+        };
+        match run(&d, peer, whole.clone())? {
+            BatchStatus::Done(stats) => ensure!(stats.backend == expect, "{case}: {stats:?}"),
+            other => bail!("{case}: {other:?}"),
+        }
+        ensure!(
+            bytes_of(dst.as_ref(), 0, 1 << 20) == want,
+            "{case}: bytes differ"
+        );
+        // Memfd memory stays shm.
+        let plain = ReadBatch {
+            ops: vec![read(dst_id, 0, 4096, &memfd, 0)],
+            ..ReadBatch::default()
+        };
+        match run(&d, peer, plain)? {
+            BatchStatus::Done(stats) => {
+                ensure!(stats.backend == Backend::Shm, "{case}: {stats:?}");
+            }
+            other => bail!("{case}: {other:?}"),
+        }
+        // A fence word in heap memory (8-aligned: the heap allocation is), read through
+        // cma too; a changed one fails the batch.
+        let word = u64::from_ne_bytes(want[8..16].try_into()?);
+        for (expected, ok) in [(word, true), (word ^ 1, false)] {
+            let fenced = ReadBatch {
+                fence: Some(FenceRead {
+                    remote: desc.at(8),
+                    expected,
+                }),
+                ..whole.clone()
+            };
+            match (run(&d, peer, fenced)?, ok) {
+                (BatchStatus::Done(stats), true) => ensure!(
+                    stats.backend == expect && stats.fence_word == Some(word),
+                    "{case}: {stats:?}"
+                ),
+                (BatchStatus::Failed(TransferError::FenceMismatch { found, .. }), false) => {
+                    ensure!(found == word, "{case}: found {found}");
+                }
+                (other, _) => bail!("{case}: fence {ok}: {other:?}"),
+            }
+        }
+        // Data from memfd memory, the fence word from heap memory: `cma` too.
+        let memfd_data = ReadBatch {
+            ops: vec![read(dst_id, 0, 4096, &memfd, 0)],
+            notif: None,
+            fence: Some(FenceRead {
+                remote: desc.at(8),
+                expected: word,
+            }),
+        };
+        match run(&d, peer, memfd_data)? {
+            BatchStatus::Done(stats) => ensure!(
+                stats.backend == expect && stats.fence_word == Some(word),
+                "{case}: {stats:?}"
+            ),
+            other => bail!("{case}: {other:?}"),
+        }
+        p.deregister(RegionId(desc.id))?;
+        match run(&d, peer, whole)? {
+            BatchStatus::Failed(TransferError::Refused {
+                reason: Refusal::UnknownRegion,
+                ..
+            }) => {}
+            other => bail!("{case}: a deregistered region was read: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+const CMA_REFUSED_CHILD_ENV: &str = "KVLEASE_SHM_CMA_REFUSED_CHILD";
+const REFUSED_LEN: usize = (2 << 20) + 77;
+
+/// The D side of `a_reader_the_kernel_refuses_reads_over_tcp`, started by it as another
+/// user: reads P's heap region (P's metadata and region on stdin) and prints the backend
+/// of each batch.
+#[test]
+fn cma_refused_child_process() -> Result<()> {
+    if std::env::var_os(CMA_REFUSED_CHILD_ENV).is_none() {
+        return Ok(());
+    }
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let [id, key, meta] = words[..] else {
+        bail!("want id, key and metadata, got {line:?}");
+    };
+    let meta: Vec<u8> = (0..meta.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&meta[i..i + 2], 16))
+        .collect::<Result<_, _>>()?;
+    let src = RegionDesc {
+        id: id.parse()?,
+        key: key.parse()?,
+        len: REFUSED_LEN as u64,
+        base: 0,
+    };
+    let d = agent_cma("d-other-user", CmaPolicy::LastPeer);
+    let dst = Arc::new(HostRegion::new(REFUSED_LEN)?);
+    let dst_id = RegionId(d.register(dst.clone())?.id);
+    let peer = d.connect(&meta)?;
+    let (link, why) = d.peer_backend(peer).context("connected")?;
+    ensure!(link == Backend::Shm, "{link}: {why}");
+    let want: Vec<u8> = (0..REFUSED_LEN).map(|i| pattern(29, i)).collect();
+    let mut backends = Vec::new();
+    for _ in 0..2 {
+        dst.write_from(0, &vec![0; REFUSED_LEN])?;
+        let batch = ReadBatch {
+            ops: vec![read(dst_id, 0, REFUSED_LEN as u64, &src, 0)],
+            ..ReadBatch::default()
+        };
+        match run(&d, peer, batch)? {
+            BatchStatus::Done(stats) => backends.push(stats.backend.to_string()),
+            other => bail!("{other:?}"),
+        }
+        ensure!(
+            bytes_of(dst.as_ref(), 0, REFUSED_LEN as u64) == want,
+            "bytes differ"
+        );
+    }
+    println!("\nBACKENDS {}", backends.join(" "));
+    Ok(())
+}
+
+/// D runs as another user (`nobody`, without `CAP_SYS_PTRACE`): P hands it the address
+/// of its heap region, but the kernel refuses D's `process_vm_readv` (`EPERM`), so D's
+/// batches go over TCP, report `tcp`, and the bytes are right. Needs root (to start D as
+/// another user); skipped otherwise.
+#[test]
+fn a_reader_the_kernel_refuses_reads_over_tcp() -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    if std::fs::metadata("/proc/self")?.uid() != 0 {
+        eprintln!("skipped: starting D as another user needs root");
+        return Ok(());
+    }
+    let p = agent_cma("p", CmaPolicy::LastPeer);
+    let desc = p.register(heap(REFUSED_LEN, 29))?;
+    let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", "cma_refused_child_process", "--nocapture"])
+        .args(["--test-threads=1"])
+        .env(CMA_REFUSED_CHILD_ENV, "1")
+        .uid(65534)
+        .gid(65534)
+        .current_dir("/")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    writeln!(
+        child.stdin.take().context("stdin")?,
+        "{} {} {meta}",
+        desc.id,
+        desc.key
+    )?;
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .context("stdout")?
+        .read_to_string(&mut out)?;
+    ensure!(child.wait()?.success(), "D failed: {out}");
+    let backends = out
+        .lines()
+        .find_map(|l| l.strip_prefix("BACKENDS "))
+        .context("no BACKENDS line")?;
+    ensure!(backends == "tcp tcp", "{backends}");
     Ok(())
 }

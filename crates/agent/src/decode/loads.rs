@@ -154,7 +154,7 @@ impl DecodeEngine {
             }
             Ok(digest) => {
                 // One transfer per request, under the backend of its links when every
-                // batch of it went over the same one (shm or verbs); mixed counts as TCP.
+                // batch of it went over the same one (shm, cma or verbs); mixed counts as TCP.
                 let mut backends = req.posted.iter().flatten().map(|b| b.backend);
                 let first = backends.next().unwrap_or(kvlease_transport::Backend::Tcp);
                 let backend = if backends.all(|b| b == first) {

@@ -52,6 +52,8 @@ pub(crate) struct Inner {
     pub(crate) limits: Limits,
     pub(crate) num_connections: usize,
     pub(crate) backend: BackendChoice,
+    /// Cross-memory attach on the shared-memory backend.
+    pub(crate) cma: crate::config::CmaPolicy,
     pub(crate) local_addr: SocketAddr,
     pub(crate) advertise: SocketAddr,
     pub(crate) regions: RwLock<HashMap<u64, Registered>>,
@@ -332,6 +334,7 @@ impl Agent {
             limits: config.limits,
             num_connections: config.num_connections,
             backend: config.backend,
+            cma: config.cma,
             local_addr,
             advertise,
             regions: RwLock::new(HashMap::new()),

@@ -14,15 +14,18 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crossbeam_channel::Sender;
-use kvlease_gpu_mem::DmaRegion;
+use kvlease_gpu_mem::{CmaRead, DmaRegion, MAX_CMA_IOVECS, read_vectored};
 
-use super::link::{Core, MappedRegion};
+use super::link::{CopyError, Core, MappedRegion, Source};
 use crate::batch::Batch;
 use crate::error::TransferError;
 
 /// Batches with more data bytes than this are split between the posting thread and the
 /// copy pool.
 pub(crate) const SPLIT_BYTES: u64 = 8 << 20;
+
+/// Most bytes of cma copies one `process_vm_readv` call takes.
+const CMA_CALL_BYTES: u64 = 64 << 20;
 
 /// Most threads copying one batch (the posting thread included).
 pub(crate) const MAX_COPY_THREADS: usize = 4;
@@ -52,7 +55,7 @@ struct Job {
 impl Job {
     fn run_part(&self, part: usize) {
         let range = self.parts.get(part).cloned().unwrap_or(0..0);
-        if !copy_some(&self.batch, &self.copies[range]) {
+        if !copy_some(&self.core, &self.batch, &self.copies[range]) {
             self.copied.store(false, Ordering::Relaxed);
         }
         // AcqRel: the last part sees every other part's copies (and `copied`) as done.
@@ -111,7 +114,7 @@ pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
         0
     };
     if helpers == 0 {
-        let copied = copy_some(batch, &copies);
+        let copied = copy_some(core, batch, &copies);
         core.complete(batch, &copies, copied);
         return;
     }
@@ -158,16 +161,34 @@ fn split(copies: &[CopyOp], n: usize, total: u64) -> Vec<Range<usize>> {
 
 /// Copies `copies` in order. Returns false when the batch stopped running meanwhile
 /// (failed or timed out): the caller's memory must not be written any further.
-fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
-    for c in copies {
+fn copy_some(core: &Core, batch: &Batch, copies: &[CopyOp]) -> bool {
+    let mut rest = copies;
+    while !rest.is_empty() {
         if !batch.lock().is_running() {
             return false;
         }
-        if let Err(err) = c
-            .src
-            .source
-            .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len)
-        {
+        // Consecutive cma copies go in one vectored system call; others one by one.
+        let cma = cma_run(rest);
+        let (done, result) = if cma.len() > 1 {
+            let n = cma.len();
+            (n, read_vectored(&cma).map_err(CopyError::from))
+        } else {
+            let c = &rest[0];
+            (
+                1,
+                c.src
+                    .source
+                    .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len),
+            )
+        };
+        if let Err(err) = result {
+            // The kernel refused cross-memory attach between the batch's probe and this
+            // copy (the peer named another ptracer meanwhile): later batches go over TCP.
+            if let CopyError::Cma(err) = &err
+                && err.is_refusal()
+            {
+                core.cma_refused(err);
+            }
             // Both ranges were checked at post time; fail rather than panic.
             batch.lock().fail(TransferError::LocalCopy {
                 peer: batch.peer.clone(),
@@ -175,6 +196,32 @@ fn copy_some(batch: &Batch, copies: &[CopyOp]) -> bool {
             });
             return false;
         }
+        rest = &rest[done..];
     }
     true
+}
+
+/// The cma copies at the start of `copies`, as reads of one `process_vm_readv`: at most
+/// [`MAX_CMA_IOVECS`] and [`CMA_CALL_BYTES`] (so that a stopped batch is seen between
+/// calls), at least one when the first copy is a cma one.
+fn cma_run(copies: &[CopyOp]) -> Vec<CmaRead<'_>> {
+    let mut reads = Vec::new();
+    let mut bytes = 0u64;
+    for c in copies.iter().take(MAX_CMA_IOVECS) {
+        let Source::Cma(src) = &c.src.source else {
+            break;
+        };
+        if !reads.is_empty() && bytes + c.len > CMA_CALL_BYTES {
+            break;
+        }
+        bytes += c.len;
+        reads.push(CmaRead {
+            src,
+            offset: c.src_offset,
+            dst: c.dest.as_ref(),
+            dst_offset: c.dest_offset,
+            len: c.len,
+        });
+    }
+    reads
 }

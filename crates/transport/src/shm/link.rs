@@ -11,15 +11,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvlease_gpu_mem::{
-    DmaRegion, MemoryKind, PushError, RegionAccessError, RingWriter, SharedRegionView,
-    recv_with_fds,
+    CmaError, DmaRegion, MemoryKind, PeerProcessRange, PushError, RegionAccessError, RingWriter,
+    SharedRegionView, recv_with_fds, socket_peer_pid, yama_ptrace_scope,
 };
 
 use super::copy::{self, CopyOp};
 use super::{MAX_REGIONS, METADATA_KEY, host_identity};
 use crate::agent::{Inner, RemoteRange, lock};
 use crate::batch::{Batch, Next};
-use crate::config::Backend;
+use crate::config::{Backend, CmaPolicy};
 use crate::error::{LinkError, Refusal, TransferError};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
@@ -54,6 +54,9 @@ pub(super) struct MappedRegion {
 pub(super) enum Source {
     /// The peer's memfd, mapped read-only: plain memory copies.
     Host(SharedRegionView),
+    /// The peer's host memory that is not memfd-backed: cross-memory attach
+    /// (`process_vm_readv`).
+    Cma(PeerProcessRange),
     /// The peer's CUDA device memory, opened through CUDA IPC: device copies.
     #[cfg(feature = "cuda")]
     Device(kvlease_gpu_mem::cuda::ipc::IpcMapping),
@@ -66,6 +69,9 @@ pub(super) enum CopyError {
     /// Out of the peer's memfd.
     #[error(transparent)]
     Host(#[from] RegionAccessError),
+    /// Out of the peer's process with `process_vm_readv`.
+    #[error(transparent)]
+    Cma(#[from] CmaError),
     /// Out of the peer's device memory.
     #[cfg(feature = "cuda")]
     #[error(transparent)]
@@ -76,6 +82,7 @@ impl Source {
     fn len(&self) -> u64 {
         match self {
             Self::Host(view) => view.len() as u64,
+            Self::Cma(range) => range.len() as u64,
             #[cfg(feature = "cuda")]
             Self::Device(mapping) => mapping.region_len() as u64,
         }
@@ -84,7 +91,7 @@ impl Source {
     /// Whether copies from here can land in memory of `kind`.
     fn accepts(&self, kind: MemoryKind) -> bool {
         match self {
-            Self::Host(_) => kind.is_host_accessible(),
+            Self::Host(_) | Self::Cma(_) => kind.is_host_accessible(),
             #[cfg(feature = "cuda")]
             Self::Device(_) => super::cuda::accepts(kind),
         }
@@ -100,6 +107,7 @@ impl Source {
     ) -> Result<(), CopyError> {
         match self {
             Self::Host(view) => Ok(view.copy_to(offset, dest, dest_offset, len)?),
+            Self::Cma(range) => Ok(range.copy_to(offset, dest, dest_offset, len)?),
             #[cfg(feature = "cuda")]
             Self::Device(mapping) => {
                 Ok(super::cuda::copy(mapping, offset, dest, dest_offset, len)?)
@@ -172,9 +180,31 @@ pub(super) struct Core {
     regions: HashMap<u64, Arc<MappedRegion>>,
     /// The peer's grant table, mapped read-only: slot → registered region id.
     grants: SharedRegionView,
+    /// Whether reads of [`Source::Cma`] regions go through `process_vm_readv` (cleared,
+    /// for the link's life, once the kernel refused one: they go over TCP then).
+    cma: AtomicBool,
 }
 
 impl Core {
+    /// The kernel refused a cross-memory read (`err`): this link's reads of such regions
+    /// go over TCP from now on; logged once per link.
+    pub(super) fn cma_refused(&self, err: &CmaError) {
+        if self.cma.swap(false, Ordering::AcqRel) {
+            let scope = yama_ptrace_scope().map_or_else(
+                || "no Yama".to_owned(),
+                |s| format!("Yama ptrace_scope {s}"),
+            );
+            tracing::warn!(
+                peer = %self.peer,
+                err = %std::error::Error::source(err).map_or_else(|| err.to_string(), ToString::to_string),
+                %scope,
+                "cross-memory attach refused by the kernel (ptrace permission: another peer named as the \
+                 ptracer, ptrace_scope 2/3, no CAP_SYS_PTRACE, another user, or the process is gone); \
+                 this link reads the peer's non-memfd host memory over TCP"
+            );
+        }
+    }
+
     /// Ends a batch whose copies all finished (`copied`: none was cut short): counts its
     /// chunks, reads the fence word, then sends the notification (through the ring, when
     /// the link has one: the TCP link routes it there) and marks the batch done.
@@ -237,10 +267,69 @@ impl Core {
             Source::Host(view) => view
                 .load_u64(remote.offset)
                 .map_err(|_| Refusal::OutOfBounds),
+            // Out of bounds or misaligned; a refusal by the kernel (the probe in `post`
+            // passed moments ago) turns cma off for the link and fails this batch.
+            Source::Cma(range) => range.read_u64(remote.offset).map_err(|err| {
+                if err.is_refusal() {
+                    self.cma_refused(&err);
+                }
+                Refusal::OutOfBounds
+            }),
             // Not posted over shm (fence words are host memory): `post` sends such a
             // batch over TCP.
             #[cfg(feature = "cuda")]
             Source::Device(_) => Err(Refusal::OutOfBounds),
+        }
+    }
+
+    /// Whether the kernel lets this process read the peer's memory now, when `chunks`
+    /// read any of it through cross-memory attach: probes up to 8 bytes of the first such
+    /// chunk (into its destination, which the batch writes anyway). The kernel checks
+    /// permission on every call, and the peer may have named another process as its
+    /// ptracer since the last batch. A refusal turns cma off for the link (logged once)
+    /// and returns false: the caller moves the batch over TCP. A chunk the checks refuse
+    /// is left to them.
+    fn cma_allowed(&self, chunks: &[Chunk], fence: Option<RemoteRange>) -> bool {
+        let cma_range = |region: u64| match &self.regions.get(&region)?.source {
+            Source::Cma(range) => Some(range),
+            _ => None,
+        };
+        let Some((c, range)) = chunks
+            .iter()
+            .find_map(|c| Some((c, cma_range(c.remote.region)?)))
+        else {
+            // No data through cma; a fence word in such a region: probe with it.
+            // (Only one still granted under its key: the read checks the rest.)
+            let word = fence.and_then(|f| {
+                self.region(f.region, f.key).ok()?;
+                Some(cma_range(f.region)?.read_u64(f.offset))
+            });
+            return match word {
+                Some(Err(err)) if err.is_refusal() => {
+                    self.cma_refused(&err);
+                    false
+                }
+                _ => true,
+            };
+        };
+        if self
+            .check(c.remote.region, c.remote.key, c.remote.offset, c.len)
+            .is_err()
+        {
+            return true;
+        }
+        match range.copy_to(
+            c.remote.offset,
+            c.dest.as_ref(),
+            c.dest_offset,
+            c.len.min(8),
+        ) {
+            Err(err) if err.is_refusal() => {
+                self.cma_refused(&err);
+                false
+            }
+            // Copied, or failed otherwise: the copies report it.
+            _ => true,
         }
     }
 
@@ -307,11 +396,12 @@ pub(crate) fn connect(
     s.set_write_timeout(Some(inner.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
     handshake(inner, meta, &mut s)?;
+    let cma_pid = cma_peer_pid(inner.cma, &s, &meta.name);
     let Handover {
         grants,
         regions,
         ring,
-    } = receive_handover(&mut s, &meta.name)?;
+    } = receive_handover(&mut s, &meta.name, cma_pid)?;
     let has_ring = ring.is_some();
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
@@ -325,6 +415,7 @@ pub(crate) fn connect(
             tcp,
             regions,
             grants,
+            cma: AtomicBool::new(true),
         }),
         ring: has_ring,
         sock: s,
@@ -332,6 +423,30 @@ pub(crate) fn connect(
     };
     tracing::debug!(peer = %meta.name, regions = link.core.regions.len(), ring = has_ring, "shm link up");
     Ok(link)
+}
+
+/// The process of P's socket, whose memory this agent reads with cross-memory attach:
+/// the kernel's word (`SO_PEERCRED`: the process that listens on it), not P's. `None`
+/// (the peer's non-memfd host regions then go over TCP) when cma is off here, or the
+/// process is not visible in this pid namespace.
+fn cma_peer_pid(policy: CmaPolicy, s: &UnixStream, peer: &str) -> Option<u32> {
+    if policy == CmaPolicy::Off {
+        return None;
+    }
+    match socket_peer_pid(s.as_fd()) {
+        Ok(Some(pid)) => Some(pid),
+        Ok(None) => {
+            tracing::warn!(
+                peer,
+                "the shm peer's process is not visible here (another pid namespace): its non-memfd host memory is read over TCP"
+            );
+            None
+        }
+        Err(err) => {
+            tracing::warn!(peer, %err, "SO_PEERCRED failed: the shm peer's non-memfd host memory is read over TCP");
+            None
+        }
+    }
 }
 
 fn frame_err(e: FrameError) -> LinkError {
@@ -377,8 +492,13 @@ struct Handover {
 }
 
 /// Receives `SHM_GRANTS` first, then at most one `SHM_RING` and `SHM_REGION` frames (each
-/// with its memfd) until `SHM_END`, mapping each.
-fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkError> {
+/// with its memfd) until `SHM_END`, mapping each; `SHM_CMA_REGION`s become ranges of the
+/// process `cma_pid` (dropped, for TCP, without one).
+fn receive_handover(
+    s: &mut UnixStream,
+    peer: &str,
+    cma_pid: Option<u32>,
+) -> Result<Handover, LinkError> {
     let io = |source| LinkError::ShmSocket {
         op: "receiving regions",
         source,
@@ -409,15 +529,22 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
                 wire::SHM_RING,
                 wire::SHM_REGION,
                 wire::SHM_CUDA_REGION,
+                wire::SHM_CMA_REGION,
                 wire::SHM_END,
             ],
-            (Some(_), Some(_)) => &[wire::SHM_REGION, wire::SHM_CUDA_REGION, wire::SHM_END],
+            (Some(_), Some(_)) => &[
+                wire::SHM_REGION,
+                wire::SHM_CUDA_REGION,
+                wire::SHM_CMA_REGION,
+                wire::SHM_END,
+            ],
         };
         let body_len = |ty| match ty {
             wire::SHM_REGION => wire::SHM_REGION_LEN,
             wire::SHM_RING => wire::SHM_RING_LEN,
             wire::SHM_GRANTS => wire::SHM_GRANTS_LEN,
             wire::SHM_CUDA_REGION => wire::SHM_CUDA_REGION_LEN,
+            wire::SHM_CMA_REGION => wire::SHM_CMA_REGION_LEN,
             _ => 0,
         };
         let (ty, len) =
@@ -435,6 +562,34 @@ fn receive_handover(s: &mut UnixStream, peer: &str) -> Result<Handover, LinkErro
                 regions,
                 ring,
             });
+        }
+        if ty == wire::SHM_CMA_REGION {
+            // An address, not a descriptor.
+            if !fds.is_empty() {
+                return Err(malformed("an SHM_CMA_REGION frame with a descriptor"));
+            }
+            let (words, addr) = body.split_at(wire::SHM_REGION_LEN);
+            let (id, key, region_len, slot) = region_words(words, grants.as_ref(), &mut handed)?;
+            let addr = Body(addr).u64().map_err(frame_err)?;
+            let Some(pid) = cma_pid else {
+                tracing::debug!(
+                    peer,
+                    region = id,
+                    "a non-memfd host region handed over, but cma is off here; it is read over TCP"
+                );
+                continue;
+            };
+            let range = PeerProcessRange::new(pid, addr, region_len)
+                .map_err(|_| malformed("an SHM_CMA_REGION of an impossible range"))?;
+            regions.insert(
+                id,
+                Arc::new(MappedRegion {
+                    key,
+                    slot,
+                    source: Source::Cma(range),
+                }),
+            );
+            continue;
         }
         if ty == wire::SHM_CUDA_REGION {
             // A handle, not a descriptor.
@@ -538,15 +693,20 @@ fn region_words(
 impl ShmLink {
     pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
         let core = &self.core;
-        let fence_region = batch.lock().fence.map(|f| f.remote.region);
+        let fence = batch.lock().fence.map(|f| f.remote);
+        let fence_region = fence.map(|f| f.region);
+        let cma = core.cma.load(Ordering::Acquire);
         let eligible = chunks.iter().all(|c| {
-            core.regions
-                .get(&c.remote.region)
-                .is_some_and(|r| r.source.accepts(c.dest.kind()))
+            core.regions.get(&c.remote.region).is_some_and(|r| {
+                r.source.accepts(c.dest.kind()) && (cma || !matches!(r.source, Source::Cma(_)))
+            })
         }) && fence_region.is_none_or(|r| {
-            core.regions
-                .get(&r)
-                .is_some_and(|r| matches!(r.source, Source::Host(_)))
+            core.regions.get(&r).is_some_and(|r| match r.source {
+                Source::Host(_) => true,
+                Source::Cma(_) => cma,
+                #[cfg(feature = "cuda")]
+                Source::Device(_) => false,
+            })
         });
         if !eligible {
             // A region registered after connect, one whose device memory could not be
@@ -559,6 +719,9 @@ impl ShmLink {
         }
         if !core.tcp.is_connected() {
             return Err(self.disconnected("no live connection"));
+        }
+        if !core.cma_allowed(&chunks, fence) {
+            return core.tcp.post(batch, chunks);
         }
         let mut copies = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -582,9 +745,18 @@ impl ShmLink {
                 }
             }
         }
+        // A batch that read any byte (or its fence word) through the kernel is `cma`.
+        let uses_cma = copies
+            .iter()
+            .any(|c| matches!(c.src.source, Source::Cma(_)))
+            || fence_region.is_some_and(|r| {
+                core.regions
+                    .get(&r)
+                    .is_some_and(|r| matches!(r.source, Source::Cma(_)))
+            });
         {
             let mut st = batch.lock();
-            st.backend = Backend::Shm;
+            st.backend = if uses_cma { Backend::Cma } else { Backend::Shm };
             if !st.is_running() {
                 return Ok(());
             }

@@ -44,6 +44,20 @@
 //!   typed error (`LinkError::ShmCudaRegion`, `LinkError::ShmMalformed`). A build
 //!   without `cuda` skips these frames; a build from before them refuses the hand-over
 //!   as malformed (and `auto` falls back to verbs or TCP);
+//! - with cross-memory attach on ([`CmaPolicy`](crate::CmaPolicy), on by default), for
+//!   each registered host region that is not memfd-backed (a
+//!   [`ForeignRegion`](kvlease_gpu_mem::ForeignRegion): Python buffers and tensors), an
+//!   `SHM_CMA_REGION` frame (id, key, length, grant slot, its address in P's process; no
+//!   descriptor). Before any, P names D's process as its ptracer
+//!   ([`set_ptracer`](kvlease_gpu_mem::set_ptracer), `PR_SET_PTRACER`; D's pid from
+//!   `SO_PEERCRED` on the socket, the kernel's word): Yama's `ptrace_scope` 1 lets only a
+//!   named process read P's memory, and holds one per process, so with
+//!   [`CmaPolicy::LastPeer`](crate::CmaPolicy::LastPeer) the last D to authenticate may
+//!   read and earlier ones fall back to TCP (below);
+//!   [`CmaPolicy::AnyProcess`](crate::CmaPolicy::AnyProcess) names any process instead.
+//!   D reads P's pid from its own end of the socket (`SO_PEERCRED`) and keeps each range
+//!   as a [`PeerProcessRange`](kvlease_gpu_mem::PeerProcessRange); with cma off on D, or
+//!   P's process not visible in D's pid namespace, it skips them (TCP);
 //! - then `SHM_END`.
 //!
 //! Every memfd P hands over but the ring is sealed against writers other than P's own
@@ -57,10 +71,19 @@
 //! # Reads
 //! A batch goes over shared memory when every source region (and the fence's) was
 //! received in the handshake and every destination is memory its source can copy into:
-//! host memory for a memfd source; host, CUDA pinned, staged or CUDA device memory for a
-//! device source opened through CUDA IPC (`cuMemcpyDtoH`, `cuMemcpyDtoD` on the same
-//! device, a peer copy from another). The fence word must lie in a memfd region (it is a
-//! `FenceTable` slot, host memory). Otherwise (a region registered later, a device region
+//! host memory for a memfd or cma source; host, CUDA pinned, staged or CUDA device memory
+//! for a device source opened through CUDA IPC (`cuMemcpyDtoH`, `cuMemcpyDtoD` on the
+//! same device, a peer copy from another). The fence word must lie in a memfd or cma
+//! region (host memory: a `FenceTable` slot, a Python `mmap`). A cma source is copied
+//! with `process_vm_readv` (the kernel copies from P's pages straight into D's
+//! destination; consecutive cma chunks of a copying thread go in one vectored call of up
+//! to 1024 ranges and 64 MiB), a cma fence word with one 8-byte `process_vm_readv`; such a batch
+//! reports [`Backend::Cma`](crate::Backend::Cma) (`Backend::Shm` when no byte went that
+//! way). Before its copies, a batch with a cma source probes 8 bytes of it: the kernel
+//! checks permission on every call, and P may have named another ptracer since. A
+//! refusal (`EPERM`: Yama, another user, no `CAP_SYS_PTRACE`; `ESRCH`) turns cma off for
+//! the link, logs one warning, and the batch and every later one of the link go over TCP;
+//! a refusal between the probe and a later copy fails that batch. Otherwise (a region registered later, a device region
 //! not opened here, device memory as the destination of a memfd source) the batch goes
 //! over the TCP link, as the verbs link does. Each op is
 //! checked against P's descriptor as P's TCP server would check it (still registered:
@@ -99,7 +122,10 @@
 //!
 //! # Limits
 //! D's mapping keeps P's pages alive until the link closes, and D's reads do not show up
-//! in P's counters (`reads_served`). P's deregistration of a region reaches D through the
+//! in P's counters (`reads_served`). A cma range is named by pid and address only: D
+//! holds no reference to P's memory, so a copy already running when P deregisters and
+//! frees the region reads whatever P has there then, or fails (`EFAULT`), into D's buffer
+//! only. P's deregistration of a region reaches D through the
 //! grant table: batches D posts afterwards (and fence words read afterwards) are refused
 //! with `UnknownRegion`, as TCP would refuse them; copies already running finish, as a
 //! read P's TCP server is serving does. A region P registers after D connected is not

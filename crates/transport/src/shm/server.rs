@@ -11,12 +11,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvlease_gpu_mem::{
-    DmaRegion, HostRegion, HugePagePolicy, RegionBytes, RingReader, send_with_fds,
+    DmaRegion, HostRegion, HugePagePolicy, Ptracer, RegionBytes, RingReader, send_with_fds,
+    set_ptracer, socket_peer_pid,
 };
 use kvlease_proto::auth::ServerAuth;
 
 use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
 use crate::agent::{Inner, bump, lock};
+use crate::config::CmaPolicy;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
 use crate::tcp::wire::{self, FrameError};
 
@@ -96,6 +98,7 @@ pub(crate) struct Server {
     listener: Option<JoinHandle<()>>,
     conns: Arc<Conns>,
     grants: Arc<Grants>,
+    cma: CmaPolicy,
 }
 
 impl Server {
@@ -154,13 +157,14 @@ impl Server {
             listener: Some(handle),
             conns,
             grants,
+            cma: inner.cma,
         })
     }
 
     /// A region was registered: peers that connect from now on get it, if its memory is
     /// shareable (call before the region becomes visible in `Inner::regions`).
     pub(crate) fn grant(&self, id: u64, region: &dyn DmaRegion) {
-        if shareable(region) && self.grants.grant(id).is_none() {
+        if shareable(region, self.cma) && self.grants.grant(id).is_none() {
             tracing::warn!(
                 id,
                 max = MAX_REGIONS,
@@ -192,13 +196,47 @@ impl Server {
     }
 }
 
-/// Whether peers get `region` over the socket: a memfd-backed host region, or (feature
+/// Whether peers get `region` over the socket: a memfd-backed host region, other host
+/// memory when cross-memory attach is on (handed over as its address), or (feature
 /// `cuda`) CUDA device memory, handed over as a CUDA IPC handle.
-fn shareable(region: &dyn DmaRegion) -> bool {
-    let memfd = region.kind().is_host_accessible() && region.shared_fd().is_some();
+fn shareable(region: &dyn DmaRegion, cma: CmaPolicy) -> bool {
+    let host = region.kind().is_host_accessible()
+        && (region.shared_fd().is_some() || cma != CmaPolicy::Off);
     #[cfg(feature = "cuda")]
-    let memfd = memfd || super::cuda::is_device(region.kind());
-    memfd
+    let host = host || super::cuda::is_device(region.kind());
+    host
+}
+
+/// Lets the peer process of `s` (the kernel's word, `SO_PEERCRED`) read this process with
+/// cross-memory attach, as `policy` says; logs what it could not do (the peer's reads of
+/// such regions then go over TCP where the kernel refuses them).
+fn name_ptracer(s: &UnixStream, policy: CmaPolicy, peer: &str) {
+    let who = match policy {
+        CmaPolicy::Off => return,
+        CmaPolicy::AnyProcess => Ptracer::Any,
+        _ => match socket_peer_pid(s.as_fd()) {
+            Ok(Some(pid)) => Ptracer::Process(pid),
+            Ok(None) => {
+                tracing::debug!(
+                    peer,
+                    "shm peer's process is not visible here (another pid namespace); not named as ptracer"
+                );
+                return;
+            }
+            Err(err) => {
+                tracing::warn!(peer, %err, "SO_PEERCRED failed; shm peer not named as ptracer");
+                return;
+            }
+        },
+    };
+    match set_ptracer(who) {
+        Ok(()) => tracing::debug!(peer, ?who, "named the shm peer as ptracer (cma)"),
+        // No Yama: the ordinary ptrace rules decide, nothing to name.
+        Err(err) if err.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::debug!(peer, %err, "PR_SET_PTRACER not available (no Yama)");
+        }
+        Err(err) => tracing::warn!(peer, %err, "PR_SET_PTRACER failed"),
+    }
 }
 
 fn accept_loop(
@@ -305,8 +343,9 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     // Snapshot the granted regions; the descriptors are sent without the lock held. A
     // region deregistered meanwhile has its slot cleared (or reused for another id): D
     // refuses to read it.
-    // Only shareable regions hold a grant slot (`Server::grant`): memfd-backed host memory
-    // and, with the `cuda` feature, device memory.
+    // Only shareable regions hold a grant slot (`Server::grant`): memfd-backed host
+    // memory, other host memory when cma is on, and, with the `cuda` feature, device
+    // memory.
     #[allow(unused_mut, reason = "only the cuda build splits off device regions")]
     let mut regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
         .regions
@@ -320,13 +359,31 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let devices: Vec<_> = regions
         .extract_if(.., |(region, ..)| super::cuda::is_device(region.kind()))
         .collect();
+    // Before any address goes out, and only when one will (naming a ptracer lets that
+    // process attach to this one, not only read it).
+    if regions
+        .iter()
+        .any(|(r, ..)| r.shared_fd().is_none() && r.kind().is_host_accessible())
+    {
+        name_ptracer(&s, inner.cma, &client_name);
+    }
     let handed = (|| -> Result<(), FrameError> {
         for (region, desc, slot) in &regions {
-            let Some(fd) = region.shared_fd() else {
-                continue;
-            };
-            let f = wire::frame(wire::SHM_REGION, &super::region_body(desc, *slot));
-            send_with_fds(s.as_fd(), &f, &[fd])?;
+            let body = super::region_body(desc, *slot);
+            match region.shared_fd() {
+                Some(fd) => {
+                    send_with_fds(s.as_fd(), &wire::frame(wire::SHM_REGION, &body), &[fd])?;
+                }
+                // Host memory that is not memfd-backed (granted only with cma on): its
+                // address, for `process_vm_readv`.
+                None if region.kind().is_host_accessible() && inner.cma != CmaPolicy::Off => {
+                    let mut cma = [0u8; wire::SHM_CMA_REGION_LEN];
+                    cma[..body.len()].copy_from_slice(&body);
+                    cma[body.len()..].copy_from_slice(&(region.base_ptr() as u64).to_le_bytes());
+                    s.write_all(&wire::frame(wire::SHM_CMA_REGION, &cma))?;
+                }
+                None => {}
+            }
         }
         // Held until D closes the socket: D may read the device memory until then.
         #[cfg(feature = "cuda")]

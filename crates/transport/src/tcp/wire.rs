@@ -18,6 +18,8 @@
 //! | 10 `SHM_END` | P→D | empty: no more regions |
 //! | 11 `SHM_RING` | P→D | capacity u64, largest record u64; one memfd attached: D's notification ring to P |
 //! | 12 `SHM_GRANTS` | P→D | len u64; one memfd attached: P's grant table (slot → registered region id, 0 once deregistered) |
+//! | 13 `SHM_CUDA_REGION` | P→D | region u64, key u64, len u64, grant slot u64, CUDA IPC handle (112 bytes); no descriptor |
+//! | 14 `SHM_CMA_REGION` | P→D | region u64, key u64, len u64, grant slot u64, address u64 in P's process; no descriptor: D reads it with `process_vm_readv` |
 //!
 //! "D→P" is the connecting side to the accepting one: P connects to D as well to send
 //! it notifications. The connecting side opens `num_connections` data connections
@@ -26,7 +28,7 @@
 //! (see `tcp::notif`). A server that does not know the index serves it as a data
 //! connection, whose `NOTIF` frames it delivers too; both ends stay compatible.
 //!
-//! Types 9 to 12 travel only on the shared-memory backend's Unix socket, after the same
+//! Types 9 to 14 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
 //! `shm-server` in the proofs (see the `shm` module).
 //!
@@ -63,8 +65,13 @@ pub(crate) const SHM_GRANTS: u8 = 12;
 pub(crate) const NOTIF_CONN_INDEX: u16 = u16::MAX;
 /// A CUDA device region handed over as a CUDA IPC handle (no descriptor attached).
 pub(crate) const SHM_CUDA_REGION: u8 = 13;
+/// A host region that is not memfd-backed, handed over as its address in P's process
+/// (no descriptor attached): D reads it with cross-memory attach.
+pub(crate) const SHM_CMA_REGION: u8 = 14;
 /// Body of a `SHM_REGION`.
 pub(crate) const SHM_REGION_LEN: usize = 32;
+/// Body of a `SHM_CMA_REGION`: id, key, length, grant slot, address (u64 each).
+pub(crate) const SHM_CMA_REGION_LEN: usize = 40;
 /// Body of a `SHM_GRANTS`.
 pub(crate) const SHM_GRANTS_LEN: usize = 8;
 /// Body of a `SHM_RING`.
