@@ -354,6 +354,12 @@ async fn load(args: LoadArgs) -> Result<bool> {
     }
     let wall = start.elapsed().as_secs_f64();
     let t = tally.lock().await;
+    Ok(report(&args, &t, wall))
+}
+
+/// Prints the run's counts and latencies as `label.key=value` lines; returns whether the
+/// run was clean (no wrong answer, and no failure unless failures are allowed).
+fn report(args: &LoadArgs, t: &Tally, wall: f64) -> bool {
     let mut lat = t.latencies_ms.clone();
     lat.sort_by(f64::total_cmp);
     let pct = |q: f64| -> f64 {
@@ -380,7 +386,7 @@ async fn load(args: LoadArgs) -> Result<bool> {
     println!("{l}.p50_ms={:.1}", pct(0.5));
     println!("{l}.p99_ms={:.1}", pct(0.99));
     let clean = t.digest_mismatch == 0 && t.bad_answer == 0;
-    Ok(clean && (args.allow_failures || t.failed == 0))
+    clean && (args.allow_failures || t.failed == 0)
 }
 
 /// Seconds since the Unix epoch (the timeline's clock, comparable with `date +%s.%N`).

@@ -3,7 +3,7 @@
 //! HTTP requests, connections over the cap, and a stalled engine behind `/health`.
 //!
 //! Every loop is bounded in count and time; only 127.0.0.1 is used. The data port's
-//! pre-auth deadline is tested on real sockets in `kvlease-transport`'s `tests/tcp.rs`.
+//! pre-auth deadline is tested on real sockets in `kvlease-transport`'s `tests/tcp_auth.rs`.
 
 mod common;
 

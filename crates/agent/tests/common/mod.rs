@@ -270,3 +270,5 @@ pub(crate) fn run_to_exit(bin: &str, args: &[&str]) -> Result<Output> {
 pub(crate) fn transport() -> String {
     std::env::var("KVLEASE_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".to_owned())
 }
+
+pub(crate) mod system;

@@ -671,26 +671,7 @@ fn main() -> anyhow::Result<()> {
     prog.say("heartbeat cost (in-process state machines)");
     let hb = heartbeat_cost(if a.quick { 30 } else { 120 })?;
 
-    let mut transfer = serde_json::Map::new();
-    for (name, file) in &a.transfer {
-        let kv: serde_json::Map<String, Value> = kv_file(file)
-            .into_iter()
-            .map(|(k, v)| {
-                (
-                    k,
-                    v.parse::<f64>()
-                        .map_or_else(|_| Value::String(v.clone()), |f| json!(f)),
-                )
-            })
-            .collect();
-        transfer.insert(name.clone(), Value::Object(kv));
-    }
-    if a.transfer.is_empty() {
-        transfer.insert(
-            "note".into(),
-            json!("skipped (--quick); run without --quick for transport.sh and verbs.sh"),
-        );
-    }
+    let transfer = transfer_json(&a);
 
     let report = json!({
         "quick": a.quick,
@@ -744,6 +725,43 @@ fn main() -> anyhow::Result<()> {
             },
         ],
     )?;
+    plot_overload(&a, &ol, &of)?;
+
+    print_summary(&report, &ol, &of, crash_lease, crash_fixed);
+    println!("report={}", a.out.join("report.json").display());
+    Ok(())
+}
+
+/// The transfer benchmarks' `key=value` files as JSON objects, one per name (numbers
+/// where they parse).
+fn transfer_json(a: &Args) -> serde_json::Map<String, Value> {
+    let mut transfer = serde_json::Map::new();
+    for (name, file) in &a.transfer {
+        let kv: serde_json::Map<String, Value> = kv_file(file)
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k,
+                    v.parse::<f64>()
+                        .map_or_else(|_| Value::String(v.clone()), |f| json!(f)),
+                )
+            })
+            .collect();
+        transfer.insert(name.clone(), Value::Object(kv));
+    }
+    if a.transfer.is_empty() {
+        transfer.insert(
+            "note".into(),
+            json!("skipped (--quick); run without --quick for transport.sh and verbs.sh"),
+        );
+    }
+    transfer
+}
+
+/// The overload plots: expired leases and wasted prefills against the queue wait, lease
+/// versus fixed timeout.
+fn plot_overload(a: &Args, ol: &[Value], of: &[Value]) -> anyhow::Result<()> {
+    let png = |n: &str| a.out.join(n);
     let col = |v: &[Value], k: &str| -> Vec<(f64, f64)> {
         v.iter()
             .map(|r| {
@@ -775,16 +793,20 @@ fn main() -> anyhow::Result<()> {
             &[
                 Series {
                     label: "lease".into(),
-                    points: col(&ol, k),
+                    points: col(ol, k),
                 },
                 Series {
                     label: "fixed (timeout = lease)".into(),
-                    points: col(&of, k),
+                    points: col(of, k),
                 },
             ],
         )?;
     }
+    Ok(())
+}
 
+/// Prints the study's headline numbers as `key=value` lines.
+fn print_summary(report: &Value, ol: &[Value], of: &[Value], crash_lease: f64, crash_fixed: f64) {
     let c = &report["crash"];
     println!("scaling=lease_{crash_lease}s_vs_fixed_{crash_fixed}s_ratio_1:16");
     for m in ["lease", "fixed"] {
@@ -800,7 +822,7 @@ fn main() -> anyhow::Result<()> {
         );
         println!("admit_recovery_s_{m}={}", opt(&c[m]["admit_recovery_s"]));
     }
-    for (m, v) in [("lease", &ol), ("fixed", &of)] {
+    for (m, v) in [("lease", ol), ("fixed", of)] {
         let sum = |k: &str| v.iter().map(|r| r[k].as_f64().unwrap_or(0.0)).sum::<f64>();
         println!("expired_leases_{m}={}", sum("expired_leases"));
         println!("wasted_prefills_{m}={}", sum("wasted_prefills"));
@@ -823,6 +845,4 @@ fn main() -> anyhow::Result<()> {
     ] {
         println!("heartbeat_{k}={}", opt(&report["heartbeat"][k]));
     }
-    println!("report={}", a.out.join("report.json").display());
-    Ok(())
 }

@@ -1,3 +1,4 @@
+use std::ops::Range;
 use std::time::Duration;
 
 use kvlease_lease::{Generation, LeaseConfig};

@@ -1,10 +1,11 @@
 //! The world: engine cores in their shells, network, virtual time, faults, and the checker.
 //!
 //! `mod.rs` holds the world's state and its event loop; `net` is the network, `prefill`
-//! and `decode` are the P and D shells, `oracle` the checks, `rogue` the forger, and
-//! `report` what a run hands back.
+//! and `decode` are the P and D shells, `engines` builds their cores and first state,
+//! `oracle` the checks, `rogue` the forger, and `report` what a run hands back.
 
 mod decode;
+mod engines;
 mod net;
 mod oracle;
 mod prefill;
@@ -19,9 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_engine::{
-    BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError,
-    LoadError, LoadPlan, Outcome, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillEvent,
-    PrefillNotif, RemoteEngine, RemoteKv, TransmitKind,
+    BatchResult, Cause, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError, LoadError, LoadPlan,
+    Outcome, Peer, PrefillAction, PrefillCore, PrefillEvent, PrefillNotif, RemoteEngine, RemoteKv,
+    TransmitKind,
 };
 use kvlease_lease::{
     ConsumerId, EngineId, Generation, LeaseConfig, LeaseMode, ReadCompleteOutcome, ReleaseReason,
@@ -34,6 +35,7 @@ use kvlease_notif::{
 
 use crate::config::{Bug, WorldConfig};
 use crate::rng::Rng;
+use engines::{d_core, instance_of, p_core};
 
 pub use report::{Report, SimStats};
 
@@ -371,96 +373,6 @@ fn block_content(seed: u64, worker: u32, i: usize) -> u64 {
     let mut z = seed ^ (u64::from(worker) << 48) ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     (z ^ (z >> 29)) | 1
-}
-
-fn p_core(
-    config: &WorldConfig,
-    lease: LeaseConfig,
-    id: EngineId,
-    incarnation: u32,
-) -> PrefillCore<Addr> {
-    // A restarted P starts its generations above every earlier one (the agent uses the
-    // wall clock in microseconds).
-    let first = NonZeroU64::new((u64::from(incarnation) << 40) | 1)
-        .map_or(Generation(NonZeroU64::MIN), Generation);
-    PrefillCore::new(
-        PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
-            .with_first_generation(first),
-    )
-}
-
-/// The instance a P incarnation announces in its handshake and its transfer parameters
-/// (the agent uses its start time in microseconds: a restarted P has a larger one; 0
-/// means "not said").
-fn instance_of(incarnation: u32) -> u64 {
-    u64::from(incarnation) + 1
-}
-
-fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
-    DecodeCore::new(
-        DecodeConfig::new(
-            id,
-            config.d_tp,
-            NUM_KV_HEADS,
-            BLOCK_SIZE,
-            config.blocks_per_worker,
-            lease,
-        )
-        .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
-        .with_retry(config.d_step),
-    )
-}
-
-impl PEngine {
-    /// P engine `i`, alive in its first incarnation, with empty pools and queues.
-    fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
-        let id = engine_id(&format!("p{i}"));
-        Self {
-            core: p_core(config, lease, id.clone(), 0),
-            id,
-            alive: true,
-            incarnation: 0,
-            clock,
-            pools: (0..config.p_tp)
-                .map(|_| Pool::new(config.blocks_per_worker))
-                .collect(),
-            jobs: VecDeque::new(),
-            pending: BTreeSet::new(),
-            prefilling: VecDeque::new(),
-            inbox: VecDeque::new(),
-            oracle: HashMap::new(),
-            deadlines: BTreeSet::new(),
-            grant_order: VecDeque::new(),
-            stalled_until: 0,
-            stall_end: 0,
-            watch_from: None,
-        }
-    }
-}
-
-impl DEngine {
-    /// D engine `i`, alive in its first incarnation, with nothing admitted.
-    fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
-        let id = engine_id(&format!("d{i}"));
-        Self {
-            core: d_core(config, lease, id.clone()),
-            id,
-            alive: true,
-            incarnation: 0,
-            clock,
-            arrivals: VecDeque::new(),
-            handshakes: VecDeque::new(),
-            lost_conns: VecDeque::new(),
-            inbox: VecDeque::new(),
-            loads: BTreeMap::new(),
-            decoding: Vec::new(),
-            admitted: BTreeMap::new(),
-            tracked: HashSet::new(),
-            conns: HashMap::new(),
-            stalled_until: 0,
-            last_step: 0,
-        }
-    }
 }
 
 impl World {

@@ -1,0 +1,101 @@
+//! The P and D engines' cores and their state at first start (and the cores a restart
+//! builds afresh).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::num::NonZeroU64;
+
+use kvlease_engine::{DecodeConfig, DecodeCore, PrefillConfig, PrefillCore};
+use kvlease_lease::{EngineId, Generation, LeaseConfig};
+
+use super::{Addr, BLOCK_SIZE, Clock, DEngine, NUM_KV_HEADS, PEngine, Pool, engine_id};
+use crate::config::WorldConfig;
+
+pub(super) fn p_core(
+    config: &WorldConfig,
+    lease: LeaseConfig,
+    id: EngineId,
+    incarnation: u32,
+) -> PrefillCore<Addr> {
+    // A restarted P starts its generations above every earlier one (the agent uses the
+    // wall clock in microseconds).
+    let first = NonZeroU64::new((u64::from(incarnation) << 40) | 1)
+        .map_or(Generation(NonZeroU64::MIN), Generation);
+    PrefillCore::new(
+        PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
+            .with_first_generation(first),
+    )
+}
+
+/// The instance a P incarnation announces in its handshake and its transfer parameters
+/// (the agent uses its start time in microseconds: a restarted P has a larger one; 0
+/// means "not said").
+pub(super) fn instance_of(incarnation: u32) -> u64 {
+    u64::from(incarnation) + 1
+}
+
+pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
+    DecodeCore::new(
+        DecodeConfig::new(
+            id,
+            config.d_tp,
+            NUM_KV_HEADS,
+            BLOCK_SIZE,
+            config.blocks_per_worker,
+            lease,
+        )
+        .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
+        .with_retry(config.d_step),
+    )
+}
+
+impl PEngine {
+    /// P engine `i`, alive in its first incarnation, with empty pools and queues.
+    pub(super) fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
+        let id = engine_id(&format!("p{i}"));
+        Self {
+            core: p_core(config, lease, id.clone(), 0),
+            id,
+            alive: true,
+            incarnation: 0,
+            clock,
+            pools: (0..config.p_tp)
+                .map(|_| Pool::new(config.blocks_per_worker))
+                .collect(),
+            jobs: VecDeque::new(),
+            pending: BTreeSet::new(),
+            prefilling: VecDeque::new(),
+            inbox: VecDeque::new(),
+            oracle: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            grant_order: VecDeque::new(),
+            stalled_until: 0,
+            stall_end: 0,
+            watch_from: None,
+        }
+    }
+}
+
+impl DEngine {
+    /// D engine `i`, alive in its first incarnation, with nothing admitted.
+    pub(super) fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
+        let id = engine_id(&format!("d{i}"));
+        Self {
+            core: d_core(config, lease, id.clone()),
+            id,
+            alive: true,
+            incarnation: 0,
+            clock,
+            arrivals: VecDeque::new(),
+            handshakes: VecDeque::new(),
+            lost_conns: VecDeque::new(),
+            inbox: VecDeque::new(),
+            loads: BTreeMap::new(),
+            decoding: Vec::new(),
+            admitted: BTreeMap::new(),
+            tracked: HashSet::new(),
+            conns: HashMap::new(),
+            stalled_until: 0,
+            last_step: 0,
+        }
+    }
+}
