@@ -362,10 +362,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
     let engine = PrefillEngine::new(cfg, metrics.clone())?;
-    let info = serde_json::to_value(engine.info()).map_err(|e| ServeError::Flag {
-        flag: "--engine-id",
-        message: e.to_string(),
-    })?;
+    let info = engine.info();
     let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
     let side = spawn_side_channel(
         info,
@@ -487,10 +484,6 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
     let engine = DecodeEngine::new(cfg, metrics.clone())?;
     let side = match engine.info() {
         Some(info) => {
-            let info = serde_json::to_value(info).map_err(|e| ServeError::Flag {
-                flag: "--engine-id",
-                message: e.to_string(),
-            })?;
             // P's pulls need nothing back from D but the notifications on the
             // transport, which P's connection carries.
             let handle = spawn_side_channel(info, token, Box::new(|_| {}), listen_ip, c, &metrics)?;
@@ -623,7 +616,7 @@ fn serve_http(
 /// Starts an agent's side channel on `listen_ip:--side-channel-port`, reporting this
 /// host's wall clock, bounded by the `--side-channel-*` limits.
 fn spawn_side_channel(
-    info: serde_json::Value,
+    info: kvlease_proto::engine_info::EngineInfo,
     token: Option<String>,
     on_peer: Box<dyn Fn(sidechannel::Hello) + Send + Sync>,
     listen_ip: IpAddr,

@@ -3,10 +3,10 @@
 
 use kvlease_gpu_mem::{BlockPool, KvLayout, MemoryRequest};
 use kvlease_lease::EngineId;
-use kvlease_transport::{Agent, PeerId};
+use kvlease_proto::engine_info::{EngineInfo, InfoError, RegionInfo};
+use kvlease_transport::{Agent, PeerId, RegionDesc};
 
 use crate::kv::{self, KvShape, RankLayout};
-use crate::prefill::EngineInfo;
 use crate::sidechannel;
 
 /// Why an engine could not start.
@@ -106,14 +106,14 @@ pub enum HandshakeFailure {
         #[source]
         source: sidechannel::HandshakeError,
     },
-    /// P's engine info did not parse.
+    /// P's engine info did not parse, or lacks what an agent reads with.
     #[error("side channel at {addr} sent bad engine info: {source}")]
     BadInfo {
         /// The address.
         addr: String,
-        /// The JSON error.
+        /// The field at fault.
         #[source]
-        source: serde_json::Error,
+        source: InfoError,
     },
     /// The side channel serves another engine.
     #[error("unknown engine {engine}: the side channel at {addr} serves engine {serves}")]
@@ -145,7 +145,7 @@ pub enum HandshakeFailure {
         /// Ours.
         ours: u32,
     },
-    /// A worker's transport metadata is not hex.
+    /// The remote engine lists no such worker.
     #[error("engine {engine}: bad worker metadata")]
     Metadata {
         /// P's engine.
@@ -218,7 +218,7 @@ pub(crate) fn remote_engine(
     addr: &str,
     me: &Me<'_>,
     want: &EngineId,
-) -> Result<EngineInfo, HandshakeFailure> {
+) -> Result<PeerEngine, HandshakeFailure> {
     let welcome = sidechannel::handshake(
         addr,
         me.token,
@@ -244,26 +244,115 @@ pub(crate) fn remote_engine(
             source: e,
         },
     })?;
-    let info: EngineInfo =
-        serde_json::from_value(welcome.info).map_err(|source| HandshakeFailure::BadInfo {
-            addr: addr.to_owned(),
-            source,
-        })?;
-    if info.engine_id != want.as_str() {
+    let bad = |source| HandshakeFailure::BadInfo {
+        addr: addr.to_owned(),
+        source,
+    };
+    let info = EngineInfo::from_value(&welcome.info).map_err(bad)?;
+    if info.engine_id.as_str() != want.as_str() {
         return Err(HandshakeFailure::WrongEngine {
             engine: want.clone(),
             addr: addr.to_owned(),
-            serves: info.engine_id,
+            serves: info.engine_id.to_string(),
         });
     }
-    if info.shape != me.shape {
+    let peer = PeerEngine::of(&info).map_err(bad)?;
+    if peer.shape != me.shape {
         return Err(HandshakeFailure::Shape {
             engine: want.clone(),
-            theirs: info.shape,
+            theirs: peer.shape,
             ours: me.shape,
         });
     }
-    Ok(info)
+    Ok(peer)
+}
+
+/// A region descriptor as the engine info carries it.
+pub(crate) fn region_info(d: RegionDesc) -> RegionInfo {
+    RegionInfo {
+        id: d.id,
+        base: d.base,
+        len: d.len,
+        key: d.key,
+    }
+}
+
+/// A remote agents' engine, as its engine info ([`EngineInfo`]) described it and this
+/// engine checked it: the agents' part is there (a model shape, every worker's pool and
+/// fence regions), and the workers are listed by rank.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerEngine {
+    /// Its TP size.
+    pub(crate) tp_size: u32,
+    /// Its model shape.
+    pub(crate) shape: KvShape,
+    /// Blocks per worker pool.
+    pub(crate) num_blocks: u32,
+    /// Its instance (0 when unsaid).
+    pub(crate) instance: u64,
+    /// Its workers, by rank.
+    pub(crate) workers: Vec<PeerWorker>,
+}
+
+/// One worker of a [`PeerEngine`].
+#[derive(Debug, Clone)]
+pub(crate) struct PeerWorker {
+    /// Its transport metadata.
+    pub(crate) metadata: Vec<u8>,
+    /// Its block pool region.
+    pub(crate) pool: RegionDesc,
+    /// Its fence words region.
+    pub(crate) fence: RegionDesc,
+}
+
+impl PeerEngine {
+    /// The agents' part of `info`.
+    ///
+    /// # Errors
+    /// An [`InfoError`] naming what an agent's engine info lacks: a missing `shape`, a
+    /// missing worker, or a worker without `pool` or `fence` (a vLLM connector's P).
+    pub(crate) fn of(info: &EngineInfo) -> Result<Self, InfoError> {
+        use kvlease_proto::engine_info::ENGINE_INFO;
+        let missing = |field: String, what: &str| InfoError {
+            field,
+            reason: format!("missing: {what} (not a kvlease agent's engine?)"),
+        };
+        let shape = info
+            .shape
+            .ok_or_else(|| missing(format!("{ENGINE_INFO}.shape"), "the model shape"))?;
+        let desc = |r: RegionInfo| RegionDesc {
+            id: r.id,
+            base: r.base,
+            len: r.len,
+            key: r.key,
+        };
+        let workers = (0..info.tp_size)
+            .map(|rank| {
+                let w = info.worker(rank).ok_or_else(|| {
+                    missing(format!("{ENGINE_INFO}.workers"), &format!("worker {rank}"))
+                })?;
+                let at = |key| format!("{ENGINE_INFO}.workers[{rank}].{key}");
+                Ok(PeerWorker {
+                    metadata: w.agent_metadata.clone(),
+                    pool: desc(
+                        w.pool
+                            .ok_or_else(|| missing(at("pool"), "the pool region"))?,
+                    ),
+                    fence: desc(
+                        w.fence
+                            .ok_or_else(|| missing(at("fence"), "the fence region"))?,
+                    ),
+                })
+            })
+            .collect::<Result<_, InfoError>>()?;
+        Ok(Self {
+            tp_size: info.tp_size,
+            shape,
+            num_blocks: info.num_blocks,
+            instance: info.instance,
+            workers,
+        })
+    }
 }
 
 /// Connects `agent` to worker `rank` of the remote engine `info` describes.
@@ -273,19 +362,19 @@ pub(crate) fn remote_engine(
 /// [`HandshakeFailure::Connect`] when the transport fails.
 pub(crate) fn connect_worker(
     agent: &Agent,
-    info: &EngineInfo,
+    info: &PeerEngine,
     rank: u32,
     want: &EngineId,
 ) -> Result<PeerId, HandshakeFailure> {
     let md = info
         .workers
         .get(rank as usize)
-        .and_then(|w| sidechannel::from_hex(&w.metadata))
+        .map(|w| &w.metadata)
         .ok_or_else(|| HandshakeFailure::Metadata {
             engine: want.clone(),
         })?;
     agent
-        .connect(&md)
+        .connect(md)
         .map_err(|source| HandshakeFailure::Connect {
             engine: want.clone(),
             rank,

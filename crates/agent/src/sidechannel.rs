@@ -12,7 +12,8 @@
 //! 2. Only once P proved the token does D register: its TP size, instance and the
 //!    transport metadata of each D worker (so P can reach D with expiry notices): D names
 //!    nothing of its regions to a peer that has not proven the token.
-//! 3. P answers with a welcome (its engine info as JSON, and its wall clock) or a refusal.
+//! 3. P answers with a welcome (its engine info, `kvlease_proto::engine_info`'s
+//!    `EngineInfo`, and its wall clock) or a refusal.
 //!
 //! Without a token no proofs are sent and only a peer with a token set fails (a mismatch
 //! of configuration). Every socket has read and write timeouts; the server runs one
@@ -34,6 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use kvlease_proto::engine_info::EngineInfo;
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
 use kvlease_transport::slots::PerAddress;
@@ -145,21 +147,8 @@ pub struct Hello {
     pub peer_ip: Option<std::net::IpAddr>,
 }
 
-/// Lowercase hex of `bytes`.
-pub fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Bytes of a hex string, `None` if it is not hex.
-pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
-        .collect()
-}
+/// Lowercase hex of bytes, and back (`None` if not hex).
+pub use kvlease_proto::engine_info::{from_hex, to_hex};
 
 /// Holds one of the server's connection slots; frees it when dropped.
 struct Slot(Arc<AtomicUsize>);
@@ -185,8 +174,8 @@ impl Drop for Slot {
 pub struct Server {
     /// P's engine id, its name in the exchange.
     pub engine_id: String,
-    /// The info every authenticated D receives.
-    pub info: serde_json::Value,
+    /// The engine info every authenticated D receives.
+    pub info: EngineInfo,
     /// The cluster token, if any.
     pub token: Option<String>,
     /// Called with each authenticated D's hello.
@@ -315,7 +304,7 @@ impl Server {
                 });
                 sc::Welcome {
                     server_time_ns: (self.clock_ns)(),
-                    payload: serde_json::to_vec(&self.info).unwrap_or_default(),
+                    payload: self.info.encode(),
                 }
             },
         )?;
@@ -432,7 +421,12 @@ mod tests {
         let p2 = Arc::clone(&peers);
         let h = Server {
             engine_id: "p0".into(),
-            info: serde_json::json!({"engine_id": "p0", "tp_size": 2}),
+            info: EngineInfo::new(
+                kvlease_lease::EngineId::new("p0").expect("valid id"),
+                0,
+                2,
+                1,
+            ),
             token: token.map(str::to_owned),
             on_peer: Box::new(move |hello| {
                 if let Ok(mut v) = p2.lock() {

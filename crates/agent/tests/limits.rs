@@ -487,7 +487,7 @@ async fn one_address_cannot_take_every_side_channel_or_data_port_slot() -> Resul
         )?)
     })
     .await??;
-    let info: Value = serde_json::from_slice(&served.welcome.payload)?;
+    let info = kvlease_proto::engine_info::EngineInfo::decode(&served.welcome.payload)?;
     let refused = metric_of(&c, &p.agent, "kvlease_side_channel_refused_total").await?;
     ensure!(
         refused >= 4.0,
@@ -495,10 +495,11 @@ async fn one_address_cannot_take_every_side_channel_or_data_port_slot() -> Resul
     );
 
     // Data port: 4 idle connections (the global cap) from 127.0.0.2 hold only 2 slots...
-    let hex = info["workers"][0]["metadata"]
-        .as_str()
-        .context("P's worker metadata")?;
-    let md = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let md = info
+        .worker(0)
+        .context("P's worker 0")?
+        .agent_metadata
+        .clone();
     let data: std::net::SocketAddr = kvlease_transport::metadata::decode_metadata(&md)?
         .tcp_addr
         .parse()?;

@@ -315,10 +315,12 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
         kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "rogue", 1, &[md], 1)
     })
     .await??;
-    let hex = welcome.info["workers"][0]["metadata"]
-        .as_str()
-        .context("P's worker metadata")?;
-    let bytes = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
+    let bytes = info
+        .worker(0)
+        .context("P's worker 0")?
+        .agent_metadata
+        .clone();
     let peer = rogue.connect(&bytes)?;
     let lease = RequestId::new(
         pa["kv_transfer_params"]["remote_request_id"]
@@ -442,10 +444,12 @@ async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<
         kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "mallory", 1, &[md], 1)
     })
     .await??;
-    let hex = welcome.info["workers"][0]["metadata"]
-        .as_str()
-        .context("P's worker metadata")?;
-    let bytes = kvlease_agent::sidechannel::from_hex(hex).context("hex")?;
+    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
+    let bytes = info
+        .worker(0)
+        .context("P's worker 0")?
+        .agent_metadata
+        .clone();
     let peer = attacker.connect(&bytes)?;
     let lease = RequestId::new(
         pa["kv_transfer_params"]["remote_request_id"]

@@ -11,11 +11,14 @@
 //!   its HMAC labels, used by every TCP, shared-memory and side-channel connection.
 //! - [`sidechannel`]: the side channel's frames, on which P hands its engine info to a D
 //!   that proved the token.
+//! - [`engine_info`]: that engine info, the handshake payload ([`engine_info::EngineInfo`]),
+//!   one type for the agents' P and the vLLM connector's.
 //!
 //! Like `kvlease-lease` and `kvlease-notif`, this crate does no IO: it owns no socket, no
 //! thread and no clock, and draws no randomness (nonces are arguments). Bytes come in as
 //! slices and go out as vectors; a decoder that needs more bytes says how many.
 
 pub mod auth;
+pub mod engine_info;
 pub mod params;
 pub mod sidechannel;

@@ -21,8 +21,9 @@
 //! 2. Only once P proved the token (D checks P's proof in the `AuthResult`) does D send
 //!    its [`Registration`]: its TP size, instance and the transport metadata of each of
 //!    its workers. D names nothing of its regions to a peer that has not proven the token.
-//! 3. P answers [`Welcome`] (its payload, opaque here: the agents put their JSON engine
-//!    info in it, the Python binding whatever its caller serves) or `Refused`.
+//! 3. P answers [`Welcome`] (its payload, opaque here: every kvlease P puts its
+//!    [`EngineInfo`](crate::engine_info::EngineInfo) in it, encoded by that codec) or
+//!    `Refused`.
 //!
 //! Every frame a peer sends before it proved the token is an auth message, at most
 //! [`auth::MAX_BODY`] bytes; the shells bound the rest ([`decode_frame`]'s `max_body`).

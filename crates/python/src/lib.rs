@@ -1,5 +1,6 @@
 //! The native half of the `kvlease` Python package (`kvlease._kvlease`): the transport
-//! agent, the engine cores, the handshake side channel and the `kv_transfer_params` codec,
+//! agent, the engine cores, the handshake side channel, the `kv_transfer_params` codec and the engine-info
+//! handshake payload,
 //! with Python types.
 //!
 //! The Python package (`python/kvlease/`) re-exports these classes, defines the
@@ -20,6 +21,7 @@ use pyo3::prelude::*;
 
 mod agent;
 mod cores;
+mod engine_info;
 mod errors;
 mod memory;
 mod params;
@@ -54,6 +56,8 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::HandshakeDone>()?;
     m.add_class::<cores::Finished>()?;
     m.add_class::<params::KvTransferParams>()?;
+    m.add_class::<engine_info::EngineInfo>()?;
+    m.add_class::<engine_info::WorkerInfo>()?;
     m.add_class::<cores::DecodeNotifOutcome>()?;
     m.add_class::<cores::DecodedNotif>()?;
     m.add_class::<sidechannel::SideChannelServer>()?;

@@ -28,11 +28,12 @@ fn params_err(py: Python<'_>, e: &ParamsError) -> PyErr {
     )
 }
 
-/// `InvalidArgument` for a value no JSON holds, naming the key it came under.
-fn unusable(py: Python<'_>, key: Option<&str>, what: &str) -> PyErr {
+/// `InvalidArgument` for a value no JSON holds, naming the key it came under in the
+/// object `root` (`kv_transfer_params`, `engine_info`).
+fn unusable(py: Python<'_>, root: &str, key: Option<&str>, what: &str) -> PyErr {
     let field = match key {
-        Some(k) => format!("{}.{k}", params::PARAMS),
-        None => params::PARAMS.to_owned(),
+        Some(k) => format!("{root}.{k}"),
+        None => root.to_owned(),
     };
     params_err(
         py,
@@ -43,11 +44,17 @@ fn unusable(py: Python<'_>, key: Option<&str>, what: &str) -> PyErr {
     )
 }
 
-/// A Python value as JSON; `key` is the top-level key it is under (for errors).
-fn to_json(v: &Bound<'_, PyAny>, key: Option<&str>, depth: usize) -> PyResult<Value> {
+/// A Python value as JSON; `key` is the top-level key of the object `root` it is under
+/// (for errors).
+pub(crate) fn to_json(
+    v: &Bound<'_, PyAny>,
+    root: &str,
+    key: Option<&str>,
+    depth: usize,
+) -> PyResult<Value> {
     let py = v.py();
     if depth > MAX_DEPTH {
-        return Err(unusable(py, key, "nested too deeply"));
+        return Err(unusable(py, root, key, "nested too deeply"));
     }
     if v.is_none() {
         return Ok(Value::Null);
@@ -70,11 +77,11 @@ fn to_json(v: &Bound<'_, PyAny>, key: Option<&str>, depth: usize) -> PyResult<Va
     if v.is_instance_of::<PyFloat>() || v.hasattr("__index__")? {
         // Floats, and ints beyond 64 bits (read as an out-of-range number).
         let Ok(f) = v.extract::<f64>() else {
-            return Err(unusable(py, key, "a number too large"));
+            return Err(unusable(py, root, key, "a number too large"));
         };
         return Number::from_f64(f)
             .map(Value::Number)
-            .ok_or_else(|| unusable(py, key, "not a finite number"));
+            .ok_or_else(|| unusable(py, root, key, "not a finite number"));
     }
     if let Ok(d) = v.cast::<PyMapping>() {
         let mut m = Map::new();
@@ -82,7 +89,7 @@ fn to_json(v: &Bound<'_, PyAny>, key: Option<&str>, depth: usize) -> PyResult<Va
             let (k, val): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
             let k = k.str()?.to_str()?.to_owned();
             let under = key.or(Some(k.as_str())).map(str::to_owned);
-            let val = to_json(&val, under.as_deref(), depth + 1)?;
+            let val = to_json(&val, root, under.as_deref(), depth + 1)?;
             m.insert(k, val);
         }
         return Ok(Value::Object(m));
@@ -91,20 +98,21 @@ fn to_json(v: &Bound<'_, PyAny>, key: Option<&str>, depth: usize) -> PyResult<Va
         let seq = v.cast::<PySequence>()?;
         let mut out = Vec::with_capacity(seq.len()?);
         for item in seq.try_iter()? {
-            out.push(to_json(&item?, key, depth + 1)?);
+            out.push(to_json(&item?, root, key, depth + 1)?);
         }
         return Ok(Value::Array(out));
     }
     let type_name = v.get_type().name()?;
     Err(unusable(
         py,
+        root,
         key,
         &format!("a {type_name} is not a JSON value"),
     ))
 }
 
 /// A JSON value as Python.
-fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
+pub(crate) fn to_py(py: Python<'_>, v: &Value) -> PyResult<Py<PyAny>> {
     Ok(match v {
         Value::Null => py.None(),
         Value::Bool(b) => PyBool::new(py, *b).to_owned().into_any().unbind(),
@@ -209,7 +217,7 @@ impl KvTransferParams {
             ("transfer_mode", transfer_mode),
         ] {
             if let Some(v) = v {
-                m.insert(key.into(), to_json(v, Some(key), 0)?);
+                m.insert(key.into(), to_json(v, params::PARAMS, Some(key), 0)?);
             }
         }
         Self::read(py, &Value::Object(m))
@@ -219,7 +227,7 @@ impl KvTransferParams {
     /// `kvlease_lease_duration` (seconds) and one KV cache group's `[[...]]` block list.
     #[staticmethod]
     fn from_dict(py: Python<'_>, params: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let v = to_json(params, None, 0)?;
+        let v = to_json(params, params::PARAMS, None, 0)?;
         Self::read(py, &v)
     }
 

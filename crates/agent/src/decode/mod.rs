@@ -32,6 +32,7 @@ use kvlease_lease::{
     BlockId, DecoderTtl, EngineId, Event, Generation, LeaseConfig, ReleaseReason, RequestId,
     Timestamp,
 };
+use kvlease_proto::engine_info::{EngineInfo, WorkerInfo};
 use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
@@ -42,9 +43,9 @@ use crate::config::LoadFailurePolicy;
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
 use crate::metrics::{HandshakeOutcome, Metrics};
-use crate::prefill::{EngineInfo, WorkerInfo};
 use crate::shell::{
-    EngineError, HandshakeFailure, Me, engine_of_peer, host_port, instance_now, rank_pool,
+    EngineError, HandshakeFailure, Me, PeerEngine, engine_of_peer, host_port, instance_now,
+    rank_pool, region_info,
 };
 use crate::sidechannel;
 use crate::telemetry::error_chain;
@@ -182,7 +183,7 @@ struct Worker {
 
 /// A handshaken P engine: its info and, per D worker, a peer per P worker.
 struct Ready {
-    info: EngineInfo,
+    info: PeerEngine,
     peers: Vec<Vec<PeerId>>,
 }
 
@@ -310,24 +311,21 @@ impl DecodeEngine {
     /// it); `None` without bidirectional mode.
     pub fn info(&self) -> Option<EngineInfo> {
         self.cfg.bidir.as_ref()?;
-        let mut workers = Vec::new();
-        for (rank, w) in self.workers.iter().enumerate() {
+        let mut info = EngineInfo::new(
+            self.cfg.engine_id.clone(),
+            self.instance,
+            self.cfg.tp_size,
+            self.cfg.num_blocks,
+        );
+        info.shape = Some(self.cfg.shape);
+        for (w, rank) in self.workers.iter().zip(0..) {
             let (_, fence) = w.fence.as_ref()?;
-            workers.push(WorkerInfo {
-                rank: rank as u32,
-                metadata: sidechannel::to_hex(&w.agent.metadata()),
-                pool: w.pool_desc,
-                fence: *fence,
-            });
+            let mut wi = WorkerInfo::new(rank, w.agent.metadata(), fence.id);
+            wi.pool = Some(region_info(w.pool_desc));
+            wi.fence = Some(region_info(*fence));
+            info.workers.push(wi);
         }
-        Some(EngineInfo {
-            engine_id: self.cfg.engine_id.to_string(),
-            tp_size: self.cfg.tp_size,
-            shape: self.cfg.shape,
-            num_blocks: self.cfg.num_blocks,
-            workers,
-            instance: self.instance,
-        })
+        Some(info)
     }
 
     /// The forward loop; returns when `stop` is set or every job sender is gone. Stamps

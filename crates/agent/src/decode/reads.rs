@@ -2,7 +2,7 @@
 //! of the bytes read.
 
 use super::*;
-use crate::shell::{connect_worker, remote_engine};
+use crate::shell::{PeerEngine, PeerWorker, connect_worker, remote_engine};
 
 pub(super) fn verify_worker(
     w: &Worker,
@@ -46,8 +46,8 @@ pub(super) fn verify_worker(
 /// (whose first global head is `p_first`) into D worker `w`'s blocks.
 pub(super) fn build_ops(
     w: &Worker,
-    pw: &WorkerInfo,
-    info: &EngineInfo,
+    pw: &PeerWorker,
+    info: &PeerEngine,
     d_blocks: &[BlockId],
     p_blocks: &[u32],
     heads: std::ops::Range<u32>,
@@ -131,8 +131,8 @@ pub(super) fn handshake(
     if !allowed.is_empty() {
         // The side channel names where the transport connects: check that too.
         for w in &info.workers {
-            let md = sidechannel::from_hex(&w.metadata)
-                .and_then(|b| kvlease_transport::metadata::decode_metadata(&b).ok())
+            let md = kvlease_transport::metadata::decode_metadata(&w.metadata)
+                .ok()
                 .ok_or_else(|| HandshakeFailure::Metadata {
                     engine: want.clone(),
                 })?;

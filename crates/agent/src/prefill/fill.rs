@@ -104,7 +104,7 @@ pub(super) fn fill_worker(
     result?;
     // Before the fence generation is published: verbs peers of a mirrored pool read the
     // mirror (the pulled blocks too, which may have arrived over TCP into the pool only).
-    sync_blocks_for_peers(&w.agent, RegionId(w.info.pool.id), &w.pool, blocks)?;
+    sync_blocks_for_peers(&w.agent, RegionId(w.pool_desc.id), &w.pool, blocks)?;
     Ok(digest)
 }
 

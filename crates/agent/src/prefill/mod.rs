@@ -28,9 +28,9 @@ use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Generation, LeaseConfig, ReleaseReason, Released, RequestId, Timestamp,
 };
+use kvlease_proto::engine_info::{EngineInfo, WorkerInfo};
 use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc, RegionId};
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::api::ApiError;
@@ -38,7 +38,9 @@ use crate::bidir::{PeerClock, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{self, Metrics};
-use crate::shell::{EngineError, engine_of_peer, host_port, instance_now, rank_pool};
+use crate::shell::{
+    EngineError, PeerEngine, engine_of_peer, host_port, instance_now, rank_pool, region_info,
+};
 use crate::sidechannel::{self, Hello};
 
 mod connect_back;
@@ -105,7 +107,7 @@ const ASSUMED_PULL_BYTES_PER_SEC: f64 = 1e9;
 
 /// A handshaken D engine: per P worker, a peer on D's worker of the same rank.
 struct DRemote {
-    info: EngineInfo,
+    info: PeerEngine,
     peers: Vec<PeerId>,
 }
 
@@ -154,44 +156,15 @@ pub(crate) fn same_host(peer: std::net::IpAddr, worker: std::net::IpAddr) -> boo
     peer == worker || (peer.is_loopback() && worker.is_loopback())
 }
 
-/// One P worker's remote view, served on the side channel.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    /// TP rank.
-    pub rank: u32,
-    /// Hex transport metadata.
-    pub metadata: String,
-    /// The block pool region.
-    pub pool: RegionDesc,
-    /// The fence words region.
-    pub fence: RegionDesc,
-}
-
-/// What P's side channel serves.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EngineInfo {
-    /// P's engine id.
-    pub engine_id: String,
-    /// P's TP size.
-    pub tp_size: u32,
-    /// Model shape.
-    pub shape: KvShape,
-    /// Blocks per worker pool.
-    pub num_blocks: u32,
-    /// Workers by rank.
-    pub workers: Vec<WorkerInfo>,
-    /// This instance of the engine (the wall clock in µs at start): a peer that
-    /// sees a larger one knows the engine restarted. 0 when unsaid.
-    #[serde(default)]
-    pub instance: u64,
-}
-
 struct Worker {
     layout: RankLayout,
     pool: BlockPool,
     fence: FenceTable,
     agent: Arc<Agent>,
-    info: WorkerInfo,
+    /// The block pool region, as registered.
+    pool_desc: RegionDesc,
+    /// The fence words region, as registered.
+    fence_desc: RegionDesc,
 }
 
 /// A connection back to a D worker, made off the engine thread.
@@ -286,18 +259,13 @@ impl PrefillEngine {
             let fence_desc = agent
                 .register(fence.region())
                 .map_err(|e| EngineError::setup("register fence", e))?;
-            let info = WorkerInfo {
-                rank,
-                metadata: sidechannel::to_hex(&agent.metadata()),
-                pool: pool_desc,
-                fence: fence_desc,
-            };
             workers.push(Worker {
                 layout,
                 pool,
                 fence,
                 agent,
-                info,
+                pool_desc,
+                fence_desc,
             });
         }
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
@@ -348,16 +316,28 @@ impl PrefillEngine {
         Ok(engine)
     }
 
-    /// What the side channel serves to D.
+    /// What the side channel serves to D: the agents' part of the engine info (the model
+    /// shape, each worker's pool and fence regions).
     pub fn info(&self) -> EngineInfo {
-        EngineInfo {
-            engine_id: self.cfg.engine_id.to_string(),
-            tp_size: self.cfg.tp_size,
-            shape: self.cfg.shape,
-            num_blocks: self.cfg.num_blocks,
-            workers: self.workers.iter().map(|w| w.info.clone()).collect(),
-            instance: self.instance,
-        }
+        let mut info = EngineInfo::new(
+            self.cfg.engine_id.clone(),
+            self.instance,
+            self.cfg.tp_size,
+            self.cfg.num_blocks,
+        );
+        info.shape = Some(self.cfg.shape);
+        info.workers = self
+            .workers
+            .iter()
+            .zip(0..)
+            .map(|(w, rank)| {
+                let mut wi = WorkerInfo::new(rank, w.agent.metadata(), w.fence_desc.id);
+                wi.pool = Some(region_info(w.pool_desc));
+                wi.fence = Some(region_info(w.fence_desc));
+                wi
+            })
+            .collect();
+        info
     }
 
     fn now(&self) -> Timestamp {

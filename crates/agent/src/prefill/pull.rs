@@ -79,7 +79,7 @@ impl PrefillEngine {
                 .iter()
                 .map(|w| PullWorker {
                     agent: Arc::clone(&w.agent),
-                    pool: w.info.pool,
+                    pool: w.pool_desc,
                     pool_layout: *w.pool.layout(),
                     local_heads: w.layout.local_heads(),
                     block_bytes: w.layout.block_bytes(),

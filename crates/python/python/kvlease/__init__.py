@@ -7,6 +7,8 @@
   and D; time is an argument, ``now`` in seconds of ``time.monotonic()``).
 - :class:`KvTransferParams`: ``kv_transfer_params``, read and written by one codec (the
   agents' too); bad keys raise :class:`InvalidArgument` naming the field.
+- :class:`EngineInfo`: the engine-info handshake payload P serves on the side channel,
+  built and read by one codec (the agents' too).
 - :class:`SideChannelServer`, :func:`side_channel_fetch`: the handshake side channel,
   authenticated with the cluster token.
 - :mod:`kvlease.errors`: the exceptions, all under :class:`KvleaseError`.
@@ -28,6 +30,7 @@ from ._kvlease import (
     DecodeCore,
     DecodedNotif,
     DecodeNotifOutcome,
+    EngineInfo,
     FenceWords,
     Finished,
     Granted,
@@ -48,6 +51,7 @@ from ._kvlease import (
     SendNotif,
     SideChannelServer,
     Transmit,
+    WorkerInfo,
     __version__,
     decode_notif,
     encode_heartbeats,
@@ -107,6 +111,8 @@ __all__ = [
     "HandshakeDone",
     "Finished",
     "KvTransferParams",
+    "EngineInfo",
+    "WorkerInfo",
     "DecodeNotifOutcome",
     "DecodedNotif",
     "SideChannelServer",

@@ -361,6 +361,95 @@ class KvTransferParams:
     def kv_digest(self) -> str | None: ...
     def __eq__(self, other: object) -> bool: ...
 
+class WorkerInfo:
+    """One P worker of an :class:`EngineInfo` (read only)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def agent_metadata(self) -> bytes:
+        """Its transport agent's metadata (:meth:`Agent.connect`)."""
+    @property
+    def fence_region(self) -> int:
+        """The id of its fence-words region."""
+    @property
+    def agent_name(self) -> str | None: ...
+    @property
+    def device(self) -> str | None: ...
+    @property
+    def num_blocks(self) -> int | None: ...
+    @property
+    def layers(self) -> list[tuple[str, int, int, int, int, int]]:
+        """The connector's: ``(name, region, offset, block stride, block bytes, num
+        blocks)`` per KV cache layer (empty for an agent)."""
+    @property
+    def kv_format(self) -> dict[str, list[Any]] | None:
+        """The connector's: layer name -> ``[dtype, block shape, order]``; ``None`` when
+        P names none."""
+    @property
+    def pool(self) -> dict[str, int] | None:
+        """The agents': the pool region (``id``, ``base``, ``len``, ``key``)."""
+    @property
+    def fence(self) -> dict[str, int] | None:
+        """The agents': the fence region (``id``, ``base``, ``len``, ``key``)."""
+
+class EngineInfo:
+    """The engine-info handshake payload a P serves on its side channel: one type for the
+    agents' P and the connector's, built and read by the same codec as the agents'
+    (``kvlease-proto``). The connector's part is ``block_size``, ``num_kv_heads``, ``kv``
+    and the workers' ``layers``/``kv_format``; the agents' is ``shape`` and the workers'
+    ``pool``/``fence``.
+
+    Every check raises :class:`~kvlease.errors.InvalidArgument` with ``field`` (the path,
+    ``"engine_info.workers[0].agent_metadata"``) and ``reason``.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        tp_size: int,
+        num_blocks: int,
+        instance: int | None = None,
+        block_size: int | None = None,
+        num_kv_heads: int | None = None,
+        kv: Mapping[str, Any] | None = None,
+        workers: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """P's engine info, checked as D will read it; each worker a dict with the keys of
+        :class:`WorkerInfo` (``agent_metadata`` as bytes)."""
+    @staticmethod
+    def from_bytes(raw: bytes) -> EngineInfo:
+        """Reads a payload P served."""
+    def to_bytes(self) -> bytes:
+        """The payload's bytes (what :class:`SideChannelServer` serves)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The payload as JSON values (``agent_metadata`` base64)."""
+    def worker(self, rank: int) -> WorkerInfo | None:
+        """P's worker ``rank``, or ``None`` when it lists none."""
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def instance(self) -> int:
+        """P's start time in µs (0: not sent)."""
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int | None: ...
+    @property
+    def num_kv_heads(self) -> int | None: ...
+    @property
+    def kv(self) -> dict[str, Any] | None:
+        """The connector's KV compatibility descriptor; ``None`` when P sent none."""
+    @property
+    def shape(self) -> dict[str, int] | None:
+        """The agents' model shape (``num_layers``, ``num_kv_heads``, ``block_size``,
+        ``head_dim``)."""
+    @property
+    def workers(self) -> list[WorkerInfo]: ...
+
 class HandshakeStart:
     engine: str
     host: str

@@ -1,14 +1,16 @@
-"""P's engine info: the handshake payload D fetches from P's side channel, validated and
-normalised (``_engine_info``) before anything else on D uses it."""
+"""P's engine info: the handshake payload D fetches from P's side channel, read by the
+codec every kvlease engine shares (``kvlease._kvlease.EngineInfo``, Rust
+``kvlease_proto::engine_info``) before anything else on D uses it. The dataclasses here
+are plain views of what the codec checked (picklable, for the workers' metadata)."""
 
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..errors import SideChannelError
+from .. import _kvlease as native
+from ..errors import InvalidArgument, SideChannelError
+
 
 class RemoteLayer(NamedTuple):
     """One KV cache layer of a P worker, as its handshake names it."""
@@ -56,100 +58,31 @@ class EngineInfo:
         return next((w for w in self.workers if w.rank == rank), None)
 
 
-_U32 = (1 << 32) - 1
-_U64 = (1 << 64) - 1
-
-
 def _engine_info(raw: bytes) -> EngineInfo:
-    """P's handshake payload (``KvleaseScheduler._payload``) validated and normalised to
-    what D uses (``EngineInfo``), each value of the type it is used as. P is a peer: anything else raises ``SideChannelError``, so a
-    malformed payload fails the handshake and never reaches a scheduler or worker hook.
+    """P's handshake payload (``KvleaseScheduler._payload``) read by the one codec
+    (``kvlease._kvlease.EngineInfo``, the agents' too) and viewed as what D uses
+    (``EngineInfo``). P is a peer: a payload the codec refuses raises
+    ``SideChannelError`` naming the field, so a malformed payload fails the handshake and
+    never reaches a scheduler or worker hook.
     """
-
-    def bad(what: str) -> SideChannelError:
-        return SideChannelError(f"P's handshake payload is malformed: {what}")
-
-    def integer(
-        obj: dict[str, Any], key: str, lo: int = 0, hi: int = _U64, default: int | None = None
-    ) -> int:
-        value = obj.get(key, default)
-        if type(value) is not int or not lo <= value <= hi:
-            raise bad(f"{key} must be an integer in [{lo}, {hi}], not {value!r}")
-        return value
-
-    def formats(value: Any, what: str) -> dict[str, list[Any]]:
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, list) for k, v in value.items()
-        ):
-            raise bad(f"{what} must map layer names to [dtype, shape, order] lists")
-        return {k: list(v) for k, v in value.items()}
-
     try:
-        info = json.loads(raw)
-    except ValueError as e:  # UnicodeDecodeError is a ValueError too
-        raise bad(f"not JSON ({e})") from None
-    if not isinstance(info, dict):
-        raise bad("not a JSON object")
-    engine_id = info.get("engine_id")
-    if not isinstance(engine_id, str):
-        raise bad(f"engine_id must be a string, not {engine_id!r}")
-    tp_size = integer(info, "tp_size", 1, _U32)
-    kv = info.get("kv")
-    if kv is not None:
-        if not isinstance(kv, dict):
-            raise bad("kv must be an object")
-        kv = dict(kv)
-        if kv.get("layers") is not None:
-            kv["layers"] = formats(kv["layers"], "kv.layers")
-    if not isinstance(info.get("workers"), list):
-        raise bad("workers must be a list")
-    workers: list[WorkerInfo] = []
-    for w in info["workers"]:
-        if not isinstance(w, dict):
-            raise bad("a worker must be an object")
-        rank = integer(w, "rank", 0, tp_size - 1)
-        if any(other.rank == rank for other in workers):
-            raise bad(f"two workers of rank {rank}")
-        try:
-            metadata = base64.b64decode(w.get("agent_metadata"), validate=True)
-        except (TypeError, ValueError) as e:  # binascii.Error is a ValueError
-            raise bad(f"worker {rank}'s agent_metadata is not base64 ({e})") from None
-        if not isinstance(w.get("layers"), list):
-            raise bad(f"worker {rank}'s layers must be a list")
-        layers: list[RemoteLayer] = []
-        for layer in w["layers"]:
-            if not (
-                isinstance(layer, list)
-                and len(layer) == 6
-                and isinstance(layer[0], str)
-                and all(type(x) is int and 0 <= x <= _U64 for x in layer[1:])
-            ):
-                raise bad(
-                    f"worker {rank}'s layer {layer!r} is not [name, region, offset, "
-                    "block stride, block bytes, num blocks]"
-                )
-            _, _, offset, stride, _, n = layer
-            if offset + n * stride > _U64:
-                raise bad(f"worker {rank}'s layer {layer[0]} reaches past 2^64 bytes")
-            layers.append(RemoteLayer(*layer))
-        kv_format = w.get("kv_format")
-        workers.append(
-            WorkerInfo(
-                rank=rank,
-                agent_metadata=metadata,
-                layers=layers,
-                fence_region=integer(w, "fence_region"),
-                # None: P names no block format (an older kvlease); its reads are refused.
-                kv_format=None
-                if kv_format is None
-                else formats(kv_format, f"worker {rank}'s kv_format"),
-            )
-        )
+        info = native.EngineInfo.from_bytes(raw)
+    except InvalidArgument as e:
+        raise SideChannelError(f"P's handshake payload is malformed: {e}") from None
     return EngineInfo(
-        engine_id=engine_id,
-        instance=integer(info, "instance", default=0),
-        tp_size=tp_size,
-        num_blocks=integer(info, "num_blocks", 1, _U32),
-        kv=kv,
-        workers=workers,
+        engine_id=info.engine_id,
+        instance=info.instance,
+        tp_size=info.tp_size,
+        num_blocks=info.num_blocks,
+        kv=info.kv,
+        workers=[
+            WorkerInfo(
+                rank=w.rank,
+                agent_metadata=w.agent_metadata,
+                layers=[RemoteLayer(*layer) for layer in w.layers],
+                fence_region=w.fence_region,
+                kv_format=w.kv_format,
+            )
+            for w in info.workers
+        ],
     )

@@ -3,7 +3,6 @@ handshakes and load plans (``KvleaseScheduler``)."""
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import mmap
@@ -159,34 +158,32 @@ class KvleaseScheduler:
     # ------------------------------------------------------------------- P side
 
     def _payload(self) -> bytes:
-        workers = []
-        for rank, w in sorted(self._workers.items()):
-            workers.append(
-                {
-                    "rank": rank,
-                    "agent_name": w.agent_name,
-                    "agent_metadata": base64.b64encode(w.agent_metadata).decode(),
-                    "layers": [list(layer) for layer in w.layers],
-                    "fence_region": w.fence_region,
-                    "num_blocks": w.num_blocks,
-                    "device": w.device,
-                    "kv_format": w.kv_format,
-                }
-            )
-        return json.dumps(
+        """What the side channel serves: P's engine info, built and encoded by the codec
+        every kvlease engine shares (``native.EngineInfo``; D reads it with the same)."""
+        workers = [
             {
-                "format": 2,
-                "engine_id": self.engine_id,
-                "instance": self.instance,
-                "tp_size": self.tp_size,
-                "num_blocks": self.num_blocks,
-                "block_size": self.block_size,
-                "num_kv_heads": self.num_kv_heads,
-                # Format 2: what D checks before it loads any of P's blocks as its KV.
-                "kv": self.kv_descriptor,
-                "workers": workers,
+                "rank": rank,
+                "agent_name": w.agent_name,
+                "agent_metadata": bytes(w.agent_metadata),
+                "layers": [list(layer) for layer in w.layers],
+                "fence_region": w.fence_region,
+                "num_blocks": w.num_blocks,
+                "device": w.device,
+                "kv_format": w.kv_format,
             }
-        ).encode()
+            for rank, w in sorted(self._workers.items())
+        ]
+        return native.EngineInfo(
+            engine_id=self.engine_id,
+            instance=self.instance,
+            tp_size=self.tp_size,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            # What D checks before it loads any of P's blocks as its KV.
+            kv=self.kv_descriptor,
+            workers=workers,
+        ).to_bytes()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """The workers registered their KV caches: map their fence words and serve their
