@@ -545,9 +545,8 @@ class KvleaseWorker:
                 raise KvleaseError(f"P has no KV cache layer {name}")
             r_region, r_offset, r_stride, r_page, r_n = remote
             d_fmt, p_fmt = self.kv_format[name], link.formats[name]
-            if len(d_fmt[1]) < 2 or int(d_fmt[1][1]) != load.block_size or int(
-                p_fmt[1][1]
-            ) != load.remote_block_size:
+            sizes = (int(d_fmt[1][1]), int(p_fmt[1][1])) if len(d_fmt[1]) > 1 else None
+            if sizes != (load.block_size, load.remote_block_size):
                 raise KvleaseError(
                     f"layer {name}: blocks of P {p_fmt[1]}, D {d_fmt[1]} do not hold "
                     f"P {load.remote_block_size}, D {load.block_size} tokens on dim 2"
@@ -565,10 +564,9 @@ class KvleaseWorker:
                         [tuple(b.local_heads), (lt, lt + count), *rest],
                         [tuple(b.remote_heads), (rt, rt + count), *rest],
                     )
+                local_at, remote_at = offset + lb * stride, r_offset + rb * r_stride
                 for lo, ro, length in runs:
-                    ops.append(
-                        (region, offset + lb * stride + lo, r_region, r_offset + rb * r_stride + ro, length)
-                    )
+                    ops.append((region, local_at + lo, r_region, remote_at + ro, length))
         return ops
 
     def _block_ops(
