@@ -87,6 +87,7 @@ def _kv_incompatibility(
     if not isinstance(theirs, dict):
         return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
     diffs = []
+    tokens = _block_sizes(ours, theirs)
     for key in _KV_KEYS:
         if key == "block_order" and None in (theirs.get(key), ours.get(key)):
             continue  # a layout not resolved at the scheduler: the layer formats decide
@@ -95,9 +96,15 @@ def _kv_incompatibility(
             if key == "block_order":
                 what += (
                     f" (kv_cache_layout P {theirs.get('kv_cache_layout')!r}, "
-                    f"D {ours.get('kv_cache_layout')!r})"
+                    f"D {ours.get('kv_cache_layout')!r}; KV layout permutation, "
+                    "NixlConnector's enable_permute_local_kv, is not supported: run both "
+                    "with the same kv_cache_layout)"
                 )
             diffs.append(what)
+    if tokens is not None and len(diffs) == 1 and diffs[0].startswith("block_size:"):
+        # P ≠ D block sizes alone: D reads runs of tokens (the worker's
+        # ``_sub_block_runs``); named above only beside another difference.
+        diffs = []
     heads = None
     if d_tp != p_tp and not diffs:
         d_heads, p_heads = _rank_heads(ours, d_tp), _rank_heads(theirs, p_tp)
@@ -111,7 +118,7 @@ def _kv_incompatibility(
             heads = (d_heads, p_heads)
     mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if mine and p_layers and not diffs:
-        diff = _layer_format_diff(mine, p_layers, heads=heads)
+        diff = _layer_format_diff(mine, p_layers, heads=heads, tokens=tokens)
         if diff is not None:
             diffs.append(diff)
     return "; ".join(diffs) or None
@@ -132,18 +139,57 @@ def _same_but_heads(mine: list[Any], theirs: list[Any], heads: tuple[int, int]) 
     return [d for d in d_order if d != 1] == [d for d in p_order if d != 1]
 
 
+def _block_sizes(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[int, int] | None:
+    """``(D's, P's)`` block sizes (tokens per block) from two descriptors when they are
+    both known and differ (D then reads P's blocks as runs of tokens), else ``None``."""
+    d_bs, p_bs = ours.get("block_size"), theirs.get("block_size")
+    if type(d_bs) is not int or type(p_bs) is not int or d_bs <= 0 or p_bs <= 0:
+        return None
+    return None if d_bs == p_bs else (d_bs, p_bs)
+
+
+def _same_but_sizes(
+    mine: list[Any], theirs: list[Any], sizes: dict[int, tuple[int, int]]
+) -> bool:
+    """Whether two ``_block_format`` s are the same apart from the sizes of the block
+    dims in ``sizes`` (0-based dim of the block -> (D's size, P's size)): the dtype, the
+    other dims and the order of the dims (those of size 1 on one side compared only
+    where both sides list them) agree."""
+    (d_dtype, d_shape, d_order), (p_dtype, p_shape, p_order) = mine, theirs
+    if d_dtype != p_dtype or len(d_shape) != len(p_shape) or not d_shape:
+        return False
+    for i, (d, p) in enumerate(zip(d_shape, p_shape)):
+        if (d, p) != sizes.get(i, (d, d)):
+            return False
+    # A dim listed on one side only has size 1 on the other, where it moves no bytes.
+    listed = set(d_order) & set(p_order)
+    return [d for d in d_order if d in listed] == [d for d in p_order if d in listed]
+
+
 def _layer_format_diff(
-    mine: dict[str, Any], theirs: dict[str, Any], *, heads: tuple[int, int] | None = None
+    mine: dict[str, Any],
+    theirs: dict[str, Any],
+    *,
+    heads: tuple[int, int] | None = None,
+    tokens: tuple[int, int] | None = None,
 ) -> str | None:
     """How P's per-layer block formats (layer name -> ``_block_format``) differ from
     ours, or ``None`` when P holds the same layers, each in the same format; with
     ``heads`` (D's, P's heads per worker: different TP sizes), each layer's block holds
-    that many heads on each side and is otherwise the same."""
+    that many heads on each side and is otherwise the same; with ``tokens`` (D's, P's
+    block sizes), that many tokens (block dim 2 of vLLM's ``[heads, tokens, ...]``)."""
     if set(mine) != set(theirs):
         only_p = sorted(set(theirs) - set(mine))[:3]
         only_d = sorted(set(mine) - set(theirs))[:3]
         return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
-    if heads is None or heads[0] == heads[1]:
+    if tokens is not None and tokens[0] != tokens[1]:
+        sizes = {1: tokens}
+        if heads is not None:
+            sizes[0] = heads
+        bad = [
+            n for n in sorted(mine) if not _same_but_sizes(list(mine[n]), list(theirs[n]), sizes)
+        ]
+    elif heads is None or heads[0] == heads[1]:
         bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
     else:
         bad = [
@@ -154,6 +200,8 @@ def _layer_format_diff(
     if not bad:
         return None
     what = "" if heads is None else f" (heads per worker: P {heads[1]}, D {heads[0]})"
+    if tokens is not None and tokens[0] != tokens[1]:
+        what += f" (block size: P {tokens[1]}, D {tokens[0]})"
     return (
         f"{len(bad)} layer(s) store a block differently{what}, e.g. {bad[0]}: "
         f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"

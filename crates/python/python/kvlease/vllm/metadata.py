@@ -83,6 +83,15 @@ class LoadSpec:
     fence_block: int
     generation: int
     batches: list[BatchSpec]
+    #: Tokens per block on D and on P when they differ (``remote_block_size`` 0: the
+    #: same, and ``local_blocks[i]`` receives ``remote_blocks[i]`` whole). Otherwise D's
+    #: ``local_blocks`` hold the request's tokens from ``first_token`` (a multiple of
+    #: ``block_size``), P's ``remote_blocks`` from the start of the P block holding it,
+    #: and tokens up to ``num_tokens`` are read.
+    block_size: int = 0
+    remote_block_size: int = 0
+    first_token: int = 0
+    num_tokens: int = 0
 
 
 @dataclass

@@ -3,6 +3,7 @@ handshakes and load plans (``KvleaseScheduler``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import mmap
@@ -131,6 +132,9 @@ class KvleaseScheduler:
         )
         # D: P engines whose KV this engine must not load, with the reason.
         self._incompatible: dict[str, str] = {}
+        # D: P's block ids of requests whose P blocks hold another number of tokens than
+        # ours (the decode core holds as many of them as D blocks: ``_in_our_blocks``).
+        self._p_blocks: dict[str, list[int]] = {}
         logger.info(
             "kvlease scheduler %s (%s): lease %.1fs, side channel %s, %s",
             self.engine_id,
@@ -366,6 +370,7 @@ class KvleaseScheduler:
                 self.counters.add("bytes_loaded", event.bytes)
             elif isinstance(event, native.Finished):
                 self._remote.discard(event.request)
+                self._p_blocks.pop(event.request, None)
                 if event.outcome == Outcome.FAILED:
                     self.counters.add("loads_failed")
                     logger.warning("load of %s failed: %s", event.request, event.error)
@@ -386,12 +391,14 @@ class KvleaseScheduler:
         remote = self._remote_kv(request)
         if remote is None:
             return
+        remote = self._in_our_blocks(request.request_id, remote)
         now = self.clock()
         try:
             self.decode.on_new_request(
                 now, request.request_id, int(request.num_prompt_tokens), remote
             )
         except KvleaseError as e:
+            self._p_blocks.pop(request.request_id, None)
             self.counters.add("requests_refused")
             logger.warning(
                 "request %s refused, computing locally: %s", request.request_id, e
@@ -460,6 +467,7 @@ class KvleaseScheduler:
             local = local[:n_remote]
         skip = n_remote - len(local)
         try:
+            tokens = self._token_map(rid, remote, skip)
             plan = decode.start_load(rid, local, skip)
         except KvleaseError as e:
             logger.warning("request %s: cannot load (%s): recomputing", rid, e)
@@ -467,8 +475,74 @@ class KvleaseScheduler:
             decode.abort(rid)
             self._drain_decode()
             return
-        self._loads.append(self._load_spec(plan))
+        spec = self._load_spec(plan)
+        self._p_blocks.pop(rid, None)  # planned: the LoadSpec names P's blocks now
+        if tokens is not None:
+            spec = dataclasses.replace(spec, **tokens)
+        self._loads.append(spec)
         self.counters.add("loads_started")
+
+    def _in_our_blocks(self, rid: str, remote: native.RemoteKv) -> native.RemoteKv:
+        """``remote`` as the decode core admits it: as many blocks as the prompt fills
+        of ours. P's blocks may hold another number of tokens (its block size, known at
+        the handshake): then its block ids are kept here for the load
+        (``_token_map``) and the core gets as many of them as it counts D blocks (P's
+        ids, so its range check still means something); leases, fences and aborts go by
+        P's request, never by these ids."""
+        need = -(-int(remote.num_tokens) // self.block_size)
+        blocks = [int(b) for b in remote.blocks]
+        if len(blocks) == need or not blocks:
+            return remote
+        self._p_blocks[rid] = blocks
+        return native.RemoteKv(
+            engine=remote.engine,
+            request=remote.request,
+            blocks=(blocks + [blocks[-1]] * need)[:need],
+            generation=remote.generation,
+            tp_size=remote.tp_size,
+            num_tokens=remote.num_tokens,
+            host=remote.host,
+            port=remote.port,
+            instance=remote.instance,
+        )
+
+    def _token_map(
+        self, rid: str, remote: native.RemoteKv | None, skip: int
+    ) -> dict[str, Any] | None:
+        """The ``LoadSpec`` fields of a load from a P whose blocks hold another number
+        of tokens than ours (``None``: the same block size, block i of P is D's block
+        i): P's blocks from the one holding D's first token to load, and the fence
+        block. Raises ``KvleaseError`` when P's block ids do not fit its block size."""
+        if remote is None:
+            return None
+        blocks = self._p_blocks.get(rid)
+        info = self.engines.get(remote.engine)
+        p_bs = None if info is None or info.kv is None else info.kv.get("block_size")
+        if type(p_bs) is not int or p_bs <= 0:
+            p_bs = self.block_size
+        if p_bs == self.block_size:
+            if blocks is not None:
+                raise KvleaseError(
+                    f"P sent {len(blocks)} blocks for {remote.num_tokens} tokens, not "
+                    f"{len(remote.blocks)} of its block size {p_bs}"
+                )
+            return None
+        blocks = [int(b) for b in remote.blocks] if blocks is None else blocks
+        num_tokens = int(remote.num_tokens)
+        if len(blocks) != -(-num_tokens // p_bs):
+            raise KvleaseError(
+                f"P sent {len(blocks)} blocks for {num_tokens} tokens of its block size "
+                f"{p_bs}"
+            )
+        first = skip * self.block_size
+        return {
+            "remote_blocks": blocks[first // p_bs :],
+            "fence_block": blocks[-1],
+            "block_size": self.block_size,
+            "remote_block_size": p_bs,
+            "first_token": first,
+            "num_tokens": num_tokens,
+        }
 
     def _load_spec(self, plan: native.LoadPlan) -> LoadSpec:
         remote = plan.remote

@@ -116,6 +116,91 @@ def _head_runs(
     return runs
 
 
+def _sub_block_runs(
+    local: tuple[list[Any], int],
+    remote: tuple[list[Any], int],
+    local_sel: list[tuple[int, int]],
+    remote_sel: list[tuple[int, int]],
+) -> list[tuple[int, int, int]]:
+    """The byte runs ``(offset in D's block, offset in P's block, length)`` that copy the
+    part ``remote_sel`` of P's block into the part ``local_sel`` of D's: one ``(start,
+    end)`` per block dim (vLLM's ``[heads, tokens, ...]``), of equal lengths on both
+    sides. Each side is ``(_block_format, block bytes)``, dense, its dims in the same
+    order on both sides (``_layer_format_diff`` checked it); the sizes may differ (heads
+    with TP sizes, tokens with block sizes). The innermost dims selected whole on both
+    sides, and the next one out, make one run; adjacent runs are merged."""
+    (d_fmt, d_page), (p_fmt, p_page) = local, remote
+    d_shape, p_shape = [int(x) for x in d_fmt[1]], [int(x) for x in p_fmt[1]]
+    n = len(d_shape)
+    if len(p_shape) != n or len(local_sel) != n or len(remote_sel) != n or not n:
+        raise KvleaseError(f"P's {p_shape} block and D's {d_shape} differ in their dims")
+    for (a0, a1), (b0, b1), ds, ps in zip(local_sel, remote_sel, d_shape, p_shape):
+        if not (0 <= a0 < a1 <= ds and 0 <= b0 < b1 <= ps and a1 - a0 == b1 - b0):
+            raise KvleaseError(
+                f"{b0}..{b1} of P's {ps} cannot fill {a0}..{a1} of D's {ds} (block "
+                f"P {p_shape}, D {d_shape})"
+            )
+    order = max(list(d_fmt[2]), list(p_fmt[2]), key=len)
+    order += [d for d in range(1, n + 1) if d not in order]
+    d_strides = _block_strides(d_fmt, d_page, order)
+    p_strides = _block_strides(p_fmt, p_page, order)
+    if d_page // prod(d_shape) != p_page // prod(p_shape):
+        raise KvleaseError("an element holds a different number of bytes on P and D")
+    length, k = d_page // prod(d_shape), n
+    while k > 0:
+        dim = order[k - 1] - 1
+        (a0, a1), (b0, b1) = local_sel[dim], remote_sel[dim]
+        length *= a1 - a0
+        k -= 1
+        if not a1 - a0 == d_shape[dim] == p_shape[dim]:
+            break
+    outer = order[:k]
+    lo0 = sum(a * s for (a, _), s in zip(local_sel, d_strides))
+    ro0 = sum(b * s for (b, _), s in zip(remote_sel, p_strides))
+    runs: list[tuple[int, int, int]] = []
+    counts = (local_sel[d - 1][1] - local_sel[d - 1][0] for d in outer)
+    for index in product(*(range(c) for c in counts)):
+        lo = lo0 + sum(i * d_strides[d - 1] for i, d in zip(index, outer))
+        ro = ro0 + sum(i * p_strides[d - 1] for i, d in zip(index, outer))
+        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == ro:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((lo, ro, length))
+    return runs
+
+
+def _token_segments(
+    local_blocks: list[int],
+    remote_blocks: list[int],
+    block_sizes: tuple[int, int],
+    first_token: int,
+    num_tokens: int,
+) -> list[tuple[int, int, int, int, int]]:
+    """``(D block, its first token, P block, its first token, tokens)`` for each run of
+    tokens that stays within one block on both sides, when D's blocks hold
+    ``block_sizes[0]`` tokens and P's ``block_sizes[1]``: D's ``local_blocks`` hold the
+    request's tokens from ``first_token`` (a multiple of D's block size), P's
+    ``remote_blocks`` from the start of the P block holding ``first_token``; tokens up
+    to ``num_tokens`` are read."""
+    d_bs, p_bs = block_sizes
+    if d_bs <= 0 or p_bs <= 0 or first_token % d_bs:
+        raise KvleaseError(f"cannot map block sizes P {p_bs}, D {d_bs} from token {first_token}")
+    p_first = first_token // p_bs
+    end = min(num_tokens, first_token + len(local_blocks) * d_bs)
+    segments = []
+    t = first_token
+    while t < end:
+        li, lt = divmod(t - first_token, d_bs)
+        pi, pt = divmod(t, p_bs)
+        pi -= p_first
+        if pi >= len(remote_blocks):
+            raise KvleaseError(f"token {t} is past P's {len(remote_blocks)} blocks")
+        count = min(d_bs - lt, p_bs - pt, end - t)
+        segments.append((int(local_blocks[li]), lt, int(remote_blocks[pi]), pt, count))
+        t += count
+    return segments
+
+
 @dataclass
 class _PeerLink:
     """D's worker's connection to one P worker, with what it learned from P's engine
@@ -157,6 +242,7 @@ class KvleaseWorker:
         self.counters = _Counters()
         self.rank = self._tp_rank()
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.block_size = int(vllm_config.cache_config.block_size)
         self.engine_id = config.engine_id
         host = _ip_of(config.transport_host)
         # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
@@ -336,12 +422,16 @@ class KvleaseWorker:
             p_heads = _rank_heads(info.kv, info.tp_size)
             if d_heads is not None and p_heads is not None:
                 heads = (d_heads, p_heads)
+        tokens = None
+        p_bs = None if info.kv is None else info.kv.get("block_size")
+        if type(p_bs) is int and p_bs != self.block_size:
+            tokens = (self.block_size, p_bs)
         if not theirs:
             incompatible = (
                 f"worker {p_rank} of {engine} names no KV block format (an older kvlease?)"
             )
         else:
-            diff = _layer_format_diff(self.kv_format, theirs, heads=heads)
+            diff = _layer_format_diff(self.kv_format, theirs, heads=heads, tokens=tokens)
             incompatible = (
                 None
                 if diff is None
@@ -417,10 +507,73 @@ class KvleaseWorker:
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
             raise KvleaseError(link.incompatible)
-        local_blocks = [int(x) for x in load.local_blocks]
-        remote_blocks = [int(x) for x in load.remote_blocks]
-        if len(local_blocks) != len(remote_blocks):
-            raise KvleaseError("the plan's block lists differ in length")
+        if load.remote_block_size and load.remote_block_size != load.block_size:
+            ops = self._token_ops(link, load, b)
+        else:
+            local_blocks = [int(x) for x in load.local_blocks]
+            remote_blocks = [int(x) for x in load.remote_blocks]
+            if len(local_blocks) != len(remote_blocks):
+                raise KvleaseError("the plan's block lists differ in length")
+            ops = self._block_ops(link, b, local_blocks, remote_blocks)
+        fence = (link.fence, int(load.fence_block) * 8, int(load.generation))
+        batch = self.agent.post_read(
+            link.peer,
+            ops,
+            notif=bytes(b.notif),
+            fence=fence,
+            timeout=self.config.read_timeout,
+        )
+        self.counters.add("batches_posted")
+        return batch
+
+    def _token_ops(self, link: _PeerLink, load: LoadSpec, b: BatchSpec) -> list[Any]:
+        """The read ops of batch ``b`` when P's blocks hold another number of tokens
+        than ours (``load.remote_block_size``): per layer, the batch's heads of each run
+        of tokens within one block on both sides (``_token_segments``), as byte runs
+        (``_sub_block_runs``: one per run of tokens in a tokens-outer block)."""
+        segments = _token_segments(
+            [int(x) for x in load.local_blocks],
+            [int(x) for x in load.remote_blocks],
+            (int(load.block_size), int(load.remote_block_size)),
+            int(load.first_token),
+            int(load.num_tokens),
+        )
+        ops = []
+        for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
+            remote = link.layers.get(name)
+            if remote is None or name not in link.formats:
+                raise KvleaseError(f"P has no KV cache layer {name}")
+            r_region, r_offset, r_stride, r_page, r_n = remote
+            d_fmt, p_fmt = self.kv_format[name], link.formats[name]
+            sizes = (int(d_fmt[1][1]), int(p_fmt[1][1])) if len(d_fmt[1]) > 1 else None
+            if sizes != (load.block_size, load.remote_block_size):
+                raise KvleaseError(
+                    f"layer {name}: blocks of P {p_fmt[1]}, D {d_fmt[1]} do not hold "
+                    f"P {load.remote_block_size}, D {load.block_size} tokens on dim 2"
+                )
+            rest = [(0, int(x)) for x in d_fmt[1][2:]]
+            cache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+            for lb, lt, rb, rt, count in segments:
+                if rb >= r_n:
+                    raise KvleaseError(f"layer {name}: P's block {rb} is past its {r_n} blocks")
+                runs = cache.get((lt, rt, count))
+                if runs is None:
+                    runs = cache[(lt, rt, count)] = _sub_block_runs(
+                        (d_fmt, page),
+                        (p_fmt, r_page),
+                        [tuple(b.local_heads), (lt, lt + count), *rest],
+                        [tuple(b.remote_heads), (rt, rt + count), *rest],
+                    )
+                local_at, remote_at = offset + lb * stride, r_offset + rb * r_stride
+                for lo, ro, length in runs:
+                    ops.append((region, local_at + lo, r_region, remote_at + ro, length))
+        return ops
+
+    def _block_ops(
+        self, link: _PeerLink, b: BatchSpec, local_blocks: list[int], remote_blocks: list[int]
+    ) -> list[Any]:
+        """The read ops of batch ``b`` when P's blocks and ours hold as many tokens:
+        ``local_blocks[i]`` receives ``remote_blocks[i]`` (the batch's heads of it)."""
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
             remote = link.layers.get(name)
@@ -475,16 +628,7 @@ class KvleaseWorker:
                     )
                 )
                 i = j
-        fence = (link.fence, int(load.fence_block) * 8, int(load.generation))
-        batch = self.agent.post_read(
-            link.peer,
-            ops,
-            notif=bytes(b.notif),
-            fence=fence,
-            timeout=self.config.read_timeout,
-        )
-        self.counters.add("batches_posted")
-        return batch
+        return ops
 
     def _batch_done(
         self, rid: str, index: int, status: BatchStatus, nbytes: int, error: str | None
