@@ -83,6 +83,9 @@ class LoadSpec:
     fence_block: int
     generation: int
     batches: list[BatchSpec]
+    #: Hybrid models: how many of the pairs each KV cache group holds, group after group
+    #: (a layer reads its group's pairs only); empty: one group, every layer every pair.
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..kinds import BatchStatus
 from .compat import _block_format, _layer_format_diff, _rank_heads
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
 from .handshake import EngineInfo
+from .hybrid import _group_pairs
 from .metadata import (
     BatchOutcome,
     BatchSpec,
@@ -172,6 +173,9 @@ class KvleaseWorker:
         self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
         # name -> [dtype, block shape, order] (``_block_format``)
         self.kv_format: dict[str, list[Any]] = {}
+        #: Hybrid models: layer name -> KV cache group (``hybrid._layer_groups``), set by
+        #: the connector; a layer reads only its group's pairs of a load.
+        self.layer_groups: dict[str, int] = {}
         self._regions: dict[int, native.Region] = {}
         self.num_blocks = 0
         self.device = "cpu"
@@ -417,12 +421,21 @@ class KvleaseWorker:
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
             raise KvleaseError(link.incompatible)
-        local_blocks = [int(x) for x in load.local_blocks]
-        remote_blocks = [int(x) for x in load.remote_blocks]
-        if len(local_blocks) != len(remote_blocks):
+        all_local = [int(x) for x in load.local_blocks]
+        all_remote = [int(x) for x in load.remote_blocks]
+        if len(all_local) != len(all_remote):
             raise KvleaseError("the plan's block lists differ in length")
+        sizes = tuple(getattr(load, "group_sizes", ()) or ())
+        if sizes and sum(sizes) != len(all_local):
+            raise KvleaseError("the plan's KV cache groups do not add up to its blocks")
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
+            # A hybrid model's layer reads its own KV cache group's pairs only.
+            local_blocks, remote_blocks = _group_pairs(
+                all_local, all_remote, sizes, self.layer_groups.get(name)
+            )
+            if not local_blocks:
+                continue
             remote = link.layers.get(name)
             if remote is None or name not in link.formats:
                 raise KvleaseError(f"P has no KV cache layer {name}")
