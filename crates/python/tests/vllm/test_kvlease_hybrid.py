@@ -226,3 +226,77 @@ def test_d_with_one_group_recomputes_a_hybrid_ps_lease_and_frees_it(hybrid):
     assert aborts
     feed(p, worker_output(notifs=[(D_WORKER, m) for m in aborts]))
     assert p.connector.scheduler.prefill.lease(p_req.request_id) is None
+
+
+def test_a_d_worker_reads_each_layers_group_only_real_bytes():
+    """One level down from the worker harness (whose worker processes build one KV cache
+    group): D's real ``KvleaseWorker`` reads from a real P agent over TCP, fenced. The
+    full-attention layer reads its group's pairs, the sliding-window layer only the
+    window's pair; no layer reads another group's blocks, and nothing else is written."""
+    import base64
+    import time
+
+    from test_kvlease_scheduler import TOKEN, p_payload, raw
+
+    from kvlease.vllm import BatchSpec, KvleaseConfig, KvleaseWorker, LoadSpec, _engine_info
+
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport": "tcp"},
+    )
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    worker.layer_groups = {"full": 0, "window": 1}
+    agent = native.Agent("p0#0", token=TOKEN.encode(), backend="tcp")
+    page, n = 16 * 2, 4
+    try:
+        caches = {
+            "full": torch.zeros(n, 16, dtype=torch.float16),
+            "window": torch.zeros(n, 16, dtype=torch.float16),
+        }
+        worker.register_kv_caches(caches)
+        # P's blocks: each byte is 1 + block (full) or 17 + block (window).
+        p_full = bytearray(b"".join(bytes([1 + b]) * page for b in range(n)))
+        p_window = bytearray(b"".join(bytes([17 + b]) * page for b in range(n)))
+        fence = bytearray(n * 8)
+        r_full, r_window = agent.register(p_full), agent.register(p_window)
+        r_fence = agent.register(fence)
+        native.FenceWords(fence, n).publish([1, 2, 3], 5)
+        payload = p_payload(workers=[{
+            "rank": 0, "agent_name": "p0#0",
+            "agent_metadata": base64.b64encode(bytes(agent.metadata())).decode(),
+            "layers": [["full", r_full.id, 0, page, page, n],
+                       ["window", r_window.id, 0, page, page, n]],
+            "fence_region": r_fence.id, "num_blocks": n, "device": "cpu",
+            "kv_format": worker.kv_format,
+        }])
+        worker.engines["p0"] = _engine_info(raw(payload))
+        # Full attention: D 0 <- P 1, D 1 <- P 2; the window: D 2 <- P 3.
+        worker._post(LoadSpec(
+            request="r", engine="p0", remote_request="r", local_blocks=[0, 1, 2],
+            remote_blocks=[1, 2, 3], fence_block=3, generation=5,
+            batches=[BatchSpec(index=0, d_worker=0, p_rank=0, local_heads=(0, 16),
+                               remote_heads=(0, 16), notif=b"read")],
+            group_sizes=(2, 1),
+        ))
+        deadline = time.monotonic() + 30
+        while True:
+            worker.get_finished()
+            meta = worker.build_worker_meta()
+            if meta is not None and "r" in meta.batches:
+                status, nbytes, error = meta.batches["r"][0]
+                break
+            assert time.monotonic() < deadline, "the load never ended"
+            time.sleep(0.01)
+        assert (status, error) == ("done", None)
+        assert nbytes == 3 * page  # three block reads, not six
+        d = {name: bytes(t.view(torch.uint8).flatten().tolist())
+             for name, t in caches.items()}
+        blocks = {name: [d[name][b * page:(b + 1) * page] for b in range(n)] for name in d}
+        assert blocks["full"] == [bytes([2]) * page, bytes([3]) * page,
+                                  bytes(page), bytes(page)]
+        assert blocks["window"] == [bytes(page), bytes(page), bytes([20]) * page,
+                                    bytes(page)]
+    finally:
+        worker.shutdown()
+        agent.close()
