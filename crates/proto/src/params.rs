@@ -11,7 +11,7 @@
 //! | `do_remote_decode` | bool | written `false`; read and ignored |
 //! | `remote_engine_id` | [`EngineId`] | required |
 //! | `remote_request_id` | [`RequestId`] | required |
-//! | `remote_block_ids` | list of u32 | required; one KV cache group's list `[[...]]` is read as the list |
+//! | `remote_block_ids` | list of u32, or a list of such lists | required; one KV cache group's list `[[...]]` is read as the list; several groups `[[...],[...]]` (vLLM's hybrid KV cache manager) are one lease over all their blocks ([`KvTransferParams::remote_block_groups`]) |
 //! | `remote_host`, `remote_port` | string, 1..=65535 | required: P's side channel |
 //! | `tp_size` | 1..=[`MAX_PARALLEL`] | required |
 //! | `dcp_size`, `pp_size` | 1..=[`MAX_PARALLEL`] | optional |
@@ -148,8 +148,13 @@ pub struct KvTransferParams {
     pub remote_engine_id: EngineId,
     /// P's id of the request (heartbeats and completions name it).
     pub remote_request_id: RequestId,
-    /// P's block ids holding the request, in token order (the same ids on every P rank).
+    /// P's block ids holding the request, in token order (the same ids on every P rank);
+    /// with several KV cache groups, every group's blocks, group after group.
     pub remote_block_ids: Vec<u32>,
+    /// How many of [`remote_block_ids`](Self::remote_block_ids) each KV cache group holds,
+    /// in order, when the request spans several groups (vLLM's hybrid KV cache manager,
+    /// on the wire as `[[...],[...]]`); empty for one group (a flat list on the wire).
+    pub remote_block_groups: Vec<u32>,
     /// Host of P's side channel.
     pub remote_host: String,
     /// Port of P's side channel (not 0).
@@ -228,29 +233,37 @@ impl Reader<'_> {
     }
 
     /// `remote_block_ids`: a list of block ids, or (as NixlConnector-style producers send
-    /// it) a list of exactly one KV cache group's list.
-    fn blocks(&self) -> Result<Vec<u32>, ParamsError> {
+    /// it) a list of KV cache groups' lists: the blocks of every group, group after group,
+    /// and each group's count (empty for a flat list or exactly one group).
+    fn blocks(&self) -> Result<(Vec<u32>, Vec<u32>), ParamsError> {
         const KEY: &str = "remote_block_ids";
-        let bad = || ParamsError::must_be(KEY, "a list of block ids (integers in 0..=4294967295)");
-        let mut list = self.req(KEY)?.as_array().ok_or_else(bad)?;
-        if let Some(Value::Array(_)) = list.first() {
-            match list.as_slice() {
-                [Value::Array(one)] => list = one,
-                _ => {
-                    return Err(ParamsError::key(
-                        KEY,
-                        format!(
-                            "{} KV cache groups; kvlease transfers exactly one",
-                            list.len()
-                        ),
-                    ));
-                }
-            }
+        let bad = || {
+            ParamsError::must_be(
+                KEY,
+                "a list of block ids (integers in 0..=4294967295), or a list of such lists",
+            )
+        };
+        let ids = |list: &[Value]| {
+            list.iter()
+                .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(bad)
+        };
+        let list = self.req(KEY)?.as_array().ok_or_else(bad)?;
+        if !matches!(list.first(), Some(Value::Array(_))) {
+            return Ok((ids(list)?, Vec::new()));
         }
-        list.iter()
-            .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(bad)
+        let mut flat = Vec::new();
+        let mut groups = Vec::with_capacity(list.len());
+        for group in list {
+            let group = ids(group.as_array().ok_or_else(bad)?)?;
+            groups.push(u32::try_from(group.len()).map_err(|_| bad())?);
+            flat.extend(group);
+        }
+        if groups.len() == 1 {
+            groups.clear();
+        }
+        Ok((flat, groups))
     }
 
     /// The lease in milliseconds: [`LEASE_MS_KEY`], else the old [`LEASE_DURATION_KEY`]
@@ -310,12 +323,14 @@ impl KvTransferParams {
         }
         r.opt_bool("do_remote_decode")?;
         let max_parallel = u64::from(MAX_PARALLEL);
+        let (remote_block_ids, remote_block_groups) = r.blocks()?;
         let p = Self {
             remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
                 .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
             remote_request_id: RequestId::new(r.string("remote_request_id")?)
                 .map_err(|e| ParamsError::id("remote_request_id", &e))?,
-            remote_block_ids: r.blocks()?,
+            remote_block_ids,
+            remote_block_groups,
             remote_host: r.string("remote_host")?.to_owned(),
             remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
                 .unwrap_or(u16::MAX),
@@ -348,12 +363,28 @@ impl KvTransferParams {
 
     /// Checks the ranges the typed fields do not hold by themselves: `remote_port` not 0,
     /// `tp_size` (and `dcp_size`, `pp_size` if given) in 1..=[`MAX_PARALLEL`],
-    /// `kvlease_generation` not 0, `kvlease_lease_ms` (if given) in 1..=[`MAX_LEASE_MS`].
+    /// `kvlease_generation` not 0, `kvlease_lease_ms` (if given) in 1..=[`MAX_LEASE_MS`],
+    /// `remote_block_groups` empty or at least two counts summing to the blocks.
     ///
     /// # Errors
     /// A [`ParamsError`] naming the first field out of range.
     pub fn validate(&self) -> Result<(), ParamsError> {
         let max_parallel = u64::from(MAX_PARALLEL);
+        let grouped: u64 = self.remote_block_groups.iter().map(|&n| u64::from(n)).sum();
+        if self.remote_block_groups.len() == 1
+            || (!self.remote_block_groups.is_empty()
+                && grouped != self.remote_block_ids.len() as u64)
+        {
+            return Err(ParamsError::key(
+                "remote_block_ids",
+                format!(
+                    "{} KV cache groups of {grouped} blocks in all, for {} blocks \
+                     (several groups, counts summing to the blocks)",
+                    self.remote_block_groups.len(),
+                    self.remote_block_ids.len()
+                ),
+            ));
+        }
         in_range("remote_port", self.remote_port.into(), 1, u16::MAX.into())?;
         in_range("tp_size", self.tp_size.into(), 1, max_parallel)?;
         if let Some(n) = self.dcp_size {
@@ -383,14 +414,7 @@ impl KvTransferParams {
             "remote_request_id".into(),
             self.remote_request_id.as_str().into(),
         );
-        m.insert(
-            "remote_block_ids".into(),
-            self.remote_block_ids
-                .iter()
-                .copied()
-                .map(Value::from)
-                .collect(),
-        );
+        m.insert("remote_block_ids".into(), self.block_ids_value());
         m.insert("remote_host".into(), self.remote_host.as_str().into());
         m.insert("remote_port".into(), self.remote_port.into());
         m.insert("tp_size".into(), self.tp_size.into());
@@ -416,6 +440,34 @@ impl KvTransferParams {
             m.insert("kv_digest".into(), d.to_string().into());
         }
         Value::Object(m)
+    }
+
+    /// Each KV cache group's blocks, in order: one group (all the blocks) when
+    /// [`remote_block_groups`](Self::remote_block_groups) is empty. Counts beyond the
+    /// blocks (a value that fails [`validate`](Self::validate)) end the last group short.
+    pub fn block_groups(&self) -> Vec<&[u32]> {
+        if self.remote_block_groups.is_empty() {
+            return vec![&self.remote_block_ids];
+        }
+        let mut rest = self.remote_block_ids.as_slice();
+        self.remote_block_groups
+            .iter()
+            .map(|&n| {
+                let (group, tail) = rest.split_at(rest.len().min(n as usize));
+                rest = tail;
+                group
+            })
+            .collect()
+    }
+
+    /// `remote_block_ids` on the wire: a flat list for one group, `[[...],[...]]` for
+    /// several.
+    fn block_ids_value(&self) -> Value {
+        let list = |ids: &[u32]| ids.iter().copied().map(Value::from).collect::<Value>();
+        if self.remote_block_groups.is_empty() {
+            return list(&self.remote_block_ids);
+        }
+        self.block_groups().into_iter().map(list).collect()
     }
 
     /// The digest D checks the KV it read against.

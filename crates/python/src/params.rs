@@ -224,7 +224,7 @@ impl KvTransferParams {
     }
 
     /// Reads D's `kv_transfer_params` (P's answer, copied by a proxy). Accepts the old
-    /// `kvlease_lease_duration` (seconds) and one KV cache group's `[[...]]` block list.
+    /// `kvlease_lease_duration` (seconds) and KV cache groups' `[[...],[...]]` block lists.
     #[staticmethod]
     fn from_dict(py: Python<'_>, params: &Bound<'_, PyAny>) -> PyResult<Self> {
         let v = to_json(params, params::PARAMS, None, 0)?;
@@ -265,10 +265,22 @@ impl KvTransferParams {
         self.0.remote_request_id.as_str()
     }
 
-    /// P's block ids, in token order.
+    /// P's block ids, in token order (with several KV cache groups, every group's blocks,
+    /// group after group: the one lease's blocks).
     #[getter]
     fn remote_block_ids(&self) -> Vec<u32> {
         self.0.remote_block_ids.clone()
+    }
+
+    /// P's block ids per KV cache group (vLLM's hybrid KV cache manager): one list for
+    /// one group.
+    #[getter]
+    fn remote_block_groups(&self) -> Vec<Vec<u32>> {
+        self.0
+            .block_groups()
+            .into_iter()
+            .map(<[u32]>::to_vec)
+            .collect()
     }
 
     /// Host of P's side channel.

@@ -107,8 +107,16 @@ def test_d_gets_the_cores_remote_kv():
 def test_one_kv_cache_group_reads_as_the_list():
     nested = agent_answer() | {"remote_block_ids": [[7, 8, 9]]}
     assert KvTransferParams.from_dict(nested).remote_block_ids == [7, 8, 9]
-    with pytest.raises(InvalidArgument, match="2 KV cache groups") as e:
-        KvTransferParams.from_dict(agent_answer() | {"remote_block_ids": [[1], [2]]})
+    assert KvTransferParams.from_dict(nested).remote_block_groups == [[7, 8, 9]]
+    # Several groups (a hybrid model): one lease over all their blocks, written back as
+    # they came; one group stays a flat list on the wire.
+    groups = KvTransferParams.from_dict(agent_answer() | {"remote_block_ids": [[1, 2], [5]]})
+    assert groups.remote_block_ids == [1, 2, 5]
+    assert groups.remote_block_groups == [[1, 2], [5]]
+    assert groups.to_dict()["remote_block_ids"] == [[1, 2], [5]]
+    assert KvTransferParams.from_dict(nested).to_dict()["remote_block_ids"] == [7, 8, 9]
+    with pytest.raises(InvalidArgument, match="a list of such lists") as e:
+        KvTransferParams.from_dict(agent_answer() | {"remote_block_ids": [[1], 2]})
     assert e.value.field == "kv_transfer_params.remote_block_ids"
 
 

@@ -563,6 +563,7 @@ impl PrefillEngine {
         let params = KvTransferParams {
             remote_engine_id: self.cfg.engine_id.clone(),
             remote_block_ids: ids,
+            remote_block_groups: Vec::new(),
             remote_host: self.cfg.advertise_host.clone(),
             remote_port: self.cfg.side_channel_port,
             remote_request_id: w.job.id.clone(),

@@ -130,7 +130,8 @@ fn errors_name_the_field_at_fault() {
         ("remote_block_ids", json!([1, -1])),
         ("remote_block_ids", json!([1, 4_294_967_296_u64])),
         ("remote_block_ids", json!("1,2")),
-        ("remote_block_ids", json!([[1], [2]])),
+        ("remote_block_ids", json!([[1], 2])),
+        ("remote_block_ids", json!([[1], [-2]])),
         ("remote_block_ids", Value::Null),
         ("remote_port", json!(70000)),
         ("remote_port", json!("5600")),
@@ -204,11 +205,42 @@ fn one_kv_cache_group_reads_as_the_list() {
             .remote_block_ids
             .is_empty()
     );
-    let e = {
-        v["remote_block_ids"] = json!([[1], [2]]);
-        KvTransferParams::from_value(&v).expect_err("two groups")
+    assert!(p.remote_block_groups.is_empty());
+}
+
+/// Issue 22 item 3: a hybrid model's groups (full attention, sliding window) are one
+/// lease over all their blocks, and read back as they were written.
+#[test]
+fn several_kv_cache_groups_are_one_block_list_with_counts() {
+    let mut v = agent_answer();
+    v["remote_block_ids"] = json!([[1, 2, 3], [7, 8], []]);
+    let p = KvTransferParams::from_value(&v).expect("three groups");
+    assert_eq!(p.remote_block_ids, [1, 2, 3, 7, 8]);
+    assert_eq!(p.remote_block_groups, [3, 2, 0]);
+    assert_eq!(p.block_groups(), [&[1, 2, 3][..], &[7, 8][..], &[][..]]);
+    assert_eq!(
+        p.to_value()["remote_block_ids"],
+        json!([[1, 2, 3], [7, 8], []])
+    );
+    assert_eq!(KvTransferParams::from_value(&p.to_value()), Ok(p.clone()));
+    // One group stays a flat list on the wire.
+    let one = KvTransferParams {
+        remote_block_groups: Vec::new(),
+        ..p.clone()
     };
-    assert!(e.reason.contains("2 KV cache groups"), "{e}");
+    assert_eq!(one.to_value()["remote_block_ids"], json!([1, 2, 3, 7, 8]));
+    assert_eq!(one.block_groups(), [&[1, 2, 3, 7, 8][..]]);
+    for groups in [vec![5], vec![3, 3], vec![1, 1]] {
+        let bad = KvTransferParams {
+            remote_block_groups: groups.clone(),
+            ..p.clone()
+        };
+        assert_eq!(
+            bad.validate().expect_err("counts off").field,
+            "kv_transfer_params.remote_block_ids",
+            "{groups:?}"
+        );
+    }
 }
 
 /// Issue 24 item 6: the range an error states is the range accepted.
@@ -388,7 +420,7 @@ prop_compose! {
         KvTransferParams {
             remote_engine_id: EngineId::new(&engine).expect("valid id"),
             remote_request_id: RequestId::new(&request).expect("valid id"),
-            remote_block_ids, remote_host, remote_port, tp_size, dcp_size, pp_size,
+            remote_block_ids, remote_block_groups: Vec::new(), remote_host, remote_port, tp_size, dcp_size, pp_size,
             remote_num_tokens, transfer_mode, kvlease_generation, kvlease_num_tokens,
             kvlease_lease_ms, kvlease_instance, kv_digest,
         }

@@ -79,7 +79,33 @@ _FAKE_MLA_CONFIG = {
     "bos_token_id": 2,
     "eos_token_id": 2,
 }
-_FAKE_CONFIGS = {MODEL: _FAKE_OPT_CONFIG, MLA_MODEL: _FAKE_MLA_CONFIG}
+# A tiny Gemma-2: its layers alternate sliding-window (``sliding_window`` tokens) and full
+# attention, so vLLM keeps the hybrid KV cache manager for it when the connector
+# supports it (``SupportsHMA``). No tokenizer (``create_vllm_config`` skips it).
+HYBRID_MODEL = "kvlease-test/tiny-gemma-2-hybrid"
+_FAKE_HYBRID_CONFIG = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 32,
+    "query_pre_attn_scalar": 16,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+_FAKE_CONFIGS = {
+    MODEL: _FAKE_OPT_CONFIG,
+    MLA_MODEL: _FAKE_MLA_CONFIG,
+    HYBRID_MODEL: _FAKE_HYBRID_CONFIG,
+}
 
 
 def write_fake_hf_cache(hf_home: Path, model: str = MODEL) -> None:

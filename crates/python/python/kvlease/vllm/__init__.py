@@ -120,8 +120,8 @@ lease waits for exactly those readers.
 
 Not supported (yet): TP sizes that do not divide the KV heads when P's and D's differ
 (vLLM replicates heads there; refused at the handshake), KV layouts whose layer block is not dense (``BHLNC``:
-``register_kv_caches`` refuses it), hybrid KV cache groups (vLLM turns its hybrid
-manager off for this connector), pipeline parallelism, P engines spread over several
+``register_kv_caches`` refuses it), KV cache groups other than full attention and
+sliding window (``SupportsHMA`` covers those two: ``hybrid``), pipeline parallelism, P engines spread over several
 hosts (the scheduler maps the workers' fence memfds), expiry notices from P to D (D's
 fenced read catches a reclaimed lease instead).
 
@@ -130,7 +130,8 @@ The package
 One module per concern: ``config`` (``KvleaseConfig``, names and addresses),
 ``compat`` (the KV compatibility descriptor and its comparison), ``handshake`` (P's
 engine info, validated), ``metadata`` (what crosses between the halves), ``stats``
-(counters, and their Prometheus metrics ``vllm:kvlease_*``), ``connector``
+(counters, and their Prometheus metrics ``vllm:kvlease_*``), ``hybrid`` (hybrid
+models' KV cache groups: windows clipped, one lease, pairs per group), ``connector``
 (``KvleaseConnector``, vLLM's interface), ``scheduler``
 (``KvleaseScheduler``, the scheduler half) and ``worker`` (``KvleaseWorker``, the worker
 half).

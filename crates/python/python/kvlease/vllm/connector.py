@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from .config import KvleaseConfig
+from .hybrid import _layer_groups
 from .metadata import KvleaseConnectorMetadata
 from .scheduler import KvleaseScheduler
 from .stats import KvleaseConnectorStats, KvleasePromMetrics
@@ -36,12 +38,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvleaseConnector(KVConnectorBase_V1):
+class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's connector interface, delegating to the scheduler or the worker half.
 
     The scheduler half owns the engine cores; the worker half owns the transport agent
     and the registered KV caches. See the package docstring (``kvlease.vllm``) for the
-    design.
+    design. ``SupportsHMA``: hybrid models (full-attention and sliding-window KV cache
+    groups) keep vLLM's hybrid KV cache manager (``kvlease.vllm.hybrid``).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class KvleaseConnector(KVConnectorBase_V1):
             self.scheduler = KvleaseScheduler(vllm_config, self.config, kv_cache_config)
         else:
             self.worker = KvleaseWorker(vllm_config, self.config)
+            self.worker.layer_groups = _layer_groups(kv_cache_config)
 
     # -------------------------------------------------------------- scheduler side
 
@@ -92,6 +96,11 @@ class KvleaseConnector(KVConnectorBase_V1):
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished_all_groups(request, block_ids)
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -92,6 +92,9 @@ class LoadSpec:
     remote_block_size: int = 0
     first_token: int = 0
     num_tokens: int = 0
+    #: Hybrid models: how many of the pairs each KV cache group holds, group after group
+    #: (a layer reads its group's pairs only); empty: one group, every layer every pair.
+    group_sizes: tuple[int, ...] = ()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..kinds import NotifKind, Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
+from .hybrid import _clip_groups, _group_windows, _pair_groups, _param_groups
 from .metadata import (
     BatchSpec,
     KvleaseConnectorMetadata,
@@ -66,6 +67,9 @@ class KvleaseScheduler:
         if not num_blocks:
             raise ConfigError("the KV cache config names no block count")
         self.num_blocks = int(num_blocks)
+        # Hybrid models (SupportsHMA): per KV cache group, the blocks a request needs at
+        # most (0: all; a sliding window's in-window tail otherwise).
+        self.group_windows = _group_windows(kv_cache_config)
         # MLA: one latent vector per token, the same on every TP rank (one "head",
         # replicated); otherwise each rank holds its share of the KV heads.
         self.kv_replicated = bool(getattr(vllm_config.model_config, "use_mla", False))
@@ -389,6 +393,8 @@ class KvleaseScheduler:
             )
             return
         remote = self._remote_kv(request)
+        if remote is not None and _param_groups(params) > 1:
+            remote = self._group_remote_kv(request, remote)
         if remote is None:
             return
         remote = self._in_our_blocks(request.request_id, remote)
@@ -460,6 +466,9 @@ class KvleaseScheduler:
                 self.counters.add("loads_skipped")
             self._drain_decode()
             return
+        if len(self.group_windows) > 1 or _param_groups(params) > 1:
+            self._start_group_load(request, blocks)
+            return
         local = list(blocks.get_unhashed_block_ids())
         remote = decode.remote_of(rid)
         n_remote = len(remote.blocks) if remote is not None else 0
@@ -506,6 +515,38 @@ class KvleaseScheduler:
             instance=remote.instance,
         )
 
+    def _group_remote_kv(
+        self, request: "Request", remote: native.RemoteKv
+    ) -> native.RemoteKv | None:
+        """A hybrid lease (several KV cache groups) as the decode core tracks it: one
+        lease, heartbeats and one fence, its blocks those of the first group holding a
+        block per ``block_size`` tokens of the prompt (a full-attention group; the core
+        checks that count). ``None`` (computed here) when no group does."""
+        groups = native.KvTransferParams.from_dict(request.kv_transfer_params).remote_block_groups
+        need = -(-int(remote.num_tokens) // self.block_size)
+        full = next((g for g in groups if len(g) == need), None)
+        if full is None:
+            logger.warning(
+                "request %s: no KV cache group of P's lease holds the prompt's %d blocks "
+                "(groups of %s): computing locally",
+                request.request_id,
+                need,
+                [len(g) for g in groups],
+            )
+            self.counters.add("requests_refused")
+            return None
+        return native.RemoteKv(
+            engine=remote.engine,
+            request=remote.request,
+            blocks=list(full),
+            generation=remote.generation,
+            tp_size=remote.tp_size,
+            num_tokens=remote.num_tokens,
+            host=remote.host,
+            port=remote.port,
+            instance=remote.instance,
+        )
+
     def _token_map(
         self, rid: str, remote: native.RemoteKv | None, skip: int
     ) -> dict[str, Any] | None:
@@ -543,6 +584,48 @@ class KvleaseScheduler:
             "first_token": first,
             "num_tokens": num_tokens,
         }
+
+    def _start_group_load(self, request: "Request", blocks: "KVCacheBlocks") -> None:
+        """``update_state_after_alloc`` for a hybrid model: each KV cache group's
+        blocks, clipped to what it needs (a sliding window's tail), paired from the end
+        with P's blocks of the same group. The core plans one load over all the pairs
+        (one lease, one fence); the workers read each layer's group's pairs only."""
+        rid = request.request_id
+        decode = self._d()
+        local: list[int] = []
+        try:
+            params = dict(request.kv_transfer_params or {}, do_remote_prefill=True)
+            remote_groups = native.KvTransferParams.from_dict(params).remote_block_groups
+            mine = _clip_groups(blocks.get_unhashed_block_ids_all_groups(), self.group_windows)
+            local = [b for group in mine for b in group]
+            local, remote, sizes = _pair_groups(mine, remote_groups)
+            # The core tracks the group it was given (``_group_remote_kv``): its pairs.
+            tracked = decode.remote_of(rid)
+            core = next(
+                i
+                for i, g in enumerate(remote_groups)
+                if tracked is not None and list(g) == list(tracked.blocks)
+            )
+            start = sum(sizes[:core])
+            plan = decode.start_load(
+                rid,
+                local[start : start + sizes[core]],
+                len(remote_groups[core]) - sizes[core],
+            )
+        except (KvleaseError, ConfigError, StopIteration) as e:
+            logger.warning("request %s: cannot load (%s): recomputing", rid, e)
+            self._failed_loads[rid] = local
+            decode.abort(rid)
+            self._drain_decode()
+            return
+        spec = self._load_spec(plan)
+        # The workers read every group's pairs (the core planned one group's).
+        self._loads.append(
+            dataclasses.replace(
+                spec, local_blocks=local, remote_blocks=remote, group_sizes=sizes
+            )
+        )
+        self.counters.add("loads_started")
 
     def _load_spec(self, plan: native.LoadPlan) -> LoadSpec:
         remote = plan.remote
@@ -611,8 +694,29 @@ class KvleaseScheduler:
                         )
         self._drain_decode()
 
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``SupportsHMA`` hook: ``request_finished`` with each KV cache group's
+        blocks. One group is ``request_finished``; several are one lease over the blocks
+        each group still needs (a sliding window's in-window tail: its older blocks are
+        not held), answered as vLLM's ``[[...],[...]]``."""
+        if len(block_ids) <= 1 and len(self.group_windows) <= 1:
+            return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+        try:
+            groups = _clip_groups(block_ids, self.group_windows)
+        except ConfigError as e:
+            logger.error("request %s: no lease (%s)", request.request_id, e)
+            self.counters.add("grants_refused")
+            return False, None
+        flat = [b for group in groups for b in group]
+        return self.request_finished(request, flat, groups=groups)
+
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self,
+        request: "Request",
+        block_ids: list[int],
+        groups: list[list[int]] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -657,7 +761,7 @@ class KvleaseScheduler:
         self._publish(blocks, granted.generation)
         self.counters.add("leases_granted")
         try:
-            answer = self._answer(request, rid, blocks, granted.generation)
+            answer = self._answer(request, rid, groups or blocks, granted.generation)
         except InvalidArgument as e:
             # Nothing D could read: free the lease now rather than at its expiry.
             logger.error("request %s: no kv_transfer_params for its lease (%s)", rid, e)
@@ -668,10 +772,11 @@ class KvleaseScheduler:
         return True, answer
 
     def _answer(
-        self, request: "Request", rid: str, blocks: list[int], generation: int
+        self, request: "Request", rid: str, blocks: list[Any], generation: int
     ) -> dict[str, Any]:
         """P's ``kv_transfer_params`` for a granted lease, written by the one codec
-        (``KvTransferParams``): vLLM's keys (what its proxies pass along) and the lease's."""
+        (``KvTransferParams``): vLLM's keys (what its proxies pass along) and the lease's.
+        ``blocks``: the block ids, or each KV cache group's (hybrid models)."""
         return native.KvTransferParams(
             remote_engine_id=self.engine_id,
             remote_request_id=rid,

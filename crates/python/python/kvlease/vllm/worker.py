@@ -19,6 +19,7 @@ from ..kinds import BatchStatus
 from .compat import _block_format, _layer_format_diff, _rank_heads
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
 from .handshake import EngineInfo
+from .hybrid import _group_pairs
 from .metadata import (
     BatchOutcome,
     BatchSpec,
@@ -258,6 +259,9 @@ class KvleaseWorker:
         self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
         # name -> [dtype, block shape, order] (``_block_format``)
         self.kv_format: dict[str, list[Any]] = {}
+        #: Hybrid models: layer name -> KV cache group (``hybrid._layer_groups``), set by
+        #: the connector; a layer reads only its group's pairs of a load.
+        self.layer_groups: dict[str, int] = {}
         self._regions: dict[int, native.Region] = {}
         self.num_blocks = 0
         self.device = "cpu"
@@ -507,14 +511,22 @@ class KvleaseWorker:
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
             raise KvleaseError(link.incompatible)
+        sizes = tuple(getattr(load, "group_sizes", ()) or ())
         if load.remote_block_size and load.remote_block_size != load.block_size:
+            if sizes:
+                raise KvleaseError(
+                    "a hybrid model's KV cache groups between P and D of different block "
+                    "sizes are not supported"
+                )
             ops = self._token_ops(link, load, b)
         else:
-            local_blocks = [int(x) for x in load.local_blocks]
-            remote_blocks = [int(x) for x in load.remote_blocks]
-            if len(local_blocks) != len(remote_blocks):
+            all_local = [int(x) for x in load.local_blocks]
+            all_remote = [int(x) for x in load.remote_blocks]
+            if len(all_local) != len(all_remote):
                 raise KvleaseError("the plan's block lists differ in length")
-            ops = self._block_ops(link, b, local_blocks, remote_blocks)
+            if sizes and sum(sizes) != len(all_local):
+                raise KvleaseError("the plan's KV cache groups do not add up to its blocks")
+            ops = self._block_ops(link, b, all_local, all_remote, sizes)
         fence = (link.fence, int(load.fence_block) * 8, int(load.generation))
         batch = self.agent.post_read(
             link.peer,
@@ -570,12 +582,24 @@ class KvleaseWorker:
         return ops
 
     def _block_ops(
-        self, link: _PeerLink, b: BatchSpec, local_blocks: list[int], remote_blocks: list[int]
+        self,
+        link: _PeerLink,
+        b: BatchSpec,
+        all_local: list[int],
+        all_remote: list[int],
+        sizes: tuple[int, ...],
     ) -> list[Any]:
         """The read ops of batch ``b`` when P's blocks and ours hold as many tokens:
-        ``local_blocks[i]`` receives ``remote_blocks[i]`` (the batch's heads of it)."""
+        ``all_local[i]`` receives ``all_remote[i]`` (the batch's heads of it); with KV
+        cache groups (``sizes``), each layer only its own group's pairs."""
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
+            # A hybrid model's layer reads its own KV cache group's pairs only.
+            local_blocks, remote_blocks = _group_pairs(
+                all_local, all_remote, sizes, self.layer_groups.get(name)
+            )
+            if not local_blocks:
+                continue
             remote = link.layers.get(name)
             if remote is None or name not in link.formats:
                 raise KvleaseError(f"P has no KV cache layer {name}")
