@@ -8,12 +8,11 @@
 
 mod common;
 
-use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use common::{Agent, Proc, agent_command, free_port, log_path, metric};
+use common::{Agent, Proc, agent_command, closed_within, free_port, log_path, metric};
 
 const PREFILL: &str = env!("CARGO_BIN_EXE_prefill-agent");
 const PROXY: &str = env!("CARGO_BIN_EXE_kvlease-proxy");
@@ -27,32 +26,6 @@ const LIMIT_FLAGS: [&str; 6] = [
     "--http-header-timeout-ms",
     "4000",
 ];
-
-/// Whether the server closed `s` (EOF or reset) within `within`.
-fn closed_within(s: &mut TcpStream, within: Duration) -> Result<bool> {
-    let deadline = Instant::now() + within;
-    let mut buf = [0u8; 1024];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        s.set_read_timeout(Some(left))?;
-        match s.read(&mut buf) {
-            Ok(0) => return Ok(true),
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Ok(false);
-            }
-            Err(_) => return Ok(true),
-        }
-    }
-}
 
 /// A client whose connections come from `ip` and are not kept for reuse.
 fn client_from(ip: Ipv4Addr) -> Result<reqwest::Client> {

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{
-    Agent, agent_command, client, free_port, log_path, metric_of, post_completion, wait_healthy,
+    Agent, agent_command, client, closed_within, free_port, log_path, metric_of, post_completion,
+    wait_healthy,
 };
 use serde_json::{Value, json};
 
@@ -73,32 +74,6 @@ async fn honest_prefill(c: &reqwest::Client, a: &Agent) -> Result<Duration> {
     let (status, text) = post_completion(c, &a.url, &prefill_body("an honest request")).await?;
     ensure!(status == 200, "honest prefill: {status} {text}");
     Ok(start.elapsed())
-}
-
-/// Whether the server closed `s` (EOF or reset) within `within`.
-fn closed_within(s: &mut TcpStream, within: Duration) -> Result<bool> {
-    let deadline = Instant::now() + within;
-    let mut buf = [0u8; 1024];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Ok(false);
-        }
-        s.set_read_timeout(Some(left))?;
-        match s.read(&mut buf) {
-            Ok(0) => return Ok(true),
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Ok(false);
-            }
-            Err(_) => return Ok(true),
-        }
-    }
 }
 
 fn error_type(text: &str) -> Result<(String, u64)> {

@@ -5,7 +5,8 @@
 //! items the other binaries use would warn as dead code here.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -272,3 +273,29 @@ pub(crate) fn transport() -> String {
 }
 
 pub(crate) mod system;
+
+/// Whether the server closed `s` (EOF or reset) within `within`.
+pub(crate) fn closed_within(s: &mut TcpStream, within: Duration) -> Result<bool> {
+    let deadline = Instant::now() + within;
+    let mut buf = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf) {
+            Ok(0) => return Ok(true),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(false);
+            }
+            Err(_) => return Ok(true),
+        }
+    }
+}
