@@ -242,91 +242,144 @@ fn side_channel_port(a: &Agent) -> Result<u16> {
         .context("side channel address in the log")
 }
 
+type Answer = tokio::task::JoinHandle<Result<(u16, Value)>>;
+
+/// P and a slow D (`d_engine`, one decode slot) with a lease D claimed: the first request
+/// holds D's only slot for ~8 s (200 tokens x 40 ms), so the second (`pa`, P's answer for
+/// the prompt "the claimed prompt") waits on D, tracked and heartbeated: D's next
+/// heartbeat names it, and D's engine claims its lease. Until a lease is claimed, any
+/// cluster member that knows its (unguessable) id could abort it.
+struct ClaimedLease {
+    c: reqwest::Client,
+    p: Agent,
+    _d: Agent,
+    pa: Value,
+    lease: kvlease_lease::RequestId,
+    slow: Answer,
+    honest: Answer,
+}
+
+impl ClaimedLease {
+    async fn start(p_engine: &str, d_engine: &str, token: &str) -> Result<Self> {
+        let c = client();
+        let env = [("KVLEASE_AUTH_TOKEN", token)];
+        let mut p = spawn(
+            PREFILL,
+            p_engine,
+            "127.0.0.1",
+            &["--num-blocks", "64"],
+            &env,
+        )?;
+        let mut d = spawn(
+            DECODE,
+            d_engine,
+            "127.0.0.1",
+            &["--max-running", "1", "--step-ms", "40"],
+            &env,
+        )?;
+        wait_healthy(&c, &mut p).await?;
+        wait_healthy(&c, &mut d).await?;
+        let (s, first) = post(&c, &p.url, &p_body("the first prompt"), None).await?;
+        ensure!(s == 200, "{s} {first}");
+        let (s, pa) = post(&c, &p.url, &p_body("the claimed prompt"), None).await?;
+        ensure!(s == 200, "{s} {pa}");
+        let body = |prompt: &str, params: &Value, max_tokens: u32| {
+            json!({"prompt": prompt, "max_tokens": max_tokens,
+                "kv_transfer_params": params["kv_transfer_params"]})
+        };
+        let (c1, d_url) = (c.clone(), d.url.clone());
+        let b1 = body("the first prompt", &first, 200);
+        let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
+        common::wait_metric(
+            &c,
+            &d,
+            "kvlease_requests_running",
+            std::time::Duration::from_secs(10),
+            |v| v >= 1.0,
+        )
+        .await?;
+        let (c2, d_url) = (c.clone(), d.url.clone());
+        let b2 = body("the claimed prompt", &pa, 4);
+        let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
+        common::wait_metric(
+            &c,
+            &p,
+            "kvlease_heartbeat_ids_received_total",
+            std::time::Duration::from_secs(10),
+            |v| v >= 2.0,
+        )
+        .await?;
+        let lease = kvlease_lease::RequestId::new(
+            pa["kv_transfer_params"]["remote_request_id"]
+                .as_str()
+                .context("remote_request_id")?,
+        )?;
+        Ok(Self {
+            c,
+            p,
+            _d: d,
+            pa,
+            lease,
+            slow,
+            honest,
+        })
+    }
+
+    /// A token holder's transport agent `agent_name`, connected to P's worker 0 with the
+    /// metadata of a side-channel handshake it completed as engine `engine`, naming
+    /// itself as that engine's worker.
+    async fn intruder(
+        &self,
+        token: &'static str,
+        agent_name: &str,
+        engine: &'static str,
+    ) -> Result<(kvlease_transport::Agent, kvlease_transport::PeerId)> {
+        let mut cfg = kvlease_transport::AgentConfig::new(agent_name);
+        cfg.backend = kvlease_transport::BackendChoice::Tcp;
+        cfg.auth_token = Some(token.as_bytes().to_vec());
+        let agent = kvlease_transport::Agent::new(cfg)?;
+        let addr = format!("127.0.0.1:{}", side_channel_port(&self.p)?);
+        let md = agent.metadata();
+        let welcome = tokio::task::spawn_blocking(move || {
+            kvlease_agent::sidechannel::handshake(&addr, Some(token), None, engine, 1, &[md], 1)
+        })
+        .await??;
+        let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
+        let bytes = info
+            .worker(0)
+            .context("P's worker 0")?
+            .agent_metadata
+            .clone();
+        let peer = agent.connect(&bytes)?;
+        Ok((agent, peer))
+    }
+
+    /// The lease survived: it is still active, and both of D's requests end with the
+    /// right bytes.
+    async fn survived(self) -> Result<()> {
+        let active = common::metric_of(&self.c, &self.p, "kvlease_leases_active").await?;
+        ensure!(active >= 1.0, "the forged messages released the lease");
+        let (s, v) = self.honest.await??;
+        ensure!(s == 200, "the honest request: {s} {v}");
+        ensure!(v["kv_digest"] == self.pa["kv_digest"], "{v}");
+        let (s, v) = self.slow.await??;
+        ensure!(s == 200, "{s} {v}");
+        Ok(())
+    }
+}
+
 /// An authenticated third peer that learned a lease's id forges heartbeats, completions
 /// and aborts for it after the honest D claimed it: P ignores and counts them
 /// (`kvlease_notifs_foreign_total`), the lease stays, and the honest D's request ends with
 /// the right bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
-    use kvlease_lease::{ConsumerId, EngineId, RequestId};
-    let c = client();
+    use kvlease_lease::{ConsumerId, EngineId};
     let token = "forge-token";
-    let env = [("KVLEASE_AUTH_TOKEN", token)];
-    let mut p = spawn(
-        PREFILL,
-        "p-forge",
-        "127.0.0.1",
-        &["--num-blocks", "64"],
-        &env,
-    )?;
-    // A slow D: the request waits (tracked and heartbeated, so claimed) behind another.
-    let mut d = spawn(
-        DECODE,
-        "d-honest",
-        "127.0.0.1",
-        &["--max-running", "1", "--step-ms", "40"],
-        &env,
-    )?;
-    wait_healthy(&c, &mut p).await?;
-    wait_healthy(&c, &mut d).await?;
-    let (s, first) = post(&c, &p.url, &p_body("the first prompt"), None).await?;
-    ensure!(s == 200, "{s} {first}");
-    let (s, pa) = post(&c, &p.url, &p_body("the forged prompt"), None).await?;
-    ensure!(s == 200, "{s} {pa}");
-    let body = |prompt: &str, params: &Value, max_tokens: u32| {
-        json!({"prompt": prompt, "max_tokens": max_tokens,
-            "kv_transfer_params": params["kv_transfer_params"]})
-    };
-    // The first request decodes for ~8 s (200 tokens x 40 ms) and holds D's only slot...
-    let (c1, d_url) = (c.clone(), d.url.clone());
-    let b1 = body("the first prompt", &first, 200);
-    let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
-    common::wait_metric(
-        &c,
-        &d,
-        "kvlease_requests_running",
-        std::time::Duration::from_secs(10),
-        |v| v >= 1.0,
-    )
-    .await?;
-    // ...so the second waits, tracked, and D's next heartbeat (within an interval, 5 s)
-    // names it: d-honest claims its lease. Until a lease is claimed, any cluster member
-    // that knows its (unguessable) id could abort it.
-    let (c2, d_url) = (c.clone(), d.url.clone());
-    let b2 = body("the forged prompt", &pa, 4);
-    let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
-    common::wait_metric(
-        &c,
-        &p,
-        "kvlease_heartbeat_ids_received_total",
-        std::time::Duration::from_secs(10),
-        |v| v >= 2.0,
-    )
-    .await?;
-
+    let claimed = ClaimedLease::start("p-forge", "d-honest", token).await?;
     // The rogue: a cluster member (it has the token) under its own name.
-    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
-    let mut cfg = kvlease_transport::AgentConfig::new("rogue/d0");
-    cfg.backend = kvlease_transport::BackendChoice::Tcp;
-    cfg.auth_token = Some(token.as_bytes().to_vec());
-    let rogue = kvlease_transport::Agent::new(cfg)?;
-    let md = rogue.metadata();
-    let welcome = tokio::task::spawn_blocking(move || {
-        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "rogue", 1, &[md], 1)
-    })
-    .await??;
-    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
-    let bytes = info
-        .worker(0)
-        .context("P's worker 0")?
-        .agent_metadata
-        .clone();
-    let peer = rogue.connect(&bytes)?;
-    let lease = RequestId::new(
-        pa["kv_transfer_params"]["remote_request_id"]
-            .as_str()
-            .context("remote_request_id")?,
-    )?;
+    let (rogue, peer) = claimed.intruder(token, "rogue/d0", "rogue").await?;
+    let lease = &claimed.lease;
     let rogue_id = EngineId::new("rogue")?;
     let honest_id = EngineId::new("d-honest")?;
     for m in [
@@ -352,21 +405,14 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
         rogue.send_notif(peer, m)?;
     }
     common::wait_metric(
-        &c,
-        &p,
+        &claimed.c,
+        &claimed.p,
         "kvlease_notifs_foreign_total",
         std::time::Duration::from_secs(10),
         |v| v >= 3.0,
     )
     .await?;
-    let active = common::metric_of(&c, &p, "kvlease_leases_active").await?;
-    ensure!(active >= 1.0, "the forged messages released the lease");
-    let (s, v) = honest.await??;
-    ensure!(s == 200, "the honest request: {s} {v}");
-    ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
-    let (s, v) = slow.await??;
-    ensure!(s == 200, "{s} {v}");
-    Ok(())
+    claimed.survived().await
 }
 
 /// The audit's repro (issue 24, item 2): D engine `vic` heartbeats a lease; a token holder
@@ -379,85 +425,17 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
 /// under another engine id that names `vic/x9` as its worker does not help either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<()> {
-    use kvlease_lease::{ConsumerId, EngineId, RequestId};
-    let c = client();
+    use kvlease_lease::{ConsumerId, EngineId};
     let token = "ident-token";
-    let env = [("KVLEASE_AUTH_TOKEN", token)];
-    let mut p = spawn(
-        PREFILL,
-        "p-ident",
-        "127.0.0.1",
-        &["--num-blocks", "64"],
-        &env,
-    )?;
-    let mut d = spawn(
-        DECODE,
-        "vic",
-        "127.0.0.1",
-        &["--max-running", "1", "--step-ms", "40"],
-        &env,
-    )?;
-    wait_healthy(&c, &mut p).await?;
-    wait_healthy(&c, &mut d).await?;
-    let (s, first) = post(&c, &p.url, &p_body("the first prompt"), None).await?;
-    ensure!(s == 200, "{s} {first}");
-    let (s, pa) = post(&c, &p.url, &p_body("the victim's prompt"), None).await?;
-    ensure!(s == 200, "{s} {pa}");
-    let body = |prompt: &str, params: &Value, max_tokens: u32| {
-        json!({"prompt": prompt, "max_tokens": max_tokens,
-            "kv_transfer_params": params["kv_transfer_params"]})
-    };
-    // The first request holds D's only slot for ~8 s; the second waits, heartbeated.
-    let (c1, d_url) = (c.clone(), d.url.clone());
-    let b1 = body("the first prompt", &first, 200);
-    let slow = tokio::spawn(async move { post(&c1, &d_url, &b1, None).await });
-    common::wait_metric(
-        &c,
-        &d,
-        "kvlease_requests_running",
-        std::time::Duration::from_secs(10),
-        |v| v >= 1.0,
-    )
-    .await?;
-    let (c2, d_url) = (c.clone(), d.url.clone());
-    let b2 = body("the victim's prompt", &pa, 4);
-    let honest = tokio::spawn(async move { post(&c2, &d_url, &b2, None).await });
-    common::wait_metric(
-        &c,
-        &p,
-        "kvlease_heartbeat_ids_received_total",
-        std::time::Duration::from_secs(10),
-        |v| v >= 2.0,
-    )
-    .await?;
-
-    // The attacker: a token holder with a transport agent named like vic's workers.
-    let mut cfg = kvlease_transport::AgentConfig::new("vic/x9");
-    cfg.backend = kvlease_transport::BackendChoice::Tcp;
-    cfg.auth_token = Some(token.as_bytes().to_vec());
-    let attacker = kvlease_transport::Agent::new(cfg)?;
-    // P's worker metadata, from a handshake under another engine id that (in vain)
+    let claimed = ClaimedLease::start("p-ident", "vic", token).await?;
+    let (c, p) = (&claimed.c, &claimed.p);
+    // The attacker: a token holder with a transport agent named like vic's workers, and
+    // P's worker metadata from a handshake under another engine id that (in vain)
     // registers the attacker's agent as its worker.
-    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
-    let md = attacker.metadata();
-    let welcome = tokio::task::spawn_blocking(move || {
-        kvlease_agent::sidechannel::handshake(&addr, Some(token), None, "mallory", 1, &[md], 1)
-    })
-    .await??;
-    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
-    let bytes = info
-        .worker(0)
-        .context("P's worker 0")?
-        .agent_metadata
-        .clone();
-    let peer = attacker.connect(&bytes)?;
-    let lease = RequestId::new(
-        pa["kv_transfer_params"]["remote_request_id"]
-            .as_str()
-            .context("remote_request_id")?,
-    )?;
+    let (attacker, peer) = claimed.intruder(token, "vic/x9", "mallory").await?;
+    let lease = &claimed.lease;
     let vic = EngineId::new("vic")?;
-    let before = common::metric_of(&c, &p, "kvlease_leases_active").await?;
+    let before = common::metric_of(c, p, "kvlease_leases_active").await?;
     ensure!(before >= 1.0, "no lease active before the attack");
     // `KVL1:AB:<rid>;vic;0`, then a completion.
     for m in [
@@ -476,25 +454,18 @@ async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<
         attacker.send_notif(peer, m)?;
     }
     common::wait_metric(
-        &c,
-        &p,
+        c,
+        p,
         "kvlease_notifs_unregistered_total",
         std::time::Duration::from_secs(10),
         |v| v >= 2.0,
     )
     .await?;
-    let aborted = common::metric_of(&c, &p, "kvlease_leases_released_total{reason=\"aborted\"}")
+    let aborted = common::metric_of(c, p, "kvlease_leases_released_total{reason=\"aborted\"}")
         .await
         .unwrap_or(0.0);
     ensure!(aborted == 0.0, "the forged abort released vic's lease");
-    let active = common::metric_of(&c, &p, "kvlease_leases_active").await?;
-    ensure!(active >= 1.0, "the forged messages released the lease");
-    let (s, v) = honest.await??;
-    ensure!(s == 200, "the honest request: {s} {v}");
-    ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
-    let (s, v) = slow.await??;
-    ensure!(s == 200, "{s} {v}");
-    Ok(())
+    claimed.survived().await
 }
 
 /// Issue 24, item 5: a token holder's worker metadata used to make P connect (for expiry
