@@ -6,7 +6,7 @@ the way NixlConnector clips them (``get_exchange_clipped_blocks``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import ConfigError
 
@@ -106,12 +106,3 @@ def _group_pairs(
     start = sum(sizes[:group])
     end = start + (sizes[group] if group < len(sizes) else 0)
     return local[start:end], remote[start:end]
-
-
-def _param_groups(params: dict[str, Any]) -> int:
-    """How many KV cache groups ``remote_block_ids`` of ``params`` lists (1 for a flat
-    list), without validating them."""
-    ids = params.get("remote_block_ids")
-    if isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)):
-        return len(ids)
-    return 1

@@ -19,7 +19,7 @@ from ..kinds import NotifKind, Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
-from .hybrid import _clip_groups, _group_windows, _pair_groups, _param_groups
+from .hybrid import _clip_groups, _group_windows, _pair_groups
 from .metadata import (
     BatchSpec,
     KvleaseConnectorMetadata,
@@ -127,6 +127,9 @@ class KvleaseScheduler:
         self._finished_sending: list[str] = []
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
+        # P's block ids per KV cache group of each request the core admitted, as its
+        # kv_transfer_params named them (one list: one group).
+        self._groups: dict[str, list[list[int]]] = {}
         self._loads: list[LoadSpec] = []
         self._failed_loads: dict[str, list[int]] = {}
         self.engines: dict[str, EngineInfo] = {}
@@ -270,10 +273,10 @@ class KvleaseScheduler:
 
     # ------------------------------------------------------------------- D side
 
-    def _remote_kv(self, request: "Request") -> native.RemoteKv | None:
-        """D's coordinates of the request's KV on P, read by the one codec
+    def _kv_params(self, request: "Request") -> native.KvTransferParams | None:
+        """The request's ``kv_transfer_params``, read once by the one codec
         (``KvTransferParams``); ``None``, with a warning naming the field at fault, when
-        its ``kv_transfer_params`` are not a kvlease lease (the request is computed here)."""
+        they are not a kvlease lease (the request is computed here)."""
         try:
             params = native.KvTransferParams.from_dict(request.kv_transfer_params or {})
         except InvalidArgument as e:
@@ -285,7 +288,7 @@ class KvleaseScheduler:
                 e.reason,
             )
             return None
-        return params.to_remote_kv()
+        return params
 
     def _start_handshakes(self) -> None:
         while (hs := self._d().poll_handshake()) is not None:
@@ -375,6 +378,7 @@ class KvleaseScheduler:
             elif isinstance(event, native.Finished):
                 self._remote.discard(event.request)
                 self._p_blocks.pop(event.request, None)
+                self._groups.pop(event.request, None)
                 if event.outcome == Outcome.FAILED:
                     self.counters.add("loads_failed")
                     logger.warning("load of %s failed: %s", event.request, event.error)
@@ -392,11 +396,15 @@ class KvleaseScheduler:
                 request.request_id,
             )
             return
-        remote = self._remote_kv(request)
-        if remote is not None and _param_groups(params) > 1:
-            remote = self._group_remote_kv(request, remote)
-        if remote is None:
+        kv = self._kv_params(request)
+        if kv is None:
             return
+        groups = kv.remote_block_groups
+        remote = kv.to_remote_kv()
+        if len(groups) > 1:
+            remote = self._group_remote_kv(request, remote, groups)
+            if remote is None:
+                return
         remote = self._in_our_blocks(request.request_id, remote)
         now = self.clock()
         try:
@@ -412,6 +420,7 @@ class KvleaseScheduler:
             self._drain_decode()
             return
         self._remote.add(request.request_id)
+        self._groups[request.request_id] = groups
         self.counters.add("requests_tracked")
         self._pump(now)
 
@@ -466,7 +475,7 @@ class KvleaseScheduler:
                 self.counters.add("loads_skipped")
             self._drain_decode()
             return
-        if len(self.group_windows) > 1 or _param_groups(params) > 1:
+        if len(self.group_windows) > 1 or len(self._groups.get(rid, ())) > 1:
             self._start_group_load(request, blocks)
             return
         local = list(blocks.get_unhashed_block_ids())
@@ -516,13 +525,12 @@ class KvleaseScheduler:
         )
 
     def _group_remote_kv(
-        self, request: "Request", remote: native.RemoteKv
+        self, request: "Request", remote: native.RemoteKv, groups: list[list[int]]
     ) -> native.RemoteKv | None:
         """A hybrid lease (several KV cache groups) as the decode core tracks it: one
         lease, heartbeats and one fence, its blocks those of the first group holding a
         block per ``block_size`` tokens of the prompt (a full-attention group; the core
         checks that count). ``None`` (computed here) when no group does."""
-        groups = native.KvTransferParams.from_dict(request.kv_transfer_params).remote_block_groups
         need = -(-int(remote.num_tokens) // self.block_size)
         full = next((g for g in groups if len(g) == need), None)
         if full is None:
@@ -594,8 +602,7 @@ class KvleaseScheduler:
         decode = self._d()
         local: list[int] = []
         try:
-            params = dict(request.kv_transfer_params or {}, do_remote_prefill=True)
-            remote_groups = native.KvTransferParams.from_dict(params).remote_block_groups
+            remote_groups = self._groups[rid]
             mine = _clip_groups(blocks.get_unhashed_block_ids_all_groups(), self.group_windows)
             local = [b for group in mine for b in group]
             local, remote, sizes = _pair_groups(mine, remote_groups)
