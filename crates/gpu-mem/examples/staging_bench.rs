@@ -11,6 +11,13 @@
 //! runs the CUDA copier over device memory of device 0. The sink discards bytes
 //! (`io::sink`) and the source is a host buffer, so the figures are the staging engine's
 //! ceiling. After timing, the data is read back and compared byte for byte (`verified=1`).
+//!
+//! With `--memory cuda` it then times plain driver copies of the same bytes between a
+//! pinned host buffer (`CudaPinnedRegion`) and the same device region, one synchronous
+//! copy of `--bytes` per iteration (`cuda::copy_htod` / `cuda::copy_dtoh`), and prints
+//! them as `pinned_h2d_gbps` and `pinned_d2h_gbps`: the limit the staging figures are
+//! held to (`scripts/gpu-check.sh` prints their ratios). Those bytes are verified too.
+//!
 //! Output is `key=value` lines (used by `scripts/gpu-check.sh`).
 
 use std::error::Error;
@@ -98,6 +105,43 @@ fn run<C: Copier>(copier: &mut C, args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// Times plain synchronous driver copies of `args.bytes` between a pinned host buffer and
+/// `device` (host → device first), then checks the bytes that came back.
+#[cfg(feature = "cuda")]
+fn pinned_copies(device: &dyn DmaRegion, args: &Args) -> Result<()> {
+    use kvlease_gpu_mem::cuda::{self, CudaPinnedRegion};
+    let pinned = CudaPinnedRegion::new(0, args.bytes)?;
+    // SAFETY: `pinned` is `len` bytes of host memory (zeroed at allocation) that this
+    // function owns and outlives the slice; nothing else reads or writes it while the
+    // slice lives (the copies below take it as their host buffer and are synchronous).
+    let host = unsafe { std::slice::from_raw_parts_mut(pinned.base_ptr(), pinned.len()) };
+    let data = pattern(args.bytes);
+    host.copy_from_slice(&data);
+    // Warm-up pass in each direction.
+    cuda::copy_htod(device, 0, host)?;
+    cuda::copy_dtoh(device, 0, host)?;
+
+    let start = Instant::now();
+    for _ in 0..args.iters {
+        cuda::copy_htod(device, 0, host)?;
+    }
+    let h2d = gbps(args.bytes, args.iters, start.elapsed().as_secs_f64());
+    host.fill(0);
+    let start = Instant::now();
+    for _ in 0..args.iters {
+        cuda::copy_dtoh(device, 0, host)?;
+    }
+    let d2h = gbps(args.bytes, args.iters, start.elapsed().as_secs_f64());
+
+    println!("pinned_d2h_gbps={d2h:.2}");
+    println!("pinned_h2d_gbps={h2d:.2}");
+    if *host != *data {
+        return Err("pinned copies: the bytes back from the device differ".into());
+    }
+    println!("pinned_verified=1");
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     match bench() {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -124,7 +168,8 @@ fn bench() -> Result<()> {
         "cuda" => {
             use kvlease_gpu_mem::cuda::{CudaCopier, CudaDeviceRegion};
             let region: Arc<dyn DmaRegion> = Arc::new(CudaDeviceRegion::new(0, args.bytes)?);
-            run(&mut CudaCopier::new(region, config)?, &args)
+            run(&mut CudaCopier::new(Arc::clone(&region), config)?, &args)?;
+            pinned_copies(region.as_ref(), &args)
         }
         other => Err(format!(
             "--memory {other}: expected host or cuda (cuda needs the `cuda` feature)"

@@ -13,7 +13,7 @@ use kvlease_gpu_mem::cuda::ipc::{self, IpcError, IpcHandle, IpcMapping};
 use kvlease_gpu_mem::cuda::{
     self, CudaAvailability, CudaCopier, CudaDeviceRegion, CudaError, CudaPinnedRegion,
 };
-use kvlease_gpu_mem::staging::{self, Copier, StagingConfig, StagingError};
+use kvlease_gpu_mem::staging::{self, Copier, SlotError, StagingConfig, StagingError};
 use kvlease_gpu_mem::{
     BlockPool, DmaRegion, HostRegion, KvLayout, MemoryKind, MemoryRequest, RegionAccessError,
     RegionBytes,
@@ -126,9 +126,20 @@ fn bad_requests_are_errors_not_panics() {
         copier.set_region(host),
         Err(CudaError::NotDeviceMemory { .. })
     ));
+    // The region is exactly the 4096 bytes asked for (only the allocation behind it is
+    // rounded up to DEVICE_ALLOC_GRANULE), and a copier refuses a range outside it as
+    // every copier does: a slot refusal, `SlotError::Range` (see `check_request` in
+    // src/cuda/copier.rs, whose host test covers this without a GPU).
+    assert_eq!(copier.region().len(), 4096);
     assert!(matches!(
         copier.stage_out(0, 4000, 100),
-        Err(CudaError::Range(_))
+        Err(CudaError::Slot(SlotError::Range(
+            RegionAccessError::OutOfBounds {
+                offset: 4000,
+                len: 100,
+                region_len: 4096
+            }
+        )))
     ));
     assert!(matches!(copier.slot(3), Err(CudaError::Slot(_))));
 }

@@ -83,8 +83,7 @@ impl CudaCopier {
     }
 
     fn check(&self, slot: usize, offset: usize, len: usize) -> Result<(), CudaError> {
-        staging::check_copy(slot, offset, len, self.config, self.region.len())?;
-        Ok(())
+        check_request(self.config, self.region.len(), slot, offset, len)
     }
 
     /// The host address of the start of `slot` (inside the pinned staging allocation).
@@ -125,6 +124,22 @@ impl CudaCopier {
         staging::check_copy(slot, 0, 0, self.config, 0)?;
         Ok(())
     }
+}
+
+/// The refusal of a copy request (`slot`, `offset`, `len`) by a copier with `config`
+/// over a region of `region_len` bytes, as every copier refuses it
+/// ([`staging::check_copy`]): a range outside the region is
+/// `CudaError::Slot(SlotError::Range(_))`, like the host copier's `SlotError::Range`. No
+/// driver call: tested without a GPU.
+pub(super) fn check_request(
+    config: StagingConfig,
+    region_len: usize,
+    slot: usize,
+    offset: usize,
+    len: usize,
+) -> Result<(), CudaError> {
+    staging::check_copy(slot, offset, len, config, region_len)?;
+    Ok(())
 }
 
 impl Copier for CudaCopier {

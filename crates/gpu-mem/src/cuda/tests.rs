@@ -74,3 +74,37 @@ fn device_copies_refuse_host_memory_before_touching_the_driver() {
     let err = CudaCopier::new(host, StagingConfig::default()).expect_err("host memory");
     assert!(matches!(err, CudaError::NotDeviceMemory { .. }));
 }
+
+/// The range check of `CudaCopier::stage_out` / `stage_in` (tests/cuda.rs
+/// `bad_requests_are_errors_not_panics` runs the copier itself on a GPU): a copy past the
+/// end of a 4096-byte region is a slot refusal carrying the range, not `CudaError::Range`.
+#[test]
+fn copier_requests_outside_the_region_are_slot_range_refusals() {
+    use crate::staging::SlotError;
+    let config = StagingConfig::default();
+    assert!(matches!(
+        copier::check_request(config, 4096, 0, 4000, 100),
+        Err(CudaError::Slot(SlotError::Range(
+            RegionAccessError::OutOfBounds {
+                offset: 4000,
+                len: 100,
+                region_len: 4096
+            }
+        )))
+    ));
+    copier::check_request(config, 4096, 0, 3996, 100).expect("ends at the region's end");
+    copier::check_request(config, 4096, 2, 4096, 0).expect("empty, at the end");
+    assert!(matches!(
+        copier::check_request(config, 4096, 3, 0, 1),
+        Err(CudaError::Slot(SlotError::NoSuchSlot { slot: 3, depth: 3 }))
+    ));
+    assert!(matches!(
+        copier::check_request(config, usize::MAX, 0, usize::MAX, 1),
+        Err(CudaError::Slot(SlotError::Range(_)))
+    ));
+    let chunk = config.chunk_len();
+    assert!(matches!(
+        copier::check_request(config, 4 * chunk, 0, 0, chunk + 1),
+        Err(CudaError::Slot(SlotError::TooLong { .. }))
+    ));
+}
