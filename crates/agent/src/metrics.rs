@@ -263,6 +263,10 @@ pub struct Metrics {
     pub transfer_bytes: Counter,
     /// `kvlease_transfers_total{backend}`: use [`Metrics::transfer`].
     transfers: Family<BackendLabel, Counter>,
+    /// `kvlease_read_bytes_total{backend}`: KV bytes this engine read, by the backend each
+    /// batch really used (a link that says `shm` may move a batch with `cma`): use
+    /// [`Metrics::read_bytes`].
+    read_bytes: Family<BackendLabel, Counter>,
     /// `kvlease_peer_backend{peer,backend}` (gauge, 1 = in use): use [`Metrics::set_peer_backend`].
     peer_backend: Family<PeerBackendLabel, Gauge>,
     /// `kvlease_handshakes_total{outcome}`: use [`Metrics::handshake`].
@@ -478,6 +482,10 @@ impl Metrics {
             decode_tokens: r.counter("decode_tokens", "Tokens decoded"),
             transfer_bytes: r.counter("transfer_bytes", "KV bytes transferred"),
             transfers: r.family("transfers", "KV read batches completed, by backend"),
+            read_bytes: r.family(
+                "read_bytes",
+                "KV bytes read, by the backend each batch really used",
+            ),
             peer_backend: r.family(
                 "peer_backend",
                 "Backend in use per peer engine (1 = in use)",
@@ -552,6 +560,9 @@ impl Metrics {
             drop(self.transfers.get_or_create(&BackendLabel {
                 backend: BackendName(backend),
             }));
+            drop(self.read_bytes.get_or_create(&BackendLabel {
+                backend: BackendName(backend),
+            }));
         }
     }
 
@@ -572,6 +583,15 @@ impl Metrics {
     /// The counter `kvlease_transfers_total{backend}`.
     pub fn transfer(&self, backend: Backend) -> Counter {
         self.transfers
+            .get_or_create(&BackendLabel {
+                backend: BackendName(backend),
+            })
+            .clone()
+    }
+
+    /// The counter `kvlease_read_bytes_total{backend}`.
+    pub fn read_bytes(&self, backend: Backend) -> Counter {
+        self.read_bytes
             .get_or_create(&BackendLabel {
                 backend: BackendName(backend),
             })
@@ -816,6 +836,7 @@ mod tests {
         clone.lease_released(ReleaseReason::Expired).inc();
         clone.request(RequestOutcome::KvLoadFailed).inc_by(2);
         clone.transfer_bytes.inc_by(1 << 20);
+        clone.read_bytes(Backend::Cma).inc_by(4096);
         clone.lease_reclaim_seconds.observe(4.5);
         clone.set_peer_backend("p-0", Backend::Tcp);
         let text = metrics.encode();
@@ -837,6 +858,14 @@ mod tests {
         assert_eq!(
             sample(&text, "kvlease_transfer_bytes_total"),
             Some(1_048_576.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_read_bytes_total{backend=\"cma\"}"),
+            Some(4096.0)
+        );
+        assert_eq!(
+            sample(&text, "kvlease_read_bytes_total{backend=\"tcp\"}"),
+            Some(0.0)
         );
         assert_eq!(
             sample(&text, "kvlease_lease_reclaim_seconds_count"),

@@ -91,6 +91,12 @@ async fn happy_path_byte_exact_digests() -> Result<()> {
         n as f64
     );
     assert!(metric(&dm, "kvlease_transfer_bytes_total") > 0.0);
+    // Every byte D read is counted once, under the backend its batch really used.
+    let by_backend: f64 = ["tcp", "shm", "cma", "verbs"]
+        .iter()
+        .map(|b| metric(&dm, &format!("kvlease_read_bytes_total{{backend=\"{b}\"}}")))
+        .sum();
+    assert_eq!(by_backend, metric(&dm, "kvlease_transfer_bytes_total"));
     Ok(())
 }
 

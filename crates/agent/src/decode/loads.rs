@@ -108,6 +108,7 @@ impl DecodeEngine {
                 match link::poll(&w.agent, p.batch) {
                     LinkStatus::Pending => {}
                     LinkStatus::Done { bytes, backend } => {
+                        self.metrics.read_bytes(backend).inc_by(bytes);
                         p.backend = backend;
                         p.done = true;
                         results.push((id.clone(), i, BatchResult::Done { bytes }));

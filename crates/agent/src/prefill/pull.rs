@@ -390,8 +390,9 @@ impl PullCtx {
                         result = Err(PullError::TimedOut);
                         break;
                     }
-                    link::LinkStatus::Done { bytes, .. } => {
+                    link::LinkStatus::Done { bytes, backend } => {
                         self.metrics.transfer_bytes.inc_by(bytes);
+                        self.metrics.read_bytes(backend).inc_by(bytes);
                         break;
                     }
                     link::LinkStatus::Failed(f) => {
