@@ -131,9 +131,9 @@
 //! read P's TCP server is serving does. A region P registers after D connected is not
 //! handed over (D reads it over TCP) until D connects again. P's lease protocol and
 //! fences, not the key, guard the bytes of a region that stays registered for the pool's
-//! life. The CUDA IPC path has not run on a GPU yet: its end-to-end test
+//! life. The CUDA IPC path's end-to-end test
 //! (`cuda_device_memory_is_read_over_shm_from_another_process` in `tests/shm.rs`) is
-//! `#[ignore]`d and needs one.
+//! `#[ignore]`d (it needs a GPU; `scripts/gpu-check.sh` runs it) and passed on one H200.
 
 pub(crate) mod copy;
 #[cfg(feature = "cuda")]
