@@ -117,3 +117,60 @@ def test_kv_buffer_device_is_checked():
     assert (direct.kv_buffer_device, direct.use_host_buffer) == ("cuda", False)
     # vLLM's default (the platform's device type): the KV caches as they are.
     assert KvleaseConfig.from_vllm(config(False)).use_host_buffer is False
+
+
+def test_hybrid_groups_copy_each_layers_own_blocks_only():
+    """A hybrid model's host copies, one level down (no hybrid model runs in the worker
+    harness): each KV cache group's blocks are copied in its own layers only, both ways,
+    and the host buffers keep the caches' layout (a layer sharing another's memory shares
+    it in the host buffer too)."""
+    import torch
+
+    from kvlease.vllm import KvleaseWorker
+    from kvlease.vllm.worker import _index_copy_blocks, _Load
+
+    cfg = config(True)
+    worker = KvleaseWorker(cfg, KvleaseConfig.from_vllm(cfg))
+    try:
+        backing = torch.zeros(2 * 8 * 64, dtype=torch.uint8)
+        caches = {
+            # Block-outer: both layers in one storage, their blocks interleaved.
+            "full": backing.view(torch.float16).view(8, 2, 32)[:, 0],
+            "window": backing.view(torch.float16).view(8, 2, 32)[:, 1],
+        }
+        worker.layer_groups = {"full": 0, "window": 1}
+        worker.register_kv_caches(caches)
+        host = worker.host_xfer_buffers
+        assert {n: (t.shape, t.stride()) for n, t in host.items()} == \
+            {n: (t.shape, t.stride()) for n, t in caches.items()}
+        assert host["full"].untyped_storage().data_ptr() == \
+            host["window"].untyped_storage().data_ptr()
+        assert len(worker._regions) == 1  # one registered region, the host storage
+        calls = []
+
+        def op(src, dst, src_ids, dst_ids, direction):
+            calls.append((sorted(src), list(src_ids), direction))
+            _index_copy_blocks(src, dst, src_ids, dst_ids, direction)
+
+        worker.set_host_xfer_buffer_ops(op)
+        for name, t in caches.items():
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        worker.save_kv_to_host([SaveSpec(request="r", block_groups=[[1, 2], [5]])])
+        assert calls == [(["full"], [1, 2], "d2h"), (["window"], [5], "d2h")]
+        for name, copied in (("full", [1, 2]), ("window", [5])):
+            for b in range(8):
+                same = torch.equal(host[name][b], caches[name][b])
+                assert same == (b in copied), (name, b)
+
+        # D: blocks read into the host buffer go to the caches, per group, at the end.
+        calls.clear()
+        for t in host.values():
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        record = _Load(blocks=[3, 4, 6], pending=set(), host_groups=[[3, 4], [6]])
+        worker.sync_recved_kv_to_device("r", record)
+        assert calls == [(["full"], [3, 4], "h2d"), (["window"], [6], "h2d")]
+        for name, copied in (("full", [3, 4]), ("window", [6])):
+            for b in range(8):
+                assert torch.equal(host[name][b], caches[name][b]) == (b in copied)
+    finally:
+        worker.shutdown()

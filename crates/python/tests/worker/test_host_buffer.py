@@ -189,3 +189,38 @@ def test_host_buffer_with_p_tp2_to_d_tp1_bytes_equal_per_head(make):
             assert p0[layer][i] != p1[layer][i]
     assert [c["direction"] for w in p.workers for c in w.request("copies")] == ["d2h"] * 2
     assert [c["direction"] for c in d.worker.request("copies")] == ["h2d"]
+
+
+def test_host_buffer_with_p_blocks_of_16_to_d_blocks_of_32(make):
+    """Block sizes P ≠ D through host buffers on both sides: D reads runs of tokens into
+    its host buffer, then copies the blocks it read to its KV cache."""
+    import test_block_size as bs
+
+    p = make("p0", "kv_producer", True, seed=7, block_size=16).ready()
+    d = make("d0", "kv_consumer", True, seed=8, block_size=32).ready()
+    req, p_blocks, spec, errors = bs.load(p, d, 16, 32)
+    assert not errors and (spec.block_size, spec.remote_block_size) == (32, 16)
+    p_heads = [w.request("heads", block_ids=p_blocks) for w in p.workers]
+    (d_heads,) = [w.request("heads", block_ids=spec.local_blocks) for w in d.workers]
+    bs.assert_tokens_equal(p_heads, d_heads, p_blocks, spec.local_blocks, 16, 32,
+                           {h: (0, h) for h in range(4)})
+    (c,) = d.worker.request("copies")
+    assert c["direction"] == "h2d" and c["dst_ids"] == list(spec.local_blocks)
+
+
+def test_host_buffer_with_an_mla_model_p_tp2_to_d_tp1(make):
+    """MLA through host buffers: D's worker reads the latent cache once, from P rank 0's
+    host buffer, and copies it to its KV cache."""
+    import test_hetero_tp as hetero
+
+    p = make("p0", "kv_producer", True, seed=7, tp_size=2,
+             model=sched_harness.MLA_MODEL).ready()
+    d = make("d0", "kv_consumer", True, seed=8, tp_size=1,
+             model=sched_harness.MLA_MODEL).ready()
+    req, d_req, p_blocks, spec, errors = hetero.load(p, d)
+    assert not errors and len(spec.batches) == 1
+    (p0, p1) = [w.request("blocks", block_ids=p_blocks) for w in p.workers]
+    d0 = d.worker.request("blocks", block_ids=spec.local_blocks)
+    assert d0 == p0 and d0 != p1
+    (c,) = d.worker.request("copies")
+    assert c["direction"] == "h2d" and c["dst_ids"] == list(spec.local_blocks)
