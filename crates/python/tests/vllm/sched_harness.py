@@ -161,6 +161,7 @@ def create_vllm_config(
     dtype: str = "float16",
     model: str = MODEL,
     tp_size: int = 1,
+    kv_buffer_device: str | None = None,
 ):
     """A ``VllmConfig`` for the fake OPT (or ``model``: ``MLA_MODEL``) on CPU with an
     out-of-tree KV connector, for an engine of ``tp_size`` workers."""
@@ -199,6 +200,8 @@ def create_vllm_config(
     )
     if engine_id is not None:
         transfer["engine_id"] = engine_id
+    if kv_buffer_device is not None:
+        transfer["kv_buffer_device"] = kv_buffer_device
     config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,

@@ -157,7 +157,8 @@ class Engine:
     """vLLM's scheduler here, the connector's worker half in one child process per TP
     rank (``workers``; ``worker`` is rank 0)."""
 
-    def __init__(self, name: str, vllm_config, num_blocks: int, log_dir: Path, seed: int):
+    def __init__(self, name: str, vllm_config, num_blocks: int, log_dir: Path, seed: int,
+                 copy_ops: str = "vllm"):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.name = name
@@ -175,7 +176,8 @@ class Engine:
                 f"{name}-worker{rank}" if self.tp_size > 1 else f"{name}-worker",
                 log_dir,
                 dict(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config,
-                     seed=seed + 1000 * rank, device=KV_DEVICE, rank=rank, dist=dist),
+                     seed=seed + 1000 * rank, device=KV_DEVICE, rank=rank, dist=dist,
+                     copy_ops=copy_ops),
             )
             for rank in range(self.tp_size)
         ]

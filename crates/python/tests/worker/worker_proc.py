@@ -9,7 +9,10 @@ the connector's scheduler half); this process gets what a vLLM worker gets from 
   transfer group, as ``ensure_kv_transfer_initialized`` does;
 - allocates the KV cache with vLLM's own ``allocate_kv_cache`` (one int8 backing buffer,
   per-layer strided views in the configured layout; on CPU, or on the device named by
-  ``KVLEASE_TEST_KV_DEVICE``, e.g. ``cuda:0``) and registers it with ``register_kv_caches``;
+  ``KVLEASE_TEST_KV_DEVICE``, e.g. ``cuda:0``) and registers it with ``register_kv_caches``,
+  then gives it vLLM's ``copy_kv_blocks`` with ``set_host_xfer_buffer_ops``, as vLLM's GPU
+  (and CPU) model runner does (``copy_ops``: ``"vllm"``; ``"none"``: not given;
+  ``"recording"``: the same copy, each call logged with the bytes around it, ``copies``);
 - runs each step through vLLM's own ``KVConnectorModelRunnerMixin.kv_connector_no_forward``
   (bind metadata, start_load_kv, wait_for_save, get_finished / get_transfer_results,
   get_block_ids_with_load_errors, clear metadata) and returns the ``KVConnectorOutput``.
@@ -85,7 +88,7 @@ def _join_tp_group(vllm_config, rank: int, dist: str) -> None:
 
 class Worker:
     def __init__(self, vllm_config, kv_cache_config, seed: int, device: str = "cpu",
-                 rank: int = 0, dist: str | None = None):
+                 rank: int = 0, dist: str | None = None, copy_ops: str = "vllm"):
         import torch
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -105,6 +108,48 @@ class Worker:
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
         self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device(device), layout)
         self.connector.register_kv_caches(self.kv_caches)
+        self.steps = 0
+        self._copies: list[dict] = []
+        if copy_ops != "none":
+            from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+
+            op = copy_kv_blocks if copy_ops == "vllm" else self._recording(copy_kv_blocks)
+            self.connector.set_host_xfer_buffer_ops(op)
+
+    def _recording(self, copy_kv_blocks):
+        """vLLM's copy (as the connector would run it on this platform), each call
+        logged: the step, the direction, the block ids, and per layer the bytes of the
+        source blocks and of the destination blocks before and after the copy."""
+        from kvlease.vllm.worker import _copy_op_for_platform
+
+        op = _copy_op_for_platform(copy_kv_blocks)
+
+        def pages(caches, ids):
+            return {name: [_bytes(t[b]) for b in ids] for name, t in caches.items()}
+
+        def recording(src, dst, src_ids, dst_ids, direction):
+            entry = dict(step=self.steps, direction=direction, src_ids=list(src_ids),
+                         dst_ids=list(dst_ids), src=pages(src, src_ids),
+                         dst_before=pages(dst, dst_ids))
+            op(src, dst, src_ids, dst_ids, direction)
+            entry["dst_after"] = pages(dst, dst_ids)
+            self._copies.append(entry)
+
+        return recording
+
+    def copies(self) -> list[dict]:
+        """The recorded copies since the last call."""
+        out, self._copies = self._copies, []
+        return out
+
+    def host_blocks(self, block_ids: list[int]) -> dict[str, list[bytes]]:
+        """``blocks`` of the connector's host buffers."""
+        buffers = self.connector.worker.host_xfer_buffers
+        return {name: [_bytes(t[b]) for b in block_ids] for name, t in buffers.items()}
+
+    def scribble(self, block_ids: list[int]) -> None:
+        """New random bytes in these blocks of the KV caches (not the host buffers)."""
+        self._fill(block_ids)
 
     # Requests.
     def handshake_metadata(self):
@@ -123,6 +168,7 @@ class Worker:
             KVConnectorModelRunnerMixin,
         )
 
+        self.steps += 1
         if fill:
             self._fill(fill)
         out = KVConnectorModelRunnerMixin.kv_connector_no_forward(
@@ -170,6 +216,12 @@ class Worker:
                     dtype=torch.int8, generator=self.generator,
                 )
                 page.copy_(noise.view(page.dtype).reshape(page.shape))  # to the device
+
+
+def _bytes(page) -> bytes:
+    import torch
+
+    return page.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def main() -> None:

@@ -108,7 +108,18 @@ channel listens on, only that one, and D reaches P at; default env
 ``side_channel_port`` (default 0: any free port, published in the params),
 ``transport_host`` (address of the workers' agents; default the side-channel host),
 ``read_timeout`` (seconds per read batch, default the lease duration),
-``handshake_timeout`` (seconds, default 5).
+``handshake_timeout`` (seconds, default 5), ``force_host_buffer`` (below).
+
+**Host buffer.** ``kv_transfer_config.kv_buffer_device`` is ``cuda`` (the KV caches are
+registered with the transport as they are) or ``cpu``: then each worker allocates host
+buffers laid out as its KV caches (pinned for CUDA caches), registers those instead,
+and uses the block copy vLLM's model runner gives (``set_host_xfer_buffer_ops``). P
+copies a request's blocks to them after the step that completes its prompt
+(``SaveSpec``, ``wait_for_save``), before that step's output reaches
+``request_finished``, which grants the lease only on blocks so copied; D reads into its
+host buffers and copies the blocks it read to its caches before it reports the load
+done. As NixlConnector, a CPU platform stages nothing (its caches are host memory)
+unless ``force_host_buffer`` is true. Any other ``kv_buffer_device`` is refused.
 
 **TP sizes and MLA.** P and D may run different TP sizes when each divides the model's
 KV heads (P TP = k·D TP or D TP = k·P TP): the decode core plans which D worker reads
@@ -151,6 +162,7 @@ from .metadata import (
     KvleaseWorkerMetadata,
     LoadSpec,
     ReceivedNotif,
+    SaveSpec,
     TransmitSpec,
 )
 from .scheduler import KvleaseScheduler

@@ -27,6 +27,43 @@ def _engine_of(agent_name: str) -> str:
     return agent_name.rpartition(_RANK_SEP)[0] or agent_name
 
 
+#: ``kv_transfer_config.kv_buffer_device`` values the connector takes: ``cuda``, the KV
+#: caches themselves are registered with the transport (CUDA memory, or host memory on a
+#: CPU platform); ``cpu``, the KV is staged through host buffers (``use_host_buffer``).
+KV_BUFFER_DEVICES = ("cuda", "cpu")
+
+
+def _platform_device() -> str:
+    """vLLM's current platform's device type (``cuda``, ``cpu``, ``xpu`` ...)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def _host_buffer(ktc: object, extra: dict) -> tuple[str, bool]:
+    """``(kv_buffer_device, use_host_buffer)``. As NixlConnector decides: a host buffer
+    when ``kv_buffer_device`` is ``cpu`` and the platform's KV caches are not already
+    host memory; ``force_host_buffer`` stages through one on a CPU platform too (the
+    path a GPU takes, runnable without one). vLLM's default is the platform's device
+    type, empty on a platform vLLM did not resolve (a CUDA build without a GPU): the KV
+    caches are registered as they are."""
+    device = getattr(ktc, "kv_buffer_device", None) or _platform_device()
+    if device and device not in KV_BUFFER_DEVICES:
+        raise ConfigError(
+            f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)} (cuda: the "
+            "KV caches are registered as they are; cpu: they are staged through host "
+            f"buffers), not {device!r}"
+        )
+    force = extra.get("force_host_buffer", False)
+    if not isinstance(force, bool):
+        raise ConfigError(f"force_host_buffer must be true or false, not {force!r}")
+    if force and device != "cpu":
+        raise ConfigError(
+            f"force_host_buffer needs kv_buffer_device 'cpu', not {device!r}"
+        )
+    return str(device), device == "cpu" and (force or _platform_device() != "cpu")
+
+
 @dataclass(frozen=True)
 class KvleaseConfig:
     """The connector's settings, read from ``kv_connector_extra_config``."""
@@ -41,6 +78,11 @@ class KvleaseConfig:
     transport_host: str = "127.0.0.1"
     read_timeout: float = 30.0
     handshake_timeout: float = 5.0
+    #: ``kv_transfer_config.kv_buffer_device`` (``KV_BUFFER_DEVICES``, or empty: vLLM's
+    #: platform is unresolved).
+    kv_buffer_device: str = "cuda"
+    #: Whether the KV is staged through registered host buffers (``_host_buffer``).
+    use_host_buffer: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig") -> "KvleaseConfig":
@@ -90,6 +132,7 @@ class KvleaseConfig:
         if not 0 <= port < 65536:
             raise ConfigError(f"side_channel_port must be a port number, not {port}")
         transport_host = str(extra.get("transport_host") or host)
+        kv_buffer_device, use_host_buffer = _host_buffer(ktc, extra)
         engine_id = ktc.engine_id
         if not engine_id:
             raise ConfigError("kv_transfer_config.engine_id is not set")
@@ -104,6 +147,8 @@ class KvleaseConfig:
             transport_host=transport_host,
             read_timeout=number("read_timeout", lease),
             handshake_timeout=number("handshake_timeout", 5.0),
+            kv_buffer_device=kv_buffer_device,
+            use_host_buffer=use_host_buffer,
         )
 
 

@@ -29,6 +29,7 @@ from .worker import KvleaseWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -137,6 +138,11 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def set_host_xfer_buffer_ops(self, copy_operation: "CopyBlocksOp") -> None:
+        """vLLM's copy between the KV caches and host memory (its model runners call
+        this after ``register_kv_caches``): used with ``kv_buffer_device`` ``cpu``."""
+        self._work().set_host_xfer_buffer_ops(copy_operation)
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().handshake_metadata()
 
@@ -157,10 +163,20 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: "AttentionMetadata",
         **kwargs: Any,
     ) -> None:
-        # D pulls from P's own KV blocks: P saves nothing.
+        # D pulls from P's own KV blocks (or their host copies, made in wait_for_save).
         return None
 
     def wait_for_save(self) -> None:
+        """After the step's forward: with a host buffer, P copies the blocks of the
+        requests whose prompt this step completed to it (``SaveSpec``), before the step's
+        output lets the scheduler grant their leases."""
+        worker = self._work()
+        if not worker.use_host_buffer or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvleaseConnectorMetadata)
+        if meta.saves:
+            worker.save_kv_to_host(meta.saves)
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

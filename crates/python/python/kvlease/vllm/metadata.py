@@ -1,8 +1,9 @@
 """The metadata vLLM carries between the connector's halves: scheduler → workers
 (``KvleaseConnectorMetadata``: ``LoadSpec`` with its ``BatchSpec``, ``TransmitSpec``, P's
-``EngineInfo``), workers → scheduler (``KvleaseWorkerMetadata``: ``ReceivedNotif``,
-``BatchOutcome``) and a worker's registration (``KvleaseHandshakeMetadata``). Each is a
-dataclass or named tuple of plain values, so vLLM can pickle it between processes."""
+``EngineInfo``, ``SaveSpec``), workers → scheduler (``KvleaseWorkerMetadata``:
+``ReceivedNotif``, ``BatchOutcome``) and a worker's registration
+(``KvleaseHandshakeMetadata``). Each is a dataclass or named tuple of plain values, so
+vLLM can pickle it between processes."""
 
 from __future__ import annotations
 
@@ -97,6 +98,19 @@ class LoadSpec:
     group_sizes: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class SaveSpec:
+    """P with a host buffer (``kv_buffer_device`` ``cpu``): a request's blocks each
+    worker copies from its KV caches to its host buffers after this step's forward (the
+    step that computes the rest of its prompt), before the step's output reaches the
+    scheduler, which grants the lease on them."""
+
+    request: str
+    #: The block ids per KV cache group (a sliding window's tail only), as the lease
+    #: will name them.
+    block_groups: list[list[int]]
+
+
 @dataclass
 class KvleaseConnectorMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step (plain values and dataclasses of them: vLLM
@@ -110,6 +124,8 @@ class KvleaseConnectorMetadata(KVConnectorMetadata):
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
     #: P: leases ended; vLLM may free their blocks.
     finished_sending: list[str] = field(default_factory=list)
+    #: P with a host buffer: the blocks to copy to it after this step's forward.
+    saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .metadata import (
     KvleaseWorkerMetadata,
     LoadSpec,
     ReceivedNotif,
+    SaveSpec,
     TransmitSpec,
 )
 from .stats import _Counters
@@ -125,6 +126,14 @@ class KvleaseScheduler:
             )
             self.side_channel_port = self.side_channel.port
         self._finished_sending: list[str] = []
+        # P with a host buffer (kv_buffer_device cpu): the do_remote_decode requests
+        # whose blocks the workers copy to it at the step completing their prompt; each
+        # one's block table as the steps named it; the blocks of its last copy (its
+        # lease may name no other).
+        self.use_host_buffer = config.use_host_buffer
+        self._to_save: dict[str, "Request"] = {}
+        self._tables: dict[str, list[list[int]]] = {}
+        self._saved: dict[str, set[int]] = {}
         # D: requests the core admitted, loads planned for the workers, P engines.
         self._remote: set[str] = set()
         # P's block ids per KV cache group of each request the core admitted, as its
@@ -464,6 +473,15 @@ class KvleaseScheduler:
     ) -> None:
         rid = request.request_id
         params = request.kv_transfer_params
+        if (
+            self.use_host_buffer
+            and self.prefill is not None
+            and params
+            and params.get("do_remote_decode")
+        ):
+            # Its blocks go to the host buffer at the step that completes its prompt
+            # (again after a preemption): ``_build_saves``.
+            self._to_save[rid] = request
         if rid not in self._remote or not params or not params.get("do_remote_prefill"):
             return
         # One transfer per request, even if it is preempted and scheduled again.
@@ -681,7 +699,45 @@ class KvleaseScheduler:
         meta.engines, self._new_engines = self._new_engines, {}
         meta.failed_loads, self._failed_loads = self._failed_loads, {}
         meta.finished_sending, self._finished_sending = self._finished_sending, []
+        if self._to_save:
+            meta.saves = self._build_saves(scheduler_output)
         return meta
+
+    def _build_saves(self, scheduler_output: Any) -> list[SaveSpec]:
+        """P with a host buffer: the requests whose prompt this step completes, with all
+        their blocks (each group's clipped as its lease will be): the workers copy them
+        to the host buffer after the step's forward (``wait_for_save``), so before the
+        step's output reaches ``request_finished``, which grants the lease on them. A
+        request still scheduled after that (it decodes on P) is copied again each step,
+        its new blocks too."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        saves = []
+        for rid, new_groups, full_table in yield_req_data(scheduler_output):
+            request = self._to_save.get(rid)
+            if request is None:
+                continue
+            table = self._tables.get(rid)
+            if new_groups is not None:
+                if full_table or table is None:
+                    table = [list(g) for g in new_groups]
+                else:
+                    table = [list(a) + list(b) for a, b in zip(table, new_groups)]
+                self._tables[rid] = table
+            if table is None:
+                continue
+            scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+            if int(request.num_computed_tokens) + scheduled < int(request.num_prompt_tokens):
+                continue  # a chunk of the prompt: its blocks are not all computed yet
+            try:
+                groups = _clip_groups(table, self.group_windows)
+            except ConfigError as e:
+                logger.error("request %s: not copied to the host buffer (%s)", rid, e)
+                continue
+            saves.append(SaveSpec(request=rid, block_groups=groups))
+            self._saved[rid] = {b for g in groups for b in g}
+            self.counters.add("host_saves")
+        return saves
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         now = self.clock()
@@ -730,6 +786,9 @@ class KvleaseScheduler:
         rid = request.request_id
         now = self.clock()
         params = request.kv_transfer_params or {}
+        self._to_save.pop(rid, None)
+        self._tables.pop(rid, None)
+        saved = self._saved.pop(rid, None)
         if rid in self._remote:
             # D: decoded to the end, or aborted before (or while) loading.
             decode = self._d()
@@ -756,6 +815,19 @@ class KvleaseScheduler:
             )
             self.counters.add("grants_refused")
             return False, None
+        if self.use_host_buffer:
+            # The lease covers the host copies: D reads nothing the workers did not copy
+            # before this (the step that completed the prompt, or a later one).
+            missing = sorted(set(blocks) - (saved or set()))
+            if missing:
+                logger.error(
+                    "request %s: no lease: blocks %s were not copied to the host buffer "
+                    "(kv_buffer_device cpu)",
+                    rid,
+                    missing,
+                )
+                self.counters.add("grants_refused")
+                return False, None
         try:
             granted = self.prefill.handle_prefill_done_in(now, rid, blocks)
         except KvleaseError as e:

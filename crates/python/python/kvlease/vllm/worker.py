@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
 from ..errors import ConfigError, KvleaseError, NotifError, TransferError
@@ -28,6 +28,7 @@ from .metadata import (
     KvleaseWorkerMetadata,
     LoadSpec,
     ReceivedNotif,
+    SaveSpec,
 )
 from .stats import _Counters
 
@@ -36,6 +37,53 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("kvlease.vllm")
+
+#: vLLM's ``CopyBlocksOp`` (``set_host_xfer_buffer_ops``): ``(src caches, dst caches, src
+#: block ids, dst block ids, "h2d" | "d2h")``, every layer of the dicts.
+CopyBlocksOp = Callable[
+    [dict[str, "torch.Tensor"], dict[str, "torch.Tensor"], list[int], list[int], str], None
+]
+
+
+def _index_copy_blocks(
+    src_kv_caches: dict[str, "torch.Tensor"],
+    dst_kv_caches: dict[str, "torch.Tensor"],
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    direction: str,
+) -> None:
+    """vLLM's ``copy_kv_blocks`` with the copy CudaPlatform makes (``dst[ids] =
+    src[ids]`` on dim 0, the blocks, moved to the destination's device), for a platform
+    that has no block copy of its own: vLLM 0.33's CpuPlatform lacks
+    ``swap_out_blocks_to_host`` and ``insert_blocks_to_device``, which vLLM's
+    ``copy_kv_blocks`` calls (and so does its UnspecifiedPlatform, a CUDA build of vLLM
+    on a machine without a GPU)."""
+    import torch
+
+    if not src_block_ids or len(src_block_ids) != len(dst_block_ids):
+        return
+    for name, src in src_kv_caches.items():
+        dst = dst_kv_caches[name]
+        s_ids = torch.tensor(src_block_ids, dtype=torch.int64, device=src.device)
+        d_ids = torch.tensor(dst_block_ids, dtype=torch.int64, device=dst.device)
+        dst[d_ids] = src[s_ids].to(dst.device)
+
+
+def _copy_op_for_platform(op: CopyBlocksOp) -> CopyBlocksOp:
+    """The copy op to run: ``op`` as vLLM gave it, unless it is vLLM's own
+    ``copy_kv_blocks`` on a platform without the block copies it calls (CPU): then the
+    same copy made with torch (``_index_copy_blocks``)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+        from vllm.platforms import current_platform
+    except ImportError:
+        return op
+    if op is copy_kv_blocks and any(
+        getattr(current_platform, name, None) is None
+        for name in ("swap_out_blocks_to_host", "insert_blocks_to_device")
+    ):
+        return _index_copy_blocks
+    return op
 
 
 def _layer_layout(name: str, t: "torch.Tensor") -> tuple[int, int, int, int]:
@@ -232,6 +280,9 @@ class _Load:
     failed: bool = False
     #: Batch index -> (when it was posted, the backend it reads over), for the stats.
     posted: dict[int, tuple[float, str]] = field(default_factory=dict)
+    #: Host buffer: D's blocks read into it, per KV cache group (copied to the device
+    #: once every batch ended well); empty when this worker reads nothing of the load.
+    host_groups: list[list[int]] = field(default_factory=list)
 
 
 class KvleaseWorker:
@@ -263,6 +314,13 @@ class KvleaseWorker:
         #: the connector; a layer reads only its group's pairs of a load.
         self.layer_groups: dict[str, int] = {}
         self._regions: dict[int, native.Region] = {}
+        # The host buffer (``kv_buffer_device`` ``cpu``), named as NixlConnector names
+        # it: the KV caches vLLM computes in, their host copies (what is registered and
+        # read), and the copy op vLLM gives (``set_host_xfer_buffer_ops``).
+        self.use_host_buffer = config.use_host_buffer
+        self.device_kv_caches: dict[str, "torch.Tensor"] = {}
+        self.host_xfer_buffers: dict[str, "torch.Tensor"] = {}
+        self.copy_blocks: CopyBlocksOp | None = None
         self.num_blocks = 0
         self.device = "cpu"
         self._fence_fd: int | None = None
@@ -294,7 +352,107 @@ class KvleaseWorker:
 
     # ------------------------------------------------------------ registration
 
+    def initialize_host_xfer_buffer(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        """Host buffers laid out as the KV caches are: per backing storage of the caches
+        one host storage of its size (pinned when the caches are CUDA memory), and per
+        layer a view of the same shape, dtype, strides and offset in it. Block ``b`` of
+        a layer's buffer holds block ``b`` of its cache, the block formats are the
+        caches' (D compares them), and layers sharing memory share it here too."""
+        import torch
+
+        pin = torch.cuda.is_available() and any(
+            t.device.type == "cuda" for t in kv_caches.values()
+        )
+        backing: dict[int, "torch.Tensor"] = {}
+        buffers: dict[str, "torch.Tensor"] = {}
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            storage = t.untyped_storage()
+            host = backing.get(storage.data_ptr())
+            if host is None:
+                # Rounded up so that any element size views it whole.
+                nbytes = -(-storage.nbytes() // 16) * 16
+                host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+                backing[storage.data_ptr()] = host
+            buffers[name] = host.view(t.dtype).as_strided(
+                tuple(t.shape), tuple(t.stride()), t.storage_offset()
+            )
+        self.host_xfer_buffers = buffers
+        logger.info(
+            "kvlease worker %s rank %d: host buffer of %d bytes%s for %d layers",
+            self.engine_id,
+            self.rank,
+            sum(h.numel() for h in backing.values()),
+            " (pinned)" if pin else "",
+            len(buffers),
+        )
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        """vLLM's block copy between the KV caches and the host buffers, given by its
+        model runners right after ``register_kv_caches``. Without a host buffer it is
+        not needed (NixlConnector ignores it too)."""
+        if not self.use_host_buffer:
+            return
+        self.copy_blocks = _copy_op_for_platform(copy_operation)
+
+    def _copy_op(self) -> CopyBlocksOp:
+        if self.copy_blocks is None:
+            raise ConfigError(
+                "kv_buffer_device is 'cpu' (a host buffer), but vLLM gave the connector "
+                "no copy op between the KV caches and the host buffer "
+                "(set_host_xfer_buffer_ops, which vLLM's model runners call after "
+                "register_kv_caches): the KV cannot be staged"
+            )
+        return self.copy_blocks
+
+    def _host_copy(self, direction: str, block_groups: list[list[int]]) -> int:
+        """Copies blocks between the KV caches and the host buffers (``d2h`` or
+        ``h2d``), each KV cache group's blocks in its own layers (one group: every layer
+        every block). Returns the blocks copied per layer."""
+        op = self._copy_op()
+        device, host = self.device_kv_caches, self.host_xfer_buffers
+        src, dst = (device, host) if direction == "d2h" else (host, device)
+        groups = [[int(b) for b in g] for g in block_groups]
+        if len(groups) <= 1 or not self.layer_groups:
+            blocks = [b for g in groups for b in g]
+            if blocks:
+                op(src, dst, blocks, blocks, direction)
+            return len(blocks)
+        for index, blocks in enumerate(groups):
+            names = [n for n in src if self.layer_groups.get(n) == index]
+            if blocks and names:
+                op({n: src[n] for n in names}, {n: dst[n] for n in names}, blocks, blocks,
+                   direction)
+        # A layer no group names (none in vLLM's hybrid configs) gets every block.
+        rest = [n for n in src if n not in self.layer_groups]
+        blocks = [b for g in groups for b in g]
+        if rest and blocks:
+            op({n: src[n] for n in rest}, {n: dst[n] for n in rest}, blocks, blocks,
+               direction)
+        return len(blocks)
+
+    def save_kv_to_host(self, saves: list[SaveSpec]) -> None:
+        """P: after the step's forward (``wait_for_save``), the blocks of the requests
+        whose prompt it completed, KV caches to host buffers, synchronously (the copy op
+        returns with the bytes in host memory). The scheduler grants their leases only
+        after this step's output, so D never reads a block not yet copied."""
+        for spec in saves:
+            n = self._host_copy("d2h", spec.block_groups)
+            self.counters.add("host_blocks_saved", n)
+
+    def sync_recved_kv_to_device(self, rid: str, record: _Load) -> None:
+        """D: a load's blocks read into the host buffers, to the KV caches, before the
+        request is reported done receiving (only the blocks this worker read)."""
+        n = self._host_copy("h2d", record.host_groups)
+        self.counters.add("host_blocks_synced", n)
+        logger.debug("load of %s: %d blocks copied from the host buffer", rid, n)
+
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self.device_kv_caches = dict(kv_caches)
+        if self.use_host_buffer:
+            # The transport reads and writes the host copies, never the caches.
+            self.initialize_host_xfer_buffer(kv_caches)
+            kv_caches = self.host_xfer_buffers
         storages: dict[int, native.Region] = {}
         num_blocks = None
         for name in sorted(kv_caches):
@@ -330,12 +488,13 @@ class KvleaseWorker:
         self._fence_map = mmap.mmap(fd, size)
         self._fence_region = self.agent.register(self._fence_map)
         logger.info(
-            "kvlease worker %s rank %d: %d layers, %d blocks on %s, agent %s",
+            "kvlease worker %s rank %d: %d layers, %d blocks on %s%s, agent %s",
             self.engine_id,
             self.rank,
             len(self.layers),
             self.num_blocks,
             self.device,
+            " (host buffer)" if self.use_host_buffer else "",
             self.agent.address,
         )
 
@@ -483,12 +642,23 @@ class KvleaseWorker:
         rid = load.request
         mine = [b for b in load.batches if b.d_worker == self.rank]
         previous = self._loads.get(rid)
+        host_groups: list[list[int]] = []
+        if self.use_host_buffer and mine:
+            self._copy_op()  # no read lands in a host buffer that cannot be synced
+            local = [int(x) for x in load.local_blocks]
+            sizes = tuple(getattr(load, "group_sizes", ()) or ())
+            if sizes:
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                host_groups = [local[a : a + n] for a, n in zip(starts, sizes)]
+            else:
+                host_groups = [local]
         # Every batch is pending before any is posted: a batch that fails at once must
         # not finish the load while this worker's other batches are still to post.
         record = _Load(
             blocks=list(load.local_blocks),
             pending={b.index for b in mine},
             failed=previous is not None and previous.failed,
+            host_groups=host_groups,
         )
         self._loads[rid] = record
         if not mine:
@@ -681,10 +851,14 @@ class KvleaseWorker:
             self._finish_load(rid)
 
     def _finish_load(self, rid: str) -> None:
-        self._finished_recving.add(rid)
         record = self._loads.pop(rid, None)
         if record is not None and record.failed:
             self._load_errors.update(record.blocks)
+        elif record is not None and record.host_groups:
+            # Every batch read into the host buffer: the KV caches get it now, before
+            # vLLM learns the load is done (the caches were not written before).
+            self.sync_recved_kv_to_device(rid, record)
+        self._finished_recving.add(rid)
 
     def _poll(self) -> None:
         for rid, record in list(self._loads.items()):
