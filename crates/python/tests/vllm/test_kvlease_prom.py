@@ -61,6 +61,9 @@ INTERVAL = {
     "read_seconds.shm": [0.0005],
     "handshakes_failed": 2,
     "handshakes_done": 1,
+    "host_saves": 2,
+    "host_blocks_saved": 9,
+    "host_blocks_synced": 8,
 }
 
 
@@ -89,6 +92,8 @@ def test_every_series_is_scraped_with_vllms_engine_labels():
     assert value("vllm:kvlease_read_bytes_total", backend="shm") == 1024
     assert value("vllm:kvlease_stale_reads_total") == 1
     assert value("vllm:kvlease_handshake_failures_total") == 2
+    assert value("vllm:kvlease_host_buffer_blocks_total", direction="d2h") == 9
+    assert value("vllm:kvlease_host_buffer_blocks_total", direction="h2d") == 8
     # The histogram: 4 ms and 200 ms over tcp, 0.5 ms over shm.
     assert value("vllm:kvlease_read_seconds_count", backend="tcp") == 2
     assert value("vllm:kvlease_read_seconds_sum", backend="tcp") == pytest.approx(0.204)
@@ -105,6 +110,9 @@ def test_every_series_is_scraped_with_vllms_engine_labels():
     assert REGISTRY.get_sample_value(
         "vllm:kvlease_reads_total", {**other, "backend": "tcp", "status": "done"}
     ) is None
+    assert REGISTRY.get_sample_value(
+        "vllm:kvlease_host_buffer_blocks_total", {**other, "direction": "h2d"}
+    ) == 0
 
     # A second interval adds up; the text exposition names every family.
     logger.record(
@@ -117,7 +125,7 @@ def test_every_series_is_scraped_with_vllms_engine_labels():
     text = generate_latest(REGISTRY).decode()
     for family in [
         "leases_granted", "leases_released", "heartbeats_sent", "heartbeat_renewals",
-        "reads", "read_bytes", "stale_reads", "handshake_failures",
+        "reads", "read_bytes", "stale_reads", "handshake_failures", "host_buffer_blocks",
     ]:
         assert f"# TYPE vllm:kvlease_{family}_total counter" in text or (
             f"# TYPE vllm:kvlease_{family} counter" in text

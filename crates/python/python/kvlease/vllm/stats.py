@@ -65,6 +65,10 @@ class KvleaseConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+#: The workers' host-buffer counters and the ``direction`` label each is exported under.
+HOST_BUFFER_DIRECTIONS = {"host_blocks_saved": "d2h", "host_blocks_synced": "h2d"}
+
+
 class _Counters:
     """Counters a side reports as deltas at each ``get_kv_connector_stats``."""
 
@@ -147,6 +151,12 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
             "D's side-channel handshakes with P engines that failed (unreachable, "
             "authentication, a malformed engine info).",
         )
+        self.host_buffer_blocks = counter(
+            "host_buffer_blocks",
+            "KV blocks copied through the host buffer (kv_buffer_device cpu): d2h on P "
+            "before a lease is granted, h2d on D after a read.",
+            ("direction",),
+        )
         self.read_seconds = self._histogram_cls(
             name="vllm:kvlease_read_seconds",
             documentation="Time from posting a read batch to the engine step that saw it "
@@ -166,6 +176,8 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
                 metric.labels(*values)
             for reason in ReleaseReason:
                 self.leases_released.labels(*values, reason.value)
+            for direction in HOST_BUFFER_DIRECTIONS.values():
+                self.host_buffer_blocks.labels(*values, direction)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -190,6 +202,8 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
                 continue
             if not backend and name in plain:
                 plain[name].labels(*engine).inc(value)
+            elif not backend and name in HOST_BUFFER_DIRECTIONS:
+                self.host_buffer_blocks.labels(*engine, HOST_BUFFER_DIRECTIONS[name]).inc(value)
             elif not backend and name.startswith(released):
                 self.leases_released.labels(*engine, name[len(released) :]).inc(value)
             elif backend and name in statuses:
