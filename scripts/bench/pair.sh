@@ -21,14 +21,17 @@
 # Then, on the medians:
 #   ratio_<mem>_<w>_vs_nixl=   kvlease auto over NIXL, w in 64k_x64, 1m_x64, 4m_x256
 #   ratio_<mem>_<w>_vs_copy=   kvlease auto over the in-process copy
-#   ratio_host_1m_x64_vs_nixl_goal=1.5 and ..._met=0|1 (the issue's goal for host memory)
+#   ratio_host_1m_x64_vs_nixl_goal=1.5 and ..._met=0|1 (the issue's goal for host memory;
+#                              nan without NIXL)
 # Keys are key=value, GB/s = 10^9 B/s; a peer that fails prints nan (its reason on stderr).
 # Pythons: KVLEASE_PAIR_PYTHON must import kvlease (default: the vLLM venv's, else python3;
 # make it with scripts/python-test.sh, or pip install a wheel of crates/python). NIXL runs in
 # KVLEASE_PAIR_NIXL_PYTHON if set, else in KVLEASE_PAIR_PYTHON when that imports nixl (e.g.
 # an unpacked wheel on PYTHONPATH), else (host memory, not --offline / KVLEASE_PAIR_OFFLINE=1)
 # in the venv lib.sh's nixl_venv makes from PyPI (KVLEASE_NIXL_VENV); else it is skipped.
-# Nothing is built or installed with --offline: fit for a machine without a network.
+# Nothing is built or installed with --offline: fit for a machine without a network (an
+# unpacked nixl-cu13 wheel's UCX needs libcudart.so.13 on LD_LIBRARY_PATH, e.g. torch's
+# nvidia/cu13/lib).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/bench/lib.sh
@@ -157,7 +160,7 @@ done
 if [ "$MEMORY" = host ]; then
   r=$(ratio "$(get kvlease_auto_host_read_1m_x64_gbps)" "$(get nixl_host_read_1m_x64_gbps)")
   echo "ratio_host_1m_x64_vs_nixl_goal=1.5"
-  echo "ratio_host_1m_x64_vs_nixl_met=$(python3 -c 'import sys; r = sys.argv[1]; print(int(r != "nan" and float(r) >= 1.5))' "$r")"
+  echo "ratio_host_1m_x64_vs_nixl_met=$(python3 -c 'import sys; r = sys.argv[1]; print("nan" if r == "nan" else int(float(r) >= 1.5))' "$r")"
   b=$(get kvlease_auto_host_backend_1m_x64)
   [ "$b" = cma ] || [[ " $BACKENDS " != *" auto "* ]] || echo "pair.sh: kvlease auto's 64 x 1 MiB batch reported backend '${b:-none}', not cma" >&2
 fi
