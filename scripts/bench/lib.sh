@@ -11,7 +11,9 @@
 #   nixl_venv / mooncake_venv make the peer's venv unless it already imports the peer
 #                             ($NIXL_VENV, $MOONCAKE_VENV); fail (reason on stderr) if that fails
 #   nixl_run MODE SECS ENV... one nixl_pair.py target and initiator under `env ENV...`; prints
-#                             the initiator's lines (keys nixl_MODE_*); needs nixl_ok=1
+#                             the initiator's lines (keys nixl_MODE_*); needs nixl_ok=1.
+#                             NIXL_PYTHON (default the venv's python), NIXL_ARGS (an array of
+#                             more arguments for both sides), NIXL_TIMEOUT (s, default 110)
 
 NIXL_VENV=${KVLEASE_NIXL_VENV:-/var/tmp/kvlease-nixl-venv}
 MOONCAKE_VENV=${KVLEASE_MOONCAKE_VENV:-/var/tmp/kvlease-mooncake-venv}
@@ -123,13 +125,15 @@ nixl_run() {
   local mode=$1 seconds=$2 port target rc=0
   shift 2
   [ "${nixl_ok:-0}" = 1 ] || { echo "no NIXL venv" >&2; return 1; }
+  local py=${NIXL_PYTHON:-$NIXL_VENV/bin/python} limit=${NIXL_TIMEOUT:-110}
   port=$(free_port)
-  env "$@" timeout 120 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py \
-    --mode target --port "$port" >"$BENCH_TMP/nixl-$mode-target.log" 2>&1 &
+  env "$@" timeout $((limit + 10)) "$py" scripts/bench/nixl/nixl_pair.py \
+    --mode target --port "$port" ${NIXL_ARGS[@]+"${NIXL_ARGS[@]}"} \
+    >"$BENCH_TMP/nixl-$mode-target.log" 2>&1 &
   target=$!
   wait_listen "$port" 60 || { echo "NIXL target did not listen on $port" >&2; kill "$target" 2>/dev/null; return 1; }
-  env "$@" timeout 110 "$NIXL_VENV/bin/python" scripts/bench/nixl/nixl_pair.py --mode initiator \
-    --port "$port" --seconds "$seconds" --prefix "nixl_$mode" || rc=$?
+  env "$@" timeout "$limit" "$py" scripts/bench/nixl/nixl_pair.py --mode initiator \
+    --port "$port" --seconds "$seconds" --prefix "nixl_$mode" ${NIXL_ARGS[@]+"${NIXL_ARGS[@]}"} || rc=$?
   [ "$rc" = 0 ] || kill "$target" 2>/dev/null
   wait "$target" || { echo "NIXL target:" >&2; tail -n 3 "$BENCH_TMP/nixl-$mode-target.log" >&2; }
   return "$rc"

@@ -11,6 +11,12 @@ with --prefix (default nixl). UCX picks the transports: run with UCX_TLS=tcp
 UCX_NET_DEVICES=lo for TCP, or with UCX_TLS unset for UCX's defaults (on one host, READ
 goes through cma, i.e. process_vm_readv, and notifications over tcp/lo; UCX_PROTO_INFO=y
 prints the choice). No progress thread (fastest on 2 cores).
+
+With --pair (scripts/bench/pair.sh): READ only, of the pair workloads of
+scripts/bench/pair/pairlib.py (64 x 64 KiB, 64 x 1 MiB, 256 x 4 MiB, each verified), from
+--memory host (numpy or torch, --alloc) or cuda (torch) buffers (DRAM / VRAM descriptors);
+keys <prefix>_read_{64k_x64,1m_x64,4m_x256}_gbps. The nixl package is imported as `nixl`,
+else as the wheel's own name (`nixl_cu13`, `nixl_cu12`: an unpacked wheel on PYTHONPATH).
 """
 import argparse
 import os
@@ -18,7 +24,19 @@ import sys
 import time
 
 import numpy as np
-from nixl._api import nixl_agent, nixl_agent_config
+
+
+def _nixl_api():
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = __import__(mod, fromlist=["nixl_agent", "nixl_agent_config"])
+        except ImportError:
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise ImportError("no nixl package (nixl, nixl_cu13, nixl_cu12) imports")
+
+
+nixl_agent, nixl_agent_config = _nixl_api()
 
 NDESC = 64
 SIZES = {"64k": 64 << 10, "1m": 1 << 20}
@@ -134,6 +152,89 @@ def initiator(a):
     return 0
 
 
+# --------------------------------------------------------------------------- --pair
+def _pairlib():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pair"))
+    import pairlib
+
+    return pairlib
+
+
+def pair_descs(agent, pairlib, base, mem):
+    return {name: agent.get_xfer_descs([(base + i * sz, sz, 0) for i in range(nd)], mem)
+            for nd, sz, name in pairlib.workloads()}
+
+
+def pair_target(a):
+    pairlib = _pairlib()
+    bufs = pairlib.Buffers(a.memory, a.alloc)
+    mem = "VRAM" if a.memory == "cuda" else "DRAM"
+    n = pairlib.total_bytes()
+    src = bufs.pattern(n)
+    bufs.sync()
+    agent = nixl_agent("target", nixl_agent_config(False, True, a.port))
+    reg = agent.register_memory([(bufs.ptr(src), n, 0, "")], mem)
+    d = pair_descs(agent, pairlib, bufs.ptr(src), mem)
+    while not agent.check_remote_metadata("initiator"):
+        time.sleep(0.001)
+    for k in d:
+        agent.send_notif("initiator", b"D" + k.encode() + b":" + agent.get_serialized_descs(d[k]))
+    # Idle, not spinning, until the initiator is done: a READ needs nothing of the target
+    # (UCX's cma and cuda_ipc are one-sided), and a spinning target would take a core from
+    # the initiator on a small host (kvlease's P sleeps meanwhile too).
+    t0 = time.monotonic()
+    while b"BYE" not in notifs(agent, "initiator"):
+        if time.monotonic() - t0 > 600:
+            raise TimeoutError("no BYE from the initiator")
+        time.sleep(0.01)
+    agent.deregister_memory(reg)
+    return 0
+
+
+def pair_initiator(a):
+    pairlib = _pairlib()
+    bufs = pairlib.Buffers(a.memory, a.alloc)
+    mem = "VRAM" if a.memory == "cuda" else "DRAM"
+    n = pairlib.total_bytes()
+    expect = bufs.pattern(n)
+    buf = bufs.zeros(n)
+    agent = nixl_agent("initiator", nixl_agent_config(False, True, 0))
+    reg = agent.register_memory([(bufs.ptr(buf), n, 0, "")], mem)
+    local = pair_descs(agent, pairlib, bufs.ptr(buf), mem)
+    agent.send_local_metadata("127.0.0.1", a.port)
+    remote = {}
+    while len(remote) < len(local):
+        m = wait_for(agent, "target", lambda m: m.startswith(b"D"))
+        k, _, ser = m[1:].partition(b":")
+        remote[k.decode()] = agent.deserialize_descs(ser)
+    agent.fetch_remote_metadata("target", "127.0.0.1", a.port)
+    while not agent.check_remote_metadata("target"):
+        time.sleep(0.001)
+    for nd, sz, name in pairlib.workloads():
+        h = agent.initialize_xfer("READ", local[name], remote[name], "target", b"")
+
+        def one():
+            st = agent.transfer(h)
+            while st != "DONE":
+                if st == "ERR":
+                    raise RuntimeError("READ failed")
+                st = agent.check_xfer_state(h)
+
+        bufs.zero(buf, nd * sz)
+        one()
+        bufs.sync()
+        if not bufs.equal(buf, expect, nd * sz):
+            raise RuntimeError(f"{name}: READ data mismatch")
+        per_call = pairlib.timed(one, a.seconds, bufs.sync)
+        print(f"{a.prefix}_read_{name}_gbps={pairlib.gbps(nd * sz, per_call)}", flush=True)
+        agent.release_xfer_handle(h)
+    print(f"{a.prefix}_verified=1", flush=True)
+    agent.send_notif("target", b"BYE")
+    time.sleep(0.2)
+    agent.deregister_memory(reg)
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["target", "initiator"], required=True)
@@ -141,7 +242,12 @@ def main():
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--notif-iters", type=int, default=1000)
     p.add_argument("--prefix", default="nixl", help="key prefix of the printed figures")
+    p.add_argument("--pair", action="store_true", help="the pair workloads (READ only)")
+    p.add_argument("--memory", choices=["host", "cuda"], default="host", help="with --pair")
+    p.add_argument("--alloc", choices=["numpy", "torch"], default="numpy", help="with --pair")
     a = p.parse_args()
+    if a.pair:
+        return pair_target(a) if a.mode == "target" else pair_initiator(a)
     return target(a) if a.mode == "target" else initiator(a)
 
 

@@ -4,25 +4,38 @@
 //! Why on the posting thread: a hand-off to another thread costs a wake-up (a few µs,
 //! more on a loaded host) per batch, and the poster usually has nothing better to do than
 //! wait for the batch. Why a pool for large batches only: one thread copies at about
-//! memory speed; a second core helps a large batch, but the split and the wake-ups cost
-//! more than they save on a small one. The pool is started on first use, holds at most
+//! memory speed; a second core helps a large batch, but the wake-ups cost more than they
+//! save on a small one. The pool is started on first use, holds at most
 //! [`MAX_COPY_THREADS`]` - 1` threads and never more than the host's cores minus one,
 //! and lives as long as the process (its threads sleep on a channel when idle).
+//!
+//! A large batch is cut into chunks of about [`CHUNK_BYTES`] (whole copies, in order) that
+//! the poster and the helpers claim one at a time until none is left: a helper that starts
+//! late, or a core taken by another process, leaves more chunks to the others instead of
+//! a fixed half the batch waits for. The poster then waits for the chunks the helpers
+//! still copy (at most one each), so the batch is complete when
+//! [`Agent::post_read`](crate::Agent::post_read) returns, with no sleep in a poll loop
+//! between the last byte and the caller.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crossbeam_channel::Sender;
 use kvlease_gpu_mem::{CmaRead, DmaRegion, MAX_CMA_IOVECS, read_vectored};
 
 use super::link::{CopyError, Core, MappedRegion, Source};
+use crate::agent::lock;
 use crate::batch::Batch;
 use crate::error::TransferError;
 
 /// Batches with more data bytes than this are split between the posting thread and the
 /// copy pool.
 pub(crate) const SPLIT_BYTES: u64 = 8 << 20;
+
+/// About how many bytes one claim of a split batch copies (whole copies: one larger than
+/// this is a chunk of its own).
+pub(crate) const CHUNK_BYTES: u64 = 2 << 20;
 
 /// Most bytes of cma copies one `process_vm_readv` call takes.
 const CMA_CALL_BYTES: u64 = 64 << 20;
@@ -40,28 +53,55 @@ pub(super) struct CopyOp {
     pub(super) len: u64,
 }
 
-/// A batch split into parts copied by several threads; the thread that finishes the
-/// last part completes the batch.
+/// A batch cut into chunks that several threads claim; the thread that finishes the last
+/// chunk completes the batch.
 #[derive(Debug)]
 struct Job {
     core: Arc<Core>,
     batch: Arc<Batch>,
     copies: Vec<CopyOp>,
-    parts: Vec<Range<usize>>,
+    chunks: Vec<Range<usize>>,
+    /// The next chunk to claim (past the end once every chunk was claimed).
+    next: AtomicUsize,
+    /// Chunks not yet copied.
     left: AtomicUsize,
     copied: AtomicBool,
+    /// Set (under the mutex) once the batch was completed.
+    done: Mutex<bool>,
+    done_cv: Condvar,
 }
 
 impl Job {
-    fn run_part(&self, part: usize) {
-        let range = self.parts.get(part).cloned().unwrap_or(0..0);
-        if !copy_some(&self.core, &self.batch, &self.copies[range]) {
-            self.copied.store(false, Ordering::Relaxed);
+    /// Claims and copies chunks until none is left unclaimed.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(range) = self.chunks.get(i).cloned() else {
+                return;
+            };
+            if !copy_some(&self.core, &self.batch, &self.copies[range]) {
+                self.copied.store(false, Ordering::Relaxed);
+            }
+            // AcqRel: the last chunk's thread sees every other chunk's copies (and
+            // `copied`) as done.
+            if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                let copied = self.copied.load(Ordering::Relaxed);
+                self.core.complete(&self.batch, &self.copies, copied);
+                *lock(&self.done) = true;
+                self.done_cv.notify_all();
+                return;
+            }
         }
-        // AcqRel: the last part sees every other part's copies (and `copied`) as done.
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let copied = self.copied.load(Ordering::Relaxed);
-            self.core.complete(&self.batch, &self.copies, copied);
+    }
+
+    /// Waits until the batch was completed (by this thread or another).
+    fn wait(&self) {
+        let mut done = lock(&self.done);
+        while !*done {
+            done = self
+                .done_cv
+                .wait(done)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 }
@@ -69,7 +109,7 @@ impl Job {
 /// The process-wide helper threads.
 #[derive(Debug)]
 struct Pool {
-    tx: Sender<(Arc<Job>, usize)>,
+    tx: Sender<Arc<Job>>,
     threads: usize,
 }
 
@@ -80,15 +120,15 @@ fn pool() -> &'static Pool {
             .map_or(1, usize::from)
             .min(MAX_COPY_THREADS)
             .saturating_sub(1);
-        let (tx, rx) = crossbeam_channel::unbounded::<(Arc<Job>, usize)>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Arc<Job>>();
         let mut threads = 0;
         for _ in 0..want {
             let rx = rx.clone();
             let spawned = std::thread::Builder::new()
                 .name("kvl-shm-copy".into())
                 .spawn(move || {
-                    while let Ok((job, part)) = rx.recv() {
-                        job.run_part(part);
+                    while let Ok(job) = rx.recv() {
+                        job.work();
                     }
                 });
             match spawned {
@@ -104,59 +144,64 @@ fn pool() -> &'static Pool {
 }
 
 /// Copies `copies` into their destinations and completes `batch` (whose `in_receive`
-/// the caller raised by one): on this thread, split with the pool when the batch holds
-/// more than [`SPLIT_BYTES`].
+/// the caller raised by one) before it returns: on this thread, with the pool's help
+/// when the batch holds more than [`SPLIT_BYTES`].
 pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
     let total: u64 = copies.iter().map(|c| c.len).sum();
-    let helpers = if total > SPLIT_BYTES {
-        pool().threads.min(copies.len().saturating_sub(1))
+    let chunks = if total > SPLIT_BYTES && pool().threads > 0 {
+        chunks(&copies, CHUNK_BYTES)
     } else {
-        0
+        Vec::new()
+    };
+    let helpers = match chunks.len() {
+        0 | 1 => 0,
+        n => pool().threads.min(n - 1),
     };
     if helpers == 0 {
         let copied = copy_some(core, batch, &copies);
         core.complete(batch, &copies, copied);
         return;
     }
-    let parts = split(&copies, helpers + 1, total);
     let job = Arc::new(Job {
         core: core.clone(),
         batch: batch.clone(),
-        left: AtomicUsize::new(parts.len()),
-        parts,
+        left: AtomicUsize::new(chunks.len()),
+        chunks,
+        next: AtomicUsize::new(0),
         copies,
         copied: AtomicBool::new(true),
+        done: Mutex::new(false),
+        done_cv: Condvar::new(),
     });
-    for part in 1..job.parts.len() {
-        if let Err(err) = pool().tx.send((job.clone(), part)) {
-            // The pool's threads are gone (cannot happen while the process lives): copy
-            // that part here.
-            let (job, part) = err.into_inner();
-            job.run_part(part);
+    for _ in 0..helpers {
+        // The pool's threads are gone (cannot happen while the process lives): this
+        // thread copies every chunk.
+        if pool().tx.send(job.clone()).is_err() {
+            break;
         }
     }
-    job.run_part(0);
+    job.work();
+    job.wait();
 }
 
-/// Contiguous groups of `copies` (of `total` bytes), about equal in bytes, at most `n`
-/// of them.
-fn split(copies: &[CopyOp], n: usize, total: u64) -> Vec<Range<usize>> {
-    let share = total.div_ceil(n.max(1) as u64);
-    let mut parts = Vec::with_capacity(n);
+/// `copies` cut into contiguous groups of at least `bytes` bytes each (the last one may
+/// hold less).
+fn chunks(copies: &[CopyOp], bytes: u64) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
     let mut start = 0;
     let mut acc = 0;
     for (i, c) in copies.iter().enumerate() {
         acc += c.len;
-        if acc >= share && parts.len() + 1 < n {
-            parts.push(start..i + 1);
+        if acc >= bytes {
+            out.push(start..i + 1);
             start = i + 1;
             acc = 0;
         }
     }
     if start < copies.len() {
-        parts.push(start..copies.len());
+        out.push(start..copies.len());
     }
-    parts
+    out
 }
 
 /// Copies `copies` in order. Returns false when the batch stopped running meanwhile

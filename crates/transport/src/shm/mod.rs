@@ -93,8 +93,9 @@
 //! done, with no thread hand-off), and a batch of more than [`copy::SPLIT_BYTES`] is split
 //! with the threads of a small process-wide copy pool (at most
 //! [`copy::MAX_COPY_THREADS`] threads in all, never more than the host's cores): the
-//! posting thread copies one part and returns, and whichever thread finishes the last
-//! part completes the batch. The fence word is loaded (atomically, acquire, after an
+//! posting thread and the pool's claim chunks of about [`copy::CHUNK_BYTES`] until none is
+//! left, whichever thread finishes the last chunk completes the batch, and the posting
+//! thread returns once it is complete. The fence word is loaded (atomically, acquire, after an
 //! acquire fence) only once every data copy finished; a mismatch fails the batch with
 //! [`TransferError::FenceMismatch`](crate::TransferError::FenceMismatch) and the
 //! notification is not sent.
