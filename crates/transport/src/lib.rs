@@ -22,7 +22,7 @@
 //!   notifications travel through a shared-memory ring P created for it, which P's
 //!   [`Agent::get_new_notifs`] drains on the caller's thread. With the `cuda` feature, P's
 //!   CUDA device regions are handed over as CUDA IPC handles and D reads them with device
-//!   copies (not yet run on a GPU). P's host regions that are not memfd-backed (Python
+//!   copies (correct on one H200, 2026-12-04; figures in `docs/benchmarks.md`). P's host regions that are not memfd-backed (Python
 //!   buffers and tensors) are handed over as (address, length) and D reads them with
 //!   cross-memory attach (`process_vm_readv`, [`CmaPolicy`]), or over TCP where the kernel
 //!   refuses it. See the `shm` module.

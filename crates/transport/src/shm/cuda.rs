@@ -2,7 +2,8 @@
 //! device region over as a CUDA IPC handle ([`kvlease_gpu_mem::cuda::ipc`]), D opens it
 //! and copies out of it with device copies.
 //!
-//! Not yet run on a GPU: the tests that need one are `#[ignore]`d (`tests/shm.rs`).
+//! The tests that need a GPU are `#[ignore]`d (`tests/shm.rs`); they passed on one H200
+//! (2026-12-04, `scripts/gpu-check.sh` runs them with `--include-ignored`).
 
 use std::io::Write;
 use std::sync::Arc;
