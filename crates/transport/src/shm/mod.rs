@@ -93,7 +93,7 @@
 //! done, with no thread hand-off), and a batch of more than [`copy::SPLIT_BYTES`] is split
 //! with the threads of a small process-wide copy pool (at most
 //! [`copy::MAX_COPY_THREADS`] threads in all, never more than the host's cores): the
-//! posting thread and the pool's claim chunks of about [`copy::CHUNK_BYTES`] until none is
+//! posting thread and the pool's threads claim chunks of about [`copy::CHUNK_BYTES`] until none is
 //! left, whichever thread finishes the last chunk completes the batch, and the posting
 //! thread returns once it is complete. The fence word is loaded (atomically, acquire, after an
 //! acquire fence) only once every data copy finished; a mismatch fails the batch with
