@@ -273,23 +273,32 @@ pub(crate) fn host_ptr<T: DmaRegion + ?Sized>(
     range_ptr(region, offset, len)
 }
 
+/// Checks that `offset..offset + len` lies inside `region_len` bytes (without overflow).
+///
+/// # Errors
+/// [`RegionAccessError::OutOfBounds`] naming the three.
+pub(crate) fn check_bounds(
+    offset: u64,
+    len: u64,
+    region_len: u64,
+) -> Result<(), RegionAccessError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(RegionAccessError::OutOfBounds {
+            offset,
+            len,
+            region_len,
+        }),
+    }
+}
+
 /// Checks only the range (not the kind) and returns its start pointer.
 fn range_ptr<T: DmaRegion + ?Sized>(
     region: &T,
     offset: u64,
     len: u64,
 ) -> Result<*mut u8, RegionAccessError> {
-    let region_len = region.len() as u64;
-    match offset.checked_add(len) {
-        Some(end) if end <= region_len => {}
-        _ => {
-            return Err(RegionAccessError::OutOfBounds {
-                offset,
-                len,
-                region_len,
-            });
-        }
-    }
+    check_bounds(offset, len, region.len() as u64)?;
     // `offset <= region_len`, which is a `usize`, so the cast is lossless.
     Ok(region.base_ptr().wrapping_add(offset as usize))
 }

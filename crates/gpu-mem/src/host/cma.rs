@@ -13,7 +13,7 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::MAX_HOST_REGION;
-use crate::region::{DmaRegion, RegionAccessError};
+use crate::region::{DmaRegion, RegionAccessError, check_bounds};
 
 /// Largest piece one `process_vm_readv` call is asked for (the kernel caps a call at
 /// about 2 GiB).
@@ -145,17 +145,7 @@ impl PeerProcessRange {
         dst_offset: u64,
         len: u64,
     ) -> Result<(), CmaError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len as u64 => {}
-            _ => {
-                return Err(RegionAccessError::OutOfBounds {
-                    offset,
-                    len,
-                    region_len: self.len as u64,
-                }
-                .into());
-            }
-        }
+        check_bounds(offset, len, self.len as u64)?;
         let to = crate::region::host_ptr(dst, dst_offset, len)?;
         // Both fit a `usize`: inside this range (checked above).
         read_one(
@@ -237,17 +227,7 @@ impl PeerProcessRange {
     /// [`CmaError::Access`] for a range outside this one or a misaligned word;
     /// otherwise as [`copy_to`](Self::copy_to).
     pub fn read_u64(&self, offset: u64) -> Result<u64, CmaError> {
-        match offset.checked_add(8) {
-            Some(end) if end <= self.len as u64 => {}
-            _ => {
-                return Err(RegionAccessError::OutOfBounds {
-                    offset,
-                    len: 8,
-                    region_len: self.len as u64,
-                }
-                .into());
-            }
-        }
+        check_bounds(offset, 8, self.len as u64)?;
         // Inside this range, a `usize`.
         let at = self.addr + offset as usize;
         if !at.is_multiple_of(8) {
@@ -331,17 +311,7 @@ pub fn read_vectored(reads: &[CmaRead<'_>]) -> Result<(), CmaError> {
             }
             .into());
         }
-        match r.offset.checked_add(r.len) {
-            Some(end) if end <= r.src.len as u64 => {}
-            _ => {
-                return Err(RegionAccessError::OutOfBounds {
-                    offset: r.offset,
-                    len: r.len,
-                    region_len: r.src.len as u64,
-                }
-                .into());
-            }
-        }
+        check_bounds(r.offset, r.len, r.src.len as u64)?;
         let to = crate::region::host_ptr(r.dst, r.dst_offset, r.len)?;
         // Inside the peer's range: fits a `usize`.
         iovecs.push((to, r.src.addr + r.offset as usize, r.len as usize));

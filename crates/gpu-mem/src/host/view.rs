@@ -99,16 +99,7 @@ impl SharedRegionView {
     }
 
     fn range_ptr(&self, offset: u64, len: u64) -> Result<*const u8, RegionAccessError> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len as u64 => {}
-            _ => {
-                return Err(RegionAccessError::OutOfBounds {
-                    offset,
-                    len,
-                    region_len: self.len as u64,
-                });
-            }
-        }
+        crate::region::check_bounds(offset, len, self.len as u64)?;
         // `offset <= self.len`, a `usize`.
         Ok(self.map.as_ptr().wrapping_add(offset as usize).cast_const())
     }

@@ -194,14 +194,7 @@ pub enum SlotError {
 /// # Errors
 /// [`RegionAccessError::OutOfBounds`] when the range does not lie inside.
 pub fn check_range(offset: usize, len: usize, memory_len: usize) -> Result<(), RegionAccessError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= memory_len => Ok(()),
-        _ => Err(RegionAccessError::OutOfBounds {
-            offset: offset as u64,
-            len: len as u64,
-            region_len: memory_len as u64,
-        }),
-    }
+    crate::region::check_bounds(offset as u64, len as u64, memory_len as u64)
 }
 
 /// Checks one copy request of a copier: slot index, length and memory range.
