@@ -77,15 +77,51 @@ def descs(agent, base):
             for k, b in SIZES.items()}
 
 
+def publish_descs(agent, d):
+    """Target: once the initiator's metadata arrived, sends it each of `d`'s descriptor
+    lists, as a notification `D<name>:<serialized>`."""
+    while not agent.check_remote_metadata("initiator"):
+        time.sleep(0.001)
+    for k in d:
+        agent.send_notif("initiator", b"D" + k.encode() + b":" + agent.get_serialized_descs(d[k]))
+
+
+def fetch_remote_descs(agent, port, count):
+    """Initiator: sends its metadata to the target on `port`, receives the target's
+    `count` descriptor lists (by name) and waits for the target's metadata."""
+    agent.send_local_metadata("127.0.0.1", port)
+    remote = {}
+    while len(remote) < count:
+        m = wait_for(agent, "target", lambda m: m.startswith(b"D"))
+        k, _, ser = m[1:].partition(b":")
+        remote[k.decode()] = agent.deserialize_descs(ser)
+    agent.fetch_remote_metadata("target", "127.0.0.1", port)
+    while not agent.check_remote_metadata("target"):
+        time.sleep(0.001)
+    return remote
+
+
+def transfer(agent, h, op):
+    """Posts the prepared transfer `h` and polls it until it is done."""
+    st = agent.transfer(h)
+    while st != "DONE":
+        if st == "ERR":
+            raise RuntimeError(op + " failed")
+        st = agent.check_xfer_state(h)
+
+
+def say_bye(agent, reg):
+    """Initiator: tells the target it is done, then lets go of its memory."""
+    agent.send_notif("target", b"BYE")
+    time.sleep(0.2)
+    agent.deregister_memory(reg)
+
+
 def target(a):
     agent = nixl_agent("target", nixl_agent_config(False, True, a.port))
     buf = pattern(TOTAL, 1)
     reg = agent.register_memory([(buf.ctypes.data, TOTAL, 0, "")], "DRAM")
-    d = descs(agent, buf.ctypes.data)
-    while not agent.check_remote_metadata("initiator"):
-        time.sleep(0.001)
-    for k in SIZES:
-        agent.send_notif("initiator", b"D" + k.encode() + b":" + agent.get_serialized_descs(d[k]))
+    publish_descs(agent, descs(agent, buf.ctypes.data))
     while True:
         for m in notifs(agent, "initiator"):
             if m.startswith(b"PING"):
@@ -100,15 +136,7 @@ def initiator(a):
     buf = np.zeros(TOTAL, dtype=np.uint8)
     reg = agent.register_memory([(buf.ctypes.data, TOTAL, 0, "")], "DRAM")
     local = descs(agent, buf.ctypes.data)
-    agent.send_local_metadata("127.0.0.1", a.port)
-    remote = {}
-    while len(remote) < len(SIZES):
-        m = wait_for(agent, "target", lambda m: m.startswith(b"D"))
-        k, _, ser = m[1:].partition(b":")
-        remote[k.decode()] = agent.deserialize_descs(ser)
-    agent.fetch_remote_metadata("target", "127.0.0.1", a.port)
-    while not agent.check_remote_metadata("target"):
-        time.sleep(0.001)
+    remote = fetch_remote_descs(agent, a.port, len(SIZES))
     expect = pattern(TOTAL, 1)
     for op in ("READ", "WRITE"):
         for k, block in SIZES.items():
@@ -120,11 +148,7 @@ def initiator(a):
             h = agent.initialize_xfer(op, local[k], remote[k], "target", b"")
 
             def one():
-                st = agent.transfer(h)
-                while st != "DONE":
-                    if st == "ERR":
-                        raise RuntimeError(op + " failed")
-                    st = agent.check_xfer_state(h)
+                transfer(agent, h, op)
 
             one()
             if op == "READ" and not np.array_equal(buf[:n], expect[:n]):
@@ -146,9 +170,7 @@ def initiator(a):
         if i >= 100:
             lat.append(time.perf_counter() - t0)
     print(f"{a.prefix}_notif_rtt_us={np.median(lat) * 1e6:.1f}", flush=True)
-    agent.send_notif("target", b"BYE")
-    time.sleep(0.2)
-    agent.deregister_memory(reg)
+    say_bye(agent, reg)
     return 0
 
 
@@ -174,11 +196,7 @@ def pair_target(a):
     bufs.sync()
     agent = nixl_agent("target", nixl_agent_config(False, True, a.port))
     reg = agent.register_memory([(bufs.ptr(src), n, 0, "")], mem)
-    d = pair_descs(agent, pairlib, bufs.ptr(src), mem)
-    while not agent.check_remote_metadata("initiator"):
-        time.sleep(0.001)
-    for k in d:
-        agent.send_notif("initiator", b"D" + k.encode() + b":" + agent.get_serialized_descs(d[k]))
+    publish_descs(agent, pair_descs(agent, pairlib, bufs.ptr(src), mem))
     # Idle, not spinning, until the initiator is done: a READ needs nothing of the target
     # (UCX's cma and cuda_ipc are one-sided), and a spinning target would take a core from
     # the initiator on a small host (kvlease's P sleeps meanwhile too).
@@ -201,24 +219,12 @@ def pair_initiator(a):
     agent = nixl_agent("initiator", nixl_agent_config(False, True, 0))
     reg = agent.register_memory([(bufs.ptr(buf), n, 0, "")], mem)
     local = pair_descs(agent, pairlib, bufs.ptr(buf), mem)
-    agent.send_local_metadata("127.0.0.1", a.port)
-    remote = {}
-    while len(remote) < len(local):
-        m = wait_for(agent, "target", lambda m: m.startswith(b"D"))
-        k, _, ser = m[1:].partition(b":")
-        remote[k.decode()] = agent.deserialize_descs(ser)
-    agent.fetch_remote_metadata("target", "127.0.0.1", a.port)
-    while not agent.check_remote_metadata("target"):
-        time.sleep(0.001)
+    remote = fetch_remote_descs(agent, a.port, len(local))
     for nd, sz, name in pairlib.workloads():
         h = agent.initialize_xfer("READ", local[name], remote[name], "target", b"")
 
         def one():
-            st = agent.transfer(h)
-            while st != "DONE":
-                if st == "ERR":
-                    raise RuntimeError("READ failed")
-                st = agent.check_xfer_state(h)
+            transfer(agent, h, "READ")
 
         bufs.zero(buf, nd * sz)
         one()
@@ -229,9 +235,7 @@ def pair_initiator(a):
         print(f"{a.prefix}_read_{name}_gbps={pairlib.gbps(nd * sz, per_call)}", flush=True)
         agent.release_xfer_handle(h)
     print(f"{a.prefix}_verified=1", flush=True)
-    agent.send_notif("target", b"BYE")
-    time.sleep(0.2)
-    agent.deregister_memory(reg)
+    say_bye(agent, reg)
     return 0
 
 
