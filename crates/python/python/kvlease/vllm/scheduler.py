@@ -42,6 +42,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvlease.vllm")
 
 
+def _with_blocks(remote: native.RemoteKv, blocks: list[int]) -> native.RemoteKv:
+    """``remote`` with its block ids replaced by ``blocks``, every other field kept."""
+    return native.RemoteKv(
+        engine=remote.engine,
+        request=remote.request,
+        blocks=blocks,
+        generation=remote.generation,
+        tp_size=remote.tp_size,
+        num_tokens=remote.num_tokens,
+        host=remote.host,
+        port=remote.port,
+        instance=remote.instance,
+    )
+
+
 class KvleaseScheduler:
     """The scheduler half: both engine cores, the side channel (P) and the handshakes
     (D). ``clock`` (``time.monotonic``) is the cores' time source; tests may replace it.
@@ -530,17 +545,7 @@ class KvleaseScheduler:
         if len(blocks) == need or not blocks:
             return remote
         self._p_blocks[rid] = blocks
-        return native.RemoteKv(
-            engine=remote.engine,
-            request=remote.request,
-            blocks=(blocks + [blocks[-1]] * need)[:need],
-            generation=remote.generation,
-            tp_size=remote.tp_size,
-            num_tokens=remote.num_tokens,
-            host=remote.host,
-            port=remote.port,
-            instance=remote.instance,
-        )
+        return _with_blocks(remote, (blocks + [blocks[-1]] * need)[:need])
 
     def _group_remote_kv(
         self, request: "Request", remote: native.RemoteKv, groups: list[list[int]]
@@ -561,17 +566,7 @@ class KvleaseScheduler:
             )
             self.counters.add("requests_refused")
             return None
-        return native.RemoteKv(
-            engine=remote.engine,
-            request=remote.request,
-            blocks=list(full),
-            generation=remote.generation,
-            tp_size=remote.tp_size,
-            num_tokens=remote.num_tokens,
-            host=remote.host,
-            port=remote.port,
-            instance=remote.instance,
-        )
+        return _with_blocks(remote, list(full))
 
     def _token_map(
         self, rid: str, remote: native.RemoteKv | None, skip: int
