@@ -430,6 +430,32 @@ fn read_announcement(out: &mut impl BufRead) -> Result<(Vec<u64>, Vec<u8>)> {
     }
 }
 
+/// Reads the announcement of a child target that registered a source region of `len`
+/// bytes and a 4096-byte fence region (`DESC id key fence_id fence_key`): their
+/// descriptors and the child's metadata.
+fn read_source_and_fence(
+    out: &mut impl BufRead,
+    len: usize,
+) -> Result<(RegionDesc, RegionDesc, Vec<u8>)> {
+    let (desc, meta) = read_announcement(out)?;
+    let [id, key, fence_id, fence_key] = desc[..] else {
+        bail!("DESC line {desc:?}: want 4 numbers");
+    };
+    let src = RegionDesc {
+        id,
+        key,
+        len: len as u64,
+        base: 0,
+    };
+    let fence = RegionDesc {
+        id: fence_id,
+        key: fence_key,
+        len: 4096,
+        base: 0,
+    };
+    Ok((src, fence, meta))
+}
+
 #[test]
 fn another_process_on_the_host_reads_over_shm() -> Result<()> {
     let (mut child, mut out) = spawn_child("child_target_process", CHILD_ENV, &[])?;
@@ -1082,22 +1108,7 @@ fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
         CUDA_CHILD_ENV,
         &["--include-ignored"],
     )?;
-    let (desc, meta) = read_announcement(&mut out)?;
-    let [id, key, fence_id, fence_key] = desc[..] else {
-        bail!("DESC line {desc:?}: want 4 numbers");
-    };
-    let src = RegionDesc {
-        id,
-        key,
-        len: CUDA_LEN as u64,
-        base: 0,
-    };
-    let fence = RegionDesc {
-        id: fence_id,
-        key: fence_key,
-        len: 4096,
-        base: 0,
-    };
+    let (src, fence, meta) = read_source_and_fence(&mut out, CUDA_LEN)?;
     let d = agent("d", BackendChoice::Auto, Some(b"tok"));
     let host = Arc::new(HostRegion::new(CUDA_LEN)?);
     let host_id = RegionId(d.register(host.clone())?.id);
@@ -1138,7 +1149,7 @@ fn cuda_device_memory_is_read_over_shm_from_another_process() -> Result<()> {
     ensure!(back == want[half..], "device → device differs");
     // A wrong key and a range past the end are refused over shm as over TCP.
     let bad = RegionDesc {
-        key: key ^ 1,
+        key: src.key ^ 1,
         ..src
     };
     for (op, want) in [
@@ -1200,22 +1211,7 @@ fn cma_child_target_process() -> Result<()> {
 #[test]
 fn heap_memory_of_another_process_is_read_through_cma() -> Result<()> {
     let (mut child, mut out) = spawn_child("cma_child_target_process", CMA_CHILD_ENV, &[])?;
-    let (desc, meta) = read_announcement(&mut out)?;
-    let [id, key, fence_id, fence_key] = desc[..] else {
-        bail!("DESC line {desc:?}: want 4 numbers");
-    };
-    let src = RegionDesc {
-        id,
-        key,
-        len: CMA_LEN as u64,
-        base: 0,
-    };
-    let fence = RegionDesc {
-        id: fence_id,
-        key: fence_key,
-        len: 4096,
-        base: 0,
-    };
+    let (src, fence, meta) = read_source_and_fence(&mut out, CMA_LEN)?;
     let want: Vec<u8> = (0..CMA_LEN).map(|i| pattern(17, i)).collect();
     for (cma, expect) in [
         (CmaPolicy::LastPeer, Backend::Cma),
@@ -1254,7 +1250,7 @@ fn heap_memory_of_another_process_is_read_through_cma() -> Result<()> {
             "{cma:?}: bytes differ"
         );
         let bad_key = RegionDesc {
-            key: key ^ 1,
+            key: src.key ^ 1,
             ..src
         };
         for (op, reason) in [
