@@ -9,14 +9,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes, recv_with_fds};
+use kvlease_gpu_mem::{ForeignRegion, HostRegion, RegionBytes, recv_with_fds};
 use kvlease_transport::metadata::decode_metadata;
 use kvlease_transport::{
-    Agent, AgentConfig, Backend, BackendChoice, BatchId, BatchStatus, CmaPolicy, ConnectError,
-    FenceRead, LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
+    Agent, AgentConfig, Backend, BackendChoice, BatchStatus, CmaPolicy, ConnectError, FenceRead,
+    LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
 };
 
-const LIMIT: Duration = Duration::from_secs(20);
+mod common;
+use common::{LIMIT, bytes_of, wait};
 
 fn agent(name: &str, backend: BackendChoice, token: Option<&[u8]>) -> Agent {
     let mut c = AgentConfig::new(name);
@@ -53,25 +54,6 @@ fn filled(len: usize, seed: u64) -> Arc<HostRegion> {
     let bytes: Vec<u8> = (0..len).map(|i| pattern(seed, i)).collect();
     r.write_from(0, &bytes).expect("in bounds");
     Arc::new(r)
-}
-
-fn bytes_of(r: &dyn DmaRegion, offset: u64, len: u64) -> Vec<u8> {
-    let mut v = vec![0; len as usize];
-    r.read_into(offset, &mut v).expect("in bounds");
-    v
-}
-
-fn wait(agent: &Agent, batch: BatchId) -> Result<BatchStatus> {
-    let start = Instant::now();
-    loop {
-        match agent.poll_batch(batch)? {
-            BatchStatus::Pending if start.elapsed() < LIMIT => {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            BatchStatus::Pending => bail!("batch still pending after {LIMIT:?}"),
-            other => return Ok(other),
-        }
-    }
 }
 
 fn notifs(agent: &Agent, want: usize, within: Duration) -> Vec<Vec<u8>> {
@@ -921,6 +903,7 @@ fn fake_shm_socket(
         s.write_all(&frame(2, &challenge))?;
         ensure!(read_frame(&mut s)? == 3, "expected PROOF");
         s.write_all(&frame(4, &[1, 0]))?;
+        use kvlease_gpu_mem::DmaRegion as _;
         let table = HostRegion::new(4096)?;
         let table_fd = table.shared_fd().context("memfd")?;
         kvlease_gpu_mem::send_with_fds(s.as_fd(), &frame(12, &4096u64.to_le_bytes()), &[table_fd])?;

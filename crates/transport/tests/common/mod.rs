@@ -1,6 +1,7 @@
 //! Helpers shared by the TCP test binaries (`tcp_data`, `tcp_auth`, `tcp_staged`,
-//! `tcp_notif`): agents on loopback, deterministic regions, batch waits, and raw wire
-//! frames for peers that misbehave on purpose.
+//! `tcp_notif`; `shm` takes its batch waits and byte reads): agents on loopback,
+//! deterministic regions, batch waits, and raw wire frames for peers that misbehave on
+//! purpose.
 //!
 //! Each test binary compiles this module on its own and uses only a subset of it, so the
 //! items the other binaries use would warn as dead code here.
