@@ -3,7 +3,7 @@
 
 use kvlease_gpu_mem::{BlockPool, KvLayout, MemoryRequest};
 use kvlease_lease::EngineId;
-use kvlease_proto::engine_info::{EngineInfo, InfoError, RegionInfo};
+use kvlease_proto::engine_info::{EngineInfo, InfoError, RegionInfo, WorkerInfo};
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 
 use crate::kv::{self, KvShape, RankLayout};
@@ -268,13 +268,27 @@ pub(crate) fn remote_engine(
 }
 
 /// A region descriptor as the engine info carries it.
-pub(crate) fn region_info(d: RegionDesc) -> RegionInfo {
+fn region_info(d: RegionDesc) -> RegionInfo {
     RegionInfo {
         id: d.id,
         base: d.base,
         len: d.len,
         key: d.key,
     }
+}
+
+/// An agent worker as its engine info describes it (P's and D's alike): rank, transport
+/// metadata, pool and fence regions.
+pub(crate) fn worker_info(
+    rank: u32,
+    metadata: Vec<u8>,
+    pool: RegionDesc,
+    fence: RegionDesc,
+) -> WorkerInfo {
+    let mut wi = WorkerInfo::new(rank, metadata, fence.id);
+    wi.pool = Some(region_info(pool));
+    wi.fence = Some(region_info(fence));
+    wi
 }
 
 /// A remote agents' engine, as its engine info ([`EngineInfo`]) described it and this

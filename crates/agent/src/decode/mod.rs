@@ -32,7 +32,7 @@ use kvlease_lease::{
     BlockId, DecoderTtl, EngineId, Event, Generation, LeaseConfig, ReleaseReason, RequestId,
     Timestamp,
 };
-use kvlease_proto::engine_info::{EngineInfo, WorkerInfo};
+use kvlease_proto::engine_info::EngineInfo;
 use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 use tokio::sync::{mpsc, oneshot};
@@ -45,7 +45,7 @@ use crate::link::{self, LinkConfig, LinkStatus, ReadOp};
 use crate::metrics::{HandshakeOutcome, Metrics};
 use crate::shell::{
     EngineError, HandshakeFailure, Me, PeerEngine, engine_of_peer, host_port, instance_now,
-    rank_pool, region_info,
+    rank_pool, worker_info,
 };
 use crate::sidechannel;
 use crate::telemetry::error_chain;
@@ -320,10 +320,8 @@ impl DecodeEngine {
         info.shape = Some(self.cfg.shape);
         for (w, rank) in self.workers.iter().zip(0..) {
             let (_, fence) = w.fence.as_ref()?;
-            let mut wi = WorkerInfo::new(rank, w.agent.metadata(), fence.id);
-            wi.pool = Some(region_info(w.pool_desc));
-            wi.fence = Some(region_info(*fence));
-            info.workers.push(wi);
+            info.workers
+                .push(worker_info(rank, w.agent.metadata(), w.pool_desc, *fence));
         }
         Some(info)
     }

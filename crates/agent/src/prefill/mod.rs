@@ -28,7 +28,7 @@ use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
     BlockId, EngineId, Generation, LeaseConfig, ReleaseReason, Released, RequestId, Timestamp,
 };
-use kvlease_proto::engine_info::{EngineInfo, WorkerInfo};
+use kvlease_proto::engine_info::EngineInfo;
 use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc, RegionId};
 use tokio::sync::oneshot;
@@ -39,7 +39,7 @@ use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{self, Metrics};
 use crate::shell::{
-    EngineError, PeerEngine, engine_of_peer, host_port, instance_now, rank_pool, region_info,
+    EngineError, PeerEngine, engine_of_peer, host_port, instance_now, rank_pool, worker_info,
 };
 use crate::sidechannel::{self, Hello};
 
@@ -330,12 +330,7 @@ impl PrefillEngine {
             .workers
             .iter()
             .zip(0..)
-            .map(|(w, rank)| {
-                let mut wi = WorkerInfo::new(rank, w.agent.metadata(), w.fence_desc.id);
-                wi.pool = Some(region_info(w.pool_desc));
-                wi.fence = Some(region_info(w.fence_desc));
-                wi
-            })
+            .map(|(w, rank)| worker_info(rank, w.agent.metadata(), w.pool_desc, w.fence_desc))
             .collect();
         info
     }
