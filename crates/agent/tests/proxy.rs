@@ -486,30 +486,8 @@ async fn start_streaming_fake_decode(
             return;
         };
         // Read the request head and its JSON body (Content-Length) before answering.
-        let mut request = Vec::new();
-        let mut buf = [0u8; 4096];
-        loop {
-            let Ok(n) = socket.read(&mut buf).await else {
-                return;
-            };
-            if n == 0 {
-                return;
-            }
-            request.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&request);
-            if let Some(head_end) = text.find("\r\n\r\n") {
-                let length = text[..head_end]
-                    .lines()
-                    .find_map(|l| {
-                        l.to_ascii_lowercase()
-                            .strip_prefix("content-length:")
-                            .map(|v| v.trim().parse::<usize>().unwrap_or(0))
-                    })
-                    .unwrap_or(0);
-                if request.len() >= head_end + 4 + length {
-                    break;
-                }
-            }
+        if !read_request(&mut socket).await {
+            return;
         }
         let chunk = |data: &str| format!("{:x}\r\n{data}\r\n", data.len());
         let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
