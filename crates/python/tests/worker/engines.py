@@ -277,6 +277,18 @@ class Engine:
             shutdown()
 
 
+def close_engines(engines) -> None:
+    """A fixture's teardown: closes every engine, printing the log of each worker that
+    exited with an error (pytest shows it with the failing test)."""
+    for engine in engines:
+        try:
+            engine.close()
+        finally:
+            for w in engine.workers:
+                if w.proc.returncode not in (None, 0, -9):
+                    print(f"{w.name} log:\n{w.log_tail()}")
+
+
 def _free_port() -> int:
     import socket
 

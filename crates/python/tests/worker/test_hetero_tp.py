@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import sched_harness
-from engines import LAYERS
+from engines import LAYERS, close_engines
 from test_kvlease_worker import kvlease_engine, run_until
 
 LEASE = 30.0
@@ -34,13 +34,7 @@ def pd(tmp_path):
         return p.ready(), d.ready()
 
     yield make
-    for engine in made:
-        try:
-            engine.close()
-        finally:
-            for w in engine.workers:
-                if w.proc.returncode not in (None, 0, -9):
-                    print(f"{w.name} log:\n{w.log_tail()}")
+    close_engines(made)
 
 
 def load(p, d, num_tokens: int = 40, granted=None):

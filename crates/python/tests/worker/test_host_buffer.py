@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import sched_harness
-from engines import LAYERS, Engine, WorkerError
+from engines import LAYERS, Engine, WorkerError, close_engines
 from test_kvlease_worker import TOKEN, run_until
 
 LEASE = 30.0
@@ -49,13 +49,7 @@ def make(tmp_path):
         return e
 
     yield make
-    for e in made:
-        try:
-            e.close()
-        finally:
-            for w in e.workers:
-                if w.proc.returncode not in (None, 0, -9):
-                    print(f"{w.name} log:\n{w.log_tail()}")
+    close_engines(made)
 
 
 def prefill(p, num_tokens=40):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import sched_harness
-from engines import LAYERS, Engine
+from engines import LAYERS, Engine, close_engines
 from vllm.v1.request import RequestStatus
 
 TOKEN = "worker-test-token"
@@ -53,12 +53,7 @@ def pd(tmp_path):
         return p.ready(), d.ready()
 
     yield make
-    for engine in made:
-        try:
-            engine.close()
-        finally:
-            if engine.worker.proc.returncode not in (None, 0, -9):
-                print(f"{engine.name} worker log:\n{engine.worker.log_tail()}")
+    close_engines(made)
 
 
 def prefill(p: Engine, num_tokens: int = 40):
