@@ -50,22 +50,17 @@ nixl_venv && nixl_ok=1
 mooncake_venv && mooncake_ok=1
 
 bench_tmp
-# The shm backend's figures only count when tcp_bench says the link landed on shm.
-ours_shm() {
+# tcp_bench with --backend $1, whose figures only count when it printed backend=$1: for
+# shm, the link landed on shm; for cma, every measured batch said cma (tcp_bench checks it).
+ours_backend() {
   local o
-  o=$(timeout 120 "$BENCH" --backend shm --seconds 0.25) || return 1
-  grep -qx 'backend=shm' <<<"$o" \
-    || { echo "tcp_bench printed no backend=shm (built without --backend?)" >&2; return 1; }
+  o=$(timeout 120 "$BENCH" --backend "$1" --seconds 0.25) || return 1
+  grep -qx "backend=$1" <<<"$o" \
+    || { echo "tcp_bench printed no backend=$1 (built without --backend $1?)" >&2; return 1; }
   printf '%s\n' "$o"
 }
-# The cma figures only count when every measured batch said cma (tcp_bench checks it).
-ours_cma() {
-  local o
-  o=$(timeout 120 "$BENCH" --backend cma --seconds 0.25) || return 1
-  grep -qx 'backend=cma' <<<"$o" \
-    || { echo "tcp_bench printed no backend=cma (built without --backend cma?)" >&2; return 1; }
-  printf '%s\n' "$o"
-}
+ours_shm() { ours_backend shm; }
+ours_cma() { ours_backend cma; }
 # The TCP run's 64 x 64 KiB figure: its own longer point, else the sweep's.
 ours_tcp() {
   local o
