@@ -12,6 +12,7 @@ import pytest
 from test_kvlease_scheduler import (
     complete_every_batch,
     engines,  # noqa: F401 (a fixture)
+    prefill_on_p,
     wait_for_handshake,
 )
 from sched_harness import create_request, step
@@ -143,15 +144,8 @@ def test_block_sizes_alone_are_compatible_a_layout_is_refused_naming_both():
 
 
 def prefill(p, block_size: int, num_tokens: int = 40):
-    """``prefill_on_p`` for a P whose blocks hold ``block_size`` tokens (the request's
-    block hashes are of that size)."""
-    req = create_request(num_tokens=num_tokens, max_tokens=1, block_size=block_size,
-                         kv_transfer_params={"do_remote_decode": True})
-    p.add_request(req)
-    _, engine_out = step(p)
-    (out,) = engine_out[0].outputs
-    assert out.request_id == req.request_id and out.finish_reason is not None
-    return req, out.kv_transfer_params
+    """``prefill_on_p`` for a P whose blocks hold ``block_size`` tokens."""
+    return prefill_on_p(p, num_tokens, block_size)
 
 
 @pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)])

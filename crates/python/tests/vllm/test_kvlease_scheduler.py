@@ -121,9 +121,10 @@ def step_output(scheduler, sched_out):
     )
 
 
-def prefill_on_p(p, num_tokens: int = 40):
-    """A ``do_remote_decode`` request prefilled on P: returns (request, its kv_transfer_params)."""
-    req = create_request(num_tokens=num_tokens, max_tokens=1,
+def prefill_on_p(p, num_tokens: int = 40, block_size: int = 16):
+    """A ``do_remote_decode`` request prefilled on P: returns (request, its kv_transfer_params).
+    ``block_size``: P's tokens per block (the request's block hashes are of that size)."""
+    req = create_request(num_tokens=num_tokens, max_tokens=1, block_size=block_size,
                          kv_transfer_params={"do_remote_decode": True})
     p.add_request(req)
     _, engine_out = step(p)
