@@ -46,7 +46,7 @@
 //! | `agent_name`, `device` | string | optional (the connector's) |
 //! | `num_blocks` | u32 | optional (the connector's) |
 //! | `layers` | list of [`RemoteLayer`] `[name, region, offset, block stride, block bytes, num blocks]` | optional (the connector's) |
-//! | `kv_format` | layer name -> [`BlockFormat`] `[dtype, shape, order]` | optional (the connector's) |
+//! | `kv_format` | layer name -> [`BlockFormat`] `[dtype, shape, order, axes, backend]` | optional (the connector's) |
 //!
 //! A `null` value is read as an absent key, unknown keys are ignored (a newer P may say
 //! more). Errors name the field by its path ([`InfoError::field`],
@@ -232,17 +232,25 @@ pub struct RemoteLayer {
     pub num_blocks: u64,
 }
 
-/// How one vLLM layer stores a block (the connector's `_block_format`): element dtype,
-/// the block's logical shape, and the order of its dims from the largest stride to the
-/// smallest (1-based, size-1 dims left out). On the wire `[dtype, shape, order]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How one vLLM layer stores a block (the connector's `layout.layer_format`): element
+/// dtype, the block's shape, the order of its dims from the largest stride to the smallest
+/// (1-based, size-1 dims left out), what each dim holds, and the attention backend whose
+/// view it is. On the wire `[dtype, shape, order, axes, backend]`; an older connector
+/// writes only `[dtype, shape, order]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct BlockFormat {
     /// Element dtype (`float16`).
     pub dtype: String,
-    /// The block's logical shape.
+    /// The block's shape, in the dims `axes` names.
     pub shape: Vec<u64>,
     /// The physical order of the block's dims.
     pub order: Vec<u64>,
+    /// One letter per dim of `shape` saying what it holds (`HNC`: heads, tokens, one
+    /// token-head's K then V; `HKND`: heads, the K or V plane, tokens, a head's
+    /// elements); `None` when the writer did not know what its backend's bytes mean.
+    pub axes: Option<String>,
+    /// The attention backend that reads the block (`FLASH_ATTN`, `CPU_ATTN`), if known.
+    pub backend: Option<String>,
 }
 
 /// What makes a vLLM engine's KV block bytes mean the same on two engines (the connector's
@@ -615,6 +623,23 @@ fn check_formats(path: &str, formats: &BTreeMap<String, BlockFormat>) -> Result<
                 format!("more than {MAX_DIMS} dims"),
             ));
         }
+        if let Some(a) = &f.axes
+            && (a.len() != f.shape.len() || !a.bytes().all(|b| b.is_ascii_uppercase()))
+        {
+            return Err(InfoError::at(
+                &format!("{path}.{name}"),
+                format!(
+                    "axes {a:?} must name each of the {} dims with a capital letter",
+                    f.shape.len()
+                ),
+            ));
+        }
+        if f.backend.as_ref().is_some_and(|b| b.len() > MAX_STRING) {
+            return Err(InfoError::at(
+                &format!("{path}.{name}"),
+                format!("a string over {MAX_STRING} bytes"),
+            ));
+        }
     }
     Ok(())
 }
@@ -636,7 +661,10 @@ fn region_value(r: RegionInfo) -> Value {
 }
 
 fn format_value(f: &BlockFormat) -> Value {
-    serde_json::json!([f.dtype, f.shape, f.order])
+    if f.axes.is_none() && f.backend.is_none() {
+        return serde_json::json!([f.dtype, f.shape, f.order]);
+    }
+    serde_json::json!([f.dtype, f.shape, f.order, f.axes, f.backend])
 }
 
 fn formats_value(f: &BTreeMap<String, BlockFormat>) -> Value {
@@ -814,16 +842,29 @@ fn block_format(v: &Value, path: &str) -> Result<BlockFormat, InfoError> {
     let bad = || {
         InfoError::at(
             path,
-            "must be [dtype, shape, order]: a string and two lists of at most 16 integers",
+            "must be [dtype, shape, order] or [dtype, shape, order, axes, backend]: a string, \
+             two lists of at most 16 integers, then one letter per dim of shape (or null) and a \
+             string (or null)",
         )
     };
-    let Some([dtype, shape, order]) = v.as_array().map(Vec::as_slice) else {
-        return Err(bad());
+    let (dtype, shape, order, axes, backend) = match v.as_array().map(Vec::as_slice) {
+        Some([dtype, shape, order]) => (dtype, shape, order, &Value::Null, &Value::Null),
+        Some([dtype, shape, order, axes, backend]) => (dtype, shape, order, axes, backend),
+        _ => return Err(bad()),
     };
     let dims = |v: &Value| -> Option<Vec<u64>> {
         let a = v.as_array().filter(|a| a.len() <= MAX_DIMS)?;
         a.iter().map(Value::as_u64).collect()
     };
+    // A string or null; `None` for a value that is neither.
+    let opt_str = |v: &Value, max: usize| -> Option<Option<String>> {
+        match v {
+            Value::Null => Some(None),
+            Value::String(s) if s.len() <= max => Some(Some(s.clone())),
+            _ => None,
+        }
+    };
+    // The axes' letters against the shape: `check_formats`, when the payload is validated.
     Ok(BlockFormat {
         dtype: dtype
             .as_str()
@@ -832,13 +873,15 @@ fn block_format(v: &Value, path: &str) -> Result<BlockFormat, InfoError> {
             .to_owned(),
         shape: dims(shape).ok_or_else(bad)?,
         order: dims(order).ok_or_else(bad)?,
+        axes: opt_str(axes, MAX_DIMS).ok_or_else(bad)?,
+        backend: opt_str(backend, MAX_STRING).ok_or_else(bad)?,
     })
 }
 
 fn formats(v: &Value, path: &str) -> Result<BTreeMap<String, BlockFormat>, InfoError> {
     let m = v
         .as_object()
-        .ok_or_else(|| InfoError::at(path, "must map layer names to [dtype, shape, order]"))?;
+        .ok_or_else(|| InfoError::at(path, "must map layer names to block formats"))?;
     if m.len() > MAX_LAYERS {
         return Err(InfoError::at(
             path,

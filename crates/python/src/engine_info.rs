@@ -73,12 +73,15 @@ fn formats_py(
 ) -> PyResult<Py<PyAny>> {
     let d = PyDict::new(py);
     for (name, b) in f {
-        d.set_item(
-            name,
-            (b.dtype.as_str(), b.shape.clone(), b.order.clone())
-                .into_pyobject(py)?
-                .to_list(),
-        )?;
+        let list = (b.dtype.as_str(), b.shape.clone(), b.order.clone())
+            .into_pyobject(py)?
+            .to_list();
+        // An older connector's three; else axes and backend (None where not known).
+        if b.axes.is_some() || b.backend.is_some() {
+            list.append(b.axes.as_deref())?;
+            list.append(b.backend.as_deref())?;
+        }
+        d.set_item(name, list)?;
     }
     Ok(d.into_any().unbind())
 }

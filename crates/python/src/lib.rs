@@ -23,6 +23,7 @@ mod agent;
 mod cores;
 mod engine_info;
 mod errors;
+mod logs;
 mod memory;
 mod params;
 mod sidechannel;
@@ -64,5 +65,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;
     m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::install_log_bridge, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::drain_logs, m)?)?;
     Ok(())
 }

@@ -69,7 +69,8 @@ fn the_connectors_payload_round_trips() {
         Some(BlockFormat {
             dtype: "float16".into(),
             shape: vec![4, 16, 32],
-            order: vec![2, 1, 3]
+            order: vec![2, 1, 3],
+            ..BlockFormat::default()
         })
     );
     let mut want = connector_payload();
@@ -78,6 +79,36 @@ fn the_connectors_payload_round_trips() {
     kv.remove("kv_cache_layout");
     kv.remove("block_order");
     assert_eq!(info.to_value(), want);
+}
+
+#[test]
+fn a_block_format_names_its_axes_and_backend_or_is_the_old_three() {
+    let mut v = connector_payload();
+    v["workers"][0]["kv_format"]["l0"] =
+        json!(["float32", [2, 2, 32, 64], [1, 2, 3, 4], "HKND", "CPU_ATTN"]);
+    let info = EngineInfo::decode(v.to_string().as_bytes()).expect("decodes");
+    let f = &info.workers[0].kv_format.as_ref().expect("formats")["l0"];
+    assert_eq!(f.axes.as_deref(), Some("HKND"));
+    assert_eq!(f.backend.as_deref(), Some("CPU_ATTN"));
+    assert_eq!(
+        info.to_value()["workers"][0]["kv_format"],
+        v["workers"][0]["kv_format"]
+    );
+    // Not known: nulls, kept as nulls.
+    v["workers"][0]["kv_format"]["l0"] = json!(["float32", [2, 32, 128], [1, 2, 3], null, null]);
+    let info = EngineInfo::decode(v.to_string().as_bytes()).expect("decodes");
+    let f = &info.workers[0].kv_format.as_ref().expect("formats")["l0"];
+    assert_eq!((f.axes.as_ref(), f.backend.as_ref()), (None, None));
+    for bad in [
+        json!(["float32", [2, 32, 128], [1, 2, 3], "HN", "X"]),
+        json!(["float32", [2, 32, 128], [1, 2, 3], "hnc", "X"]),
+        json!(["float32", [2, 32, 128], [1, 2, 3], "HNC"]),
+        json!(["float32", [2, 32, 128], [1, 2, 3], 7, "X"]),
+        json!(["float32", [2, 32, 128], [1, 2, 3], "HNC", 7]),
+    ] {
+        v["workers"][0]["kv_format"]["l0"] = bad.clone();
+        assert_eq!(field_of(&v), "engine_info.workers[0].kv_format.l0", "{bad}");
+    }
 }
 
 #[test]
@@ -141,11 +172,19 @@ fn arb_format() -> impl Strategy<Value = BlockFormat> {
         "[a-z0-9]{1,8}",
         prop::collection::vec(any::<u64>(), 0..5),
         prop::collection::vec(any::<u64>(), 0..5),
+        any::<bool>(),
+        prop::option::of("[A-Z_]{1,12}"),
     )
-        .prop_map(|(dtype, shape, order)| BlockFormat {
-            dtype,
-            shape,
-            order,
+        .prop_map(|(dtype, shape, order, named, backend)| {
+            // Axes name every dim (a letter each), or are not known.
+            let axes = named.then(|| "HNCKDXYZ"[..shape.len()].to_owned());
+            BlockFormat {
+                dtype,
+                shape,
+                order,
+                axes,
+                backend,
+            }
         })
 }
 

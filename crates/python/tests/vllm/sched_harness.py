@@ -162,10 +162,18 @@ def create_vllm_config(
     model: str = MODEL,
     tp_size: int = 1,
     kv_buffer_device: str | None = None,
+    attention_backend: str | None = "FLASH_ATTN",
 ):
     """A ``VllmConfig`` for the fake OPT (or ``model``: ``MLA_MODEL``) on CPU with an
-    out-of-tree KV connector, for an engine of ``tp_size`` workers."""
+    out-of-tree KV connector, for an engine of ``tp_size`` workers.
+
+    ``attention_backend`` is what the config forces (``attention_config.backend``): the
+    workers here run no model, so the connector learns from it which backend's blocks it
+    registers. The harness allocates the KV caches as vLLM's logical ``[blocks, heads,
+    tokens, K|V]`` views, which FlashAttention reads as they are."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.config import (
+        AttentionConfig,
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
@@ -208,6 +216,9 @@ def create_vllm_config(
         cache_config=cache_config,
         kv_transfer_config=KVTransferConfig(**transfer),
         device_config=DeviceConfig("cpu"),
+        attention_config=AttentionConfig(
+            backend=None if attention_backend is None else AttentionBackendEnum[attention_backend]
+        ),
     )
     # Set after VllmConfig's checks, which would look for tp_size devices.
     config.parallel_config.tensor_parallel_size = tp_size

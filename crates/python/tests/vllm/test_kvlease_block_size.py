@@ -17,7 +17,7 @@ from test_kvlease_scheduler import (
 )
 from sched_harness import create_request, step
 
-from kvlease.vllm import _block_format, _kv_incompatibility
+from kvlease.vllm import _kv_incompatibility
 
 
 def _views(layout: str, num_blocks: int, heads: int, block_size: int, seed: int):
@@ -34,21 +34,22 @@ def _views(layout: str, num_blocks: int, heads: int, block_size: int, seed: int)
 
 def _read(d, p, local_blocks, remote_blocks, first_token, num_tokens, local_heads,
           remote_heads):
-    """What D's worker posts for one layer (``_token_segments``, ``_sub_block_runs``),
-    applied to the tensors' bytes: D's tensor after the read."""
+    """What D's worker posts for one layer (``layout.token_segments``,
+    ``layout.sub_block_runs``), applied to the tensors' bytes: D's tensor after the
+    read. The views are FlashAttention's (``HNC``)."""
     import torch
 
-    from kvlease.vllm.worker import _sub_block_runs, _token_segments
+    from kvlease.vllm.layout import layer_format, selection, sub_block_runs, token_segments
 
     d_buf, p_buf = bytearray(d.untyped_storage()), bytes(p.untyped_storage())
-    d_fmt, p_fmt = _block_format(d), _block_format(p)
+    d_fmt, p_fmt = layer_format(d, "FLASH_ATTN", "auto"), layer_format(p, "FLASH_ATTN", "auto")
     d_page, p_page = d[0].numel() * 2, p[0].numel() * 2
-    segments = _token_segments(local_blocks, remote_blocks, (d.shape[2], p.shape[2]),
-                               first_token, num_tokens)
+    segments = token_segments(local_blocks, remote_blocks, (d.shape[2], p.shape[2]),
+                              first_token, num_tokens)
     for lb, lt, rb, rt, n in segments:
-        runs = _sub_block_runs((d_fmt, d_page), (p_fmt, p_page),
-                               [local_heads, (lt, lt + n), (0, 8)],
-                               [remote_heads, (rt, rt + n), (0, 8)])
+        runs = sub_block_runs((d_fmt, d_page), (p_fmt, p_page),
+                              selection(d_fmt, heads=local_heads, tokens=(lt, lt + n)),
+                              selection(p_fmt, heads=remote_heads, tokens=(rt, rt + n)))
         for lo, ro, length in runs:
             dl, pl = lb * d.stride(0) * 2 + lo, rb * p.stride(0) * 2 + ro
             d_buf[dl:dl + length] = p_buf[pl:pl + length]
@@ -119,23 +120,23 @@ def test_block_sizes_alone_are_compatible_a_layout_is_refused_naming_both():
         "model": "m", "dtype": "torch.float16", "cache_dtype": "auto", "num_kv_heads": 4,
         "head_size": 16, "num_layers": 1, "block_size": 32, "block_order": "NHC",
         "kv_cache_layout": "LBNHC", "use_mla": False,
-        "layers": {"l0": ["float16", [4, 32, 32], [2, 1, 3]]},
+        "layers": {"l0": ["float16", [4, 32, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]},
     }
-    p16 = dict(base, block_size=16, layers={"l0": ["float16", [4, 16, 32], [2, 1, 3]]})
+    p16 = dict(base, block_size=16, layers={"l0": ["float16", [4, 16, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]})
     assert _kv_incompatibility(base, p16) is None
     assert _kv_incompatibility(p16, base) is None
     # With heterogeneous TP too: heads and tokens per block both differ.
-    p16_tp2 = dict(p16, layers={"l0": ["float16", [2, 16, 32], [2, 1, 3]]})
+    p16_tp2 = dict(p16, layers={"l0": ["float16", [2, 16, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]})
     assert _kv_incompatibility(base, p16_tp2, d_tp=1, p_tp=2) is None
     # The layers must differ in tokens by the block sizes, nothing else.
-    bad = dict(p16, layers={"l0": ["float16", [4, 8, 32], [2, 1, 3]]})
+    bad = dict(p16, layers={"l0": ["float16", [4, 8, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]})
     why = _kv_incompatibility(base, bad)
     assert "block size: P 16, D 32" in why, why
     why = _kv_incompatibility(base, dict(p16, head_size=8))
     assert "block_size: P 16, D 32" in why and "head_size" in why, why
     # A layout permutation (enable_permute_local_kv) is refused, naming both sides.
     hnc = dict(p16, block_order="HNC", kv_cache_layout="LBHNC",
-               layers={"l0": ["float16", [4, 16, 32], [1, 2, 3]]})
+               layers={"l0": ["float16", [4, 16, 32], [1, 2, 3], "HNC", "FLASH_ATTN"]})
     why = _kv_incompatibility(base, hnc)
     assert "LBHNC" in why and "LBNHC" in why and "enable_permute_local_kv" in why, why
     # Known only from the workers' layer formats: still refused.

@@ -43,6 +43,7 @@ from kvlease.vllm import (
     _engine_info,
     _kv_incompatibility,
 )
+from kvlease.vllm.layout import layer_format
 
 TOKEN = "scheduler-test-token"
 LEASE = 6.0  # seconds: heartbeat interval 1 s, extension 4 s
@@ -519,12 +520,15 @@ def test_block_formats_tell_layouts_apart():
     def view(stride, dtype=torch.float16):
         return buf.view(dtype).as_strided(shape, stride)
 
-    lbnhc = _block_format(view((2048, 32, 128, 1)))
-    blnhc = _block_format(view((4096, 32, 128, 1)))
-    lbhnc = _block_format(view((2048, 512, 32, 1)))
-    assert lbnhc == blnhc == ["float16", [4, 16, 32], [2, 1, 3]]
-    assert lbhnc == ["float16", [4, 16, 32], [1, 2, 3]]
+    assert _block_format(view((2048, 32, 128, 1))) == ["float16", [4, 16, 32], [2, 1, 3]]
+    assert _block_format(view((2048, 512, 32, 1))) == ["float16", [4, 16, 32], [1, 2, 3]]
     assert _block_format(view((2048, 32, 128, 1), torch.bfloat16))[0] == "bfloat16"
+    # What the workers publish: the geometry, what the dims hold, the backend.
+    lbnhc = layer_format(view((2048, 32, 128, 1)), "FLASH_ATTN", "auto")
+    blnhc = layer_format(view((4096, 32, 128, 1)), "FLASH_ATTN", "auto")
+    lbhnc = layer_format(view((2048, 512, 32, 1)), "FLASH_ATTN", "auto")
+    assert lbnhc == blnhc == ["float16", [4, 16, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]
+    assert lbhnc == ["float16", [4, 16, 32], [1, 2, 3], "HNC", "FLASH_ATTN"]
 
     base = {"model": "m", "dtype": "torch.float16", "cache_dtype": "auto",
             "num_kv_heads": 4, "head_size": 16, "num_layers": 2, "block_size": 16,
@@ -871,9 +875,9 @@ def test_layer_formats_may_differ_only_in_heads_by_the_tp_ratio():
         "head_size": 16, "num_layers": 1, "block_size": 16, "block_order": "NHC",
         "kv_cache_layout": "LBNHC", "use_mla": False,
     }
-    four = ["float16", [4, 16, 32], [2, 1, 3]]
-    two = ["float16", [2, 16, 32], [2, 1, 3]]
-    one = ["float16", [1, 16, 32], [2, 3]]  # a size-1 dim is left out of the order
+    four = ["float16", [4, 16, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]
+    two = ["float16", [2, 16, 32], [2, 1, 3], "HNC", "FLASH_ATTN"]
+    one = ["float16", [1, 16, 32], [2, 3], "HNC", "FLASH_ATTN"]  # a size-1 dim is left out of the order
     d1, p2 = dict(base, layers={"l0": four}), dict(base, layers={"l0": two})
     assert _kv_incompatibility(d1, p2, d_tp=1, p_tp=2) is None
     assert _kv_incompatibility(p2, d1, d_tp=2, p_tp=1) is None
@@ -883,11 +887,11 @@ def test_layer_formats_may_differ_only_in_heads_by_the_tp_ratio():
     # Heads that do not match the ratio, or another order, are refused.
     why = _kv_incompatibility(d1, p2, d_tp=1, p_tp=4)
     assert "heads per worker: P 1, D 4" in why, why
-    hnc = dict(base, layers={"l0": ["float16", [2, 16, 32], [1, 2, 3]]})
+    hnc = dict(base, layers={"l0": ["float16", [2, 16, 32], [1, 2, 3], "HNC", "FLASH_ATTN"]})
     assert "store a block differently" in _kv_incompatibility(d1, hnc, d_tp=1, p_tp=2)
     assert "tp_size: P 8, D 1" in _kv_incompatibility(d1, p2, d_tp=1, p_tp=8)
     # MLA: one latent "head" on every rank, whatever the TP sizes.
-    mla = dict(base, use_mla=True, layers={"l0": ["float16", [1, 16, 24], [2, 3]]})
+    mla = dict(base, use_mla=True, layers={"l0": ["float16", [1, 16, 24], [2, 3], "HNC", "FLASH_ATTN"]})
     assert _kv_incompatibility(mla, mla, d_tp=1, p_tp=8) is None
 
 
@@ -899,7 +903,7 @@ def test_head_runs_copy_exactly_the_planned_heads(layout):
     ranks into one D block) and P TP 1 → D TP 2 (one P block split over two D ranks)."""
     import torch
 
-    from kvlease.vllm.worker import _head_runs
+    from kvlease.vllm.layout import layer_format, selection, sub_block_runs
 
     def view(heads, seed):
         data = torch.randn(3, 16, heads, 32, generator=torch.Generator().manual_seed(seed))
@@ -917,8 +921,10 @@ def test_head_runs_copy_exactly_the_planned_heads(layout):
     def copy(d, p, local, remote):
         d_buf, p_buf = storage(d), storage(p)
         d_page, p_page = d[0].numel() * 2, p[0].numel() * 2
-        runs = _head_runs((_block_format(d), d_page), (_block_format(p), p_page),
-                          local, remote)
+        d_fmt = layer_format(d, "FLASH_ATTN", "auto")
+        p_fmt = layer_format(p, "FLASH_ATTN", "auto")
+        runs = sub_block_runs((d_fmt, d_page), (p_fmt, p_page),
+                              selection(d_fmt, heads=local), selection(p_fmt, heads=remote))
         assert len(runs) == (16 if layout == "NHC" else 1)
         for block in range(3):
             for lo, ro, n in runs:

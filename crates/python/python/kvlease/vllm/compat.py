@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .layout import _block_format, format_parts
+
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
+
+__all__ = ["_block_format", "_kv_descriptor", "_kv_incompatibility", "_layer_format_diff"]
 
 #: The descriptor keys P and D must agree on for P's block bytes to mean the same KV on
 #: D (compared by ``_kv_incompatibility``; ``kv_cache_layout`` is carried for the logs:
@@ -54,16 +57,6 @@ def _kv_descriptor(vllm_config: "VllmConfig") -> dict[str, Any]:
     }
 
 
-def _block_format(t: "torch.Tensor") -> list[Any]:
-    """``[dtype, logical block shape, physical order]`` of one layer's KV cache view:
-    the order lists the block's logical dims (1-based, size-1 dims left out: they do not
-    move bytes) from the largest stride to the smallest. Two layers whose formats are
-    equal store a block's elements at the same byte offsets."""
-    dims = [(i, int(t.shape[i]), int(t.stride(i))) for i in range(1, t.dim())]
-    order = [i for i, size, stride in sorted(dims, key=lambda d: (-d[2], d[0])) if size != 1]
-    return [str(t.dtype).removeprefix("torch."), [size for _, size, _ in dims], order]
-
-
 def _rank_heads(kv: dict[str, Any], tp: int) -> int | None:
     """KV heads one of an engine's ``tp`` workers holds, as vLLM splits the descriptor
     ``kv``'s model: MLA's latent cache is one "head" on every rank; otherwise
@@ -82,8 +75,10 @@ def _kv_incompatibility(
 ) -> str | None:
     """Why P's KV (descriptor ``theirs``, from its handshake, over ``p_tp`` workers)
     cannot be loaded as ours (over ``d_tp``), or ``None`` when it can. ``layers`` (layer
-    name -> ``_block_format``) is compared when both sides know their workers' formats;
-    with different TP sizes a block's head count differs by the ratio, nothing else."""
+    name -> ``layout.layer_format``) is compared when both sides know their workers'
+    formats; with different TP sizes a block's head count differs by the ratio, with
+    different block sizes its token count, nothing else. D's workers compare each P
+    worker's formats again before they read (``_layer_format_diff``)."""
     if not isinstance(theirs, dict):
         return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
     diffs = []
@@ -101,9 +96,11 @@ def _kv_incompatibility(
                     "with the same kv_cache_layout)"
                 )
             diffs.append(what)
+    mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if tokens is not None and len(diffs) == 1 and diffs[0].startswith("block_size:"):
-        # P ≠ D block sizes alone: D reads runs of tokens (the worker's
-        # ``_sub_block_runs``); named above only beside another difference.
+        # P ≠ D block sizes alone: D reads runs of tokens (``layout.sub_block_runs``)
+        # where the layer formats say which dim holds the tokens (below; D's workers
+        # compare P's workers' formats again, and refuse a P that names none).
         diffs = []
     heads = None
     if d_tp != p_tp and not diffs:
@@ -116,27 +113,11 @@ def _kv_incompatibility(
             )
         else:
             heads = (d_heads, p_heads)
-    mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if mine and p_layers and not diffs:
         diff = _layer_format_diff(mine, p_layers, heads=heads, tokens=tokens)
         if diff is not None:
             diffs.append(diff)
     return "; ".join(diffs) or None
-
-
-def _same_but_heads(mine: list[Any], theirs: list[Any], heads: tuple[int, int]) -> bool:
-    """Whether two ``_block_format`` s are the same apart from the head count (block dim
-    1), which is ``heads`` (D's, P's): the dtype, the other dims and their order agree
-    (a dim of size 1 is left out of an order, so the head dim is compared only where
-    both sides list it)."""
-    (d_dtype, d_shape, d_order), (p_dtype, p_shape, p_order) = mine, theirs
-    if d_dtype != p_dtype or len(d_shape) != len(p_shape) or not d_shape:
-        return False
-    if (d_shape[0], p_shape[0]) != heads or d_shape[1:] != p_shape[1:]:
-        return False
-    if 1 in d_order and 1 in p_order:
-        return list(d_order) == list(p_order)
-    return [d for d in d_order if d != 1] == [d for d in p_order if d != 1]
 
 
 def _block_sizes(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[int, int] | None:
@@ -148,22 +129,50 @@ def _block_sizes(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[int, int
     return None if d_bs == p_bs else (d_bs, p_bs)
 
 
-def _same_but_sizes(
-    mine: list[Any], theirs: list[Any], sizes: dict[int, tuple[int, int]]
-) -> bool:
-    """Whether two ``_block_format`` s are the same apart from the sizes of the block
-    dims in ``sizes`` (0-based dim of the block -> (D's size, P's size)): the dtype, the
-    other dims and the order of the dims (those of size 1 on one side compared only
-    where both sides list them) agree."""
-    (d_dtype, d_shape, d_order), (p_dtype, p_shape, p_order) = mine, theirs
-    if d_dtype != p_dtype or len(d_shape) != len(p_shape) or not d_shape:
-        return False
+def _format_diff(
+    mine: list[Any],
+    theirs: list[Any],
+    heads: tuple[int, int] | None,
+    tokens: tuple[int, int] | None,
+) -> str | None:
+    """Why P's block of format ``theirs`` cannot be read into D's of format ``mine``
+    (``layout.layer_format``), or ``None``. Both name the same attention backend. With
+    ``heads`` (D's, P's heads per worker) the ``H`` dims may differ by that, with
+    ``tokens`` (D's, P's block sizes) the ``N`` dims, where the axes name such a dim;
+    otherwise the blocks are the same."""
+    d_dtype, d_shape, d_order, d_axes, d_backend = format_parts(mine)
+    p_dtype, p_shape, p_order, p_axes, p_backend = format_parts(theirs)
+    if len(theirs) < 5:
+        return "P's kvlease does not say what its blocks hold (an older kvlease?)"
+    if d_backend is None or p_backend is None:
+        who = "D's" if d_backend is None else "P's"
+        return f"{who} attention backend is not known, so neither is what its blocks hold"
+    if d_backend != p_backend:
+        return f"the attention backends differ (P {p_backend}, D {d_backend})"
+    if d_axes != p_axes:
+        return f"P's blocks hold {p_axes}, D's {d_axes}"
+    for letter, rng, what in (("H", heads, "TP sizes"), ("N", tokens, "block sizes")):
+        if rng is not None and (d_axes is None or letter not in d_axes):
+            where = "heads" if letter == "H" else "tokens"
+            return (
+                f"different {what} need to know where {d_backend}'s blocks hold their "
+                f"{where}, and kvlease does not ({d_backend}'s blocks hold {d_axes})"
+            )
+    if d_dtype != p_dtype or len(d_shape) != len(p_shape):
+        return "the blocks differ"
+    sizes = {}
+    if heads is not None and d_axes is not None:
+        sizes[d_axes.index("H")] = heads
+    if tokens is not None and d_axes is not None:
+        sizes[d_axes.index("N")] = tokens
     for i, (d, p) in enumerate(zip(d_shape, p_shape)):
         if (d, p) != sizes.get(i, (d, d)):
-            return False
+            return "the blocks differ"
     # A dim listed on one side only has size 1 on the other, where it moves no bytes.
     listed = set(d_order) & set(p_order)
-    return [d for d in d_order if d in listed] == [d for d in p_order if d in listed]
+    if [d for d in d_order if d in listed] != [d for d in p_order if d in listed]:
+        return "the blocks lay their dims out in another order"
+    return None
 
 
 def _layer_format_diff(
@@ -173,36 +182,31 @@ def _layer_format_diff(
     heads: tuple[int, int] | None = None,
     tokens: tuple[int, int] | None = None,
 ) -> str | None:
-    """How P's per-layer block formats (layer name -> ``_block_format``) differ from
-    ours, or ``None`` when P holds the same layers, each in the same format; with
+    """How P's per-layer block formats (layer name -> ``layout.layer_format``) differ
+    from ours, or ``None`` when D can read every layer of P's blocks into its own; with
     ``heads`` (D's, P's heads per worker: different TP sizes), each layer's block holds
     that many heads on each side and is otherwise the same; with ``tokens`` (D's, P's
-    block sizes), that many tokens (block dim 2 of vLLM's ``[heads, tokens, ...]``)."""
+    block sizes), that many tokens (``_format_diff``)."""
     if set(mine) != set(theirs):
         only_p = sorted(set(theirs) - set(mine))[:3]
         only_d = sorted(set(mine) - set(theirs))[:3]
         return f"KV cache layers differ (only P: {only_p}, only D: {only_d})"
-    if tokens is not None and tokens[0] != tokens[1]:
-        sizes = {1: tokens}
-        if heads is not None:
-            sizes[0] = heads
-        bad = [
-            n for n in sorted(mine) if not _same_but_sizes(list(mine[n]), list(theirs[n]), sizes)
-        ]
-    elif heads is None or heads[0] == heads[1]:
-        bad = [n for n in sorted(mine) if list(theirs[n]) != list(mine[n])]
-    else:
-        bad = [
-            n
-            for n in sorted(mine)
-            if not _same_but_heads(list(mine[n]), list(theirs[n]), heads)
-        ]
+    if heads is not None and heads[0] == heads[1]:
+        heads = None
+    if tokens is not None and tokens[0] == tokens[1]:
+        tokens = None
+    bad = [
+        (n, why)
+        for n in sorted(mine)
+        if (why := _format_diff(list(mine[n]), list(theirs[n]), heads, tokens)) is not None
+    ]
     if not bad:
         return None
     what = "" if heads is None else f" (heads per worker: P {heads[1]}, D {heads[0]})"
-    if tokens is not None and tokens[0] != tokens[1]:
+    if tokens is not None:
         what += f" (block size: P {tokens[1]}, D {tokens[0]})"
+    name, why = bad[0]
     return (
-        f"{len(bad)} layer(s) store a block differently{what}, e.g. {bad[0]}: "
-        f"P [dtype, shape, order] {list(theirs[bad[0]])}, D {list(mine[bad[0]])}"
+        f"{len(bad)} layer(s) store a block differently{what}, e.g. {name}: {why}; "
+        f"P [dtype, shape, order, axes, backend] {list(theirs[name])}, D {list(mine[name])}"
     )

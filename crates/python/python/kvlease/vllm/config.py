@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from .layout import PLAIN_CACHE_DTYPES, SIDE_SCALE_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +77,9 @@ class KvleaseConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     transport_host: str = "127.0.0.1"
+    #: First port of the workers' transport listeners (worker ``r`` of data-parallel
+    #: rank ``dp`` listens on ``transport_port + dp * tp_size + r``); 0: any free port.
+    transport_port: int = 0
     read_timeout: float = 30.0
     handshake_timeout: float = 5.0
     #: ``kv_transfer_config.kv_buffer_device`` (``KV_BUFFER_DEVICES``, or empty: vLLM's
@@ -124,15 +128,18 @@ class KvleaseConfig:
             or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
             or "127.0.0.1"
         )
-        port = extra.get("side_channel_port", 0)
-        try:
-            port = int(port)
-        except (TypeError, ValueError):
-            raise ConfigError(f"side_channel_port must be a port number, not {port!r}") from None
-        if not 0 <= port < 65536:
-            raise ConfigError(f"side_channel_port must be a port number, not {port}")
+        port = _port(extra, "side_channel_port", "KVLEASE_SIDE_CHANNEL_PORT")
+        transport_port = _port(extra, "transport_port", "KVLEASE_TRANSPORT_PORT")
         transport_host = str(extra.get("transport_host") or host)
         kv_buffer_device, use_host_buffer = _host_buffer(ktc, extra)
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        if cache_dtype in SIDE_SCALE_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype {cache_dtype!r} keeps its scales outside the KV cache "
+                "blocks, which KvleaseConnector moves alone: D would read P's values "
+                "with its own scales. Use a KV cache dtype whose blocks hold their values "
+                f"({', '.join(PLAIN_CACHE_DTYPES)})"
+            )
         engine_id = ktc.engine_id
         if not engine_id:
             raise ConfigError("kv_transfer_config.engine_id is not set")
@@ -145,11 +152,25 @@ class KvleaseConfig:
             side_channel_host=host,
             side_channel_port=port,
             transport_host=transport_host,
+            transport_port=transport_port,
             read_timeout=number("read_timeout", lease),
             handshake_timeout=number("handshake_timeout", 5.0),
             kv_buffer_device=kv_buffer_device,
             use_host_buffer=use_host_buffer,
         )
+
+
+def _port(extra: dict, key: str, env: str) -> int:
+    """A port number from ``kv_connector_extra_config[key]``, else the environment
+    variable ``env``, else 0 (any free port)."""
+    value = extra.get(key, os.environ.get(env) or 0)
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a port number, not {value!r}") from None
+    if not 0 <= port < 65536:
+        raise ConfigError(f"{key} must be a port number, not {port}")
+    return port
 
 
 def _ip_of(host: str) -> str:

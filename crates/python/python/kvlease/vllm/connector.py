@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from .config import KvleaseConfig
 from .hybrid import _layer_groups
+from .logs import attach_to_vllm
 from .metadata import KvleaseConnectorMetadata
 from .scheduler import KvleaseScheduler
 from .stats import KvleaseConnectorStats, KvleasePromMetrics
@@ -55,6 +56,7 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: "KVCacheConfig | None" = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        attach_to_vllm()
         self.config = KvleaseConfig.from_vllm(vllm_config)
         self.scheduler: KvleaseScheduler | None = None
         self.worker: KvleaseWorker | None = None

@@ -469,10 +469,9 @@ class KvleaseScheduler:
             # kv_load_failure_policy (no load was attempted).
             logger.warning(
                 "request %s: not loading from P engine %s, which is not KV-compatible "
-                "(%s): computing the prompt locally",
+                "(logged at its handshake): computing the prompt locally",
                 rid,
                 remote.engine,
-                reason,
             )
             decode.abort(rid)
             self._drain_decode()

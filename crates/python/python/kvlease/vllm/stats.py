@@ -151,6 +151,12 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
             "D's side-channel handshakes with P engines that failed (unreachable, "
             "authentication, a malformed engine info).",
         )
+        self.incompatible_handshakes = counter(
+            "incompatible_handshakes",
+            "P engines D found not KV-compatible at the handshake (another model, dtype, "
+            "or block layout it cannot read into its own): their requests are computed on "
+            "D, never loaded; the reason is logged at error.",
+        )
         self.host_buffer_blocks = counter(
             "host_buffer_blocks",
             "KV blocks copied through the host buffer (kv_buffer_device cpu): d2h on P "
@@ -172,6 +178,7 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
                 self.heartbeat_renewals,
                 self.stale_reads,
                 self.handshake_failures,
+                self.incompatible_handshakes,
             ):
                 metric.labels(*values)
             for reason in ReleaseReason:
@@ -187,6 +194,7 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
             "leases_renewed": self.heartbeat_renewals,
             f"batches_{BatchStatus.STALE.value}": self.stale_reads,
             "handshakes_failed": self.handshake_failures,
+            "handshakes_incompatible": self.incompatible_handshakes,
         }
         released = "leases_released_"
         statuses = {f"reads_{s.value}": s.value for s in BatchStatus}

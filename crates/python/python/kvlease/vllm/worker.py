@@ -9,17 +9,24 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
-from itertools import product
-from math import prod
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
 from ..errors import ConfigError, KvleaseError, NotifError, TransferError
 from ..kinds import BatchStatus
-from .compat import _block_format, _layer_format_diff, _rank_heads
+from .compat import _layer_format_diff, _rank_heads
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
 from .handshake import EngineInfo
 from .hybrid import _group_pairs
+from .layout import (
+    format_parts,
+    layer_backends,
+    layer_format,
+    layer_layout,
+    selection,
+    sub_block_runs,
+    token_segments,
+)
 from .metadata import (
     BatchOutcome,
     BatchSpec,
@@ -86,170 +93,6 @@ def _copy_op_for_platform(op: CopyBlocksOp) -> CopyBlocksOp:
     return op
 
 
-def _layer_layout(name: str, t: "torch.Tensor") -> tuple[int, int, int, int]:
-    """``(byte offset in its storage, block stride, block bytes, num blocks)`` of one
-    layer's KV cache: dim 0 counts blocks, and each block's bytes must be dense."""
-    if t.dim() < 2:
-        raise ConfigError(f"KV cache {name}: expected a blocks dimension and more")
-    elem = t.element_size()
-    sizes, strides = list(t.shape[1:]), list(t.stride()[1:])
-    page = prod(sizes) * elem
-    expected = 1
-    for size, stride in sorted(zip(sizes, strides), key=lambda p: p[1]):
-        if size != 1 and stride != expected:
-            raise ConfigError(
-                f"KV cache {name}: a block's bytes are not dense (shape {tuple(t.shape)}, "
-                f"stride {tuple(t.stride())})"
-            )
-        expected *= size
-    block_stride = t.stride(0) * elem
-    if t.shape[0] > 1 and block_stride < page:
-        raise ConfigError(f"KV cache {name}: blocks overlap (stride {block_stride} < {page})")
-    storage = t.untyped_storage()
-    offset = t.data_ptr() - storage.data_ptr()
-    return offset, block_stride, page, int(t.shape[0])
-
-
-def _block_strides(fmt: list[Any], page: int, order: list[int]) -> list[int]:
-    """Byte strides of a dense block's dims (``fmt``: ``_block_format``; ``page``: its
-    bytes) laid out in ``order`` (1-based dims, outermost first, every dim listed)."""
-    shape = [int(x) for x in fmt[1]]
-    count = prod(shape)
-    if count <= 0 or page % count:
-        raise KvleaseError(f"a block of {page} bytes cannot hold a {shape} block")
-    strides, acc = [0] * len(shape), page // count
-    for dim in reversed(order):
-        strides[dim - 1] = acc
-        acc *= shape[dim - 1]
-    return strides
-
-
-def _head_runs(
-    local: tuple[list[Any], int],
-    remote: tuple[list[Any], int],
-    local_heads: tuple[int, int],
-    remote_heads: tuple[int, int],
-) -> list[tuple[int, int, int]]:
-    """The byte runs ``(offset in D's block, offset in P's block, length)`` that copy
-    heads ``remote_heads`` of P's block into heads ``local_heads`` of D's. Each side is
-    ``(_block_format, block bytes)``; a block is ``[heads, ...]`` (vLLM's per-layer view
-    ``[B, H, N, C]``), dense, and its dims other than the heads are the same on both
-    sides and in the same order (``_layer_format_diff`` checked it). Adjacent runs are
-    merged: a whole block of the same layout on both sides is one run."""
-    (d_fmt, d_page), (p_fmt, p_page) = local, remote
-    (d0, d1), (p0, p1) = local_heads, remote_heads
-    d_shape, p_shape = list(d_fmt[1]), list(p_fmt[1])
-    if not (0 <= d0 < d1 <= d_shape[0] and 0 <= p0 < p1 <= p_shape[0] and d1 - d0 == p1 - p0):
-        raise KvleaseError(
-            f"heads {p0}..{p1} of P's {p_shape[0]} cannot fill heads {d0}..{d1} of D's "
-            f"{d_shape[0]}"
-        )
-    # One order for both sides: a dim of size 1 is left out of a format's order, so take
-    # the side that lists more dims and put any dim neither lists last (size 1 on both).
-    order = max(list(d_fmt[2]), list(p_fmt[2]), key=len)
-    order += [d for d in range(1, len(d_shape) + 1) if d not in order]
-    d_strides = _block_strides(d_fmt, d_page, order)
-    p_strides = _block_strides(p_fmt, p_page, order)
-    length = (d1 - d0) * d_strides[0]
-    if length != (p1 - p0) * p_strides[0]:
-        raise KvleaseError("a head holds a different number of bytes on P and D")
-    outer = order[: order.index(1)]
-    runs: list[tuple[int, int, int]] = []
-    for index in product(*(range(int(d_shape[d - 1])) for d in outer)):
-        lo = d0 * d_strides[0] + sum(i * d_strides[d - 1] for i, d in zip(index, outer))
-        ro = p0 * p_strides[0] + sum(i * p_strides[d - 1] for i, d in zip(index, outer))
-        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == ro:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
-        else:
-            runs.append((lo, ro, length))
-    return runs
-
-
-def _sub_block_runs(
-    local: tuple[list[Any], int],
-    remote: tuple[list[Any], int],
-    local_sel: list[tuple[int, int]],
-    remote_sel: list[tuple[int, int]],
-) -> list[tuple[int, int, int]]:
-    """The byte runs ``(offset in D's block, offset in P's block, length)`` that copy the
-    part ``remote_sel`` of P's block into the part ``local_sel`` of D's: one ``(start,
-    end)`` per block dim (vLLM's ``[heads, tokens, ...]``), of equal lengths on both
-    sides. Each side is ``(_block_format, block bytes)``, dense, its dims in the same
-    order on both sides (``_layer_format_diff`` checked it); the sizes may differ (heads
-    with TP sizes, tokens with block sizes). The innermost dims selected whole on both
-    sides, and the next one out, make one run; adjacent runs are merged."""
-    (d_fmt, d_page), (p_fmt, p_page) = local, remote
-    d_shape, p_shape = [int(x) for x in d_fmt[1]], [int(x) for x in p_fmt[1]]
-    n = len(d_shape)
-    if len(p_shape) != n or len(local_sel) != n or len(remote_sel) != n or not n:
-        raise KvleaseError(f"P's {p_shape} block and D's {d_shape} differ in their dims")
-    for (a0, a1), (b0, b1), ds, ps in zip(local_sel, remote_sel, d_shape, p_shape):
-        if not (0 <= a0 < a1 <= ds and 0 <= b0 < b1 <= ps and a1 - a0 == b1 - b0):
-            raise KvleaseError(
-                f"{b0}..{b1} of P's {ps} cannot fill {a0}..{a1} of D's {ds} (block "
-                f"P {p_shape}, D {d_shape})"
-            )
-    order = max(list(d_fmt[2]), list(p_fmt[2]), key=len)
-    order += [d for d in range(1, n + 1) if d not in order]
-    d_strides = _block_strides(d_fmt, d_page, order)
-    p_strides = _block_strides(p_fmt, p_page, order)
-    if d_page // prod(d_shape) != p_page // prod(p_shape):
-        raise KvleaseError("an element holds a different number of bytes on P and D")
-    length, k = d_page // prod(d_shape), n
-    while k > 0:
-        dim = order[k - 1] - 1
-        (a0, a1), (b0, b1) = local_sel[dim], remote_sel[dim]
-        length *= a1 - a0
-        k -= 1
-        if not a1 - a0 == d_shape[dim] == p_shape[dim]:
-            break
-    outer = order[:k]
-    lo0 = sum(a * s for (a, _), s in zip(local_sel, d_strides))
-    ro0 = sum(b * s for (b, _), s in zip(remote_sel, p_strides))
-    runs: list[tuple[int, int, int]] = []
-    counts = (local_sel[d - 1][1] - local_sel[d - 1][0] for d in outer)
-    for index in product(*(range(c) for c in counts)):
-        lo = lo0 + sum(i * d_strides[d - 1] for i, d in zip(index, outer))
-        ro = ro0 + sum(i * p_strides[d - 1] for i, d in zip(index, outer))
-        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == ro:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
-        else:
-            runs.append((lo, ro, length))
-    return runs
-
-
-def _token_segments(
-    local_blocks: list[int],
-    remote_blocks: list[int],
-    block_sizes: tuple[int, int],
-    first_token: int,
-    num_tokens: int,
-) -> list[tuple[int, int, int, int, int]]:
-    """``(D block, its first token, P block, its first token, tokens)`` for each run of
-    tokens that stays within one block on both sides, when D's blocks hold
-    ``block_sizes[0]`` tokens and P's ``block_sizes[1]``: D's ``local_blocks`` hold the
-    request's tokens from ``first_token`` (a multiple of D's block size), P's
-    ``remote_blocks`` from the start of the P block holding ``first_token``; tokens up
-    to ``num_tokens`` are read."""
-    d_bs, p_bs = block_sizes
-    if d_bs <= 0 or p_bs <= 0 or first_token % d_bs:
-        raise KvleaseError(f"cannot map block sizes P {p_bs}, D {d_bs} from token {first_token}")
-    p_first = first_token // p_bs
-    end = min(num_tokens, first_token + len(local_blocks) * d_bs)
-    segments = []
-    t = first_token
-    while t < end:
-        li, lt = divmod(t - first_token, d_bs)
-        pi, pt = divmod(t, p_bs)
-        pi -= p_first
-        if pi >= len(remote_blocks):
-            raise KvleaseError(f"token {t} is past P's {len(remote_blocks)} blocks")
-        count = min(d_bs - lt, p_bs - pt, end - t)
-        segments.append((int(local_blocks[li]), lt, int(remote_blocks[pi]), pt, count))
-        t += count
-    return segments
-
-
 @dataclass
 class _PeerLink:
     """D's worker's connection to one P worker, with what it learned from P's engine
@@ -259,7 +102,7 @@ class _PeerLink:
     #: layer name -> (P's region, offset, block stride, block bytes, num blocks)
     layers: dict[str, tuple[native.RemoteRegion, int, int, int, int]]
     fence: native.RemoteRegion
-    #: layer name -> P's ``_block_format`` of it.
+    #: layer name -> P's ``layout.layer_format`` of it.
     formats: dict[str, list[Any]]
     #: Why P's blocks cannot be read as ours, or None.
     incompatible: str | None
@@ -295,10 +138,23 @@ class KvleaseWorker:
         self.rank = self._tp_rank()
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        #: Where ``register_kv_caches`` finds each layer's attention backend.
+        self.vllm_config = vllm_config
         self.engine_id = config.engine_id
         host = _ip_of(config.transport_host)
+        port = 0
+        if config.transport_port:
+            parallel = vllm_config.parallel_config
+            dp = int(getattr(parallel, "data_parallel_rank_local", None) or 0)
+            port = config.transport_port + dp * self.tp_size + self.rank
+            if port > 65535:
+                raise ConfigError(
+                    f"transport_port {config.transport_port} + data-parallel rank {dp} x "
+                    f"tp_size {self.tp_size} + rank {self.rank} is past 65535"
+                )
         # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
-        listen = "0.0.0.0:0" if host in ("0.0.0.0", "::") else _listen_addr(host, 0)
+        listen = f"0.0.0.0:{port}" if host in ("0.0.0.0", "::") else _listen_addr(host, port)
         self.agent = native.Agent(
             _agent_name(self.engine_id, self.rank),
             listen=listen,
@@ -308,7 +164,7 @@ class KvleaseWorker:
         )
         # name -> (region, offset, block stride, block bytes, num blocks)
         self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
-        # name -> [dtype, block shape, order] (``_block_format``)
+        # name -> [dtype, block shape, order, axes, backend] (``layout.layer_format``)
         self.kv_format: dict[str, list[Any]] = {}
         #: Hybrid models: layer name -> KV cache group (``hybrid._layer_groups``), set by
         #: the connector; a layer reads only its group's pairs of a load.
@@ -455,9 +311,10 @@ class KvleaseWorker:
             kv_caches = self.host_xfer_buffers
         storages: dict[int, native.Region] = {}
         num_blocks = None
+        backends = layer_backends(self.vllm_config, sorted(kv_caches))
         for name in sorted(kv_caches):
             t = kv_caches[name]
-            offset, stride, page, n = _layer_layout(name, t)
+            offset, stride, page, n = layer_layout(name, t)
             storage = t.untyped_storage()
             base = storage.data_ptr()
             region = storages.get(base)
@@ -475,7 +332,7 @@ class KvleaseWorker:
                 storages[base] = region
                 self._regions[region.id] = region
             self.layers[name] = (region, offset, stride, page, n)
-            self.kv_format[name] = _block_format(t)
+            self.kv_format[name] = layer_format(t, backends[name], self.cache_dtype)
             num_blocks = n if num_blocks is None else min(num_blocks, n)
         self.num_blocks = int(num_blocks or 0)
         if self.num_blocks == 0:
@@ -487,8 +344,10 @@ class KvleaseWorker:
         self._fence_fd = fd
         self._fence_map = mmap.mmap(fd, size)
         self._fence_region = self.agent.register(self._fence_map)
+        first = self.kv_format[min(self.kv_format)]
         logger.info(
-            "kvlease worker %s rank %d: %d layers, %d blocks on %s%s, agent %s",
+            "kvlease worker %s rank %d: %d layers, %d blocks on %s%s, agent %s; block "
+            "format [dtype, shape, order, axes, backend] %s",
             self.engine_id,
             self.rank,
             len(self.layers),
@@ -496,6 +355,7 @@ class KvleaseWorker:
             self.device,
             " (host buffer)" if self.use_host_buffer else "",
             self.agent.address,
+            first,
         )
 
     def handshake_metadata(self) -> KvleaseHandshakeMetadata:
@@ -711,9 +571,11 @@ class KvleaseWorker:
     def _token_ops(self, link: _PeerLink, load: LoadSpec, b: BatchSpec) -> list[Any]:
         """The read ops of batch ``b`` when P's blocks hold another number of tokens
         than ours (``load.remote_block_size``): per layer, the batch's heads of each run
-        of tokens within one block on both sides (``_token_segments``), as byte runs
-        (``_sub_block_runs``: one per run of tokens in a tokens-outer block)."""
-        segments = _token_segments(
+        of tokens within one block on both sides (``layout.token_segments``), as byte
+        runs (``layout.sub_block_runs`` over the dims the layer's format names: a run per
+        head and K/V plane where tokens are inside them, per token where they are
+        outside)."""
+        segments = token_segments(
             [int(x) for x in load.local_blocks],
             [int(x) for x in load.remote_blocks],
             (int(load.block_size), int(load.remote_block_size)),
@@ -727,24 +589,30 @@ class KvleaseWorker:
                 raise KvleaseError(f"P has no KV cache layer {name}")
             r_region, r_offset, r_stride, r_page, r_n = remote
             d_fmt, p_fmt = self.kv_format[name], link.formats[name]
-            sizes = (int(d_fmt[1][1]), int(p_fmt[1][1])) if len(d_fmt[1]) > 1 else None
+            d_axes, p_axes = format_parts(d_fmt)[3], format_parts(p_fmt)[3]
+            if d_axes is None or d_axes != p_axes or "N" not in d_axes:
+                raise KvleaseError(
+                    f"layer {name}: blocks of P {p_fmt}, D {d_fmt} do not say where their "
+                    "tokens are"
+                )
+            n_dim = d_axes.index("N")
+            sizes = (int(d_fmt[1][n_dim]), int(p_fmt[1][n_dim]))
             if sizes != (load.block_size, load.remote_block_size):
                 raise KvleaseError(
                     f"layer {name}: blocks of P {p_fmt[1]}, D {d_fmt[1]} do not hold "
-                    f"P {load.remote_block_size}, D {load.block_size} tokens on dim 2"
+                    f"P {load.remote_block_size}, D {load.block_size} tokens"
                 )
-            rest = [(0, int(x)) for x in d_fmt[1][2:]]
             cache: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
             for lb, lt, rb, rt, count in segments:
                 if rb >= r_n:
                     raise KvleaseError(f"layer {name}: P's block {rb} is past its {r_n} blocks")
                 runs = cache.get((lt, rt, count))
                 if runs is None:
-                    runs = cache[(lt, rt, count)] = _sub_block_runs(
+                    runs = cache[(lt, rt, count)] = sub_block_runs(
                         (d_fmt, page),
                         (p_fmt, r_page),
-                        [tuple(b.local_heads), (lt, lt + count), *rest],
-                        [tuple(b.remote_heads), (rt, rt + count), *rest],
+                        selection(d_fmt, heads=b.local_heads, tokens=(lt, lt + count)),
+                        selection(p_fmt, heads=b.remote_heads, tokens=(rt, rt + count)),
                     )
                 local_at, remote_at = offset + lb * stride, r_offset + rb * r_stride
                 for lo, ro, length in runs:
@@ -781,11 +649,12 @@ class KvleaseWorker:
             # The batch's heads within each block: all of it when both sides hold the
             # same heads in the same layout, else a run per head slice (per token in a
             # tokens-outer block, one run in a heads-outer one).
-            runs = _head_runs(
-                (self.kv_format[name], page),
-                (link.formats[name], r_page),
-                tuple(b.local_heads),
-                tuple(b.remote_heads),
+            d_fmt, p_fmt = self.kv_format[name], link.formats[name]
+            runs = sub_block_runs(
+                (d_fmt, page),
+                (p_fmt, r_page),
+                selection(d_fmt, heads=b.local_heads),
+                selection(p_fmt, heads=b.remote_heads),
             )
             if runs != [(0, 0, page)] or r_page != page:
                 for lb, rb in zip(local_blocks, remote_blocks):
@@ -825,8 +694,17 @@ class KvleaseWorker:
         return ops
 
     def _batch_done(
-        self, rid: str, index: int, status: BatchStatus, nbytes: int, error: str | None
+        self,
+        rid: str,
+        index: int,
+        status: BatchStatus,
+        nbytes: int,
+        error: str | None,
+        backend: str | None = None,
     ) -> None:
+        """Batch ``index`` of ``rid`` ended; ``backend`` is the one that moved its bytes
+        (``BatchResult.backend``: ``cma`` over a ``shm`` link for memory outside a
+        memfd), else the link's as posted."""
         self._outcomes.setdefault(rid, {})[index] = BatchOutcome(status, nbytes, error)
         record = self._loads.get(rid)
         if record is not None:
@@ -836,7 +714,8 @@ class KvleaseWorker:
         posted = record.posted.pop(index, None) if record is not None else None
         if posted is not None:
             # Posted reads by backend (vllm:kvlease_reads, _read_bytes, _read_seconds).
-            at, backend = posted
+            at, link_backend = posted
+            backend = backend or link_backend
             self.counters.add(f"reads_{status}.{backend}")
             if status == BatchStatus.DONE:
                 self.counters.add(f"read_bytes.{backend}", nbytes)
@@ -872,7 +751,8 @@ class KvleaseWorker:
                     # The connection to this P worker may be what failed: connect afresh
                     # next time. A stale batch is a lease outcome: the link is fine.
                     self._forget_link(key)
-                self._batch_done(rid, index, status, int(result.bytes), error)
+                used = None if result.backend is None else str(result.backend)
+                self._batch_done(rid, index, status, int(result.bytes), error, used)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
