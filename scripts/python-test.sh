@@ -25,6 +25,7 @@ PYTHON=${KVLEASE_PYTHON:-python3}
 TIME_LIMIT=${KVLEASE_PYTHON_TEST_TIMEOUT:-1800}
 log() { echo "python-test: $*" >&2; }
 fail() { echo "python-test: FAILED $*"; exit 1; }
+. scripts/lib/pyenv.sh
 
 # --- the virtual environment -----------------------------------------------------------
 venv_ready() {
@@ -35,14 +36,7 @@ import pytest, maturin  # noqa: F401
 EOF
 }
 if ! venv_ready; then
-  if ! "$PYTHON" -m venv --help >/dev/null 2>&1 || ! "$PYTHON" -c 'import ensurepip' 2>/dev/null; then
-    [ "$(id -u)" = 0 ] || fail "need root to install python3-venv"
-    log "installing python3-venv python3-pip"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q >/dev/null
-    apt-get install -y -q --no-install-recommends python3-venv python3-pip >/tmp/kvlease-apt.log 2>&1 \
-      || { tail -20 /tmp/kvlease-apt.log >&2; fail "apt-get install python3-venv"; }
-  fi
+  need_venv_module "$PYTHON"
   log "making $VENV with vllm==$VLLM_VERSION, pytest, maturin (a few minutes, ~9.5 GB)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
@@ -51,24 +45,17 @@ if ! venv_ready; then
   venv_ready || fail "$VENV does not import vllm==$VLLM_VERSION, pytest and maturin after installing them"
 fi
 PY="$VENV/bin/python"
-export PATH="$VENV/bin:$PATH"  # the build backend runs `maturin` by name
 
 # --- our package -------------------------------------------------------------------------
-command -v cargo >/dev/null || fail "cargo not found (Rust 1.95 stable is required)"
-log "building and installing ./crates/python"
 t=$(date +%s)
-# No build isolation: the venv's maturin builds it (no download per run); --force-reinstall
-# because the version does not change when the sources do.
-"$VENV/bin/pip" install -q --no-build-isolation --no-deps --force-reinstall ./crates/python >&2 \
-  || fail "pip install ./crates/python"
+install_kvlease "$VENV"
 echo "python_test.install_s=$(( $(date +%s) - t ))"
 
 # --- run ------------------------------------------------------------------------------------
 WORK=$(mktemp -d /tmp/kvlease-pytest.XXXXXX)
-PGID=""
 cleanup() {
   # Every process of the run is in pytest's session: the workers it spawned too.
-  if [ -n "$PGID" ]; then kill -TERM -- "-$PGID" 2>/dev/null || true; sleep 1; kill -KILL -- "-$PGID" 2>/dev/null || true; fi
+  kill_pytest
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -76,16 +63,10 @@ export KVLEASE_TEST_HF_HOME="$WORK/hf-home"
 export PYTHONDONTWRITEBYTECODE=1
 log "pytest crates/python/tests (limit ${TIME_LIMIT}s)"
 t=$(date +%s)
-set +e
-# -p no:cacheprovider: no .pytest_cache in the tree. setsid: the run is one process group.
-setsid timeout --kill-after=20 "$TIME_LIMIT" "$PY" -m pytest -p no:cacheprovider -rfEs \
-  --durations=15 crates/python/tests "$@" &
-PGID=$!
-wait "$PGID"
-rc=$?
-set -e
+# The serving tests need another vLLM build: scripts/serve-test.sh runs them.
+run_pytest "$TIME_LIMIT" "$PY" crates/python/tests --ignore=crates/python/tests/serve "$@"
 echo "python_test.pytest_s=$(( $(date +%s) - t ))"
 echo "python_test.total_s=$(( $(date +%s) - STARTED ))"
-[ "$rc" = 124 ] && fail "pytest ran past ${TIME_LIMIT}s"
-[ "$rc" = 0 ] || fail "pytest exit status $rc"
+[ "$PYTEST_RC" = 124 ] && fail "pytest ran past ${TIME_LIMIT}s"
+[ "$PYTEST_RC" = 0 ] || fail "pytest exit status $PYTEST_RC"
 echo "python-test: OK"

@@ -4,6 +4,7 @@
 #   KVLEASE_SKIP_RDMA=1 scripts/test.sh   everything but the SoftRoCE VM tests
 #   KVLEASE_SKIP_NETNS=1 scripts/test.sh  everything but the network-namespace hosts (scripts/netns/hosts.sh)
 #   KVLEASE_SKIP_PYTHON=1 scripts/test.sh everything but the Python package and vLLM connector tests (scripts/python-test.sh)
+#   KVLEASE_SKIP_SERVE=1 scripts/test.sh  everything but real vLLM serving through the connector (scripts/serve-test.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -36,6 +37,11 @@ RUSTDOCFLAGS=-Dwarnings cargo doc --workspace --no-deps --document-private-items
 if [ "${KVLEASE_SKIP_PYTHON:-0}" != 1 ]; then
   step "Python: the kvlease package and its vLLM connector (vLLM's scheduler on CPU, P and D worker processes)"
   bash scripts/python-test.sh
+fi
+
+if [ "${KVLEASE_SKIP_SERVE:-0}" != 1 ]; then
+  step "real vLLM serving through the connector (vllm serve on CPU, a tiny model made here, P/D vs a plain instance)"
+  bash scripts/serve-test.sh
 fi
 
 if [ "${KVLEASE_SKIP_NETNS:-0}" != 1 ]; then

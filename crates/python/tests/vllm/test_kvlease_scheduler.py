@@ -30,7 +30,7 @@ from sched_harness import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvlease import KvleaseError, SideChannelError
+from kvlease import ConfigError, KvleaseError, SideChannelError
 from kvlease import _kvlease as native
 from kvlease.vllm import (
     BatchSpec,
@@ -506,6 +506,45 @@ def test_roles_open_only_what_they_use(engines):
     }
     assert ("127.0.0.1", ps.side_channel_port) in listening
     assert ("0.0.0.0", ps.side_channel_port) not in listening
+
+
+def test_every_port_kvlease_opens_can_be_set(engines, monkeypatch):
+    """A firewalled deployment fixes the ports: P's side channel from
+    ``side_channel_port`` (or ``KVLEASE_SIDE_CHANNEL_PORT``), each worker's transport
+    from ``transport_port`` + its rank (or ``KVLEASE_TRANSPORT_PORT``); out of range
+    is refused naming the key."""
+    import socket
+
+    def free_pair() -> int:
+        for _ in range(50):
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", 0))
+                port = a.getsockname()[1]
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+        raise AssertionError("no two free ports in a row")
+
+    side, transport = free_pair(), free_pair()
+    monkeypatch.setenv("KVLEASE_SIDE_CHANNEL_PORT", str(side))
+    p, _ = engines("kv_producer", "p0")
+    assert p.connector.scheduler.side_channel_port == side
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"cluster_token": TOKEN, "transport_port": transport},
+    )
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    try:
+        assert worker.agent.address == f"127.0.0.1:{transport}"
+    finally:
+        worker.shutdown()
+    for bad in (70000, -1, "x"):
+        config.kv_transfer_config.kv_connector_extra_config = {"transport_port": bad}
+        with pytest.raises(ConfigError, match="transport_port"):
+            KvleaseConfig.from_vllm(config)
 
 
 def test_block_formats_tell_layouts_apart():

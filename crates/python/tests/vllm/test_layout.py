@@ -1,7 +1,7 @@
 """The connector's layout math on its own (``kvlease.vllm.layout``) and the comparison of
 block formats it feeds (``compat._layer_format_diff``): what a block's dims hold per
 attention backend, which P/D pairs D may read from and how, and the byte runs of a cut.
-Real-model checks of the same rules are in ``tests/serve`` (``test_layouts.py``)."""
+Real-model checks of the same rules are in ``tests/serve/test_layouts.py``."""
 
 from __future__ import annotations
 
