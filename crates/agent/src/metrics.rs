@@ -303,6 +303,18 @@ pub struct Metrics {
     /// `kvlease_connect_back_refused_total` (P): D workers P did not connect back to
     /// because their address is not the one D's side-channel handshake came from.
     pub connect_back_refused: Counter,
+    /// `kvlease_remote_engines` (D): P engines D keeps, handshaking or connected (at most
+    /// `--max-prefill-engines`).
+    pub remote_engines: Gauge,
+    /// `kvlease_remote_engines_evicted_total` (D): idle P engines D dropped, connections
+    /// closed, to make room for another.
+    pub remote_engines_evicted: Counter,
+    /// `kvlease_instance_checks_total` (D): checks of a connected P engine's instance with
+    /// its side channel, because a request named a newer one.
+    pub instance_checks: Counter,
+    /// `kvlease_peer_restarts_total` (D): P engines whose side channel announced a newer
+    /// instance (their old connections closed).
+    pub peer_restarts: Counter,
 
     // Limits.
     /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
@@ -529,6 +541,22 @@ impl Metrics {
                 "connect_back_refused",
                 "D workers not connected back to: not on the address of D's side-channel handshake",
             ),
+            remote_engines: r.gauge(
+                "remote_engines",
+                "P engines D keeps, handshaking or connected",
+            ),
+            remote_engines_evicted: r.counter(
+                "remote_engines_evicted",
+                "Idle P engines D dropped to make room for another",
+            ),
+            instance_checks: r.counter(
+                "instance_checks",
+                "Checks of a connected P engine's instance with its side channel",
+            ),
+            peer_restarts: r.counter(
+                "peer_restarts",
+                "P engines whose side channel announced a newer instance",
+            ),
             transports: Arc::clone(&transports),
             side_channel_refused: r.counter(
                 "side_channel_refused",
@@ -603,6 +631,16 @@ impl Metrics {
         self.handshakes
             .get_or_create(&HandshakeLabel { outcome })
             .clone()
+    }
+
+    /// Removes `peer`'s `kvlease_peer_backend` series (D dropped the engine).
+    pub fn clear_peer_backend(&self, peer: &str) {
+        for backend in Backend::ALL {
+            self.peer_backend.remove(&PeerBackendLabel {
+                peer: peer.to_owned(),
+                backend: BackendName(backend),
+            });
+        }
     }
 
     /// Records that `peer` (an engine id) is reached over `backend`: sets

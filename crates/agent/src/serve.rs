@@ -470,6 +470,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         read_timeout: Duration::from_secs(30),
         bidir: None,
         allowed_prefill: allowed_prefill_hosts(args),
+        max_engines: args.max_prefill_engines,
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();

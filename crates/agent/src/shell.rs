@@ -162,6 +162,15 @@ pub enum HandshakeFailure {
         #[source]
         source: kvlease_transport::ConnectError,
     },
+    /// The remote engine announced an instance ahead of this host's clock.
+    #[error("engine {engine}: {source}")]
+    InstanceAhead {
+        /// The remote engine.
+        engine: EngineId,
+        /// The instance and the clock.
+        #[source]
+        source: kvlease_engine::instance::InstanceAhead,
+    },
     /// The P agent's address is outside `--allowed-prefill-hosts`.
     #[error("engine {engine}: {ip} is not in --allowed-prefill-hosts")]
     NotAllowed {

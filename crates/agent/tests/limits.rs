@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use common::{
     Agent, agent_command, client, closed_within, free_port, log_path, metric_of, post_completion,
-    wait_healthy,
+    rss_and_threads, wait_healthy,
 };
 use serde_json::{Value, json};
 
@@ -42,23 +42,6 @@ fn spawn(name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Spawned> {
         agent: Agent::new(child, name, log, port),
         side_port,
     })
-}
-
-/// `(VmRSS in KiB, Threads)` of `pid`, from /proc.
-fn rss_and_threads(pid: u32) -> Result<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let field = |name: &str| -> Result<u64> {
-        let line = status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .with_context(|| format!("{name} missing"))?;
-        Ok(line
-            .split_whitespace()
-            .nth(1)
-            .context("no value")?
-            .parse()?)
-    };
-    Ok((field("VmRSS:")?, field("Threads:")?))
 }
 
 fn prefill_body(prompt: &str) -> Value {

@@ -62,6 +62,7 @@
 mod bidir;
 mod blocks;
 mod decode;
+pub mod instance;
 mod prefill;
 
 pub use bidir::{
@@ -71,9 +72,10 @@ pub use bidir::{
 };
 pub use blocks::BlockSource;
 pub use decode::{
-    AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
-    DecodeStats, HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome,
-    RemoteEngine, RemoteKv, StartLoadError, Transmit, TransmitKind,
+    AdmitError, BatchPlan, BatchResult, Cause, DEFAULT_INSTANCE_CHECK_INTERVAL,
+    DEFAULT_MAX_ENGINES, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, DecodeStats,
+    HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
+    StartLoadError, Transmit, TransmitKind,
 };
 pub use prefill::{
     Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,

@@ -15,6 +15,7 @@ pub(super) fn handshake_error(e: HandshakeFailure) -> HandshakeError {
         | HandshakeFailure::WrongEngine { .. }
         | HandshakeFailure::Shape { .. }
         | HandshakeFailure::TpSize { .. }
+        | HandshakeFailure::InstanceAhead { .. }
         | HandshakeFailure::Metadata { .. } => HandshakeError::NotFound,
     };
     kind(Arc::new(e))

@@ -454,6 +454,7 @@ class HandshakeStart:
     engine: str
     host: str
     port: int
+    check_instance: int | None
 
 class Transmit:
     engine: str
@@ -484,6 +485,9 @@ class Loaded:
     bytes: int
 
 class HandshakeDone:
+    engine: str
+
+class EngineDropped:
     engine: str
 
 class Finished:
@@ -567,7 +571,7 @@ class DecodeCore:
     def start_load(self, request: str, blocks: Sequence[int], skip_blocks: int = 0) -> LoadPlan: ...
     def blocks_short(self) -> int | None: ...
     def poll_timeout(self) -> float | None: ...
-    def poll_event(self) -> Loaded | HandshakeDone | Finished | None: ...
+    def poll_event(self) -> Loaded | HandshakeDone | EngineDropped | Finished | None: ...
 
 class DecodedNotif:
     """What a notification says: ``kind`` and the fields of that kind (the others are
