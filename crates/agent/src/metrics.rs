@@ -303,6 +303,12 @@ pub struct Metrics {
     /// `kvlease_connect_back_refused_total` (P): D workers P did not connect back to
     /// because their address is not the one D's side-channel handshake came from.
     pub connect_back_refused: Counter,
+    /// `kvlease_registrations_refused_total` (P): D side-channel registrations P declined:
+    /// an instance more than a minute ahead of P's clock, or one that does not outrank
+    /// the engine's instance on record.
+    pub registrations_refused: Counter,
+    /// `kvlease_d_engines_registered` (P): D engines registered on the side channel.
+    pub d_engines_registered: Gauge,
     /// `kvlease_remote_engines` (D): P engines D keeps, handshaking or connected (at most
     /// `--max-prefill-engines`).
     pub remote_engines: Gauge,
@@ -322,7 +328,9 @@ pub struct Metrics {
     /// arrive on a data connection, from older peers: a link's notification connection
     /// leaves them in the socket instead), and
     /// `kvlease_notifs_refused_total`: notifications from peers that had not completed an
-    /// authenticated handshake; both summed over the endpoints given to
+    /// authenticated handshake, and `kvlease_session_refusals_total`: transport
+    /// connections refused because they named a registered engine's worker without
+    /// proving that registration's session; all summed over the endpoints given to
     /// [`Metrics::watch_transport`] at each scrape.
     transports: Arc<TransportCollector>,
     /// `kvlease_side_channel_refused_total`: side-channel connections closed at accept
@@ -346,17 +354,18 @@ struct SharedCollector(Arc<TransportCollector>);
 
 impl Collector for SharedCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let (dropped, refused) = self
+        let (dropped, refused, sessions) = self
             .0
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(StatsHandle::stats)
-            .fold((0u64, 0u64), |(d, r), s| {
+            .fold((0u64, 0u64, 0u64), |(d, r, x), s| {
                 (
                     d + s.notifs_dropped_overflow,
                     r + s.notifs_dropped_unauthenticated,
+                    x + s.session_refusals,
                 )
             });
         for (name, help, value) in [
@@ -369,6 +378,11 @@ impl Collector for SharedCollector {
                 "kvlease_notifs_refused",
                 "Notifications refused from peers that had not authenticated",
                 refused,
+            ),
+            (
+                "kvlease_session_refusals",
+                "Transport connections refused: a registered engine's worker name without that registration's session",
+                sessions,
             ),
         ] {
             let counter = ConstCounter::new(value);
@@ -540,6 +554,14 @@ impl Metrics {
             connect_back_refused: r.counter(
                 "connect_back_refused",
                 "D workers not connected back to: not on the address of D's side-channel handshake",
+            ),
+            registrations_refused: r.counter(
+                "registrations_refused",
+                "D side-channel registrations declined: instance ahead of the clock or not newer",
+            ),
+            d_engines_registered: r.gauge(
+                "d_engines_registered",
+                "D engines registered on the side channel",
             ),
             remote_engines: r.gauge(
                 "remote_engines",

@@ -361,22 +361,20 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
-    let engine = PrefillEngine::new(cfg, metrics.clone())?;
+    let mut engine = PrefillEngine::new(cfg, metrics.clone())?;
     let info = engine.info();
-    let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
+    let registrar = engine.registrar();
     let side = spawn_side_channel(
         info,
         token,
-        Box::new(move |h| {
-            let _ = hello_tx.send(h);
-        }),
+        Box::new(move |h| registrar.register(h)),
         listen_ip,
         c,
         &metrics,
     )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let (engine_thread, heartbeat) = spawn_engine("p-engine", move |stop, beat| {
-        engine.run(jobs_rx, hello_rx, stop, beat);
+        engine.run(jobs_rx, stop, beat);
     })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
@@ -487,7 +485,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         Some(info) => {
             // P's pulls need nothing back from D but the notifications on the
             // transport, which P's connection carries.
-            let handle = spawn_side_channel(info, token, Box::new(|_| {}), listen_ip, c, &metrics)?;
+            let handle =
+                spawn_side_channel(info, token, Box::new(|_| Ok(())), listen_ip, c, &metrics)?;
             Some(handle)
         }
         None => None,
@@ -619,7 +618,7 @@ fn serve_http(
 fn spawn_side_channel(
     info: kvlease_proto::engine_info::EngineInfo,
     token: Option<String>,
-    on_peer: Box<dyn Fn(sidechannel::Hello) + Send + Sync>,
+    on_peer: Box<dyn Fn(sidechannel::Hello) -> Result<(), String> + Send + Sync>,
     listen_ip: IpAddr,
     c: &CommonArgs,
     metrics: &Metrics,

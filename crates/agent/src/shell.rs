@@ -64,10 +64,10 @@ pub(crate) fn rank_pool(
     Ok((layout, pool))
 }
 
-/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`).
+/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`):
+/// its group ([`kvlease_proto::auth::name_group`]).
 pub(crate) fn engine_of_peer(name: &str) -> Option<EngineId> {
-    let engine = name.rsplit_once('/').map_or(name, |(e, _)| e);
-    EngineId::new(engine).ok()
+    EngineId::new(kvlease_proto::auth::name_group(name)).ok()
 }
 
 /// `host:port`, with IPv6 literals in brackets.
@@ -265,7 +265,8 @@ pub(crate) fn remote_engine(
             serves: info.engine_id.to_string(),
         });
     }
-    let peer = PeerEngine::of(&info).map_err(bad)?;
+    let mut peer = PeerEngine::of(&info).map_err(bad)?;
+    peer.session = welcome.session;
     if peer.shape != me.shape {
         return Err(HandshakeFailure::Shape {
             engine: want.clone(),
@@ -315,6 +316,9 @@ pub(crate) struct PeerEngine {
     pub(crate) instance: u64,
     /// Its workers, by rank.
     pub(crate) workers: Vec<PeerWorker>,
+    /// The session of the side-channel exchange that described it (with a token): P
+    /// takes the notifications of D's connections that prove it as that registration's.
+    pub(crate) session: Option<kvlease_transport::Session>,
 }
 
 /// One worker of a [`PeerEngine`].
@@ -374,11 +378,14 @@ impl PeerEngine {
             num_blocks: info.num_blocks,
             instance: info.instance,
             workers,
+            session: None,
         })
     }
 }
 
-/// Connects `agent` to worker `rank` of the remote engine `info` describes.
+/// Connects `agent` to worker `rank` of the remote engine `info` describes, proving
+/// `session` (the side-channel exchange's, so that the remote takes this connection's
+/// notifications as its registration's) or, without one, the cluster token.
 ///
 /// # Errors
 /// [`HandshakeFailure::Metadata`] for a missing or garbled worker,
@@ -388,6 +395,7 @@ pub(crate) fn connect_worker(
     info: &PeerEngine,
     rank: u32,
     want: &EngineId,
+    session: Option<&kvlease_transport::Session>,
 ) -> Result<PeerId, HandshakeFailure> {
     let md = info
         .workers
@@ -396,11 +404,13 @@ pub(crate) fn connect_worker(
         .ok_or_else(|| HandshakeFailure::Metadata {
             engine: want.clone(),
         })?;
-    agent
-        .connect(md)
-        .map_err(|source| HandshakeFailure::Connect {
-            engine: want.clone(),
-            rank,
-            source,
-        })
+    match session {
+        Some(s) => agent.connect_with_session(md, s),
+        None => agent.connect(md),
+    }
+    .map_err(|source| HandshakeFailure::Connect {
+        engine: want.clone(),
+        rank,
+        source,
+    })
 }

@@ -40,7 +40,6 @@ use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
 use kvlease_transport::slots::PerAddress;
 use prometheus_client::metrics::counter::Counter;
-use serde::{Deserialize, Serialize};
 
 /// Largest frame D accepts from a P that proved the token (the welcome, with P's info).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -128,23 +127,22 @@ pub enum HandshakeError {
 }
 
 /// What P learns of a D that proved the token.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone)]
 pub struct Hello {
     /// D's engine id, as proven in the exchange.
     pub engine_id: String,
     /// D's TP size.
     pub tp_size: u32,
     /// Hex transport metadata of each D worker, by rank.
-    #[serde(default)]
     pub workers: Vec<String>,
     /// D's instance (its start time in microseconds): a restarted D under the same engine
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
-    #[serde(default)]
     pub instance: u64,
     /// The address D's side-channel connection came from (P connects back only to D
     /// workers there unless told otherwise). `None` when unknown.
-    #[serde(default)]
     pub peer_ip: Option<std::net::IpAddr>,
+    /// The exchange's session (with a token): D's transport connections prove it.
+    pub session: Option<kvlease_transport::Session>,
 }
 
 /// Lowercase hex of bytes, and back (`None` if not hex).
@@ -178,8 +176,9 @@ pub struct Server {
     pub info: EngineInfo,
     /// The cluster token, if any.
     pub token: Option<String>,
-    /// Called with each authenticated D's hello.
-    pub on_peer: Box<dyn Fn(Hello) + Send + Sync>,
+    /// Called with each authenticated D's hello, before D is answered: `Err` declines
+    /// the registration, and D is told the reason instead of welcomed.
+    pub on_peer: Box<dyn Fn(Hello) -> Result<(), String> + Send + Sync>,
     /// This host's wall clock, in ns (for D's clock offset estimate).
     pub clock_ns: Box<dyn Fn() -> u64 + Send + Sync>,
     /// What peers may make the server spend.
@@ -301,18 +300,25 @@ impl Server {
                     workers: r.workers.iter().map(|w| to_hex(w)).collect(),
                     instance: r.instance,
                     peer_ip,
-                });
-                sc::Welcome {
+                    session: peer.session.clone(),
+                })?;
+                Ok(sc::Welcome {
                     server_time_ns: (self.clock_ns)(),
                     payload: self.info.encode(),
-                }
+                })
             },
         )?;
-        if let Outcome::Refused { claimed } = outcome {
-            tracing::warn!(
+        match outcome {
+            Outcome::Refused { claimed } => tracing::warn!(
                 engine = %claimed,
                 "side-channel peer refused: wrong or missing cluster token"
-            );
+            ),
+            Outcome::Declined { engine_id, reason } => tracing::warn!(
+                engine = %engine_id,
+                %reason,
+                "side-channel registration declined"
+            ),
+            _ => {}
         }
         Ok(())
     }
@@ -325,6 +331,9 @@ pub struct Welcome {
     pub info: serde_json::Value,
     /// P's wall clock at the answer, in ns.
     pub server_time_ns: u64,
+    /// The exchange's session (with a token): D's workers connect to P's proving it, so
+    /// that P takes their notifications as this registration's.
+    pub session: Option<kvlease_transport::Session>,
 }
 
 /// Runs the handshake against P's side channel at `addr` (D side). With `expected`, the
@@ -389,6 +398,7 @@ pub fn handshake(
     Ok(Welcome {
         info,
         server_time_ns: served.welcome.server_time_ns,
+        session: served.session,
     })
 }
 
@@ -432,6 +442,7 @@ mod tests {
                 if let Ok(mut v) = p2.lock() {
                     v.push(hello);
                 }
+                Ok(())
             }),
             clock_ns: Box::new(|| 42),
             limits,

@@ -64,6 +64,7 @@ mod blocks;
 mod decode;
 pub mod instance;
 mod prefill;
+pub mod registry;
 
 pub use bidir::{
     BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,

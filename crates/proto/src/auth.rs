@@ -26,6 +26,17 @@
 //! [`ClientAuth`] and [`ServerAuth`] are the two halves as state machines: each takes the
 //! peer's body and returns the body to send, so a shell only moves bytes. Nonces are
 //! arguments: the shells draw them (`getrandom`).
+//!
+//! # Sessions
+//! An exchange under a token also gives both sides a [`Session`]: a key only the two of
+//! them (and whoever holds the token and saw both nonces) can compute,
+//! `HMAC(token, "kvlease-session-v1 " ‖ client role ‖ server nonce ‖ client nonce ‖
+//! client name ‖ 0 ‖ server name)`. The side channel uses it to tie D's later transport
+//! connections to the registration that exchange carried: a server that holds a session
+//! for a client's name ([`AwaitingProof::on_proof_keyed`]) checks that client's proof
+//! under the session's key instead of the token, and the client proves with the key in
+//! the token's place. Such a proof holds only on a connection of the party that ran
+//! that exchange.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -49,6 +60,42 @@ pub type Proof = [u8; PROOF_LEN];
 
 /// The prefix of every proof.
 const PROOF_LABEL: &[u8] = b"kvlease-tcp-v1 ";
+/// The prefix of a session's key.
+const SESSION_LABEL: &[u8] = b"kvlease-session-v1 ";
+
+/// The key an exchange under a token gave both its sides (see the module doc): a later
+/// connection of the client proves with it in the token's place.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Session {
+    key: [u8; 32],
+}
+
+impl Session {
+    /// The key (the HMAC key of the proofs made with it).
+    #[must_use]
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// A public name of the session: the first 8 bytes of `HMAC(key, "kvlease-session-id")`
+    /// (it tells sessions apart without revealing the key).
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        let mut mac =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.key).unwrap_or_else(|_| unreachable!());
+        mac.update(b"kvlease-session-id");
+        let out = mac.finalize().into_bytes();
+        u64::from_le_bytes([
+            out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
+        ])
+    }
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Session({:016x})", self.id())
+    }
+}
 
 /// The role labels of one kind of connection: the client proves with `client`, the
 /// server answers with `server`. Distinct labels per kind keep a proof of one kind from
@@ -225,6 +272,14 @@ fn put_proof(b: &mut Vec<u8>, proof: Option<&Proof>) {
         }
         None => b.push(0),
     }
+}
+
+/// The group of a client name `{group}/{worker}`: what comes before its last `/` (the
+/// whole name without one). The agents name a worker `{engine}/d{rank}`, so a worker's
+/// group is its engine id (which may hold `/` itself); a [`Session`] is bound to a group.
+#[must_use]
+pub fn name_group(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(group, _)| group)
 }
 
 /// Whether `name` fits a hello or challenge.
@@ -416,6 +471,25 @@ impl Exchange<'_> {
         })
     }
 
+    /// The session this exchange gives both sides (`None` without a token).
+    #[must_use]
+    pub fn session(&self, token: Option<&[u8]>) -> Option<Session> {
+        token.map(|t| {
+            let mut mac =
+                <Hmac<Sha256> as Mac>::new_from_slice(t).unwrap_or_else(|_| unreachable!());
+            mac.update(SESSION_LABEL);
+            mac.update(self.roles.client);
+            mac.update(self.server_nonce);
+            mac.update(self.client_nonce);
+            mac.update(self.client_name.as_bytes());
+            mac.update(&[0]);
+            mac.update(self.server_name.as_bytes());
+            Session {
+                key: mac.finalize().into_bytes().into(),
+            }
+        })
+    }
+
     /// Server side: whether the client's `given` proof holds (always, without a token)
     /// and, when it does, the answer proof to send back.
     #[must_use]
@@ -547,6 +621,13 @@ impl ClientProved {
         &self.server_name
     }
 
+    /// The session this exchange gives (`None` without a token); it is the server's only
+    /// once [`ClientProved::on_result`] succeeded.
+    #[must_use]
+    pub fn session(&self) -> Option<Session> {
+        self.exchange().session(self.token.as_deref())
+    }
+
     /// Takes the server's [`AuthResult`] body; returns the server's name.
     ///
     /// # Errors
@@ -605,6 +686,9 @@ pub struct Verdict {
     pub extra: u16,
     /// The [`AuthResult`] body to send.
     pub reply: Vec<u8>,
+    /// When the proof held under a token: the session this exchange gives (see the
+    /// module doc). A proof checked under a session's key gives none.
+    pub session: Option<Session>,
 }
 
 impl ServerAuth {
@@ -669,6 +753,21 @@ impl AwaitingProof {
     /// # Errors
     /// A malformed body.
     pub fn on_proof(self, body: &[u8]) -> Result<Verdict, AuthError> {
+        self.on_proof_keyed(body, None)
+    }
+
+    /// Like [`on_proof`](Self::on_proof), but with `session`, the client's proof and the
+    /// answer's are checked and made under the session's key instead of the token: the
+    /// proof holds only for the party that ran the exchange that gave the session. A
+    /// server without a token ignores `session`.
+    ///
+    /// # Errors
+    /// A malformed body.
+    pub fn on_proof_keyed(
+        self,
+        body: &[u8],
+        session: Option<&Session>,
+    ) -> Result<Verdict, AuthError> {
         let given = ProofMsg::decode(body)?.proof;
         let s = &self.server;
         let exchange = Exchange {
@@ -678,12 +777,23 @@ impl AwaitingProof {
             client_name: &self.hello.name,
             server_name: &s.name,
         };
-        let (ok, proof) = exchange.check_client(s.token.as_deref(), given);
+        let token = s.token.as_deref();
+        let key = match session {
+            Some(session) if token.is_some() => Some(session.key()),
+            _ => token,
+        };
+        let (ok, proof) = exchange.check_client(key, given);
+        let session = if ok && session.is_none() {
+            exchange.session(token)
+        } else {
+            None
+        };
         Ok(Verdict {
             ok,
             reply: AuthResult { ok, proof }.encode(),
             client_name: self.hello.name,
             extra: self.hello.extra,
+            session,
         })
     }
 }
@@ -750,6 +860,82 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_session_stands_in_for_the_token_only_for_its_own_party() {
+        let t = Some(&b"s3cret"[..]);
+        // The exchange that gives the session: both sides compute the same one.
+        let client = ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [1; 32], "vic", t, Some("p0"));
+        let challenged = ServerAuth::new(SIDE_CHANNEL_ROLES, [2; 32], "p0", t)
+            .on_hello(&client.hello())
+            .expect("hello");
+        let (proved, proof) = client.on_challenge(&challenged.reply).expect("challenge");
+        let verdict = challenged
+            .into_waiting()
+            .expect("version")
+            .on_proof(&proof)
+            .expect("proof");
+        let session = verdict.session.expect("a session under a token");
+        assert_eq!(proved.session(), Some(session.clone()));
+        assert_eq!(
+            format!("{session:?}"),
+            format!("Session({:016x})", session.id())
+        );
+        // A later connection: the session's key in the token's place holds...
+        let run = |client_key: Option<&[u8]>, bound: Option<&Session>| {
+            let c = ClientAuth::new(TCP_ROLES, 0, [3; 32], "vic/d0", client_key, Some("p0/p0"));
+            let ch = ServerAuth::new(TCP_ROLES, [4; 32], "p0/p0", t)
+                .on_hello(&c.hello())
+                .expect("hello");
+            let (c, proof) = c.on_challenge(&ch.reply).expect("challenge");
+            let v = ch
+                .into_waiting()
+                .expect("version")
+                .on_proof_keyed(&proof, bound)
+                .expect("proof");
+            (c.on_result(&v.reply).is_ok(), v.ok, v.session.is_some())
+        };
+        assert_eq!(
+            run(Some(session.key()), Some(&session)),
+            (true, true, false)
+        );
+        // ...the token does not, for a name the server holds a session for...
+        assert_eq!(run(t, Some(&session)), (false, false, false));
+        // ...nor does another exchange's session; without one, the token holds as before.
+        let other = ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [9; 32], "vic", t, Some("p0"))
+            .on_challenge(&challenged_reply(t))
+            .expect("challenge")
+            .0
+            .session()
+            .expect("session");
+        assert_ne!(other, session);
+        assert_eq!(
+            run(Some(other.key()), Some(&session)),
+            (false, false, false)
+        );
+        assert_eq!(run(t, None), (true, true, true));
+    }
+
+    fn challenged_reply(t: Option<&[u8]>) -> Vec<u8> {
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            extra: 0,
+            nonce: [9; 32],
+            name: "vic".into(),
+        };
+        ServerAuth::new(SIDE_CHANNEL_ROLES, [8; 32], "p0", t)
+            .on_hello(&hello.encode())
+            .expect("hello")
+            .reply
+    }
+
+    #[test]
+    fn a_name_belongs_to_the_group_before_its_last_slash() {
+        assert_eq!(name_group("vic/d0"), "vic");
+        assert_eq!(name_group("a/b/d0"), "a/b");
+        assert_eq!(name_group("vic"), "vic");
+        assert_eq!(name_group("/d0"), "");
     }
 
     #[test]

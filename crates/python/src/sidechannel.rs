@@ -94,25 +94,27 @@ fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), sc::Error> {
         &shared.engine_id,
         shared.token.as_deref(),
         MAX_REGISTRATION,
-        |_| sc::Welcome {
-            server_time_ns: SystemTime::UNIX_EPOCH
-                .elapsed()
-                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
-            payload: {
-                // Copied without the lock held.
-                let payload = Arc::clone(
-                    &shared
-                        .payload
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner),
-                );
-                payload.to_vec()
-            },
+        |_| {
+            Ok(sc::Welcome {
+                server_time_ns: SystemTime::UNIX_EPOCH
+                    .elapsed()
+                    .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+                payload: {
+                    // Copied without the lock held.
+                    let payload = Arc::clone(
+                        &shared
+                            .payload
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner),
+                    );
+                    payload.to_vec()
+                },
+            })
         },
     )?;
     let counter = match outcome {
         Outcome::Welcomed(_) => &shared.counters.served,
-        Outcome::Refused { .. } => &shared.counters.refused,
+        Outcome::Refused { .. } | Outcome::Declined { .. } => &shared.counters.refused,
     };
     counter.fetch_add(1, Ordering::Relaxed);
     Ok(())

@@ -174,7 +174,7 @@ pub(super) fn handshake(
     let mut peers = Vec::new();
     for agent in agents {
         let row = (0..info.tp_size)
-            .map(|rank| connect_worker(agent, &info, rank, want))
+            .map(|rank| connect_worker(agent, &info, rank, want, info.session.as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
         peers.push(row);
     }

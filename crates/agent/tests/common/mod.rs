@@ -291,6 +291,13 @@ pub(crate) fn threads_and_fds(pid: u32) -> Result<(u64, u64)> {
     Ok((threads, fds))
 }
 
+/// This host's wall clock in µs since the Unix epoch (an engine instance now).
+pub(crate) fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// The `--transport` the spawned agents get: `KVLEASE_TEST_TRANSPORT`, default `tcp`.
 pub(crate) fn transport() -> String {
     std::env::var("KVLEASE_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".to_owned())

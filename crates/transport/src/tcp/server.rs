@@ -14,7 +14,7 @@ use kvlease_proto::auth::{AwaitingProof, ServerAuth};
 
 use super::notif::Handoff;
 use super::wire::{self, Body, FrameError};
-use crate::agent::{Inner, bump, lock};
+use crate::agent::{Inner, Sender, bump, lock};
 use crate::error::Refusal;
 
 pub(crate) fn spawn_listener(
@@ -177,7 +177,7 @@ enum Phase {
         notif_conn: bool,
     },
     /// PROOF accepted.
-    Authenticated { client_name: String },
+    Authenticated { client: Sender },
     /// PROOF refused: reads are refused and notifications dropped.
     Rejected,
 }
@@ -235,24 +235,22 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
                 };
-                let (ok, client_name) = answer_client_proof(inner, auth, &body, &mut out)?;
-                if ok && notif_conn {
+                let Some(client) = answer_client_proof(inner, auth, &body, &mut out)? else {
+                    continue;
+                };
+                if notif_conn {
                     // The peer sends nothing between its PROOF and our AUTH_RESULT, but
                     // whatever the buffer holds goes along.
                     return Ok(Handoff {
                         buffered: r.buffer().to_vec(),
                         stream: r.into_inner().stream,
-                        peer: client_name,
+                        peer: client,
                         slot: None,
                     });
                 }
-                if ok {
-                    tracing::debug!(peer = %client_name, "inbound peer authenticated");
-                    r.get_mut().authenticated()?;
-                    phase = Phase::Authenticated { client_name };
-                } else {
-                    tracing::warn!(peer = %client_name, "inbound peer failed the token proof");
-                }
+                tracing::debug!(peer = %client, "inbound peer authenticated");
+                r.get_mut().authenticated()?;
+                phase = Phase::Authenticated { client };
             }
             wire::READ_REQ => {
                 let req = b.u64()?;
@@ -277,7 +275,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
             // Notifications on a data connection: a peer that predates the notification
             // connection. They go into the inbox from here (dropped when it is full).
             wire::NOTIF => match &phase {
-                Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
+                Phase::Authenticated { client } => inner.deliver_notif(client, body),
                 _ => {
                     bump(&inner.counters.notifs_dropped_unauthenticated);
                     tracing::warn!("notification from an unauthenticated connection dropped");
@@ -380,20 +378,38 @@ fn serve_read(
     Ok(())
 }
 
-/// The server's side of a client's token proof (the `PROOF` body `given`): checks it,
-/// counts a failure (before answering, so a peer that sees the refusal sees it counted
-/// too), and writes the `AUTH_RESULT` frame with the server's own proof. Returns whether
-/// the proof held, and the client's name.
+/// The server's side of a client's token proof (the `PROOF` body `given`): checks it
+/// (under the session bound to the client's name, if any, else under the token), counts
+/// and logs a failure (before answering, so a peer that sees the refusal sees it counted
+/// too), and writes the `AUTH_RESULT` frame with the server's own proof. Returns the
+/// client when the proof held.
 pub(crate) fn answer_client_proof(
     inner: &Inner,
     auth: AwaitingProof,
     given: &[u8],
     out: &mut impl Write,
-) -> Result<(bool, String), FrameError> {
-    let verdict = auth.on_proof(given)?;
+) -> Result<Option<Sender>, FrameError> {
+    let session = inner.sessions.of(&auth.hello().name);
+    let verdict = auth.on_proof_keyed(given, session.as_ref())?;
     if !verdict.ok {
         bump(&inner.counters.auth_failures);
+        match &session {
+            Some(s) => {
+                bump(&inner.counters.session_refusals);
+                tracing::warn!(
+                    peer = %verdict.client_name,
+                    session = ?s,
+                    "inbound connection under a name whose engine registered on the side channel did not prove that registration's session; refused"
+                );
+            }
+            None => {
+                tracing::warn!(peer = %verdict.client_name, "inbound peer failed the token proof");
+            }
+        }
     }
     out.write_all(&wire::frame(wire::AUTH_RESULT, &verdict.reply))?;
-    Ok((verdict.ok, verdict.client_name))
+    Ok(verdict.ok.then(|| Sender {
+        name: verdict.client_name,
+        session: session.map(|s| s.id()),
+    }))
 }
