@@ -29,7 +29,7 @@ use kvlease_transport::slots::PerAddress;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::{Family, invalid, raise};
+use crate::errors::{Family, check_unauthenticated_listen, invalid, raise};
 
 /// Largest registration a server reads (from a D that proved the token): room for the
 /// transport metadata of hundreds of TP workers.
@@ -233,16 +233,13 @@ impl SideChannelServer {
         let addr: SocketAddr = listen
             .parse()
             .map_err(|e| invalid(py, format!("listen address {listen:?}: {e}")))?;
-        if token.is_none() && !addr.ip().is_loopback() && !allow_unauthenticated {
-            return Err(invalid(
-                py,
-                format!(
-                    "listening on {addr} without a cluster token would serve the payload to \
-                     anyone who can reach it: set a token, listen on loopback, or pass \
-                     allow_unauthenticated=True"
-                ),
-            ));
-        }
+        check_unauthenticated_listen(
+            py,
+            addr,
+            token.is_some(),
+            allow_unauthenticated,
+            "the payload",
+        )?;
         let deadline = Duration::try_from_secs_f64(handshake_timeout)
             .ok()
             .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)

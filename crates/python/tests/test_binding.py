@@ -376,6 +376,21 @@ def test_a_side_channel_server_listens_on_loopback_and_beyond_it_only_with_a_tok
             server.close()
 
 
+def test_an_agent_listens_beyond_loopback_only_with_a_token():
+    # Without a token, every interface would let anyone who reaches the port read the
+    # registered memory and send notifications: refused unless the caller opts out.
+    with pytest.raises(kvlease.InvalidArgument, match="allow_unauthenticated"):
+        kvlease.Agent("open#0", listen="0.0.0.0:0")
+    with pytest.raises(kvlease.InvalidArgument, match="allow_unauthenticated"):
+        kvlease.Agent("open#0", listen="[::]:0")
+    for kwargs in ({"token": TOKEN}, {"allow_unauthenticated": True}):
+        with kvlease.Agent("open#0", listen="0.0.0.0:0", **kwargs) as a:
+            assert a.address.startswith("0.0.0.0:")
+    # Loopback needs neither.
+    with kvlease.Agent("local#0", listen="127.0.0.1:0") as a:
+        assert a.address.startswith("127.0.0.1:")
+
+
 def test_one_address_cannot_take_every_side_channel_slot():
     server = kvlease.SideChannelServer(
         b"info", token=TOKEN, max_connections=4, max_connections_per_address=2

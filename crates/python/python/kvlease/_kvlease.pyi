@@ -102,7 +102,10 @@ class Agent:
         backend: Literal["auto", "tcp", "shm", "verbs"] = "auto",
         num_connections: int = 2,
         handshake_timeout: float = 5.0,
-    ) -> None: ...
+        allow_unauthenticated: bool = False,
+    ) -> None:
+        """Without ``token``, a ``listen`` address beyond loopback raises
+        ``InvalidArgument`` unless ``allow_unauthenticated=True``."""
     @property
     def name(self) -> str: ...
     @property
