@@ -303,6 +303,10 @@ pub struct Metrics {
     /// `kvlease_connect_back_refused_total` (P): D workers P did not connect back to
     /// because their address is not the one D's side-channel handshake came from.
     pub connect_back_refused: Counter,
+    /// `kvlease_leases_max_lifetime_total` (P): leases reclaimed at their maximum lifetime
+    /// (`kv_lease_max_lifetime`) although heartbeats had renewed them past it (they count
+    /// in `kvlease_leases_released_total{reason="expired"}` too).
+    pub leases_max_lifetime: Counter,
     /// `kvlease_registrations_refused_total` (P): D side-channel registrations P declined:
     /// an instance more than a minute ahead of P's clock, or one that does not outrank
     /// the engine's instance on record.
@@ -554,6 +558,10 @@ impl Metrics {
             connect_back_refused: r.counter(
                 "connect_back_refused",
                 "D workers not connected back to: not on the address of D's side-channel handshake",
+            ),
+            leases_max_lifetime: r.counter(
+                "leases_max_lifetime",
+                "Leases reclaimed at their max lifetime though heartbeats renewed them past it",
             ),
             registrations_refused: r.counter(
                 "registrations_refused",

@@ -257,14 +257,18 @@ fn lease_config(c: &CommonArgs, role: AgentRole) -> Result<LeaseConfig, ServeErr
         flag: "--kv-transfer-config",
         message: e.to_string(),
     };
-    Ok(match kv.lease_mode {
+    let config = match kv.lease_mode {
         LeaseModeSetting::Fixed if role == AgentRole::Prefill => {
             LeaseConfig::from_duration(kv.abort_request_timeout)
                 .map_err(bad)?
                 .with_mode(LeaseMode::Fixed)
         }
         _ => LeaseConfig::from_duration(kv.lease_duration).map_err(bad)?,
-    })
+    };
+    match kv.lease_max_lifetime {
+        Some(max) => config.with_max_lifetime(max).map_err(bad),
+        None => Ok(config),
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, ServeError> {

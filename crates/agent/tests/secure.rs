@@ -601,3 +601,74 @@ async fn p_connects_back_only_to_the_handshakes_address() -> Result<()> {
     ensure!(refused == 1.0, "refused {refused}");
     Ok(())
 }
+
+/// A registered token holder heartbeats a lease that nobody reads (the audit held 18
+/// blocks that way for as long as it kept sending). P reclaims it at its maximum lifetime
+/// (`kv_lease_max_lifetime`, 3 s here, lease 1 s) whatever the heartbeats say, counts it
+/// (`kvlease_leases_max_lifetime_total`) and holds no block after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_never_hold_a_lease_past_its_max_lifetime() -> Result<()> {
+    let c = client();
+    let token = "lifetime-token";
+    let kv = json!({"kv_connector": "kvlease", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"kv_lease_duration": 1, "kv_lease_max_lifetime": 3}})
+    .to_string();
+    let mut p = spawn(
+        PREFILL,
+        "p-lifetime",
+        "127.0.0.1",
+        &["--kv-transfer-config", &kv],
+        &[("KVLEASE_AUTH_TOKEN", token)],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    let mut cfg = kvlease_transport::AgentConfig::new("squatter/d0");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(token.as_bytes().to_vec());
+    let squatter = kvlease_transport::Agent::new(cfg)?;
+    let (addr, md) = (
+        format!("127.0.0.1:{}", side_channel_port(&p)?),
+        squatter.metadata(),
+    );
+    let welcome = tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(
+            &addr,
+            Some(token),
+            None,
+            "squatter",
+            1,
+            &[md],
+            common::wall_us(),
+        )
+    })
+    .await??;
+    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
+    let p0 = &info.worker(0).context("P's worker 0")?.agent_metadata;
+    let session = welcome.session.context("a session under a token")?;
+    let peer = squatter.connect_with_session(p0, &session)?;
+    let (s, pa) = post(&c, &p.url, &p_body("a lease nobody reads"), None).await?;
+    ensure!(s == 200, "{s} {pa}");
+    let granted = std::time::Instant::now();
+    let id = pa["kv_transfer_params"]["remote_request_id"]
+        .as_str()
+        .context("remote_request_id")?
+        .to_owned();
+    let mut reclaimed = None;
+    while granted.elapsed() < std::time::Duration::from_secs(6) {
+        squatter.send_notif(peer, format!("HB:{id}").into_bytes())?;
+        let _ = squatter.get_new_notifs();
+        if reclaimed.is_none() && common::metric_of(&c, &p, "kvlease_leases_active").await? == 0.0 {
+            reclaimed = Some(granted.elapsed());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let at = reclaimed.context("the heartbeats held the lease for 6 s")?;
+    ensure!(
+        at >= std::time::Duration::from_millis(2_500),
+        "reclaimed after {at:?}: before its max lifetime, so the heartbeats did not count"
+    );
+    let capped = common::metric_of(&c, &p, "kvlease_leases_max_lifetime_total").await?;
+    ensure!(capped == 1.0, "{capped}");
+    let held = common::metric_of(&c, &p, "kvlease_blocks_held").await?;
+    ensure!(held == 0.0, "{held} blocks still held");
+    Ok(())
+}

@@ -687,6 +687,14 @@ impl PrefillEngine {
             ReleaseReason::Aborted => metrics::ReleaseReason::Aborted,
         };
         self.metrics.lease_released(reason).inc();
+        if r.at_max_lifetime {
+            self.metrics.leases_max_lifetime.inc();
+            tracing::warn!(
+                request = %r.request,
+                lifetime = ?r.released_at.saturating_duration_since(r.granted_at),
+                "lease reached its max lifetime (kv_lease_max_lifetime) though its reader still heartbeats it; blocks reclaimed"
+            );
+        }
         if r.reason == ReleaseReason::Expired {
             let since = r.last_heartbeat.unwrap_or(r.granted_at);
             self.metrics

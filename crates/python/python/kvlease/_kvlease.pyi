@@ -178,6 +178,7 @@ class Released:
     reason: ReleaseReason
     granted_at: float
     expiry: float
+    at_max_lifetime: bool
     last_heartbeat: float | None
     released_at: float
 
@@ -230,6 +231,7 @@ class PrefillCore:
         pool_wait: float = 0.0,
         first_generation: int | None = None,
         max_consumers: int | None = None,
+        max_lease_lifetime: float | None = None,
     ) -> None: ...
     @property
     def engine_id(self) -> str: ...
