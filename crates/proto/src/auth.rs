@@ -27,6 +27,15 @@
 //! peer's body and returns the body to send, so a shell only moves bytes. Nonces are
 //! arguments: the shells draw them (`getrandom`).
 //!
+//! # Bound data
+//! A kind of connection whose exchange also carries data of its own (the verbs backend's
+//! queue-pair info) binds it into the proofs: the client's proof covers the client's data
+//! ([`ClientAuth::with_binding`]), the server's answer covers both sides' data
+//! ([`Checked::reply`], [`ClientProved::on_result_bound`]), each appended to the proven
+//! bytes as `0 ‖ length u32 LE ‖ data`. A proof of one exchange is then worthless with
+//! other data, and data swapped on the way fails the proof. Without bound data the proofs
+//! are exactly the bytes above.
+//!
 //! # Sessions
 //! An exchange under a token also gives both sides a [`Session`]: a key only the two of
 //! them (and whoever holds the token and saw both nonces) can compute,
@@ -407,6 +416,20 @@ pub fn proof(
     own_name: &str,
     peer_name: &str,
 ) -> Proof {
+    bound_proof(token, role, first, second, own_name, peer_name, &[])
+}
+
+/// [`proof`], followed by `0 ‖ length u32 LE ‖ data` for each of `bound` that is not
+/// empty (see "Bound data" in the module doc).
+fn bound_proof(
+    token: &[u8],
+    role: &[u8],
+    first: &Nonce,
+    second: &Nonce,
+    own_name: &str,
+    peer_name: &str,
+    bound: &[&[u8]],
+) -> Proof {
     // HMAC accepts keys of any length.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).unwrap_or_else(|_| unreachable!());
     mac.update(PROOF_LABEL);
@@ -416,6 +439,11 @@ pub fn proof(
     mac.update(own_name.as_bytes());
     mac.update(&[0]);
     mac.update(peer_name.as_bytes());
+    for data in bound.iter().filter(|d| !d.is_empty()) {
+        mac.update(&[0]);
+        mac.update(&u32::try_from(data.len()).unwrap_or(u32::MAX).to_le_bytes());
+        mac.update(data);
+    }
     mac.finalize().into_bytes().into()
 }
 
@@ -438,6 +466,10 @@ pub struct Exchange<'a> {
     pub client_name: &'a str,
     /// The server's name.
     pub server_name: &'a str,
+    /// Data of the client's that its proof covers (empty: none).
+    pub client_binding: &'a [u8],
+    /// Data of the server's that its answer covers, with the client's (empty: none).
+    pub server_binding: &'a [u8],
 }
 
 impl Exchange<'_> {
@@ -445,13 +477,14 @@ impl Exchange<'_> {
     #[must_use]
     pub fn client_proof(&self, token: Option<&[u8]>) -> Option<Proof> {
         token.map(|t| {
-            proof(
+            bound_proof(
                 t,
                 self.roles.client,
                 self.server_nonce,
                 self.client_nonce,
                 self.client_name,
                 self.server_name,
+                &[self.client_binding],
             )
         })
     }
@@ -460,13 +493,14 @@ impl Exchange<'_> {
     #[must_use]
     pub fn server_proof(&self, token: Option<&[u8]>) -> Option<Proof> {
         token.map(|t| {
-            proof(
+            bound_proof(
                 t,
                 self.roles.server,
                 self.client_nonce,
                 self.server_nonce,
                 self.server_name,
                 self.client_name,
+                &[self.client_binding, self.server_binding],
             )
         })
     }
@@ -528,6 +562,7 @@ pub struct ClientAuth {
     name: String,
     token: Option<Vec<u8>>,
     expected: Option<String>,
+    binding: Vec<u8>,
 }
 
 /// The client's half after its proof: [`ClientProved::on_result`] takes the server's
@@ -541,6 +576,7 @@ pub struct ClientProved {
     server_name: String,
     token: Option<Vec<u8>>,
     auth_required: bool,
+    binding: Vec<u8>,
 }
 
 impl ClientAuth {
@@ -562,7 +598,16 @@ impl ClientAuth {
             name: name.to_owned(),
             token: token.map(<[u8]>::to_vec),
             expected: expected.map(str::to_owned),
+            binding: Vec::new(),
         }
+    }
+
+    /// The client's proof also covers `data` (see "Bound data" in the module doc); the
+    /// server must check it with the same data ([`AwaitingProof::check`]).
+    #[must_use]
+    pub fn with_binding(mut self, data: &[u8]) -> Self {
+        self.binding = data.to_vec();
+        self
     }
 
     /// The [`Hello`] body to send first.
@@ -597,20 +642,23 @@ impl ClientAuth {
             server_name: c.name,
             token: self.token,
             auth_required: c.auth_required,
+            binding: self.binding,
         };
-        let proof = proved.exchange().client_proof(proved.token.as_deref());
+        let proof = proved.exchange(&[]).client_proof(proved.token.as_deref());
         Ok((proved, ProofMsg { proof }.encode()))
     }
 }
 
 impl ClientProved {
-    fn exchange(&self) -> Exchange<'_> {
+    fn exchange<'a>(&'a self, server_binding: &'a [u8]) -> Exchange<'a> {
         Exchange {
             roles: self.roles,
             server_nonce: &self.server_nonce,
             client_nonce: &self.client_nonce,
             client_name: &self.name,
             server_name: &self.server_name,
+            client_binding: &self.binding,
+            server_binding,
         }
     }
 
@@ -625,7 +673,7 @@ impl ClientProved {
     /// once [`ClientProved::on_result`] succeeded.
     #[must_use]
     pub fn session(&self) -> Option<Session> {
-        self.exchange().session(self.token.as_deref())
+        self.exchange(&[]).session(self.token.as_deref())
     }
 
     /// Takes the server's [`AuthResult`] body; returns the server's name.
@@ -634,12 +682,23 @@ impl ClientProved {
     /// A malformed body; [`AuthError::Rejected`] when the server refused our proof;
     /// [`AuthError::PeerAuthFailed`] when we hold a token and the server did not prove it.
     pub fn on_result(self, body: &[u8]) -> Result<String, AuthError> {
+        self.on_result_bound(body, &[])
+    }
+
+    /// [`on_result`](Self::on_result) for an exchange whose server answer also covers
+    /// the server's `data` (and the client's, [`ClientAuth::with_binding`]).
+    ///
+    /// # Errors
+    /// As [`on_result`](Self::on_result); [`AuthError::PeerAuthFailed`] also when `data`
+    /// is not what the server proved.
+    pub fn on_result_bound(self, body: &[u8], data: &[u8]) -> Result<String, AuthError> {
         let r = AuthResult::decode(body)?;
         if !r.ok {
             return Err(AuthError::Rejected);
         }
         let token = self.token.as_deref();
-        if token.is_some() && (!self.auth_required || !self.exchange().check_server(token, r.proof))
+        if token.is_some()
+            && (!self.auth_required || !self.exchange(data).check_server(token, r.proof))
         {
             return Err(AuthError::PeerAuthFailed);
         }
@@ -768,33 +827,109 @@ impl AwaitingProof {
         body: &[u8],
         session: Option<&Session>,
     ) -> Result<Verdict, AuthError> {
+        let checked = self.check(body, session, &[])?;
+        let reply = checked.reply(&[]);
+        Ok(Verdict {
+            ok: checked.ok,
+            reply,
+            session: checked.session(),
+            client_name: checked.hello.name,
+            extra: checked.hello.extra,
+        })
+    }
+
+    /// Checks the client's [`ProofMsg`] body (under `session`'s key, as
+    /// [`on_proof_keyed`](Self::on_proof_keyed), and covering the client's bound `data`,
+    /// [`ClientAuth::with_binding`]); the [`AuthResult`] to send comes from
+    /// [`Checked::reply`], which may cover the server's own data, made after this check.
+    ///
+    /// # Errors
+    /// A malformed body.
+    pub fn check(
+        self,
+        body: &[u8],
+        session: Option<&Session>,
+        data: &[u8],
+    ) -> Result<Checked, AuthError> {
         let given = ProofMsg::decode(body)?.proof;
-        let s = &self.server;
-        let exchange = Exchange {
-            roles: s.roles,
-            server_nonce: &s.nonce,
+        let token = self.server.token.clone();
+        let key = match (session, &token) {
+            (Some(session), Some(_)) => Some(session.key().to_vec()),
+            _ => token.clone(),
+        };
+        let mut checked = Checked {
+            ok: false,
+            key,
+            token,
+            bound_session: session.is_some(),
+            client_binding: data.to_vec(),
+            hello: self.hello,
+            server: self.server,
+        };
+        let want = checked.exchange(&[]).client_proof(checked.key.as_deref());
+        checked.ok = match want {
+            None => true,
+            Some(want) => given.is_some_and(|p| proofs_equal(&p, &want)),
+        };
+        Ok(checked)
+    }
+}
+
+/// The server's half after checking the client's proof ([`AwaitingProof::check`]).
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// Whether the client's proof held (always, without a token).
+    pub ok: bool,
+    /// The key the proofs are made under (the token, or a session's key).
+    key: Option<Vec<u8>>,
+    token: Option<Vec<u8>>,
+    bound_session: bool,
+    client_binding: Vec<u8>,
+    hello: Hello,
+    server: ServerAuth,
+}
+
+impl Checked {
+    fn exchange<'a>(&'a self, server_binding: &'a [u8]) -> Exchange<'a> {
+        Exchange {
+            roles: self.server.roles,
+            server_nonce: &self.server.nonce,
             client_nonce: &self.hello.nonce,
             client_name: &self.hello.name,
-            server_name: &s.name,
-        };
-        let token = s.token.as_deref();
-        let key = match session {
-            Some(session) if token.is_some() => Some(session.key()),
-            _ => token,
-        };
-        let (ok, proof) = exchange.check_client(key, given);
-        let session = if ok && session.is_none() {
-            exchange.session(token)
+            server_name: &self.server.name,
+            client_binding: &self.client_binding,
+            server_binding,
+        }
+    }
+
+    /// The client's hello.
+    #[must_use]
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The [`AuthResult`] body to send: the verdict and, when the proof held under a
+    /// token, the server's proof, covering the client's bound data and the server's own
+    /// `data` (empty: none).
+    #[must_use]
+    pub fn reply(&self, data: &[u8]) -> Vec<u8> {
+        let proof = if self.ok {
+            self.exchange(data).server_proof(self.key.as_deref())
         } else {
             None
         };
-        Ok(Verdict {
-            ok,
-            reply: AuthResult { ok, proof }.encode(),
-            client_name: self.hello.name,
-            extra: self.hello.extra,
-            session,
-        })
+        AuthResult { ok: self.ok, proof }.encode()
+    }
+
+    /// The session this exchange gives (a proof that held under the token; none under a
+    /// session's key).
+    #[must_use]
+    pub fn session(&self) -> Option<Session> {
+        if self.ok && !self.bound_session {
+            self.exchange(&[]).session(self.token.as_deref())
+        } else {
+            None
+        }
     }
 }
 
@@ -862,20 +997,26 @@ mod tests {
         }
     }
 
+    /// An exchange up to the client's proof: the client after it, the server waiting for
+    /// it, and the proof body.
+    fn up_to_the_proof(
+        client: ClientAuth,
+        server: ServerAuth,
+    ) -> (ClientProved, AwaitingProof, Vec<u8>) {
+        let challenged = server.on_hello(&client.hello()).expect("hello");
+        let (proved, proof) = client.on_challenge(&challenged.reply).expect("challenge");
+        (proved, challenged.into_waiting().expect("version"), proof)
+    }
+
     #[test]
     fn a_session_stands_in_for_the_token_only_for_its_own_party() {
         let t = Some(&b"s3cret"[..]);
         // The exchange that gives the session: both sides compute the same one.
-        let client = ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [1; 32], "vic", t, Some("p0"));
-        let challenged = ServerAuth::new(SIDE_CHANNEL_ROLES, [2; 32], "p0", t)
-            .on_hello(&client.hello())
-            .expect("hello");
-        let (proved, proof) = client.on_challenge(&challenged.reply).expect("challenge");
-        let verdict = challenged
-            .into_waiting()
-            .expect("version")
-            .on_proof(&proof)
-            .expect("proof");
+        let (proved, waiting, proof) = up_to_the_proof(
+            ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [1; 32], "vic", t, Some("p0")),
+            ServerAuth::new(SIDE_CHANNEL_ROLES, [2; 32], "p0", t),
+        );
+        let verdict = waiting.on_proof(&proof).expect("proof");
         let session = verdict.session.expect("a session under a token");
         assert_eq!(proved.session(), Some(session.clone()));
         assert_eq!(
@@ -884,16 +1025,11 @@ mod tests {
         );
         // A later connection: the session's key in the token's place holds...
         let run = |client_key: Option<&[u8]>, bound: Option<&Session>| {
-            let c = ClientAuth::new(TCP_ROLES, 0, [3; 32], "vic/d0", client_key, Some("p0/p0"));
-            let ch = ServerAuth::new(TCP_ROLES, [4; 32], "p0/p0", t)
-                .on_hello(&c.hello())
-                .expect("hello");
-            let (c, proof) = c.on_challenge(&ch.reply).expect("challenge");
-            let v = ch
-                .into_waiting()
-                .expect("version")
-                .on_proof_keyed(&proof, bound)
-                .expect("proof");
+            let (c, waiting, proof) = up_to_the_proof(
+                ClientAuth::new(TCP_ROLES, 0, [3; 32], "vic/d0", client_key, Some("p0/p0")),
+                ServerAuth::new(TCP_ROLES, [4; 32], "p0/p0", t),
+            );
+            let v = waiting.on_proof_keyed(&proof, bound).expect("proof");
             (c.on_result(&v.reply).is_ok(), v.ok, v.session.is_some())
         };
         assert_eq!(
@@ -928,6 +1064,38 @@ mod tests {
             .on_hello(&hello.encode())
             .expect("hello")
             .reply
+    }
+
+    /// Data bound into the exchange (the verbs backend's queue-pair info): the client's
+    /// proof holds only with the client's data, the server's answer only with both sides'.
+    #[test]
+    fn bound_data_changed_on_the_way_fails_the_proof() {
+        let t = Some(&b"s3cret"[..]);
+        let run = |sent: &[u8], seen: &[u8], answered: &[u8], received: &[u8]| {
+            let (proved, waiting, proof) = up_to_the_proof(
+                ClientAuth::new(VERBS_ROLES, 0, [1; 32], "d/d0", t, Some("p/p0"))
+                    .with_binding(sent),
+                ServerAuth::new(VERBS_ROLES, [2; 32], "p/p0", t),
+            );
+            let checked = waiting.check(&proof, None, seen).expect("proof");
+            let reply = checked.reply(answered);
+            (checked.ok, proved.on_result_bound(&reply, received).is_ok())
+        };
+        assert_eq!(run(b"qp-d", b"qp-d", b"qp-p", b"qp-p"), (true, true));
+        // The client's info swapped before the server saw it.
+        assert_eq!(run(b"qp-d", b"qp-x", b"qp-p", b"qp-p"), (false, false));
+        // The server's info swapped before the client saw it.
+        assert_eq!(run(b"qp-d", b"qp-d", b"qp-p", b"qp-x"), (true, false));
+        // No data at all: the plain exchange's proofs.
+        let plain = proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b");
+        assert_eq!(
+            plain,
+            bound_proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b", &[b"", b""])
+        );
+        assert_ne!(
+            plain,
+            bound_proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b", &[b"x"])
+        );
     }
 
     #[test]

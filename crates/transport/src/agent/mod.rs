@@ -324,6 +324,7 @@ impl Agent {
         #[cfg(feature = "verbs")]
         let verbs = crate::verbs::link::start_for(
             &config.backend,
+            &config.name,
             &config.auth_token,
             advertise.ip(),
             &config.limits,
