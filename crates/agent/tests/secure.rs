@@ -648,6 +648,15 @@ async fn heartbeats_never_hold_a_lease_past_its_max_lifetime() -> Result<()> {
     let (s, pa) = post(&c, &p.url, &p_body("a lease nobody reads"), None).await?;
     ensure!(s == 200, "{s} {pa}");
     let granted = std::time::Instant::now();
+    // The gauge follows the engine loop: wait until it shows the lease.
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_active",
+        std::time::Duration::from_secs(2),
+        |v| v >= 1.0,
+    )
+    .await?;
     let id = pa["kv_transfer_params"]["remote_request_id"]
         .as_str()
         .context("remote_request_id")?
