@@ -337,13 +337,20 @@ pub struct Metrics {
     /// proving that registration's session; all summed over the endpoints given to
     /// [`Metrics::watch_transport`] at each scrape.
     transports: Arc<TransportCollector>,
-    /// `kvlease_side_channel_refused_total`: side-channel connections closed at accept
-    /// because `--side-channel-max-connections` handshakes were running.
+    /// `kvlease_side_channel_refused_total`: side-channel connections refused at accept
+    /// (told to retry) because `--side-channel-max-connections` handshakes were running
+    /// and none could be evicted.
     pub side_channel_refused: Counter,
-    /// `kvlease_http_connections_refused_total`: HTTP connections closed at accept because
-    /// `--http-max-connections` were open (or `--http-max-connections-per-source` from the
-    /// client's address).
+    /// `kvlease_side_channel_evicted_total`: side-channel handshakes cut off to make room
+    /// for another address's (the address holding the most gave its oldest).
+    pub side_channel_evicted: Counter,
+    /// `kvlease_http_connections_refused_total`: HTTP connections answered 503 at accept
+    /// because `--http-max-connections` were open (or `--http-max-connections-per-source`
+    /// from the client's address) and every one they could replace was busy.
     pub http_connections_refused: Counter,
+    /// `kvlease_http_connections_evicted_total`: idle HTTP connections closed to make room
+    /// for a newcomer.
+    pub http_connections_evicted: Counter,
 }
 
 /// Reads the transport endpoints' counters at each scrape.
@@ -590,11 +597,19 @@ impl Metrics {
             transports: Arc::clone(&transports),
             side_channel_refused: r.counter(
                 "side_channel_refused",
-                "Side-channel connections closed at accept: too many handshakes at once",
+                "Side-channel connections refused at accept (told to retry): too many handshakes at once",
+            ),
+            side_channel_evicted: r.counter(
+                "side_channel_evicted",
+                "Side-channel handshakes cut off to make room for another address's",
             ),
             http_connections_refused: r.counter(
                 "http_connections_refused",
-                "HTTP connections closed at accept: too many open",
+                "HTTP connections answered 503 at accept: every connection they could replace was busy",
+            ),
+            http_connections_evicted: r.counter(
+                "http_connections_evicted",
+                "Idle HTTP connections closed to make room for a newcomer",
             ),
             registry: Arc::new(registry),
         };

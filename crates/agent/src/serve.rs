@@ -606,7 +606,10 @@ fn serve_http(
             listener,
             crate::apikey::protect(router, c.api_key.as_ref()),
             limits,
-            &metrics.http_connections_refused,
+            &http::ConnectionCounters {
+                refused: metrics.http_connections_refused.clone(),
+                evicted: metrics.http_connections_evicted.clone(),
+            },
             shutdown_signal(Arc::clone(stop)),
         )
         .await
@@ -637,6 +640,7 @@ fn spawn_side_channel(
         clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
         limits: side_channel_limits(&c.limits),
         refused: metrics.side_channel_refused.clone(),
+        evicted: metrics.side_channel_evicted.clone(),
     }
     .spawn(SocketAddr::new(listen_ip, port))
     .map_err(|source| ServeError::Io {

@@ -563,6 +563,18 @@ pub fn refused(message: &str) -> Vec<u8> {
     encode_frame(Kind::Refused, message.as_bytes())
 }
 
+/// The start of the refusal a side channel sends instead of a challenge when it serves
+/// too many handshakes at once: try again shortly ([`SideChannelError::is_busy`]).
+pub const BUSY: &str = "busy: too many side-channel handshakes at once; retry";
+
+impl SideChannelError {
+    /// Whether the peer refused because it was busy ([`BUSY`]): a retry may succeed.
+    #[must_use]
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Refused(m) if m.starts_with("busy:"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

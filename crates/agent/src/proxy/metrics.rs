@@ -83,6 +83,9 @@ pub struct ProxyMetrics {
     /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
     /// because the connection cap (in all, or the client address's share) was reached.
     pub http_connections_refused: Counter,
+    /// `kvlease_proxy_http_connections_evicted_total`: idle client connections closed to
+    /// make room for a newcomer.
+    pub http_connections_evicted: Counter,
     /// `kvlease_proxy_buffered_body_bytes`: bytes of bodies the proxy holds now (at most
     /// `--max-buffered-body-bytes`).
     pub buffered_body_bytes: prometheus_client::metrics::gauge::Gauge,
@@ -107,6 +110,12 @@ impl ProxyMetrics {
         );
         let requests = Family::<OutcomeLabel, Counter>::default();
         let http_connections_refused = Counter::default();
+        let http_connections_evicted = Counter::default();
+        registry.register(
+            "kvlease_proxy_http_connections_evicted",
+            "Idle client connections closed to make room for a newcomer",
+            http_connections_evicted.clone(),
+        );
         let buffered_body_bytes = prometheus_client::metrics::gauge::Gauge::default();
         registry.register(
             "kvlease_proxy_buffered_body_bytes",
@@ -115,7 +124,7 @@ impl ProxyMetrics {
         );
         registry.register(
             "kvlease_proxy_http_connections_refused",
-            "Client connections closed at accept: too many open",
+            "Client connections answered 503 at accept: every connection they could replace was busy",
             http_connections_refused.clone(),
         );
         registry.register(
@@ -153,6 +162,7 @@ impl ProxyMetrics {
             decode_requests,
             request_seconds,
             http_connections_refused,
+            http_connections_evicted,
             buffered_body_bytes,
             requests,
         }

@@ -207,12 +207,15 @@ impl Proxy {
     /// # Errors
     /// The listener's IO error.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        let refused = self.inner.metrics.http_connections_refused.clone();
+        let counters = crate::http::ConnectionCounters {
+            refused: self.inner.metrics.http_connections_refused.clone(),
+            evicted: self.inner.metrics.http_connections_evicted.clone(),
+        };
         crate::http::serve(
             listener,
             self.router(),
             &self.inner.config.http,
-            &refused,
+            &counters,
             std::future::pending(),
         )
         .await

@@ -73,6 +73,8 @@ pub(crate) struct Inner {
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Inbound TCP connections held per peer address (`limits.max_inbound_per_address`).
     pub(crate) per_address: crate::slots::PerAddress,
+    /// Inbound connections not authenticated yet (`limits.max_preauth_connections`).
+    pub(crate) preauth: crate::slots::FairSlots,
     /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
     /// notification queues waiting for their sockets.
     pub(crate) tcp_notifs: tcp::NotifHub,
@@ -295,6 +297,8 @@ impl Agent {
         if l.max_pending_notifs == 0
             || l.max_inbound_connections == 0
             || l.max_inbound_per_address == 0
+            || l.max_preauth_connections == 0
+            || l.max_preauth_per_address == 0
             || l.max_queued_notif_bytes == 0
         {
             return Err(AgentError::Config("limits must be non-zero"));
@@ -335,6 +339,10 @@ impl Agent {
             token: config.auth_token,
             sessions: crate::sessions::Sessions::default(),
             per_address: crate::slots::PerAddress::new(config.limits.max_inbound_per_address),
+            preauth: crate::slots::FairSlots::new(
+                config.limits.max_preauth_connections,
+                config.limits.max_preauth_per_address,
+            ),
             limits: config.limits,
             num_connections: config.num_connections,
             backend: config.backend,

@@ -179,6 +179,12 @@ pub struct TransportStats {
     /// Inbound connections closed because they had not authenticated within
     /// `limits.handshake_timeout` of being accepted.
     pub handshake_timeouts: u64,
+    /// Unauthenticated inbound connections shut down to make room for a newcomer
+    /// (`limits.max_preauth_connections`).
+    pub preauth_evicted: u64,
+    /// Inbound connections closed at accept: every pre-auth slot was held and none could
+    /// be evicted.
+    pub preauth_refused: u64,
     /// Same-host peers' notification rings closed because the peer wrote something into
     /// the shared ring that no honest peer could have (see the `shm` module).
     pub notif_rings_corrupt: u64,
@@ -198,6 +204,8 @@ pub(crate) struct Counters {
     pub(crate) notifs_dropped_unauthenticated: AtomicU64,
     pub(crate) notifs_dropped_overflow: AtomicU64,
     pub(crate) handshake_timeouts: AtomicU64,
+    pub(crate) preauth_evicted: AtomicU64,
+    pub(crate) preauth_refused: AtomicU64,
     pub(crate) notif_rings_corrupt: AtomicU64,
 }
 
@@ -217,6 +225,8 @@ impl Counters {
             notifs_dropped_unauthenticated: g(&self.notifs_dropped_unauthenticated),
             notifs_dropped_overflow: g(&self.notifs_dropped_overflow),
             handshake_timeouts: g(&self.handshake_timeouts),
+            preauth_evicted: g(&self.preauth_evicted),
+            preauth_refused: g(&self.preauth_refused),
             notif_rings_corrupt: g(&self.notif_rings_corrupt),
         }
     }

@@ -307,7 +307,9 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let auth = challenged.into_waiting()?;
     let (_, len) = wire::read_header(&mut s, &[wire::PROOF], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
-    let Some(client) = crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s)? else {
+    let Some((client, ())) =
+        crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s, || Ok(()))?
+    else {
         tracing::debug!("shm peer refused; no memory handed over");
         return Ok(());
     };

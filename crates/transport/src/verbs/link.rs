@@ -129,9 +129,10 @@ impl VerbsDomain {
     pub(crate) fn start(
         name: &str,
         ip: IpAddr,
-        timeout: Duration,
+        limits: &crate::config::Limits,
         token: Option<Vec<u8>>,
     ) -> Result<Self, LinkError> {
+        let timeout = limits.handshake_timeout;
         let mut config = DeviceConfig::any();
         if let IpAddr::V4(v4) = ip
             && !v4.is_unspecified()
@@ -156,6 +157,10 @@ impl VerbsDomain {
         };
         let shutdown = Arc::new(AtomicBool::new(false));
         let serve = Server {
+            preauth: crate::slots::FairSlots::new(
+                limits.max_preauth_connections,
+                limits.max_preauth_per_address,
+            ),
             name: name.to_owned(),
             pd: pd.clone(),
             endpoint: endpoint.clone(),
@@ -373,6 +378,8 @@ fn verbs(op: &'static str) -> impl Fn(VerbsError) -> LinkError + Copy {
 /// P's side of the side channel: one thread per connecting peer, owning its endpoint.
 #[derive(Clone)]
 struct Server {
+    /// Connections not through the exchange yet (`Limits::max_preauth_connections`).
+    preauth: crate::slots::FairSlots,
     /// The agent's name (the server name of the exchange).
     name: String,
     pd: ProtectionDomain,
@@ -387,11 +394,23 @@ impl Server {
         while !self.shutdown.load(Ordering::SeqCst) {
             match listener.accept() {
                 Ok((stream, from)) => {
+                    // A few pre-auth slots, the busiest address's oldest evicted for a
+                    // newcomer (its socket shut down).
+                    let preauth = stream.try_clone().ok().and_then(|socket| {
+                        self.preauth.admit(from.ip(), move || {
+                            let _ = socket.shutdown(std::net::Shutdown::Both);
+                            true
+                        })
+                    });
+                    let Some(preauth) = preauth else {
+                        tracing::warn!(%from, "verbs side channel: too many exchanges at once, none to evict; connection closed");
+                        continue;
+                    };
                     let s = self.clone();
                     let spawned = std::thread::Builder::new()
                         .name("kvlease-verbs-peer".into())
                         .spawn(move || {
-                            if let Err(e) = s.serve(stream) {
+                            if let Err(e) = s.serve(stream, preauth) {
                                 tracing::warn!(%from, "verbs side channel closed: {}", e.chain());
                             }
                         });
@@ -410,7 +429,7 @@ impl Server {
         }
     }
 
-    fn serve(&self, mut s: TcpStream) -> Result<(), LinkError> {
+    fn serve(&self, mut s: TcpStream, preauth: crate::slots::FairSlot) -> Result<(), LinkError> {
         let io = side_io("serving a peer");
         s.set_nonblocking(false).map_err(io)?;
         s.set_read_timeout(Some(self.timeout)).map_err(io)?;
@@ -452,6 +471,7 @@ impl Server {
         ]
         .concat();
         s.write_all(&answer).map_err(io)?;
+        drop(preauth);
         tracing::info!(peer = %name, qpn = ep.qpn(), authenticated = self.token.is_some(), "verbs queue pair served");
         // Requests from now on: resets. Poll the endpoint meanwhile (it only serves
         // RDMA READs, which need no CPU; polling notices a failed QP early).
@@ -878,7 +898,7 @@ pub(crate) fn start_for(
         BackendChoice::Shm => return Err(LinkError::ShmRequested),
         _ => {}
     }
-    let backend = VerbsDomain::start(name, ip, limits.handshake_timeout, token.clone());
+    let backend = VerbsDomain::start(name, ip, limits, token.clone());
     if let Err(e) = &backend {
         tracing::info!(reason = %e.chain(), "verbs backend unavailable");
     }
