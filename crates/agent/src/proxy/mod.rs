@@ -25,7 +25,7 @@
 //! `--max-upstream-body-bytes` a 502 naming the limit (read no further), all in the
 //! OpenAI error shape; P's own errors (400, 503 ...) are passed through. Every body the
 //! proxy holds whole (the client's, P's answer, D's non-streamed answer) counts against
-//! one budget, `--max-buffered-body-bytes` ([`budget`]): a body that does not fit is a
+//! one budget, `--max-buffered-body-bytes` (module `budget`): a body that does not fit is a
 //! retryable 503 with `Retry-After`, so many large bodies at once cannot add up. The
 //! proxy keeps no per-request state (only the bounded per-conversation params of step
 //! 4): a client that disconnects drops the upstream request, which D sees as an abort.
