@@ -266,7 +266,9 @@ pub(crate) fn remote_engine(
         });
     }
     let mut peer = PeerEngine::of(&info).map_err(bad)?;
-    peer.session = welcome.session;
+    // Only a P that binds sessions (an agents' P with a token) takes connections proving
+    // one; any other (a connector's P) takes the token.
+    peer.session = welcome.session.filter(|_| info.sessions);
     if peer.shape != me.shape {
         return Err(HandshakeFailure::Shape {
             engine: want.clone(),
@@ -385,7 +387,8 @@ impl PeerEngine {
 
 /// Connects `agent` to worker `rank` of the remote engine `info` describes, proving
 /// `session` (the side-channel exchange's, so that the remote takes this connection's
-/// notifications as its registration's) or, without one, the cluster token.
+/// notifications as its registration's; the cluster token when the remote refuses it) or,
+/// without one, the cluster token.
 ///
 /// # Errors
 /// [`HandshakeFailure::Metadata`] for a missing or garbled worker,
@@ -405,7 +408,12 @@ pub(crate) fn connect_worker(
             engine: want.clone(),
         })?;
     match session {
-        Some(s) => agent.connect_with_session(md, s),
+        // A P that binds no session for us (its info was served by another side channel
+        // than its own) refuses the session's proof: the token's is all D has then.
+        Some(s) => agent.connect_with_session(md, s).or_else(|e| match e {
+            kvlease_transport::ConnectError::AuthRejected { .. } => agent.connect(md),
+            e => Err(e),
+        }),
         None => agent.connect(md),
     }
     .map_err(|source| HandshakeFailure::Connect {

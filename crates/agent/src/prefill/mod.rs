@@ -325,6 +325,8 @@ impl PrefillEngine {
             self.cfg.num_blocks,
         );
         info.shape = Some(self.cfg.shape);
+        // With a token, the registrar binds each registration's session.
+        info.sessions = self.cfg.link.auth_token.is_some();
         info.workers = self
             .workers
             .iter()
