@@ -30,6 +30,8 @@ pub struct ApiError {
     pub message: String,
     /// Whether the client (the proxy) may retry the whole request from prefill.
     pub retryable: bool,
+    /// When to try again: sent as `Retry-After` (whole seconds, at least 1).
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl ApiError {
@@ -42,6 +44,7 @@ impl ApiError {
             message: format!("{param}: {}", message.into()),
             param: Some(param),
             retryable: false,
+            retry_after: None,
         }
     }
 
@@ -53,15 +56,31 @@ impl ApiError {
             param: None,
             message: message.into(),
             retryable: false,
+            retry_after: None,
         }
     }
 
-    /// 503, the server is at capacity (queue or pool full): retry later.
+    /// 503, the server is at capacity (queue or pool full): retry later (`Retry-After: 1`).
     pub fn overloaded(message: impl Into<String>) -> Self {
         Self {
             retryable: true,
+            retry_after: Some(std::time::Duration::from_secs(1)),
             ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", message)
         }
+    }
+
+    /// Sets [`retry_after`](Self::retry_after).
+    #[must_use]
+    pub fn retry_after(mut self, after: std::time::Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// The `Retry-After` value: whole seconds, rounded up, at least 1.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after
+            .map(|d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+            .map(|s| s.max(1))
     }
 
     /// 503 `kv_load_failed`, retryable: the KV could not be loaded (stale fence, expiry
@@ -95,7 +114,12 @@ impl From<ParamsError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after_secs() {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        r
     }
 }
 

@@ -17,7 +17,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -31,15 +31,13 @@ use hyper_util::service::TowerToHyperService;
 use kvlease_lease::RequestId;
 use kvlease_proto::params::{KvTransferParams, check_prefill_request};
 use serde_json::{Value, json};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{self, ApiError, ChatRequest, CompletionRequest};
 use crate::decode::{self, DecodeStreamEvent};
 use crate::health::EngineHeartbeat;
 use crate::metrics::{Metrics, RequestOutcome};
 use crate::prefill;
-
-mod sources;
 
 /// Longest an HTTP handler waits for its engine before answering 504.
 pub const ENGINE_REPLY_TIMEOUT: Duration = Duration::from_secs(600);
@@ -765,14 +763,33 @@ fn d_stream(r: DRequest, object: &'static str, outcome: OutcomeGuard) -> Respons
         .unwrap_or_else(|e| internal(e).into_response())
 }
 
+/// The answer to a connection refused at accept, every slot held by a busy connection
+/// (see [`serve`]): a `503` in the error shape of [`ApiError::overloaded`], which the
+/// client may retry after a second.
+fn busy_response() -> Vec<u8> {
+    let e = ApiError::overloaded("too many connections are busy; try again");
+    let body = e.body().to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
 /// Serves `router` on `listener` until `shutdown` resolves, then lets open requests finish
 /// (for up to 10 s).
 ///
 /// `axum::serve` has no header timeout and no connection cap, so this is its accept loop
-/// on hyper's HTTP/1 builder with a timer: at most `limits.max_connections` connections,
-/// and `limits.max_connections_per_source` from one client address (one more is closed at
-/// accept and counted in `refused`), each with `limits.header_timeout` from accept to send
-/// a request's headers, between requests too.
+/// on hyper's HTTP/1 builder with a timer, each connection with `limits.header_timeout`
+/// from accept to send a request's headers, between requests too. Connections take the
+/// slots of a [`FairSlots`](kvlease_transport::slots::FairSlots): at most
+/// `limits.max_connections` in all and `limits.max_connections_per_source` from one client
+/// address. A newcomer over either makes room by closing an *idle* connection (no request
+/// in flight, its answer sent) of its own address, or, when all slots are held, of the
+/// address holding the most: a few addresses flooding idle connections keep no one out.
+/// Only when every connection it could take is busy is the newcomer refused: a `503`
+/// (`overloaded`, `retryable: true`, `Retry-After: 1`). `counters` counts both.
 ///
 /// # Errors
 /// None so far: accept errors (out of descriptors) are logged and retried.
@@ -780,18 +797,24 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     limits: &HttpLimits,
-    refused: &prometheus_client::metrics::counter::Counter,
+    counters: &ConnectionCounters,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let sources = sources::Sources::new(limits.max_connections_per_source);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let refused = &counters.refused;
+    let slots = kvlease_transport::slots::FairSlots::new(
+        limits.max_connections,
+        limits.max_connections_per_source,
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut open = tokio::task::JoinSet::new();
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
+    let busy_answer = busy_response();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        while open.try_join_next().is_some() {}
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
@@ -804,39 +827,109 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let Some(source_slot) = sources.try_take(peer.ip()) else {
-            refused.inc();
-            tracing::debug!(
-                %peer,
-                limit = limits.max_connections_per_source,
-                "too many HTTP connections from this address; connection closed"
-            );
-            continue;
+        let busy = Arc::new(AtomicUsize::new(0));
+        let close = Arc::new(tokio::sync::Notify::new());
+        let slot = {
+            let (busy, close) = (Arc::clone(&busy), Arc::clone(&close));
+            let evicted = counters.evicted.clone();
+            slots.admit(peer.ip(), move || {
+                if busy.load(Ordering::Acquire) > 0 {
+                    return false;
+                }
+                evicted.inc();
+                close.notify_one();
+                true
+            })
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+        let Some(slot) = slot else {
             refused.inc();
             tracing::debug!(
                 %peer,
                 limit = limits.max_connections,
-                "too many HTTP connections; connection closed"
+                per_source = limits.max_connections_per_source,
+                "every HTTP connection it could replace is busy; answered 503"
             );
+            // A fresh socket's buffer takes these few bytes at once.
+            let _ = stream.try_write(&busy_answer);
             continue;
         };
-        let service = TowerToHyperService::new(router.clone());
-        let conn = graceful.watch(http1.serve_connection(TokioIo::new(stream), service));
-        tokio::spawn(async move {
-            if let Err(error) = conn.await {
+        let service = tracked(router.clone(), busy);
+        let conn = http1.serve_connection(TokioIo::new(stream), service);
+        let mut stopped = stopped.clone();
+        open.spawn(async move {
+            let mut conn = std::pin::pin!(conn);
+            let mut closing = false;
+            let result = loop {
+                tokio::select! {
+                    result = conn.as_mut() => break result,
+                    () = close.notified(), if !closing => {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                    _ = stopped.changed(), if !closing => {
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            };
+            if let Err(error) = result {
                 tracing::debug!(%peer, %error, "HTTP connection ended");
             }
-            drop((slot, source_slot));
+            drop(slot);
         });
     }
     drop(listener);
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let _ = stop.send(true);
+    let drained = async { while open.join_next().await.is_some() {} };
+    if tokio::time::timeout(SHUTDOWN_GRACE, drained).await.is_err() {
         tracing::warn!("HTTP requests still open after the shutdown grace period");
     }
     Ok(())
+}
+
+/// What [`serve`] counts of the connections it makes room for.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionCounters {
+    /// Connections answered 503 at accept: every slot they could take was busy.
+    pub refused: prometheus_client::metrics::counter::Counter,
+    /// Idle connections closed to make room for a newcomer.
+    pub evicted: prometheus_client::metrics::counter::Counter,
+}
+
+/// `router` for one connection, counting its requests in flight in `busy` from the
+/// request's arrival until its answer's body was sent (or dropped).
+fn tracked(
+    router: Router,
+    busy: Arc<AtomicUsize>,
+) -> impl hyper::service::Service<
+    Request<hyper::body::Incoming>,
+    Response = Response,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response, Infallible>> + Send,
+> + Clone {
+    let inner = TowerToHyperService::new(router);
+    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+        busy.fetch_add(1, Ordering::AcqRel);
+        let guard = InFlight(Arc::clone(&busy));
+        let answer = hyper::service::Service::call(&inner, request);
+        async move {
+            let response = answer.await?;
+            Ok(response.map(|body| {
+                let stream = futures_util::StreamExt::map(body.into_data_stream(), move |chunk| {
+                    let _held = &guard;
+                    chunk
+                });
+                Body::from_stream(stream)
+            }))
+        }
+    })
+}
+
+/// One request in flight on a connection; counted down when dropped.
+struct InFlight(Arc<AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }

@@ -303,6 +303,28 @@ pub struct Metrics {
     /// `kvlease_connect_back_refused_total` (P): D workers P did not connect back to
     /// because their address is not the one D's side-channel handshake came from.
     pub connect_back_refused: Counter,
+    /// `kvlease_leases_max_lifetime_total` (P): leases reclaimed at their maximum lifetime
+    /// (`kv_lease_max_lifetime`) although heartbeats had renewed them past it (they count
+    /// in `kvlease_leases_released_total{reason="expired"}` too).
+    pub leases_max_lifetime: Counter,
+    /// `kvlease_registrations_refused_total` (P): D side-channel registrations P declined:
+    /// an instance more than a minute ahead of P's clock, or one that does not outrank
+    /// the engine's instance on record.
+    pub registrations_refused: Counter,
+    /// `kvlease_d_engines_registered` (P): D engines registered on the side channel.
+    pub d_engines_registered: Gauge,
+    /// `kvlease_remote_engines` (D): P engines D keeps, handshaking or connected (at most
+    /// `--max-prefill-engines`).
+    pub remote_engines: Gauge,
+    /// `kvlease_remote_engines_evicted_total` (D): idle P engines D dropped, connections
+    /// closed, to make room for another.
+    pub remote_engines_evicted: Counter,
+    /// `kvlease_instance_checks_total` (D): checks of a connected P engine's instance with
+    /// its side channel, because a request named a newer one.
+    pub instance_checks: Counter,
+    /// `kvlease_peer_restarts_total` (D): P engines whose side channel announced a newer
+    /// instance (their old connections closed).
+    pub peer_restarts: Counter,
 
     // Limits.
     /// `kvlease_notifs_dropped_total`: notifications the transport dropped because the
@@ -310,16 +332,25 @@ pub struct Metrics {
     /// arrive on a data connection, from older peers: a link's notification connection
     /// leaves them in the socket instead), and
     /// `kvlease_notifs_refused_total`: notifications from peers that had not completed an
-    /// authenticated handshake; both summed over the endpoints given to
+    /// authenticated handshake, and `kvlease_session_refusals_total`: transport
+    /// connections refused because they named a registered engine's worker without
+    /// proving that registration's session; all summed over the endpoints given to
     /// [`Metrics::watch_transport`] at each scrape.
     transports: Arc<TransportCollector>,
-    /// `kvlease_side_channel_refused_total`: side-channel connections closed at accept
-    /// because `--side-channel-max-connections` handshakes were running.
+    /// `kvlease_side_channel_refused_total`: side-channel connections refused at accept
+    /// (told to retry) because `--side-channel-max-connections` handshakes were running
+    /// and none could be evicted.
     pub side_channel_refused: Counter,
-    /// `kvlease_http_connections_refused_total`: HTTP connections closed at accept because
-    /// `--http-max-connections` were open (or `--http-max-connections-per-source` from the
-    /// client's address).
+    /// `kvlease_side_channel_evicted_total`: side-channel handshakes cut off to make room
+    /// for another address's (the address holding the most gave its oldest).
+    pub side_channel_evicted: Counter,
+    /// `kvlease_http_connections_refused_total`: HTTP connections answered 503 at accept
+    /// because `--http-max-connections` were open (or `--http-max-connections-per-source`
+    /// from the client's address) and every one they could replace was busy.
     pub http_connections_refused: Counter,
+    /// `kvlease_http_connections_evicted_total`: idle HTTP connections closed to make room
+    /// for a newcomer.
+    pub http_connections_evicted: Counter,
 }
 
 /// Reads the transport endpoints' counters at each scrape.
@@ -334,17 +365,18 @@ struct SharedCollector(Arc<TransportCollector>);
 
 impl Collector for SharedCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let (dropped, refused) = self
+        let (dropped, refused, sessions) = self
             .0
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(StatsHandle::stats)
-            .fold((0u64, 0u64), |(d, r), s| {
+            .fold((0u64, 0u64, 0u64), |(d, r, x), s| {
                 (
                     d + s.notifs_dropped_overflow,
                     r + s.notifs_dropped_unauthenticated,
+                    x + s.session_refusals,
                 )
             });
         for (name, help, value) in [
@@ -357,6 +389,11 @@ impl Collector for SharedCollector {
                 "kvlease_notifs_refused",
                 "Notifications refused from peers that had not authenticated",
                 refused,
+            ),
+            (
+                "kvlease_session_refusals",
+                "Transport connections refused: a registered engine's worker name without that registration's session",
+                sessions,
             ),
         ] {
             let counter = ConstCounter::new(value);
@@ -529,14 +566,50 @@ impl Metrics {
                 "connect_back_refused",
                 "D workers not connected back to: not on the address of D's side-channel handshake",
             ),
+            leases_max_lifetime: r.counter(
+                "leases_max_lifetime",
+                "Leases reclaimed at their max lifetime though heartbeats renewed them past it",
+            ),
+            registrations_refused: r.counter(
+                "registrations_refused",
+                "D side-channel registrations declined: instance ahead of the clock or not newer",
+            ),
+            d_engines_registered: r.gauge(
+                "d_engines_registered",
+                "D engines registered on the side channel",
+            ),
+            remote_engines: r.gauge(
+                "remote_engines",
+                "P engines D keeps, handshaking or connected",
+            ),
+            remote_engines_evicted: r.counter(
+                "remote_engines_evicted",
+                "Idle P engines D dropped to make room for another",
+            ),
+            instance_checks: r.counter(
+                "instance_checks",
+                "Checks of a connected P engine's instance with its side channel",
+            ),
+            peer_restarts: r.counter(
+                "peer_restarts",
+                "P engines whose side channel announced a newer instance",
+            ),
             transports: Arc::clone(&transports),
             side_channel_refused: r.counter(
                 "side_channel_refused",
-                "Side-channel connections closed at accept: too many handshakes at once",
+                "Side-channel connections refused at accept (told to retry): too many handshakes at once",
+            ),
+            side_channel_evicted: r.counter(
+                "side_channel_evicted",
+                "Side-channel handshakes cut off to make room for another address's",
             ),
             http_connections_refused: r.counter(
                 "http_connections_refused",
-                "HTTP connections closed at accept: too many open",
+                "HTTP connections answered 503 at accept: every connection they could replace was busy",
+            ),
+            http_connections_evicted: r.counter(
+                "http_connections_evicted",
+                "Idle HTTP connections closed to make room for a newcomer",
             ),
             registry: Arc::new(registry),
         };
@@ -603,6 +676,16 @@ impl Metrics {
         self.handshakes
             .get_or_create(&HandshakeLabel { outcome })
             .clone()
+    }
+
+    /// Removes `peer`'s `kvlease_peer_backend` series (D dropped the engine).
+    pub fn clear_peer_backend(&self, peer: &str) {
+        for backend in Backend::ALL {
+            self.peer_backend.remove(&PeerBackendLabel {
+                peer: peer.to_owned(),
+                backend: BackendName(backend),
+            });
+        }
     }
 
     /// Records that `peer` (an engine id) is reached over `backend`: sets

@@ -257,14 +257,18 @@ fn lease_config(c: &CommonArgs, role: AgentRole) -> Result<LeaseConfig, ServeErr
         flag: "--kv-transfer-config",
         message: e.to_string(),
     };
-    Ok(match kv.lease_mode {
+    let config = match kv.lease_mode {
         LeaseModeSetting::Fixed if role == AgentRole::Prefill => {
             LeaseConfig::from_duration(kv.abort_request_timeout)
                 .map_err(bad)?
                 .with_mode(LeaseMode::Fixed)
         }
         _ => LeaseConfig::from_duration(kv.lease_duration).map_err(bad)?,
-    })
+    };
+    match kv.lease_max_lifetime {
+        Some(max) => config.with_max_lifetime(max).map_err(bad),
+        None => Ok(config),
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, ServeError> {
@@ -361,22 +365,20 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
-    let engine = PrefillEngine::new(cfg, metrics.clone())?;
+    let mut engine = PrefillEngine::new(cfg, metrics.clone())?;
     let info = engine.info();
-    let (hello_tx, hello_rx) = crossbeam_channel::unbounded();
+    let registrar = engine.registrar();
     let side = spawn_side_channel(
         info,
         token,
-        Box::new(move |h| {
-            let _ = hello_tx.send(h);
-        }),
+        Box::new(move |h| registrar.register(h)),
         listen_ip,
         c,
         &metrics,
     )?;
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(JOB_QUEUE);
     let (engine_thread, heartbeat) = spawn_engine("p-engine", move |stop, beat| {
-        engine.run(jobs_rx, hello_rx, stop, beat);
+        engine.run(jobs_rx, stop, beat);
     })?;
     let rt = runtime()?;
     let limits = http_limits(&c.limits);
@@ -470,6 +472,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         read_timeout: Duration::from_secs(30),
         bidir: None,
         allowed_prefill: allowed_prefill_hosts(args),
+        max_engines: args.max_prefill_engines,
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();
@@ -486,7 +489,8 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         Some(info) => {
             // P's pulls need nothing back from D but the notifications on the
             // transport, which P's connection carries.
-            let handle = spawn_side_channel(info, token, Box::new(|_| {}), listen_ip, c, &metrics)?;
+            let handle =
+                spawn_side_channel(info, token, Box::new(|_| Ok(())), listen_ip, c, &metrics)?;
             Some(handle)
         }
         None => None,
@@ -602,7 +606,10 @@ fn serve_http(
             listener,
             crate::apikey::protect(router, c.api_key.as_ref()),
             limits,
-            &metrics.http_connections_refused,
+            &http::ConnectionCounters {
+                refused: metrics.http_connections_refused.clone(),
+                evicted: metrics.http_connections_evicted.clone(),
+            },
             shutdown_signal(Arc::clone(stop)),
         )
         .await
@@ -618,7 +625,7 @@ fn serve_http(
 fn spawn_side_channel(
     info: kvlease_proto::engine_info::EngineInfo,
     token: Option<String>,
-    on_peer: Box<dyn Fn(sidechannel::Hello) + Send + Sync>,
+    on_peer: Box<dyn Fn(sidechannel::Hello) -> Result<(), String> + Send + Sync>,
     listen_ip: IpAddr,
     c: &CommonArgs,
     metrics: &Metrics,
@@ -633,6 +640,7 @@ fn spawn_side_channel(
         clock_ns: Box::new(move || epoch.elapsed().map_or(0, |d| d.as_nanos() as u64)),
         limits: side_channel_limits(&c.limits),
         refused: metrics.side_channel_refused.clone(),
+        evicted: metrics.side_channel_evicted.clone(),
     }
     .spawn(SocketAddr::new(listen_ip, port))
     .map_err(|source| ServeError::Io {

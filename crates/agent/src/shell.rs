@@ -64,10 +64,10 @@ pub(crate) fn rank_pool(
     Ok((layout, pool))
 }
 
-/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`).
+/// The engine id part of a transport peer name (`{engine}/d{rank}` or `{engine}/p{rank}`):
+/// its group ([`kvlease_proto::auth::name_group`]).
 pub(crate) fn engine_of_peer(name: &str) -> Option<EngineId> {
-    let engine = name.rsplit_once('/').map_or(name, |(e, _)| e);
-    EngineId::new(engine).ok()
+    EngineId::new(kvlease_proto::auth::name_group(name)).ok()
 }
 
 /// `host:port`, with IPv6 literals in brackets.
@@ -161,6 +161,15 @@ pub enum HandshakeFailure {
         /// The transport's error.
         #[source]
         source: kvlease_transport::ConnectError,
+    },
+    /// The remote engine announced an instance ahead of this host's clock.
+    #[error("engine {engine}: {source}")]
+    InstanceAhead {
+        /// The remote engine.
+        engine: EngineId,
+        /// The instance and the clock.
+        #[source]
+        source: kvlease_engine::instance::InstanceAhead,
     },
     /// The P agent's address is outside `--allowed-prefill-hosts`.
     #[error("engine {engine}: {ip} is not in --allowed-prefill-hosts")]
@@ -256,7 +265,10 @@ pub(crate) fn remote_engine(
             serves: info.engine_id.to_string(),
         });
     }
-    let peer = PeerEngine::of(&info).map_err(bad)?;
+    let mut peer = PeerEngine::of(&info).map_err(bad)?;
+    // Only a P that binds sessions (an agents' P with a token) takes connections proving
+    // one; any other (a connector's P) takes the token.
+    peer.session = welcome.session.filter(|_| info.sessions);
     if peer.shape != me.shape {
         return Err(HandshakeFailure::Shape {
             engine: want.clone(),
@@ -306,6 +318,9 @@ pub(crate) struct PeerEngine {
     pub(crate) instance: u64,
     /// Its workers, by rank.
     pub(crate) workers: Vec<PeerWorker>,
+    /// The session of the side-channel exchange that described it (with a token): P
+    /// takes the notifications of D's connections that prove it as that registration's.
+    pub(crate) session: Option<kvlease_transport::Session>,
 }
 
 /// One worker of a [`PeerEngine`].
@@ -365,11 +380,15 @@ impl PeerEngine {
             num_blocks: info.num_blocks,
             instance: info.instance,
             workers,
+            session: None,
         })
     }
 }
 
-/// Connects `agent` to worker `rank` of the remote engine `info` describes.
+/// Connects `agent` to worker `rank` of the remote engine `info` describes, proving
+/// `session` (the side-channel exchange's, so that the remote takes this connection's
+/// notifications as its registration's; the cluster token when the remote refuses it) or,
+/// without one, the cluster token.
 ///
 /// # Errors
 /// [`HandshakeFailure::Metadata`] for a missing or garbled worker,
@@ -379,6 +398,7 @@ pub(crate) fn connect_worker(
     info: &PeerEngine,
     rank: u32,
     want: &EngineId,
+    session: Option<&kvlease_transport::Session>,
 ) -> Result<PeerId, HandshakeFailure> {
     let md = info
         .workers
@@ -387,11 +407,18 @@ pub(crate) fn connect_worker(
         .ok_or_else(|| HandshakeFailure::Metadata {
             engine: want.clone(),
         })?;
-    agent
-        .connect(md)
-        .map_err(|source| HandshakeFailure::Connect {
-            engine: want.clone(),
-            rank,
-            source,
-        })
+    match session {
+        // A P that binds no session for us (its info was served by another side channel
+        // than its own) refuses the session's proof: the token's is all D has then.
+        Some(s) => agent.connect_with_session(md, s).or_else(|e| match e {
+            kvlease_transport::ConnectError::AuthRejected { .. } => agent.connect(md),
+            e => Err(e),
+        }),
+        None => agent.connect(md),
+    }
+    .map_err(|source| HandshakeFailure::Connect {
+        engine: want.clone(),
+        rank,
+        source,
+    })
 }

@@ -31,16 +31,15 @@
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use kvlease_proto::engine_info::EngineInfo;
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
-use kvlease_transport::slots::PerAddress;
+use kvlease_transport::slots::FairSlots;
 use prometheus_client::metrics::counter::Counter;
-use serde::{Deserialize, Serialize};
 
 /// Largest frame D accepts from a P that proved the token (the welcome, with P's info).
 pub const MAX_FRAME: usize = 4 << 20;
@@ -125,50 +124,50 @@ pub enum HandshakeError {
         /// Why.
         message: String,
     },
+    /// The peer serves too many handshakes at once and told us to retry.
+    #[error("side channel {addr}: {message}")]
+    Busy {
+        /// The peer.
+        addr: String,
+        /// What it said.
+        message: String,
+    },
+}
+
+impl HandshakeError {
+    /// Whether a retry shortly may succeed: the peer was busy, or the connection broke
+    /// or timed out after it was accepted (not refused: nothing listens there then).
+    #[must_use]
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Busy { .. } => true,
+            Self::Io { source, .. } => source.kind() != io::ErrorKind::ConnectionRefused,
+            _ => false,
+        }
+    }
 }
 
 /// What P learns of a D that proved the token.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone)]
 pub struct Hello {
     /// D's engine id, as proven in the exchange.
     pub engine_id: String,
     /// D's TP size.
     pub tp_size: u32,
     /// Hex transport metadata of each D worker, by rank.
-    #[serde(default)]
     pub workers: Vec<String>,
     /// D's instance (its start time in microseconds): a restarted D under the same engine
     /// id has a larger one, and P replaces its connections to the old one. 0 when unsaid.
-    #[serde(default)]
     pub instance: u64,
     /// The address D's side-channel connection came from (P connects back only to D
     /// workers there unless told otherwise). `None` when unknown.
-    #[serde(default)]
     pub peer_ip: Option<std::net::IpAddr>,
+    /// The exchange's session (with a token): D's transport connections prove it.
+    pub session: Option<kvlease_transport::Session>,
 }
 
 /// Lowercase hex of bytes, and back (`None` if not hex).
 pub use kvlease_proto::engine_info::{from_hex, to_hex};
-
-/// Holds one of the server's connection slots; frees it when dropped.
-struct Slot(Arc<AtomicUsize>);
-
-impl Slot {
-    fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
-        active
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Self(Arc::clone(active)))
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 /// What P's side channel serves, and what it does with a D that proved the token.
 pub struct Server {
@@ -178,15 +177,19 @@ pub struct Server {
     pub info: EngineInfo,
     /// The cluster token, if any.
     pub token: Option<String>,
-    /// Called with each authenticated D's hello.
-    pub on_peer: Box<dyn Fn(Hello) + Send + Sync>,
+    /// Called with each authenticated D's hello, before D is answered: `Err` declines
+    /// the registration, and D is told the reason instead of welcomed.
+    pub on_peer: Box<dyn Fn(Hello) -> Result<(), String> + Send + Sync>,
     /// This host's wall clock, in ns (for D's clock offset estimate).
     pub clock_ns: Box<dyn Fn() -> u64 + Send + Sync>,
     /// What peers may make the server spend.
     pub limits: ServerLimits,
     /// Counts connections closed unserved because `limits.max_connections` handshakes
-    /// were running.
+    /// were running and none could be evicted (they were told to retry).
     pub refused: Counter,
+    /// Counts handshakes cut off to make room for another address's
+    /// (`kvlease_side_channel_evicted_total`).
+    pub evicted: Counter,
 }
 
 /// A running side channel; stops accepting when dropped.
@@ -225,10 +228,9 @@ impl Server {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let per_address = PerAddress::new(self.limits.max_per_address);
+        let slots = FairSlots::new(self.limits.max_connections, self.limits.max_per_address);
         let this = Arc::new(self);
         let stop2 = Arc::clone(&stop);
-        let active = Arc::new(AtomicUsize::new(0));
         thread::Builder::new()
             .name("side-channel".into())
             .spawn(move || {
@@ -242,23 +244,30 @@ impl Server {
                         continue;
                     };
                     let accepted = Instant::now();
-                    let Some(address_slot) =
-                        conn.peer_addr().ok().and_then(|a| per_address.take(a.ip()))
-                    else {
-                        this.refused.inc();
-                        tracing::debug!(
-                            peer = ?conn.peer_addr().ok(),
-                            limit = this.limits.max_per_address,
-                            "side channel: too many handshakes at once from this address; connection closed"
-                        );
-                        continue;
-                    };
-                    let Some(slot) = Slot::take(&active, this.limits.max_connections) else {
+                    // The handshakes at once are few; a newcomer evicts the oldest of
+                    // the address holding the most (its socket shut down).
+                    let slot = conn.peer_addr().ok().zip(conn.try_clone().ok()).and_then(
+                        |(peer, socket)| {
+                            let evicted = this.evicted.clone();
+                            slots.admit(peer.ip(), move || {
+                                evicted.inc();
+                                let _ = socket.shutdown(std::net::Shutdown::Both);
+                                true
+                            })
+                        },
+                    );
+                    let Some(slot) = slot else {
                         this.refused.inc();
                         tracing::debug!(
                             peer = ?conn.peer_addr().ok(),
                             limit = this.limits.max_connections,
-                            "side channel: too many handshakes at once; connection closed"
+                            "side channel: too many handshakes at once, none to evict; refused"
+                        );
+                        // Tell D to retry (a few bytes into a fresh socket's buffer).
+                        let _ = conn.set_nonblocking(true);
+                        let _ = io::Write::write_all(
+                            &mut &conn,
+                            &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
                         );
                         continue;
                     };
@@ -266,7 +275,7 @@ impl Server {
                     let spawned = thread::Builder::new()
                         .name("side-channel-conn".into())
                         .spawn(move || {
-                            let _slots = (slot, address_slot);
+                            let _slot = slot;
                             let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                             let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
                             if let Err(e) = this.serve(s) {
@@ -301,18 +310,25 @@ impl Server {
                     workers: r.workers.iter().map(|w| to_hex(w)).collect(),
                     instance: r.instance,
                     peer_ip,
-                });
-                sc::Welcome {
+                    session: peer.session.clone(),
+                })?;
+                Ok(sc::Welcome {
                     server_time_ns: (self.clock_ns)(),
                     payload: self.info.encode(),
-                }
+                })
             },
         )?;
-        if let Outcome::Refused { claimed } = outcome {
-            tracing::warn!(
+        match outcome {
+            Outcome::Refused { claimed } => tracing::warn!(
                 engine = %claimed,
                 "side-channel peer refused: wrong or missing cluster token"
-            );
+            ),
+            Outcome::Declined { engine_id, reason } => tracing::warn!(
+                engine = %engine_id,
+                %reason,
+                "side-channel registration declined"
+            ),
+            _ => {}
         }
         Ok(())
     }
@@ -325,6 +341,9 @@ pub struct Welcome {
     pub info: serde_json::Value,
     /// P's wall clock at the answer, in ns.
     pub server_time_ns: u64,
+    /// The exchange's session (with a token): D's workers connect to P's proving it, so
+    /// that P takes their notifications as this registration's.
+    pub session: Option<kvlease_transport::Session>,
 }
 
 /// Runs the handshake against P's side channel at `addr` (D side). With `expected`, the
@@ -378,6 +397,10 @@ pub fn handshake(
                 addr: addr.to_owned(),
                 message: auth_message(&e),
             },
+            sc::Error::Protocol(e) if e.is_busy() => HandshakeError::Busy {
+                addr: addr.to_owned(),
+                message: e.to_string(),
+            },
             e => HandshakeError::Protocol {
                 addr: addr.to_owned(),
                 message: e.to_string(),
@@ -389,6 +412,7 @@ pub fn handshake(
     Ok(Welcome {
         info,
         server_time_ns: served.welcome.server_time_ns,
+        session: served.session,
     })
 }
 
@@ -432,10 +456,12 @@ mod tests {
                 if let Ok(mut v) = p2.lock() {
                     v.push(hello);
                 }
+                Ok(())
             }),
             clock_ns: Box::new(|| 42),
             limits,
             refused,
+            evicted: Counter::default(),
         }
         .spawn("127.0.0.1:0".parse().expect("literal address"))
         .expect("bind loopback");
@@ -550,14 +576,16 @@ mod tests {
         header.extend_from_slice(&(4u32 << 20).to_le_bytes());
         big.write_all(&header).expect("write");
         assert!(closed_unanswered(&mut big));
-        // Two silent peers take both slots; a third is closed at once and counted.
+        // Two silent peers take both slots; a third from the same address takes the slot
+        // of its own oldest, which is closed (the address keeps its share, no more).
         let mut slow: Vec<TcpStream> = (0..2)
             .map(|_| TcpStream::connect(h.addr).expect("connect"))
             .collect();
         thread::sleep(Duration::from_millis(50));
-        let mut third = TcpStream::connect(h.addr).expect("connect");
-        assert!(closed_unanswered(&mut third));
-        assert_eq!(refused.get(), 1);
+        let third = TcpStream::connect(h.addr).expect("connect");
+        assert!(closed_unanswered(&mut slow[0]));
+        assert_eq!(refused.get(), 0);
+        slow[0] = third;
         // A peer dribbling a valid-length frame is still cut off by the whole deadline.
         let mut header = vec![kvlease_proto::sidechannel::Kind::Hello as u8];
         header.extend_from_slice(&100u32.to_le_bytes());

@@ -153,6 +153,14 @@ fn agents_reject_bad_kv_transfer_config_naming_the_key() -> Result<()> {
         )?;
         assert_rejected(
             bin,
+            &[
+                flag,
+                &kv_config(role, r#""kv_lease_duration":5,"kv_lease_max_lifetime":2"#),
+            ],
+            &["lease max lifetime of 2 s is shorter than the lease duration of 5 s"],
+        )?;
+        assert_rejected(
+            bin,
             &[flag, &kv_config(role, r#""lease_ttl":3"#)],
             &["kv_connector_extra_config.lease_ttl: unknown key"],
         )?;

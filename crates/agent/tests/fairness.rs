@@ -1,7 +1,8 @@
 //! Per-source fairness on the HTTP listeners of a real `prefill-agent` and a real
-//! `kvlease-proxy` (issue #24): one address flooding idle connections gets its share of
-//! the connection cap and no more, each of them is closed by the pre-header deadline, and
-//! `/health` from another address is answered meanwhile.
+//! `kvlease-proxy`: one address flooding idle connections holds its share of the
+//! connection cap and no more (each connection beyond it closes the source's oldest idle
+//! one), each of them is closed by the pre-header deadline, and `/health` from another
+//! address is answered meanwhile.
 //!
 //! The flood comes from 127.0.0.1, the other source binds 127.0.0.2 (Linux routes all of
 //! 127.0.0.0/8 to loopback). Every loop is bounded.
@@ -58,13 +59,14 @@ async fn wait_healthy(url: &str, proc: &mut Proc) -> Result<()> {
 }
 
 /// Floods `port` with 8 idle connections from 127.0.0.1 (the whole global cap) and checks
-/// that 4 are kept (the per-source share), 4 are closed at accept, `/health` from
-/// 127.0.0.2 is answered meanwhile, the kept ones are closed by the header deadline, and
-/// `refused_series` counts the refusals.
+/// that the newest 4 are kept (the per-source share: each one beyond it closed the
+/// source's oldest idle one), `/health` from 127.0.0.2 is answered meanwhile, one more
+/// from the flooding source again costs it its oldest, the kept ones are closed by the
+/// header deadline, and `evicted_series` counts what was closed to make room.
 async fn a_flood_from_one_source_takes_only_its_share(
     url: &str,
     port: u16,
-    refused_series: &str,
+    evicted_series: &str,
 ) -> Result<()> {
     let mut flood: Vec<TcpStream> = (0..8)
         .map(|_| TcpStream::connect(("127.0.0.1", port)))
@@ -72,15 +74,17 @@ async fn a_flood_from_one_source_takes_only_its_share(
     let flooded = Instant::now();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut kept = Vec::new();
-    for mut s in flood.drain(..) {
-        if !closed_within(&mut s, Duration::from_millis(200))? {
+    let mut closed = Vec::new();
+    for (i, mut s) in flood.drain(..).enumerate() {
+        if closed_within(&mut s, Duration::from_millis(200))? {
+            closed.push(i);
+        } else {
             kept.push(s);
         }
     }
     ensure!(
-        kept.len() == 4,
-        "{} of 8 idle connections from one source kept; its share is 4",
-        kept.len()
+        closed == [0, 1, 2, 3],
+        "closed {closed:?} of 8 idle connections from one source; its share is the newest 4"
     );
 
     // Another source is served while the flood holds its share.
@@ -91,12 +95,17 @@ async fn a_flood_from_one_source_takes_only_its_share(
         .await
         .context("/health from 127.0.0.2 under the flood")?;
     ensure!(health.status().is_success(), "/health: {}", health.status());
-    // The flooding source gets nothing more.
+    // One more from the flooding source costs it its oldest kept connection.
     let mut more = TcpStream::connect(("127.0.0.1", port))?;
     ensure!(
-        closed_within(&mut more, Duration::from_millis(500))?,
-        "a connection over the source's share was kept"
+        closed_within(&mut kept[0], Duration::from_millis(500))?,
+        "the source's oldest idle connection was kept past its share"
     );
+    ensure!(
+        !closed_within(&mut more, Duration::from_millis(200))?,
+        "the newest connection was closed"
+    );
+    kept[0] = more;
     ensure!(
         flooded.elapsed() < Duration::from_secs(4),
         "the checks above took {:?}, past the header deadline",
@@ -121,8 +130,8 @@ async fn a_flood_from_one_source_takes_only_its_share(
         .await?
         .text()
         .await?;
-    let refused = metric(&text, refused_series);
-    ensure!(refused >= 5.0, "{refused_series} = {refused}");
+    let evicted = metric(&text, evicted_series);
+    ensure!(evicted >= 5.0, "{evicted_series} = {evicted}");
     Ok(())
 }
 
@@ -144,7 +153,7 @@ async fn agent_http_a_flood_from_one_source_leaves_health_answerable() -> Result
     a_flood_from_one_source_takes_only_its_share(
         &agent.url,
         port,
-        "kvlease_http_connections_refused_total",
+        "kvlease_http_connections_evicted_total",
     )
     .await
 }
@@ -172,7 +181,7 @@ async fn proxy_http_a_flood_from_one_source_leaves_health_answerable() -> Result
     a_flood_from_one_source_takes_only_its_share(
         &proxy.url,
         port,
-        "kvlease_proxy_http_connections_refused_total",
+        "kvlease_proxy_http_connections_evicted_total",
     )
     .await
 }

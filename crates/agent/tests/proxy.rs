@@ -160,10 +160,15 @@ async fn metric(proxy: &str, name: &str) -> Result<f64> {
         .with_context(|| format!("{name} missing from:\n{text}"))
 }
 
-fn free_port_url() -> Result<String> {
-    // Bind and drop: nothing listens on the port afterwards (connect is refused).
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(format!("http://{}", listener.local_addr()?))
+/// The URL of a loopback port nothing listens on (connect is refused), and the socket
+/// that keeps it bound, not listening, for as long as the caller holds it: the kernel
+/// hands the port to no other bind meanwhile (a port bound and dropped could become the
+/// listen port of the next proxy the test starts, which then proxied to itself).
+fn closed_port_url() -> Result<(tokio::net::TcpSocket, String)> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind("127.0.0.1:0".parse()?)?;
+    let url = format!("http://{}", socket.local_addr()?);
+    Ok((socket, url))
 }
 
 #[tokio::test]
@@ -398,7 +403,7 @@ async fn fake_upstreams_other_errors_pass_through_without_retry() -> Result<()> 
 
 #[tokio::test]
 async fn fake_upstreams_down_is_502_and_slow_is_504() -> Result<()> {
-    let dead = free_port_url()?;
+    let (_held, dead) = closed_port_url()?;
     let (d, d_url) = fake_decode("d0").await?;
     let proxy = start_proxy(&[&dead], &[&d_url], &["--connect-timeout-ms", "500"]).await?;
     let (status, answer) =
@@ -458,7 +463,7 @@ async fn fake_upstreams_down_is_502_and_slow_is_504() -> Result<()> {
 /// reached its D goes to the next D.
 #[tokio::test]
 async fn fake_upstreams_an_unreachable_agent_is_skipped_for_the_next() -> Result<()> {
-    let (dead_p, dead_d) = (free_port_url()?, free_port_url()?);
+    let ((_held_p, dead_p), (_held_d, dead_d)) = (closed_port_url()?, closed_port_url()?);
     let (p, p_url) = fake_prefill("p0").await?;
     let (d, d_url) = fake_decode("d0").await?;
     let proxy = start_proxy(&[&dead_p, &p_url], &[&dead_d, &d_url], &[]).await?;
@@ -865,5 +870,131 @@ async fn hostile_upstream_bodies_are_capped_with_a_502_and_memory_stays_flat() -
         peak < 64 << 10,
         "streamed: the proxy's peak RSS reached {peak} KiB"
     );
+    Ok(())
+}
+
+/// A proxy that is its own upstream (here its `--prefill` is its own URL; the audit's
+/// flaky test got there when a port it had just released became the proxy's listen
+/// port) used to call itself until something gave out (P was called 224 times). The
+/// request now carries the proxy's hop header, and the proxy refuses a request that
+/// already passed through it: one 508 `loop_detected`, one forwarded request, no decode.
+#[tokio::test]
+async fn fake_upstreams_a_proxy_that_is_its_own_upstream_refuses_the_loop() -> Result<()> {
+    let (d, d_url) = fake_decode("d0").await?;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let own = format!("http://{}", listener.local_addr()?);
+    let config =
+        ProxyArgs::try_parse_from(["kvlease-proxy", "--prefill", &own, "--decode", &d_url])?
+            .config()?;
+    tokio::spawn(Proxy::new(config)?.serve(listener));
+    let (status, answer) = post(&format!("{own}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::LOOP_DETECTED, "{answer}");
+    assert_eq!(answer["error"]["type"], "loop_detected");
+    assert_eq!(
+        metric(&own, "kvlease_proxy_requests_total{outcome=\"loop\"}").await?,
+        1.0
+    );
+    assert_eq!(
+        metric(&own, "kvlease_proxy_prefill_requests_total").await?,
+        1.0,
+        "the proxy forwarded the request to itself once"
+    );
+    assert!(d.calls().is_empty());
+    // A request from further away that passed too many proxies is refused as well.
+    let hops = (0..8)
+        .map(|i| format!("p{i}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let response = reqwest::Client::new()
+        .post(format!("{own}/v1/completions"))
+        .header("x-kvlease-proxy", hops)
+        .json(&json!({"prompt": "a"}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::LOOP_DETECTED);
+    Ok(())
+}
+
+/// A hostile upstream that answers each request with 3 MiB of body and then stalls (no
+/// `Content-Length`: the proxy cannot refuse it up front) used to make the proxy hold
+/// every such body at once (32 took 1.3 GB in the audit). The proxy now holds at most
+/// `--max-buffered-body-bytes` (16 MiB here) in bodies: the requests beyond it get a
+/// retryable 503 with `Retry-After` at once, and its peak memory stays flat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bodies_the_proxy_holds_at_once_stay_within_their_budget() -> Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let hostile = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if !read_request(&mut socket).await {
+                    return;
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+                if socket.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let mut chunk = format!("{:x}\r\n", 64 << 10).into_bytes();
+                chunk.extend_from_slice(&[b' '; 64 << 10]);
+                chunk.extend_from_slice(b"\r\n");
+                for _ in 0..48 {
+                    if socket.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+                // Hold the body open: the proxy keeps what it read until its timeout.
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            });
+        }
+    });
+    let (_d, d_url) = fake_decode("d0").await?;
+    let proxy = ProxyProcess::start(
+        &hostile,
+        &d_url,
+        &[
+            "--max-upstream-body-bytes",
+            "4194304",
+            "--max-buffered-body-bytes",
+            "16777216",
+            "--timeout-secs",
+            "4",
+        ],
+    )
+    .await?;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()?;
+    let requests = (0..32).map(|i| {
+        let (client, url) = (client.clone(), format!("{}/v1/completions", proxy.url));
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&json!({"prompt": format!("p{i}")}))
+                .send()
+                .await?;
+            let (status, retry_after) = (r.status(), r.headers().get("retry-after").cloned());
+            let body: Value = serde_json::from_str(&r.text().await?)?;
+            anyhow::Ok((status, retry_after, body))
+        })
+    });
+    let mut refused = 0;
+    for r in futures_util::future::join_all(requests).await {
+        let (status, retry_after, body) = r??;
+        match status {
+            StatusCode::SERVICE_UNAVAILABLE => {
+                assert_eq!(body["error"]["type"], "overloaded", "{body}");
+                assert_eq!(body["error"]["retryable"], true, "{body}");
+                assert!(retry_after.is_some(), "no Retry-After: {body}");
+                refused += 1;
+            }
+            StatusCode::GATEWAY_TIMEOUT => {}
+            other => panic!("{other}: {body}"),
+        }
+    }
+    // 16 MiB hold 5 bodies of 3 MiB at most (fewer while reads are under way).
+    assert!(refused >= 24, "{refused} of 32 refused");
+    let peak = proxy.peak_rss_kib()?;
+    eprintln!("budget: {refused} refused, proxy VmHWM {peak} KiB");
+    assert!(peak < 64 << 10, "the proxy's peak RSS reached {peak} KiB");
     Ok(())
 }

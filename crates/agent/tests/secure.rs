@@ -325,15 +325,18 @@ impl ClaimedLease {
         })
     }
 
-    /// A token holder's transport agent `agent_name`, connected to P's worker 0 with the
-    /// metadata of a side-channel handshake it completed as engine `engine`, naming
-    /// itself as that engine's worker.
+    /// A token holder's transport agent `agent_name`, and the connection it tries to P's
+    /// worker 0 with the metadata (and the session) of a side-channel handshake it
+    /// completed as engine `engine`, naming itself as that engine's worker.
     async fn intruder(
         &self,
         token: &'static str,
         agent_name: &str,
         engine: &'static str,
-    ) -> Result<(kvlease_transport::Agent, kvlease_transport::PeerId)> {
+    ) -> Result<(
+        kvlease_transport::Agent,
+        Result<kvlease_transport::PeerId, kvlease_transport::ConnectError>,
+    )> {
         let mut cfg = kvlease_transport::AgentConfig::new(agent_name);
         cfg.backend = kvlease_transport::BackendChoice::Tcp;
         cfg.auth_token = Some(token.as_bytes().to_vec());
@@ -341,7 +344,15 @@ impl ClaimedLease {
         let addr = format!("127.0.0.1:{}", side_channel_port(&self.p)?);
         let md = agent.metadata();
         let welcome = tokio::task::spawn_blocking(move || {
-            kvlease_agent::sidechannel::handshake(&addr, Some(token), None, engine, 1, &[md], 1)
+            kvlease_agent::sidechannel::handshake(
+                &addr,
+                Some(token),
+                None,
+                engine,
+                1,
+                &[md],
+                common::wall_us(),
+            )
         })
         .await??;
         let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
@@ -350,7 +361,10 @@ impl ClaimedLease {
             .context("P's worker 0")?
             .agent_metadata
             .clone();
-        let peer = agent.connect(&bytes)?;
+        let peer = match &welcome.session {
+            Some(s) => agent.connect_with_session(&bytes, s),
+            None => agent.connect(&bytes),
+        };
         Ok((agent, peer))
     }
 
@@ -379,6 +393,7 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     let claimed = ClaimedLease::start("p-forge", "d-honest", token).await?;
     // The rogue: a cluster member (it has the token) under its own name.
     let (rogue, peer) = claimed.intruder(token, "rogue/d0", "rogue").await?;
+    let peer = peer?;
     let lease = &claimed.lease;
     let rogue_id = EngineId::new("rogue")?;
     let honest_id = EngineId::new("d-honest")?;
@@ -415,57 +430,115 @@ async fn forged_lease_messages_from_a_third_peer_are_ignored() -> Result<()> {
     claimed.survived().await
 }
 
-/// The audit's repro (issue 24, item 2): D engine `vic` heartbeats a lease; a token holder
-/// makes a transport agent named `vic/x9`, which no side-channel handshake of `vic`
-/// registered, connects to P's worker and sends an abort (and a completion) for vic's
-/// lease as `vic`. P used to take the engine from the connection's name and released the
-/// lease; now a connection speaks only for the engine that registered it on the side
-/// channel: P drops and counts the messages (`kvlease_notifs_unregistered_total`), the
-/// lease stays, and vic's request ends with the right bytes. A side-channel handshake
-/// under another engine id that names `vic/x9` as its worker does not help either.
+/// A token holder tries to speak for D engine `vic` through transport connections that
+/// vic's side-channel exchange did not make: an agent named like vic's real worker
+/// (`vic/d0`, guessable) or another one (`vic/x9`), with P's worker metadata from a
+/// handshake under its own engine id (`mallory`, whose registration names `vic/x9` in
+/// vain). Each connection used to be accepted, and an abort on it released vic's lease.
+/// Now a connection under vic's name must prove the session of vic's own side-channel
+/// exchange: P refuses both at the transport's handshake, counts them
+/// (`kvlease_session_refusals_total`) and logs a warning naming them; vic's lease stays
+/// and its request ends with the right bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_speaks_only_for_the_engine_that_registered_it() -> Result<()> {
-    use kvlease_lease::{ConsumerId, EngineId};
+async fn a_token_holder_cannot_speak_through_a_registered_engines_worker_names() -> Result<()> {
     let token = "ident-token";
     let claimed = ClaimedLease::start("p-ident", "vic", token).await?;
     let (c, p) = (&claimed.c, &claimed.p);
-    // The attacker: a token holder with a transport agent named like vic's workers, and
-    // P's worker metadata from a handshake under another engine id that (in vain)
-    // registers the attacker's agent as its worker.
-    let (attacker, peer) = claimed.intruder(token, "vic/x9", "mallory").await?;
-    let lease = &claimed.lease;
-    let vic = EngineId::new("vic")?;
-    let before = common::metric_of(c, p, "kvlease_leases_active").await?;
-    ensure!(before >= 1.0, "no lease active before the attack");
-    // `KVL1:AB:<rid>;vic;0`, then a completion.
-    for m in [
-        kvlease_notif::Abort {
-            request: lease.clone(),
-            consumer: ConsumerId::new(vic.clone(), 0),
-        }
-        .encode(),
-        kvlease_notif::ReadComplete {
-            request: lease.clone(),
-            consumer: ConsumerId::new(vic, 0),
-            consumers_total: 1,
-        }
-        .encode(),
-    ] {
-        attacker.send_notif(peer, m)?;
+    for name in ["vic/d0", "vic/x9"] {
+        let (_attacker, peer) = claimed.intruder(token, name, "mallory").await?;
+        ensure!(
+            matches!(
+                peer,
+                Err(kvlease_transport::ConnectError::AuthRejected { .. })
+            ),
+            "{name}: {peer:?}"
+        );
     }
-    common::wait_metric(
-        c,
-        p,
-        "kvlease_notifs_unregistered_total",
-        std::time::Duration::from_secs(10),
-        |v| v >= 2.0,
-    )
-    .await?;
-    let aborted = common::metric_of(c, p, "kvlease_leases_released_total{reason=\"aborted\"}")
-        .await
-        .unwrap_or(0.0);
-    ensure!(aborted == 0.0, "the forged abort released vic's lease");
+    let refused = common::metric_of(c, p, "kvlease_session_refusals_total").await?;
+    ensure!(refused == 2.0, "{refused} connections refused");
+    let log = std::fs::read_to_string(&p.proc.log)?;
+    ensure!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("vic/d0")
+            && l.contains("did not prove that registration's session")),
+        "no warning names the clash"
+    );
     claimed.survived().await
+}
+
+/// A side-channel registration as engine `vic` with instance 2^63 (the audit's repro)
+/// used to take vic's registration over for good: vic's own, after its restart, had a
+/// smaller instance and was ignored, so its notifications were dropped. Now an instance
+/// more than a minute ahead of P's clock is refused (`kvlease_registrations_refused_total`,
+/// D is told why), and one within that minute ranks no higher than the moment it was
+/// registered: vic, restarted later under the same engine id, gets its id back and its
+/// lease messages count again (its read completion releases the lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_ahead_of_the_clock_never_pins_an_engine_id() -> Result<()> {
+    let c = client();
+    let token = "pin-token";
+    let env = [("KVLEASE_AUTH_TOKEN", token)];
+    let mut p = spawn(PREFILL, "p-pin", "127.0.0.1", &[], &env)?;
+    let mut vic = spawn(DECODE, "vic", "127.0.0.1", &[], &env)?;
+    wait_healthy(&c, &mut p).await?;
+    wait_healthy(&c, &mut vic).await?;
+    let round_trip = |d_url: String, prompt: &'static str| {
+        let (c, p_url) = (c.clone(), p.url.clone());
+        async move {
+            let (s, pa) = post(&c, &p_url, &p_body(prompt), None).await?;
+            ensure!(s == 200, "{s} {pa}");
+            let body = json!({"prompt": prompt, "max_tokens": 2,
+                "kv_transfer_params": pa["kv_transfer_params"]});
+            let (s, v) = post(&c, &d_url, &body, None).await?;
+            ensure!(s == 200 && v["kv_digest"] == pa["kv_digest"], "{s} {v}");
+            anyhow::Ok(())
+        }
+    };
+    round_trip(vic.url.clone(), "before the attack").await?;
+    let addr = format!("127.0.0.1:{}", side_channel_port(&p)?);
+    let mut cfg = kvlease_transport::AgentConfig::new("vic/d0");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(token.as_bytes().to_vec());
+    let fake = kvlease_transport::Agent::new(cfg)?;
+    let register = |instance: u64| {
+        let (addr, md) = (addr.clone(), fake.metadata());
+        tokio::task::spawn_blocking(move || {
+            kvlease_agent::sidechannel::handshake(
+                &addr,
+                Some(token),
+                None,
+                "vic",
+                1,
+                &[md],
+                instance,
+            )
+        })
+    };
+    let e = register(1 << 63).await?.expect_err("2^63 is refused");
+    ensure!(e.to_string().contains("ahead of this host's clock"), "{e}");
+    let refused = common::metric_of(&c, &p, "kvlease_registrations_refused_total").await?;
+    ensure!(refused == 1.0, "{refused}");
+    // Half a minute ahead passes (clocks differ), and takes vic over for now.
+    register(common::wall_us() + 30_000_000).await??;
+    // vic restarts under the same engine id: its registration outranks the claim.
+    drop(vic);
+    let mut vic = spawn(DECODE, "vic", "127.0.0.1", &[], &env)?;
+    wait_healthy(&c, &mut vic).await?;
+    let completed = "kvlease_leases_released_total{reason=\"completed\"}";
+    let before = common::metric_of(&c, &p, completed).await?;
+    round_trip(vic.url.clone(), "after vic restarted").await?;
+    common::wait_metric(&c, &p, completed, std::time::Duration::from_secs(10), |v| {
+        v > before
+    })
+    .await?;
+    let refused = common::metric_of(&c, &p, "kvlease_registrations_refused_total").await?;
+    ensure!(
+        refused == 1.0,
+        "vic's own registration was refused: {refused}"
+    );
+    let dropped = common::metric_of(&c, &p, "kvlease_notifs_unregistered_total").await?;
+    ensure!(dropped == 0.0, "{dropped} of vic's notifications dropped");
+    Ok(())
 }
 
 /// Issue 24, item 5: a token holder's worker metadata used to make P connect (for expiry
@@ -526,5 +599,85 @@ async fn p_connects_back_only_to_the_handshakes_address() -> Result<()> {
     }
     let refused = common::metric_of(&c, &p, "kvlease_connect_back_refused_total").await?;
     ensure!(refused == 1.0, "refused {refused}");
+    Ok(())
+}
+
+/// A registered token holder heartbeats a lease that nobody reads (the audit held 18
+/// blocks that way for as long as it kept sending). P reclaims it at its maximum lifetime
+/// (`kv_lease_max_lifetime`, 3 s here, lease 1 s) whatever the heartbeats say, counts it
+/// (`kvlease_leases_max_lifetime_total`) and holds no block after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_never_hold_a_lease_past_its_max_lifetime() -> Result<()> {
+    let c = client();
+    let token = "lifetime-token";
+    let kv = json!({"kv_connector": "kvlease", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"kv_lease_duration": 1, "kv_lease_max_lifetime": 3}})
+    .to_string();
+    let mut p = spawn(
+        PREFILL,
+        "p-lifetime",
+        "127.0.0.1",
+        &["--kv-transfer-config", &kv],
+        &[("KVLEASE_AUTH_TOKEN", token)],
+    )?;
+    wait_healthy(&c, &mut p).await?;
+    let mut cfg = kvlease_transport::AgentConfig::new("squatter/d0");
+    cfg.backend = kvlease_transport::BackendChoice::Tcp;
+    cfg.auth_token = Some(token.as_bytes().to_vec());
+    let squatter = kvlease_transport::Agent::new(cfg)?;
+    let (addr, md) = (
+        format!("127.0.0.1:{}", side_channel_port(&p)?),
+        squatter.metadata(),
+    );
+    let welcome = tokio::task::spawn_blocking(move || {
+        kvlease_agent::sidechannel::handshake(
+            &addr,
+            Some(token),
+            None,
+            "squatter",
+            1,
+            &[md],
+            common::wall_us(),
+        )
+    })
+    .await??;
+    let info = kvlease_proto::engine_info::EngineInfo::from_value(&welcome.info)?;
+    let p0 = &info.worker(0).context("P's worker 0")?.agent_metadata;
+    let session = welcome.session.context("a session under a token")?;
+    let peer = squatter.connect_with_session(p0, &session)?;
+    let (s, pa) = post(&c, &p.url, &p_body("a lease nobody reads"), None).await?;
+    ensure!(s == 200, "{s} {pa}");
+    let granted = std::time::Instant::now();
+    // The gauge follows the engine loop: wait until it shows the lease.
+    common::wait_metric(
+        &c,
+        &p,
+        "kvlease_leases_active",
+        std::time::Duration::from_secs(2),
+        |v| v >= 1.0,
+    )
+    .await?;
+    let id = pa["kv_transfer_params"]["remote_request_id"]
+        .as_str()
+        .context("remote_request_id")?
+        .to_owned();
+    let mut reclaimed = None;
+    while granted.elapsed() < std::time::Duration::from_secs(6) {
+        squatter.send_notif(peer, format!("HB:{id}").into_bytes())?;
+        let _ = squatter.get_new_notifs();
+        if reclaimed.is_none() && common::metric_of(&c, &p, "kvlease_leases_active").await? == 0.0 {
+            reclaimed = Some(granted.elapsed());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let at = reclaimed.context("the heartbeats held the lease for 6 s")?;
+    ensure!(
+        at >= std::time::Duration::from_millis(2_500),
+        "reclaimed after {at:?}: before its max lifetime, so the heartbeats did not count"
+    );
+    let capped = common::metric_of(&c, &p, "kvlease_leases_max_lifetime_total").await?;
+    ensure!(capped == 1.0, "{capped}");
+    let held = common::metric_of(&c, &p, "kvlease_blocks_held").await?;
+    ensure!(held == 0.0, "{held} blocks still held");
     Ok(())
 }

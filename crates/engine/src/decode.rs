@@ -17,7 +17,27 @@ pub use types::*;
 #[derive(Debug)]
 enum Remote {
     Handshaking,
-    Ready(RemoteEngine),
+    Ready(Connected),
+}
+
+/// A P engine D is connected to.
+#[derive(Debug)]
+struct Connected {
+    info: RemoteEngine,
+    /// A check of P's instance runs (a request named a newer one).
+    checking: bool,
+    /// When the last check started.
+    last_check: Option<Timestamp>,
+    /// When a request last named it (which idle engine goes first).
+    last_used: Timestamp,
+}
+
+impl Connected {
+    /// Whether a request of `instance` may be read over this connection: the instance
+    /// P's side channel announced (0 on either side: unsaid).
+    fn serves(&self, instance: u64) -> bool {
+        instance == 0 || self.info.instance == 0 || instance == self.info.instance
+    }
 }
 
 #[derive(Debug)]
@@ -164,6 +184,16 @@ impl DecodeCore {
         matches!(self.remotes.get(engine), Some(Remote::Ready(_)))
     }
 
+    /// P engines kept (handshaking or connected); at most [`DecodeConfig::max_engines`].
+    pub fn engines(&self) -> usize {
+        self.remotes.len()
+    }
+
+    /// Whether `req` may be loaded now: its engine is connected, as the instance it names.
+    fn loadable(&self, req: &Req) -> bool {
+        matches!(self.remotes.get(&req.remote.engine), Some(Remote::Ready(p)) if p.serves(req.remote.instance))
+    }
+
     /// D's id of the request whose P id is `remote`.
     pub fn local_id(&self, remote: &RequestId) -> Option<&RequestId> {
         self.by_remote.get(remote)
@@ -210,22 +240,39 @@ impl DecodeCore {
             // Never abort here: the lease belongs to the request already running.
             return Err(AdmitError::Duplicate { request: id });
         }
+        // A newer instance than the connected one is only P's side channel's to announce:
+        // the request waits for a check of it (at most one per interval and engine).
+        let mut check = false;
         if let Some(Remote::Ready(p)) = self.remotes.get(&remote.engine)
-            && remote.instance != 0
-            && p.instance != 0
-            && remote.instance != p.instance
+            && !p.serves(remote.instance)
         {
-            if remote.instance < p.instance {
+            let current = p.info.instance;
+            if remote.instance < current {
                 return Err(AdmitError::StaleInstance {
                     engine: remote.engine.clone(),
                     theirs: remote.instance,
-                    current: p.instance,
+                    current,
                 });
             }
-            // P restarted under the same engine id: the connection is to the old
-            // instance. Forget it; this request handshakes with the new one.
-            self.stats.peer_restarts += 1;
-            self.forget_engine(&remote.engine);
+            if !p.checking {
+                let interval = self.config.instance_check_interval;
+                if p.last_check
+                    .is_some_and(|t| now < t.checked_add(interval).unwrap_or(t))
+                {
+                    return Err(AdmitError::InstanceUnconfirmed {
+                        engine: remote.engine.clone(),
+                        theirs: remote.instance,
+                        current,
+                        interval,
+                    });
+                }
+                check = true;
+            }
+        }
+        if !self.remotes.contains_key(&remote.engine) && !self.make_room() {
+            return Err(AdmitError::TooManyEngines {
+                max: self.config.max_engines,
+            });
         }
         let need = num_tokens.div_ceil(self.config.block_size.max(1) as usize);
         let refused = if remote.num_tokens as usize != num_tokens {
@@ -247,11 +294,12 @@ impl DecodeCore {
         } else if let Some(e) = self.tp_misfit(remote.tp_size) {
             Some(e)
         } else if let Some(Remote::Ready(p)) = self.remotes.get(&remote.engine)
-            && let Some(b) = remote.blocks.iter().find(|b| b.0 >= p.num_blocks)
+            && p.serves(remote.instance)
+            && let Some(b) = remote.blocks.iter().find(|b| b.0 >= p.info.num_blocks)
         {
             Some(AdmitError::BlockOutOfRange {
                 block: b.0,
-                pool: p.num_blocks,
+                pool: p.info.num_blocks,
             })
         } else if self.queue.len() >= self.config.max_waiting as usize {
             Some(AdmitError::QueueFull {
@@ -274,15 +322,33 @@ impl DecodeCore {
             remote.engine.clone(),
             remote.tp_size,
         )?;
-        if !self.remotes.contains_key(&remote.engine) {
-            self.remotes
-                .insert(remote.engine.clone(), Remote::Handshaking);
-            self.stats.handshakes += 1;
-            self.handshakes.push_back(HandshakeStart {
-                engine: remote.engine.clone(),
-                host: remote.host.clone(),
-                port: remote.port,
-            });
+        match self.remotes.get_mut(&remote.engine) {
+            None => {
+                self.remotes
+                    .insert(remote.engine.clone(), Remote::Handshaking);
+                self.stats.handshakes += 1;
+                self.handshakes.push_back(HandshakeStart {
+                    engine: remote.engine.clone(),
+                    host: remote.host.clone(),
+                    port: remote.port,
+                    check_instance: None,
+                });
+            }
+            Some(Remote::Ready(p)) => {
+                p.last_used = now;
+                if check {
+                    p.checking = true;
+                    p.last_check = Some(now);
+                    self.stats.instance_checks += 1;
+                    self.handshakes.push_back(HandshakeStart {
+                        engine: remote.engine.clone(),
+                        host: remote.host.clone(),
+                        port: remote.port,
+                        check_instance: Some(p.info.instance),
+                    });
+                }
+            }
+            Some(Remote::Handshaking) => {}
         }
         self.by_remote.insert(remote.request.clone(), id.clone());
         self.queue.push_back(id.clone());
@@ -301,6 +367,14 @@ impl DecodeCore {
     /// [`poll_transmit`](Self::poll_transmit) and its requests may be scheduled; on
     /// failure every request for it ends in [`LoadError::Handshake`] and the engine is
     /// forgotten (the next request handshakes again).
+    ///
+    /// The answer to a check ([`HandshakeStart::check_instance`]) replaces the connected
+    /// engine only when P announced a newer instance than the connected one (requests of
+    /// older instances then end in [`LoadError::PeerLost`]). Otherwise D keeps its
+    /// connection, and the requests that named another instance end: in
+    /// [`LoadError::UnknownInstance`], or, when the check failed, in
+    /// [`LoadError::Handshake`]. A result for an engine the core does not wait for is
+    /// ignored.
     pub fn handle_handshake(
         &mut self,
         now: Timestamp,
@@ -316,9 +390,53 @@ impl DecodeCore {
             }),
             None => Ok(info),
         });
-        match result {
-            Ok(info) => {
-                self.remotes.insert(engine.clone(), Remote::Ready(info));
+        let checked = match self.remotes.get_mut(engine) {
+            None => return,
+            Some(Remote::Handshaking) => None,
+            Some(Remote::Ready(p)) if !p.checking => return,
+            Some(Remote::Ready(p)) => {
+                p.checking = false;
+                Some((p.info.instance, p.last_check, p.last_used))
+            }
+        };
+        match (result, checked) {
+            (Ok(info), Some((current, ..))) if info.instance <= current || current == 0 => {
+                // P's side channel did not announce a newer instance: D keeps its
+                // connection, and the requests that named another instance are wrong.
+                self.fail_waiting(engine, |r| {
+                    (r.remote.instance != current).then(|| LoadError::UnknownInstance {
+                        engine: engine.clone(),
+                        theirs: r.remote.instance,
+                        current: info.instance,
+                    })
+                });
+            }
+            (Err(source), Some((current, ..))) => {
+                self.fail_waiting(engine, |r| {
+                    (r.remote.instance != current).then(|| LoadError::Handshake {
+                        engine: engine.clone(),
+                        source: source.clone(),
+                    })
+                });
+            }
+            (Ok(info), checked) => {
+                let (last_check, last_used) = match checked {
+                    Some((_, last_check, last_used)) => {
+                        // P restarted under the same engine id.
+                        self.stats.peer_restarts += 1;
+                        (last_check, last_used)
+                    }
+                    None => (None, now),
+                };
+                self.remotes.insert(
+                    engine.clone(),
+                    Remote::Ready(Connected {
+                        info,
+                        checking: false,
+                        last_check,
+                        last_used,
+                    }),
+                );
                 // Heartbeat the engine's requests now rather than an interval later.
                 self.tracker.defer(engine, now);
                 // Requests granted by another instance of P than the one answering lost
@@ -344,7 +462,7 @@ impl DecodeCore {
                     Some(LoadError::Post { source })
                 });
             }
-            Err(source) => {
+            (Err(source), None) => {
                 self.remotes.remove(engine);
                 // Only waiting requests exist for an engine that never became ready.
                 self.fail_waiting(engine, |_| {
@@ -369,6 +487,32 @@ impl DecodeCore {
                 engine: engine.clone(),
             })
         });
+    }
+
+    /// Makes room for one more P engine: true when there is some, after dropping the
+    /// least recently used connected engine that no request names
+    /// ([`DecodeEvent::EngineDropped`]); false when every kept engine is in use.
+    fn make_room(&mut self) -> bool {
+        if self.remotes.len() < self.config.max_engines {
+            return true;
+        }
+        let victim = self
+            .remotes
+            .iter()
+            .filter_map(|(e, r)| match r {
+                Remote::Ready(p) if !p.checking => Some((p.last_used, e)),
+                _ => None,
+            })
+            .filter(|(_, e)| !self.reqs.values().any(|r| &r.remote.engine == *e))
+            .min()
+            .map(|(_, e)| e.clone());
+        let Some(engine) = victim else {
+            return false;
+        };
+        self.remotes.remove(&engine);
+        self.stats.engines_evicted += 1;
+        self.events.push_back(DecodeEvent::EngineDropped { engine });
+        true
     }
 
     /// Ends every waiting request for `engine` for which `why` gives an error, in arrival
@@ -602,7 +746,7 @@ impl DecodeCore {
         let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
             return None;
         };
-        let (p_tp, remote) = (p.tp_size, req.remote.clone());
+        let (p_tp, remote) = (p.info.tp_size, req.remote.clone());
         let blocks = self.blocks.alloc(remote.blocks.len()).ok()?;
         self.queue.remove(i);
         Some(self.begin_load(id, remote, blocks, 0, p_tp))
@@ -626,11 +770,9 @@ impl DecodeCore {
         {
             return None;
         }
-        self.queue.iter().position(|id| {
-            self.reqs
-                .get(id)
-                .is_some_and(|r| self.is_ready(&r.remote.engine))
-        })
+        self.queue
+            .iter()
+            .position(|id| self.reqs.get(id).is_some_and(|r| self.loadable(r)))
     }
 
     /// The serving engine scheduled waiting `request` and allocated `blocks` for the KV it
@@ -658,7 +800,11 @@ impl DecodeCore {
                 request: request.clone(),
             });
         };
-        let Some(Remote::Ready(p)) = self.remotes.get(&req.remote.engine) else {
+        let Some(Remote::Ready(p)) = self
+            .remotes
+            .get(&req.remote.engine)
+            .filter(|_| self.loadable(req))
+        else {
             return Err(StartLoadError::NotReady {
                 engine: req.remote.engine.clone(),
             });
@@ -670,7 +816,7 @@ impl DecodeCore {
                 need,
             });
         }
-        let (p_tp, remote) = (p.tp_size, req.remote.clone());
+        let (p_tp, remote) = (p.info.tp_size, req.remote.clone());
         self.queue.retain(|q| q != request);
         self.blocks.adopt(&blocks);
         Ok(self.begin_load(request.clone(), remote, blocks, skip_blocks, p_tp))
@@ -825,7 +971,7 @@ impl DecodeCore {
         self.stats.aborts_sent += 1;
         self.transmits.push_back(Transmit {
             engine: engine.clone(),
-            workers: p.tp_size,
+            workers: p.info.tp_size,
             bytes: Abort {
                 request: remote.clone(),
                 consumer: ConsumerId::new(self.config.engine_id.clone(), 0),

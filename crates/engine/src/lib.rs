@@ -62,7 +62,9 @@
 mod bidir;
 mod blocks;
 mod decode;
+pub mod instance;
 mod prefill;
+pub mod registry;
 
 pub use bidir::{
     BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,
@@ -71,9 +73,10 @@ pub use bidir::{
 };
 pub use blocks::BlockSource;
 pub use decode::{
-    AdmitError, BatchPlan, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
-    DecodeStats, HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome,
-    RemoteEngine, RemoteKv, StartLoadError, Transmit, TransmitKind,
+    AdmitError, BatchPlan, BatchResult, Cause, DEFAULT_INSTANCE_CHECK_INTERVAL,
+    DEFAULT_MAX_ENGINES, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, DecodeStats,
+    HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
+    StartLoadError, Transmit, TransmitKind,
 };
 pub use prefill::{
     Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,

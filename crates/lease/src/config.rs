@@ -7,6 +7,9 @@ use std::time::Duration;
 pub const DEFAULT_LEASE_DURATION: Duration = Duration::from_secs(30);
 /// `decoder_kv_blocks_ttl` when none is configured (SPEC: 480 s).
 pub const DEFAULT_DECODER_TTL: Duration = Duration::from_secs(480);
+/// The longest a lease lives whatever its heartbeats say, when none is configured: 10
+/// minutes (or the lease duration, when that is longer). See [`LeaseConfig::max_lifetime`].
+pub const DEFAULT_MAX_LEASE_LIFETIME: Duration = Duration::from_secs(600);
 /// The shortest lease or TTL accepted: 1 ms (its heartbeat interval is still 166 µs).
 pub const MIN_DURATION: Duration = Duration::from_millis(1);
 /// The longest lease or TTL accepted: one day. Anything longer is a unit mistake (a value
@@ -33,6 +36,14 @@ pub enum ConfigError {
         what: &'static str,
         /// The value given, in seconds.
         value: f64,
+    },
+    /// A maximum lease lifetime shorter than the lease itself.
+    #[error("lease max lifetime of {value} s is shorter than the lease duration of {duration} s")]
+    LifetimeBelowDuration {
+        /// The lifetime given, in seconds.
+        value: f64,
+        /// The lease duration, in seconds.
+        duration: f64,
     },
 }
 
@@ -84,6 +95,7 @@ pub struct LeaseConfig {
     interval: Duration,
     extension: Duration,
     mode: LeaseMode,
+    max_lifetime: Duration,
 }
 
 impl LeaseConfig {
@@ -121,7 +133,44 @@ impl LeaseConfig {
             interval,
             extension,
             mode: LeaseMode::Lease,
+            max_lifetime: DEFAULT_MAX_LEASE_LIFETIME.max(duration),
         }
+    }
+
+    /// The same lease with a maximum lifetime of `max_lifetime` (see
+    /// [`max_lifetime`](Self::max_lifetime)).
+    ///
+    /// # Errors
+    /// [`ConfigError::OutOfRange`] outside [`MIN_DURATION`]`..=`[`MAX_DURATION`],
+    /// [`ConfigError::LifetimeBelowDuration`] below the lease duration.
+    pub fn with_max_lifetime(mut self, max_lifetime: Duration) -> Result<Self, ConfigError> {
+        let max_lifetime = check_duration("lease max lifetime", max_lifetime)?;
+        if max_lifetime < self.duration {
+            return Err(ConfigError::LifetimeBelowDuration {
+                value: max_lifetime.as_secs_f64(),
+                duration: self.duration.as_secs_f64(),
+            });
+        }
+        self.max_lifetime = max_lifetime;
+        Ok(self)
+    }
+
+    /// [`with_max_lifetime`](Self::with_max_lifetime) of `secs` seconds (a JSON value).
+    ///
+    /// # Errors
+    /// As [`with_max_lifetime`](Self::with_max_lifetime); [`ConfigError::NotFinite`] for
+    /// NaN and infinities.
+    pub fn with_max_lifetime_secs_f64(self, secs: f64) -> Result<Self, ConfigError> {
+        self.with_max_lifetime(check_secs("lease max lifetime", secs)?)
+    }
+
+    /// The longest a lease lives from its grant, whatever its heartbeats say: at
+    /// `granted_at + max_lifetime` P reclaims it even while its reader keeps renewing it (a
+    /// reader that heartbeats a lease it never reads cannot pin the blocks for longer).
+    /// Default [`DEFAULT_MAX_LEASE_LIFETIME`], or the duration when that is longer; never
+    /// below the duration.
+    pub fn max_lifetime(&self) -> Duration {
+        self.max_lifetime
     }
 
     /// The same durations with heartbeats treated as `mode` says.
@@ -163,8 +212,8 @@ impl fmt::Display for LeaseConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:?} lease {:?} (interval {:?}, extension {:?})",
-            self.mode, self.duration, self.interval, self.extension
+            "{:?} lease {:?} (interval {:?}, extension {:?}, max lifetime {:?})",
+            self.mode, self.duration, self.interval, self.extension, self.max_lifetime
         )
     }
 }
@@ -216,7 +265,32 @@ mod tests {
         assert_eq!(c.interval(), Duration::from_secs(5));
         assert_eq!(c.extension(), Duration::from_secs(20));
         assert_eq!(c.mode(), LeaseMode::Lease);
+        assert_eq!(c.max_lifetime(), Duration::from_secs(600));
         assert_eq!(LeaseConfig::from_secs_f64(30.0), Ok(c));
+    }
+
+    #[test]
+    fn a_max_lifetime_is_never_below_the_lease() {
+        let day = LeaseConfig::from_duration(MAX_DURATION).unwrap();
+        assert_eq!(day.max_lifetime(), MAX_DURATION);
+        let c = LeaseConfig::from_secs_f64(2.0).unwrap();
+        assert_eq!(
+            c.with_max_lifetime_secs_f64(10.0).map(|c| c.max_lifetime()),
+            Ok(Duration::from_secs(10))
+        );
+        let e = c.with_max_lifetime_secs_f64(1.0).unwrap_err();
+        assert_eq!(
+            e,
+            ConfigError::LifetimeBelowDuration {
+                value: 1.0,
+                duration: 2.0
+            }
+        );
+        assert!(matches!(
+            c.with_max_lifetime_secs_f64(f64::NAN),
+            Err(ConfigError::NotFinite { .. })
+        ));
+        assert!(c.with_max_lifetime(Duration::from_secs(86_401)).is_err());
     }
 
     #[test]

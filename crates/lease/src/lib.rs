@@ -56,8 +56,8 @@ mod tracker;
 pub use alloc::{AllocError, BlockAllocator};
 pub use clock::{ClockOffset, ClockOffsetEstimator, ClockSampleError};
 pub use config::{
-    ConfigError, DEFAULT_DECODER_TTL, DEFAULT_LEASE_DURATION, DecoderTtl, LeaseConfig, LeaseMode,
-    MAX_DURATION, MIN_DURATION,
+    ConfigError, DEFAULT_DECODER_TTL, DEFAULT_LEASE_DURATION, DEFAULT_MAX_LEASE_LIFETIME,
+    DecoderTtl, LeaseConfig, LeaseMode, MAX_DURATION, MIN_DURATION,
 };
 pub use decoder::{Cached, DecoderCache};
 pub use ids::{BlockId, ConsumerId, EngineId, Generation, InvalidId, MAX_ID_LEN, RequestId};

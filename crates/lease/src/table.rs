@@ -84,6 +84,9 @@ pub struct Released {
     pub granted_at: Timestamp,
     /// Its expiry when it ended (for [`ReleaseReason::Expired`], the deadline that passed).
     pub expiry: Timestamp,
+    /// It expired at its maximum lifetime ([`LeaseConfig::max_lifetime`]) although
+    /// heartbeats had renewed it past that.
+    pub at_max_lifetime: bool,
     /// When the last heartbeat naming it arrived, if any did.
     pub last_heartbeat: Option<Timestamp>,
     /// The `now` of the call that released it.
@@ -183,6 +186,9 @@ pub struct LeaseStats {
     pub released_expired: u64,
     /// Leases released as [`ReleaseReason::Aborted`].
     pub released_aborted: u64,
+    /// Of the expired ones, leases that heartbeats had renewed past their maximum lifetime
+    /// ([`Released::at_max_lifetime`]).
+    pub released_at_max_lifetime: u64,
     /// Reaper deadlines that came due for a lease renewed since they were filed, and were
     /// filed again at the current expiry (the reaper's only work beyond what expires).
     pub reaper_refiles: u64,
@@ -249,7 +255,7 @@ enum Slot {
 const NO_SLOT: u32 = u32::MAX;
 
 /// A deadline in the reaper's min-heap. Valid while the slot holds a lease of this
-/// generation; then `deadline <= that lease's expiry` (expiries only grow).
+/// generation; then `deadline <= min(that lease's expiry, its cap)` (expiries only grow).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Due {
     deadline: u64,
@@ -285,6 +291,9 @@ struct Due {
 /// - Heartbeat ([`LeaseMode::Lease`]): expiry = max(expiry, now + extension), never shortened.
 ///   Unknown ids are counted and change nothing. In [`LeaseMode::Fixed`] heartbeats are
 ///   counted and never extend.
+/// - A lease never outlives `grant + max_lifetime` ([`LeaseConfig::max_lifetime`]): the
+///   reaper releases it then ([`ReleaseReason::Expired`], [`Released::at_max_lifetime`])
+///   whatever its heartbeats renewed it to.
 /// - Read completion: released after the expected number of *distinct* consumers reported.
 /// - The reaper releases every lease whose expiry passed, in deadline order, whatever the
 ///   grant order (vLLM #58222).
@@ -379,6 +388,10 @@ impl LeaseTable {
             consumers_expected: lease.expected,
             blocks: lease.blocks.len(),
         })
+        .map(|mut info| {
+            info.expiry = info.expiry.min(Timestamp::from_nanos(self.cap(lease)));
+            info
+        })
     }
 
     /// The blocks `request` holds, if it holds a lease.
@@ -438,11 +451,12 @@ impl LeaseTable {
         };
         self.next_generation = generation.checked_add(1);
         self.blocks_held += blocks.len();
+        let granted_at = now.as_nanos_saturating();
         let lease = Lease {
             request,
             blocks,
             consumers: None,
-            granted_at: now.as_nanos_saturating(),
+            granted_at,
             expected: expected_consumers,
         };
         let hot = Hot {
@@ -603,8 +617,8 @@ impl LeaseTable {
         }
     }
 
-    /// The reaper: releases every lease whose expiry is at or before `now`, in deadline
-    /// order ([`ReleaseReason::Expired`]). Returns how many it released.
+    /// The reaper: releases every lease whose expiry (or maximum lifetime) is at or before
+    /// `now`, in deadline order ([`ReleaseReason::Expired`]). Returns how many it released.
     ///
     /// Costs O((expired + renewed-since-push) · log n); it never scans the held leases.
     pub fn handle_timeout(&mut self, now: Timestamp) -> usize {
@@ -620,16 +634,25 @@ impl LeaseTable {
             let Some(expiry) = self.live_expiry(due) else {
                 continue; // released since it was pushed
             };
+            let cap = match self.slots.get(due.slot as usize) {
+                Some(Slot::Occupied(lease)) => self.cap(lease),
+                _ => u64::MAX,
+            };
             if expiry == due.deadline {
                 self.release(due.slot, ReleaseReason::Expired, now);
                 expired += 1;
+            } else if due.deadline >= cap {
+                //= docs/spec.md#max-lifetime
+                //# a lease ends at grant + max lifetime whatever its heartbeats say
+                self.release(due.slot, ReleaseReason::Expired, now);
+                expired += 1;
             } else {
-                // Renewed since it was pushed: wait for the current expiry. Pushing it back
-                // (rather than releasing when `expiry <= now`) keeps the release order the
-                // deadline order.
+                // Renewed since it was pushed: wait for the current expiry (no later than
+                // the cap). Pushing it back (rather than releasing when `expiry <= now`)
+                // keeps the release order the deadline order.
                 self.stats.reaper_refiles += 1;
                 self.heap.push(Reverse(Due {
-                    deadline: expiry,
+                    deadline: expiry.min(cap),
                     ..due
                 }));
             }
@@ -695,6 +718,12 @@ impl LeaseTable {
         })
     }
 
+    /// When `lease` ends whatever its heartbeats say: `granted_at + max_lifetime` (never
+    /// before its first expiry, since `max_lifetime >= duration`).
+    fn cap(&self, lease: &Lease) -> u64 {
+        add_nanos(lease.granted_at, self.config.max_lifetime())
+    }
+
     /// The expiry of the lease `due` refers to, if it is still held.
     fn live_expiry(&self, due: Due) -> Option<u64> {
         // Vacant slots have generation 0, which no entry carries.
@@ -754,13 +783,19 @@ impl LeaseTable {
             ReleaseReason::Expired => self.stats.released_expired += 1,
             ReleaseReason::Aborted => self.stats.released_aborted += 1,
         }
+        let cap = self.cap(&lease);
+        let at_max_lifetime = reason == ReleaseReason::Expired && hot.expiry > cap;
+        if at_max_lifetime {
+            self.stats.released_at_max_lifetime += 1;
+        }
         self.events.push_back(Event::Released(Released {
             request: lease.request,
             blocks: lease.blocks,
             generation: generation_of(&hot),
             reason,
             granted_at: Timestamp::from_nanos(lease.granted_at),
-            expiry: Timestamp::from_nanos(hot.expiry),
+            expiry: Timestamp::from_nanos(hot.expiry.min(cap)),
+            at_max_lifetime,
             last_heartbeat: last_heartbeat_of(&hot),
             released_at: now,
         }));
@@ -780,14 +815,15 @@ impl LeaseTable {
         let live: Vec<Reverse<Due>> = self
             .hot
             .iter()
+            .zip(&self.slots)
             .enumerate()
-            .filter(|(_, hot)| hot.is_occupied())
-            .map(|(slot, hot)| {
-                Reverse(Due {
-                    deadline: hot.expiry,
+            .filter_map(|(slot, (hot, entry))| match entry {
+                Slot::Occupied(lease) if hot.is_occupied() => Some(Reverse(Due {
+                    deadline: hot.expiry.min(self.cap(lease)),
                     generation: hot.generation,
                     slot: u32::try_from(slot).unwrap_or(NO_SLOT),
-                })
+                })),
+                _ => None,
             })
             .collect();
         self.heap = BinaryHeap::from(live);

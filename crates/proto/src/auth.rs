@@ -26,6 +26,26 @@
 //! [`ClientAuth`] and [`ServerAuth`] are the two halves as state machines: each takes the
 //! peer's body and returns the body to send, so a shell only moves bytes. Nonces are
 //! arguments: the shells draw them (`getrandom`).
+//!
+//! # Bound data
+//! A kind of connection whose exchange also carries data of its own (the verbs backend's
+//! queue-pair info) binds it into the proofs: the client's proof covers the client's data
+//! ([`ClientAuth::with_binding`]), the server's answer covers both sides' data
+//! ([`Checked::reply`], [`ClientProved::on_result_bound`]), each appended to the proven
+//! bytes as `0 ‖ length u32 LE ‖ data`. A proof of one exchange is then worthless with
+//! other data, and data swapped on the way fails the proof. Without bound data the proofs
+//! are exactly the bytes above.
+//!
+//! # Sessions
+//! An exchange under a token also gives both sides a [`Session`]: a key only the two of
+//! them (and whoever holds the token and saw both nonces) can compute,
+//! `HMAC(token, "kvlease-session-v1 " ‖ client role ‖ server nonce ‖ client nonce ‖
+//! client name ‖ 0 ‖ server name)`. The side channel uses it to tie D's later transport
+//! connections to the registration that exchange carried: a server that holds a session
+//! for a client's name ([`AwaitingProof::on_proof_keyed`]) checks that client's proof
+//! under the session's key instead of the token, and the client proves with the key in
+//! the token's place. Such a proof holds only on a connection of the party that ran
+//! that exchange.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -49,6 +69,42 @@ pub type Proof = [u8; PROOF_LEN];
 
 /// The prefix of every proof.
 const PROOF_LABEL: &[u8] = b"kvlease-tcp-v1 ";
+/// The prefix of a session's key.
+const SESSION_LABEL: &[u8] = b"kvlease-session-v1 ";
+
+/// The key an exchange under a token gave both its sides (see the module doc): a later
+/// connection of the client proves with it in the token's place.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Session {
+    key: [u8; 32],
+}
+
+impl Session {
+    /// The key (the HMAC key of the proofs made with it).
+    #[must_use]
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// A public name of the session: the first 8 bytes of `HMAC(key, "kvlease-session-id")`
+    /// (it tells sessions apart without revealing the key).
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        let mut mac =
+            <Hmac<Sha256> as Mac>::new_from_slice(&self.key).unwrap_or_else(|_| unreachable!());
+        mac.update(b"kvlease-session-id");
+        let out = mac.finalize().into_bytes();
+        u64::from_le_bytes([
+            out[0], out[1], out[2], out[3], out[4], out[5], out[6], out[7],
+        ])
+    }
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Session({:016x})", self.id())
+    }
+}
 
 /// The role labels of one kind of connection: the client proves with `client`, the
 /// server answers with `server`. Distinct labels per kind keep a proof of one kind from
@@ -227,6 +283,14 @@ fn put_proof(b: &mut Vec<u8>, proof: Option<&Proof>) {
     }
 }
 
+/// The group of a client name `{group}/{worker}`: what comes before its last `/` (the
+/// whole name without one). The agents name a worker `{engine}/d{rank}`, so a worker's
+/// group is its engine id (which may hold `/` itself); a [`Session`] is bound to a group.
+#[must_use]
+pub fn name_group(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(group, _)| group)
+}
+
 /// Whether `name` fits a hello or challenge.
 ///
 /// # Errors
@@ -352,6 +416,20 @@ pub fn proof(
     own_name: &str,
     peer_name: &str,
 ) -> Proof {
+    bound_proof(token, role, first, second, own_name, peer_name, &[])
+}
+
+/// [`proof`], followed by `0 ‖ length u32 LE ‖ data` for each of `bound` that is not
+/// empty (see "Bound data" in the module doc).
+fn bound_proof(
+    token: &[u8],
+    role: &[u8],
+    first: &Nonce,
+    second: &Nonce,
+    own_name: &str,
+    peer_name: &str,
+    bound: &[&[u8]],
+) -> Proof {
     // HMAC accepts keys of any length.
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token).unwrap_or_else(|_| unreachable!());
     mac.update(PROOF_LABEL);
@@ -361,6 +439,11 @@ pub fn proof(
     mac.update(own_name.as_bytes());
     mac.update(&[0]);
     mac.update(peer_name.as_bytes());
+    for data in bound.iter().filter(|d| !d.is_empty()) {
+        mac.update(&[0]);
+        mac.update(&u32::try_from(data.len()).unwrap_or(u32::MAX).to_le_bytes());
+        mac.update(data);
+    }
     mac.finalize().into_bytes().into()
 }
 
@@ -383,6 +466,10 @@ pub struct Exchange<'a> {
     pub client_name: &'a str,
     /// The server's name.
     pub server_name: &'a str,
+    /// Data of the client's that its proof covers (empty: none).
+    pub client_binding: &'a [u8],
+    /// Data of the server's that its answer covers, with the client's (empty: none).
+    pub server_binding: &'a [u8],
 }
 
 impl Exchange<'_> {
@@ -390,13 +477,14 @@ impl Exchange<'_> {
     #[must_use]
     pub fn client_proof(&self, token: Option<&[u8]>) -> Option<Proof> {
         token.map(|t| {
-            proof(
+            bound_proof(
                 t,
                 self.roles.client,
                 self.server_nonce,
                 self.client_nonce,
                 self.client_name,
                 self.server_name,
+                &[self.client_binding],
             )
         })
     }
@@ -405,14 +493,34 @@ impl Exchange<'_> {
     #[must_use]
     pub fn server_proof(&self, token: Option<&[u8]>) -> Option<Proof> {
         token.map(|t| {
-            proof(
+            bound_proof(
                 t,
                 self.roles.server,
                 self.client_nonce,
                 self.server_nonce,
                 self.server_name,
                 self.client_name,
+                &[self.client_binding, self.server_binding],
             )
+        })
+    }
+
+    /// The session this exchange gives both sides (`None` without a token).
+    #[must_use]
+    pub fn session(&self, token: Option<&[u8]>) -> Option<Session> {
+        token.map(|t| {
+            let mut mac =
+                <Hmac<Sha256> as Mac>::new_from_slice(t).unwrap_or_else(|_| unreachable!());
+            mac.update(SESSION_LABEL);
+            mac.update(self.roles.client);
+            mac.update(self.server_nonce);
+            mac.update(self.client_nonce);
+            mac.update(self.client_name.as_bytes());
+            mac.update(&[0]);
+            mac.update(self.server_name.as_bytes());
+            Session {
+                key: mac.finalize().into_bytes().into(),
+            }
         })
     }
 
@@ -454,6 +562,7 @@ pub struct ClientAuth {
     name: String,
     token: Option<Vec<u8>>,
     expected: Option<String>,
+    binding: Vec<u8>,
 }
 
 /// The client's half after its proof: [`ClientProved::on_result`] takes the server's
@@ -467,6 +576,7 @@ pub struct ClientProved {
     server_name: String,
     token: Option<Vec<u8>>,
     auth_required: bool,
+    binding: Vec<u8>,
 }
 
 impl ClientAuth {
@@ -488,7 +598,16 @@ impl ClientAuth {
             name: name.to_owned(),
             token: token.map(<[u8]>::to_vec),
             expected: expected.map(str::to_owned),
+            binding: Vec::new(),
         }
+    }
+
+    /// The client's proof also covers `data` (see "Bound data" in the module doc); the
+    /// server must check it with the same data ([`AwaitingProof::check`]).
+    #[must_use]
+    pub fn with_binding(mut self, data: &[u8]) -> Self {
+        self.binding = data.to_vec();
+        self
     }
 
     /// The [`Hello`] body to send first.
@@ -523,20 +642,23 @@ impl ClientAuth {
             server_name: c.name,
             token: self.token,
             auth_required: c.auth_required,
+            binding: self.binding,
         };
-        let proof = proved.exchange().client_proof(proved.token.as_deref());
+        let proof = proved.exchange(&[]).client_proof(proved.token.as_deref());
         Ok((proved, ProofMsg { proof }.encode()))
     }
 }
 
 impl ClientProved {
-    fn exchange(&self) -> Exchange<'_> {
+    fn exchange<'a>(&'a self, server_binding: &'a [u8]) -> Exchange<'a> {
         Exchange {
             roles: self.roles,
             server_nonce: &self.server_nonce,
             client_nonce: &self.client_nonce,
             client_name: &self.name,
             server_name: &self.server_name,
+            client_binding: &self.binding,
+            server_binding,
         }
     }
 
@@ -547,18 +669,36 @@ impl ClientProved {
         &self.server_name
     }
 
+    /// The session this exchange gives (`None` without a token); it is the server's only
+    /// once [`ClientProved::on_result`] succeeded.
+    #[must_use]
+    pub fn session(&self) -> Option<Session> {
+        self.exchange(&[]).session(self.token.as_deref())
+    }
+
     /// Takes the server's [`AuthResult`] body; returns the server's name.
     ///
     /// # Errors
     /// A malformed body; [`AuthError::Rejected`] when the server refused our proof;
     /// [`AuthError::PeerAuthFailed`] when we hold a token and the server did not prove it.
     pub fn on_result(self, body: &[u8]) -> Result<String, AuthError> {
+        self.on_result_bound(body, &[])
+    }
+
+    /// [`on_result`](Self::on_result) for an exchange whose server answer also covers
+    /// the server's `data` (and the client's, [`ClientAuth::with_binding`]).
+    ///
+    /// # Errors
+    /// As [`on_result`](Self::on_result); [`AuthError::PeerAuthFailed`] also when `data`
+    /// is not what the server proved.
+    pub fn on_result_bound(self, body: &[u8], data: &[u8]) -> Result<String, AuthError> {
         let r = AuthResult::decode(body)?;
         if !r.ok {
             return Err(AuthError::Rejected);
         }
         let token = self.token.as_deref();
-        if token.is_some() && (!self.auth_required || !self.exchange().check_server(token, r.proof))
+        if token.is_some()
+            && (!self.auth_required || !self.exchange(data).check_server(token, r.proof))
         {
             return Err(AuthError::PeerAuthFailed);
         }
@@ -605,6 +745,9 @@ pub struct Verdict {
     pub extra: u16,
     /// The [`AuthResult`] body to send.
     pub reply: Vec<u8>,
+    /// When the proof held under a token: the session this exchange gives (see the
+    /// module doc). A proof checked under a session's key gives none.
+    pub session: Option<Session>,
 }
 
 impl ServerAuth {
@@ -669,22 +812,124 @@ impl AwaitingProof {
     /// # Errors
     /// A malformed body.
     pub fn on_proof(self, body: &[u8]) -> Result<Verdict, AuthError> {
+        self.on_proof_keyed(body, None)
+    }
+
+    /// Like [`on_proof`](Self::on_proof), but with `session`, the client's proof and the
+    /// answer's are checked and made under the session's key instead of the token: the
+    /// proof holds only for the party that ran the exchange that gave the session. A
+    /// server without a token ignores `session`.
+    ///
+    /// # Errors
+    /// A malformed body.
+    pub fn on_proof_keyed(
+        self,
+        body: &[u8],
+        session: Option<&Session>,
+    ) -> Result<Verdict, AuthError> {
+        let checked = self.check(body, session, &[])?;
+        let reply = checked.reply(&[]);
+        Ok(Verdict {
+            ok: checked.ok,
+            reply,
+            session: checked.session(),
+            client_name: checked.hello.name,
+            extra: checked.hello.extra,
+        })
+    }
+
+    /// Checks the client's [`ProofMsg`] body (under `session`'s key, as
+    /// [`on_proof_keyed`](Self::on_proof_keyed), and covering the client's bound `data`,
+    /// [`ClientAuth::with_binding`]); the [`AuthResult`] to send comes from
+    /// [`Checked::reply`], which may cover the server's own data, made after this check.
+    ///
+    /// # Errors
+    /// A malformed body.
+    pub fn check(
+        self,
+        body: &[u8],
+        session: Option<&Session>,
+        data: &[u8],
+    ) -> Result<Checked, AuthError> {
         let given = ProofMsg::decode(body)?.proof;
-        let s = &self.server;
-        let exchange = Exchange {
-            roles: s.roles,
-            server_nonce: &s.nonce,
+        let token = self.server.token.clone();
+        let key = match (session, &token) {
+            (Some(session), Some(_)) => Some(session.key().to_vec()),
+            _ => token.clone(),
+        };
+        let mut checked = Checked {
+            ok: false,
+            key,
+            token,
+            bound_session: session.is_some(),
+            client_binding: data.to_vec(),
+            hello: self.hello,
+            server: self.server,
+        };
+        let want = checked.exchange(&[]).client_proof(checked.key.as_deref());
+        checked.ok = match want {
+            None => true,
+            Some(want) => given.is_some_and(|p| proofs_equal(&p, &want)),
+        };
+        Ok(checked)
+    }
+}
+
+/// The server's half after checking the client's proof ([`AwaitingProof::check`]).
+#[derive(Debug, Clone)]
+pub struct Checked {
+    /// Whether the client's proof held (always, without a token).
+    pub ok: bool,
+    /// The key the proofs are made under (the token, or a session's key).
+    key: Option<Vec<u8>>,
+    token: Option<Vec<u8>>,
+    bound_session: bool,
+    client_binding: Vec<u8>,
+    hello: Hello,
+    server: ServerAuth,
+}
+
+impl Checked {
+    fn exchange<'a>(&'a self, server_binding: &'a [u8]) -> Exchange<'a> {
+        Exchange {
+            roles: self.server.roles,
+            server_nonce: &self.server.nonce,
             client_nonce: &self.hello.nonce,
             client_name: &self.hello.name,
-            server_name: &s.name,
+            server_name: &self.server.name,
+            client_binding: &self.client_binding,
+            server_binding,
+        }
+    }
+
+    /// The client's hello.
+    #[must_use]
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The [`AuthResult`] body to send: the verdict and, when the proof held under a
+    /// token, the server's proof, covering the client's bound data and the server's own
+    /// `data` (empty: none).
+    #[must_use]
+    pub fn reply(&self, data: &[u8]) -> Vec<u8> {
+        let proof = if self.ok {
+            self.exchange(data).server_proof(self.key.as_deref())
+        } else {
+            None
         };
-        let (ok, proof) = exchange.check_client(s.token.as_deref(), given);
-        Ok(Verdict {
-            ok,
-            reply: AuthResult { ok, proof }.encode(),
-            client_name: self.hello.name,
-            extra: self.hello.extra,
-        })
+        AuthResult { ok: self.ok, proof }.encode()
+    }
+
+    /// The session this exchange gives (a proof that held under the token; none under a
+    /// session's key).
+    #[must_use]
+    pub fn session(&self) -> Option<Session> {
+        if self.ok && !self.bound_session {
+            self.exchange(&[]).session(self.token.as_deref())
+        } else {
+            None
+        }
     }
 }
 
@@ -750,6 +995,115 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An exchange up to the client's proof: the client after it, the server waiting for
+    /// it, and the proof body.
+    fn up_to_the_proof(
+        client: ClientAuth,
+        server: ServerAuth,
+    ) -> (ClientProved, AwaitingProof, Vec<u8>) {
+        let challenged = server.on_hello(&client.hello()).expect("hello");
+        let (proved, proof) = client.on_challenge(&challenged.reply).expect("challenge");
+        (proved, challenged.into_waiting().expect("version"), proof)
+    }
+
+    #[test]
+    fn a_session_stands_in_for_the_token_only_for_its_own_party() {
+        let t = Some(&b"s3cret"[..]);
+        // The exchange that gives the session: both sides compute the same one.
+        let (proved, waiting, proof) = up_to_the_proof(
+            ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [1; 32], "vic", t, Some("p0")),
+            ServerAuth::new(SIDE_CHANNEL_ROLES, [2; 32], "p0", t),
+        );
+        let verdict = waiting.on_proof(&proof).expect("proof");
+        let session = verdict.session.expect("a session under a token");
+        assert_eq!(proved.session(), Some(session.clone()));
+        assert_eq!(
+            format!("{session:?}"),
+            format!("Session({:016x})", session.id())
+        );
+        // A later connection: the session's key in the token's place holds...
+        let run = |client_key: Option<&[u8]>, bound: Option<&Session>| {
+            let (c, waiting, proof) = up_to_the_proof(
+                ClientAuth::new(TCP_ROLES, 0, [3; 32], "vic/d0", client_key, Some("p0/p0")),
+                ServerAuth::new(TCP_ROLES, [4; 32], "p0/p0", t),
+            );
+            let v = waiting.on_proof_keyed(&proof, bound).expect("proof");
+            (c.on_result(&v.reply).is_ok(), v.ok, v.session.is_some())
+        };
+        assert_eq!(
+            run(Some(session.key()), Some(&session)),
+            (true, true, false)
+        );
+        // ...the token does not, for a name the server holds a session for...
+        assert_eq!(run(t, Some(&session)), (false, false, false));
+        // ...nor does another exchange's session; without one, the token holds as before.
+        let other = ClientAuth::new(SIDE_CHANNEL_ROLES, 0, [9; 32], "vic", t, Some("p0"))
+            .on_challenge(&challenged_reply(t))
+            .expect("challenge")
+            .0
+            .session()
+            .expect("session");
+        assert_ne!(other, session);
+        assert_eq!(
+            run(Some(other.key()), Some(&session)),
+            (false, false, false)
+        );
+        assert_eq!(run(t, None), (true, true, true));
+    }
+
+    fn challenged_reply(t: Option<&[u8]>) -> Vec<u8> {
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            extra: 0,
+            nonce: [9; 32],
+            name: "vic".into(),
+        };
+        ServerAuth::new(SIDE_CHANNEL_ROLES, [8; 32], "p0", t)
+            .on_hello(&hello.encode())
+            .expect("hello")
+            .reply
+    }
+
+    /// Data bound into the exchange (the verbs backend's queue-pair info): the client's
+    /// proof holds only with the client's data, the server's answer only with both sides'.
+    #[test]
+    fn bound_data_changed_on_the_way_fails_the_proof() {
+        let t = Some(&b"s3cret"[..]);
+        let run = |sent: &[u8], seen: &[u8], answered: &[u8], received: &[u8]| {
+            let (proved, waiting, proof) = up_to_the_proof(
+                ClientAuth::new(VERBS_ROLES, 0, [1; 32], "d/d0", t, Some("p/p0"))
+                    .with_binding(sent),
+                ServerAuth::new(VERBS_ROLES, [2; 32], "p/p0", t),
+            );
+            let checked = waiting.check(&proof, None, seen).expect("proof");
+            let reply = checked.reply(answered);
+            (checked.ok, proved.on_result_bound(&reply, received).is_ok())
+        };
+        assert_eq!(run(b"qp-d", b"qp-d", b"qp-p", b"qp-p"), (true, true));
+        // The client's info swapped before the server saw it.
+        assert_eq!(run(b"qp-d", b"qp-x", b"qp-p", b"qp-p"), (false, false));
+        // The server's info swapped before the client saw it.
+        assert_eq!(run(b"qp-d", b"qp-d", b"qp-p", b"qp-x"), (true, false));
+        // No data at all: the plain exchange's proofs.
+        let plain = proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b");
+        assert_eq!(
+            plain,
+            bound_proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b", &[b"", b""])
+        );
+        assert_ne!(
+            plain,
+            bound_proof(b"k", b"r", &[1; 32], &[2; 32], "a", "b", &[b"x"])
+        );
+    }
+
+    #[test]
+    fn a_name_belongs_to_the_group_before_its_last_slash() {
+        assert_eq!(name_group("vic/d0"), "vic");
+        assert_eq!(name_group("a/b/d0"), "a/b");
+        assert_eq!(name_group("vic"), "vic");
+        assert_eq!(name_group("/d0"), "");
     }
 
     #[test]

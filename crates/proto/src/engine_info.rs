@@ -33,6 +33,7 @@
 //! | `block_size`, `num_kv_heads` | u32 | optional (the connector's) |
 //! | `shape` | [`KvShape`] object | optional (the agents') |
 //! | `kv` | [`KvDescriptor`] object | optional (the connector's) |
+//! | `sessions` | bool | optional, false when absent (the agents'): P binds the side-channel exchange's session to the registrant's worker names, whose transport connections must prove it |
 //! | `workers` | list of [`WorkerInfo`] objects, at most `tp_size` | required |
 //!
 //! and each worker:
@@ -351,6 +352,10 @@ pub struct EngineInfo {
     pub shape: Option<KvShape>,
     /// The connector's: the KV compatibility descriptor.
     pub kv: Option<KvDescriptor>,
+    /// The agents': P binds the session of the side-channel exchange to the registering
+    /// D's worker names (`kvlease_proto::auth::Session`): D's transport connections to P's
+    /// workers must prove it instead of the token.
+    pub sessions: bool,
     /// P's workers (at most `tp_size`, ranks unique; a connector's P may list fewer).
     pub workers: Vec<WorkerInfo>,
 }
@@ -368,6 +373,7 @@ impl EngineInfo {
             num_kv_heads: None,
             shape: None,
             kv: None,
+            sessions: false,
             workers: Vec::new(),
         }
     }
@@ -419,6 +425,12 @@ impl EngineInfo {
                 .opt("kv")
                 .map(|v| descriptor(v, &r.path("kv")))
                 .transpose()?,
+            sessions: match r.opt("sessions") {
+                None => false,
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| InfoError::at(&r.path("sessions"), "must be true or false"))?,
+            },
             workers: Vec::new(),
         };
         r.opt_uint("format", 0, u64::from(u32::MAX))?;
@@ -563,6 +575,9 @@ impl EngineInfo {
         }
         if let Some(kv) = &self.kv {
             m.insert("kv".into(), descriptor_value(kv));
+        }
+        if self.sessions {
+            m.insert("sessions".into(), true.into());
         }
         m.insert(
             "workers".into(),

@@ -322,6 +322,7 @@ pub struct ClientProved {
 #[derive(Debug, Clone)]
 pub struct ClientRegistered {
     server_name: String,
+    session: Option<auth::Session>,
 }
 
 /// What a D receives from a P that proved the token.
@@ -331,6 +332,9 @@ pub struct Served {
     pub engine_id: String,
     /// P's welcome.
     pub welcome: Welcome,
+    /// The exchange's session (with a token): D's transport connections to P's workers
+    /// prove with it, so that they speak for this registration.
+    pub session: Option<auth::Session>,
 }
 
 impl Client {
@@ -389,9 +393,13 @@ impl ClientProved {
         registration: &Registration,
     ) -> Result<(ClientRegistered, Vec<u8>), SideChannelError> {
         expect(kind, body, Kind::AuthResult, "auth result")?;
+        let session = self.auth.session();
         let server_name = self.auth.on_result(body)?;
         Ok((
-            ClientRegistered { server_name },
+            ClientRegistered {
+                server_name,
+                session,
+            },
             encode_frame(Kind::Register, &registration.encode()),
         ))
     }
@@ -407,6 +415,7 @@ impl ClientRegistered {
         Ok(Served {
             engine_id: self.server_name,
             welcome: Welcome::decode(body)?,
+            session: self.session,
         })
     }
 }
@@ -430,6 +439,9 @@ pub struct Peer {
     pub engine_id: String,
     /// D's registration.
     pub registration: Registration,
+    /// The exchange's session (with a token): the transport connections that prove with
+    /// it are D's, the party that made this registration.
+    pub session: Option<auth::Session>,
 }
 
 /// P's verdict on D's proof.
@@ -456,6 +468,7 @@ pub enum ProofVerdict {
 #[derive(Debug, Clone)]
 pub struct ServerProved {
     engine_id: String,
+    session: Option<auth::Session>,
 }
 
 impl Server {
@@ -505,6 +518,7 @@ impl ServerChallenged {
                 reply,
                 next: ServerProved {
                     engine_id: v.client_name,
+                    session: v.session,
                 },
             }
         } else {
@@ -532,6 +546,7 @@ impl ServerProved {
         Ok(Peer {
             engine_id: self.engine_id,
             registration: Registration::decode(body)?,
+            session: self.session,
         })
     }
 }
@@ -546,6 +561,18 @@ pub fn welcome(welcome: &Welcome) -> Vec<u8> {
 #[must_use]
 pub fn refused(message: &str) -> Vec<u8> {
     encode_frame(Kind::Refused, message.as_bytes())
+}
+
+/// The start of the refusal a side channel sends instead of a challenge when it serves
+/// too many handshakes at once: try again shortly ([`SideChannelError::is_busy`]).
+pub const BUSY: &str = "busy: too many side-channel handshakes at once; retry";
+
+impl SideChannelError {
+    /// Whether the peer refused because it was busy ([`BUSY`]): a retry may succeed.
+    #[must_use]
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Refused(m) if m.starts_with("busy:"))
+    }
 }
 
 #[cfg(test)]
@@ -610,6 +637,14 @@ mod tests {
         let (served, peer) = run(t, t);
         let served = served.expect("served");
         assert_eq!(served.engine_id, "p0");
+        let both = (
+            served.session.clone(),
+            peer.as_ref().and_then(|p| p.session.clone()),
+        );
+        assert!(
+            both.0.is_some() && both.0 == both.1,
+            "both sides hold one session"
+        );
         assert_eq!(served.welcome.payload, b"info");
         assert_eq!(served.welcome.server_time_ns, 42);
         assert_eq!(peer.map(|p| p.engine_id), Some("d0".into()));

@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::cores::PyEnum;
-use crate::errors::{Family, ToPyErr, invalid, raise};
+use crate::errors::{Family, ToPyErr, check_unauthenticated_listen, invalid, raise};
 use crate::memory::Described;
 
 /// How long [`Agent::wait`] sleeps between polls at most (it starts shorter).
@@ -332,11 +332,13 @@ impl Agent {
     /// A new agent called `name`, listening on `listen` (`"host:port"`, port 0: any).
     ///
     /// `token` (bytes) is the cluster token: only peers proving it are served and heard.
-    /// `backend` is `"auto"` (shared memory on one host, else verbs, else TCP), `"tcp"`,
-    /// `"shm"` or `"verbs"`. `advertise` is the address written into the metadata when it
-    /// differs from the bound one.
+    /// Without a token, a `listen` address beyond loopback is refused (anyone who reaches
+    /// it could read the registered memory and send notifications) unless
+    /// `allow_unauthenticated=True` says so. `backend` is `"auto"` (shared memory on one
+    /// host, else verbs, else TCP), `"tcp"`, `"shm"` or `"verbs"`. `advertise` is the
+    /// address written into the metadata when it differs from the bound one.
     #[new]
-    #[pyo3(signature = (name, *, listen = "127.0.0.1:0", advertise = None, token = None, backend = "auto", num_connections = 2, handshake_timeout = 5.0))]
+    #[pyo3(signature = (name, *, listen = "127.0.0.1:0", advertise = None, token = None, backend = "auto", num_connections = 2, handshake_timeout = 5.0, allow_unauthenticated = false))]
     #[allow(
         clippy::too_many_arguments,
         reason = "a Python constructor's keyword arguments"
@@ -350,11 +352,19 @@ impl Agent {
         backend: &str,
         num_connections: usize,
         handshake_timeout: f64,
+        allow_unauthenticated: bool,
     ) -> PyResult<Self> {
         let mut config = AgentConfig::new(name.clone());
         config.listen = listen
             .parse::<SocketAddr>()
             .map_err(|e| invalid(py, format!("listen address {listen:?}: {e}")))?;
+        check_unauthenticated_listen(
+            py,
+            config.listen,
+            token.is_some(),
+            allow_unauthenticated,
+            "the registered memory",
+        )?;
         config.advertise = advertise
             .map(|a| {
                 a.parse::<SocketAddr>()

@@ -25,8 +25,8 @@ mod notif;
 mod prefill;
 
 pub(crate) use decode::{
-    BatchPlan, DecodeCore, DecodeNotifOutcome, Finished, HandshakeDone, HandshakeStart, LoadPlan,
-    Loaded, RemoteKv, Transmit,
+    BatchPlan, DecodeCore, DecodeNotifOutcome, EngineDropped, Finished, HandshakeDone,
+    HandshakeStart, LoadPlan, Loaded, RemoteKv, Transmit,
 };
 pub(crate) use notif::{DecodedNotif, decode_notif, encode_heartbeats};
 pub(crate) use prefill::{

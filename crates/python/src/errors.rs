@@ -113,6 +113,28 @@ pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     raise(py, Family::InvalidArgument, message)
 }
 
+/// Refuses to serve `what` on `addr` beyond loopback without a cluster token (anyone who
+/// reaches it would be served), unless the caller opted out with
+/// `allow_unauthenticated=True`: the Python half of the agents' `--allow-unauthenticated`.
+pub(crate) fn check_unauthenticated_listen(
+    py: Python<'_>,
+    addr: std::net::SocketAddr,
+    has_token: bool,
+    allow_unauthenticated: bool,
+    what: &str,
+) -> PyResult<()> {
+    if has_token || addr.ip().is_loopback() || allow_unauthenticated {
+        return Ok(());
+    }
+    Err(invalid(
+        py,
+        format!(
+            "listening on {addr} without a cluster token would serve {what} to anyone who \
+             can reach it: set a token, listen on loopback, or pass allow_unauthenticated=True"
+        ),
+    ))
+}
+
 /// Conversion of the Rust crates' errors into their Python family.
 pub(crate) trait ToPyErr {
     /// The Python exception for this error.

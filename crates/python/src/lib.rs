@@ -55,6 +55,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::LoadPlan>()?;
     m.add_class::<cores::Loaded>()?;
     m.add_class::<cores::HandshakeDone>()?;
+    m.add_class::<cores::EngineDropped>()?;
     m.add_class::<cores::Finished>()?;
     m.add_class::<params::KvTransferParams>()?;
     m.add_class::<engine_info::EngineInfo>()?;

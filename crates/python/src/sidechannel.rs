@@ -18,18 +18,18 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
-use kvlease_transport::slots::PerAddress;
+use kvlease_transport::slots::FairSlots;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::{Family, invalid, raise};
+use crate::errors::{Family, check_unauthenticated_listen, invalid, raise};
 
 /// Largest registration a server reads (from a D that proved the token): room for the
 /// transport metadata of hundreds of TP workers.
@@ -71,6 +71,7 @@ struct Counters {
     refused: AtomicU64,
     failed: AtomicU64,
     over_capacity: AtomicU64,
+    evicted: AtomicU64,
 }
 
 struct Shared {
@@ -78,11 +79,10 @@ struct Shared {
     token: Option<Vec<u8>>,
     payload: Mutex<Arc<Vec<u8>>>,
     stop: AtomicBool,
-    active: AtomicUsize,
-    max_connections: usize,
-    /// Handshakes one peer address may hold at once (below `max_connections`, so that
-    /// one source cannot take every slot).
-    per_address: PerAddress,
+    /// Handshakes at once, in all and per peer address: a newcomer takes the slot of the
+    /// oldest handshake of its own address (over its share) or of the address holding
+    /// the most, so that a few addresses cannot keep others out.
+    slots: FairSlots,
     deadline: Duration,
     counters: Counters,
 }
@@ -94,25 +94,27 @@ fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), sc::Error> {
         &shared.engine_id,
         shared.token.as_deref(),
         MAX_REGISTRATION,
-        |_| sc::Welcome {
-            server_time_ns: SystemTime::UNIX_EPOCH
-                .elapsed()
-                .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
-            payload: {
-                // Copied without the lock held.
-                let payload = Arc::clone(
-                    &shared
-                        .payload
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner),
-                );
-                payload.to_vec()
-            },
+        |_| {
+            Ok(sc::Welcome {
+                server_time_ns: SystemTime::UNIX_EPOCH
+                    .elapsed()
+                    .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+                payload: {
+                    // Copied without the lock held.
+                    let payload = Arc::clone(
+                        &shared
+                            .payload
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner),
+                    );
+                    payload.to_vec()
+                },
+            })
         },
     )?;
     let counter = match outcome {
         Outcome::Welcomed(_) => &shared.counters.served,
-        Outcome::Refused { .. } => &shared.counters.refused,
+        Outcome::Refused { .. } | Outcome::Declined { .. } => &shared.counters.refused,
     };
     counter.fetch_add(1, Ordering::Relaxed);
     Ok(())
@@ -132,28 +134,33 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                 continue;
             }
         };
-        let Some(address_slot) = shared.per_address.take(peer.ip()) else {
+        let slot = s.try_clone().ok().and_then(|socket| {
+            let evicting = Arc::clone(shared);
+            shared.slots.admit(peer.ip(), move || {
+                evicting.counters.evicted.fetch_add(1, Ordering::Relaxed);
+                let _ = socket.shutdown(std::net::Shutdown::Both);
+                true
+            })
+        });
+        let Some(slot) = slot else {
             shared
                 .counters
                 .over_capacity
                 .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%peer, "side channel: this address holds its share of handshakes; closed");
+            tracing::debug!(%peer, "side channel: too many handshakes at once, none to evict; told to retry");
+            // A fresh socket's buffer takes these few bytes at once.
+            let _ = io::Write::write_all(
+                &mut &s,
+                &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
+            );
             continue;
         };
-        if shared.active.fetch_add(1, Ordering::AcqRel) >= shared.max_connections {
-            shared.active.fetch_sub(1, Ordering::AcqRel);
-            shared
-                .counters
-                .over_capacity
-                .fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
         let conn = Arc::clone(shared);
         let accepted = Instant::now();
         let spawned = std::thread::Builder::new()
             .name("kvlease-sc".into())
             .spawn(move || {
-                let _address_slot = address_slot;
+                let _slot = slot;
                 let result = (|| {
                     s.set_nonblocking(false)?;
                     // The whole handshake, not each read or write, ends by the deadline.
@@ -163,10 +170,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
                     conn.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(error = %e, "side channel: handshake failed");
                 }
-                conn.active.fetch_sub(1, Ordering::AcqRel);
             });
         if spawned.is_err() {
-            shared.active.fetch_sub(1, Ordering::AcqRel);
             shared.counters.failed.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -231,16 +236,13 @@ impl SideChannelServer {
         let addr: SocketAddr = listen
             .parse()
             .map_err(|e| invalid(py, format!("listen address {listen:?}: {e}")))?;
-        if token.is_none() && !addr.ip().is_loopback() && !allow_unauthenticated {
-            return Err(invalid(
-                py,
-                format!(
-                    "listening on {addr} without a cluster token would serve the payload to \
-                     anyone who can reach it: set a token, listen on loopback, or pass \
-                     allow_unauthenticated=True"
-                ),
-            ));
-        }
+        check_unauthenticated_listen(
+            py,
+            addr,
+            token.is_some(),
+            allow_unauthenticated,
+            "the payload",
+        )?;
         let deadline = Duration::try_from_secs_f64(handshake_timeout)
             .ok()
             .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
@@ -256,9 +258,7 @@ impl SideChannelServer {
             token,
             payload: Mutex::new(Arc::new(payload)),
             stop: AtomicBool::new(false),
-            active: AtomicUsize::new(0),
-            max_connections,
-            per_address: PerAddress::new(per_address),
+            slots: FairSlots::new(max_connections, per_address),
             deadline,
             counters: Counters::default(),
         });
@@ -306,7 +306,8 @@ impl SideChannelServer {
     }
 
     /// Counters: `served`, `refused` (wrong or missing token), `failed` (broken or slow
-    /// peers), `over_capacity`.
+    /// peers, and those cut off to make room), `over_capacity` (told to retry: no
+    /// handshake could be cut off), `evicted` (cut off to make room for a newcomer).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.shared.counters;
         let d = PyDict::new(py);
@@ -314,6 +315,7 @@ impl SideChannelServer {
         d.set_item("refused", c.refused.load(Ordering::Relaxed))?;
         d.set_item("failed", c.failed.load(Ordering::Relaxed))?;
         d.set_item("over_capacity", c.over_capacity.load(Ordering::Relaxed))?;
+        d.set_item("evicted", c.evicted.load(Ordering::Relaxed))?;
         Ok(d)
     }
 

@@ -376,28 +376,49 @@ def test_a_side_channel_server_listens_on_loopback_and_beyond_it_only_with_a_tok
             server.close()
 
 
+def test_an_agent_listens_beyond_loopback_only_with_a_token():
+    # Without a token, every interface would let anyone who reaches the port read the
+    # registered memory and send notifications: refused unless the caller opts out.
+    with pytest.raises(kvlease.InvalidArgument, match="allow_unauthenticated"):
+        kvlease.Agent("open#0", listen="0.0.0.0:0")
+    with pytest.raises(kvlease.InvalidArgument, match="allow_unauthenticated"):
+        kvlease.Agent("open#0", listen="[::]:0")
+    for kwargs in ({"token": TOKEN}, {"allow_unauthenticated": True}):
+        with kvlease.Agent("open#0", listen="0.0.0.0:0", **kwargs) as a:
+            assert a.address.startswith("0.0.0.0:")
+    # Loopback needs neither.
+    with kvlease.Agent("local#0", listen="127.0.0.1:0") as a:
+        assert a.address.startswith("127.0.0.1:")
+
+
 def test_one_address_cannot_take_every_side_channel_slot():
     server = kvlease.SideChannelServer(
         b"info", token=TOKEN, max_connections=4, max_connections_per_address=2
     )
     idle = []
+
+    def silent(address):
+        s = socket.socket()
+        s.bind((address, 0))
+        s.connect(("127.0.0.1", server.port))
+        idle.append(s)
+        return s
+
     try:
-        # Two silent peers from 127.0.0.2 take that address's share (not the global cap).
-        for _ in range(2):
-            s = socket.socket()
-            s.bind(("127.0.0.2", 0))
-            s.connect(("127.0.0.1", server.port))
-            idle.append(s)
+        # Two silent peers from 127.0.0.2 take that address's share; a third from it takes
+        # the slot of the oldest, which is cut off.
+        first = silent("127.0.0.2")
+        silent("127.0.0.2")
         time.sleep(0.2)
-        third = socket.socket()
-        third.bind(("127.0.0.2", 0))
-        third.connect(("127.0.0.1", server.port))
-        idle.append(third)
-        third.settimeout(PATIENCE)
-        assert third.recv(1) == b"", "a third handshake from one address was served"
-        # Another address still gets its handshake while 127.0.0.2 holds its share.
+        silent("127.0.0.2")
+        first.settimeout(PATIENCE)
+        assert first.recv(1) == b"", "the oldest handshake of a flooding address was kept"
+        # Two addresses holding every slot keep a third address out no more.
+        silent("127.0.0.3")
+        silent("127.0.0.3")
+        time.sleep(0.2)
         assert kvlease.side_channel_fetch("127.0.0.1", server.port, token=TOKEN) == b"info"
-        assert server.stats()["over_capacity"] >= 1
+        assert server.stats()["evicted"] >= 2, server.stats()
     finally:
         for s in idle:
             s.close()

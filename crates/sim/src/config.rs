@@ -157,7 +157,8 @@ pub struct WorldConfig {
     pub expect_no_expiry_while_tracked: bool,
     /// Whether a D notices that its connection to a crashed P broke (a `handshake` time
     /// after the crash) and forgets the engine. Without it, D learns of the restart from a
-    /// failed read or send, or from the newer instance a request names.
+    /// failed read or send, or from a check of P's instance that a request naming a newer
+    /// one started.
     pub notice_lost_connections: bool,
     /// A deliberate bug, for the checker's own tests.
     pub bug: Option<Bug>,

@@ -37,8 +37,10 @@
 //!   the request decodes for a while, then `request_finished`. Clients abort requests at
 //!   random (`abort`). The shell calls `forget_engine` when a read or send to a P fails
 //!   or (in worlds with `notice_lost_connections`) its connection breaks, a `handshake`
-//!   time after P crashed; the core itself forgets a P when a request names a newer
-//!   instance. Either way the next request handshakes again.
+//!   time after P crashed; the next request handshakes again. A request that names a
+//!   newer instance of a connected P makes the core check it (`poll_handshake` with
+//!   `check_instance`): the answer replaces the connected engine only when P's instance is
+//!   newer.
 //! - **Steps**: every engine runs a forward loop of `p_step` / `d_step` (plus jitter);
 //!   messages, arrivals and handshake results wait in its inbox for the next step. The
 //!   cores see only their engine's local clock.

@@ -63,8 +63,9 @@ fn sim_seeds() {
         for (name, count) in faults {
             assert!(count > 0, "{name}: no such fault in {n} seeds");
         }
-        // Some D learned of a restart only from the newer instance a request named.
-        assert!(total(&reports, |r| r.stats.peer_restarts_seen) > 0);
+        // Some D asked P's side channel about a newer instance a request named (it
+        // usually learns of the restart from the broken connection meanwhile).
+        assert!(total(&reports, |r| r.stats.instance_checks) > 0);
     }
     assert_eq!(
         total(&reports, |r| r.stats.arrived),

@@ -151,6 +151,16 @@ pub struct Limits {
     /// connections, authenticated or not), so that one source cannot take all of
     /// `max_inbound_connections`; more are closed at once with a log line. Default 256.
     pub max_inbound_per_address: usize,
+    /// Inbound connections (TCP and shared memory, and the verbs side channel's) that have
+    /// not authenticated yet, at once (each holds a thread and a descriptor until it
+    /// does, or until `handshake_timeout`). A newcomer over it evicts the oldest such
+    /// connection of the address holding the most ([`crate::slots::FairSlots`]), so that
+    /// a few addresses cannot keep others out; one is refused only when no address holds
+    /// more than it would. Default 64.
+    pub max_preauth_connections: usize,
+    /// Of those, from one peer address (a newcomer over it evicts that address's oldest).
+    /// Default 8.
+    pub max_preauth_per_address: usize,
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
     pub serve_write_timeout: Duration,
@@ -169,6 +179,8 @@ impl Default for Limits {
             handshake_timeout: Duration::from_secs(5),
             max_inbound_connections: 1024,
             max_inbound_per_address: 256,
+            max_preauth_connections: 64,
+            max_preauth_per_address: 8,
             serve_write_timeout: Duration::from_secs(30),
         }
     }

@@ -268,30 +268,36 @@ pub enum LinkError {
         /// What was sent to the peer.
         reason: String,
     },
-    /// A side-channel message with an unknown tag.
-    #[error("unexpected side-channel message {tag:?}")]
-    UnexpectedMessage {
-        /// Its 4-byte tag.
-        tag: [u8; 4],
+    /// A side-channel message that breaks the format (an unknown or unexpected frame, a
+    /// malformed body, another protocol version).
+    #[error("malformed verbs side-channel message: {what}")]
+    SideChannelMalformed {
+        /// What was wrong.
+        what: String,
+    },
+    /// The peer on the side channel is not the agent its metadata names.
+    #[error("the peer's verbs side channel is served by {got:?}, not the agent its metadata names")]
+    WrongPeer {
+        /// The name it proved (or claimed, without a token).
+        got: String,
     },
     /// The peer sent a connection info that does not decode.
     #[cfg(feature = "verbs")]
     #[error("the peer's connection info is malformed")]
     BadConnectionInfo(#[source] crate::verbs::VerbsError),
-    /// The peer's side channel asks for the cluster token and this agent has none.
+    /// The peer refused this agent's proof: a different or missing cluster token (or the
+    /// queue-pair info changed on the way).
     #[error(
-        "the peer's verbs side channel requires the cluster token; configure the same auth \
-         token on this agent"
+        "the peer's verbs side channel refused our proof: configure the same auth token on \
+         both agents"
     )]
-    TokenRequired,
-    /// This agent has a token and the peer did not ask for it.
+    ProofRejected,
+    /// This agent has a token and the peer did not prove it (none configured there,
+    /// another one, or its queue-pair info changed on the way).
     #[error(
-        "the peer's verbs side channel did not ask for the cluster token (the peer has none \
-         configured): refusing an unauthenticated peer"
+        "the peer's verbs side channel did not prove the cluster token over its queue-pair \
+         info: refusing it"
     )]
-    PeerUnauthenticated,
-    /// The peer's proof of the cluster token is wrong.
-    #[error("the peer's verbs side channel proof is wrong: it holds a different cluster token")]
     WrongProof,
     /// Memory that verbs can register neither itself nor through a mirror.
     #[cfg(feature = "verbs")]

@@ -55,6 +55,7 @@ pub mod deadline;
 mod error;
 pub mod metadata;
 mod notify;
+mod sessions;
 mod shm;
 pub mod sidechannel;
 pub mod slots;
@@ -68,7 +69,7 @@ pub mod verbs;
 
 pub use agent::{
     Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, StatsHandle, TransportStats,
+    ReadBatch, ReadOp, RegionId, RemoteRange, Sender, StatsHandle, TransportStats,
 };
 pub use config::{
     AgentConfig, Backend, BackendChoice, CmaPolicy, DEFAULT_MAX_NOTIF_LEN,
@@ -77,4 +78,5 @@ pub use config::{
 pub use error::{
     AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,
 };
+pub use kvlease_proto::auth::Session;
 pub use metadata::{AgentMetadata, RegionDesc};

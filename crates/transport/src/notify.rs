@@ -15,19 +15,19 @@ use std::fmt;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::agent::{Inner, PeerName, lock};
+use crate::agent::{Inner, Sender, lock};
 use crate::error::TransferError;
 
 /// Notifications grouped by sender, in order of each sender's first message; each group
 /// in arrival order (what `get_new_notifs` returns).
-pub(crate) type Groups = Vec<(PeerName, Vec<Vec<u8>>)>;
+pub(crate) type Groups = Vec<(Sender, Vec<Vec<u8>>)>;
 
 /// Appends `msg` from `from` to its sender's group (a new group at the end for a new
 /// sender).
-pub(crate) fn push_grouped(groups: &mut Groups, from: &str, msg: Vec<u8>) {
-    match groups.iter_mut().find(|(name, _)| name == from) {
+pub(crate) fn push_grouped(groups: &mut Groups, from: &Sender, msg: Vec<u8>) {
+    match groups.iter_mut().find(|(sender, _)| sender == from) {
         Some((_, msgs)) => msgs.push(msg),
-        None => groups.push((from.to_owned(), vec![msg])),
+        None => groups.push((from.clone(), vec![msg])),
     }
 }
 

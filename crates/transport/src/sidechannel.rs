@@ -44,15 +44,15 @@ pub enum Error {
 
 impl Error {
     /// Whether the cluster token failed either way: the peer refused our proof or did not
-    /// prove the token, or refused us.
+    /// prove the token. (A P that refuses a registration after both proofs, with its
+    /// reason, is no token failure.)
     #[must_use]
     pub fn is_auth(&self) -> bool {
         matches!(
             self,
-            Self::Protocol(
-                SideChannelError::Auth(AuthError::Rejected | AuthError::PeerAuthFailed)
-                    | SideChannelError::Refused(_)
-            ) | Self::ClientGaveUp { .. }
+            Self::Protocol(SideChannelError::Auth(
+                AuthError::Rejected | AuthError::PeerAuthFailed
+            )) | Self::ClientGaveUp { .. }
         )
     }
 }
@@ -128,12 +128,20 @@ pub enum Outcome {
         /// The engine id D claimed (unproven).
         claimed: String,
     },
+    /// D proved the token, and P declined its registration, telling it why.
+    Declined {
+        /// D's engine id (proven with a token).
+        engine_id: String,
+        /// Why, as D was told.
+        reason: String,
+    },
 }
 
 /// P's half on `s`: P is called `engine_id` and holds `token`. A D that proves the token
 /// registers (a frame of at most `max_frame` bytes; everything before its proof is
-/// bounded tighter by the format), and `welcome` makes the answer for it: it runs before
-/// the answer goes out, so that when D holds its welcome, P already knows D.
+/// bounded tighter by the format), and `welcome` makes the answer for it, or declines the
+/// registration with a reason D is told: it runs before the answer goes out, so that
+/// when D holds its welcome, P already knows D.
 ///
 /// # Errors
 /// [`Error`]: IO, a broken protocol, or [`Error::ClientGaveUp`].
@@ -142,7 +150,7 @@ pub fn serve(
     engine_id: &str,
     token: Option<&[u8]>,
     max_frame: usize,
-    welcome: impl FnOnce(&Peer) -> Welcome,
+    welcome: impl FnOnce(&Peer) -> Result<Welcome, String>,
 ) -> Result<Outcome, Error> {
     let p = Server::new(engine_id, nonce()?, token);
     let (kind, body) = read_frame(s, max_frame)?;
@@ -176,9 +184,19 @@ pub fn serve(
             return Err(e.into());
         }
     };
-    let answer = welcome(&peer);
-    s.write_all(&proto::welcome(&answer))?;
-    Ok(Outcome::Welcomed(peer))
+    match welcome(&peer) {
+        Ok(answer) => {
+            s.write_all(&proto::welcome(&answer))?;
+            Ok(Outcome::Welcomed(peer))
+        }
+        Err(reason) => {
+            s.write_all(&proto::refused(&reason))?;
+            Ok(Outcome::Declined {
+                engine_id: peer.engine_id,
+                reason,
+            })
+        }
+    }
 }
 
 #[cfg(test)]
@@ -195,9 +213,11 @@ mod tests {
         let addr = l.local_addr().expect("bound");
         let p = thread::spawn(move || {
             let (mut s, _) = l.accept().expect("accept");
-            serve(&mut s, "p0", p_token, 1 << 16, |_| Welcome {
-                server_time_ns: 5,
-                payload: b"info".to_vec(),
+            serve(&mut s, "p0", p_token, 1 << 16, |_| {
+                Ok(Welcome {
+                    server_time_ns: 5,
+                    payload: b"info".to_vec(),
+                })
             })
         });
         let mut s = TcpStream::connect(addr).expect("connect");

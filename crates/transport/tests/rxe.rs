@@ -497,13 +497,82 @@ mod agent;
 
 // ----- side channel authentication -----
 
+/// One frame of the verbs side channel (`[type u8][len u32 LE][body]`).
+fn side_frame(ty: u8, body: &[u8]) -> Vec<u8> {
+    let mut f = vec![ty];
+    f.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
+    f.extend_from_slice(body);
+    f
+}
+
+fn read_side_frame(s: &mut std::net::TcpStream) -> Result<(u8, Vec<u8>)> {
+    use std::io::Read;
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h)?;
+    let mut body = vec![0u8; u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize];
+    s.read_exact(&mut body)?;
+    Ok((h[0], body))
+}
+
+/// A client's run of the verbs side channel's exchange against `addr` (P's agent `p`),
+/// proving `token` over `proved` and sending `sent` as its queue-pair info. Whether P
+/// accepted the proof and proved itself over both infos.
+fn verbs_exchange(
+    addr: std::net::SocketAddr,
+    token: Option<&[u8]>,
+    proved: &[u8],
+    sent: &[u8],
+) -> Result<bool> {
+    use std::io::Write;
+
+    use kvlease_proto::auth::{AuthResult, ClientAuth, VERBS_ROLES};
+    const HELLO: u8 = 1;
+    const CHALLENGE: u8 = 2;
+    const PROOF: u8 = 3;
+    const AUTH_RESULT: u8 = 4;
+    const VERBS_INFO: u8 = 15;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let client = ClientAuth::new(VERBS_ROLES, 0, [7; 32], "intruder/d0", token, Some("p"))
+        .with_binding(proved);
+    s.write_all(
+        &[
+            side_frame(HELLO, &client.hello()),
+            side_frame(VERBS_INFO, sent),
+        ]
+        .concat(),
+    )?;
+    let (ty, challenge) = read_side_frame(&mut s)?;
+    anyhow::ensure!(ty == CHALLENGE, "no challenge: frame {ty}");
+    let (proved_client, proof) = client.on_challenge(&challenge)?;
+    s.write_all(&side_frame(PROOF, &proof))?;
+    let (ty, result) = read_side_frame(&mut s)?;
+    anyhow::ensure!(ty == AUTH_RESULT, "frame {ty}");
+    if !AuthResult::decode(&result)?.ok {
+        // Refused: nothing follows, no queue pair.
+        let mut rest = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut s, &mut rest);
+        anyhow::ensure!(rest.is_empty(), "P sent more after refusing: {rest:?}");
+        return Ok(false);
+    }
+    let (ty, theirs) = read_side_frame(&mut s)?;
+    anyhow::ensure!(ty == VERBS_INFO, "frame {ty}");
+    anyhow::ensure!(
+        proved_client.on_result_bound(&result, &theirs).is_ok(),
+        "P's proof does not cover its info"
+    );
+    Ok(true)
+}
+
 /// With a cluster token on both agents the link is verbs (the side channel's proofs
-/// pass); a peer on P's side channel with a wrong proof gets a refusal naming the token.
+/// pass). P gives no queue pair to a peer without the token, nor to one whose proof
+/// covers another queue-pair info than the one it sends (its info swapped on the way,
+/// or a proof replayed with other info): the exchange binds both names and both infos.
+/// A peer that proves its own info gets P's, with P's proof over both.
 #[test]
 #[ignore = "needs RDMA devices rxeP/rxeD: scripts/softroce/test.sh runs it"]
 fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
-    use std::io::{Read, Write};
-    use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
     use kvlease_transport::verbs::{Endpoint, EndpointConfig};
     use kvlease_transport::{Agent, AgentConfig, BackendChoice};
@@ -528,7 +597,6 @@ fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
     let (backend, why) = d.peer_backend(peer).context("peer is connected")?;
     anyhow::ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
 
-    // A peer without the token: valid connect request, wrong proof.
     let meta = kvlease_transport::metadata::decode_metadata(&p.metadata())?;
     let addr: SocketAddr = meta.backends["verbs"]["addr"]
         .as_str()
@@ -536,30 +604,46 @@ fn verbs_side_channel_requires_the_cluster_token() -> Result<()> {
         .parse()?;
     let pd = d_dev.alloc_pd()?;
     let ep = Endpoint::new(&pd, EndpointConfig::default())?;
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let mut req = b"KVVC".to_vec();
-    req.extend_from_slice(&5u16.to_be_bytes());
-    req.extend_from_slice(b"intrd");
-    req.extend_from_slice(&ep.local_info().encode());
-    req.extend_from_slice(&[7u8; 32]);
-    s.write_all(&req)?;
-    let mut challenge = [0u8; 36];
-    s.read_exact(&mut challenge)?;
+    let info = ep.local_info().encode();
+    let other = Endpoint::new(&pd, EndpointConfig::default())?
+        .local_info()
+        .encode();
+    anyhow::ensure!(info != other, "two endpoints, two infos");
+    let token = Some(&b"rxe-test-token"[..]);
     anyhow::ensure!(
-        &challenge[..4] == b"KVVN",
-        "no challenge: {:?}",
-        &challenge[..4]
+        !verbs_exchange(addr, None, &info, &info)?,
+        "a peer without the token got a queue pair"
     );
-    let mut proof = b"KVVP".to_vec();
-    proof.extend_from_slice(&[0u8; 32]);
-    s.write_all(&proof)?;
-    let mut reply = Vec::new();
-    let _ = s.read_to_end(&mut reply);
-    anyhow::ensure!(reply.starts_with(b"KVVE"), "not refused: {reply:?}");
-    let why = String::from_utf8_lossy(&reply[6..]).into_owned();
-    anyhow::ensure!(why.contains("token"), "refusal {why:?}");
-    println!("refused: {why}");
+    anyhow::ensure!(
+        !verbs_exchange(addr, Some(&b"another token"[..]), &info, &info)?,
+        "a peer with another token got a queue pair"
+    );
+    anyhow::ensure!(
+        !verbs_exchange(addr, token, &info, &other)?,
+        "a peer whose info is not the one it proved got a queue pair"
+    );
+    anyhow::ensure!(
+        verbs_exchange(addr, token, &info, &info)?,
+        "a peer that proved its own info got no queue pair"
+    );
+    // D checks P's name too: a P whose verbs side channel serves another agent is refused.
+    let impostor = agent("someone-else", ip("KV_TEST_RDMA_ADDR", [10, 77, 2, 1]))?;
+    let mut forged: serde_json::Value = serde_json::from_slice(&off_host(&p))?;
+    let theirs: serde_json::Value = serde_json::from_slice(&impostor.metadata())?;
+    forged["backends"]["verbs"] = theirs["backends"]["verbs"].clone();
+    let strict = {
+        let mut c = AgentConfig::new("d-strict");
+        c.listen = SocketAddr::new(ip("KV_TEST_RDMA_PEER_ADDR", [10, 77, 2, 2]), 0);
+        c.backend = BackendChoice::Verbs;
+        c.auth_token = Some(b"rxe-test-token".to_vec());
+        Agent::new(c)?
+    };
+    let err = strict
+        .connect(&serde_json::to_vec(&forged)?)
+        .expect_err("a verbs side channel of another agent");
+    let chain = format!("{err:?}");
+    anyhow::ensure!(chain.contains("WrongPeer"), "{chain}");
+    println!("refused: {err}");
     Ok(())
 }
 

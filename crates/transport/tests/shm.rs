@@ -1411,10 +1411,53 @@ fn cma_refused_child_process() -> Result<()> {
     Ok(())
 }
 
+/// A copy of this test binary that user `nobody` can run, in a directory of its own under
+/// the temporary directory (removed on drop): the checkout may lie where `nobody` cannot
+/// reach it (a clone in a private directory).
+struct RunnableCopy {
+    dir: std::path::PathBuf,
+    exe: std::path::PathBuf,
+}
+
+impl RunnableCopy {
+    /// The copy, or why `nobody` could not run one.
+    fn new() -> Result<std::result::Result<Self, String>> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!("kvlease-nobody-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let copy = Self {
+            exe: dir.join("shm-test"),
+            dir,
+        };
+        std::fs::set_permissions(&copy.dir, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::copy(std::env::current_exe()?, &copy.exe)?;
+        std::fs::set_permissions(&copy.exe, std::fs::Permissions::from_mode(0o755))?;
+        // Every directory above it must let others through.
+        for dir in copy.dir.ancestors().skip(1) {
+            if std::fs::metadata(dir)?.mode() & 0o001 == 0 {
+                return Ok(Err(format!(
+                    "{} is closed to other users, so nobody cannot run a copy of the test \
+                     binary under the temporary directory (set TMPDIR elsewhere)",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(Ok(copy))
+    }
+}
+
+impl Drop for RunnableCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// D runs as another user (`nobody`, without `CAP_SYS_PTRACE`): P hands it the address
 /// of its heap region, but the kernel refuses D's `process_vm_readv` (`EPERM`), so D's
 /// batches go over TCP, report `tcp`, and the bytes are right. Needs root (to start D as
-/// another user); skipped otherwise.
+/// another user); skipped otherwise. D runs from a copy of this binary under the
+/// temporary directory, so that wherever the checkout lies `nobody` can execute it
+/// (skipped, saying why, when the temporary directory itself is closed to others).
 #[test]
 fn a_reader_the_kernel_refuses_reads_over_tcp() -> Result<()> {
     use std::os::unix::fs::MetadataExt;
@@ -1423,10 +1466,17 @@ fn a_reader_the_kernel_refuses_reads_over_tcp() -> Result<()> {
         eprintln!("skipped: starting D as another user needs root");
         return Ok(());
     }
+    let copy = match RunnableCopy::new()? {
+        Ok(copy) => copy,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return Ok(());
+        }
+    };
     let p = agent_cma("p", CmaPolicy::LastPeer);
     let desc = p.register(heap(REFUSED_LEN, 29))?;
     let meta: String = p.metadata().iter().map(|b| format!("{b:02x}")).collect();
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut child = Command::new(&copy.exe)
         .args(["--exact", "cma_refused_child_process", "--nocapture"])
         .args(["--test-threads=1"])
         .env(CMA_REFUSED_CHILD_ENV, "1")

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail, ensure};
 use kvlease_gpu_mem::HostRegion;
 use kvlease_transport::{
-    Agent, BatchStatus, ConnectError, LocalRange, ReadBatch, ReadOp, RegionId, TransferError,
+    Agent, BackendChoice, BatchStatus, ConnectError, LocalRange, ReadBatch, ReadOp, RegionId,
+    Sender, Session, TransferError,
 };
 
 use common::{
@@ -261,5 +262,109 @@ fn the_pre_auth_deadline_holds_while_the_peer_keeps_sending_refused_reads() -> R
     c.limits.handshake_timeout = Duration::from_secs(5);
     let d = Agent::new(c)?;
     d.connect(&p.metadata())?;
+    Ok(())
+}
+
+/// A session from a real side-channel exchange between engine `engine` (D, the client)
+/// and `p0`, as both sides hold it.
+fn side_channel_session(engine: &'static str, token: &'static [u8]) -> Result<Session> {
+    use kvlease_transport::sidechannel::{Registration, Welcome, fetch, serve};
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let p = std::thread::spawn(move || -> Result<Option<Session>> {
+        let (mut s, _) = l.accept()?;
+        let outcome = serve(&mut s, "p0", Some(token), 1 << 16, |_| {
+            Ok(Welcome::default())
+        })?;
+        Ok(match outcome {
+            kvlease_transport::sidechannel::Outcome::Welcomed(peer) => peer.session,
+            _ => None,
+        })
+    });
+    let mut s = std::net::TcpStream::connect(addr)?;
+    let served = fetch(
+        &mut s,
+        engine,
+        Some(token),
+        Some("p0"),
+        &Registration::default(),
+        1 << 16,
+    )?;
+    let p_side = p.join().map_err(|_| anyhow::anyhow!("P panicked"))??;
+    ensure!(
+        served.session.is_some() && served.session == p_side,
+        "both sides hold the session"
+    );
+    served.session.ok_or_else(|| anyhow::anyhow!("no session"))
+}
+
+/// Once P bound the session of engine `vic`'s side-channel exchange to the name group
+/// `vic`, a connection named `vic/...` must prove that session: one proving the token
+/// only (a token holder reusing vic's worker name) or another exchange's session is
+/// refused and counted, over TCP and over shared memory alike; one proving vic's
+/// session gets in, and its notifications carry the session's id. Names of other groups
+/// prove the token as before.
+#[test]
+fn a_bound_name_takes_only_connections_that_prove_its_session() -> Result<()> {
+    let token: &'static [u8] = b"cluster-secret";
+    let vic = side_channel_session("vic", token)?;
+    let mallory = side_channel_session("mallory", token)?;
+    for backend in [BackendChoice::Tcp, BackendChoice::Shm] {
+        let mut c = config("p0/p0", Some(token));
+        c.backend = backend;
+        let p = Agent::new(c)?;
+        p.bind_session("vic", vic.clone());
+        let meta = p.metadata();
+        let d = |name: &str| -> Result<Agent> {
+            let mut c = config(name, Some(token));
+            c.backend = backend;
+            Ok(Agent::new(c)?)
+        };
+        let intruder = d("vic/d0")?;
+        let err = intruder.connect(&meta).expect_err("token only");
+        ensure!(
+            matches!(err, ConnectError::AuthRejected { .. }),
+            "{backend:?}: {err}"
+        );
+        let err = intruder
+            .connect_with_session(&meta, &mallory)
+            .expect_err("another session");
+        ensure!(
+            matches!(err, ConnectError::AuthRejected { .. }),
+            "{backend:?}: {err}"
+        );
+        ensure!(p.stats().session_refusals == 2, "{:?}", p.stats());
+        let real = d("vic/d0")?;
+        let peer = real.connect_with_session(&meta, &vic)?;
+        real.send_notif(peer, b"HB:x".to_vec())?;
+        let other = d("other/d0")?;
+        let peer = other.connect(&meta)?;
+        other.send_notif(peer, b"HB:y".to_vec())?;
+        let mut got = Vec::new();
+        let start = Instant::now();
+        while got.len() < 2 && start.elapsed() < LIMIT {
+            got.extend(p.get_new_notifs_from());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        got.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        ensure!(
+            got == vec![
+                (Sender::unbound("other/d0"), vec![b"HB:y".to_vec()]),
+                (
+                    Sender {
+                        name: "vic/d0".into(),
+                        session: Some(vic.id())
+                    },
+                    vec![b"HB:x".to_vec()]
+                ),
+            ],
+            "{backend:?}: {got:?}"
+        );
+        ensure!(p.unbind_session("vic"));
+        ensure!(
+            d("vic/d1")?.connect(&meta).is_ok(),
+            "unbound, the token holds again"
+        );
+    }
     Ok(())
 }

@@ -521,6 +521,11 @@ pub struct DecodeArgs {
     /// the networks this host's interfaces are attached to; `0.0.0.0/0,::/0` allows any.
     #[arg(long, value_delimiter = ',')]
     pub allowed_prefill_hosts: Vec<Cidr>,
+    /// P engines kept at once (handshaking or connected, each with its connections and
+    /// threads). A request naming another one drops the least recently used idle one (no
+    /// request here names it); when every one is in use it gets a retryable 503.
+    #[arg(long, allow_negative_numbers = true, default_value_t = kvlease_engine::DEFAULT_MAX_ENGINES)]
+    pub max_prefill_engines: usize,
 }
 
 impl DecodeArgs {
@@ -546,6 +551,12 @@ impl DecodeArgs {
             return Err(bad(
                 "--max-waiting",
                 format!("must be 1..=1000000, got {}", self.max_waiting),
+            ));
+        }
+        if self.max_prefill_engines == 0 || self.max_prefill_engines > 65_536 {
+            return Err(bad(
+                "--max-prefill-engines",
+                format!("must be 1..=65536, got {}", self.max_prefill_engines),
             ));
         }
         if self.common.limits.health_engine_stall_ms <= self.step_ms {

@@ -33,8 +33,9 @@ pub const IGNORED_TOP_LEVEL_KEYS: [&str; 8] = [
 ];
 
 /// The keys `kv_connector_extra_config` may hold.
-pub const EXTRA_CONFIG_KEYS: [&str; 9] = [
+pub const EXTRA_CONFIG_KEYS: [&str; 10] = [
     "kv_lease_duration",
+    "kv_lease_max_lifetime",
     "decoder_kv_blocks_ttl",
     "bidirectional_kv_xfer",
     "kv_load_failure_policy",
@@ -245,6 +246,11 @@ pub struct KvTransferConfig {
     pub engine_id: Option<EngineId>,
     /// `kv_lease_duration`: the initial lease; heartbeat interval = d / 6, extension = 2d / 3.
     pub lease_duration: Duration,
+    /// `kv_lease_max_lifetime`: the longest P holds a lease from its grant, whatever the
+    /// heartbeats say; `None`: the lease crate's default
+    /// ([`kvlease_lease::DEFAULT_MAX_LEASE_LIFETIME`], 600 s, or the lease duration when
+    /// that is longer).
+    pub lease_max_lifetime: Option<Duration>,
     /// `decoder_kv_blocks_ttl`: how long D holds blocks for the next turn in bidirectional mode.
     pub decoder_kv_blocks_ttl: Duration,
     /// `bidirectional_kv_xfer`.
@@ -278,6 +284,7 @@ impl KvTransferConfig {
             role: role.default_kv_role(),
             engine_id: None,
             lease_duration: DEFAULT_LEASE_DURATION,
+            lease_max_lifetime: None,
             decoder_kv_blocks_ttl: DEFAULT_DECODER_KV_BLOCKS_TTL,
             bidirectional_kv_xfer: false,
             symmetric_decoder_lease: false,
@@ -416,6 +423,9 @@ impl KvTransferConfig {
             match name.as_str() {
                 "kv_lease_duration" => {
                     self.lease_duration = positive_secs(key, value, MAX_LEASE_DURATION)?
+                }
+                "kv_lease_max_lifetime" => {
+                    self.lease_max_lifetime = Some(positive_secs(key, value, MAX_LEASE_DURATION)?)
                 }
                 "decoder_kv_blocks_ttl" => {
                     self.decoder_kv_blocks_ttl =

@@ -42,10 +42,11 @@ fn every_extra_key_is_parsed() {
     let c = KvTransferConfig::parse(&extra(
         r#""kv_lease_duration":1.5,"decoder_kv_blocks_ttl":60,"bidirectional_kv_xfer":true,
            "kv_load_failure_policy":"fail","lease_mode":"fixed","abort_request_timeout":2.25,
-           "kv_recompute_threshold":0,"pull_safety_margin":0"#,
+           "kv_recompute_threshold":0,"pull_safety_margin":0,"kv_lease_max_lifetime":90"#,
     ))
     .unwrap();
     assert_eq!(c.lease_duration, Duration::from_millis(1500));
+    assert_eq!(c.lease_max_lifetime, Some(Duration::from_secs(90)));
     assert_eq!(c.heartbeat_interval(), Duration::from_millis(250));
     assert_eq!(c.lease_extension(), Duration::from_millis(1000));
     assert_eq!(c.decoder_kv_blocks_ttl, Duration::from_secs(60));
@@ -85,6 +86,10 @@ fn errors_name_the_key() {
     assert_eq!(
         err(&extra(r#""kv_lease_duration":0"#)),
         "kv_connector_extra_config.kv_lease_duration: must be > 0 seconds, got 0"
+    );
+    assert_eq!(
+        err(&extra(r#""kv_lease_max_lifetime":-5"#)),
+        "kv_connector_extra_config.kv_lease_max_lifetime: must be > 0 seconds, got -5"
     );
     for (body, key) in [
         (

@@ -10,11 +10,16 @@ pub(super) fn handshake_error(e: HandshakeFailure) -> HandshakeError {
         HandshakeFailure::Auth { .. } => HandshakeError::Auth,
         HandshakeFailure::NotAllowed { .. } => HandshakeError::NotAllowed,
         HandshakeFailure::Connect { .. } | HandshakeFailure::Thread => HandshakeError::Connect,
+        // P was there and busy (its caps full, or it cut us off to make room): retry.
+        HandshakeFailure::SideChannel { source, .. } if source.is_transient() => {
+            HandshakeError::Connect
+        }
         HandshakeFailure::SideChannel { .. }
         | HandshakeFailure::BadInfo { .. }
         | HandshakeFailure::WrongEngine { .. }
         | HandshakeFailure::Shape { .. }
         | HandshakeFailure::TpSize { .. }
+        | HandshakeFailure::InstanceAhead { .. }
         | HandshakeFailure::Metadata { .. } => HandshakeError::NotFound,
     };
     kind(Arc::new(e))
@@ -22,7 +27,8 @@ pub(super) fn handshake_error(e: HandshakeFailure) -> HandshakeError {
 
 /// The HTTP answer to a failed handshake (the one mapping of a [`HandshakeFailure`], by the
 /// kind [`handshake_error`] gave it); `None` for P's TP size, which the core refused (it
-/// answers as a failed load).
+/// answers as a failed load). A P that was there but busy, or whose workers could not be
+/// connected, is a retryable 503 `kv_load_failed` with `Retry-After`.
 pub(super) fn handshake_api(e: &HandshakeError) -> Option<ApiError> {
     match e {
         HandshakeError::Auth(_) => Some(ApiError::new(
@@ -35,11 +41,11 @@ pub(super) fn handshake_api(e: &HandshakeError) -> Option<ApiError> {
             "prefill_host_not_allowed",
             e.to_string(),
         )),
-        HandshakeError::Connect(_) => Some(ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "handshake_failed",
-            e.to_string(),
-        )),
+        // P was reachable but its side channel or workers were busy (or went away): a
+        // retry (from prefill: the proxy's) may succeed.
+        HandshakeError::Connect(_) => {
+            Some(ApiError::kv_load_failed(e.to_string()).retry_after(Duration::from_secs(1)))
+        }
         HandshakeError::NotFound(_) | HandshakeError::Other(_) => Some(ApiError::bad_field(
             "kv_transfer_params.remote_engine_id",
             e.to_string(),

@@ -170,6 +170,8 @@ pub struct DecodeAgentConfig {
     /// `--allowed-prefill-hosts`: the networks whose P agents D may connect to (side
     /// channel and transport); empty allows any.
     pub allowed_prefill: Vec<crate::config::Cidr>,
+    /// `--max-prefill-engines`: P engines kept at once.
+    pub max_engines: usize,
 }
 
 struct Worker {
@@ -187,10 +189,15 @@ struct Ready {
     peers: Vec<Vec<PeerId>>,
 }
 
+/// A handshake thread's answer.
+type HandshakeResult = crossbeam_channel::Receiver<Result<reads::Handshaken, HandshakeFailure>>;
+
 /// The shell's side of a remote P engine (the core decides when to handshake).
 enum Remote {
-    Handshaking(crossbeam_channel::Receiver<Result<Ready, HandshakeFailure>>),
+    Handshaking(HandshakeResult),
     Ready(Ready),
+    /// Connected, and checking P's instance with its side channel.
+    Checking(Ready, HandshakeResult),
 }
 
 /// One posted read batch, as the shell polls it.
@@ -284,7 +291,8 @@ impl DecodeEngine {
                 cfg.lease,
             )
             .with_limits(cfg.max_running, cfg.max_waiting)
-            .with_retry(cfg.step),
+            .with_retry(cfg.step)
+            .with_max_engines(cfg.max_engines),
         );
         Ok(Self {
             core,
@@ -387,6 +395,7 @@ impl DecodeEngine {
         self.metrics
             .blocks_held
             .set(self.core.blocks_allocated() as i64);
+        self.metrics.remote_engines.set(self.core.engines() as i64);
     }
 
     // ------------------------------------------------------------ intake
@@ -414,6 +423,12 @@ impl DecodeEngine {
     /// the core; refusals become HTTP errors here, at the edge.
     fn admit(&mut self, job: Box<DecodeJob>) -> Result<(), (Box<DecodeJob>, ApiError)> {
         let p = &job.params;
+        // An instance far ahead of the clock would outrank P's real restarts to come.
+        if let Err(e) = kvlease_engine::instance::check_instance(p.kvlease_instance, instance_now())
+        {
+            let e = ApiError::bad_field("kv_transfer_params.kvlease_instance", e.to_string());
+            return Err((job, e));
+        }
         let (engine, remote_id) = (p.remote_engine_id.clone(), p.remote_request_id.clone());
         let remote = RemoteKv::new(
             engine,
@@ -464,7 +479,7 @@ impl DecodeEngine {
     /// every P worker of its engine, from D worker 0.
     fn send_transmits(&mut self, now: Timestamp) {
         while let Some(t) = self.core.poll_transmit(now) {
-            let (Some(w0), Some(Remote::Ready(ready))) =
+            let (Some(w0), Some(Remote::Ready(ready) | Remote::Checking(ready, _))) =
                 (self.workers.first(), self.remotes.get(&t.engine))
             else {
                 // The core sends only to engines it knows ready, which the shell made
@@ -614,6 +629,7 @@ impl DecodeEngine {
                 DecodeEvent::HandshakeDone { engine } => {
                     tracing::debug!(%engine, "requests of the engine may be scheduled");
                 }
+                DecodeEvent::EngineDropped { engine } => self.drop_engine(&engine),
                 DecodeEvent::Finished { request, outcome } => self.on_finished(&request, outcome),
             }
         }
@@ -662,6 +678,9 @@ impl DecodeEngine {
         {
             return api;
         }
+        if let LoadError::UnknownInstance { .. } = e {
+            return ApiError::bad_field("kv_transfer_params.kvlease_instance", e.to_string());
+        }
         self.metrics.kv_load_failures.inc();
         let message = error_chain(e);
         match self.cfg.policy {
@@ -674,7 +693,12 @@ impl DecodeEngine {
 /// The HTTP answer to a refusal on arrival.
 fn admit_error(e: &AdmitError) -> ApiError {
     match e {
-        AdmitError::QueueFull { .. } => ApiError::overloaded(e.to_string()),
+        AdmitError::QueueFull { .. } | AdmitError::TooManyEngines { .. } => {
+            ApiError::overloaded(e.to_string())
+        }
+        AdmitError::InstanceUnconfirmed { interval, .. } => {
+            ApiError::overloaded(e.to_string()).retry_after(*interval)
+        }
         AdmitError::StaleInstance { .. } => ApiError::kv_load_failed(e.to_string()),
         AdmitError::PromptTooLong { .. } => ApiError::bad_field("prompt", e.to_string()),
         AdmitError::Duplicate { .. } | AdmitError::Track(_) => {

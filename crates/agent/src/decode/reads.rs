@@ -93,16 +93,28 @@ pub(super) fn build_ops(
     Ok(ops)
 }
 
+/// What a handshake thread found.
+pub(super) enum Handshaken {
+    /// D registered with P and every D worker connected to every P worker.
+    Connected(Ready),
+    /// A check found P at no newer instance than the one D is connected to: nothing was
+    /// registered or connected.
+    Unchanged(PeerEngine),
+}
+
 /// The handshake with P (on a background thread): every D worker connects to every P
-/// worker.
+/// worker. A check of a connected engine (`check`: the instance D is connected to) first
+/// asks P's side channel without registering, and goes on only when P announces a newer
+/// instance; D's connections to the old one stay until the core took the answer.
 pub(super) fn handshake(
     addr: &str,
     me: &Me<'_>,
     want: &EngineId,
     agents: &[Arc<Agent>],
     allowed: &[crate::config::Cidr],
-) -> Result<Ready, HandshakeFailure> {
-    let check = |ip: std::net::IpAddr| {
+    check: Option<u64>,
+) -> Result<Handshaken, HandshakeFailure> {
+    let check_ip = |ip: std::net::IpAddr| {
         if allowed.is_empty() || allowed.iter().any(|n| n.contains(ip)) {
             Ok(())
         } else {
@@ -124,10 +136,23 @@ pub(super) fn handshake(
             }
         })?;
         for a in ips {
-            check(a.ip())?;
+            check_ip(a.ip())?;
         }
     }
-    let info = remote_engine(addr, me, want)?;
+    if let Some(current) = check {
+        // Asking registers nothing: P keeps D's registration and D its connections.
+        let ask = Me {
+            tp_size: 0,
+            metadata: &[],
+            instance: 0,
+            ..*me
+        };
+        let info = answered(remote_engine(addr, &ask, want)?, want)?;
+        if info.instance <= current {
+            return Ok(Handshaken::Unchanged(info));
+        }
+    }
+    let info = answered(remote_engine(addr, me, want)?, want)?;
     if !allowed.is_empty() {
         // The side channel names where the transport connects: check that too.
         for w in &info.workers {
@@ -143,15 +168,27 @@ pub(super) fn handshake(
                     engine: want.clone(),
                 })?
                 .ip();
-            check(ip)?;
+            check_ip(ip)?;
         }
     }
     let mut peers = Vec::new();
     for agent in agents {
         let row = (0..info.tp_size)
-            .map(|rank| connect_worker(agent, &info, rank, want))
+            .map(|rank| connect_worker(agent, &info, rank, want, info.session.as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
         peers.push(row);
     }
-    Ok(Ready { info, peers })
+    Ok(Handshaken::Connected(Ready { info, peers }))
+}
+
+/// P's answer, refused when its instance lies further ahead of this host's clock than
+/// peers' clocks may differ (it would outrank P's real restarts to come).
+fn answered(info: PeerEngine, want: &EngineId) -> Result<PeerEngine, HandshakeFailure> {
+    kvlease_engine::instance::check_instance(info.instance, instance_now()).map_err(|source| {
+        HandshakeFailure::InstanceAhead {
+            engine: want.clone(),
+            source,
+        }
+    })?;
+    Ok(info)
 }

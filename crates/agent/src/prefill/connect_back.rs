@@ -1,72 +1,153 @@
-//! P's side of the D engines' handshakes: registering the D workers a D engine named, and
-//! connecting back to them (for expiry notices) off the engine thread, only at the address
-//! the handshake came from unless `--connect-back-any-host`.
+//! P's side of the D engines' handshakes. On the side-channel thread, before D is
+//! answered, the [`Registrar`] hands D's registration to the [`Registry`] (which decides
+//! whether it replaces the one on record) and binds the exchange's session to D's engine
+//! on every worker's transport endpoint, so that only D's own connections speak for it.
+//! On the engine thread, P connects back to D's workers (for expiry notices) off the
+//! engine thread, only at the address the handshake came from unless
+//! `--connect-back-any-host`, and closes its connections to an instance that was replaced.
+
+use std::sync::{Mutex, PoisonError};
+
+use kvlease_engine::registry::{Registered, Registry};
 
 use super::*;
 
+/// A registration the registry took, for the engine thread.
+pub(crate) struct Registration {
+    hello: Hello,
+    registered: Registered,
+}
+
+/// Registers D engines with P (see the module doc); runs on the side-channel thread.
+#[derive(Clone)]
+pub struct Registrar {
+    registry: Arc<Mutex<Registry>>,
+    agents: Vec<Arc<Agent>>,
+    taken: crossbeam_channel::Sender<Registration>,
+    metrics: Metrics,
+}
+
+impl Registrar {
+    /// Takes D's hello, or declines it with the reason D is told.
+    ///
+    /// # Errors
+    /// The registry's refusal, as a message for D.
+    pub fn register(&self, hello: Hello) -> Result<(), String> {
+        let engine = EngineId::new(&hello.engine_id).map_err(|e| e.to_string())?;
+        let names: Vec<String> = hello
+            .workers
+            .iter()
+            .filter_map(|md| {
+                let bytes = sidechannel::from_hex(md)?;
+                kvlease_transport::metadata::decode_metadata(&bytes)
+                    .ok()
+                    .map(|m| m.name)
+            })
+            .collect();
+        let session = hello.session.as_ref().map(kvlease_transport::Session::id);
+        // The registry's answer and the endpoints' sessions change together.
+        let mut registry = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        let outcome = registry.register(instance_now(), &engine, hello.instance, &names, session);
+        let out = match outcome {
+            Ok(out) => out,
+            Err(e) => {
+                drop(registry);
+                self.metrics.registrations_refused.inc();
+                tracing::warn!(%engine, error = %e, "D registration refused");
+                return Err(e.to_string());
+            }
+        };
+        if let Registered::New { evicted: Some(old) } = &out.registered {
+            for a in &self.agents {
+                a.unbind_session(old.as_str());
+            }
+        }
+        if out.registered != Registered::FetchOnly
+            && let Some(s) = &hello.session
+        {
+            for a in &self.agents {
+                a.bind_session(engine.as_str(), s.clone());
+            }
+        }
+        self.metrics.d_engines_registered.set(registry.len() as i64);
+        drop(registry);
+        for worker in &out.ignored {
+            tracing::warn!(%engine, %worker, "D registered a worker named for another engine; ignored");
+        }
+        // The engine thread is gone only at shutdown.
+        let _ = self.taken.send(Registration {
+            hello,
+            registered: out.registered,
+        });
+        Ok(())
+    }
+}
+
 impl PrefillEngine {
-    /// Registers the D engines that said hello on the side channel since the last call.
-    pub(super) fn take_hellos(&mut self) {
-        let hellos: Vec<Hello> = self
-            .hellos
-            .as_ref()
-            .map(|h| h.try_iter().collect())
-            .unwrap_or_default();
-        for hello in &hellos {
-            self.connect_d(hello);
+    /// The registrar the side channel hands D's hellos to.
+    pub fn registrar(&mut self) -> Registrar {
+        Registrar {
+            registry: Arc::clone(&self.registry),
+            agents: self.workers.iter().map(|w| Arc::clone(&w.agent)).collect(),
+            taken: self.registrations.0.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 
-    /// Records the D workers a D engine registered (the transport names in its workers'
-    /// metadata): only a worker named `{engine}/...` for the engine that proved itself on
-    /// the side channel is taken. A newer instance replaces the older one's workers.
-    fn register_d(&mut self, hello: &Hello, engine: &EngineId, restarted: bool) {
-        if restarted {
-            self.d_registered.retain(|_, e| e != engine);
+    /// Handles the D engines the registrar took since the last call.
+    pub(super) fn take_hellos(&mut self) {
+        let taken: Vec<Registration> = self.registrations.1.try_iter().collect();
+        for r in &taken {
+            self.connect_d(r);
         }
-        for md in &hello.workers {
-            let Some(name) = sidechannel::from_hex(md)
-                .and_then(|b| kvlease_transport::metadata::decode_metadata(&b).ok())
-                .map(|m| m.name)
-            else {
-                continue;
-            };
-            if engine_of_peer(&name).as_ref() == Some(engine) {
-                self.d_registered.insert(name, engine.clone());
-            } else {
-                tracing::warn!(%engine, worker = %name, "D registered a worker named for another engine; ignored");
+    }
+
+    /// The engine a connection speaks for (see [`Registry::speaker`]).
+    pub(super) fn speaker(&self, from: &kvlease_transport::Sender) -> Option<EngineId> {
+        self.registry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .speaker(&from.name, from.session)
+            .cloned()
+    }
+
+    /// Closes P's connections to the workers of `engine` (an instance replaced, or an
+    /// engine dropped from the registry).
+    fn disconnect_d(&mut self, engine: &str) {
+        let Some(w0) = self.workers.first() else {
+            return;
+        };
+        let gone: Vec<String> = self
+            .d_peers
+            .keys()
+            .filter(|name| kvlease_proto::auth::name_group(name) == engine)
+            .cloned()
+            .collect();
+        for name in gone {
+            if let Some(peer) = self.d_peers.remove(&name) {
+                let _ = w0.agent.disconnect(peer);
             }
         }
     }
 
-    /// A D engine said hello: connect back to its workers (for expiry notices) on a
+    /// A D engine registered: connect back to its workers (for expiry notices) on a
     /// background thread, so that a D whose workers P cannot reach delays nothing here. A
     /// newer instance of a D engine (restarted under the same id) replaces the connections
     /// to the old one.
-    fn connect_d(&mut self, hello: &Hello) {
+    fn connect_d(&mut self, r: &Registration) {
+        let hello = &r.hello;
+        match &r.registered {
+            Registered::FetchOnly => return,
+            Registered::Restarted { .. } => {
+                tracing::info!(engine = %hello.engine_id, "D engine restarted; reconnecting to it");
+                self.disconnect_d(&hello.engine_id);
+            }
+            Registered::New { evicted: Some(old) } => self.disconnect_d(old.as_str()),
+            Registered::New { evicted: None } | Registered::Again => {}
+        }
         let Some(agent) = self.workers.first().map(|w| Arc::clone(&w.agent)) else {
             return;
         };
-        let Ok(engine) = EngineId::new(&hello.engine_id) else {
-            tracing::warn!(engine = %hello.engine_id, "hello under an invalid engine id ignored");
-            return;
-        };
-        let known = self.d_instances.get(&hello.engine_id).copied().unwrap_or(0);
-        if hello.instance >= known {
-            self.register_d(hello, &engine, hello.instance > known);
-        }
-        if hello.instance > known {
-            if known != 0 {
-                tracing::info!(engine = %hello.engine_id, "D engine restarted; reconnecting to it");
-                let prefix = format!("{}/", hello.engine_id);
-                self.d_peers.retain(|name, _| !name.starts_with(&prefix));
-            }
-            self.d_instances
-                .insert(hello.engine_id.clone(), hello.instance);
-        } else if hello.instance < known {
-            tracing::debug!(engine = %hello.engine_id, "hello from an older D instance ignored");
-            return;
-        }
         let mut todo = Vec::new();
         for md in &hello.workers {
             let Some(bytes) = sidechannel::from_hex(md) else {
@@ -79,6 +160,9 @@ impl PrefillEngine {
                     continue;
                 }
             };
+            if kvlease_proto::auth::name_group(&name) != hello.engine_id {
+                continue;
+            }
             if !self.may_connect_back(hello, &at) {
                 self.metrics.connect_back_refused.inc();
                 tracing::warn!(
@@ -129,15 +213,24 @@ impl PrefillEngine {
         matches!((hello.peer_ip, worker), (Some(peer), Ok(worker)) if same_host(peer, worker))
     }
 
-    /// Takes the connections made off the engine thread.
+    /// Takes the connections made off the engine thread: kept only while the instance
+    /// they were made for is the one on record.
     pub(super) fn take_connected(&mut self) {
         while let Ok(c) = self.connected.1.try_recv() {
             self.connecting.remove(&c.name);
-            let current = self.d_instances.get(&c.engine).copied().unwrap_or(0);
-            if let Some(peer) = c.peer
-                && c.instance == current
-            {
+            let Some(peer) = c.peer else {
+                continue;
+            };
+            let current = EngineId::new(&c.engine).ok().and_then(|e| {
+                self.registry
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .instance(&e)
+            });
+            if current == Some(c.instance) {
                 self.d_peers.insert(c.name, peer);
+            } else if let Some(w0) = self.workers.first() {
+                let _ = w0.agent.disconnect(peer);
             }
         }
     }

@@ -38,14 +38,14 @@ use crate::bidir::{PeerClock, probe_clock};
 use crate::kv::{self, KvDigest, KvShape, RankLayout};
 use crate::link::{self, LinkConfig};
 use crate::metrics::{self, Metrics};
-use crate::shell::{
-    EngineError, PeerEngine, engine_of_peer, host_port, instance_now, rank_pool, worker_info,
-};
+use crate::shell::{EngineError, PeerEngine, host_port, instance_now, rank_pool, worker_info};
 use crate::sidechannel::{self, Hello};
 
 mod connect_back;
 mod fill;
 mod pull;
+
+pub use connect_back::Registrar;
 
 pub use fill::FillError;
 use fill::fill_workers;
@@ -196,15 +196,15 @@ pub struct PrefillEngine {
     epoch: Instant,
     /// D workers reachable for expiry notices, by transport name (connected from worker 0).
     d_peers: HashMap<String, PeerId>,
-    /// The newest instance of each D engine that said hello.
-    d_instances: HashMap<String, u64>,
-    /// The D workers each D engine registered on the side channel (its newest instance),
-    /// by transport name: a notification is taken only from a connection whose proven
-    /// name is here, and speaks for the engine that registered it.
-    d_registered: HashMap<String, EngineId>,
-    /// The side channel's hellos (taken before every notification poll, so that a D's
-    /// registration is known before its first notification).
-    hellos: Option<crossbeam_channel::Receiver<Hello>>,
+    /// The D engines registered on the side channel (shared with the side channel's
+    /// [`Registrar`]): a notification is taken only from a connection that speaks for one.
+    registry: Arc<std::sync::Mutex<kvlease_engine::registry::Registry>>,
+    /// Registrations the registrar took (taken before every notification poll, so that a
+    /// D's registration is known before its first notification).
+    registrations: (
+        crossbeam_channel::Sender<connect_back::Registration>,
+        crossbeam_channel::Receiver<connect_back::Registration>,
+    ),
     /// D workers being connected to (off the engine thread).
     connecting: std::collections::HashSet<String>,
     /// Connections made off the engine thread: (D instance, worker name, peer).
@@ -296,9 +296,8 @@ impl PrefillEngine {
             jobs: HashMap::new(),
             epoch: Instant::now(),
             d_peers: HashMap::new(),
-            d_instances: HashMap::new(),
-            d_registered: HashMap::new(),
-            hellos: None,
+            registry: Arc::default(),
+            registrations: crossbeam_channel::unbounded(),
             connecting: std::collections::HashSet::new(),
             connected: crossbeam_channel::unbounded(),
             d_caches: Arc::default(),
@@ -326,6 +325,8 @@ impl PrefillEngine {
             self.cfg.num_blocks,
         );
         info.shape = Some(self.cfg.shape);
+        // With a token, the registrar binds each registration's session.
+        info.sessions = self.cfg.link.auth_token.is_some();
         info.workers = self
             .workers
             .iter()
@@ -344,12 +345,10 @@ impl PrefillEngine {
     pub fn run(
         mut self,
         jobs: crossbeam_channel::Receiver<Job>,
-        hellos: crossbeam_channel::Receiver<Hello>,
         stop: Arc<AtomicBool>,
         heartbeat: Arc<crate::health::EngineHeartbeat>,
     ) {
         let idle = Duration::from_millis(1);
-        self.hellos = Some(hellos);
         while !stop.load(Ordering::Relaxed) {
             heartbeat.beat();
             // 1. Intake: block briefly only when there is nothing to prefill.
@@ -593,18 +592,21 @@ impl PrefillEngine {
         let now = self.now();
         let mut batches = Vec::new();
         for w in &self.workers {
-            batches.extend(w.agent.get_new_notifs());
+            batches.extend(w.agent.get_new_notifs_from());
         }
         for (from, msgs) in batches {
             // `from` is the name the connection proved in the transport's authenticated
-            // exchange; it speaks only for the engine that registered it on the side
-            // channel.
-            let Some(engine) = self.d_registered.get(&from).cloned() else {
+            // exchange, and the session it proved it with; it speaks only for the engine
+            // whose side-channel registration named it, in that registration's session.
+            let Some(engine) = self.speaker(&from) else {
                 self.metrics.notifs_unregistered.inc_by(msgs.len() as u64);
-                tracing::debug!(connection = %from, count = msgs.len(), "notifications from a connection no D engine registered dropped");
+                tracing::debug!(connection = %from, count = msgs.len(), "notifications from a connection that speaks for no registered D engine dropped");
                 continue;
             };
-            let peer = Peer { engine, addr: from };
+            let peer = Peer {
+                engine,
+                addr: from.name,
+            };
             for msg in msgs {
                 self.handle_notif(now, &peer, &msg);
             }
@@ -687,6 +689,14 @@ impl PrefillEngine {
             ReleaseReason::Aborted => metrics::ReleaseReason::Aborted,
         };
         self.metrics.lease_released(reason).inc();
+        if r.at_max_lifetime {
+            self.metrics.leases_max_lifetime.inc();
+            tracing::warn!(
+                request = %r.request,
+                lifetime = ?r.released_at.saturating_duration_since(r.granted_at),
+                "lease reached its max lifetime (kv_lease_max_lifetime) though its reader still heartbeats it; blocks reclaimed"
+            );
+        }
         if r.reason == ReleaseReason::Expired {
             let since = r.last_heartbeat.unwrap_or(r.granted_at);
             self.metrics

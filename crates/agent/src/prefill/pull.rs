@@ -327,7 +327,8 @@ impl PullCtx {
             .workers
             .iter()
             .zip(0..)
-            .map(|(w, rank)| connect_worker(&w.agent, &info, rank, &want))
+            // D's side channel binds no session: P's pulls prove the token.
+            .map(|(w, rank)| connect_worker(&w.agent, &info, rank, &want, None))
             .collect::<Result<Vec<_>, _>>()
             .map_err(Box::new)?;
         let remote = Arc::new(DRemote { info, peers });

@@ -81,6 +81,11 @@ pub struct ProxyArgs {
     /// is a 502 naming this flag; D's streamed answers are passed through unbuffered.
     #[arg(long, default_value_t = DEFAULT_MAX_UPSTREAM_BODY_BYTES)]
     pub max_upstream_body_bytes: usize,
+    /// Bytes the proxy holds in bodies at once, in all (client requests, P's answers, D's
+    /// non-streamed answers): a body that does not fit what is left gets a retryable 503
+    /// (`Retry-After`) instead of memory. At least --max-upstream-body-bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_BUFFERED_BODY_BYTES)]
+    pub max_buffered_body_bytes: usize,
     /// Client connections open at once; more are closed at accept and counted in
     /// kvlease_proxy_http_connections_refused_total.
     #[arg(long, default_value_t = 256)]
@@ -107,6 +112,12 @@ const DEFAULT_MAX_UPSTREAM_BODY_BYTES: usize = 64 << 20;
 /// Most `--max-upstream-body-bytes` accepts: 1 GiB.
 const MAX_UPSTREAM_BODY_LIMIT: usize = 1 << 30;
 
+/// Default of `--max-buffered-body-bytes`: 256 MiB.
+const DEFAULT_MAX_BUFFERED_BODY_BYTES: usize = 256 << 20;
+
+/// Most `--max-buffered-body-bytes` accepts: 64 GiB.
+const MAX_BUFFERED_BODY_LIMIT: usize = 64 << 30;
+
 /// A validated proxy configuration.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
@@ -122,6 +133,8 @@ pub struct ProxyConfig {
     pub upstream_idle_timeout: Duration,
     /// See [`ProxyArgs::max_upstream_body_bytes`].
     pub max_upstream_body_bytes: usize,
+    /// See [`ProxyArgs::max_buffered_body_bytes`].
+    pub max_buffered_body_bytes: usize,
     /// The client listener's limits: [`ProxyArgs::http_max_connections`],
     /// [`ProxyArgs::http_max_connections_per_source`] and
     /// [`ProxyArgs::http_header_timeout_ms`]; the rest are [`HttpLimits`]' defaults.
@@ -202,6 +215,18 @@ impl ProxyArgs {
                 ),
             });
         }
+        let floor = self.max_upstream_body_bytes.max(super::MAX_BODY_BYTES);
+        if !(floor..=MAX_BUFFERED_BODY_LIMIT).contains(&self.max_buffered_body_bytes) {
+            return Err(ProxyError::BadTimeout {
+                flag: "--max-buffered-body-bytes",
+                reason: format!(
+                    "must be {floor}..={MAX_BUFFERED_BODY_LIMIT} (at least \
+                     --max-upstream-body-bytes and the {} bytes of a client body), got {}",
+                    super::MAX_BODY_BYTES,
+                    self.max_buffered_body_bytes
+                ),
+            });
+        }
         let http = self.http_limits()?;
         Ok(ProxyConfig {
             prefill: parse_upstreams("--prefill", &self.prefill)?,
@@ -210,6 +235,7 @@ impl ProxyArgs {
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             upstream_idle_timeout: Duration::from_millis(self.upstream_idle_timeout_ms),
             max_upstream_body_bytes: self.max_upstream_body_bytes,
+            max_buffered_body_bytes: self.max_buffered_body_bytes,
             http,
         })
     }

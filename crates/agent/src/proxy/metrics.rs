@@ -23,17 +23,23 @@ pub enum ProxyOutcome {
     Timeout,
     /// The client's request was not a JSON object (400).
     BadRequest,
+    /// The bodies the proxy held at once filled `--max-buffered-body-bytes` (503).
+    Overloaded,
+    /// The request had passed through this proxy already: a routing loop (508).
+    Loop,
 }
 
 impl ProxyOutcome {
     /// Every outcome, in label order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 8] = [
         Self::Ok,
         Self::OkAfterRetry,
         Self::UpstreamError,
         Self::BadGateway,
         Self::Timeout,
         Self::BadRequest,
+        Self::Overloaded,
+        Self::Loop,
     ];
 
     /// The label value.
@@ -45,6 +51,8 @@ impl ProxyOutcome {
             Self::BadGateway => "bad_gateway",
             Self::Timeout => "timeout",
             Self::BadRequest => "bad_request",
+            Self::Overloaded => "overloaded",
+            Self::Loop => "loop",
         }
     }
 }
@@ -75,6 +83,12 @@ pub struct ProxyMetrics {
     /// `kvlease_proxy_http_connections_refused_total`: client connections closed at accept
     /// because the connection cap (in all, or the client address's share) was reached.
     pub http_connections_refused: Counter,
+    /// `kvlease_proxy_http_connections_evicted_total`: idle client connections closed to
+    /// make room for a newcomer.
+    pub http_connections_evicted: Counter,
+    /// `kvlease_proxy_buffered_body_bytes`: bytes of bodies the proxy holds now (at most
+    /// `--max-buffered-body-bytes`).
+    pub buffered_body_bytes: prometheus_client::metrics::gauge::Gauge,
     requests: Family<OutcomeLabel, Counter>,
 }
 
@@ -96,9 +110,21 @@ impl ProxyMetrics {
         );
         let requests = Family::<OutcomeLabel, Counter>::default();
         let http_connections_refused = Counter::default();
+        let http_connections_evicted = Counter::default();
+        registry.register(
+            "kvlease_proxy_http_connections_evicted",
+            "Idle client connections closed to make room for a newcomer",
+            http_connections_evicted.clone(),
+        );
+        let buffered_body_bytes = prometheus_client::metrics::gauge::Gauge::default();
+        registry.register(
+            "kvlease_proxy_buffered_body_bytes",
+            "Bytes of bodies the proxy holds whole now",
+            buffered_body_bytes.clone(),
+        );
         registry.register(
             "kvlease_proxy_http_connections_refused",
-            "Client connections closed at accept: too many open",
+            "Client connections answered 503 at accept: every connection they could replace was busy",
             http_connections_refused.clone(),
         );
         registry.register(
@@ -136,6 +162,8 @@ impl ProxyMetrics {
             decode_requests,
             request_seconds,
             http_connections_refused,
+            http_connections_evicted,
+            buffered_body_bytes,
             requests,
         }
     }

@@ -23,9 +23,17 @@
 //! An unreachable upstream is a 502, an upstream that does not answer in time a 504, an
 //! answer the proxy must read whole (P's, D's non-streamed one) over
 //! `--max-upstream-body-bytes` a 502 naming the limit (read no further), all in the
-//! OpenAI error shape; P's own errors (400, 503 ...) are passed through. The proxy
-//! keeps no per-request state (only the bounded per-conversation params of step 4): a
-//! client that disconnects drops the upstream request, which D sees as an abort.
+//! OpenAI error shape; P's own errors (400, 503 ...) are passed through. Every body the
+//! proxy holds whole (the client's, P's answer, D's non-streamed answer) counts against
+//! one budget, `--max-buffered-body-bytes` (module `budget`): a body that does not fit is a
+//! retryable 503 with `Retry-After`, so many large bodies at once cannot add up. The
+//! proxy keeps no per-request state (only the bounded per-conversation params of step
+//! 4): a client that disconnects drops the upstream request, which D sees as an abort.
+//!
+//! **Loops.** Every request the proxy forwards carries its hop header ([`HOP_HEADER`]: the
+//! ids of the proxies it passed, this one's added); a request that arrives with this
+//! proxy's id in it (a proxy that is, directly or not, its own upstream) is refused with
+//! 508 `loop_detected`, as is one that passed [`MAX_HOPS`] proxies.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,6 +43,7 @@ use kvlease_engine::DecoderKvParams;
 
 use crate::bidir::{is_decoder_params, params_from_value, params_to_value};
 
+mod budget;
 mod config;
 mod metrics;
 mod store;
@@ -54,6 +63,12 @@ use crate::api::{ApiError, KV_LOAD_FAILED};
 
 /// The header carrying the request id to P and D (as vLLM's proxies send it).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// The hop header: the comma-separated ids of the kvlease proxies a request passed.
+pub const HOP_HEADER: &str = "x-kvlease-proxy";
+
+/// Most proxies a request may pass (the hop header's ids) before one refuses it.
+pub const MAX_HOPS: usize = 8;
 
 /// Largest request body accepted from a client.
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -83,6 +98,10 @@ struct Inner {
     next_decode: AtomicUsize,
     next_id: AtomicU64,
     id_prefix: String,
+    /// This proxy's id in the hop header (random, per process).
+    hop_id: String,
+    /// The bodies held whole (`--max-buffered-body-bytes`).
+    budget: Arc<budget::Budget>,
     /// Bidirectional mode: D's cached-blocks params of each conversation's last turn.
     conversations: Mutex<ConversationStore>,
 }
@@ -94,6 +113,14 @@ pub const MAX_CONVERSATIONS: usize = 65_536;
 #[derive(Debug, Clone)]
 pub struct Proxy {
     inner: Arc<Inner>,
+}
+
+/// The headers every upstream request of one client request carries.
+struct Upstream {
+    /// The client's `Authorization`, passed on.
+    auth: Option<HeaderValue>,
+    /// The hop header: the proxies the request passed, this one's id last.
+    hop: HeaderValue,
 }
 
 /// What the decode step of one turn needs to know for bidirectional mode.
@@ -129,21 +156,28 @@ impl Proxy {
             .no_proxy()
             .build()
             .map_err(|source| ProxyError::Client { source })?;
-        let id_prefix = {
+        let random = {
             use std::hash::{BuildHasher, Hasher};
             let mut h = std::collections::hash_map::RandomState::new().build_hasher();
             h.write_u32(std::process::id());
-            format!("proxy-{:08x}", h.finish() as u32)
+            h.finish()
         };
+        let metrics = ProxyMetrics::new();
+        let budget = budget::Budget::new(
+            config.max_buffered_body_bytes,
+            metrics.buffered_body_bytes.clone(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 client,
-                metrics: ProxyMetrics::new(),
+                metrics,
                 next_prefill: AtomicUsize::new(0),
                 next_decode: AtomicUsize::new(0),
                 next_id: AtomicU64::new(0),
-                id_prefix,
+                id_prefix: format!("proxy-{:08x}", random as u32),
+                hop_id: format!("{random:016x}"),
+                budget,
                 conversations: Mutex::new(ConversationStore::new(MAX_CONVERSATIONS)),
             }),
         })
@@ -173,12 +207,15 @@ impl Proxy {
     /// # Errors
     /// The listener's IO error.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        let refused = self.inner.metrics.http_connections_refused.clone();
+        let counters = crate::http::ConnectionCounters {
+            refused: self.inner.metrics.http_connections_refused.clone(),
+            evicted: self.inner.metrics.http_connections_evicted.clone(),
+        };
         crate::http::serve(
             listener,
             self.router(),
             &self.inner.config.http,
-            &refused,
+            &counters,
             std::future::pending(),
         )
         .await
@@ -211,10 +248,14 @@ impl Proxy {
         }
     }
 
-    async fn handle(&self, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    async fn handle(&self, path: &'static str, headers: HeaderMap, body: Body) -> Response {
         let start = Instant::now();
         let metrics = &self.inner.metrics;
-        let (response, outcome) = match self.route(path, &headers, &body).await {
+        let routed = match self.admit(&headers, body).await {
+            Ok((hops, body, _held)) => self.route(path, &headers, &hops, &body).await,
+            Err(failure) => Err(failure),
+        };
+        let (response, outcome) = match routed {
             Ok((response, retried)) => {
                 let outcome = match (response.status().is_success(), retried) {
                     (true, false) => ProxyOutcome::Ok,
@@ -241,11 +282,88 @@ impl Proxy {
         response
     }
 
+    /// Refuses a request that passed this proxy already, or too many, and reads the
+    /// client's body within the budget; returns the hop header to forward, the body and
+    /// its reservation (held while the request runs).
+    async fn admit(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+    ) -> Result<(HeaderValue, Bytes, budget::Reservation), Failure> {
+        let hops: Vec<&str> = headers
+            .get_all(HOP_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|h| !h.is_empty())
+            .collect();
+        if hops.contains(&self.inner.hop_id.as_str()) {
+            return Err(loop_detected(&format!(
+                "the request already passed through this proxy ({HOP_HEADER}: {}): a routing loop (is the proxy its own upstream?)",
+                hops.join(",")
+            )));
+        }
+        if hops.len() >= MAX_HOPS {
+            return Err(loop_detected(&format!(
+                "the request passed {} proxies ({HOP_HEADER}), at most {MAX_HOPS} are allowed",
+                hops.len()
+            )));
+        }
+        let mut forward = hops.join(",");
+        if !forward.is_empty() {
+            forward.push(',');
+        }
+        forward.push_str(&self.inner.hop_id);
+        let hop = HeaderValue::from_str(&forward)
+            .map_err(|_| bad_request(&format!("{HOP_HEADER} is not a valid header value")))?;
+        let mut held = self.inner.budget.start();
+        let mut out = Vec::new();
+        let mut stream = body.into_data_stream();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut stream).await {
+            let chunk =
+                chunk.map_err(|e| bad_request(&format!("reading the request body: {e}")))?;
+            if chunk.len() > MAX_BODY_BYTES - out.len() {
+                return Err(Failure::Respond(
+                    ApiError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "request_too_large",
+                        format!("the request body exceeds {MAX_BODY_BYTES} bytes"),
+                    )
+                    .into_response(),
+                    ProxyOutcome::BadRequest,
+                ));
+            }
+            if !held.grow(chunk.len()) {
+                return Err(self.over_budget());
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok((hop, Bytes::from(out), held))
+    }
+
+    /// The 503 for a body that does not fit `--max-buffered-body-bytes`.
+    fn over_budget(&self) -> Failure {
+        let limit = self.inner.config.max_buffered_body_bytes;
+        tracing::warn!(
+            limit,
+            "bodies held at once reached --max-buffered-body-bytes; request refused"
+        );
+        Failure::Respond(
+            ApiError::overloaded(format!(
+                "the proxy holds {limit} bytes of bodies at once (--max-buffered-body-bytes); try again"
+            ))
+            .into_response(),
+            ProxyOutcome::Overloaded,
+        )
+    }
+
     /// P then D, with one retry on a retryable KV failure. `Ok((answer, retried))`.
     async fn route(
         &self,
         path: &'static str,
         headers: &HeaderMap,
+        hop: &HeaderValue,
         body: &Bytes,
     ) -> Result<(Response, bool), Failure> {
         let request = match serde_json::from_slice::<Value>(body) {
@@ -253,7 +371,10 @@ impl Proxy {
             Ok(_) => return Err(bad_request("the request body must be a JSON object")),
             Err(e) => return Err(bad_request(&format!("the request body is not JSON: {e}"))),
         };
-        let auth = headers.get(header::AUTHORIZATION).cloned();
+        let up = Upstream {
+            auth: headers.get(header::AUTHORIZATION).cloned(),
+            hop: hop.clone(),
+        };
         let base_id = self.request_id(headers);
         // Bidirectional mode: the previous turn's D params go to P with this turn.
         let key = conversation_key(&Value::Object(request.clone()));
@@ -273,7 +394,7 @@ impl Proxy {
             };
             // A retry prefills from scratch: the cached turn may be gone by now.
             let (params, pulled) = self
-                .prefill(path, &request, &id, auth.as_ref(), cached.take())
+                .prefill(path, &request, &id, &up, cached.take())
                 .await?;
             let mut to_decode = request.clone();
             to_decode.insert("kv_transfer_params".to_owned(), params);
@@ -281,10 +402,7 @@ impl Proxy {
                 key: key.clone(),
                 cached_tokens_pulled: pulled,
             };
-            match self
-                .decode(path, &to_decode, &id, auth.as_ref(), &turn)
-                .await
-            {
+            match self.decode(path, &to_decode, &id, &up, &turn).await {
                 Ok(response) => return Ok((response, attempt > 0)),
                 Err(Failure::RetryableKv(status, body)) if attempt == 0 => {
                     self.inner.metrics.retries.inc();
@@ -308,7 +426,7 @@ impl Proxy {
         path: &str,
         request: &Map<String, Value>,
         id: &str,
-        auth: Option<&HeaderValue>,
+        up: &Upstream,
         cached: Option<DecoderKvParams>,
     ) -> Result<(Value, Option<u64>), Failure> {
         // Two tries even with one P: a connection that broke under the request (a pooled
@@ -316,10 +434,7 @@ impl Proxy {
         let tries = 2;
         for attempt in 1..=tries {
             let url = self.next_url(false, path);
-            match self
-                .prefill_at(&url, request, id, auth, cached.clone())
-                .await
-            {
+            match self.prefill_at(&url, request, id, up, cached.clone()).await {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
                     tracing::warn!(request = %id, %url, "prefill agent unreachable; trying again on the next one (the same when there is one)");
                 }
@@ -337,7 +452,7 @@ impl Proxy {
         url: &Url,
         request: &Map<String, Value>,
         id: &str,
-        auth: Option<&HeaderValue>,
+        up: &Upstream,
         cached: Option<DecoderKvParams>,
     ) -> Result<(Value, Option<u64>), Failure> {
         let url = url.clone();
@@ -371,7 +486,7 @@ impl Proxy {
             other => other,
         };
         let response = self
-            .send(&url, &body, id, auth)
+            .send(&url, &body, id, up)
             .timeout(self.inner.config.timeout)
             .send()
             .await
@@ -379,10 +494,11 @@ impl Proxy {
         let status = response.status();
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
         let limit = self.inner.config.max_upstream_body_bytes;
-        let bytes = match read_capped(response, limit).await {
-            Ok(bytes) => bytes,
+        let (bytes, _held) = match read_capped(response, limit, self.inner.budget.start()).await {
+            Ok(read) => read,
             Err(Capped::Read(e)) => return Err(unreachable(e)),
             Err(Capped::TooLarge) => return Err(too_large("prefill", &url, limit)),
+            Err(Capped::OverBudget) => return Err(self.over_budget()),
         };
         if !status.is_success() {
             tracing::debug!(request = %id, %url, %status, "prefill failed; passing its answer through");
@@ -410,13 +526,13 @@ impl Proxy {
         path: &str,
         body: &Map<String, Value>,
         id: &str,
-        auth: Option<&HeaderValue>,
+        up: &Upstream,
         turn: &Turn,
     ) -> Result<Response, Failure> {
         let tries = self.inner.config.decode.len().min(2);
         for attempt in 1..=tries {
             let url = self.next_url(true, path);
-            match self.decode_at(&url, body, id, auth, turn).await {
+            match self.decode_at(&url, body, id, up, turn).await {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
                     tracing::warn!(request = %id, %url, "decode agent unreachable; trying the next one");
                 }
@@ -434,13 +550,13 @@ impl Proxy {
         url: &Url,
         body: &Map<String, Value>,
         id: &str,
-        auth: Option<&HeaderValue>,
+        up: &Upstream,
         turn: &Turn,
     ) -> Result<Response, Failure> {
         let url = url.clone();
         let streaming = body.get("stream") == Some(&Value::Bool(true));
         self.inner.metrics.decode_requests.inc();
-        let mut request = self.send(&url, body, id, auth);
+        let mut request = self.send(&url, body, id, up);
         if !streaming {
             request = request.timeout(self.inner.config.timeout);
         }
@@ -483,10 +599,13 @@ impl Proxy {
                 .map_err(|e| bad_gateway(&format!("building the streamed answer: {e}")));
         }
         let limit = self.inner.config.max_upstream_body_bytes;
-        let bytes = read_capped(response, limit).await.map_err(|e| match e {
-            Capped::Read(e) => upstream_failure("decode", &url, &e),
-            Capped::TooLarge => too_large("decode", &url, limit),
-        })?;
+        let (bytes, held) = read_capped(response, limit, self.inner.budget.start())
+            .await
+            .map_err(|e| match e {
+                Capped::Read(e) => upstream_failure("decode", &url, &e),
+                Capped::TooLarge => too_large("decode", &url, limit),
+                Capped::OverBudget => self.over_budget(),
+            })?;
         if status.is_success()
             && let Ok(Value::Object(mut answer)) = serde_json::from_slice::<Value>(&bytes)
             && is_decoder_params(answer.get("kv_transfer_params"))
@@ -499,7 +618,13 @@ impl Proxy {
                 return Ok(passthrough(status, content_type, Bytes::from(out)));
             }
         }
-        Ok(passthrough(status, content_type, bytes))
+        // The answer's bytes stay reserved until the client took them.
+        let mut response = Response::new(budget::guarded_body(bytes, held));
+        *response.status_mut() = status;
+        if let Some(ct) = content_type {
+            response.headers_mut().insert(header::CONTENT_TYPE, ct);
+        }
+        Ok(response)
     }
 
     /// Bidirectional mode: keeps D's cached-blocks params of a finished turn for the
@@ -526,15 +651,16 @@ impl Proxy {
         url: &Url,
         body: &Map<String, Value>,
         id: &str,
-        auth: Option<&HeaderValue>,
+        up: &Upstream,
     ) -> reqwest::RequestBuilder {
         let mut request = self
             .inner
             .client
             .post(url.clone())
             .json(body)
-            .header(HeaderName::from_static(REQUEST_ID_HEADER), id);
-        if let Some(auth) = auth {
+            .header(HeaderName::from_static(REQUEST_ID_HEADER), id)
+            .header(HeaderName::from_static(HOP_HEADER), up.hop.clone());
+        if let Some(auth) = &up.auth {
             request = request.header(header::AUTHORIZATION, auth.clone());
         }
         request
@@ -565,27 +691,46 @@ async fn read_limited(mut response: reqwest::Response, limit: usize) -> reqwest:
 enum Capped {
     /// The body announced or sent more than the limit.
     TooLarge,
+    /// The body does not fit what is left of the budget.
+    OverBudget,
     /// Reading the body failed.
     Read(reqwest::Error),
 }
 
-/// The whole body of `response`, or [`Capped::TooLarge`] as soon as its `Content-Length`
-/// or the bytes received so far exceed `limit` (dropping the response closes the
-/// connection: nothing more is read).
-async fn read_capped(mut response: reqwest::Response, limit: usize) -> Result<Bytes, Capped> {
+/// The whole body of `response` and its reservation in the budget, or
+/// [`Capped::TooLarge`] as soon as its `Content-Length` or the bytes received so far
+/// exceed `limit`, or [`Capped::OverBudget`] as soon as they do not fit the budget
+/// (dropping the response closes the connection: nothing more is read). An announced
+/// length is reserved up front.
+async fn read_capped(
+    mut response: reqwest::Response,
+    limit: usize,
+    mut held: budget::Reservation,
+) -> Result<(Bytes, budget::Reservation), Capped> {
     let announced = response.content_length();
     if announced.is_some_and(|n| n > limit as u64) {
         return Err(Capped::TooLarge);
     }
     let capacity = announced.map_or(0, |n| usize::try_from(n).unwrap_or(limit).min(limit));
+    if !held.grow(capacity) {
+        return Err(Capped::OverBudget);
+    }
+    let mut reserved = capacity;
     let mut out = Vec::with_capacity(capacity);
     while let Some(chunk) = response.chunk().await.map_err(Capped::Read)? {
         if chunk.len() > limit - out.len() {
             return Err(Capped::TooLarge);
         }
+        let needed = out.len() + chunk.len();
+        if needed > reserved {
+            if !held.grow(needed - reserved) {
+                return Err(Capped::OverBudget);
+            }
+            reserved = needed;
+        }
         out.extend_from_slice(&chunk);
     }
-    Ok(Bytes::from(out))
+    Ok((Bytes::from(out), held))
 }
 
 /// The 502 for an upstream answer over `--max-upstream-body-bytes`.
@@ -619,6 +764,14 @@ fn bad_gateway(message: &str) -> Failure {
     )
 }
 
+fn loop_detected(message: &str) -> Failure {
+    tracing::warn!("{message}");
+    Failure::Respond(
+        ApiError::new(StatusCode::LOOP_DETECTED, "loop_detected", message).into_response(),
+        ProxyOutcome::Loop,
+    )
+}
+
 fn timeout_failure(message: &str) -> Failure {
     tracing::warn!("{message}");
     Failure::Respond(
@@ -637,11 +790,11 @@ fn upstream_failure(kind: &str, url: &Url, error: &reqwest::Error) -> Failure {
     }
 }
 
-async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Body) -> Response {
     proxy.handle("/v1/completions", headers, body).await
 }
 
-async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Body) -> Response {
     proxy.handle("/v1/chat/completions", headers, body).await
 }
 

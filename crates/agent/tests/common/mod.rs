@@ -267,6 +267,37 @@ pub(crate) fn run_to_exit(bin: &str, args: &[&str]) -> Result<Output> {
     Ok(child.wait_with_output()?)
 }
 
+/// `(VmRSS in KiB, Threads)` of `pid`, from /proc.
+pub(crate) fn rss_and_threads(pid: u32) -> Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> Result<u64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .with_context(|| format!("{name} missing"))?;
+        Ok(line
+            .split_whitespace()
+            .nth(1)
+            .context("no value")?
+            .parse()?)
+    };
+    Ok((field("VmRSS:")?, field("Threads:")?))
+}
+
+/// `(threads, open file descriptors)` of `pid`, from /proc.
+pub(crate) fn threads_and_fds(pid: u32) -> Result<(u64, u64)> {
+    let (_, threads) = rss_and_threads(pid)?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count() as u64;
+    Ok((threads, fds))
+}
+
+/// This host's wall clock in µs since the Unix epoch (an engine instance now).
+pub(crate) fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
 /// The `--transport` the spawned agents get: `KVLEASE_TEST_TRANSPORT`, default `tcp`.
 pub(crate) fn transport() -> String {
     std::env::var("KVLEASE_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".to_owned())

@@ -323,12 +323,15 @@ fn a_lost_engine_fails_waiting_requests_and_handshakes_again() {
     assert!(c.poll_handshake().is_some());
 }
 
-#[test]
-fn a_restarted_p_is_found_by_its_instance_and_handshaken_again() {
-    let mut c = core();
+/// A connected engine at instance 100 with request `a` loading and `b` waiting.
+fn connected_at_100() -> DecodeCore {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let mut c =
+        DecodeCore::new(DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease).with_limits(1, 8));
     c.on_new_request(at(0), id("a"), 16, remote("ra", 2, 1).with_instance(100))
         .unwrap();
     let hs = c.poll_handshake().unwrap();
+    assert_eq!(hs.check_instance, None, "a first handshake");
     c.handle_handshake(
         at(0),
         &hs.engine,
@@ -337,27 +340,140 @@ fn a_restarted_p_is_found_by_its_instance_and_handshaken_again() {
     c.on_new_request(at(1), id("b"), 16, remote("rb", 2, 1).with_instance(100))
         .unwrap();
     c.poll_load().unwrap(); // a loads; b waits
-    // P restarts: a request names the new instance.
+    c
+}
+
+#[test]
+fn a_restarted_p_is_found_by_a_check_of_its_side_channel() {
+    let mut c = connected_at_100();
+    // A request names a newer instance: D keeps its connection and asks P.
     c.on_new_request(at(2), id("c"), 16, remote("rc", 2, 1).with_instance(200))
         .unwrap();
-    assert_eq!(c.stats().peer_restarts, 1);
-    let f = finished(&mut c);
     assert!(
-        matches!(&f[..], [(r, Outcome::Failed(e @ LoadError::PeerLost { .. }))] if r == &id("b") && e.is_retryable())
+        c.is_ready(&engine("p")),
+        "the connection stays until P says otherwise"
     );
-    let hs = c.poll_handshake().expect("a new handshake");
+    assert!(finished(&mut c).is_empty());
+    let hs = c.poll_handshake().expect("a check");
+    assert_eq!(hs.check_instance, Some(100));
+    assert_eq!(c.stats().instance_checks, 1);
+    // P's side channel announces 200: P restarted.
     c.handle_handshake(
         at(3),
         &hs.engine,
         Ok(RemoteEngine::new(2, 64).with_instance(200)),
+    );
+    assert_eq!(c.stats().peer_restarts, 1);
+    let f = finished(&mut c);
+    assert!(
+        matches!(&f[..], [(r, Outcome::Failed(e @ LoadError::PeerLost { .. }))] if r == &id("b") && e.is_retryable()),
+        "{f:?}"
     );
     // Old-instance params arriving late are refused, retryably.
     let e = c
         .on_new_request(at(4), id("d"), 16, remote("rd", 2, 1).with_instance(100))
         .unwrap_err();
     assert!(matches!(e, AdmitError::StaleInstance { .. }) && e.is_retryable());
-    // The new instance's request loads.
     assert_eq!(c.poll_load().map(|p| p.request), None, "a is still running");
+}
+
+#[test]
+fn a_request_naming_an_instance_p_does_not_have_never_drops_the_connection() {
+    let mut c = connected_at_100();
+    c.on_new_request(at(2), id("c"), 16, remote("rc", 2, 1).with_instance(101))
+        .unwrap();
+    let hs = c.poll_handshake().expect("a check");
+    // While the check runs, requests of the connected instance still load, and one more
+    // naming the newer instance waits for the same check.
+    c.on_new_request(at(3), id("d"), 16, remote("rd", 2, 1).with_instance(101))
+        .unwrap();
+    assert!(c.poll_handshake().is_none(), "one check at a time");
+    c.handle_handshake(
+        at(4),
+        &hs.engine,
+        Ok(RemoteEngine::new(2, 64).with_instance(100)),
+    );
+    assert!(c.is_ready(&engine("p")));
+    assert_eq!(c.stats().peer_restarts, 0);
+    let f = finished(&mut c);
+    let ids: Vec<&RequestId> = f.iter().map(|(r, _)| r).collect();
+    assert_eq!(ids, [&id("c"), &id("d")]);
+    for (_, o) in &f {
+        assert!(
+            matches!(o, Outcome::Failed(e @ LoadError::UnknownInstance { theirs: 101, current: 100, .. }) if !e.is_retryable()),
+            "{o:?}"
+        );
+    }
+    assert!(
+        c.is_waiting(&id("b")),
+        "b of the connected instance still waits"
+    );
+    // A second claim within the interval is refused, retryably, without a check...
+    let e = c
+        .on_new_request(at(500), id("e"), 16, remote("re", 2, 1).with_instance(102))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::InstanceUnconfirmed { .. }) && e.is_retryable());
+    assert!(c.poll_handshake().is_none());
+    // ...and checked once the interval has passed; a failed check keeps the connection.
+    c.on_new_request(at(1100), id("f"), 16, remote("rf", 2, 1).with_instance(102))
+        .unwrap();
+    let hs = c.poll_handshake().expect("a second check");
+    let gone = HandshakeError::NotFound(Arc::new(std::io::Error::other("refused")));
+    c.handle_handshake(at(1200), &hs.engine, Err(gone));
+    assert!(c.is_ready(&engine("p")));
+    let f = finished(&mut c);
+    assert!(
+        matches!(&f[..], [(r, Outcome::Failed(LoadError::Handshake { .. }))] if r == &id("f")),
+        "{f:?}"
+    );
+    assert_eq!(c.stats().instance_checks, 2);
+}
+
+#[test]
+fn idle_engines_make_room_for_new_ones_and_busy_ones_do_not() {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let mut c = DecodeCore::new(
+        DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease)
+            .with_limits(4, 8)
+            .with_max_engines(2),
+    );
+    let on = |e: &str, req: &str| {
+        let mut r = remote(req, 2, 1);
+        r.engine = engine(e);
+        r
+    };
+    let load = |c: &mut DecodeCore, e: &str, req: &str, t: u64| {
+        c.on_new_request(at(t), id(req), 16, on(e, req)).unwrap();
+        if let Some(hs) = c.poll_handshake() {
+            c.handle_handshake(at(t), &hs.engine, Ok(RemoteEngine::new(2, 64)));
+        }
+        let plan = c.poll_load().unwrap();
+        for i in 0..plan.batches.len() {
+            c.handle_batch_done(&id(req), i, BatchResult::Done { bytes: 1 });
+        }
+        let _ = std::iter::from_fn(|| c.poll_event()).count();
+        c.handle_verified(&id(req), Ok(()));
+        assert!(c.request_finished(&id(req)));
+    };
+    load(&mut c, "p1", "a", 1);
+    load(&mut c, "p2", "b", 2);
+    // p1 was used longest ago: a request for p3 drops it.
+    c.on_new_request(at(3), id("c"), 16, on("p3", "c")).unwrap();
+    let dropped: Vec<EngineId> = std::iter::from_fn(|| c.poll_event())
+        .filter_map(|e| match e {
+            DecodeEvent::EngineDropped { engine } => Some(engine),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dropped, [engine("p1")]);
+    assert_eq!((c.engines(), c.stats().engines_evicted), (2, 1));
+    // p3 handshakes and p2 gets a waiting request: no engine is idle now.
+    c.on_new_request(at(4), id("d"), 16, on("p2", "d")).unwrap();
+    let e = c
+        .on_new_request(at(5), id("e"), 16, on("p4", "e"))
+        .unwrap_err();
+    assert!(matches!(e, AdmitError::TooManyEngines { max: 2 }) && e.is_retryable());
+    assert_eq!(c.engines(), 2);
 }
 
 #[test]

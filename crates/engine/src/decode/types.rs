@@ -40,7 +40,22 @@ pub struct DecodeConfig {
     /// How the KV is spread over the TP ranks (of D and of every P): split by head
     /// (default) or replicated whole on every rank (MLA's latent cache).
     pub kv_split: KvSplit,
+    /// P engines D keeps at once (handshaking or connected). A request naming another
+    /// engine evicts the least recently used idle one (no request of D names it), or is
+    /// refused ([`AdmitError::TooManyEngines`]) when none is idle. Default
+    /// [`DEFAULT_MAX_ENGINES`].
+    pub max_engines: usize,
+    /// Least time between two checks of a connected P engine's instance (a request that
+    /// names a newer instance than the connected one makes D ask P's side channel); a
+    /// request naming a newer instance sooner is refused retryably
+    /// ([`AdmitError::InstanceUnconfirmed`]). Default [`DEFAULT_INSTANCE_CHECK_INTERVAL`].
+    pub instance_check_interval: Duration,
 }
+
+/// Default for [`DecodeConfig::max_engines`].
+pub const DEFAULT_MAX_ENGINES: usize = 64;
+/// Default for [`DecodeConfig::instance_check_interval`].
+pub const DEFAULT_INSTANCE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 /// How a model's KV cache is spread over an engine's TP ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -76,7 +91,23 @@ impl DecodeConfig {
             retry: Duration::from_millis(5),
             block_source: BlockSource::Pool,
             kv_split: KvSplit::Heads,
+            max_engines: DEFAULT_MAX_ENGINES,
+            instance_check_interval: DEFAULT_INSTANCE_CHECK_INTERVAL,
         }
+    }
+
+    /// Sets [`max_engines`](Self::max_engines) (at least 1).
+    #[must_use]
+    pub fn with_max_engines(mut self, max_engines: usize) -> Self {
+        self.max_engines = max_engines.max(1);
+        self
+    }
+
+    /// Sets [`instance_check_interval`](Self::instance_check_interval).
+    #[must_use]
+    pub fn with_instance_check_interval(mut self, interval: Duration) -> Self {
+        self.instance_check_interval = interval;
+        self
     }
 
     /// Sets [`kv_split`](Self::kv_split).
@@ -238,6 +269,31 @@ pub enum AdmitError {
         /// The instance D is connected to.
         current: u64,
     },
+    /// The request names a newer instance of a connected P engine than the one D is
+    /// connected to, and D asked P's side channel about its instance less than
+    /// [`DecodeConfig::instance_check_interval`] ago. Only P's side channel can announce
+    /// a new instance: try again later.
+    #[error(
+        "engine {engine} is instance {current}; the request names instance {theirs}, which \
+         D checks with P's side channel at most once per {interval:?}: try again later"
+    )]
+    InstanceUnconfirmed {
+        /// P's engine.
+        engine: EngineId,
+        /// The instance the request names.
+        theirs: u64,
+        /// The instance D is connected to.
+        current: u64,
+        /// [`DecodeConfig::instance_check_interval`].
+        interval: Duration,
+    },
+    /// D keeps [`DecodeConfig::max_engines`] P engines, every one of them with requests
+    /// here: none can make room for another.
+    #[error("this engine keeps {max} P engines, all in use: try again later")]
+    TooManyEngines {
+        /// [`DecodeConfig::max_engines`].
+        max: usize,
+    },
     /// The heartbeat tracker refused.
     #[error(transparent)]
     Track(#[from] TrackError),
@@ -254,13 +310,21 @@ impl AdmitError {
             | Self::Duplicate { .. }
             | Self::QueueFull { .. }
             | Self::StaleInstance { .. }
+            | Self::InstanceUnconfirmed { .. }
+            | Self::TooManyEngines { .. }
             | Self::Track(_) => None,
         }
     }
 
     /// Whether the client may retry later (D is busy, not the request wrong).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::QueueFull { .. } | Self::StaleInstance { .. })
+        matches!(
+            self,
+            Self::QueueFull { .. }
+                | Self::StaleInstance { .. }
+                | Self::InstanceUnconfirmed { .. }
+                | Self::TooManyEngines { .. }
+        )
     }
 }
 
@@ -348,18 +412,32 @@ pub enum LoadError {
         /// P's engine.
         engine: EngineId,
     },
+    /// The request names a newer instance of P than P's own side channel announced when
+    /// D asked it: the request's `kvlease_instance` is not P's.
+    #[error(
+        "engine {engine}'s side channel says it is instance {current}; the request names \
+         instance {theirs}"
+    )]
+    UnknownInstance {
+        /// P's engine.
+        engine: EngineId,
+        /// The instance the request names.
+        theirs: u64,
+        /// The instance P's side channel announced.
+        current: u64,
+    },
 }
 
 impl LoadError {
     /// Whether the request may be prefilled again and succeed (every load failure but a
-    /// wrong cluster token).
+    /// wrong cluster token and an instance P does not have).
     pub fn is_retryable(&self) -> bool {
         !matches!(
             self,
             Self::Handshake {
                 source: HandshakeError::Auth(_),
                 ..
-            }
+            } | Self::UnknownInstance { .. }
         )
     }
 }
@@ -511,6 +589,12 @@ pub struct HandshakeStart {
     pub host: String,
     /// P's side-channel port.
     pub port: u16,
+    /// `Some(instance)`: a check of an engine D is connected to, as `instance`, because a
+    /// request named a newer one. Ask P's side channel for its info without registering
+    /// again, and keep the connections D has unless P answers a newer instance than this
+    /// (then register and connect as for a first handshake, and close the old
+    /// connections once the core took the answer). `None`: a first handshake.
+    pub check_instance: Option<u64>,
 }
 
 /// What a finished handshake learned of P.
@@ -558,6 +642,12 @@ pub enum DecodeEvent {
     },
     /// A handshake finished well; its engine's requests may be scheduled.
     HandshakeDone {
+        /// P's engine.
+        engine: EngineId,
+    },
+    /// The core dropped a connected P engine that no request named, to make room for
+    /// another ([`DecodeConfig::max_engines`]): close its connections.
+    EngineDropped {
         /// P's engine.
         engine: EngineId,
     },
@@ -624,6 +714,11 @@ pub struct DecodeStats {
     pub foreign_notifs: u64,
     /// Malformed notifications.
     pub malformed_notifs: u64,
-    /// Times a P engine was found restarted (a request named a newer instance).
+    /// Times a P engine was found restarted (its side channel announced a newer
+    /// instance).
     pub peer_restarts: u64,
+    /// Checks of a connected P engine's instance started (a request named a newer one).
+    pub instance_checks: u64,
+    /// Idle P engines dropped to make room for another.
+    pub engines_evicted: u64,
 }

@@ -406,3 +406,52 @@ fn lease_entry_stays_small() {
     assert_eq!((size_of::<Hot>(), align_of::<Hot>()), (32, 32));
     assert_eq!(size_of::<Due>(), 24);
 }
+
+/// A reader that heartbeats a lease every interval but never reads it used to keep its
+/// blocks for as long as it kept sending. With a maximum lifetime of 10 s (30 s leases),
+/// the reaper releases it at grant + 10 s whatever the heartbeats say, flagged
+/// `at_max_lifetime`; `poll_timeout` is never later than that; a lease left to expire
+/// before its cap is an ordinary expiry.
+#[test]
+fn heartbeats_never_keep_a_lease_past_its_max_lifetime() {
+    let config = LeaseConfig::from_duration(Duration::from_secs(3))
+        .unwrap()
+        .with_max_lifetime(Duration::from_secs(10))
+        .unwrap();
+    let mut t = LeaseTable::new(config);
+    t.grant(ms(1_000), rid("pinned"), blocks(&[1, 2]), 1)
+        .unwrap();
+    t.grant(ms(1_000), rid("quiet"), blocks(&[3]), 1).unwrap();
+    let mut released = Vec::new();
+    for now in (1_500..=20_000).step_by(500) {
+        t.handle_heartbeat(ms(now), ["pinned"]);
+        assert!(
+            t.poll_timeout().is_none_or(|due| due <= ms(11_000)),
+            "at {now}: due {:?}",
+            t.poll_timeout()
+        );
+        if t.poll_timeout().is_some_and(|due| due <= ms(now)) {
+            t.handle_timeout(ms(now));
+        }
+        released.extend(drain(&mut t).into_iter().map(|r| (now, r)));
+    }
+    let got: Vec<(u64, &str, bool, Timestamp)> = released
+        .iter()
+        .map(|(now, r)| (*now, r.request.as_str(), r.at_max_lifetime, r.expiry))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (4_000, "quiet", false, ms(4_000)),
+            (11_000, "pinned", true, ms(11_000)),
+        ]
+    );
+    assert!(
+        released
+            .iter()
+            .all(|(_, r)| r.reason == ReleaseReason::Expired)
+    );
+    assert_eq!(t.stats().released_at_max_lifetime, 1);
+    assert_eq!(t.stats().released_expired, 2);
+    assert!(t.is_empty());
+}

@@ -50,7 +50,16 @@ fn an_old_agents_payload_reads_and_writes_the_canonical_keys() {
     let out = info.to_value();
     assert_eq!(out["workers"][0]["agent_metadata"], "Cgs=");
     assert!(out["workers"][0].get("metadata").is_none());
-    assert_eq!(EngineInfo::decode(&info.encode()), Ok(info));
+    assert!(!info.sessions && out.get("sessions").is_none());
+    assert_eq!(EngineInfo::decode(&info.encode()), Ok(info.clone()));
+    // An agents' P that binds sessions says so; the flag round-trips and must be a bool.
+    let mut binding = info;
+    binding.sessions = true;
+    assert_eq!(binding.to_value()["sessions"], true);
+    assert_eq!(EngineInfo::decode(&binding.encode()), Ok(binding));
+    let mut bad = old_agent_payload();
+    bad["sessions"] = json!("yes");
+    assert_eq!(field_of(&bad), "engine_info.sessions");
 }
 
 #[test]

@@ -102,7 +102,10 @@ class Agent:
         backend: Literal["auto", "tcp", "shm", "verbs"] = "auto",
         num_connections: int = 2,
         handshake_timeout: float = 5.0,
-    ) -> None: ...
+        allow_unauthenticated: bool = False,
+    ) -> None:
+        """Without ``token``, a ``listen`` address beyond loopback raises
+        ``InvalidArgument`` unless ``allow_unauthenticated=True``."""
     @property
     def name(self) -> str: ...
     @property
@@ -175,6 +178,7 @@ class Released:
     reason: ReleaseReason
     granted_at: float
     expiry: float
+    at_max_lifetime: bool
     last_heartbeat: float | None
     released_at: float
 
@@ -227,6 +231,7 @@ class PrefillCore:
         pool_wait: float = 0.0,
         first_generation: int | None = None,
         max_consumers: int | None = None,
+        max_lease_lifetime: float | None = None,
     ) -> None: ...
     @property
     def engine_id(self) -> str: ...
@@ -454,6 +459,7 @@ class HandshakeStart:
     engine: str
     host: str
     port: int
+    check_instance: int | None
 
 class Transmit:
     engine: str
@@ -484,6 +490,9 @@ class Loaded:
     bytes: int
 
 class HandshakeDone:
+    engine: str
+
+class EngineDropped:
     engine: str
 
 class Finished:
@@ -567,7 +576,7 @@ class DecodeCore:
     def start_load(self, request: str, blocks: Sequence[int], skip_blocks: int = 0) -> LoadPlan: ...
     def blocks_short(self) -> int | None: ...
     def poll_timeout(self) -> float | None: ...
-    def poll_event(self) -> Loaded | HandshakeDone | Finished | None: ...
+    def poll_event(self) -> Loaded | HandshakeDone | EngineDropped | Finished | None: ...
 
 class DecodedNotif:
     """What a notification says: ``kind`` and the fields of that kind (the others are

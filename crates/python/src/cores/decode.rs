@@ -125,6 +125,18 @@ pub(crate) struct HandshakeStart {
     host: String,
     /// P's side-channel port.
     port: u16,
+    /// A check of an engine already handshaken, as this instance, because a request named
+    /// a newer one: fetch P's info, and keep the connections unless P's instance is newer
+    /// than this one. `None`: a first handshake.
+    check_instance: Option<u64>,
+}
+
+/// The core dropped a P engine no request named, to make room for another: close its
+/// connections.
+#[pyclass(module = "kvlease._kvlease", frozen, get_all)]
+pub(crate) struct EngineDropped {
+    /// P's engine.
+    engine: String,
 }
 
 /// A notification for P: send `message` to every worker (or the receiving endpoint) of
@@ -472,6 +484,7 @@ impl DecodeCore {
             engine: h.engine.as_str().to_owned(),
             host: h.host,
             port: h.port,
+            check_instance: h.check_instance,
         })
     }
 
@@ -665,7 +678,7 @@ impl DecodeCore {
         self.core.poll_timeout().map(secs)
     }
 
-    /// The next event: `Loaded`, `HandshakeDone`, `Finished`, or `None`.
+    /// The next event: `Loaded`, `HandshakeDone`, `EngineDropped`, `Finished`, or `None`.
     fn poll_event(&mut self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let Some(event) = self.core.poll_event() else {
             return Ok(None);
@@ -687,6 +700,13 @@ impl DecodeCore {
             DecodeEvent::HandshakeDone { engine } => Py::new(
                 py,
                 HandshakeDone {
+                    engine: engine.as_str().to_owned(),
+                },
+            )?
+            .into_any(),
+            DecodeEvent::EngineDropped { engine } => Py::new(
+                py,
+                EngineDropped {
                     engine: engine.as_str().to_owned(),
                 },
             )?

@@ -53,6 +53,8 @@ pub(crate) struct Released {
     granted_at: f64,
     /// Its expiry when it ended.
     expiry: f64,
+    /// It expired at its maximum lifetime although heartbeats had renewed it past that.
+    at_max_lifetime: bool,
     /// When the last heartbeat naming it arrived, if any did.
     last_heartbeat: Option<f64>,
     /// When it was released.
@@ -73,6 +75,7 @@ impl Released {
             reason: PyEnum::ReleaseReason.member(py, reason)?,
             granted_at: secs(r.granted_at),
             expiry: secs(r.expiry),
+            at_max_lifetime: r.at_max_lifetime,
             last_heartbeat: r.last_heartbeat.map(secs),
             released_at: secs(r.released_at),
         })
@@ -134,10 +137,12 @@ pub(crate) struct PrefillCore {
 impl PrefillCore {
     /// A core for P engine `engine_id` with `tp_size` workers and `num_blocks` blocks
     /// of `block_size` tokens per worker; leases last `lease_duration` seconds
-    /// (heartbeats every sixth, each extending by two thirds). With `external_blocks`,
-    /// the serving engine allocates blocks (`handle_prefill_done_in`).
+    /// (heartbeats every sixth, each extending by two thirds) and at most
+    /// `max_lease_lifetime` seconds from their grant whatever the heartbeats say (default
+    /// 600, or `lease_duration` when longer). With `external_blocks`, the serving engine
+    /// allocates blocks (`handle_prefill_done_in`).
     #[new]
-    #[pyo3(signature = (engine_id, *, tp_size, num_blocks, block_size, lease_duration = 30.0, external_blocks = false, pool_wait = 0.0, first_generation = None, max_consumers = None))]
+    #[pyo3(signature = (engine_id, *, tp_size, num_blocks, block_size, lease_duration = 30.0, external_blocks = false, pool_wait = 0.0, first_generation = None, max_consumers = None, max_lease_lifetime = None))]
     #[allow(
         clippy::too_many_arguments,
         reason = "a Python constructor's keyword arguments"
@@ -153,6 +158,7 @@ impl PrefillCore {
         pool_wait: f64,
         first_generation: Option<u64>,
         max_consumers: Option<u32>,
+        max_lease_lifetime: Option<f64>,
     ) -> PyResult<Self> {
         if tp_size == 0 || num_blocks == 0 || block_size == 0 {
             return Err(invalid(
@@ -160,12 +166,18 @@ impl PrefillCore {
                 "tp_size, num_blocks and block_size must be positive",
             ));
         }
+        let mut lease = lease_config(py, lease_duration)?;
+        if let Some(max) = max_lease_lifetime {
+            lease = lease
+                .with_max_lifetime_secs_f64(max)
+                .map_err(|e| e.to_py(py))?;
+        }
         let mut config = PrefillConfig::new(
             self::engine_id(py, engine_id)?,
             tp_size,
             num_blocks,
             block_size,
-            lease_config(py, lease_duration)?,
+            lease,
         )
         .with_pool_wait(
             Duration::try_from_secs_f64(pool_wait)

@@ -424,7 +424,7 @@ impl World {
                     DecodeEvent::Finished { request, outcome } => {
                         self.d_finished(d, &request, &outcome)
                     }
-                    DecodeEvent::HandshakeDone { .. } => {}
+                    DecodeEvent::HandshakeDone { .. } | DecodeEvent::EngineDropped { .. } => {}
                 }
             }
         }

@@ -36,6 +36,7 @@ impl World {
         }
         self.stats.outcomes_ok = ok;
         self.stats.peer_restarts_seen = self.d.iter().map(|d| d.core.stats().peer_restarts).sum();
+        self.stats.instance_checks = self.d.iter().map(|d| d.core.stats().instance_checks).sum();
         self.stats.deferred_batches = self.d.iter().map(|d| d.core.stats().deferred_batches).sum();
         self.stats.restart_checks = restart_checks;
         for p in self.p.iter().filter(|p| p.alive) {

@@ -74,8 +74,11 @@ pub struct SimStats {
     pub rogue_owned: u64,
     /// `forget_engine` calls (a connection to P was lost).
     pub forgotten_engines: u64,
-    /// Times a D core found a P engine restarted (a request named a newer instance).
+    /// Times a D core found a P engine restarted (P's side channel announced a newer
+    /// instance to a check).
     pub peer_restarts_seen: u64,
+    /// Checks of a connected P engine's instance (a request named a newer one).
+    pub instance_checks: u64,
     /// Requests checked by the restart oracle (the first one to a restarted P past the bound).
     pub restart_checks: u64,
     /// Leases reclaimed after their D crashed.

@@ -22,15 +22,44 @@ impl Agent {
     /// mismatches; [`ConnectError::BackendUnavailable`] when [`BackendChoice::Verbs`] was
     /// asked for and cannot be used.
     pub fn connect(&self, metadata: &[u8]) -> Result<PeerId, ConnectError> {
+        self.connect_keyed(metadata, None)
+    }
+
+    /// Like [`connect`](Self::connect), proving `session` (from a side-channel exchange
+    /// with the peer's engine, see [`crate::Session`]) instead of the cluster token, so
+    /// that the peer takes this link's notifications as the ones of the party that ran
+    /// that exchange. The peer must have bound the session to this agent's name
+    /// ([`bind_session`](Self::bind_session)), else it refuses the link
+    /// ([`ConnectError::AuthRejected`]).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub fn connect_with_session(
+        &self,
+        metadata: &[u8],
+        session: &crate::Session,
+    ) -> Result<PeerId, ConnectError> {
+        self.connect_keyed(metadata, Some(session))
+    }
+
+    fn connect_keyed(
+        &self,
+        metadata: &[u8],
+        session: Option<&crate::Session>,
+    ) -> Result<PeerId, ConnectError> {
         let meta = decode_metadata(metadata)?;
+        // A session's key proves in the token's place.
+        let key = session
+            .map(crate::Session::key)
+            .or(self.inner.token.as_deref());
         let (link, backend) = match self.inner.backend {
             BackendChoice::Tcp => (
-                self.connect_tcp(&meta)?,
+                PeerLink::Tcp(tcp::client::connect(&self.inner, &meta, key)?),
                 (Backend::Tcp, LinkError::TcpRequested.to_string()),
             ),
             BackendChoice::Shm => {
-                let tcp = tcp::client::connect(&self.inner, &meta)?;
-                match crate::shm::connect(&self.inner, &meta, Arc::clone(&tcp)) {
+                let tcp = tcp::client::connect(&self.inner, &meta, key)?;
+                match crate::shm::connect(&self.inner, &meta, key, Arc::clone(&tcp)) {
                     Ok(link) => (PeerLink::Shm(Arc::new(link)), Self::shm_reason(&meta)),
                     Err(source) => {
                         tcp.close();
@@ -43,9 +72,9 @@ impl Agent {
                 }
             }
             BackendChoice::Verbs | BackendChoice::Auto => {
-                let tcp = tcp::client::connect(&self.inner, &meta)?;
+                let tcp = tcp::client::connect(&self.inner, &meta, key)?;
                 let shm = if self.inner.backend == BackendChoice::Auto {
-                    crate::shm::connect(&self.inner, &meta, Arc::clone(&tcp))
+                    crate::shm::connect(&self.inner, &meta, key, Arc::clone(&tcp))
                 } else {
                     Err(LinkError::VerbsRequested)
                 };
@@ -137,10 +166,6 @@ impl Agent {
         _tcp: &Arc<tcp::TcpLink>,
     ) -> Result<PeerLink, LinkError> {
         Err(LinkError::NotBuilt)
-    }
-
-    fn connect_tcp(&self, meta: &AgentMetadata) -> Result<PeerLink, ConnectError> {
-        Ok(PeerLink::Tcp(tcp::client::connect(&self.inner, meta)?))
     }
 
     /// Closes the connections to `peer`; its running batches fail with

@@ -6,7 +6,7 @@ mod types;
 
 pub use types::{
     BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, StatsHandle, TransportStats,
+    ReadBatch, ReadOp, RegionId, RemoteRange, Sender, StatsHandle, TransportStats,
 };
 pub(crate) use types::{Counters, bump};
 
@@ -49,6 +49,8 @@ type BatchEntry = (Arc<Batch>, Arc<Peer>);
 pub(crate) struct Inner {
     pub(crate) name: String,
     pub(crate) token: Option<Vec<u8>>,
+    /// Sessions inbound connections must prove, by the group of their name.
+    pub(crate) sessions: crate::sessions::Sessions,
     pub(crate) limits: Limits,
     pub(crate) num_connections: usize,
     pub(crate) backend: BackendChoice,
@@ -71,6 +73,8 @@ pub(crate) struct Inner {
     pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Inbound TCP connections held per peer address (`limits.max_inbound_per_address`).
     pub(crate) per_address: crate::slots::PerAddress,
+    /// Inbound connections not authenticated yet (`limits.max_preauth_connections`).
+    pub(crate) preauth: crate::slots::FairSlots,
     /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
     /// notification queues waiting for their sockets.
     pub(crate) tcp_notifs: tcp::NotifHub,
@@ -114,7 +118,7 @@ impl Inner {
     /// when the inbox has room. Returns false, having queued and counted nothing, when it
     /// has none: the caller keeps the bytes (and stops reading) until the inbox is
     /// drained.
-    pub(crate) fn deliver_notif_if_room(&self, from: &str, bytes: &[u8]) -> bool {
+    pub(crate) fn deliver_notif_if_room(&self, from: &Sender, bytes: &[u8]) -> bool {
         let inbox = lock(&self.inbox);
         if !self.inbox_has_room(&inbox, bytes.len()) {
             return false;
@@ -125,14 +129,14 @@ impl Inner {
 
     /// Queues a received notification from an authenticated peer (a serving thread's
     /// connection): one that does not fit the inbox is dropped and counted.
-    pub(crate) fn deliver_notif(&self, from: &str, bytes: Vec<u8>) {
+    pub(crate) fn deliver_notif(&self, from: &Sender, bytes: Vec<u8>) {
         let inbox = lock(&self.inbox);
         if !self.inbox_has_room(&inbox, bytes.len()) {
             let (count, held) = (inbox.count, inbox.bytes);
             drop(inbox);
             bump(&self.counters.notifs_dropped_overflow);
             tracing::warn!(
-                peer = from,
+                peer = %from,
                 count,
                 bytes = held,
                 max_count = self.limits.max_pending_notifs,
@@ -144,7 +148,7 @@ impl Inner {
         self.push_notif(inbox, from, bytes);
     }
 
-    fn push_notif(&self, mut inbox: MutexGuard<'_, Inbox>, from: &str, bytes: Vec<u8>) {
+    fn push_notif(&self, mut inbox: MutexGuard<'_, Inbox>, from: &Sender, bytes: Vec<u8>) {
         inbox.count += 1;
         inbox.bytes += bytes.len();
         self.inbox_len.store(inbox.count, Ordering::Release);
@@ -293,6 +297,8 @@ impl Agent {
         if l.max_pending_notifs == 0
             || l.max_inbound_connections == 0
             || l.max_inbound_per_address == 0
+            || l.max_preauth_connections == 0
+            || l.max_preauth_per_address == 0
             || l.max_queued_notif_bytes == 0
         {
             return Err(AgentError::Config("limits must be non-zero"));
@@ -322,6 +328,7 @@ impl Agent {
         #[cfg(feature = "verbs")]
         let verbs = crate::verbs::link::start_for(
             &config.backend,
+            &config.name,
             &config.auth_token,
             advertise.ip(),
             &config.limits,
@@ -330,7 +337,12 @@ impl Agent {
         let inner = Arc::new(Inner {
             name: config.name,
             token: config.auth_token,
+            sessions: crate::sessions::Sessions::default(),
             per_address: crate::slots::PerAddress::new(config.limits.max_inbound_per_address),
+            preauth: crate::slots::FairSlots::new(
+                config.limits.max_preauth_connections,
+                config.limits.max_preauth_per_address,
+            ),
             limits: config.limits,
             num_connections: config.num_connections,
             backend: config.backend,
@@ -561,7 +573,18 @@ impl Agent {
     /// Drains the notifications received since the last call, grouped by sender (in
     /// order of each sender's first message; each group in arrival order). Only peers
     /// that completed the handshake are heard; others' notifications are dropped and
-    /// counted.
+    /// counted. [`get_new_notifs_from`](Self::get_new_notifs_from) also says which
+    /// session each sender proved.
+    pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+        self.get_new_notifs_from()
+            .into_iter()
+            .map(|(from, msgs)| (from.name, msgs))
+            .collect()
+    }
+
+    /// Like [`get_new_notifs`](Self::get_new_notifs), with each sender's session: a
+    /// sender is a name and the session its connection proved (two connections under one
+    /// name with different sessions are two senders).
     ///
     /// This call reads the TCP notification connections itself (non-blocking; one
     /// `epoll_wait(0)` when none has anything, whatever the number of peers), taking at
@@ -570,7 +593,7 @@ impl Agent {
     /// writes on this agent's own queued notifications. Notifications from a peer on the
     /// same host that connected over shared memory are read here too, from that peer's
     /// ring (no system call when nothing arrived).
-    pub fn get_new_notifs(&self) -> Vec<(PeerName, Vec<Vec<u8>>)> {
+    pub fn get_new_notifs_from(&self) -> Vec<(Sender, Vec<Vec<u8>>)> {
         // TCP notification connections are read here, on the caller's thread (no thread
         // hand-off per message; one `epoll_wait(0)` when none has anything), and this
         // agent's queued notifications are written on.
@@ -592,6 +615,25 @@ impl Agent {
                 .drain_into(&self.inner, &mut groups);
         }
         groups
+    }
+
+    /// Binds `session` to the peer group `group` (see [`crate::Session`] and the module
+    /// `sessions`): from now on an inbound connection whose name's group
+    /// ([`name_group`](kvlease_proto::auth::name_group): before its last `/`) is `group`
+    /// must prove the session's key instead of the cluster token, or is
+    /// refused (counted in [`TransportStats::session_refusals`], logged at warn). It
+    /// replaces the group's earlier session; connections made under that one stay open,
+    /// and their notifications carry its id ([`Sender::session`]). No effect on an agent
+    /// without a token.
+    pub fn bind_session(&self, group: &str, session: crate::Session) {
+        if self.inner.token.is_some() {
+            self.inner.sessions.bind(group, session);
+        }
+    }
+
+    /// Removes `group`'s session (its names prove the token again); whether it had one.
+    pub fn unbind_session(&self, group: &str) -> bool {
+        self.inner.sessions.unbind(group)
     }
 
     /// This agent's counters.

@@ -25,6 +25,36 @@ pub struct BatchId(pub(super) u64);
 /// A peer's name, as it announced it in its metadata and handshake.
 pub type PeerName = String;
 
+/// Who sent a notification: the name its connection proved, and the id of the session it
+/// proved it with ([`Agent::bind_session`](super::Agent::bind_session); `None`: the
+/// cluster token, or no token at all).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Sender {
+    /// The proven name.
+    pub name: PeerName,
+    /// [`Session::id`](kvlease_proto::auth::Session::id) of the session it proved.
+    pub session: Option<u64>,
+}
+
+impl Sender {
+    /// A sender that proved `name` without a session.
+    pub fn unbound(name: impl Into<PeerName>) -> Self {
+        Self {
+            name: name.into(),
+            session: None,
+        }
+    }
+}
+
+impl std::fmt::Display for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.session {
+            Some(id) => write!(f, "{} (session {id:016x})", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
 /// A destination range in a locally registered region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalRange {
@@ -128,6 +158,9 @@ pub struct TransportStats {
     pub malformed_frames: u64,
     /// Inbound handshakes whose token proof failed.
     pub auth_failures: u64,
+    /// Of those, handshakes under a name whose group has a bound session that did not
+    /// prove it ([`Agent::bind_session`](super::Agent::bind_session)).
+    pub session_refusals: u64,
     /// Read ops served.
     pub reads_served: u64,
     /// Bytes served.
@@ -146,6 +179,12 @@ pub struct TransportStats {
     /// Inbound connections closed because they had not authenticated within
     /// `limits.handshake_timeout` of being accepted.
     pub handshake_timeouts: u64,
+    /// Unauthenticated inbound connections shut down to make room for a newcomer
+    /// (`limits.max_preauth_connections`).
+    pub preauth_evicted: u64,
+    /// Inbound connections closed at accept: every pre-auth slot was held and none could
+    /// be evicted.
+    pub preauth_refused: u64,
     /// Same-host peers' notification rings closed because the peer wrote something into
     /// the shared ring that no honest peer could have (see the `shm` module).
     pub notif_rings_corrupt: u64,
@@ -156,6 +195,7 @@ pub(crate) struct Counters {
     pub(crate) connections_accepted: AtomicU64,
     pub(crate) malformed_frames: AtomicU64,
     pub(crate) auth_failures: AtomicU64,
+    pub(crate) session_refusals: AtomicU64,
     pub(crate) reads_served: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) reads_refused: AtomicU64,
@@ -164,6 +204,8 @@ pub(crate) struct Counters {
     pub(crate) notifs_dropped_unauthenticated: AtomicU64,
     pub(crate) notifs_dropped_overflow: AtomicU64,
     pub(crate) handshake_timeouts: AtomicU64,
+    pub(crate) preauth_evicted: AtomicU64,
+    pub(crate) preauth_refused: AtomicU64,
     pub(crate) notif_rings_corrupt: AtomicU64,
 }
 
@@ -174,6 +216,7 @@ impl Counters {
             connections_accepted: g(&self.connections_accepted),
             malformed_frames: g(&self.malformed_frames),
             auth_failures: g(&self.auth_failures),
+            session_refusals: g(&self.session_refusals),
             reads_served: g(&self.reads_served),
             bytes_served: g(&self.bytes_served),
             reads_refused: g(&self.reads_refused),
@@ -182,6 +225,8 @@ impl Counters {
             notifs_dropped_unauthenticated: g(&self.notifs_dropped_unauthenticated),
             notifs_dropped_overflow: g(&self.notifs_dropped_overflow),
             handshake_timeouts: g(&self.handshake_timeouts),
+            preauth_evicted: g(&self.preauth_evicted),
+            preauth_refused: g(&self.preauth_refused),
             notif_rings_corrupt: g(&self.notif_rings_corrupt),
         }
     }

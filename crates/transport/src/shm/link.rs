@@ -370,6 +370,7 @@ pub(crate) struct ShmLink {
 pub(crate) fn connect(
     inner: &Inner,
     meta: &AgentMetadata,
+    key: Option<&[u8]>,
     tcp: Arc<TcpLink>,
 ) -> Result<ShmLink, LinkError> {
     let entry = meta
@@ -395,7 +396,7 @@ pub(crate) fn connect(
         .map_err(sock_err("set timeout"))?;
     s.set_write_timeout(Some(inner.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
-    handshake(inner, meta, &mut s)?;
+    handshake(inner, meta, key, &mut s)?;
     let cma_pid = cma_peer_pid(inner.cma, &s, &meta.name);
     let Handover {
         grants,
@@ -461,16 +462,14 @@ fn frame_err(e: FrameError) -> LinkError {
     }
 }
 
-fn handshake(inner: &Inner, meta: &AgentMetadata, s: &mut UnixStream) -> Result<(), LinkError> {
-    wire::client_handshake(
-        s,
-        wire::SHM_ROLES,
-        0,
-        &inner.name,
-        inner.token.as_deref(),
-        &meta.name,
-    )
-    .map_err(|e| match e {
+fn handshake(
+    inner: &Inner,
+    meta: &AgentMetadata,
+    key: Option<&[u8]>,
+    s: &mut UnixStream,
+) -> Result<(), LinkError> {
+    wire::client_handshake(s, wire::SHM_ROLES, 0, &inner.name, key, &meta.name).map_err(|e| match e
+    {
         ClientAuthError::Frame(e) => frame_err(e),
         ClientAuthError::Random(e) => LinkError::Random(e),
         ClientAuthError::Version(_) => LinkError::ShmMalformed {

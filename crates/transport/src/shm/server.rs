@@ -307,11 +307,13 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let auth = challenged.into_waiting()?;
     let (_, len) = wire::read_header(&mut s, &[wire::PROOF], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
-    let (ok, client_name) = crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s)?;
-    if !ok {
-        tracing::warn!(peer = %client_name, "shm peer failed the token proof; no memory handed over");
+    let Some((client, ())) =
+        crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s, || Ok(()))?
+    else {
+        tracing::debug!("shm peer refused; no memory handed over");
         return Ok(());
-    }
+    };
+    let client_name = client.name.clone();
     let Some(table_fd) = grants.table.shared_fd() else {
         return Err(FrameError::Io(io::Error::other(
             "the grant table is not shareable",
@@ -329,7 +331,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
             body[8..].copy_from_slice(&(max_record as u64).to_le_bytes());
             send_with_fds(s.as_fd(), &wire::frame(wire::SHM_RING, &body), &[ring.fd()])?;
             inner.notif_sources.add(Box::new(RingSource {
-                peer: client_name.clone(),
+                peer: client,
                 ring,
                 closed: closed.clone(),
                 conn: s.try_clone()?,
@@ -408,7 +410,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
 /// One D's notification ring, drained by P's `get_new_notifs`.
 #[derive(Debug)]
 struct RingSource {
-    peer: String,
+    peer: crate::Sender,
     ring: RingReader,
     /// Set once D's Unix-socket connection ended: drain what is left, then finish.
     closed: Arc<AtomicBool>,

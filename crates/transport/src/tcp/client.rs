@@ -160,9 +160,12 @@ pub(crate) struct TcpLink {
     notif_sink: OnceLock<Arc<dyn NotifSink>>,
 }
 
+/// Connects to `meta`'s agent, every connection proving `key` (the token, or a session's
+/// key in its place).
 pub(crate) fn connect(
     inner: &Arc<Inner>,
     meta: &AgentMetadata,
+    key: Option<&[u8]>,
 ) -> Result<Arc<TcpLink>, ConnectError> {
     let io_err = |source: io::Error| ConnectError::Io {
         peer: meta.name.clone(),
@@ -183,7 +186,7 @@ pub(crate) fn connect(
     let open = |index: u16| -> Result<TcpStream, ConnectError> {
         let stream =
             TcpStream::connect_timeout(&addr, inner.limits.handshake_timeout).map_err(io_err)?;
-        handshake(inner, meta, &stream, index).map_err(|e| match e {
+        handshake(inner, meta, key, &stream, index).map_err(|e| match e {
             HandshakeError::Io(source) => io_err(source),
             HandshakeError::Connect(e) => e,
         })?;
@@ -264,6 +267,7 @@ impl From<io::Error> for HandshakeError {
 fn handshake(
     inner: &Inner,
     meta: &AgentMetadata,
+    key: Option<&[u8]>,
     stream: &TcpStream,
     index: u16,
 ) -> Result<(), HandshakeError> {
@@ -277,33 +281,27 @@ fn handshake(
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
     stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
-    wire::client_handshake(
-        stream,
-        wire::TCP_ROLES,
-        index,
-        &inner.name,
-        inner.token.as_deref(),
-        &meta.name,
-    )
-    .map_err(|e| match e {
-        ClientAuthError::Frame(FrameError::Io(e)) => HandshakeError::Io(e),
-        ClientAuthError::Frame(FrameError::Malformed(why)) => bad(why),
-        ClientAuthError::Random(e) => HandshakeError::Connect(ConnectError::Random(e)),
-        ClientAuthError::Version(version) => bad(format!(
-            "peer speaks protocol version {version}, we speak {}",
-            wire::PROTOCOL_VERSION
-        )),
-        ClientAuthError::WrongName(server_name) => bad(format!(
-            "the agent at {} is called {server_name:?}, its metadata says {:?}",
-            meta.tcp_addr, meta.name
-        )),
-        ClientAuthError::Rejected => {
-            HandshakeError::Connect(ConnectError::AuthRejected { peer: peer() })
-        }
-        ClientAuthError::PeerAuthFailed => {
-            HandshakeError::Connect(ConnectError::PeerAuthFailed { peer: peer() })
-        }
-    })?;
+    wire::client_handshake(stream, wire::TCP_ROLES, index, &inner.name, key, &meta.name).map_err(
+        |e| match e {
+            ClientAuthError::Frame(FrameError::Io(e)) => HandshakeError::Io(e),
+            ClientAuthError::Frame(FrameError::Malformed(why)) => bad(why),
+            ClientAuthError::Random(e) => HandshakeError::Connect(ConnectError::Random(e)),
+            ClientAuthError::Version(version) => bad(format!(
+                "peer speaks protocol version {version}, we speak {}",
+                wire::PROTOCOL_VERSION
+            )),
+            ClientAuthError::WrongName(server_name) => bad(format!(
+                "the agent at {} is called {server_name:?}, its metadata says {:?}",
+                meta.tcp_addr, meta.name
+            )),
+            ClientAuthError::Rejected => {
+                HandshakeError::Connect(ConnectError::AuthRejected { peer: peer() })
+            }
+            ClientAuthError::PeerAuthFailed => {
+                HandshakeError::Connect(ConnectError::PeerAuthFailed { peer: peer() })
+            }
+        },
+    )?;
     // From here on the batch timeouts bound reads (a stalled connection is shut down).
     // Writes keep a deadline: a request write to a peer that stopped reading kills the
     // connection. (The notification connection becomes non-blocking instead.)

@@ -51,7 +51,7 @@ use std::time::Duration;
 use mio::{Events, Interest, Poll, Token};
 
 use super::wire::{self, FrameError};
-use crate::agent::{Inner, bump, lock};
+use crate::agent::{Inner, Sender, bump, lock};
 use crate::error::TransferError;
 
 /// Bytes asked of the socket per read, and the usual size of a connection's buffer.
@@ -69,8 +69,8 @@ const DIRECT_READ_MAX: usize = 1;
 pub(crate) struct Handoff {
     /// The socket (still blocking).
     pub(crate) stream: TcpStream,
-    /// The peer's name, as it proved it in the handshake.
-    pub(crate) peer: String,
+    /// The peer, as it proved itself in the handshake.
+    pub(crate) peer: Sender,
     /// Bytes the serving thread had read past the handshake.
     pub(crate) buffered: Vec<u8>,
     /// The connection's slot of its peer address, held as long as the connection.
@@ -103,7 +103,7 @@ struct Sources {
 
 #[derive(Debug)]
 struct Source {
-    peer: String,
+    peer: Sender,
     /// The connection's slot of its peer address (given back when it closes).
     _slot: Option<crate::slots::AddressSlot>,
     stream: mio::net::TcpStream,

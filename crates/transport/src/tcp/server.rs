@@ -14,7 +14,7 @@ use kvlease_proto::auth::{AwaitingProof, ServerAuth};
 
 use super::notif::Handoff;
 use super::wire::{self, Body, FrameError};
-use crate::agent::{Inner, bump, lock};
+use crate::agent::{Inner, Sender, bump, lock};
 use crate::error::Refusal;
 
 pub(crate) fn spawn_listener(
@@ -49,24 +49,15 @@ pub(crate) fn accepted<S>(
 
 fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
     for stream in accepted(listener.incoming(), &inner.shutdown, "tcp") {
-        if lock(&inner.inbound).len() + inner.tcp_notifs.len()
-            >= inner.limits.max_inbound_connections
-        {
-            tracing::warn!(
-                limit = inner.limits.max_inbound_connections,
-                "too many inbound connections; connection closed"
-            );
-            continue;
-        }
-        let Some(slot) = stream
-            .peer_addr()
-            .ok()
-            .and_then(|a| inner.per_address.take(a.ip()))
-        else {
+        // Until it authenticates, the connection holds one of the few pre-auth slots; a
+        // newcomer may evict it (shut down) to make room. The caps on connections in all
+        // (`max_inbound_*`) apply once it authenticated (see `authenticated_slot`).
+        let Some(preauth) = preauth_slot(inner, &stream) else {
+            bump(&inner.counters.preauth_refused);
             tracing::warn!(
                 peer = ?stream.peer_addr().ok(),
-                limit = inner.limits.max_inbound_per_address,
-                "too many inbound connections from one address; connection closed"
+                limit = inner.limits.max_preauth_connections,
+                "too many unauthenticated connections, none to evict; connection closed"
             );
             continue;
         };
@@ -82,9 +73,8 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             .name(format!("kvl-serve-{id}"))
             .spawn(move || {
                 let peer_addr = stream.peer_addr().ok();
-                let served = serve(&inner2, stream, deadline);
-                if let Ok(mut handoff) = served {
-                    handoff.slot = Some(slot);
+                let served = serve(&inner2, stream, deadline, preauth);
+                if let Ok(handoff) = served {
                     // The socket lives on in the notification hub, read by
                     // `get_new_notifs`; this thread ends. It leaves `inbound` (without a
                     // shutdown) only once the hub counts it, so that the accept limit
@@ -122,6 +112,56 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
             }
         }
     }
+}
+
+/// Why an authenticated connection was closed: the caps on connections held in all.
+fn over_cap(what: &str, limit: usize) -> FrameError {
+    FrameError::Io(io::Error::other(format!(
+        "{what} ({limit}) reached; authenticated connection closed"
+    )))
+}
+
+/// The slot of an authenticated connection from `stream`'s address
+/// (`limits.max_inbound_per_address`), if it may stay: the agent holds fewer than
+/// `limits.max_inbound_connections` authenticated connections (checked without a lock
+/// across the two counts: a race lets one more in, never unboundedly many).
+fn authenticated_slot(
+    inner: &Inner,
+    stream: &TcpStream,
+) -> Result<crate::slots::AddressSlot, FrameError> {
+    let held = lock(&inner.inbound)
+        .len()
+        .saturating_sub(inner.preauth.len())
+        + inner.tcp_notifs.len();
+    if held > inner.limits.max_inbound_connections {
+        return Err(over_cap(
+            "the cap on inbound connections",
+            inner.limits.max_inbound_connections,
+        ));
+    }
+    stream
+        .peer_addr()
+        .ok()
+        .and_then(|a| inner.per_address.take(a.ip()))
+        .ok_or_else(|| {
+            over_cap(
+                "the cap on inbound connections from one address",
+                inner.limits.max_inbound_per_address,
+            )
+        })
+}
+
+/// A pre-auth slot for `stream` (see [`crate::config::Limits::max_preauth_connections`]),
+/// evicted by shutting the socket down; `None` when none can be made.
+pub(crate) fn preauth_slot(inner: &Inner, stream: &TcpStream) -> Option<crate::slots::FairSlot> {
+    let ip = stream.peer_addr().ok()?.ip();
+    let socket = stream.try_clone().ok()?;
+    let evicted = inner.counters.clone();
+    inner.preauth.admit(ip, move || {
+        bump(&evicted.preauth_evicted);
+        let _ = socket.shutdown(Shutdown::Both);
+        true
+    })
 }
 
 fn is_timeout(err: &io::Error) -> bool {
@@ -176,15 +216,25 @@ enum Phase {
         /// The HELLO marked the notification connection.
         notif_conn: bool,
     },
-    /// PROOF accepted.
-    Authenticated { client_name: String },
+    /// PROOF accepted; the connection holds its address's slot.
+    Authenticated {
+        client: Sender,
+        _slot: crate::slots::AddressSlot,
+    },
     /// PROOF refused: reads are refused and notifications dropped.
     Rejected,
 }
 
 /// Serves one inbound connection until it fails; a notification connection is handed
-/// back instead once its peer authenticated (see `super::notif`).
-fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff, FrameError> {
+/// back instead once its peer authenticated (see `super::notif`). The connection gives
+/// its pre-auth slot back once its peer authenticated.
+fn serve(
+    inner: &Inner,
+    stream: TcpStream,
+    deadline: Instant,
+    preauth: crate::slots::FairSlot,
+) -> Result<Handoff, FrameError> {
+    let mut preauth = Some(preauth);
     stream.set_nodelay(true)?;
     let mut out = stream.try_clone()?;
     let mut r = BufReader::with_capacity(
@@ -235,24 +285,35 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
                 else {
                     unreachable!("PROOF is only allowed in the Proof phase");
                 };
-                let (ok, client_name) = answer_client_proof(inner, auth, &body, &mut out)?;
-                if ok && notif_conn {
+                // Past the proof the connection gives its pre-auth slot back and takes an
+                // authenticated one; over those caps it is closed before it is answered.
+                let admit = || {
+                    drop(preauth.take());
+                    authenticated_slot(inner, &out).inspect_err(|e| {
+                        tracing::warn!(error = %e, "too many inbound connections");
+                    })
+                };
+                let Some((client, slot)) =
+                    answer_client_proof(inner, auth, &body, &mut out.try_clone()?, admit)?
+                else {
+                    continue;
+                };
+                if notif_conn {
                     // The peer sends nothing between its PROOF and our AUTH_RESULT, but
                     // whatever the buffer holds goes along.
                     return Ok(Handoff {
                         buffered: r.buffer().to_vec(),
                         stream: r.into_inner().stream,
-                        peer: client_name,
-                        slot: None,
+                        peer: client,
+                        slot: Some(slot),
                     });
                 }
-                if ok {
-                    tracing::debug!(peer = %client_name, "inbound peer authenticated");
-                    r.get_mut().authenticated()?;
-                    phase = Phase::Authenticated { client_name };
-                } else {
-                    tracing::warn!(peer = %client_name, "inbound peer failed the token proof");
-                }
+                tracing::debug!(peer = %client, "inbound peer authenticated");
+                r.get_mut().authenticated()?;
+                phase = Phase::Authenticated {
+                    client,
+                    _slot: slot,
+                };
             }
             wire::READ_REQ => {
                 let req = b.u64()?;
@@ -277,7 +338,7 @@ fn serve(inner: &Inner, stream: TcpStream, deadline: Instant) -> Result<Handoff,
             // Notifications on a data connection: a peer that predates the notification
             // connection. They go into the inbox from here (dropped when it is full).
             wire::NOTIF => match &phase {
-                Phase::Authenticated { client_name } => inner.deliver_notif(client_name, body),
+                Phase::Authenticated { client, .. } => inner.deliver_notif(client, body),
                 _ => {
                     bump(&inner.counters.notifs_dropped_unauthenticated);
                     tracing::warn!("notification from an unauthenticated connection dropped");
@@ -380,20 +441,44 @@ fn serve_read(
     Ok(())
 }
 
-/// The server's side of a client's token proof (the `PROOF` body `given`): checks it,
-/// counts a failure (before answering, so a peer that sees the refusal sees it counted
-/// too), and writes the `AUTH_RESULT` frame with the server's own proof. Returns whether
-/// the proof held, and the client's name.
-pub(crate) fn answer_client_proof(
+/// The server's side of a client's token proof (the `PROOF` body `given`): checks it
+/// (under the session bound to the client's name, if any, else under the token), counts
+/// and logs a failure (before answering, so a peer that sees the refusal sees it counted
+/// too), runs `admit` when it held (its error closes the connection unanswered), and
+/// writes the `AUTH_RESULT` frame with the server's own proof. Returns the client and
+/// what `admit` gave when the proof held.
+pub(crate) fn answer_client_proof<T>(
     inner: &Inner,
     auth: AwaitingProof,
     given: &[u8],
     out: &mut impl Write,
-) -> Result<(bool, String), FrameError> {
-    let verdict = auth.on_proof(given)?;
+    admit: impl FnOnce() -> Result<T, FrameError>,
+) -> Result<Option<(Sender, T)>, FrameError> {
+    let session = inner.sessions.of(&auth.hello().name);
+    let verdict = auth.on_proof_keyed(given, session.as_ref())?;
+    let admitted = if verdict.ok { Some(admit()?) } else { None };
     if !verdict.ok {
         bump(&inner.counters.auth_failures);
+        match &session {
+            Some(s) => {
+                bump(&inner.counters.session_refusals);
+                tracing::warn!(
+                    peer = %verdict.client_name,
+                    session = ?s,
+                    "inbound connection under a name whose engine registered on the side channel did not prove that registration's session; refused"
+                );
+            }
+            None => {
+                tracing::warn!(peer = %verdict.client_name, "inbound peer failed the token proof");
+            }
+        }
     }
     out.write_all(&wire::frame(wire::AUTH_RESULT, &verdict.reply))?;
-    Ok((verdict.ok, verdict.client_name))
+    Ok(admitted.map(|admitted| {
+        let client = Sender {
+            name: verdict.client_name,
+            session: session.map(|s| s.id()),
+        };
+        (client, admitted)
+    }))
 }

@@ -20,6 +20,9 @@
 //! | 12 `SHM_GRANTS` | P→D | len u64; one memfd attached: P's grant table (slot → registered region id, 0 once deregistered) |
 //! | 13 `SHM_CUDA_REGION` | P→D | region u64, key u64, len u64, grant slot u64, CUDA IPC handle (112 bytes); no descriptor |
 //! | 14 `SHM_CMA_REGION` | P→D | region u64, key u64, len u64, grant slot u64, address u64 in P's process; no descriptor: D reads it with `process_vm_readv` |
+//! | 15 `VERBS_INFO` | both | a queue pair's connection info (40 bytes) |
+//! | 16 `VERBS_REFUSE` | P→D | why P gives no queue pair (UTF-8, at most 1 KiB) |
+//! | 17 `VERBS_RESET` | D→P | D's connection info after a queue-pair reset |
 //!
 //! "D→P" is the connecting side to the accepting one: P connects to D as well to send
 //! it notifications. The connecting side opens `num_connections` data connections
@@ -30,7 +33,9 @@
 //!
 //! Types 9 to 14 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
-//! `shm-server` in the proofs (see the `shm` module).
+//! `shm-server` in the proofs (see the `shm` module). Types 15 to 17 travel only on the
+//! verbs backend's queue-pair side channel, whose exchange binds the infos into the proofs
+//! (roles `verbs-client` and `verbs-server`; see `verbs::link`).
 //!
 //! The bodies of types 1 to 4, the proofs and their role labels are
 //! `kvlease_proto::auth`'s, the one exchange every kvlease connection runs: the client
@@ -45,9 +50,6 @@ use std::io::{self, Read, Write};
 use kvlease_proto::auth::{self, AuthError, ClientAuth, Roles};
 
 pub(crate) use kvlease_proto::auth::{Nonce, PROTOCOL_VERSION};
-/// The verbs backend's connection setup proves with the same HMAC.
-#[cfg(feature = "verbs")]
-pub(crate) use kvlease_proto::auth::{proof, proofs_equal};
 
 pub(crate) const HELLO: u8 = 1;
 pub(crate) const CHALLENGE: u8 = 2;
@@ -68,6 +70,15 @@ pub(crate) const SHM_CUDA_REGION: u8 = 13;
 /// A host region that is not memfd-backed, handed over as its address in P's process
 /// (no descriptor attached): D reads it with cross-memory attach.
 pub(crate) const SHM_CMA_REGION: u8 = 14;
+/// A queue pair's connection info (the verbs side channel).
+#[cfg(feature = "verbs")]
+pub(crate) const VERBS_INFO: u8 = 15;
+/// P gives no queue pair, and says why (the verbs side channel).
+#[cfg(feature = "verbs")]
+pub(crate) const VERBS_REFUSE: u8 = 16;
+/// D's connection info after a queue-pair reset (the verbs side channel).
+#[cfg(feature = "verbs")]
+pub(crate) const VERBS_RESET: u8 = 17;
 /// Body of a `SHM_REGION`.
 pub(crate) const SHM_REGION_LEN: usize = 32;
 /// Body of a `SHM_CMA_REGION`: id, key, length, grant slot, address (u64 each).

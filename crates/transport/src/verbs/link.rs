@@ -4,20 +4,28 @@
 //!
 //! Queue pair info travels over a small TCP side channel of this module (P listens on
 //! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
-//! same channel carries the reconnect after a queue pair error. Messages, all fixed
-//! layout: D → P `KVVC` + u16 name length + name + [`ConnectionInfo`] + 32-byte nonce
-//! (connect) or `KVVR` + info (reset); P → D `KVVA` + info [+ 32-byte proof], or `KVVE` +
-//! u16 length + reason.
+//! same channel carries the reconnect after a queue pair error. It speaks the TCP
+//! backend's frames (`[type u8][len u32 LE][body]`, `tcp::wire`) and runs proto's
+//! sans-IO exchange (`kvlease_proto::auth`, roles `verbs-client` / `verbs-server`, so a
+//! proof of one kind of connection never passes on another), with the queue-pair info
+//! bound into the proofs:
 //!
-//! With a cluster token, P answers a connect with `KVVN` + its own 32-byte nonce, D
-//! replies `KVVP` + proof, and P accepts only a correct proof; its `KVVA` then carries
-//! P's proof, which D checks. Proofs are the TCP handshake's HMAC-SHA256
-//! ([`tcp::wire::proof`]) under roles of this channel, so a proof of one channel never
-//! passes on the other. A peer without the token, or with another one, gets no queue pair;
-//! a D with a token refuses a P that cannot prove it. Resets ride the authenticated stream.
+//! 1. D → P: `HELLO` (D's agent name, nonce), then `VERBS_INFO` (D's [`ConnectionInfo`]);
+//! 2. P → D: `CHALLENGE` (P's agent name, which D checks against P's metadata, and nonce);
+//! 3. D → P: `PROOF`, covering both nonces, both names and D's info;
+//! 4. P checks it. A wrong or missing proof gets `AUTH_RESULT` = refused and no queue
+//!    pair. Otherwise P makes its endpoint, connects it to D's info, and answers
+//!    `AUTH_RESULT` with its proof, covering both names, both nonces and **both** infos,
+//!    then `VERBS_INFO` (its info); or `VERBS_REFUSE` (a reason) when the endpoint fails.
+//!    D checks P's proof against the info it received before it connects its queue pair.
+//!
+//! So neither side's queue-pair info can be swapped on the way, nor a proof replayed with
+//! other info, names or nonces; a D with a token refuses a P that cannot prove it. Resets
+//! ride the authenticated stream: D → P `VERBS_RESET` (its new info), P → D `VERBS_INFO`
+//! or `VERBS_REFUSE`.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -37,15 +45,15 @@ use crate::error::{LinkError, TransferError};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
 
-const CONNECT: &[u8; 4] = b"KVVC";
-const RESET: &[u8; 4] = b"KVVR";
-const ACCEPT: &[u8; 4] = b"KVVA";
-const REFUSE: &[u8; 4] = b"KVVE";
-const CHALLENGE: &[u8; 4] = b"KVVN";
-const PROOF: &[u8; 4] = b"KVVP";
-const CLIENT_ROLE: &[u8] = kvlease_proto::auth::VERBS_ROLES.client;
-const SERVER_ROLE: &[u8] = kvlease_proto::auth::VERBS_ROLES.server;
+use kvlease_proto::auth::{AuthError, AuthResult, ClientAuth, ServerAuth, VERBS_ROLES};
+use tcp::wire::{
+    AUTH_RESULT, CHALLENGE, FrameError, HELLO, MAX_CONTROL_BODY, PROOF, VERBS_INFO, VERBS_REFUSE,
+    VERBS_RESET, frame, read_body, read_header,
+};
+
 const INFO_LEN: usize = 40;
+/// Longest refusal reason sent or read.
+const MAX_REASON: usize = 1024;
 /// Fence words per link (8 bytes each): batches with a fence in flight at once.
 const FENCE_SLOTS: u32 = 512;
 
@@ -67,15 +75,64 @@ pub(crate) struct VerbsDomain {
     shutdown: Arc<AtomicBool>,
 }
 
+/// The side channel's frames, as [`read_header`] and [`read_body`] give them, or why not.
+fn read_frame(
+    s: &mut TcpStream,
+    allowed: &[u8],
+    op: &'static str,
+) -> Result<(u8, Vec<u8>), LinkError> {
+    let malformed = |e: FrameError| match e {
+        FrameError::Io(source) => LinkError::SideChannel { op, source },
+        FrameError::Malformed(what) => LinkError::SideChannelMalformed { what },
+    };
+    let (ty, len) = read_header(s, allowed, |ty| match ty {
+        VERBS_INFO | VERBS_RESET => INFO_LEN,
+        VERBS_REFUSE => MAX_REASON,
+        _ => MAX_CONTROL_BODY,
+    })
+    .map_err(malformed)?;
+    let body = read_body(s, len).map_err(malformed)?;
+    Ok((ty, body))
+}
+
+/// A `VERBS_INFO` or `VERBS_RESET` body, or the reason of a `VERBS_REFUSE`.
+fn info_or_refusal(ty: u8, body: &[u8]) -> Result<ConnectionInfo, LinkError> {
+    if ty == VERBS_REFUSE {
+        return Err(refusal(body));
+    }
+    ConnectionInfo::decode(body).map_err(LinkError::BadConnectionInfo)
+}
+
+/// The peer's refusal, with its reason.
+fn refusal(reason: &[u8]) -> LinkError {
+    LinkError::Refused {
+        reason: String::from_utf8_lossy(reason).into_owned(),
+    }
+}
+
+/// D's side of a failed exchange.
+fn auth_failed(e: AuthError) -> LinkError {
+    match e {
+        AuthError::Rejected => LinkError::ProofRejected,
+        AuthError::PeerAuthFailed => LinkError::WrongProof,
+        AuthError::WrongName(got) => LinkError::WrongPeer { got },
+        malformed => LinkError::SideChannelMalformed {
+            what: malformed.to_string(),
+        },
+    }
+}
+
 impl VerbsDomain {
     /// Opens the device whose RoCE v2 GID carries `ip` (any device if `ip` is
     /// unspecified or loopback) and starts the side-channel listener on `ip`; with a
     /// `token`, the side channel requires and gives the token proof.
     pub(crate) fn start(
+        name: &str,
         ip: IpAddr,
-        timeout: Duration,
+        limits: &crate::config::Limits,
         token: Option<Vec<u8>>,
     ) -> Result<Self, LinkError> {
+        let timeout = limits.handshake_timeout;
         let mut config = DeviceConfig::any();
         if let IpAddr::V4(v4) = ip
             && !v4.is_unspecified()
@@ -100,6 +157,11 @@ impl VerbsDomain {
         };
         let shutdown = Arc::new(AtomicBool::new(false));
         let serve = Server {
+            preauth: crate::slots::FairSlots::new(
+                limits.max_preauth_connections,
+                limits.max_preauth_per_address,
+            ),
+            name: name.to_owned(),
             pd: pd.clone(),
             endpoint: endpoint.clone(),
             timeout,
@@ -219,17 +281,7 @@ impl VerbsDomain {
             .map_err(side_io("set_write_timeout"))?;
         let mut ep = Endpoint::new(&self.pd, self.endpoint.clone())
             .map_err(verbs("creating an endpoint"))?;
-        let name = own_name.as_bytes();
-        let mut req = Vec::with_capacity(6 + name.len() + INFO_LEN);
-        req.extend_from_slice(CONNECT);
-        req.extend_from_slice(&u16::try_from(name.len()).unwrap_or(u16::MAX).to_be_bytes());
-        req.extend_from_slice(&name[..name.len().min(usize::from(u16::MAX))]);
-        req.extend_from_slice(&ep.local_info().encode());
-        let nonce = tcp::wire::random_nonce().map_err(LinkError::Random)?;
-        req.extend_from_slice(&nonce);
-        side.write_all(&req)
-            .map_err(side_io("sending the request"))?;
-        let remote = self.authenticated_reply(&mut side, own_name, &nonce)?;
+        let remote = self.exchange(&mut side, own_name, &meta.name, &ep.local_info())?;
         ep.connect(&remote)
             .map_err(verbs("connecting the queue pair"))?;
         let fence_words = Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| {
@@ -264,44 +316,46 @@ impl VerbsDomain {
 }
 
 impl VerbsDomain {
-    /// D's side of the connect reply: answers P's challenge (with a token) and checks
-    /// P's proof; a D with a token refuses a P that does not prove it.
-    fn authenticated_reply(
+    /// D's side of the exchange on `side` (see the module doc): proves the token under
+    /// `own_name` with `info` bound in, checks that the peer is `expected` and proves it
+    /// back over both infos; returns the peer's info.
+    fn exchange(
         &self,
         side: &mut TcpStream,
         own_name: &str,
-        nonce: &tcp::wire::Nonce,
+        expected: &str,
+        info: &ConnectionInfo,
     ) -> Result<ConnectionInfo, LinkError> {
-        let io = side_io("the authenticated reply");
-        let mut tag = [0u8; 4];
-        side.read_exact(&mut tag).map_err(io)?;
-        let mut server_nonce = None;
-        if &tag == CHALLENGE {
-            let mut theirs = [0u8; 32];
-            side.read_exact(&mut theirs).map_err(io)?;
-            let Some(token) = &self.token else {
-                return Err(LinkError::TokenRequired);
-            };
-            let proof = tcp::wire::proof(token, CLIENT_ROLE, nonce, &theirs, own_name, "");
-            let mut out = PROOF.to_vec();
-            out.extend_from_slice(&proof);
-            side.write_all(&out).map_err(io)?;
-            server_nonce = Some(theirs);
-            side.read_exact(&mut tag).map_err(io)?;
+        let io = side_io("the queue-pair exchange");
+        let ours = info.encode();
+        let nonce = tcp::wire::random_nonce().map_err(LinkError::Random)?;
+        let client = ClientAuth::new(
+            VERBS_ROLES,
+            0,
+            nonce,
+            own_name,
+            self.token.as_deref(),
+            Some(expected),
+        )
+        .with_binding(&ours);
+        let hello = [frame(HELLO, &client.hello()), frame(VERBS_INFO, &ours)].concat();
+        side.write_all(&hello).map_err(io)?;
+        let (_, challenge) = read_frame(side, &[CHALLENGE], "reading the challenge")?;
+        let (proved, proof) = client.on_challenge(&challenge).map_err(auth_failed)?;
+        side.write_all(&frame(PROOF, &proof)).map_err(io)?;
+        let (ty, body) = read_frame(side, &[AUTH_RESULT, VERBS_REFUSE], "reading the result")?;
+        if ty == VERBS_REFUSE {
+            return Err(refusal(&body));
         }
-        let info = read_reply_after(side, tag)?;
-        if let Some(token) = &self.token {
-            let Some(theirs) = server_nonce else {
-                return Err(LinkError::PeerUnauthenticated);
-            };
-            let mut got = [0u8; 32];
-            side.read_exact(&mut got).map_err(io)?;
-            let want = tcp::wire::proof(token, SERVER_ROLE, nonce, &theirs, "", own_name);
-            if !tcp::wire::proofs_equal(&got, &want) {
-                return Err(LinkError::WrongProof);
-            }
+        if !AuthResult::decode(&body).map_err(auth_failed)?.ok {
+            return Err(LinkError::ProofRejected);
         }
-        Ok(info)
+        let (ty, theirs) = read_frame(side, &[VERBS_INFO], "reading the peer's info")?;
+        // The peer's proof covers its info: check it before using the info.
+        proved
+            .on_result_bound(&body, &theirs)
+            .map_err(auth_failed)?;
+        info_or_refusal(ty, &theirs)
     }
 }
 
@@ -309,34 +363,6 @@ impl Drop for VerbsDomain {
     fn drop(&mut self) {
         self.shutdown.store(true, Ordering::SeqCst);
     }
-}
-
-fn read_reply(stream: &mut TcpStream) -> Result<ConnectionInfo, LinkError> {
-    let mut tag = [0u8; 4];
-    stream
-        .read_exact(&mut tag)
-        .map_err(side_io("reading a reply"))?;
-    read_reply_after(stream, tag)
-}
-
-/// The rest of an `ACCEPT` / `REFUSE` reply whose tag was read.
-fn read_reply_after(stream: &mut TcpStream, tag: [u8; 4]) -> Result<ConnectionInfo, LinkError> {
-    let io = side_io("reading a reply");
-    if &tag == ACCEPT {
-        let mut info = [0u8; INFO_LEN];
-        stream.read_exact(&mut info).map_err(io)?;
-        return ConnectionInfo::decode(&info).map_err(LinkError::BadConnectionInfo);
-    }
-    if &tag == REFUSE {
-        let mut len = [0u8; 2];
-        stream.read_exact(&mut len).map_err(io)?;
-        let mut why = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        stream.read_exact(&mut why).map_err(io)?;
-        return Err(LinkError::Refused {
-            reason: String::from_utf8_lossy(&why).into_owned(),
-        });
-    }
-    Err(LinkError::UnexpectedMessage { tag })
 }
 
 /// A `map_err` adapter: IO on the side channel failed while doing `op`.
@@ -352,6 +378,10 @@ fn verbs(op: &'static str) -> impl Fn(VerbsError) -> LinkError + Copy {
 /// P's side of the side channel: one thread per connecting peer, owning its endpoint.
 #[derive(Clone)]
 struct Server {
+    /// Connections not through the exchange yet (`Limits::max_preauth_connections`).
+    preauth: crate::slots::FairSlots,
+    /// The agent's name (the server name of the exchange).
+    name: String,
     pd: ProtectionDomain,
     endpoint: EndpointConfig,
     timeout: Duration,
@@ -364,11 +394,23 @@ impl Server {
         while !self.shutdown.load(Ordering::SeqCst) {
             match listener.accept() {
                 Ok((stream, from)) => {
+                    // A few pre-auth slots, the busiest address's oldest evicted for a
+                    // newcomer (its socket shut down).
+                    let preauth = stream.try_clone().ok().and_then(|socket| {
+                        self.preauth.admit(from.ip(), move || {
+                            let _ = socket.shutdown(std::net::Shutdown::Both);
+                            true
+                        })
+                    });
+                    let Some(preauth) = preauth else {
+                        tracing::warn!(%from, "verbs side channel: too many exchanges at once, none to evict; connection closed");
+                        continue;
+                    };
                     let s = self.clone();
                     let spawned = std::thread::Builder::new()
                         .name("kvlease-verbs-peer".into())
                         .spawn(move || {
-                            if let Err(e) = s.serve(stream) {
+                            if let Err(e) = s.serve(stream, preauth) {
                                 tracing::warn!(%from, "verbs side channel closed: {}", e.chain());
                             }
                         });
@@ -387,47 +429,34 @@ impl Server {
         }
     }
 
-    fn serve(&self, mut s: TcpStream) -> Result<(), LinkError> {
+    fn serve(&self, mut s: TcpStream, preauth: crate::slots::FairSlot) -> Result<(), LinkError> {
         let io = side_io("serving a peer");
         s.set_nonblocking(false).map_err(io)?;
         s.set_read_timeout(Some(self.timeout)).map_err(io)?;
         s.set_write_timeout(Some(self.timeout)).map_err(io)?;
-        let mut tag = [0u8; 4];
-        s.read_exact(&mut tag).map_err(io)?;
-        if &tag != CONNECT {
-            return Err(LinkError::UnexpectedMessage { tag });
+        let (_, hello) = read_frame(&mut s, &[HELLO], "reading the hello")?;
+        let ours = tcp::wire::random_nonce().map_err(LinkError::Random)?;
+        let challenged = ServerAuth::new(VERBS_ROLES, ours, &self.name, self.token.as_deref())
+            .on_hello(&hello)
+            .map_err(auth_failed)?;
+        s.write_all(&frame(CHALLENGE, &challenged.reply))
+            .map_err(io)?;
+        let auth = challenged.into_waiting().map_err(auth_failed)?;
+        let name = auth.hello().name.clone();
+        let (_, theirs) = read_frame(&mut s, &[VERBS_INFO], "reading the peer's info")?;
+        let remote = info_or_refusal(VERBS_INFO, &theirs)?;
+        let (_, proof) = read_frame(&mut s, &[PROOF], "reading the proof")?;
+        // The proof covers the peer's info: a queue pair only for the info it proved.
+        let checked = auth.check(&proof, None, &theirs).map_err(auth_failed)?;
+        if !checked.ok {
+            s.write_all(&frame(AUTH_RESULT, &checked.reply(&[])))
+                .map_err(io)?;
+            return Err(LinkError::RefusedPeer {
+                reason: format!(
+                    "{name}: cluster token proof failed (or its queue-pair info changed on the way): configure the same auth token on both agents"
+                ),
+            });
         }
-        let mut len = [0u8; 2];
-        s.read_exact(&mut len).map_err(io)?;
-        let mut name = vec![0u8; usize::from(u16::from_be_bytes(len)).min(1024)];
-        s.read_exact(&mut name).map_err(io)?;
-        let name = String::from_utf8_lossy(&name).into_owned();
-        let remote = read_info(&mut s)?;
-        let mut client_nonce = [0u8; 32];
-        s.read_exact(&mut client_nonce).map_err(io)?;
-        let server_nonce = match &self.token {
-            Some(token) => {
-                let ours = tcp::wire::random_nonce().map_err(LinkError::Random)?;
-                let mut out = CHALLENGE.to_vec();
-                out.extend_from_slice(&ours);
-                s.write_all(&out).map_err(io)?;
-                s.read_exact(&mut tag).map_err(io)?;
-                if &tag != PROOF {
-                    return refuse(&mut s, "no cluster token proof sent");
-                }
-                let mut got = [0u8; 32];
-                s.read_exact(&mut got).map_err(io)?;
-                let want = tcp::wire::proof(token, CLIENT_ROLE, &client_nonce, &ours, &name, "");
-                if !tcp::wire::proofs_equal(&got, &want) {
-                    return refuse(
-                        &mut s,
-                        "cluster token proof failed: configure the same auth token on both agents",
-                    );
-                }
-                Some(ours)
-            }
-            None => None,
-        };
         let mut ep = match Endpoint::new(&self.pd, self.endpoint.clone()) {
             Ok(ep) => ep,
             Err(e) => return refuse(&mut s, &e.to_string()),
@@ -435,20 +464,15 @@ impl Server {
         if let Err(e) = ep.connect(&remote) {
             return refuse(&mut s, &e.to_string());
         }
-        let mut out = ACCEPT.to_vec();
-        out.extend_from_slice(&ep.local_info().encode());
-        if let (Some(token), Some(ours)) = (&self.token, &server_nonce) {
-            out.extend_from_slice(&tcp::wire::proof(
-                token,
-                SERVER_ROLE,
-                &client_nonce,
-                ours,
-                "",
-                &name,
-            ));
-        }
-        s.write_all(&out).map_err(io)?;
-        tracing::info!(peer = %name, qpn = ep.qpn(), authenticated = server_nonce.is_some(), "verbs queue pair served");
+        let mine = ep.local_info().encode();
+        let answer = [
+            frame(AUTH_RESULT, &checked.reply(&mine)),
+            frame(VERBS_INFO, &mine),
+        ]
+        .concat();
+        s.write_all(&answer).map_err(io)?;
+        drop(preauth);
+        tracing::info!(peer = %name, qpn = ep.qpn(), authenticated = self.token.is_some(), "verbs queue pair served");
         // Requests from now on: resets. Poll the endpoint meanwhile (it only serves
         // RDMA READs, which need no CPU; polling notices a failed QP early).
         s.set_read_timeout(Some(Duration::from_millis(200)))
@@ -457,35 +481,36 @@ impl Server {
             if self.shutdown.load(Ordering::SeqCst) {
                 return Ok(());
             }
-            match s.read_exact(&mut tag) {
-                Ok(()) => {}
+            let mut first = [0u8; 1];
+            match s.peek(&mut first) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
                 Err(e)
                     if matches!(
                         e.kind(),
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) =>
                 {
-                    // A partial tag read cannot happen in practice (4 bytes, one write).
                     if let Err(e) = ep.poll() {
                         tracing::warn!(peer = %name, "verbs poll: {e}");
                     }
                     continue;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(io(e)),
             }
-            if &tag != RESET {
-                return Err(LinkError::UnexpectedMessage { tag });
-            }
+            // A frame began: read it whole under the ordinary timeout.
             s.set_read_timeout(Some(self.timeout)).map_err(io)?;
-            let remote = read_info(&mut s)?;
+            let (ty, body) = read_frame(&mut s, &[VERBS_RESET], "reading a reset")?;
+            let remote = info_or_refusal(ty, &body)?;
             s.set_read_timeout(Some(Duration::from_millis(200)))
                 .map_err(io)?;
             let reconnected = ep
                 .reset()
                 .and_then(|info| ep.connect(&remote).map(|()| info));
             match reconnected {
-                Ok(_) => accept(&mut s, &ep.local_info())?,
+                Ok(_) => s
+                    .write_all(&frame(VERBS_INFO, &ep.local_info().encode()))
+                    .map_err(side_io("accepting"))?,
                 Err(e) => refuse(&mut s, &e.to_string())?,
             }
             tracing::info!(peer = %name, "verbs queue pair reconnected");
@@ -493,28 +518,18 @@ impl Server {
     }
 }
 
-fn read_info(s: &mut TcpStream) -> Result<ConnectionInfo, LinkError> {
-    let mut info = [0u8; INFO_LEN];
-    s.read_exact(&mut info)
-        .map_err(side_io("reading connection info"))?;
-    ConnectionInfo::decode(&info).map_err(LinkError::BadConnectionInfo)
-}
-
-fn accept(s: &mut TcpStream, info: &ConnectionInfo) -> Result<(), LinkError> {
-    let mut out = ACCEPT.to_vec();
-    out.extend_from_slice(&info.encode());
-    s.write_all(&out).map_err(side_io("accepting"))
-}
-
-/// Sends `why` to the peer and returns it as this side's error (for the log).
+/// Sends `why` to the peer (`VERBS_REFUSE`) and returns it as this side's error (for the
+/// log).
 fn refuse(s: &mut TcpStream, why: &str) -> Result<(), LinkError> {
-    let why = &why.as_bytes()[..why.len().min(1024)];
-    let mut out = REFUSE.to_vec();
-    out.extend_from_slice(&u16::try_from(why.len()).unwrap_or(0).to_be_bytes());
-    out.extend_from_slice(why);
-    s.write_all(&out).map_err(side_io("refusing"))?;
+    let mut end = why.len().min(MAX_REASON);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    let why = &why[..end];
+    s.write_all(&frame(VERBS_REFUSE, why.as_bytes()))
+        .map_err(side_io("refusing"))?;
     Err(LinkError::RefusedPeer {
-        reason: String::from_utf8_lossy(why).into_owned(),
+        reason: why.to_owned(),
     })
 }
 
@@ -848,12 +863,11 @@ fn copy_back(ranges: &[(Registration, u64, u64)]) -> Result<(), LinkError> {
 
 fn reconnect(st: &mut LinkState) -> Result<(), LinkError> {
     let info = st.ep.reset().map_err(verbs("resetting the queue pair"))?;
-    let mut req = RESET.to_vec();
-    req.extend_from_slice(&info.encode());
     st.side
-        .write_all(&req)
+        .write_all(&frame(VERBS_RESET, &info.encode()))
         .map_err(side_io("sending a reset"))?;
-    let remote = read_reply(&mut st.side)?;
+    let (ty, body) = read_frame(&mut st.side, &[VERBS_INFO, VERBS_REFUSE], "reading a reply")?;
+    let remote = info_or_refusal(ty, &body)?;
     st.ep
         .connect(&remote)
         .map_err(verbs("reconnecting the queue pair"))
@@ -873,6 +887,7 @@ enum NoVerbsRoute {
 /// The agent's verbs backend for `choice`, or why there is none.
 pub(crate) fn start_for(
     choice: &crate::config::BackendChoice,
+    name: &str,
     token: &Option<Vec<u8>>,
     ip: IpAddr,
     limits: &crate::config::Limits,
@@ -883,7 +898,7 @@ pub(crate) fn start_for(
         BackendChoice::Shm => return Err(LinkError::ShmRequested),
         _ => {}
     }
-    let backend = VerbsDomain::start(ip, limits.handshake_timeout, token.clone());
+    let backend = VerbsDomain::start(name, ip, limits, token.clone());
     if let Err(e) = &backend {
         tracing::info!(reason = %e.chain(), "verbs backend unavailable");
     }
