@@ -456,6 +456,8 @@ impl DecodeCore {
         d.set_item("foreign_notifs", s.foreign_notifs)?;
         d.set_item("malformed_notifs", s.malformed_notifs)?;
         d.set_item("peer_restarts", s.peer_restarts)?;
+        d.set_item("instance_checks", s.instance_checks)?;
+        d.set_item("engines_evicted", s.engines_evicted)?;
         Ok(d)
     }
 

@@ -329,6 +329,41 @@ def test_d_waits_heartbeats_at_the_interval_loads_and_runs(engines):
     assert_scheduler_empty(d)
 
 
+def test_a_request_naming_another_instance_never_makes_d_reconnect(engines):
+    """A client's ``kvlease_instance`` is only a claim: D checks it with P's side channel
+    and keeps its connections when P answers with the instance D knows (the workers get
+    no new engine info, so they keep their links). The request that named the made-up
+    instance is computed on D; the next real request loads as before."""
+    p, _ = engines("kv_producer", "p0")
+    d, _ = engines("kv_consumer", "d0")
+    p_req, params = prefill_on_p(p)
+    first = request_from(params, p_req)
+    d.add_request(first)
+    metas = wait_for_handshake(d, first)
+    assert [e for meta in metas for e in meta.engines] == ["p0"]
+    known = d.connector.scheduler.engines["p0"].instance
+
+    p_req2, params2 = prefill_on_p(p)
+    forged = request_from(dict(params2, kvlease_instance=known + 1), p_req2)
+    d.add_request(forged)
+    metas = []
+    deadline = time.monotonic() + 30
+    while forged.request_id not in (sched_out := step(d)[0]).num_scheduled_tokens:
+        metas.append(sched_out.kv_connector_metadata)
+        # Never parked for a load: no read is planned while P's answer is awaited.
+        assert forged.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert time.monotonic() < deadline, "D never settled the forged request"
+        time.sleep(0.01)
+    metas.append(sched_out.kv_connector_metadata)
+    # Computed here, from its first token.
+    assert sched_out.num_scheduled_tokens[forged.request_id] == len(forged.prompt_token_ids)
+    assert not [e for meta in metas for e in meta.engines], "D reconnected on a request's word"
+    assert not [load for meta in metas for load in meta.loads if load.request == forged.request_id]
+    assert d.connector.scheduler.engines["p0"].instance == known
+    assert d.connector.scheduler.decode.is_ready("p0")
+    assert d.connector.scheduler.decode.stats()["instance_checks"] >= 1
+
+
 def test_request_aborted_on_d_frees_on_p(engines):
     p, p_clock = engines("kv_producer", "p0")
     d, d_clock = engines("kv_consumer", "d0")
@@ -545,6 +580,29 @@ def test_every_port_kvlease_opens_can_be_set(engines, monkeypatch):
         config.kv_transfer_config.kv_connector_extra_config = {"transport_port": bad}
         with pytest.raises(ConfigError, match="transport_port"):
             KvleaseConfig.from_vllm(config)
+
+
+def test_the_connector_listens_beyond_loopback_only_with_a_token_or_the_opt_out():
+    """A worker's transport on every interface without a cluster token would let anyone
+    who reaches it read the KV and send notifications: refused at start, naming the
+    opt-out, which lets it listen."""
+    config = create_vllm_config(
+        kv_connector="KvleaseConnector", kv_connector_module_path="kvlease.vllm",
+        kv_role="kv_consumer", engine_id="d0",
+        kv_connector_extra_config={"transport_host": "0.0.0.0"},
+    )
+    with pytest.raises(KvleaseError, match="allow_unauthenticated"):
+        KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    config.kv_transfer_config.kv_connector_extra_config = {
+        "transport_host": "0.0.0.0", "allow_unauthenticated": True}
+    worker = KvleaseWorker(config, KvleaseConfig.from_vllm(config))
+    try:
+        assert worker.agent.address.startswith("0.0.0.0:")
+    finally:
+        worker.shutdown()
+    config.kv_transfer_config.kv_connector_extra_config = {"allow_unauthenticated": "yes"}
+    with pytest.raises(ConfigError, match="allow_unauthenticated"):
+        KvleaseConfig.from_vllm(config)
 
 
 def test_block_formats_tell_layouts_apart():

@@ -87,6 +87,11 @@ class KvleaseConfig:
     kv_buffer_device: str = "cuda"
     #: Whether the KV is staged through registered host buffers (``_host_buffer``).
     use_host_buffer: bool = False
+    #: Seconds a lease may live from its grant whatever the heartbeats say (P).
+    lease_max_lifetime: float | None = None
+    #: Listen beyond loopback without a cluster token (the side channel and the workers'
+    #: transports refuse to otherwise).
+    allow_unauthenticated: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig") -> "KvleaseConfig":
@@ -106,6 +111,12 @@ class KvleaseConfig:
             return value
 
         lease = number("kv_lease_duration", 30.0)
+        max_lifetime = (
+            number("kv_lease_max_lifetime", 600.0) if "kv_lease_max_lifetime" in extra else None
+        )
+        allow = extra.get("allow_unauthenticated", False)
+        if not isinstance(allow, bool):
+            raise ConfigError(f"allow_unauthenticated must be true or false, not {allow!r}")
         ttl = number("decoder_kv_blocks_ttl", 480.0)
         if extra.get("bidirectional_kv_xfer"):
             raise ConfigError("bidirectional_kv_xfer is not supported by KvleaseConnector")
@@ -157,6 +168,8 @@ class KvleaseConfig:
             handshake_timeout=number("handshake_timeout", 5.0),
             kv_buffer_device=kv_buffer_device,
             use_host_buffer=use_host_buffer,
+            lease_max_lifetime=max_lifetime,
+            allow_unauthenticated=allow,
         )
 
 

@@ -118,8 +118,12 @@ class KvleaseConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     transmits: list[TransmitSpec] = field(default_factory=list)
-    #: P engine infos learned by handshakes since the last step.
+    #: P engine infos learned by handshakes since the last step (a new engine, or a
+    #: newer instance of one: the workers connect afresh).
     engines: dict[str, EngineInfo] = field(default_factory=dict)
+    #: P engines the decode core dropped (idle, to make room): the workers close their
+    #: connections to them.
+    dropped_engines: list[str] = field(default_factory=list)
     #: D requests whose load the core refused: reported failed at once, with their blocks.
     failed_loads: dict[str, list[int]] = field(default_factory=dict)
     #: P: leases ended; vLLM may free their blocks.

@@ -112,6 +112,7 @@ class KvleaseScheduler:
                 lease_duration=config.lease_duration,
                 external_blocks=True,
                 first_generation=self.instance,
+                max_lease_lifetime=config.lease_max_lifetime,
             )
         if self.is_consumer:
             self.decode = native.DecodeCore(
@@ -138,6 +139,7 @@ class KvleaseScheduler:
                 self._payload(),
                 token=config.token,
                 listen=_listen_addr(config.side_channel_host, config.side_channel_port),
+                allow_unauthenticated=config.allow_unauthenticated,
             )
             self.side_channel_port = self.side_channel.port
         self._finished_sending: list[str] = []
@@ -158,9 +160,10 @@ class KvleaseScheduler:
         self._failed_loads: dict[str, list[int]] = {}
         self.engines: dict[str, EngineInfo] = {}
         self._new_engines: dict[str, EngineInfo] = {}
-        self._handshakes: queue.Queue[tuple[str, EngineInfo | None, Exception | None]] = (
-            queue.Queue()
-        )
+        self._dropped_engines: list[str] = []
+        self._handshakes: queue.Queue[
+            tuple[str, EngineInfo | None, Exception | None, int | None]
+        ] = queue.Queue()
         # D: P engines whose KV this engine must not load, with the reason.
         self._incompatible: dict[str, str] = {}
         # D: P's block ids of requests whose P blocks hold another number of tokens than
@@ -318,13 +321,15 @@ class KvleaseScheduler:
         while (hs := self._d().poll_handshake()) is not None:
             thread = threading.Thread(
                 target=self._handshake,
-                args=(hs.engine, hs.host, hs.port),
+                args=(hs.engine, hs.host, hs.port, hs.check_instance),
                 name=f"kvlease-handshake-{hs.engine}",
                 daemon=True,
             )
             thread.start()
 
-    def _handshake(self, engine: str, host: str, port: int) -> None:
+    def _handshake(self, engine: str, host: str, port: int, check: int | None) -> None:
+        """Fetches P's engine info (``check``: the instance D is connected to, when a
+        request named another one; ``None``: a first handshake)."""
         try:
             raw = native.side_channel_fetch(
                 host, port, token=self.config.token, timeout=self.config.handshake_timeout
@@ -335,9 +340,9 @@ class KvleaseScheduler:
                 raise KvleaseError(
                     f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}"
                 )
-            self._handshakes.put((engine, info, None))
+            self._handshakes.put((engine, info, None, check))
         except Exception as e:  # reported to the core, which fails the waiting requests
-            self._handshakes.put((engine, None, e))
+            self._handshakes.put((engine, None, e, check))
 
     def _pump(self, now: float) -> None:
         """Handshake results, then the decode core's events."""
@@ -346,15 +351,21 @@ class KvleaseScheduler:
         self._start_handshakes()
         while True:
             try:
-                engine, info, error = self._handshakes.get_nowait()
+                engine, info, error, check = self._handshakes.get_nowait()
             except queue.Empty:
                 break
             if info is not None:
-                self._check_compatibility(engine, info)
-                # Handshaken even when incompatible: D's worker 0 needs P's engine info to
-                # send the aborts that free the leases D will not read.
-                self.engines[engine] = info
-                self._new_engines[engine] = info
+                if check is None or info.instance > check:
+                    # A first handshake, or P restarted: the workers connect to the
+                    # instance P's own side channel named. A check that P answers with
+                    # the instance D knows changes nothing (a request's word is not
+                    # enough to drop working connections); the core ends the requests
+                    # that named another instance.
+                    self._check_compatibility(engine, info)
+                    # Handshaken even when incompatible: D's worker 0 needs P's engine
+                    # info to send the aborts that free the leases D will not read.
+                    self.engines[engine] = info
+                    self._new_engines[engine] = info
                 self.decode.handle_handshake(
                     now,
                     engine,
@@ -406,6 +417,14 @@ class KvleaseScheduler:
                 if event.outcome == Outcome.FAILED:
                     self.counters.add("loads_failed")
                     logger.warning("load of %s failed: %s", event.request, event.error)
+            elif isinstance(event, native.EngineDropped):
+                # Idle, dropped to make room for another P: the workers close their
+                # connections to it; a later request handshakes afresh.
+                self.engines.pop(event.engine, None)
+                self._new_engines.pop(event.engine, None)
+                self._incompatible.pop(event.engine, None)
+                self._dropped_engines.append(event.engine)
+                self.counters.add("engines_dropped")
 
     # ------------------------------------------------------------------ hooks
 
@@ -461,6 +480,13 @@ class KvleaseScheduler:
             return 0, False
         remote = decode.remote_of(rid)
         if remote is None or not decode.is_ready(remote.engine):
+            return None, False
+        known = self.engines.get(remote.engine)
+        if remote.instance and known is not None and remote.instance != known.instance:
+            # The request names another instance of P than the one D is connected to:
+            # the core checks it with P's side channel; no read is planned until P has
+            # answered (then the request either names the instance D connects to, or
+            # has ended and is computed here).
             return None, False
         reason = self._incompatible.get(remote.engine)
         if reason is not None:
@@ -691,6 +717,7 @@ class KvleaseScheduler:
         self._drain_decode()
         meta.loads, self._loads = self._loads, []
         meta.engines, self._new_engines = self._new_engines, {}
+        meta.dropped_engines, self._dropped_engines = self._dropped_engines, []
         meta.failed_loads, self._failed_loads = self._failed_loads, {}
         meta.finished_sending, self._finished_sending = self._finished_sending, []
         if self._to_save:

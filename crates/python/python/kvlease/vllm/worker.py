@@ -161,6 +161,7 @@ class KvleaseWorker:
             token=config.token,
             backend=config.transport,
             handshake_timeout=config.handshake_timeout,
+            allow_unauthenticated=config.allow_unauthenticated,
         )
         # name -> (region, offset, block stride, block bytes, num blocks)
         self.layers: dict[str, tuple[native.Region, int, int, int, int]] = {}
@@ -479,6 +480,9 @@ class KvleaseWorker:
             # A new handshake (P restarted, or re-registered): its agents may be new.
             self._forget_peers(engine)
             self.engines[engine] = info
+        for engine in meta.dropped_engines:
+            self._forget_peers(engine)
+            self.engines.pop(engine, None)
         self._finished_sending.update(meta.finished_sending)
         for rid, blocks in meta.failed_loads.items():
             self._finished_recving.add(rid)
