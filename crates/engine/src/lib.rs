@@ -79,6 +79,6 @@ pub use decode::{
     StartLoadError, Transmit, TransmitKind,
 };
 pub use prefill::{
-    Granted, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,
-    PrefillNotif, PrefillStart, PrefillStats,
+    Granted, HOLD_GENERATIONS, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError,
+    PrefillEvent, PrefillNotif, PrefillStart, PrefillStats,
 };

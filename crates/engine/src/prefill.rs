@@ -13,6 +13,27 @@ use kvlease_notif::{DecodeError, ExpiredLease, Notif, expiry_notice};
 
 use crate::blocks::{BlockSource, Blocks};
 
+/// How far above the first lease generation the holds' generations start
+/// ([`PrefillConfig::with_holds`]): leases count up from `first_generation`, holds from
+/// `first_generation + HOLD_GENERATIONS`, so the fence words both publish never see a
+/// generation twice on a block (that takes 2^62 leases).
+pub const HOLD_GENERATIONS: u64 = 1 << 62;
+
+/// The first hold generation for a core whose leases start at `first`. Saturating: a first
+/// generation with no room above it leaves the holds one generation (`u64::MAX`), after
+/// which every hold is refused, never a generation repeated.
+fn hold_generation(first: Generation) -> Generation {
+    Generation(first.0.saturating_add(HOLD_GENERATIONS))
+}
+
+/// Which of the core's tables: the leases P grants on prefilled prompts, or the holds on
+/// finished turns (bidirectional mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Book {
+    Leases,
+    Holds,
+}
+
 /// The sender of a notification, as the transport authenticated it: the engine it belongs
 /// to and the shell's own address of that endpoint (a transport peer name in the agent, a
 /// virtual address in the simulator).
@@ -47,6 +68,9 @@ pub struct PrefillConfig {
     pub max_consumers: u32,
     /// Where block ids come from: the core's own pool (default) or the serving engine.
     pub block_source: BlockSource,
+    /// Bidirectional mode: the terms of the holds on this engine's own finished turns
+    /// ([`PrefillCore::hold_in`]), `None` (default) for no holds.
+    pub holds: Option<LeaseConfig>,
 }
 
 impl PrefillConfig {
@@ -69,6 +93,7 @@ impl PrefillConfig {
             first_generation: Generation(std::num::NonZeroU64::MIN),
             max_consumers: tp_size.max(64),
             block_source: BlockSource::Pool,
+            holds: None,
         }
     }
 
@@ -90,6 +115,15 @@ impl PrefillConfig {
     #[must_use]
     pub fn with_first_generation(mut self, first: Generation) -> Self {
         self.first_generation = first;
+        self
+    }
+
+    /// Sets [`holds`](Self::holds): a finished turn's blocks are held on these terms
+    /// (bidirectional mode: `decoder_kv_blocks_ttl`, renewed by the next turn's reader's
+    /// heartbeats in [`LeaseMode::Lease`](kvlease_lease::LeaseMode), not in `Fixed`).
+    #[must_use]
+    pub fn with_holds(mut self, terms: LeaseConfig) -> Self {
+        self.holds = Some(terms);
         self
     }
 
@@ -157,6 +191,9 @@ pub enum PrefillError {
     /// The engine is shutting down.
     #[error("the prefill engine is shutting down")]
     ShuttingDown,
+    /// [`PrefillCore::hold_in`] on a core built without [`PrefillConfig::with_holds`].
+    #[error("this engine holds no finished turns (bidirectional mode is off)")]
+    NoHolds,
 }
 
 impl PrefillError {
@@ -274,6 +311,14 @@ pub struct PrefillStats {
     pub malformed_notifs: u64,
     /// Expiry notices sent (messages).
     pub expiry_notices: u64,
+    /// Finished turns held ([`PrefillCore::hold_in`]).
+    pub holds_granted: u64,
+    /// Holds released because the next turn's reader read them.
+    pub holds_released_completed: u64,
+    /// Holds that reached their end (the TTL, or the last renewal, passed).
+    pub holds_released_expired: u64,
+    /// Holds released by an abort (the reader gave up, or the turn was held again).
+    pub holds_released_aborted: u64,
 }
 
 /// A lease's owner: the first D engine that heartbeated, read or aborted it, and the
@@ -320,6 +365,9 @@ struct Waiting {
 pub struct PrefillCore<A> {
     config: PrefillConfig,
     table: LeaseTable,
+    /// Bidirectional mode: holds on finished turns, on their own terms, their generations
+    /// from [`HOLD_GENERATIONS`] up (a reader's fence word tells a hold's from a lease's).
+    holds: Option<LeaseTable>,
     blocks: Blocks,
     waiting: VecDeque<Waiting>,
     /// Looked up only, never iterated (its order would be the hash's).
@@ -345,6 +393,8 @@ pub enum PrefillEvent {
     },
     /// A lease ended (its fences are cleared through [`PrefillAction::ClearFences`]).
     Released(Released),
+    /// A hold ended (its fences are cleared through [`PrefillAction::ClearFences`]).
+    HoldReleased(Released),
 }
 
 impl<A: Clone + Eq + Hash> PrefillCore<A> {
@@ -352,6 +402,9 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     pub fn new(config: PrefillConfig) -> Self {
         Self {
             table: LeaseTable::with_first_generation(config.lease, config.first_generation),
+            holds: config.holds.map(|terms| {
+                LeaseTable::with_first_generation(terms, hold_generation(config.first_generation))
+            }),
             blocks: Blocks::new(config.block_source, config.num_blocks),
             waiting: VecDeque::new(),
             prefilling: HashMap::new(),
@@ -376,6 +429,18 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     /// The lease table (read only).
     pub fn table(&self) -> &LeaseTable {
         &self.table
+    }
+
+    /// The holds on finished turns (bidirectional mode), if the core keeps any.
+    #[must_use]
+    pub fn holds(&self) -> Option<&LeaseTable> {
+        self.holds.as_ref()
+    }
+
+    /// Whether `generation` is a hold's (from the holds' range) rather than a lease's.
+    #[must_use]
+    pub fn is_hold(&self, generation: Generation) -> bool {
+        self.holds.is_some() && generation >= hold_generation(self.config.first_generation)
     }
 
     /// Leases held.
@@ -536,30 +601,36 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 request: request.clone(),
             });
         };
-        self.grant(now, request, blocks)
+        self.grant(now, request, blocks, Book::Leases)
     }
 
-    /// Grants the lease of `request` over `blocks` (the core's to account for), aborting
-    /// a lease still held under the same id first; the blocks are freed when the table
-    /// refuses.
+    /// Grants the lease (or, in [`Book::Holds`], the hold) of `request` over `blocks`
+    /// (the core's to account for), aborting one still held under the same id in that
+    /// table first; the blocks are freed when the table refuses.
     fn grant(
         &mut self,
         now: Timestamp,
         request: &RequestId,
         blocks: Vec<BlockId>,
+        book: Book,
     ) -> Result<Granted, PrefillError> {
-        let superseded = self.table.abort(now, request);
+        let consumers = self.config.tp_size.max(1);
+        let Some(table) = self.table_mut(book) else {
+            self.stats.refused += 1;
+            self.free(&blocks);
+            return Err(PrefillError::NoHolds);
+        };
+        let superseded = table.abort(now, request);
+        let granted = table.grant(now, request.clone(), blocks.clone(), consumers);
         if superseded {
             self.drain_table();
         }
-        match self.table.grant(
-            now,
-            request.clone(),
-            blocks.clone(),
-            self.config.tp_size.max(1),
-        ) {
+        match granted {
             Ok(generation) => {
-                self.stats.granted += 1;
+                match book {
+                    Book::Leases => self.stats.granted += 1,
+                    Book::Holds => self.stats.holds_granted += 1,
+                }
                 self.claims.remove(request);
                 Ok(Granted {
                     request: request.clone(),
@@ -573,6 +644,22 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                 self.free(&blocks);
                 Err(e.into())
             }
+        }
+    }
+
+    fn table_mut(&mut self, book: Book) -> Option<&mut LeaseTable> {
+        match book {
+            Book::Leases => Some(&mut self.table),
+            Book::Holds => self.holds.as_mut(),
+        }
+    }
+
+    /// The table that holds `request` now: the holds when they do, else the leases.
+    fn book_of(&self, request: &str) -> Book {
+        if self.holds.as_ref().is_some_and(|h| h.holds(request)) {
+            Book::Holds
+        } else {
+            Book::Leases
         }
     }
 
@@ -595,6 +682,38 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         blocks: Vec<BlockId>,
     ) -> Result<Granted, PrefillError> {
         self.stats.jobs += 1;
+        self.adopt(&blocks)?;
+        self.grant(now, &request, blocks, Book::Leases)
+    }
+
+    /// Bidirectional mode: the serving engine finished decoding `request` in `blocks` and
+    /// keeps them for the conversation's next turn, whose P reads them back (as a D reads a
+    /// lease): holds them on the [`holds`](PrefillConfig::holds) terms, renewed by that
+    /// reader's heartbeats (in [`LeaseMode::Lease`](kvlease_lease::LeaseMode)), released
+    /// by its read completion or abort, or at the end. Publish the generation, then answer
+    /// with the turn's params; a hold ends as a lease does
+    /// ([`PrefillAction::ClearFences`], [`PrefillEvent::HoldReleased`]).
+    ///
+    /// # Errors
+    /// [`PrefillError::NoHolds`] without holds; otherwise as
+    /// [`handle_prefill_done_in`](Self::handle_prefill_done_in). Nothing is held then.
+    pub fn hold_in(
+        &mut self,
+        now: Timestamp,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+    ) -> Result<Granted, PrefillError> {
+        if self.holds.is_none() {
+            self.stats.refused += 1;
+            return Err(PrefillError::NoHolds);
+        }
+        self.adopt(&blocks)?;
+        self.grant(now, &request, blocks, Book::Holds)
+    }
+
+    /// Takes `blocks` from the serving engine for a grant, or refuses them (counted):
+    /// a core with its own pool, no blocks, or blocks the pool cannot hold.
+    fn adopt(&mut self, blocks: &[BlockId]) -> Result<(), PrefillError> {
         let pool = self.config.num_blocks;
         let refused = if self.blocks.source() != BlockSource::External {
             Some(PrefillError::WrongBlockSource {
@@ -619,8 +738,8 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             self.stats.refused += 1;
             return Err(e);
         }
-        self.blocks.adopt(&blocks);
-        self.grant(now, &request, blocks)
+        self.blocks.adopt(blocks);
+        Ok(())
     }
 
     /// The prefill of `request` failed (compute or fill error): its blocks go back. No
@@ -643,7 +762,10 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             self.waiting.remove(i);
             return true;
         }
-        let held = self.table.abort(now, request);
+        let book = self.book_of(request.as_str());
+        let held = self
+            .table_mut(book)
+            .is_some_and(|table| table.abort(now, request));
         self.drain_table();
         held
     }
@@ -679,7 +801,17 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                         _ => mine.push(id),
                     }
                 }
-                let outcome = self.table.handle_heartbeat(now, mine.iter());
+                // A heartbeat names what a reader waits to read: leases, and holds on
+                // finished turns (the symmetric lease of bidirectional mode).
+                let outcome = match self.holds.as_mut() {
+                    None => self.table.handle_heartbeat(now, mine.iter()),
+                    Some(holds) => {
+                        let (held, leased): (Vec<&str>, Vec<&str>) =
+                            mine.iter().partition(|id| holds.holds(id));
+                        let h = holds.handle_heartbeat(now, held.iter());
+                        h.plus(self.table.handle_heartbeat(now, leased.iter()))
+                    }
+                };
                 if outcome.held > 0 {
                     for id in mine {
                         self.claim(id, from, true);
@@ -702,12 +834,16 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                     }
                 } else {
                     self.claim(rc.request.as_str(), from, false);
-                    let outcome = self.table.handle_read_complete(
-                        now,
-                        &rc.request,
-                        rc.consumer,
-                        Some(rc.consumers_total),
-                    );
+                    let book = self.book_of(rc.request.as_str());
+                    let outcome = match self.table_mut(book) {
+                        Some(table) => table.handle_read_complete(
+                            now,
+                            &rc.request,
+                            rc.consumer,
+                            Some(rc.consumers_total),
+                        ),
+                        None => ReadCompleteOutcome::Unknown,
+                    };
                     PrefillNotif::ReadComplete {
                         request: rc.request,
                         outcome,
@@ -716,7 +852,10 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             }
             Ok(Notif::Abort(a)) => {
                 if self.may_act(&a.request, from, Some(&a.consumer)) {
-                    let held = self.table.abort(now, &a.request);
+                    let book = self.book_of(a.request.as_str());
+                    let held = self
+                        .table_mut(book)
+                        .is_some_and(|table| table.abort(now, &a.request));
                     PrefillNotif::Abort {
                         request: a.request,
                         held,
@@ -740,6 +879,9 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
     /// heartbeated is announced to it ([`PrefillAction::Transmit`]).
     pub fn handle_timeout(&mut self, now: Timestamp) {
         self.table.handle_timeout(now);
+        if let Some(holds) = self.holds.as_mut() {
+            holds.handle_timeout(now);
+        }
         self.drain_table();
     }
 
@@ -754,10 +896,11 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             .waiting
             .front()
             .and_then(|w| w.since.checked_add(self.config.pool_wait));
-        match (self.table.poll_timeout(), pool) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let holds = self.holds.as_ref().and_then(LeaseTable::poll_timeout);
+        [self.table.poll_timeout(), holds, pool]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// The next action for the shell, in order.
@@ -800,7 +943,12 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         let Ok(request) = RequestId::new(id) else {
             return;
         };
-        if self.table.blocks(&request).is_none() {
+        if self.table.blocks(&request).is_none()
+            && self
+                .holds
+                .as_ref()
+                .is_none_or(|h| h.blocks(&request).is_none())
+        {
             return;
         }
         self.claims.insert(
@@ -816,16 +964,32 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         self.blocks.free(blocks);
     }
 
-    /// Turns the table's releases into fence clears, expiry notices and events.
+    /// Turns the tables' releases into fence clears, expiry notices and events.
     fn drain_table(&mut self) {
         let mut notices: Vec<(A, Vec<ExpiredLease>)> = Vec::new();
-        while let Some(Event::Released(r)) = self.table.poll_event() {
+        loop {
+            let released = |event: Option<Event>| match event {
+                Some(Event::Released(r)) => Some(r),
+                _ => None,
+            };
+            let next = released(self.table.poll_event())
+                .map(|r| (r, Book::Leases))
+                .or_else(|| {
+                    released(self.holds.as_mut().and_then(LeaseTable::poll_event))
+                        .map(|r| (r, Book::Holds))
+                });
+            let Some((r, book)) = next else { break };
             let claim = self.claims.remove(&r.request);
-            match r.reason {
-                ReleaseReason::Completed => self.stats.released_completed += 1,
-                ReleaseReason::Expired => self.stats.released_expired += 1,
-                ReleaseReason::Aborted => self.stats.released_aborted += 1,
-            }
+            let s = &mut self.stats;
+            let counter = match (book, r.reason) {
+                (Book::Leases, ReleaseReason::Completed) => &mut s.released_completed,
+                (Book::Leases, ReleaseReason::Expired) => &mut s.released_expired,
+                (Book::Leases, ReleaseReason::Aborted) => &mut s.released_aborted,
+                (Book::Holds, ReleaseReason::Completed) => &mut s.holds_released_completed,
+                (Book::Holds, ReleaseReason::Expired) => &mut s.holds_released_expired,
+                (Book::Holds, ReleaseReason::Aborted) => &mut s.holds_released_aborted,
+            };
+            *counter += 1;
             if let (Some(notice), Some(to)) = (expiry_notice(&r), claim.and_then(|c| c.heartbeater))
             {
                 match notices.iter_mut().find(|(a, _)| *a == to) {
@@ -836,7 +1000,10 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
             self.actions.push_back(PrefillAction::ClearFences {
                 released: r.clone(),
             });
-            self.events.push_back(PrefillEvent::Released(r));
+            self.events.push_back(match book {
+                Book::Leases => PrefillEvent::Released(r),
+                Book::Holds => PrefillEvent::HoldReleased(r),
+            });
         }
         for (to, leases) in notices {
             // Expiry notices of valid ids always encode; a failure would only drop a hint

@@ -118,6 +118,19 @@ pub struct HeartbeatOutcome {
     pub late: u32,
 }
 
+impl HeartbeatOutcome {
+    /// Both outcomes' counts together (saturating): one heartbeat applied to two tables.
+    #[must_use]
+    pub fn plus(self, other: Self) -> Self {
+        Self {
+            held: self.held.saturating_add(other.held),
+            extended: self.extended.saturating_add(other.extended),
+            unknown: self.unknown.saturating_add(other.unknown),
+            late: self.late.saturating_add(other.late),
+        }
+    }
+}
+
 /// What one [`LeaseTable::handle_read_complete`] call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadCompleteOutcome {
@@ -392,6 +405,12 @@ impl LeaseTable {
             info.expiry = info.expiry.min(Timestamp::from_nanos(self.cap(lease)));
             info
         })
+    }
+
+    /// Whether the id `request` holds a lease (no [`RequestId`] needed: a notification's
+    /// ids are looked up as they come).
+    pub fn holds(&self, request: &str) -> bool {
+        self.find_str(request).is_some()
     }
 
     /// The blocks `request` holds, if it holds a lease.

@@ -571,6 +571,7 @@ impl PrefillEngine {
             kvlease_lease_ms: Some(self.cfg.lease.duration().as_millis() as u64),
             kvlease_instance: self.instance,
             kv_digest: Some(digest),
+            turn: None,
         };
         let done = Prefilled {
             params,
@@ -677,7 +678,8 @@ impl PrefillEngine {
                             .send(Err(prefill_error(&error, p.job.tokens.len())));
                     }
                 }
-                PrefillEvent::Released(r) => self.release(&r),
+                // The agents keep no holds (their D keeps its turns in its own hold).
+                PrefillEvent::Released(r) | PrefillEvent::HoldReleased(r) => self.release(&r),
             }
         }
     }
@@ -756,7 +758,8 @@ fn prefill_error(e: &PrefillError, tokens: usize) -> ApiError {
         }
         PrefillError::NotPrefilling { .. }
         | PrefillError::WrongBlockSource { .. }
-        | PrefillError::BlockOutOfRange { .. } => ApiError::new(
+        | PrefillError::BlockOutOfRange { .. }
+        | PrefillError::NoHolds => ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
             e.to_string(),

@@ -306,3 +306,218 @@ fn external_blocks_are_checked_and_each_source_refuses_the_others_calls() {
     );
     assert!(pool.is_idle());
 }
+
+/// An external core that also holds finished turns (bidirectional mode): leases of 3 s,
+/// holds of 60 s renewed by heartbeats (extension 40 s).
+fn holding_core(blocks: u32) -> PrefillCore<&'static str> {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let holds = LeaseConfig::from_duration(Duration::from_secs(60)).unwrap();
+    PrefillCore::new(
+        PrefillConfig::new(engine("d"), 1, blocks, 16, lease)
+            .with_block_source(BlockSource::External)
+            .with_first_generation(Generation(std::num::NonZeroU64::new(1000).unwrap()))
+            .with_holds(holds),
+    )
+}
+
+#[test]
+fn a_hold_lives_on_its_own_terms_renewed_by_its_readers_heartbeats() {
+    let mut c = holding_core(8);
+    let lease = c
+        .handle_prefill_done_in(at(0), id("p-role"), vec![BlockId(1)])
+        .unwrap();
+    let hold = c
+        .hold_in(at(0), id("turn1"), vec![BlockId(2), BlockId(3)])
+        .unwrap();
+    // Generations never meet: a reader's fence word tells a hold's from a lease's.
+    assert_eq!(lease.generation.0.get(), 1000);
+    assert_eq!(hold.generation.0.get(), 1000 + HOLD_GENERATIONS);
+    assert_eq!(c.stats().holds_granted, 1);
+    assert_eq!(c.blocks_allocated(), 3);
+    // The lease ends at 3 s; the hold lives to 60 s.
+    c.handle_timeout(at(3_000));
+    assert!(matches!(
+        &drain(&mut c)[..],
+        [PrefillAction::ClearFences { released }] if released.request == id("p-role")
+    ));
+    assert!(matches!(c.poll_event(), Some(PrefillEvent::Released(_))));
+    // The next turn's P heartbeats the hold (with an id the leases do not know): each
+    // heartbeat moves its end to now + 40 s.
+    let out = c.handle_notif(at(50_000), &d("p2/p0"), &hb(&["turn1", "unknown"]));
+    assert!(matches!(out, PrefillNotif::Heartbeat { outcome, .. }
+        if outcome.held == 1 && outcome.extended == 1 && outcome.unknown == 1));
+    c.handle_timeout(at(60_000));
+    assert!(drain(&mut c).is_empty(), "renewed past its TTL");
+    // Only its claimer may complete it; its read completion releases it.
+    let foreign = c.handle_notif(at(60_001), &d("p3/p0"), &rc("turn1", "p3", 0, 1));
+    assert!(matches!(foreign, PrefillNotif::Foreign { .. }));
+    c.handle_notif(at(60_002), &d("p2/p0"), &rc("turn1", "p2", 0, 1));
+    assert!(matches!(
+        &drain(&mut c)[..],
+        [PrefillAction::ClearFences { released }]
+            if released.request == id("turn1") && released.reason == ReleaseReason::Completed
+    ));
+    assert!(matches!(c.poll_event(), Some(PrefillEvent::HoldReleased(r)) if r.blocks.len() == 2));
+    assert_eq!(c.stats().holds_released_completed, 1);
+    assert_eq!(c.stats().released_completed, 0);
+    assert!(c.is_idle());
+}
+
+#[test]
+fn a_hold_nobody_reads_ends_at_its_ttl_and_an_abort_ends_it_at_once() {
+    let mut c = holding_core(8);
+    c.hold_in(at(0), id("t1"), vec![BlockId(0)]).unwrap();
+    c.hold_in(at(0), id("t2"), vec![BlockId(1)]).unwrap();
+    assert_eq!(c.poll_timeout(), Some(at(60_000)));
+    let abort = Abort {
+        request: id("t2"),
+        consumer: ConsumerId::new(engine("p2"), 0),
+    }
+    .encode();
+    assert!(matches!(
+        c.handle_notif(at(1), &d("p2/p0"), &abort),
+        PrefillNotif::Abort { held: true, .. }
+    ));
+    c.handle_timeout(at(60_000));
+    let reasons: Vec<_> = drain(&mut c)
+        .into_iter()
+        .map(|a| match a {
+            PrefillAction::ClearFences { released } => released.reason,
+            PrefillAction::Transmit { .. } => panic!("no heartbeater to notify"),
+        })
+        .collect();
+    assert_eq!(reasons, [ReleaseReason::Aborted, ReleaseReason::Expired]);
+    let s = c.stats();
+    assert_eq!((s.holds_released_aborted, s.holds_released_expired), (1, 1));
+    assert!(c.is_idle());
+}
+
+#[test]
+fn a_core_without_holds_refuses_to_hold_and_keeps_nothing() {
+    let mut c = external_core(8);
+    assert_eq!(
+        c.hold_in(at(0), id("t1"), vec![BlockId(0)]),
+        Err(PrefillError::NoHolds)
+    );
+    assert!(c.is_idle());
+    // A hold's blocks are checked as a lease's are.
+    let mut h = holding_core(8);
+    assert_eq!(
+        h.hold_in(at(0), id("t1"), vec![BlockId(8)]),
+        Err(PrefillError::BlockOutOfRange { block: 8, pool: 8 })
+    );
+    assert!(h.is_idle());
+}
+
+mod holds_under_random_inputs {
+    //! Leases and holds side by side under arbitrary inputs: every grant ends exactly
+    //! once, in its own table, with its own generation range, and the blocks come back.
+
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Lease(u8),
+        Hold(u8),
+        Heartbeat(u8, u8),
+        ReadComplete(u8, u8),
+        Abort(u8, u8),
+        Advance(u16),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..8u8).prop_map(Op::Lease),
+            (0..8u8).prop_map(Op::Hold),
+            (0..8u8, 0..2u8).prop_map(|(r, e)| Op::Heartbeat(r, e)),
+            (0..8u8, 0..2u8).prop_map(|(r, e)| Op::ReadComplete(r, e)),
+            (0..8u8, 0..2u8).prop_map(|(r, e)| Op::Abort(r, e)),
+            (0..20_000u16).prop_map(Op::Advance),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn every_grant_ends_once_in_its_own_table(ops in prop::collection::vec(op(), 1..200)) {
+            let mut c = holding_core(64);
+            let mut now = 0u64;
+            // Request -> (a hold?, its generation) while granted.
+            let mut live: HashMap<String, (bool, u64)> = HashMap::new();
+            let readers = ["p1", "p2"];
+            let mut next_block = 0u32;
+            for op in ops {
+                match op {
+                    Op::Lease(r) | Op::Hold(r) => {
+                        let hold = matches!(op, Op::Hold(_));
+                        let req = format!("r{r}");
+                        if live.contains_key(&req) {
+                            continue; // vLLM never grants a request id twice at once
+                        }
+                        let blocks = vec![BlockId(next_block % 64)];
+                        next_block += 1;
+                        let g = if hold {
+                            c.hold_in(at(now), id(&req), blocks)
+                        } else {
+                            c.handle_prefill_done_in(at(now), id(&req), blocks)
+                        };
+                        if let Ok(g) = g {
+                            let word = g.generation.0.get();
+                            prop_assert_eq!(word >= 1000 + HOLD_GENERATIONS, hold);
+                            live.insert(req, (hold, word));
+                        }
+                    }
+                    Op::Heartbeat(r, e) => {
+                        let from = if e == 0 { "p1/p0" } else { "p2/p0" };
+                        let _ = c.handle_notif(at(now), &d(from), &hb(&[&format!("r{r}")]));
+                    }
+                    Op::ReadComplete(r, e) => {
+                        let who = readers[e as usize];
+                        let from = if e == 0 { "p1/p0" } else { "p2/p0" };
+                        let _ = c.handle_notif(at(now), &d(from), &rc(&format!("r{r}"), who, 0, 1));
+                    }
+                    Op::Abort(r, e) => {
+                        let who = readers[e as usize];
+                        let from = if e == 0 { "p1/p0" } else { "p2/p0" };
+                        let abort = Abort {
+                            request: id(&format!("r{r}")),
+                            consumer: ConsumerId::new(engine(who), 0),
+                        }
+                        .encode();
+                        let _ = c.handle_notif(at(now), &d(from), &abort);
+                    }
+                    Op::Advance(ms) => {
+                        now += u64::from(ms);
+                        c.handle_timeout(at(now));
+                    }
+                }
+                drain(&mut c);
+                while let Some(ev) = c.poll_event() {
+                    let (r, hold) = match ev {
+                        PrefillEvent::Released(r) => (r, false),
+                        PrefillEvent::HoldReleased(r) => (r, true),
+                        PrefillEvent::Refused { .. } => continue,
+                    };
+                    let granted = live.remove(r.request.as_str());
+                    prop_assert_eq!(granted, Some((hold, r.generation.0.get())),
+                        "released once, from the table it was granted in");
+                }
+            }
+            // Everything ends by the holds' TTL (no heartbeat renews a hold past its
+            // maximum lifetime either).
+            c.handle_timeout(at(now + 700_000));
+            drain(&mut c);
+            while let Some(ev) = c.poll_event() {
+                if let PrefillEvent::Released(r) | PrefillEvent::HoldReleased(r) = ev {
+                    prop_assert!(live.remove(r.request.as_str()).is_some());
+                }
+            }
+            prop_assert!(live.is_empty(), "never released: {:?}", live);
+            prop_assert!(c.is_idle());
+            prop_assert_eq!(c.blocks_allocated(), 0);
+        }
+    }
+}
