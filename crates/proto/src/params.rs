@@ -23,6 +23,24 @@
 //! | `kvlease_instance` | u64 | optional, 0 when absent: P's start time in µs |
 //! | `kv_digest` | [`KvDigest`] | optional (the agents' P always sends it and their D requires it) |
 //!
+//! In bidirectional mode the engine that decoded a turn answers with the same keys the
+//! other way round (a **turn**, [`TurnParams`]: `do_remote_decode: true`, its own engine,
+//! blocks and hold), which the next turn's P reads with
+//! [`KvTransferParams::from_turn_value`]; the keys a turn adds (the agents' bidirectional
+//! params, and vLLM's `remote_blocks_expiry_time`):
+//!
+//! | key | type | |
+//! |---|---|---|
+//! | `kvlease_bidir` | `true` | required: marks a turn |
+//! | `kvlease_block_size` | 1..=65536 | required: tokens per block |
+//! | `kvlease_block_hashes` | list of 16 hex digits | required: one prefix hash per whole block ([`prefix hash`](TurnParams::kvlease_block_hashes)) |
+//! | `kvlease_deadline_ns` | u64 | required: until when the hold lasts, on the holder's clock |
+//! | `kvlease_ttl_remaining_ms` | u64 | required: the same, as time left when it answered |
+//! | `kvlease_renew_extension_ms` | u64 | optional, 0: how far a heartbeat moves the hold's end (0: a fixed TTL) |
+//! | `kvlease_clock_port` | u16 | optional, 0: the holder's clock probe |
+//! | `conversation_id` | string | optional |
+//! | `remote_blocks_expiry_time` | number | optional (vLLM's: the deadline on the holder's `perf_counter`) |
+//!
 //! A `null` value is read as an absent key. Errors name the field by its full path
 //! ([`ParamsError::field`], `kv_transfer_params.remote_block_ids`): the HTTP edge answers
 //! them as 400s naming that field, the Python binding raises `InvalidArgument` with it.
@@ -182,12 +200,93 @@ pub struct KvTransferParams {
     pub kvlease_instance: u64,
     /// The digest of the whole KV (all ranks), if P computed one.
     pub kv_digest: Option<KvDigest>,
+    /// Bidirectional mode: a turn's hold, the params of the engine that decoded it (read
+    /// with [`from_turn_value`](KvTransferParams::from_turn_value)); `None` for P's lease.
+    pub turn: Option<TurnParams>,
 }
+
+/// What a turn adds to `kv_transfer_params` (bidirectional mode): the engine that decoded
+/// it holds its blocks for the conversation's next turn, whose P reads back the blocks
+/// whose prefix hashes match its prompt.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TurnParams {
+    /// Tokens per block (1..=[`MAX_BLOCK_SIZE`]).
+    pub kvlease_block_size: u32,
+    /// For each whole block `i`, the rolling prefix hash of the turn's tokens
+    /// `0..(i+1)·block_size` (the engine's `block_hashes`); on the wire 16 hex digits each.
+    pub kvlease_block_hashes: Vec<u64>,
+    /// Until when the hold lasts, in nanoseconds on the holder's clock.
+    pub kvlease_deadline_ns: u64,
+    /// The same end as the time left when the holder answered, in milliseconds (whoever
+    /// keeps the params between turns may age it).
+    pub kvlease_ttl_remaining_ms: u64,
+    /// How far each of the reader's heartbeats moves the hold's end (from when the holder
+    /// receives it), in milliseconds; 0 for a fixed TTL.
+    pub kvlease_renew_extension_ms: u64,
+    /// The holder's clock probe port, 0 when it serves none.
+    pub kvlease_clock_port: u16,
+    /// The conversation, when the holder knows it (the agents'); empty otherwise.
+    pub conversation_id: String,
+    /// vLLM's `remote_blocks_expiry_time`: the end on the holder's `perf_counter`, as
+    /// NixlConnector writes it (seconds, a number), in whole microseconds, if given.
+    pub remote_blocks_expiry_us: Option<u64>,
+}
+
+/// The largest `kvlease_block_size` accepted.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 
 /// The object being read, with the readers that name a key at fault.
 struct Reader<'a>(&'a Map<String, Value>);
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// The object `v`, or an error naming `kv_transfer_params`.
+    fn of(v: &'a Value) -> Result<Self, ParamsError> {
+        v.as_object()
+            .map(Reader)
+            .ok_or_else(|| ParamsError::whole("must be an object"))
+    }
+
+    /// The keys every lease and turn have (not yet [`validate`](KvTransferParams::validate)d).
+    fn fields(&self, turn: Option<TurnParams>) -> Result<KvTransferParams, ParamsError> {
+        let r = self;
+        let max_parallel = u64::from(MAX_PARALLEL);
+        let (remote_block_ids, remote_block_groups) = r.blocks()?;
+        Ok(KvTransferParams {
+            remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
+                .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
+            remote_request_id: RequestId::new(r.string("remote_request_id")?)
+                .map_err(|e| ParamsError::id("remote_request_id", &e))?,
+            remote_block_ids,
+            remote_block_groups,
+            remote_host: r.string("remote_host")?.to_owned(),
+            remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
+                .unwrap_or(u16::MAX),
+            tp_size: to_u32(r.uint("tp_size", 1, max_parallel)?),
+            dcp_size: r.opt_uint("dcp_size", 1, max_parallel)?.map(to_u32),
+            pp_size: r.opt_uint("pp_size", 1, max_parallel)?.map(to_u32),
+            remote_num_tokens: r
+                .opt_uint("remote_num_tokens", 0, u64::from(u32::MAX))?
+                .map(to_u32),
+            transfer_mode: r
+                .opt("transfer_mode")
+                .map(|v| Reader::str_of("transfer_mode", v).map(str::to_owned))
+                .transpose()?,
+            kvlease_generation: r.uint("kvlease_generation", 1, u64::MAX)?,
+            kvlease_num_tokens: to_u32(r.uint("kvlease_num_tokens", 0, u64::from(u32::MAX))?),
+            kvlease_lease_ms: r.lease_ms()?,
+            kvlease_instance: r.opt_uint("kvlease_instance", 0, u64::MAX)?.unwrap_or(0),
+            kv_digest: r
+                .opt("kv_digest")
+                .map(|v| {
+                    v.as_str()
+                        .and_then(KvDigest::parse)
+                        .ok_or_else(|| ParamsError::must_be("kv_digest", "kvd-<16 hex digits>"))
+                })
+                .transpose()?,
+            turn,
+        })
+    }
+
     /// The key's value; `None` when absent or null.
     fn opt(&self, key: &str) -> Option<&Value> {
         self.0.get(key).filter(|v| !v.is_null())
@@ -314,49 +413,97 @@ impl KvTransferParams {
     /// not an object, `kv_transfer_params.<key>` when a required key is missing or null, a
     /// key has the wrong type or is out of range, or `do_remote_prefill` is not true.
     pub fn from_value(v: &Value) -> Result<Self, ParamsError> {
-        let obj = v
-            .as_object()
-            .ok_or_else(|| ParamsError::whole("must be an object"))?;
-        let r = Reader(obj);
+        let r = Reader::of(v)?;
         if r.opt_bool("do_remote_prefill")? != Some(true) {
             return Err(ParamsError::must_be("do_remote_prefill", "true on D"));
         }
         r.opt_bool("do_remote_decode")?;
-        let max_parallel = u64::from(MAX_PARALLEL);
-        let (remote_block_ids, remote_block_groups) = r.blocks()?;
-        let p = Self {
-            remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
-                .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
-            remote_request_id: RequestId::new(r.string("remote_request_id")?)
-                .map_err(|e| ParamsError::id("remote_request_id", &e))?,
-            remote_block_ids,
-            remote_block_groups,
-            remote_host: r.string("remote_host")?.to_owned(),
-            remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
-                .unwrap_or(u16::MAX),
-            tp_size: to_u32(r.uint("tp_size", 1, max_parallel)?),
-            dcp_size: r.opt_uint("dcp_size", 1, max_parallel)?.map(to_u32),
-            pp_size: r.opt_uint("pp_size", 1, max_parallel)?.map(to_u32),
-            remote_num_tokens: r
-                .opt_uint("remote_num_tokens", 0, u64::from(u32::MAX))?
-                .map(to_u32),
-            transfer_mode: r
-                .opt("transfer_mode")
-                .map(|v| Reader::str_of("transfer_mode", v).map(str::to_owned))
-                .transpose()?,
-            kvlease_generation: r.uint("kvlease_generation", 1, u64::MAX)?,
-            kvlease_num_tokens: to_u32(r.uint("kvlease_num_tokens", 0, u64::from(u32::MAX))?),
-            kvlease_lease_ms: r.lease_ms()?,
-            kvlease_instance: r.opt_uint("kvlease_instance", 0, u64::MAX)?.unwrap_or(0),
-            kv_digest: r
-                .opt("kv_digest")
+        let p = r.fields(None)?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Reads a turn (bidirectional mode): the params the engine that decoded the turn
+    /// answered with, as the next turn's P gets them: `kvlease_bidir: true`
+    /// (`do_remote_decode` true or absent), the lease keys (its engine, blocks and hold), and what
+    /// [`TurnParams`] adds. Checked as [`from_value`](Self::from_value) checks a lease,
+    /// and a hash per whole block, a block id per block.
+    ///
+    /// # Errors
+    /// A [`ParamsError`] naming the first field at fault.
+    pub fn from_turn_value(v: &Value) -> Result<Self, ParamsError> {
+        let r = Reader::of(v)?;
+        if r.opt_bool("kvlease_bidir")? != Some(true) {
+            return Err(ParamsError::must_be("kvlease_bidir", "true in a turn"));
+        }
+        // (The agents' turns do not write `do_remote_decode`; vLLM's proxies set it true.)
+        if r.opt_bool("do_remote_decode")? == Some(false) {
+            return Err(ParamsError::must_be(
+                "do_remote_decode",
+                "true (or absent) in a turn",
+            ));
+        }
+        if r.opt_bool("do_remote_prefill")? == Some(true) {
+            return Err(ParamsError::must_be(
+                "do_remote_prefill",
+                "false (or absent) in a turn",
+            ));
+        }
+        const HASHES: &str = "kvlease_block_hashes";
+        let hashes = r
+            .req(HASHES)?
+            .as_array()
+            .ok_or_else(|| ParamsError::must_be(HASHES, "a list of 16-hex-digit hashes"))?
+            .iter()
+            .map(|h| {
+                h.as_str()
+                    .filter(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                    .and_then(|h| u64::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| ParamsError::must_be(HASHES, "a list of 16-hex-digit hashes"))
+            })
+            .collect::<Result<Vec<u64>, _>>()?;
+        const EXPIRY: &str = "remote_blocks_expiry_time";
+        let turn = TurnParams {
+            kvlease_block_size: to_u32(r.uint(
+                "kvlease_block_size",
+                1,
+                u64::from(MAX_BLOCK_SIZE),
+            )?),
+            kvlease_block_hashes: hashes,
+            kvlease_deadline_ns: r.uint("kvlease_deadline_ns", 0, u64::MAX)?,
+            kvlease_ttl_remaining_ms: r.uint("kvlease_ttl_remaining_ms", 0, u64::MAX)?,
+            kvlease_renew_extension_ms: r
+                .opt_uint("kvlease_renew_extension_ms", 0, u64::MAX)?
+                .unwrap_or(0),
+            kvlease_clock_port: u16::try_from(
+                r.opt_uint("kvlease_clock_port", 0, u64::from(u16::MAX))?
+                    .unwrap_or(0),
+            )
+            .unwrap_or(0),
+            conversation_id: r
+                .opt("conversation_id")
+                .map(|v| Reader::str_of("conversation_id", v).map(str::to_owned))
+                .transpose()?
+                .unwrap_or_default(),
+            remote_blocks_expiry_us: r
+                .opt(EXPIRY)
                 .map(|v| {
-                    v.as_str()
-                        .and_then(KvDigest::parse)
-                        .ok_or_else(|| ParamsError::must_be("kv_digest", "kvd-<16 hex digits>"))
+                    #[allow(
+                        clippy::cast_possible_truncation,
+                        clippy::cast_sign_loss,
+                        reason = "checked to lie in 0..2^53 microseconds first"
+                    )]
+                    v.as_f64()
+                        .map(|t| (t * 1e6).round())
+                        .filter(|us| (0.0..9_007_199_254_740_992.0).contains(us))
+                        .map(|us| us as u64)
+                        .ok_or_else(|| {
+                            ParamsError::must_be(EXPIRY, "a number of seconds, at least 0")
+                        })
                 })
                 .transpose()?,
         };
+        let p = r.fields(Some(turn))?;
         p.validate()?;
         Ok(p)
     }
@@ -397,15 +544,59 @@ impl KvTransferParams {
         if let Some(ms) = self.kvlease_lease_ms {
             in_range(LEASE_MS_KEY, ms, 1, MAX_LEASE_MS)?;
         }
+        if let Some(t) = &self.turn {
+            self.validate_turn(t)?;
+        }
+        Ok(())
+    }
+
+    /// A turn's own checks: a block size, one KV cache group, a hash per whole block and a
+    /// block id per block of `kvlease_num_tokens`.
+    fn validate_turn(&self, t: &TurnParams) -> Result<(), ParamsError> {
+        let bs = in_range(
+            "kvlease_block_size",
+            t.kvlease_block_size.into(),
+            1,
+            MAX_BLOCK_SIZE.into(),
+        )?;
+        if !self.remote_block_groups.is_empty() {
+            return Err(ParamsError::must_be(
+                "remote_block_ids",
+                "one KV cache group's blocks in a turn",
+            ));
+        }
+        let tokens = u64::from(self.kvlease_num_tokens);
+        if t.kvlease_block_hashes.len() as u64 != tokens / bs {
+            return Err(ParamsError::key(
+                "kvlease_block_hashes",
+                format!(
+                    "{} hashes for the {} whole blocks of {tokens} tokens",
+                    t.kvlease_block_hashes.len(),
+                    tokens / bs
+                ),
+            ));
+        }
+        if self.remote_block_ids.len() as u64 != tokens.div_ceil(bs) {
+            return Err(ParamsError::key(
+                "remote_block_ids",
+                format!(
+                    "{} block ids for the {} blocks of {tokens} tokens",
+                    self.remote_block_ids.len(),
+                    tokens.div_ceil(bs)
+                ),
+            ));
+        }
         Ok(())
     }
 
     /// The JSON object P answers with: every field under its canonical key, optional ones
-    /// only when set, plus `do_remote_prefill: true` and `do_remote_decode: false`.
+    /// only when set, plus `do_remote_prefill: true` and `do_remote_decode: false`; for a
+    /// turn the other way round, with `kvlease_bidir: true` and the turn's keys.
     pub fn to_value(&self) -> Value {
         let mut m = Map::new();
-        m.insert("do_remote_prefill".into(), Value::Bool(true));
-        m.insert("do_remote_decode".into(), Value::Bool(false));
+        let turn = self.turn.is_some();
+        m.insert("do_remote_prefill".into(), Value::Bool(!turn));
+        m.insert("do_remote_decode".into(), Value::Bool(turn));
         m.insert(
             "remote_engine_id".into(),
             self.remote_engine_id.as_str().into(),
@@ -438,6 +629,33 @@ impl KvTransferParams {
         m.insert("kvlease_instance".into(), self.kvlease_instance.into());
         if let Some(d) = self.kv_digest {
             m.insert("kv_digest".into(), d.to_string().into());
+        }
+        if let Some(t) = &self.turn {
+            m.insert("kvlease_bidir".into(), Value::Bool(true));
+            m.insert("kvlease_block_size".into(), t.kvlease_block_size.into());
+            m.insert(
+                "kvlease_block_hashes".into(),
+                t.kvlease_block_hashes
+                    .iter()
+                    .map(|h| Value::from(format!("{h:016x}")))
+                    .collect(),
+            );
+            m.insert("kvlease_deadline_ns".into(), t.kvlease_deadline_ns.into());
+            m.insert(
+                "kvlease_ttl_remaining_ms".into(),
+                t.kvlease_ttl_remaining_ms.into(),
+            );
+            m.insert(
+                "kvlease_renew_extension_ms".into(),
+                t.kvlease_renew_extension_ms.into(),
+            );
+            m.insert("kvlease_clock_port".into(), t.kvlease_clock_port.into());
+            m.insert("conversation_id".into(), t.conversation_id.as_str().into());
+            if let Some(us) = t.remote_blocks_expiry_us {
+                #[allow(clippy::cast_precision_loss, reason = "below 2^53 microseconds: exact")]
+                let secs = us as f64 / 1e6;
+                m.insert("remote_blocks_expiry_time".into(), secs.into());
+            }
         }
         Value::Object(m)
     }

@@ -422,7 +422,7 @@ prop_compose! {
             remote_request_id: RequestId::new(&request).expect("valid id"),
             remote_block_ids, remote_block_groups: Vec::new(), remote_host, remote_port, tp_size, dcp_size, pp_size,
             remote_num_tokens, transfer_mode, kvlease_generation, kvlease_num_tokens,
-            kvlease_lease_ms, kvlease_instance, kv_digest,
+            kvlease_lease_ms, kvlease_instance, kv_digest, turn: None,
         }
     }
 }
@@ -501,4 +501,111 @@ proptest! {
 #[test]
 fn the_longest_lease_is_a_day_as_configured() {
     assert_eq!(MAX_LEASE_MS, 86_400_000);
+}
+
+/// A turn as the engine that decoded it answers: 40 tokens in blocks of 16 (two whole
+/// blocks, one partial), held on its clock.
+fn turn_answer() -> Value {
+    json!({
+        "do_remote_decode": true, "do_remote_prefill": false, "kvlease_bidir": true,
+        "remote_engine_id": "d0", "remote_request_id": "cmpl-7", "remote_block_ids": [4, 9, 2],
+        "remote_host": "10.0.0.2", "remote_port": 5600, "tp_size": 1,
+        "remote_num_tokens": 40, "kvlease_generation": 77, "kvlease_num_tokens": 40,
+        "kvlease_lease_ms": 480000, "kvlease_instance": 5,
+        "kvlease_block_size": 16, "kvlease_block_hashes": ["00000000000000ff", "0123456789abcdef"],
+        "kvlease_deadline_ns": 123_456_789_000_u64, "kvlease_ttl_remaining_ms": 479_000,
+        "kvlease_renew_extension_ms": 320_000, "remote_blocks_expiry_time": 1234.5,
+    })
+}
+
+#[test]
+fn a_turn_reads_its_hold_and_round_trips() {
+    let t = KvTransferParams::from_turn_value(&turn_answer()).expect("a turn");
+    let turn = t.turn.as_ref().expect("turn params");
+    assert_eq!(turn.kvlease_block_hashes, [0xff, 0x0123_4567_89ab_cdef]);
+    assert_eq!(turn.kvlease_renew_extension_ms, 320_000);
+    assert_eq!(turn.remote_blocks_expiry_us, Some(1_234_500_000));
+    assert_eq!(
+        (turn.kvlease_clock_port, turn.conversation_id.as_str()),
+        (0, "")
+    );
+    assert_eq!(t.remote_block_ids, [4, 9, 2]);
+    let v = t.to_value();
+    assert_eq!(
+        (
+            v["do_remote_decode"].clone(),
+            v["do_remote_prefill"].clone()
+        ),
+        (json!(true), json!(false))
+    );
+    assert_eq!(v["kvlease_bidir"], json!(true));
+    assert_eq!(v["remote_blocks_expiry_time"], json!(1234.5));
+    assert_eq!(KvTransferParams::from_turn_value(&v), Ok(t.clone()));
+    // A turn is not a lease, nor a lease a turn.
+    assert_eq!(field_of_turn(&v), "");
+    assert_eq!(
+        KvTransferParams::from_value(&v)
+            .expect_err("not a lease")
+            .field,
+        "kv_transfer_params.do_remote_prefill"
+    );
+    let lease = KvTransferParams::from_value(&agent_answer()).expect("lease");
+    assert_eq!(
+        field_of_turn(&lease.to_value()),
+        "kv_transfer_params.kvlease_bidir"
+    );
+}
+
+/// The field a turn's reading names, or "" when it reads.
+fn field_of_turn(v: &Value) -> String {
+    KvTransferParams::from_turn_value(v)
+        .err()
+        .map(|e| e.field)
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_turn_needs_a_hash_per_whole_block_and_a_block_per_block() {
+    for (key, value, field) in [
+        (
+            "kvlease_block_hashes",
+            json!(["00000000000000ff"]),
+            "kvlease_block_hashes",
+        ),
+        (
+            "kvlease_block_hashes",
+            json!(["ff", "0123456789abcdef"]),
+            "kvlease_block_hashes",
+        ),
+        (
+            "kvlease_block_hashes",
+            json!("00000000000000ff"),
+            "kvlease_block_hashes",
+        ),
+        ("remote_block_ids", json!([4, 9]), "remote_block_ids"),
+        ("remote_block_ids", json!([[4, 9], [2]]), "remote_block_ids"),
+        ("kvlease_block_size", json!(0), "kvlease_block_size"),
+        ("kvlease_deadline_ns", Value::Null, "kvlease_deadline_ns"),
+        (
+            "kvlease_ttl_remaining_ms",
+            json!(-1),
+            "kvlease_ttl_remaining_ms",
+        ),
+        (
+            "remote_blocks_expiry_time",
+            json!(-3.0),
+            "remote_blocks_expiry_time",
+        ),
+        ("kvlease_bidir", json!(false), "kvlease_bidir"),
+        ("do_remote_decode", json!(false), "do_remote_decode"),
+        ("conversation_id", json!(7), "conversation_id"),
+    ] {
+        let mut v = turn_answer();
+        v[key] = value;
+        assert_eq!(
+            field_of_turn(&v),
+            format!("kv_transfer_params.{field}"),
+            "{key}"
+        );
+    }
 }
