@@ -80,7 +80,7 @@ impl PyEnum {
 }
 
 /// `now` (seconds) as a core's timestamp.
-fn at(py: Python<'_>, now: f64) -> PyResult<Timestamp> {
+pub(crate) fn at(py: Python<'_>, now: f64) -> PyResult<Timestamp> {
     Duration::try_from_secs_f64(now)
         .map(Timestamp::from_duration)
         .map_err(|_| {

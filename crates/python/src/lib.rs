@@ -58,6 +58,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::EngineDropped>()?;
     m.add_class::<cores::Finished>()?;
     m.add_class::<params::KvTransferParams>()?;
+    m.add_class::<params::PullPlan>()?;
     m.add_class::<engine_info::EngineInfo>()?;
     m.add_class::<engine_info::WorkerInfo>()?;
     m.add_class::<cores::DecodeNotifOutcome>()?;
@@ -67,6 +68,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;
     m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;
     m.add_function(wrap_pyfunction!(logs::install_log_bridge, m)?)?;
+    m.add_function(wrap_pyfunction!(params::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(logs::drain_logs, m)?)?;
     Ok(())
 }

@@ -6,6 +6,11 @@
 //! the constructor does the same with its keyword arguments (so both raise the codec's
 //! errors); `to_dict` writes the codec's object.
 
+use std::time::Duration;
+
+use kvlease_engine::{
+    DeadlineBasis, DecoderKvParams, PullDecision, PullPolicy, RecomputeReason, plan_pull,
+};
 use kvlease_proto::params::{self, KvDigest, ParamsError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyMapping, PySequence, PyString, PyTuple};
@@ -151,6 +156,67 @@ impl KvTransferParams {
             .map(Self)
             .map_err(|e| params_err(py, &e))
     }
+
+    fn read_turn(py: Python<'_>, v: &Value) -> PyResult<Self> {
+        params::KvTransferParams::from_turn_value(v)
+            .map(Self)
+            .map_err(|e| params_err(py, &e))
+    }
+
+    /// The turn as the engine's bidirectional types take it (`plan_pull`).
+    fn decoder_params(&self) -> Option<DecoderKvParams> {
+        let p = &self.0;
+        let t = p.turn.as_ref()?;
+        Some(DecoderKvParams {
+            kvlease_bidir: true,
+            remote_engine_id: p.remote_engine_id.as_str().to_owned(),
+            remote_host: p.remote_host.clone(),
+            remote_port: p.remote_port,
+            kvlease_clock_port: t.kvlease_clock_port,
+            remote_block_ids: p.remote_block_ids.clone(),
+            remote_request_id: p.remote_request_id.as_str().to_owned(),
+            tp_size: p.tp_size,
+            kvlease_generation: p.kvlease_generation,
+            conversation_id: t.conversation_id.clone(),
+            kvlease_num_tokens: p.kvlease_num_tokens,
+            kvlease_block_size: t.kvlease_block_size,
+            kvlease_block_hashes: t
+                .kvlease_block_hashes
+                .iter()
+                .map(|h| format!("{h:016x}"))
+                .collect(),
+            kvlease_deadline_ns: t.kvlease_deadline_ns,
+            kvlease_ttl_remaining: Duration::from_millis(t.kvlease_ttl_remaining_ms),
+            kvlease_renew_extension_ms: t.kvlease_renew_extension_ms,
+        })
+    }
+}
+
+/// What `KvTransferParams.plan_pull` decided for a next-turn prompt: `pull` D's first
+/// `blocks` (they hold the KV of `tokens` prompt tokens; `diverged`: the prompt left the
+/// cached turn inside it), or recompute for `reason` (`no_common_block`,
+/// `below_threshold`, `deadline_too_close`, `no_clock_sample`, `block_size_mismatch`).
+#[pyclass(module = "kvlease._kvlease", frozen, get_all)]
+pub(crate) struct PullPlan {
+    pull: bool,
+    reason: Option<&'static str>,
+    blocks: Vec<u32>,
+    tokens: usize,
+    diverged: bool,
+}
+
+#[pymethods]
+impl PullPlan {
+    fn __repr__(&self) -> String {
+        match self.reason {
+            None => format!(
+                "PullPlan(pull, blocks={}, tokens={})",
+                self.blocks.len(),
+                self.tokens
+            ),
+            Some(r) => format!("PullPlan(recompute, reason={r:?})"),
+        }
+    }
 }
 
 #[pymethods]
@@ -223,6 +289,219 @@ impl KvTransferParams {
         Self::read(py, &Value::Object(m))
     }
 
+    /// A turn (bidirectional mode): the lease keys of the engine that decoded it, naming
+    /// its own blocks and hold, and what a turn adds; checked as the next turn's P reads
+    /// it (`InvalidArgument` naming the field).
+    #[staticmethod]
+    #[pyo3(signature = (
+        *,
+        remote_engine_id,
+        remote_request_id,
+        remote_block_ids,
+        remote_host,
+        remote_port,
+        tp_size,
+        kvlease_generation,
+        kvlease_num_tokens,
+        kvlease_block_size,
+        kvlease_block_hashes,
+        kvlease_deadline_ns,
+        kvlease_ttl_remaining_ms,
+        kvlease_renew_extension_ms = None,
+        kvlease_lease_ms = None,
+        kvlease_instance = None,
+        remote_num_tokens = None,
+        remote_blocks_expiry_time = None,
+        conversation_id = None,
+    ))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python constructor's keyword arguments, one per key"
+    )]
+    fn turn(
+        py: Python<'_>,
+        remote_engine_id: &Bound<'_, PyAny>,
+        remote_request_id: &Bound<'_, PyAny>,
+        remote_block_ids: &Bound<'_, PyAny>,
+        remote_host: &Bound<'_, PyAny>,
+        remote_port: &Bound<'_, PyAny>,
+        tp_size: &Bound<'_, PyAny>,
+        kvlease_generation: &Bound<'_, PyAny>,
+        kvlease_num_tokens: &Bound<'_, PyAny>,
+        kvlease_block_size: &Bound<'_, PyAny>,
+        kvlease_block_hashes: Vec<u64>,
+        kvlease_deadline_ns: &Bound<'_, PyAny>,
+        kvlease_ttl_remaining_ms: &Bound<'_, PyAny>,
+        kvlease_renew_extension_ms: Option<&Bound<'_, PyAny>>,
+        kvlease_lease_ms: Option<&Bound<'_, PyAny>>,
+        kvlease_instance: Option<&Bound<'_, PyAny>>,
+        remote_num_tokens: Option<&Bound<'_, PyAny>>,
+        remote_blocks_expiry_time: Option<&Bound<'_, PyAny>>,
+        conversation_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut m = Map::new();
+        m.insert("do_remote_decode".into(), Value::Bool(true));
+        m.insert("kvlease_bidir".into(), Value::Bool(true));
+        m.insert(
+            "kvlease_block_hashes".into(),
+            kvlease_block_hashes
+                .iter()
+                .map(|h| Value::from(format!("{h:016x}")))
+                .collect(),
+        );
+        for (key, v) in [
+            ("remote_engine_id", Some(remote_engine_id)),
+            ("remote_request_id", Some(remote_request_id)),
+            ("remote_block_ids", Some(remote_block_ids)),
+            ("remote_host", Some(remote_host)),
+            ("remote_port", Some(remote_port)),
+            ("tp_size", Some(tp_size)),
+            ("kvlease_generation", Some(kvlease_generation)),
+            ("kvlease_num_tokens", Some(kvlease_num_tokens)),
+            ("kvlease_block_size", Some(kvlease_block_size)),
+            ("kvlease_deadline_ns", Some(kvlease_deadline_ns)),
+            ("kvlease_ttl_remaining_ms", Some(kvlease_ttl_remaining_ms)),
+            ("kvlease_renew_extension_ms", kvlease_renew_extension_ms),
+            (params::LEASE_MS_KEY, kvlease_lease_ms),
+            ("kvlease_instance", kvlease_instance),
+            ("remote_num_tokens", remote_num_tokens),
+            ("remote_blocks_expiry_time", remote_blocks_expiry_time),
+            ("conversation_id", conversation_id),
+        ] {
+            if let Some(v) = v {
+                m.insert(key.into(), to_json(v, params::PARAMS, Some(key), 0)?);
+            }
+        }
+        Self::read_turn(py, &Value::Object(m))
+    }
+
+    /// Reads a turn (bidirectional mode) as the next turn's P gets it: `kvlease_bidir`
+    /// true, the holding engine's lease keys and the turn's.
+    #[staticmethod]
+    fn from_turn_dict(py: Python<'_>, params: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let v = to_json(params, params::PARAMS, None, 0)?;
+        Self::read_turn(py, &v)
+    }
+
+    /// Whether these are a turn's params (bidirectional mode) rather than P's lease.
+    #[getter]
+    fn is_turn(&self) -> bool {
+        self.0.turn.is_some()
+    }
+
+    /// A turn's tokens per block.
+    #[getter]
+    fn kvlease_block_size(&self) -> Option<u32> {
+        self.0.turn.as_ref().map(|t| t.kvlease_block_size)
+    }
+
+    /// A turn's prefix hashes, one per whole block (`block_hashes`).
+    #[getter]
+    fn kvlease_block_hashes(&self) -> Option<Vec<u64>> {
+        self.0.turn.as_ref().map(|t| t.kvlease_block_hashes.clone())
+    }
+
+    /// A turn's end on its holder's clock, nanoseconds.
+    #[getter]
+    fn kvlease_deadline_ns(&self) -> Option<u64> {
+        self.0.turn.as_ref().map(|t| t.kvlease_deadline_ns)
+    }
+
+    /// A turn's time left when its holder answered, milliseconds.
+    #[getter]
+    fn kvlease_ttl_remaining_ms(&self) -> Option<u64> {
+        self.0.turn.as_ref().map(|t| t.kvlease_ttl_remaining_ms)
+    }
+
+    /// How far each heartbeat of its reader moves a turn's end (0: a fixed TTL), ms.
+    #[getter]
+    fn kvlease_renew_extension_ms(&self) -> Option<u64> {
+        self.0.turn.as_ref().map(|t| t.kvlease_renew_extension_ms)
+    }
+
+    /// P's decision for the next turn's `prompt` (token ids) with blocks of `block_size`
+    /// tokens, at `now` (seconds): pull the whole blocks of the turn whose prefix hashes
+    /// equal the prompt's, when they hold at least `threshold_tokens` tokens and the end
+    /// of the hold leaves `safety_margin` + `expected_transfer` seconds after `now`, or
+    /// recompute. The end is read from the time left the turn announced
+    /// (`kvlease_ttl_remaining_ms`, counted from when `received_at`, seconds on `now`'s
+    /// clock) — the engine's `plan_pull`, as the agents decide.
+    #[pyo3(signature = (prompt, block_size, now, *, threshold_tokens, safety_margin, received_at, expected_transfer = 0.0))]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a Python method's keyword arguments"
+    )]
+    fn plan_pull(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<u32>,
+        block_size: u32,
+        now: f64,
+        threshold_tokens: u32,
+        safety_margin: f64,
+        received_at: f64,
+        expected_transfer: f64,
+    ) -> PyResult<PullPlan> {
+        let Some(mut turn) = self.decoder_params() else {
+            return Err(params_err(
+                py,
+                &ParamsError {
+                    field: format!("{}.kvlease_bidir", params::PARAMS),
+                    reason: "not a turn's params".into(),
+                },
+            ));
+        };
+        let secs = |what: &str, s: f64| {
+            Duration::try_from_secs_f64(s).map_err(|_| {
+                crate::errors::invalid(py, format!("{what} must be a number of seconds >= 0"))
+            })
+        };
+        // The time left as of `now`: what the turn announced, less the time since it came.
+        let held = secs("now - received_at", (now - received_at).max(0.0))?;
+        turn.kvlease_ttl_remaining = turn.kvlease_ttl_remaining.saturating_sub(held);
+        let policy = PullPolicy {
+            threshold_tokens,
+            safety_margin: secs("safety_margin", safety_margin)?,
+            basis: DeadlineBasis::RelativeTtl,
+        };
+        let now_ts = crate::cores::at(py, now)?;
+        let decision = plan_pull(
+            &policy,
+            &turn,
+            &prompt,
+            block_size,
+            now_ts,
+            None,
+            secs("expected_transfer", expected_transfer)?,
+        );
+        Ok(match decision {
+            PullDecision::Pull {
+                blocks,
+                tokens,
+                diverged,
+            } => PullPlan {
+                pull: true,
+                reason: None,
+                blocks: blocks.iter().map(|b| b.0).collect(),
+                tokens,
+                diverged,
+            },
+            PullDecision::Recompute(why) => PullPlan {
+                pull: false,
+                reason: Some(match why {
+                    RecomputeReason::NoCommonBlock => "no_common_block",
+                    RecomputeReason::BelowThreshold { .. } => "below_threshold",
+                    RecomputeReason::DeadlineTooClose => "deadline_too_close",
+                    RecomputeReason::NoClockSample => "no_clock_sample",
+                    RecomputeReason::BlockSizeMismatch => "block_size_mismatch",
+                }),
+                blocks: Vec::new(),
+                tokens: 0,
+                diverged: false,
+            },
+        })
+    }
+
     /// Reads D's `kv_transfer_params` (P's answer, copied by a proxy). Accepts the old
     /// `kvlease_lease_duration` (seconds) and KV cache groups' `[[...],[...]]` block lists.
     #[staticmethod]
@@ -232,7 +511,8 @@ impl KvTransferParams {
     }
 
     /// The dict P answers with (canonical keys; `do_remote_prefill: True`,
-    /// `do_remote_decode: False`; optional keys only when set).
+    /// `do_remote_decode: False`; optional keys only when set); a turn's the other way
+    /// round, with `kvlease_bidir: True` and the turn's keys.
     fn to_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py(py, &self.0.to_value())
     }
@@ -365,4 +645,12 @@ impl KvTransferParams {
             p.kvlease_generation
         )
     }
+}
+
+/// The rolling prefix hash of `tokens` at the end of each whole block of `block_size`
+/// tokens: what a turn's `kvlease_block_hashes` hold and the next turn's P compares its
+/// prompt's with (the engine's `block_hashes`, as the agents compute them).
+#[pyfunction]
+pub(crate) fn block_hashes(tokens: Vec<u32>, block_size: u32) -> Vec<u64> {
+    kvlease_engine::block_hashes(&tokens, block_size)
 }

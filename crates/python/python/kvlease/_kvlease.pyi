@@ -179,6 +179,7 @@ class Released:
     granted_at: float
     expiry: float
     at_max_lifetime: bool
+    hold: bool
     last_heartbeat: float | None
     released_at: float
 
@@ -232,6 +233,8 @@ class PrefillCore:
         first_generation: int | None = None,
         max_consumers: int | None = None,
         max_lease_lifetime: float | None = None,
+        hold_duration: float | None = None,
+        hold_renewable: bool = True,
     ) -> None: ...
     @property
     def engine_id(self) -> str: ...
@@ -250,11 +253,13 @@ class PrefillCore:
     def is_idle(self) -> bool: ...
     def owner(self, request: str) -> str | None: ...
     def lease(self, request: str) -> dict[str, Any] | None: ...
+    def hold(self, request: str) -> dict[str, Any] | None: ...
     def stats(self) -> dict[str, int]: ...
     def handle_job(self, now: float, request: str, num_tokens: int) -> None: ...
     def poll_prefill(self, now: float) -> PrefillStart | None: ...
     def handle_prefill_done(self, now: float, request: str) -> Granted: ...
     def handle_prefill_done_in(self, now: float, request: str, blocks: Sequence[int]) -> Granted: ...
+    def hold_in(self, now: float, request: str, blocks: Sequence[int]) -> Granted: ...
     def handle_prefill_failed(self, request: str) -> bool: ...
     def abort(self, now: float, request: str) -> bool: ...
     def shutdown(self) -> None: ...
@@ -296,6 +301,17 @@ class RemoteKv:
 
 # ----------------------------------------------------------------- kv_transfer_params
 
+class PullPlan:
+    """What :meth:`KvTransferParams.plan_pull` decided."""
+
+    pull: bool
+    reason: str | None
+    blocks: list[int]
+    tokens: int
+    diverged: bool
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]: ...
+
 class KvTransferParams:
     """``kv_transfer_params`` as P answers them and D takes them: vLLM's keys and
     kvlease's, read and checked by the same codec as the agents' (``kvlease-proto``).
@@ -334,6 +350,58 @@ class KvTransferParams:
         ``do_remote_decode: False``, optional keys only when set."""
     def to_remote_kv(self) -> RemoteKv:
         """The typed coordinates :meth:`DecodeCore.on_new_request` takes."""
+    @staticmethod
+    def turn(
+        *,
+        remote_engine_id: str,
+        remote_request_id: str,
+        remote_block_ids: Sequence[int],
+        remote_host: str,
+        remote_port: int,
+        tp_size: int,
+        kvlease_generation: int,
+        kvlease_num_tokens: int,
+        kvlease_block_size: int,
+        kvlease_block_hashes: Sequence[int],
+        kvlease_deadline_ns: int,
+        kvlease_ttl_remaining_ms: int,
+        kvlease_renew_extension_ms: int | None = None,
+        kvlease_lease_ms: int | None = None,
+        kvlease_instance: int | None = None,
+        remote_num_tokens: int | None = None,
+        remote_blocks_expiry_time: float | None = None,
+        conversation_id: str | None = None,
+    ) -> KvTransferParams:
+        """A turn (bidirectional mode): the holding engine's lease keys and the turn's,
+        checked as the next turn's P reads them."""
+    @staticmethod
+    def from_turn_dict(params: Mapping[str, Any]) -> KvTransferParams:
+        """Reads a turn (``kvlease_bidir`` true) as the next turn's P gets it."""
+    @property
+    def is_turn(self) -> bool: ...
+    @property
+    def kvlease_block_size(self) -> int | None: ...
+    @property
+    def kvlease_block_hashes(self) -> list[int] | None: ...
+    @property
+    def kvlease_deadline_ns(self) -> int | None: ...
+    @property
+    def kvlease_ttl_remaining_ms(self) -> int | None: ...
+    @property
+    def kvlease_renew_extension_ms(self) -> int | None: ...
+    def plan_pull(
+        self,
+        prompt: Sequence[int],
+        block_size: int,
+        now: float,
+        *,
+        threshold_tokens: int,
+        safety_margin: float,
+        received_at: float,
+        expected_transfer: float = 0.0,
+    ) -> PullPlan:
+        """P's decision for the next turn's prompt: pull the turn's whole blocks whose
+        prefix hashes equal the prompt's, or recompute (the engine's ``plan_pull``)."""
     @property
     def remote_engine_id(self) -> str: ...
     @property

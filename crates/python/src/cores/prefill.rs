@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvlease_engine as engine;
 use kvlease_engine::{BlockSource, PrefillAction, PrefillConfig, PrefillEvent, PrefillNotif};
-use kvlease_lease::{Generation, ReadCompleteOutcome, ReleaseReason};
+use kvlease_lease::{Generation, LeaseMode, ReadCompleteOutcome, ReleaseReason};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -55,6 +55,8 @@ pub(crate) struct Released {
     expiry: f64,
     /// It expired at its maximum lifetime although heartbeats had renewed it past that.
     at_max_lifetime: bool,
+    /// It was a hold on a finished turn (`hold_in`), not a lease.
+    hold: bool,
     /// When the last heartbeat naming it arrived, if any did.
     last_heartbeat: Option<f64>,
     /// When it was released.
@@ -62,7 +64,7 @@ pub(crate) struct Released {
 }
 
 impl Released {
-    fn new(py: Python<'_>, r: &kvlease_lease::Released) -> PyResult<Self> {
+    fn new(py: Python<'_>, r: &kvlease_lease::Released, hold: bool) -> PyResult<Self> {
         let reason = match r.reason {
             ReleaseReason::Completed => "completed",
             ReleaseReason::Expired => "expired",
@@ -76,6 +78,7 @@ impl Released {
             granted_at: secs(r.granted_at),
             expiry: secs(r.expiry),
             at_max_lifetime: r.at_max_lifetime,
+            hold,
             last_heartbeat: r.last_heartbeat.map(secs),
             released_at: secs(r.released_at),
         })
@@ -140,9 +143,11 @@ impl PrefillCore {
     /// (heartbeats every sixth, each extending by two thirds) and at most
     /// `max_lease_lifetime` seconds from their grant whatever the heartbeats say (default
     /// 600, or `lease_duration` when longer). With `external_blocks`, the serving engine
-    /// allocates blocks (`handle_prefill_done_in`).
+    /// allocates blocks (`handle_prefill_done_in`). With `hold_duration` (bidirectional
+    /// mode) it also holds finished turns (`hold_in`) that long, renewed by their
+    /// reader's heartbeats as a lease is (`hold_renewable`, default) or not at all.
     #[new]
-    #[pyo3(signature = (engine_id, *, tp_size, num_blocks, block_size, lease_duration = 30.0, external_blocks = false, pool_wait = 0.0, first_generation = None, max_consumers = None, max_lease_lifetime = None))]
+    #[pyo3(signature = (engine_id, *, tp_size, num_blocks, block_size, lease_duration = 30.0, external_blocks = false, pool_wait = 0.0, first_generation = None, max_consumers = None, max_lease_lifetime = None, hold_duration = None, hold_renewable = true))]
     #[allow(
         clippy::too_many_arguments,
         reason = "a Python constructor's keyword arguments"
@@ -159,6 +164,8 @@ impl PrefillCore {
         first_generation: Option<u64>,
         max_consumers: Option<u32>,
         max_lease_lifetime: Option<f64>,
+        hold_duration: Option<f64>,
+        hold_renewable: bool,
     ) -> PyResult<Self> {
         if tp_size == 0 || num_blocks == 0 || block_size == 0 {
             return Err(invalid(
@@ -195,6 +202,13 @@ impl PrefillCore {
         }
         if let Some(max) = max_consumers {
             config = config.with_max_consumers(max);
+        }
+        if let Some(ttl) = hold_duration {
+            let mut terms = lease_config(py, ttl)?;
+            if !hold_renewable {
+                terms = terms.with_mode(LeaseMode::Fixed);
+            }
+            config = config.with_holds(terms);
         }
         Ok(Self {
             core: engine::PrefillCore::new(config),
@@ -261,15 +275,17 @@ impl PrefillCore {
         let Some(info) = self.core.table().get(&request) else {
             return Ok(None);
         };
-        let d = PyDict::new(py);
-        d.set_item("generation", info.generation.word())?;
-        d.set_item("granted_at", secs(info.granted_at))?;
-        d.set_item("expiry", secs(info.expiry))?;
-        d.set_item("last_heartbeat", info.last_heartbeat.map(secs))?;
-        d.set_item("blocks", info.blocks)?;
-        d.set_item("consumers_reported", info.consumers_reported)?;
-        d.set_item("consumers_expected", info.consumers_expected)?;
-        Ok(Some(d))
+        lease_dict(py, &info).map(Some)
+    }
+
+    /// `request`'s hold on a finished turn (`hold_in`), as `lease` describes a lease, or
+    /// `None`.
+    fn hold<'py>(&self, py: Python<'py>, request: &str) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let request = request_id(py, request)?;
+        let Some(info) = self.core.holds().and_then(|h| h.get(&request)) else {
+            return Ok(None);
+        };
+        lease_dict(py, &info).map(Some)
     }
 
     /// The counters, by name.
@@ -285,6 +301,10 @@ impl PrefillCore {
         d.set_item("foreign_notifs", s.foreign_notifs)?;
         d.set_item("malformed_notifs", s.malformed_notifs)?;
         d.set_item("expiry_notices", s.expiry_notices)?;
+        d.set_item("holds_granted", s.holds_granted)?;
+        d.set_item("holds_released_completed", s.holds_released_completed)?;
+        d.set_item("holds_released_expired", s.holds_released_expired)?;
+        d.set_item("holds_released_aborted", s.holds_released_aborted)?;
         Ok(d)
     }
 
@@ -343,6 +363,26 @@ impl PrefillCore {
         let g = self
             .core
             .handle_prefill_done_in(now, request, block_ids(blocks))
+            .map_err(|e| e.to_py(py))?;
+        Ok(granted(&g))
+    }
+
+    /// Bidirectional mode: the serving engine finished decoding `request` in `blocks`
+    /// and keeps them for the conversation's next turn: holds them (`hold_duration`),
+    /// renewed by the reader's heartbeats, released by its read completion or abort, or
+    /// at the end. Raises `PrefillError` without holds, or as `handle_prefill_done_in`.
+    fn hold_in(
+        &mut self,
+        py: Python<'_>,
+        now: f64,
+        request: &str,
+        blocks: Vec<u32>,
+    ) -> PyResult<Granted> {
+        let now = at(py, now)?;
+        let request = request_id(py, request)?;
+        let g = self
+            .core
+            .hold_in(now, request, block_ids(blocks))
             .map_err(|e| e.to_py(py))?;
         Ok(granted(&g))
     }
@@ -407,7 +447,10 @@ impl PrefillCore {
             PrefillAction::ClearFences { released } => Py::new(
                 py,
                 ClearFences {
-                    released: Py::new(py, Released::new(py, &released)?)?,
+                    released: Py::new(
+                        py,
+                        Released::new(py, &released, self.core.is_hold(released.generation))?,
+                    )?,
                 },
             )?
             .into_any(),
@@ -429,7 +472,8 @@ impl PrefillCore {
             return Ok(None);
         };
         let obj = match event {
-            PrefillEvent::Released(r) => Py::new(py, Released::new(py, &r)?)?.into_any(),
+            PrefillEvent::Released(r) => Py::new(py, Released::new(py, &r, false)?)?.into_any(),
+            PrefillEvent::HoldReleased(r) => Py::new(py, Released::new(py, &r, true)?)?.into_any(),
             PrefillEvent::Refused { request, error } => Py::new(
                 py,
                 Refused {
@@ -441,6 +485,21 @@ impl PrefillCore {
         };
         Ok(Some(obj))
     }
+}
+
+fn lease_dict<'py>(
+    py: Python<'py>,
+    info: &kvlease_lease::LeaseInfo,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("generation", info.generation.word())?;
+    d.set_item("granted_at", secs(info.granted_at))?;
+    d.set_item("expiry", secs(info.expiry))?;
+    d.set_item("last_heartbeat", info.last_heartbeat.map(secs))?;
+    d.set_item("blocks", info.blocks)?;
+    d.set_item("consumers_reported", info.consumers_reported)?;
+    d.set_item("consumers_expected", info.consumers_expected)?;
+    Ok(d)
 }
 
 fn granted(g: &engine::Granted) -> Granted {

@@ -248,7 +248,7 @@ class Completion:
     body: dict
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int = 16,
+def complete(url: str, model: str, prompt: str | list[int], max_tokens: int = 16,
              timeout: float = 180.0, **extra: Any) -> Completion:
     """One greedy completion (``ignore_eos``: always ``max_tokens`` tokens); an HTTP
     error is returned, not raised, with its body; a connection that breaks is status 0."""

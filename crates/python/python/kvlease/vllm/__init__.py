@@ -98,9 +98,12 @@ through the one codec, :class:`kvlease.KvTransferParams` (D still reads the old
 
 Configuration (``kv_connector_extra_config``)
 ---------------------------------------------
-``kv_lease_duration`` (seconds, default 30), ``decoder_kv_blocks_ttl`` (accepted and
-validated for configs shared with NixlConnector; bidirectional transfer is not
-implemented, so it is unused), ``cluster_token`` (or env ``KVLEASE_CLUSTER_TOKEN``;
+``kv_lease_duration`` (seconds, default 30), ``bidirectional_kv_xfer`` (default false:
+the engine that decodes a turn holds it for the next turn's P, which reads it back;
+``kv_both`` only) with ``decoder_kv_blocks_ttl`` (seconds a turn is held, default 480),
+``symmetric_decoder_lease`` (default true: the next P's heartbeats extend the hold),
+``kv_recompute_threshold`` (tokens, default 64) and ``pull_safety_margin`` (seconds,
+default 5), ``cluster_token`` (or env ``KVLEASE_CLUSTER_TOKEN``;
 authenticates the side channel and every transport connection), ``transport``
 (``auto`` | ``tcp`` | ``shm`` | ``verbs``), ``side_channel_host`` (the address P's side
 channel listens on, only that one, and D reaches P at; default env

@@ -92,6 +92,16 @@ class KvleaseConfig:
     #: Listen beyond loopback without a cluster token (the side channel and the workers'
     #: transports refuse to otherwise).
     allow_unauthenticated: bool = False
+    #: Bidirectional multi-turn (``bidirectional_kv_xfer``): D holds a finished turn's
+    #: blocks for ``decoder_kv_blocks_ttl`` and the next turn's P reads them back.
+    bidirectional: bool = False
+    #: P recomputes a cached prefix shorter than this many tokens instead of reading it.
+    kv_recompute_threshold: int = 64
+    #: P reads a held turn only when its end leaves this many seconds (plus the read).
+    pull_safety_margin: float = 5.0
+    #: The next turn's P heartbeats the hold while its request waits or reads, and each
+    #: heartbeat extends it (the symmetric lease); false: a fixed TTL, as NixlConnector's.
+    symmetric_decoder_lease: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: "VllmConfig") -> "KvleaseConfig":
@@ -114,12 +124,20 @@ class KvleaseConfig:
         max_lifetime = (
             number("kv_lease_max_lifetime", 600.0) if "kv_lease_max_lifetime" in extra else None
         )
-        allow = extra.get("allow_unauthenticated", False)
-        if not isinstance(allow, bool):
-            raise ConfigError(f"allow_unauthenticated must be true or false, not {allow!r}")
+        allow = _flag(extra, "allow_unauthenticated", False)
         ttl = number("decoder_kv_blocks_ttl", 480.0)
-        if extra.get("bidirectional_kv_xfer"):
-            raise ConfigError("bidirectional_kv_xfer is not supported by KvleaseConnector")
+        bidirectional = _flag(extra, "bidirectional_kv_xfer", False)
+        role = str(getattr(ktc, "kv_role", None) or "kv_both")
+        if bidirectional and role != "kv_both":
+            raise ConfigError(
+                "bidirectional_kv_xfer needs kv_role kv_both on every engine: the engine "
+                f"that decodes a turn holds it and serves it to the next turn's P (not {role!r})"
+            )
+        threshold = extra.get("kv_recompute_threshold", 64)
+        if type(threshold) is not int or threshold < 0:
+            raise ConfigError(
+                f"kv_recompute_threshold must be a number of tokens >= 0, not {threshold!r}"
+            )
         token: str | bytes | None = extra.get("cluster_token") or os.environ.get(
             "KVLEASE_CLUSTER_TOKEN"
         )
@@ -170,7 +188,22 @@ class KvleaseConfig:
             use_host_buffer=use_host_buffer,
             lease_max_lifetime=max_lifetime,
             allow_unauthenticated=allow,
+            bidirectional=bidirectional,
+            kv_recompute_threshold=threshold,
+            pull_safety_margin=number("pull_safety_margin", 5.0),
+            symmetric_decoder_lease=_flag(extra, "symmetric_decoder_lease", True),
         )
+
+
+def _flag(extra: dict, key: str, default: bool) -> bool:
+    """A boolean of ``kv_connector_extra_config`` (vLLM's launch lines also write
+    ``"True"``/``"False"`` strings, as for ``enable_permute_local_kv``)."""
+    value = extra.get(key, default)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, not {value!r}")
+    return value
 
 
 def _port(extra: dict, key: str, env: str) -> int:

@@ -113,6 +113,9 @@ class KvleaseScheduler:
                 external_blocks=True,
                 first_generation=self.instance,
                 max_lease_lifetime=config.lease_max_lifetime,
+                # Bidirectional mode: this engine also holds the turns it decodes.
+                hold_duration=config.decoder_kv_blocks_ttl if config.bidirectional else None,
+                hold_renewable=config.symmetric_decoder_lease,
             )
         if self.is_consumer:
             self.decode = native.DecodeCore(
@@ -169,6 +172,12 @@ class KvleaseScheduler:
         # D: P's block ids of requests whose P blocks hold another number of tokens than
         # ours (the decode core holds as many of them as D blocks: ``_in_our_blocks``).
         self._p_blocks: dict[str, list[int]] = {}
+        # Bidirectional mode, P: requests reading a held turn back from the engine that
+        # decoded it (tracked by the decode core like a D's load), by the tokens they read.
+        self._pulls: dict[str, int] = {}
+        # D: requests that came to be decoded here (``do_remote_prefill``), loaded or
+        # not: in bidirectional mode their turn is held when they end.
+        self._decodes: set[str] = set()
         logger.info(
             "kvlease scheduler %s (%s): lease %.1fs, side channel %s, %s",
             self.engine_id,
@@ -268,7 +277,8 @@ class KvleaseScheduler:
                 # The free word first: from here vLLM may reuse the blocks.
                 self._publish(released.blocks, 0)
                 self._finished_sending.append(released.request)
-                self.counters.add(f"leases_released_{released.reason}")
+                kind = "holds" if released.hold else "leases"
+                self.counters.add(f"{kind}_released_{released.reason}")
                 logger.debug(
                     "lease of %s released (%s)", released.request, released.reason
                 )
@@ -430,8 +440,12 @@ class KvleaseScheduler:
 
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
+        if params and params.get("kvlease_bidir") and not params.get("do_remote_prefill"):
+            self._on_new_turn(request)
+            return
         if not params or not params.get("do_remote_prefill"):
             return
+        self._decodes.add(request.request_id)
         if self.decode is None:
             logger.warning(
                 "request %s asks to load remote KV, but this engine is a kv_producer: "
@@ -465,6 +479,80 @@ class KvleaseScheduler:
         self._remote.add(request.request_id)
         self._groups[request.request_id] = groups
         self.counters.add("requests_tracked")
+        self._pump(now)
+
+    def _on_new_turn(self, request: "Request") -> None:
+        """Bidirectional mode, P: the request carries the previous turn's params (the
+        engine that decoded it holds its blocks). Reads back the whole blocks whose prefix
+        hashes equal the prompt's (``KvTransferParams.plan_pull``: at least
+        ``kv_recompute_threshold`` tokens, the hold's end far enough): tracked by the
+        decode core like a D's load, so P heartbeats the hold while the request waits or
+        reads (the symmetric lease) and reads it fenced. Otherwise P computes the prompt,
+        and an admitted hold is aborted so its engine frees the blocks at once."""
+        rid = request.request_id
+        if not self.config.bidirectional:
+            logger.warning(
+                "request %s carries a held turn, but bidirectional_kv_xfer is off here: "
+                "computing it",
+                rid,
+            )
+            self.counters.add("turns_ignored")
+            return
+        decode = self._d()
+        try:
+            turn = native.KvTransferParams.from_turn_dict(request.kv_transfer_params)
+        except InvalidArgument as e:
+            logger.warning(
+                "request %s: the held turn's params are not a kvlease turn (%s: %s): "
+                "computing it",
+                rid,
+                e.field,
+                e.reason,
+            )
+            self.counters.add("turns_invalid")
+            return
+        now = self.clock()
+        plan = turn.plan_pull(
+            list(request.prompt_token_ids or []),
+            self.block_size,
+            now,
+            threshold_tokens=self.config.kv_recompute_threshold,
+            safety_margin=self.config.pull_safety_margin,
+            received_at=now,
+        )
+        remote = turn.to_remote_kv()
+        tokens = plan.tokens if plan.pull else int(turn.kvlease_num_tokens)
+        blocks = list(plan.blocks) if plan.pull else list(remote.blocks)
+        remote = native.RemoteKv(
+            engine=remote.engine,
+            request=remote.request,
+            blocks=blocks,
+            generation=remote.generation,
+            tp_size=remote.tp_size,
+            num_tokens=tokens,
+            host=remote.host,
+            port=remote.port,
+            instance=remote.instance,
+        )
+        try:
+            decode.on_new_request(now, rid, tokens, remote)
+        except KvleaseError as e:
+            self.counters.add("turns_refused")
+            logger.warning("request %s: not reading its held turn (%s): computing it", rid, e)
+            self._drain_decode()
+            return
+        self._remote.add(rid)
+        self._groups[rid] = [blocks]
+        # Tokens to read: none when P computes the turn. Then the request still waits
+        # for the handshake with the holder, so that the abort at its allocation
+        # (``update_state_after_alloc``, no external tokens) reaches the holder, which
+        # frees the turn at once instead of at its TTL.
+        self._pulls[rid] = plan.tokens if plan.pull else 0
+        if plan.pull:
+            self.counters.add("turns_pulled")
+        else:
+            self.counters.add(f"turns_recomputed_{plan.reason}")
+            logger.info("request %s: computing its held turn (%s)", rid, plan.reason)
         self._pump(now)
 
     def get_num_new_matched_tokens(
@@ -503,7 +591,9 @@ class KvleaseScheduler:
             self._drain_decode()
             self.counters.add("loads_refused_incompatible")
             return 0, False
-        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        # A held turn covers the prompt's first tokens only; a D's load, all of them.
+        total = self._pulls.get(rid, int(request.num_prompt_tokens))
+        count = min(total, int(request.num_prompt_tokens)) - int(num_computed_tokens)
         if count <= 0:
             return 0, False
         return count, True
@@ -522,7 +612,14 @@ class KvleaseScheduler:
             # Its blocks go to the host buffer at the step that completes its prompt
             # (again after a preemption): ``_build_saves``.
             self._to_save[rid] = request
-        if rid not in self._remote or not params or not params.get("do_remote_prefill"):
+        if rid not in self._remote or not params:
+            return
+        if rid in self._pulls:
+            # One read of a held turn per request, even if it is preempted.
+            if params.get("_kvlease_turn_read"):
+                return
+            params["_kvlease_turn_read"] = True
+        elif not params.get("do_remote_prefill"):
             return
         # One transfer per request, even if it is preempted and scheduled again.
         params["do_remote_prefill"] = False
@@ -536,12 +633,14 @@ class KvleaseScheduler:
         if len(self.group_windows) > 1 or len(self._groups.get(rid, ())) > 1:
             self._start_group_load(request, blocks)
             return
-        local = list(blocks.get_unhashed_block_ids())
+        # The blocks vLLM found in the local prefix cache hold the prompt's first tokens;
+        # the rest (unhashed) receive the remote blocks from there on, as far as those go
+        # (a held turn covers the prompt's first tokens only).
+        unhashed = list(blocks.get_unhashed_block_ids())
+        skip = len(blocks.get_block_ids()[0]) - len(unhashed)
         remote = decode.remote_of(rid)
         n_remote = len(remote.blocks) if remote is not None else 0
-        if len(local) > n_remote:
-            local = local[:n_remote]
-        skip = n_remote - len(local)
+        local = unhashed[: max(0, n_remote - skip)]
         try:
             tokens = self._token_map(rid, remote, skip)
             plan = decode.start_load(rid, local, skip)
@@ -810,13 +909,18 @@ class KvleaseScheduler:
         self._to_save.pop(rid, None)
         self._tables.pop(rid, None)
         saved = self._saved.pop(rid, None)
+        self._pulls.pop(rid, None)
         if rid in self._remote:
-            # D: decoded to the end, or aborted before (or while) loading.
+            # D: decoded to the end, or aborted before (or while) loading; P: done
+            # reading a held turn (or aborted).
             decode = self._d()
             if not decode.request_finished(rid):
                 decode.abort(rid)
             self._drain_decode()
-            return False, None
+        if rid in self._decodes:
+            # D, whether its prompt was loaded or computed here.
+            self._decodes.discard(rid)
+            return self._hold(request, block_ids, now)
         if not params.get("do_remote_decode"):
             return False, None
         if request.status not in (
@@ -868,6 +972,73 @@ class KvleaseScheduler:
             self._p().abort(now, rid)
             self._drain_prefill()
             self.counters.add("grants_refused")
+            return False, None
+        return True, answer
+
+    def _hold(
+        self, request: "Request", block_ids: list[int], now: float
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Bidirectional mode, D: the turn it decoded stays in its blocks for the
+        conversation's next turn, held by the prefill core (``hold_in``) for
+        ``decoder_kv_blocks_ttl``, renewed by the next P's heartbeats (the symmetric
+        lease), released by that P's read or abort; the answer names the hold (a turn's
+        ``kv_transfer_params``, as the agents' D answers). Without bidirectional mode, or
+        for a request that did not end normally, vLLM frees the blocks at once."""
+        from vllm.v1.request import RequestStatus
+
+        if not self.config.bidirectional or self.prefill is None:
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        rid = request.request_id
+        # The tokens whose KV the blocks hold (the last sampled one was never computed),
+        # and the blocks that hold them.
+        tokens = [int(t) for t in request.all_token_ids[: int(request.num_computed_tokens)]]
+        blocks = [int(b) for b in block_ids][: -(-len(tokens) // self.block_size)]
+        if not tokens or not blocks:
+            return False, None
+        try:
+            granted = self.prefill.hold_in(now, rid, blocks)
+        except KvleaseError as e:
+            logger.warning("request %s: its turn is not held (%s)", rid, e)
+            self.counters.add("holds_refused")
+            self._drain_prefill()
+            return False, None
+        self._drain_prefill()
+        self._publish(blocks, granted.generation)
+        self.counters.add("holds_granted")
+        ttl = self.config.decoder_kv_blocks_ttl
+        extension = 2 * ttl / 3 if self.config.symmetric_decoder_lease else 0.0
+        try:
+            answer = native.KvTransferParams.turn(
+                remote_engine_id=self.engine_id,
+                remote_request_id=rid,
+                remote_block_ids=blocks,
+                remote_host=self.config.side_channel_host,
+                remote_port=self.side_channel_port,
+                tp_size=self.tp_size,
+                kvlease_generation=granted.generation,
+                kvlease_num_tokens=len(tokens),
+                kvlease_block_size=self.block_size,
+                kvlease_block_hashes=native.block_hashes(tokens, self.block_size),
+                # The end on this engine's wall clock (the agents' D writes the same)
+                # and on its perf_counter (NixlConnector's remote_blocks_expiry_time).
+                kvlease_deadline_ns=time.time_ns() + round(ttl * 1e9),
+                kvlease_ttl_remaining_ms=round(ttl * 1000),
+                kvlease_renew_extension_ms=round(extension * 1000),
+                kvlease_lease_ms=round(ttl * 1000),
+                kvlease_instance=self.instance,
+                remote_num_tokens=len(tokens),
+                remote_blocks_expiry_time=time.perf_counter() + ttl,
+            ).to_dict()
+        except InvalidArgument as e:
+            logger.error("request %s: no kv_transfer_params for its turn (%s)", rid, e)
+            self._p().abort(now, rid)
+            self._drain_prefill()
+            self.counters.add("holds_refused")
             return False, None
         return True, answer
 

@@ -157,6 +157,24 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
             "or block layout it cannot read into its own): their requests are computed on "
             "D, never loaded; the reason is logged at error.",
         )
+        self.holds_granted = counter(
+            "holds_granted",
+            "Bidirectional mode: finished turns this engine holds for the conversation's "
+            "next turn (decoder_kv_blocks_ttl).",
+        )
+        self.holds_released = counter(
+            "holds_released",
+            "Holds on finished turns released, by reason: completed (the next turn's P "
+            "read them), aborted (it computed instead, or gave up), expired (the TTL, or "
+            "its last renewal, passed).",
+            ("reason",),
+        )
+        self.turns = counter(
+            "turns",
+            "Bidirectional mode, P: requests that came with a held turn, by outcome: "
+            "pulled (its common prefix read back) or recomputed (and why).",
+            ("outcome",),
+        )
         self.host_buffer_blocks = counter(
             "host_buffer_blocks",
             "KV blocks copied through the host buffer (kv_buffer_device cpu): d2h on P "
@@ -179,10 +197,12 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
                 self.stale_reads,
                 self.handshake_failures,
                 self.incompatible_handshakes,
+                self.holds_granted,
             ):
                 metric.labels(*values)
             for reason in ReleaseReason:
                 self.leases_released.labels(*values, reason.value)
+                self.holds_released.labels(*values, reason.value)
             for direction in HOST_BUFFER_DIRECTIONS.values():
                 self.host_buffer_blocks.labels(*values, direction)
 
@@ -195,8 +215,11 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
             f"batches_{BatchStatus.STALE.value}": self.stale_reads,
             "handshakes_failed": self.handshake_failures,
             "handshakes_incompatible": self.incompatible_handshakes,
+            "holds_granted": self.holds_granted,
         }
         released = "leases_released_"
+        held = "holds_released_"
+        recomputed = "turns_recomputed_"
         statuses = {f"reads_{s.value}": s.value for s in BatchStatus}
         for key, value in transfer_stats_data.items():
             name, _, backend = key.partition(".")
@@ -214,6 +237,12 @@ class KvleasePromMetrics(KVConnectorPromMetrics):
                 self.host_buffer_blocks.labels(*engine, HOST_BUFFER_DIRECTIONS[name]).inc(value)
             elif not backend and name.startswith(released):
                 self.leases_released.labels(*engine, name[len(released) :]).inc(value)
+            elif not backend and name.startswith(held):
+                self.holds_released.labels(*engine, name[len(held) :]).inc(value)
+            elif not backend and name == "turns_pulled":
+                self.turns.labels(*engine, "pulled").inc(value)
+            elif not backend and name.startswith(recomputed):
+                self.turns.labels(*engine, name[len("turns_") :]).inc(value)
             elif backend and name in statuses:
                 self.reads.labels(*engine, backend, statuses[name]).inc(value)
             elif backend and name == "read_bytes":
