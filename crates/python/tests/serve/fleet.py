@@ -289,7 +289,7 @@ def complete_all(url: str, model: str, prompts: list[str], concurrency: int = 1,
 def assert_equal(answers: list[Completion], prompts: list[str], reference: dict) -> None:
     """Every answer is a 200 whose tokens are the plain instance's (``reference``)."""
     wrong = [
-        (i, a.status, a.text, reference[p].text)
+        (i, a.status, a.text, reference[p].text) + ((a.body,) if a.status != 200 else ())
         for i, (p, a) in enumerate(zip(prompts, answers))
         if a.status != 200 or a.token_ids != reference[p].token_ids
     ]
