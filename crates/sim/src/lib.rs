@@ -127,11 +127,13 @@
 
 mod bidir;
 mod config;
+mod holds;
 mod rng;
 mod world;
 
 pub use bidir::{BidirBug, BidirConfig, BidirReport, FlightAllowance, run_bidir};
 pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
+pub use holds::{HoldsBug, HoldsConfig, HoldsReport, run_holds};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
 
