@@ -429,7 +429,7 @@ fn decode_bidir(
             flag: "--kv-transfer-config",
             message: format!("decoder_kv_blocks_ttl: {e}"),
         })?;
-    let handle = ClockProbeServer { clock }
+    let handle = ClockProbeServer::new(move || clock.now_ns())
         .spawn(SocketAddr::new(listen_ip, 0))
         .map_err(|source| ServeError::Io {
             what: "clock probe: cannot listen".into(),

@@ -20,6 +20,7 @@
 use pyo3::prelude::*;
 
 mod agent;
+mod clock;
 mod cores;
 mod engine_info;
 mod errors;
@@ -64,6 +65,9 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::DecodeNotifOutcome>()?;
     m.add_class::<cores::DecodedNotif>()?;
     m.add_class::<sidechannel::SideChannelServer>()?;
+    m.add_class::<clock::ClockProbeServer>()?;
+    m.add_class::<clock::ClockOffset>()?;
+    m.add_function(wrap_pyfunction!(clock::probe_clock, m)?)?;
     m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;
     m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;

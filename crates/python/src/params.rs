@@ -313,6 +313,7 @@ impl KvTransferParams {
         remote_num_tokens = None,
         remote_blocks_expiry_time = None,
         conversation_id = None,
+        kvlease_clock_port = None,
     ))]
     #[allow(
         clippy::too_many_arguments,
@@ -338,6 +339,7 @@ impl KvTransferParams {
         remote_num_tokens: Option<&Bound<'_, PyAny>>,
         remote_blocks_expiry_time: Option<&Bound<'_, PyAny>>,
         conversation_id: Option<&Bound<'_, PyAny>>,
+        kvlease_clock_port: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut m = Map::new();
         m.insert("do_remote_decode".into(), Value::Bool(true));
@@ -367,6 +369,7 @@ impl KvTransferParams {
             ("remote_num_tokens", remote_num_tokens),
             ("remote_blocks_expiry_time", remote_blocks_expiry_time),
             ("conversation_id", conversation_id),
+            ("kvlease_clock_port", kvlease_clock_port),
         ] {
             if let Some(v) = v {
                 m.insert(key.into(), to_json(v, params::PARAMS, Some(key), 0)?);
@@ -413,6 +416,12 @@ impl KvTransferParams {
         self.0.turn.as_ref().map(|t| t.kvlease_ttl_remaining_ms)
     }
 
+    /// A turn holder's clock probe port (0: it serves none).
+    #[getter]
+    fn kvlease_clock_port(&self) -> Option<u16> {
+        self.0.turn.as_ref().map(|t| t.kvlease_clock_port)
+    }
+
     /// How far each heartbeat of its reader moves a turn's end (0: a fixed TTL), ms.
     #[getter]
     fn kvlease_renew_extension_ms(&self) -> Option<u64> {
@@ -423,10 +432,12 @@ impl KvTransferParams {
     /// tokens, at `now` (seconds): pull the whole blocks of the turn whose prefix hashes
     /// equal the prompt's, when they hold at least `threshold_tokens` tokens and the end
     /// of the hold leaves `safety_margin` + `expected_transfer` seconds after `now`, or
-    /// recompute. The end is read from the time left the turn announced
-    /// (`kvlease_ttl_remaining_ms`, counted from when `received_at`, seconds on `now`'s
-    /// clock) — the engine's `plan_pull`, as the agents decide.
-    #[pyo3(signature = (prompt, block_size, now, *, threshold_tokens, safety_margin, received_at, expected_transfer = 0.0))]
+    /// recompute. With `clock_offset` (`probe_clock` of the holder's clock probe) the end
+    /// is the turn's `kvlease_deadline_ns` on the holder's clock, read on this host's wall
+    /// clock within the offset's error bound; without, it is the time left the turn
+    /// announced (`kvlease_ttl_remaining_ms`, counted from when `received_at`, seconds on
+    /// `now`'s clock) — the engine's `plan_pull`, as the agents decide.
+    #[pyo3(signature = (prompt, block_size, now, *, threshold_tokens, safety_margin, received_at, expected_transfer = 0.0, clock_offset = None))]
     #[allow(
         clippy::too_many_arguments,
         reason = "a Python method's keyword arguments"
@@ -441,6 +452,7 @@ impl KvTransferParams {
         safety_margin: f64,
         received_at: f64,
         expected_transfer: f64,
+        clock_offset: Option<crate::clock::ClockOffset>,
     ) -> PyResult<PullPlan> {
         let Some(mut turn) = self.decoder_params() else {
             return Err(params_err(
@@ -462,16 +474,25 @@ impl KvTransferParams {
         let policy = PullPolicy {
             threshold_tokens,
             safety_margin: secs("safety_margin", safety_margin)?,
-            basis: DeadlineBasis::RelativeTtl,
+            basis: if clock_offset.is_some() {
+                DeadlineBasis::ClockOffset
+            } else {
+                DeadlineBasis::RelativeTtl
+            },
         };
-        let now_ts = crate::cores::at(py, now)?;
+        // The offset relates the holder's clock to this host's wall clock, so the deadline
+        // is compared with the wall clock now; the time left, with `now`.
+        let now_ts = match clock_offset {
+            Some(_) => kvlease_lease::Timestamp::from_nanos(crate::clock::wall_ns(0)),
+            None => crate::cores::at(py, now)?,
+        };
         let decision = plan_pull(
             &policy,
             &turn,
             &prompt,
             block_size,
             now_ts,
-            None,
+            clock_offset.map(|o| o.0),
             secs("expected_transfer", expected_transfer)?,
         );
         Ok(match decision {

@@ -50,6 +50,7 @@
 
 mod agent;
 mod batch;
+pub mod clock_probe;
 mod config;
 pub mod deadline;
 mod error;

@@ -1,4 +1,4 @@
-//! Bidirectional multi-turn KV transfer (SPEC, "Bidirectional mode"; issue 8): D keeps a
+//! Bidirectional multi-turn KV transfer (SPEC, "Bidirectional mode"): D keeps a
 //! finished turn's blocks for `decoder_kv_blocks_ttl`, P pulls them on the next turn
 //! instead of recomputing the shared prefix.
 //!
@@ -8,22 +8,18 @@
 //! - the JSON codec of [`DecoderKvParams`] ([`params_from_value`], [`params_to_value`],
 //!   [`is_decoder_params`]), the `kv_transfer_params` D answers with in bidirectional mode;
 //! - [`PeerClock`]: the clock an agent shows its peers;
-//! - [`ClockProbeServer`] / [`probe_clock`]: a tiny request (own port, 16-byte frames) that
-//!   gives P `(t0, t_remote, t1)` samples of D's clock for the [`ClockOffsetEstimator`];
+//! - [`ClockProbeServer`] / [`probe_clock`] (from `kvlease_transport::clock_probe`, the
+//!   frames from `kvlease_proto::clock`): a tiny request (own port, 16-byte frames) that
+//!   gives P `(t0, t_remote, t1)` samples of D's clock for the `ClockOffsetEstimator`;
 //! - [`ConversationStore`](crate::proxy::ConversationStore): the proxy's memory of D's
 //!   params between turns, keyed by [`conversation_key`](crate::proxy::conversation_key);
 //! - [`TEST_CLOCK_OFFSET_ENV`]: an offset added to the clock an agent reports, so tests can
 //!   run two agents with ±10 s of skew on one host.
 
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::thread;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvlease_engine::DecoderKvParams;
-use kvlease_lease::{ClockOffsetEstimator, PeerTimestamp, Timestamp};
+use kvlease_lease::Timestamp;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -180,136 +176,9 @@ pub fn is_decoder_params(v: Option<&Value>) -> bool {
 
 // ------------------------------------------------------------------- clock probe
 
-const PROBE_REQ: &[u8; 8] = b"KVLCLK01";
-/// Read/write timeout of every clock-probe socket.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Most clock-probe connections served at once.
-pub const MAX_PROBE_CONNS: usize = 32;
-/// Most probes answered on one connection.
-pub const MAX_PROBES_PER_CONN: u32 = 64;
-
-/// Answers clock probes: each 8-byte request `KVLCLK01` gets `KVLCLK01` and the clock's
-/// nanoseconds (big endian). It reveals only the time, so it needs no token.
-pub struct ClockProbeServer {
-    /// The clock reported.
-    pub clock: PeerClock,
-}
-
-/// A running probe server; stops accepting when dropped.
-#[derive(Debug)]
-pub struct ProbeHandle {
-    /// The bound address.
-    pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for ProbeHandle {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Wake the accept loop; failure means it is already gone.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-    }
-}
-
-impl ClockProbeServer {
-    /// Binds `addr` and answers probes on a background thread (one short-lived thread per
-    /// connection, at most [`MAX_PROBE_CONNS`]).
-    ///
-    /// # Errors
-    /// The bind error.
-    pub fn spawn(self, addr: SocketAddr) -> io::Result<ProbeHandle> {
-        let listener = TcpListener::bind(addr)?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
-        let clock = self.clock;
-        let live = Arc::new(AtomicUsize::new(0));
-        thread::Builder::new()
-            .name("clock-probe".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    if live.fetch_add(1, Ordering::AcqRel) >= MAX_PROBE_CONNS {
-                        live.fetch_sub(1, Ordering::AcqRel);
-                        continue;
-                    }
-                    let live2 = Arc::clone(&live);
-                    let spawned = thread::Builder::new()
-                        .name("clock-probe-conn".into())
-                        .spawn(move || {
-                            let _ = answer_probes(conn, clock);
-                            live2.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if spawned.is_err() {
-                        live.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })?;
-        Ok(ProbeHandle { addr, stop })
-    }
-}
-
-fn answer_probes(mut s: TcpStream, clock: PeerClock) -> io::Result<()> {
-    s.set_read_timeout(Some(PROBE_TIMEOUT))?;
-    s.set_write_timeout(Some(PROBE_TIMEOUT))?;
-    s.set_nodelay(true)?;
-    for _ in 0..MAX_PROBES_PER_CONN {
-        let mut req = [0u8; 8];
-        s.read_exact(&mut req)?;
-        if &req != PROBE_REQ {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "not a probe"));
-        }
-        let mut out = [0u8; 16];
-        out[..8].copy_from_slice(PROBE_REQ);
-        out[8..].copy_from_slice(&clock.now_ns().to_be_bytes());
-        s.write_all(&out)?;
-    }
-    Ok(())
-}
-
-/// Sends `samples` probes to `addr` on one connection and feeds each `(t0, t_remote, t1)`
-/// into `est`; `local` is this host's clock (as [`Timestamp`]s on the same scale as the
-/// ones the deadline check uses). Returns how many samples were added.
-///
-/// # Errors
-/// The IO error or timeout ([`PROBE_TIMEOUT`] per socket operation); a reply that is not a
-/// probe answer is [`io::ErrorKind::InvalidData`].
-pub fn probe_clock(
-    addr: SocketAddr,
-    samples: u32,
-    local: &dyn Fn() -> Timestamp,
-    est: &mut ClockOffsetEstimator,
-) -> io::Result<u32> {
-    let mut s = TcpStream::connect_timeout(&addr, PROBE_TIMEOUT)?;
-    s.set_read_timeout(Some(PROBE_TIMEOUT))?;
-    s.set_write_timeout(Some(PROBE_TIMEOUT))?;
-    s.set_nodelay(true)?;
-    let mut added = 0;
-    for _ in 0..samples.min(MAX_PROBES_PER_CONN) {
-        let t0 = local();
-        s.write_all(PROBE_REQ)?;
-        let mut reply = [0u8; 16];
-        s.read_exact(&mut reply)?;
-        let t1 = local();
-        let (magic, t) = reply.split_at(8);
-        if magic != PROBE_REQ {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "bad probe reply",
-            ));
-        }
-        let mut ns = [0u8; 8];
-        ns.copy_from_slice(t);
-        let remote = PeerTimestamp::from_nanos(u64::from_be_bytes(ns));
-        if est.add_sample(t0, remote, t1).is_ok() {
-            added += 1;
-        }
-    }
-    Ok(added)
-}
+pub use kvlease_transport::clock_probe::{
+    ClockProbeServer, MAX_PROBE_CONNS, MAX_PROBES_PER_CONN, PROBE_TIMEOUT, ProbeHandle, probe_clock,
+};
 
 #[cfg(test)]
 mod tests;

@@ -1,4 +1,8 @@
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Instant;
+
+use kvlease_lease::{ClockOffsetEstimator, PeerTimestamp};
 
 use kvlease_engine::{
     DeadlineBasis, PullDecision, PullPolicy, RecomputeReason, block_hashes, plan_pull,
@@ -160,11 +164,10 @@ fn params_round_trip_and_name_bad_fields() {
 fn probe_over_loopback_measures_an_injected_skew() {
     let local = PeerClock::new(0);
     for skew_ms in [-10_000i64, 10_000] {
-        let h = ClockProbeServer {
-            clock: PeerClock::new(skew_ms),
-        }
-        .spawn("127.0.0.1:0".parse().expect("literal address"))
-        .expect("bind loopback");
+        let skewed = PeerClock::new(skew_ms);
+        let h = ClockProbeServer::new(move || skewed.now_ns())
+            .spawn("127.0.0.1:0".parse().expect("literal address"))
+            .expect("bind loopback");
         let mut est = ClockOffsetEstimator::new();
         let n = probe_clock(h.addr, 8, &|| local.now(), &mut est).expect("probe");
         assert_eq!(n, 8);
@@ -181,11 +184,9 @@ fn probe_over_loopback_measures_an_injected_skew() {
 
 #[test]
 fn probe_server_refuses_garbage() {
-    let h = ClockProbeServer {
-        clock: PeerClock::new(0),
-    }
-    .spawn("127.0.0.1:0".parse().expect("literal address"))
-    .expect("bind loopback");
+    let h = ClockProbeServer::new(|| PeerClock::new(0).now_ns())
+        .spawn("127.0.0.1:0".parse().expect("literal address"))
+        .expect("bind loopback");
     let mut s = TcpStream::connect(h.addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(2)))
         .expect("timeout");

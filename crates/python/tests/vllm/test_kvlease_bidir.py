@@ -30,7 +30,8 @@ from test_kvlease_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvlease import ConfigError
+from kvlease import ConfigError, ConnectError, InvalidArgument
+from kvlease import _kvlease as native
 
 LEASE = 6.0
 TTL = 60.0  # decoder_kv_blocks_ttl: heartbeats every TTL/6, each extending by 2/3 TTL
@@ -259,3 +260,88 @@ def engines_plain(engines):  # noqa: F811 (the scheduler tests' fixture)
 
 
 from test_kvlease_scheduler import engines  # noqa: E402,F401 (a fixture)
+
+
+def wait_for_offset(p, turn) -> object:
+    """P's measured offset of the holder's clock (its first turn starts the probe)."""
+    sched = p.connector.scheduler
+    params = native.KvTransferParams.from_turn_dict(turn)
+    deadline = time.monotonic() + 10
+    while (offset := sched._clock_offset(params)) is None:
+        assert time.monotonic() < deadline, "the clock probe never answered"
+        time.sleep(0.01)
+    return offset
+
+
+def test_d_serves_its_clock_and_p_reads_the_deadline_on_it(pair):
+    """The turn names D's clock probe; P measures D's clock once (in the background) and
+    from then on reads the turn's deadline on D's clock: a turn whose deadline has passed
+    there is computed, whatever time left it announced."""
+    p, _, d, _ = pair()
+    req, turn = turn_one(p, d)
+    probe = d.connector.scheduler.clock_probe
+    assert probe is not None and turn["kvlease_clock_port"] == probe.port
+    offset = wait_for_offset(p, turn)
+    # One host, one clock: the offset is within its own error bound of 0.
+    assert abs(offset.offset_ns) <= offset.rtt_ns / 2 + 1_000_000
+    late = dict(turn, kvlease_deadline_ns=time.time_ns() - 1_000_000_000)
+    nxt = create_request(prompt_token_ids=next_prompt(req), max_tokens=1,
+                         kv_transfer_params=late)
+    p.add_request(nxt)
+    aborts, scheduled = [], 0
+    deadline = time.monotonic() + 30
+    while not (scheduled and aborts):
+        assert time.monotonic() < deadline, "P never computed the turn or aborted the hold"
+        sched_out = step(p)[0]
+        scheduled = scheduled or sched_out.num_scheduled_tokens.get(nxt.request_id, 0)
+        aborts += [m for e, kind, m in sched_out.kv_connector_metadata.transmits
+                   if kind == "abort" and e == "d0"]
+        time.sleep(0.01)
+    assert not [x for x in sched_out.kv_connector_metadata.loads]
+    feed(d, worker_output(notifs=[(P_WORKER, m) for m in aborts]))
+    assert d.connector.scheduler.prefill.stats()["holds_released_aborted"] == 1
+
+
+def test_a_skewed_clock_is_measured_and_a_deadline_read_on_it():
+    """The binding's probe measures an injected skew within the sample's error bound, and
+    ``plan_pull`` reads a holder's deadline through the offset: 30 s left on a clock 10 s
+    ahead of ours is 30 s left here, and a deadline 10 s ahead of our clock on a clock
+    10 s ahead has already passed."""
+    for skew_ms in (-10_000, 10_000):
+        server = native.ClockProbeServer("127.0.0.1:0", test_skew_ms=skew_ms)
+        try:
+            offset = native.probe_clock("127.0.0.1", server.port, samples=8)
+        finally:
+            server.close()
+        err = offset.offset_ns - skew_ms * 1_000_000
+        assert abs(err) <= offset.rtt_ns / 2 + 1_000_000, (skew_ms, offset)
+    server = native.ClockProbeServer("127.0.0.1:0", test_skew_ms=10_000)
+    offset = native.probe_clock("127.0.0.1", server.port)
+    server.close()
+    tokens = list(range(64))
+    ahead = time.time_ns() + 10_000_000_000  # our clock + 10 s
+    for deadline_ns, pulls in ((ahead + 30_000_000_000, True), (ahead, False)):
+        turn = native.KvTransferParams.turn(
+            remote_engine_id="d0", remote_request_id="r1", remote_block_ids=[1, 2, 3, 4],
+            remote_host="127.0.0.1", remote_port=1, tp_size=1, kvlease_generation=7,
+            kvlease_num_tokens=64, kvlease_block_size=16,
+            kvlease_block_hashes=native.block_hashes(tokens, 16),
+            kvlease_deadline_ns=deadline_ns, kvlease_ttl_remaining_ms=60_000,
+            kvlease_clock_port=server.port,
+        )
+        plan = turn.plan_pull(tokens + [9], 16, time.monotonic(), threshold_tokens=16,
+                              safety_margin=1.0, received_at=time.monotonic(),
+                              clock_offset=offset)
+        assert plan.pull is pulls, (deadline_ns, plan.reason)
+        if not pulls:
+            assert plan.reason == "deadline_too_close"
+        # Without the offset the time left decides (60 s): a pull either way.
+        assert turn.plan_pull(tokens + [9], 16, time.monotonic(), threshold_tokens=16,
+                              safety_margin=1.0, received_at=time.monotonic()).pull
+
+
+def test_a_probe_to_nothing_is_a_connect_error():
+    with pytest.raises(ConnectError):
+        native.probe_clock("127.0.0.1", 1, samples=1)
+    with pytest.raises(InvalidArgument):
+        native.probe_clock("127.0.0.1", 1, samples=0)

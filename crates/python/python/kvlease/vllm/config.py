@@ -76,6 +76,9 @@ class KvleaseConfig:
     transport: str = "auto"
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    #: Bidirectional mode: the clock probe's port on ``side_channel_host`` (the next
+    #: turn's P reads a held turn's deadline on this engine's clock through it); 0: any.
+    clock_probe_port: int = 0
     transport_host: str = "127.0.0.1"
     #: First port of the workers' transport listeners (worker ``r`` of data-parallel
     #: rank ``dp`` listens on ``transport_port + dp * tp_size + r``); 0: any free port.
@@ -158,6 +161,7 @@ class KvleaseConfig:
             or "127.0.0.1"
         )
         port = _port(extra, "side_channel_port", "KVLEASE_SIDE_CHANNEL_PORT")
+        clock_port = _port(extra, "clock_probe_port", "KVLEASE_CLOCK_PROBE_PORT")
         transport_port = _port(extra, "transport_port", "KVLEASE_TRANSPORT_PORT")
         transport_host = str(extra.get("transport_host") or host)
         kv_buffer_device, use_host_buffer = _host_buffer(ktc, extra)
@@ -180,6 +184,7 @@ class KvleaseConfig:
             transport=transport,
             side_channel_host=host,
             side_channel_port=port,
+            clock_probe_port=clock_port,
             transport_host=transport_host,
             transport_port=transport_port,
             read_timeout=number("read_timeout", lease),

@@ -32,6 +32,11 @@ from .metadata import (
 )
 from .stats import _Counters
 
+#: Seconds a holder's measured clock offset is used before it is probed again.
+CLOCK_PROBE_EVERY = 300.0
+#: Probes per measurement (the lowest round trip is kept).
+CLOCK_PROBE_SAMPLES = 8
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -145,6 +150,15 @@ class KvleaseScheduler:
                 allow_unauthenticated=config.allow_unauthenticated,
             )
             self.side_channel_port = self.side_channel.port
+        # Bidirectional mode: the holder serves its wall clock (a turn's deadline is on
+        # it); the reader keeps each holder's measured offset, probed in the background.
+        self.clock_probe: native.ClockProbeServer | None = None
+        if self.is_producer and config.bidirectional:
+            self.clock_probe = native.ClockProbeServer(
+                _listen_addr(config.side_channel_host, config.clock_probe_port)
+            )
+        self._offsets: dict[tuple[str, int], tuple[float, native.ClockOffset | None]] = {}
+        self._offsets_lock = threading.Lock()
         self._finished_sending: list[str] = []
         # P with a host buffer (kv_buffer_device cpu): the do_remote_decode requests
         # whose blocks the workers copy to it at the step completing their prompt; each
@@ -481,6 +495,46 @@ class KvleaseScheduler:
         self.counters.add("requests_tracked")
         self._pump(now)
 
+    def _clock_offset(self, turn: "native.KvTransferParams") -> "native.ClockOffset | None":
+        """The measured offset of the holder's clock, if known and fresh: the turn's
+        deadline is read on it (``plan_pull``). Unknown or stale, a probe starts in the
+        background (the scheduler never waits on the network) and this turn is planned on
+        the time left it announced; each holder is probed at most every
+        ``CLOCK_PROBE_EVERY`` seconds."""
+        port = int(turn.kvlease_clock_port or 0)
+        host = turn.remote_host
+        if not port or not host:
+            return None
+        key = (str(host), port)
+        now = time.monotonic()
+        with self._offsets_lock:
+            at, offset = self._offsets.get(key, (None, None))
+            if at is not None and now - at < CLOCK_PROBE_EVERY:
+                return offset
+            # Marked before the probe ends, so one probe runs per holder at a time.
+            self._offsets[key] = (now, offset)
+
+        def probe() -> None:
+            try:
+                measured = native.probe_clock(key[0], key[1], samples=CLOCK_PROBE_SAMPLES)
+            except KvleaseError as e:
+                logger.warning("clock probe of %s:%s failed: %s", key[0], key[1], e)
+                self.counters.add("clock_probes_failed")
+                return
+            with self._offsets_lock:
+                self._offsets[key] = (time.monotonic(), measured)
+            self.counters.add("clock_probes")
+            logger.info(
+                "clock of %s:%s: %+.3f ms from ours (within %.3f ms)",
+                key[0],
+                key[1],
+                measured.offset_ns / 1e6,
+                measured.rtt_ns / 2e6,
+            )
+
+        threading.Thread(target=probe, name="kvlease-clock-probe", daemon=True).start()
+        return offset
+
     def _on_new_turn(self, request: "Request") -> None:
         """Bidirectional mode, P: the request carries the previous turn's params (the
         engine that decoded it holds its blocks). Reads back the whole blocks whose prefix
@@ -519,6 +573,7 @@ class KvleaseScheduler:
             threshold_tokens=self.config.kv_recompute_threshold,
             safety_margin=self.config.pull_safety_margin,
             received_at=now,
+            clock_offset=self._clock_offset(turn),
         )
         remote = turn.to_remote_kv()
         tokens = plan.tokens if plan.pull else int(turn.kvlease_num_tokens)
@@ -1027,6 +1082,7 @@ class KvleaseScheduler:
                 # The end on this engine's wall clock (the agents' D writes the same)
                 # and on its perf_counter (NixlConnector's remote_blocks_expiry_time).
                 kvlease_deadline_ns=time.time_ns() + round(ttl * 1e9),
+                kvlease_clock_port=self.clock_probe.port if self.clock_probe else 0,
                 kvlease_ttl_remaining_ms=round(ttl * 1000),
                 kvlease_renew_extension_ms=round(extension * 1000),
                 kvlease_lease_ms=round(ttl * 1000),
@@ -1068,6 +1124,8 @@ class KvleaseScheduler:
     def shutdown(self) -> None:
         if self.side_channel is not None:
             self.side_channel.close()
+        if self.clock_probe is not None:
+            self.clock_probe.close()
         if self.prefill is not None:
             self.prefill.shutdown()
         if self.decode is not None:
