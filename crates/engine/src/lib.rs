@@ -49,6 +49,8 @@
 //! [`DecodeEvent::Finished`]. On P, every job ends in an error from
 //! [`PrefillCore::handle_job`] or [`PrefillCore::handle_prefill_done`], a
 //! [`PrefillEvent::Refused`], or a grant whose lease is released exactly once.
+//! In push mode, every reservation ends in exactly one [`ReservationEnded`] on D, and
+//! every push admitted by [`PushCore::admit`] in exactly one [`PushAction::Ended`] on P.
 //!
 //! # Bidirectional multi-turn mode
 //! D keeps a finished turn's blocks in a [`DecoderHold`] (fixed TTL or symmetric lease;

@@ -531,6 +531,29 @@ fn push_without_faults_writes_everything() {
     }
 }
 
+/// A P that stalls for two and a half leases: D's reservations for it expire and go to
+/// other requests meanwhile; when P resumes, its late writes meet the fence (refused) or
+/// D's release (never posted), and no byte lands in another request's blocks.
+#[test]
+fn push_stalled_prefill_never_writes_into_reused_blocks() {
+    let reports = push_sweep(
+        "push_stalled_prefill_never_writes_into_reused_blocks",
+        scenario_seeds(8),
+        |seed| PushWorldConfig {
+            p_death: None,
+            p_stall: Some((Duration::from_secs(2), Duration::from_secs(3))),
+            ..PushWorldConfig::random(seed)
+        },
+    );
+    for r in &reports {
+        assert!(
+            r.expired > 0,
+            "seed {}: nothing expired during the stall",
+            r.seed
+        );
+    }
+}
+
 #[test]
 fn push_same_seed_same_log() {
     for seed in scenario_seeds(4) {
