@@ -574,7 +574,16 @@ impl DecodeCore {
                 ids.iter().filter_map(|i| RequestId::new(i).ok()).collect(),
             ),
             Ok(Notif::ReadComplete(rc)) => DecodeNotif::CacheReadComplete(rc.request),
-            Ok(Notif::Abort(_) | Notif::App(_)) => DecodeNotif::Ignored,
+            // Push-mode frames are for D's `Reservations`, not the pull core.
+            Ok(
+                Notif::Abort(_)
+                | Notif::App(_)
+                | Notif::PushRegister(_)
+                | Notif::PushHeartbeat(_)
+                | Notif::WriteDone(_)
+                | Notif::PushFailed(_)
+                | Notif::ReservationReleased(_),
+            ) => DecodeNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 DecodeNotif::Malformed(e)

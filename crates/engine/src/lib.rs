@@ -49,6 +49,8 @@
 //! [`DecodeEvent::Finished`]. On P, every job ends in an error from
 //! [`PrefillCore::handle_job`] or [`PrefillCore::handle_prefill_done`], a
 //! [`PrefillEvent::Refused`], or a grant whose lease is released exactly once.
+//! In push mode, every reservation ends in exactly one [`ReservationEnded`] on D, and
+//! every push admitted by [`PushCore::admit`] in exactly one [`PushAction::Ended`] on P.
 //!
 //! # Bidirectional multi-turn mode
 //! D keeps a finished turn's blocks in a [`DecoderHold`] (fixed TTL or symmetric lease;
@@ -56,6 +58,13 @@
 //! [`DecoderKvParams`]; P decides with [`plan_pull`] whether the next turn's prompt pulls
 //! the common whole blocks or recomputes. The agents carry the params as JSON and probe
 //! clocks; the simulator drives the same functions under skew and drift.
+//!
+//! # Push mode
+//! D reserves blocks at admission under a lease ([`Reservations`]) and registers them
+//! with P; P's [`PushCore`] heartbeats the reservation while the request waits or
+//! prefills, writes into D's blocks when its prefill ends ([`WritePlan`]) and tells D
+//! (write-done or push-failed). The reservation's generation fences every write: D
+//! admits one only while it holds the blocks under that generation.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -64,6 +73,7 @@ mod blocks;
 mod decode;
 pub mod instance;
 mod prefill;
+mod push;
 pub mod registry;
 
 pub use bidir::{
@@ -81,4 +91,9 @@ pub use decode::{
 pub use prefill::{
     Granted, HOLD_GENERATIONS, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError,
     PrefillEvent, PrefillNotif, PrefillStart, PrefillStats,
+};
+pub use push::{
+    FenceVerdict, PushAction, PushConfig, PushCore, PushEnded, PushError, PushMessage, PushOutcome,
+    PushStats, RegistrationOutcome, Reservation, ReservationEnded, ReservationOutcome,
+    ReservationStats, Reservations, WritePlan, write_pairs,
 };

@@ -284,7 +284,8 @@ pub enum PrefillNotif {
         /// The request named.
         request: RequestId,
     },
-    /// A message P never expects (an expiry notice) or an application message: ignored.
+    /// A message P's pull core never expects (an expiry notice, a push-mode frame) or an
+    /// application message: ignored.
     Ignored,
     /// A malformed message: ignored.
     Malformed(DecodeError),
@@ -865,7 +866,16 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
                     PrefillNotif::Foreign { request: a.request }
                 }
             }
-            Ok(Notif::Expired(_) | Notif::App(_)) => PrefillNotif::Ignored,
+            // Push-mode frames are the push core's (`PushCore`), not the pull core's.
+            Ok(
+                Notif::Expired(_)
+                | Notif::App(_)
+                | Notif::PushRegister(_)
+                | Notif::PushHeartbeat(_)
+                | Notif::WriteDone(_)
+                | Notif::PushFailed(_)
+                | Notif::ReservationReleased(_),
+            ) => PrefillNotif::Ignored,
             Err(e) => {
                 self.stats.malformed_notifs += 1;
                 PrefillNotif::Malformed(e)

@@ -4,10 +4,12 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::OnceLock;
 
-use kvlease_lease::{ConsumerId, EngineId, Generation, InvalidId, RequestId};
+use kvlease_lease::{BlockId, ConsumerId, EngineId, Generation, InvalidId, RequestId};
 
 use crate::error::{DecodeError, Field};
-use crate::message::{Abort, ExpiredLease, HeartbeatIds, Notif, ReadComplete};
+use crate::message::{
+    Abort, ExpiredLease, HeartbeatIds, Notif, PushRegistration, ReadComplete, ReservationRef,
+};
 use crate::{HEARTBEAT_PREFIX, MAX_ID_LEN, MAX_NOTIF_LEN, VERSION_PREFIX};
 
 /// `ID_BYTE[b]` is whether byte `b` may appear in an id (`[A-Za-z0-9-_.:@/+=]`, the set
@@ -317,10 +319,17 @@ fn decode_versioned(text: &str) -> Result<Notif<'_>, DecodeError> {
         decode_abort(body, body_at, text.len()).map(Notif::Abort)
     } else if let Some(body) = kind.strip_prefix("EX:") {
         decode_expired(body, body_at).map(Notif::Expired)
-    } else if ["RC:", "AB:", "EX:"]
-        .iter()
-        .any(|known| known.starts_with(kind))
-    {
+    } else if let Some(body) = kind.strip_prefix("PR:") {
+        decode_push_register(body, body_at, text.len()).map(Notif::PushRegister)
+    } else if let Some(list) = kind.strip_prefix("PH:") {
+        decode_heartbeat(list, body_at).map(Notif::PushHeartbeat)
+    } else if let Some(body) = kind.strip_prefix("WD:") {
+        decode_reservation(body, body_at, text.len()).map(Notif::WriteDone)
+    } else if let Some(body) = kind.strip_prefix("PF:") {
+        decode_reservation(body, body_at, text.len()).map(Notif::PushFailed)
+    } else if let Some(body) = kind.strip_prefix("RR:") {
+        decode_reservation(body, body_at, text.len()).map(Notif::ReservationReleased)
+    } else if KINDS.iter().any(|known| known.starts_with(kind)) {
         // A known kind cut short, e.g. `KVL1:RC`.
         Err(DecodeError::Truncated {
             offset: text.len(),
@@ -330,6 +339,9 @@ fn decode_versioned(text: &str) -> Result<Notif<'_>, DecodeError> {
         Err(DecodeError::UnknownKind { offset: kind_at })
     }
 }
+
+/// Every kind of version 1, as it appears after `KVL1:`.
+const KINDS: [&str; 8] = ["RC:", "AB:", "EX:", "PR:", "PH:", "WD:", "PF:", "RR:"];
 
 /// Splits `;`-separated fields, tracking their byte offsets in the message.
 struct Fields<'a> {
@@ -424,14 +436,7 @@ fn decode_expired(body: &str, at: usize) -> Result<Vec<ExpiredLease>, DecodeErro
         let mut fields = Fields::new(entry, offset, end);
         let (request_text, request_at) = fields.take(Field::Request)?;
         let request = request_id((request_text, request_at))?;
-        let (word, word_at) = fields.take(Field::Generation)?;
-        let generation = number::<u64>((word, word_at), Field::Generation)?;
-        let generation = std::num::NonZeroU64::new(generation)
-            .map(Generation)
-            .ok_or(DecodeError::BadNumber {
-                offset: word_at,
-                field: Field::Generation,
-            })?;
+        let generation = generation(fields.take(Field::Generation)?)?;
         fields.finish()?;
         if let Some(&first) = seen.get(request_text) {
             return Err(DecodeError::DuplicateId { offset, first });
@@ -444,6 +449,67 @@ fn decode_expired(body: &str, at: usize) -> Result<Vec<ExpiredLease>, DecodeErro
         offset = end + 1;
     }
     Ok(leases)
+}
+
+fn decode_push_register(
+    body: &str,
+    at: usize,
+    end: usize,
+) -> Result<PushRegistration, DecodeError> {
+    let mut fields = Fields::new(body, at, end);
+    let transfer = request_id(fields.take(Field::Request)?)?;
+    let generation = generation(fields.take(Field::Generation)?)?;
+    let (lease, lease_at) = fields.take(Field::Lease)?;
+    let lease_ms = number::<u64>((lease, lease_at), Field::Lease)?;
+    if lease_ms == 0 {
+        return Err(DecodeError::BadNumber {
+            offset: lease_at,
+            field: Field::Lease,
+        });
+    }
+    let (list, list_at) = fields.take(Field::Block)?;
+    fields.finish()?;
+    let mut blocks = Vec::new();
+    // Block -> offset of its first occurrence, to reject a repeated block.
+    let mut seen: HashMap<u32, usize> = HashMap::new();
+    let mut offset = list_at;
+    for text in list.split(',') {
+        let block = number::<u32>((text, offset), Field::Block)?;
+        if let Some(&first) = seen.get(&block) {
+            return Err(DecodeError::DuplicateBlock { offset, first });
+        }
+        seen.insert(block, offset);
+        blocks.push(BlockId(block));
+        offset += text.len() + 1;
+    }
+    Ok(PushRegistration {
+        transfer,
+        generation,
+        lease_ms,
+        blocks,
+    })
+}
+
+fn decode_reservation(body: &str, at: usize, end: usize) -> Result<ReservationRef, DecodeError> {
+    let mut fields = Fields::new(body, at, end);
+    let transfer = request_id(fields.take(Field::Request)?)?;
+    let generation = generation(fields.take(Field::Generation)?)?;
+    fields.finish()?;
+    Ok(ReservationRef {
+        transfer,
+        generation,
+    })
+}
+
+/// A generation: canonical decimal, at least 1.
+fn generation((text, at): (&str, usize)) -> Result<Generation, DecodeError> {
+    let word = number::<u64>((text, at), Field::Generation)?;
+    std::num::NonZeroU64::new(word)
+        .map(Generation)
+        .ok_or(DecodeError::BadNumber {
+            offset: at,
+            field: Field::Generation,
+        })
 }
 
 fn request_id((text, at): (&str, usize)) -> Result<RequestId, DecodeError> {

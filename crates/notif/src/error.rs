@@ -9,7 +9,8 @@ use std::fmt;
 pub enum Field {
     /// The protocol version after `KVL`.
     Version,
-    /// The two-letter kind after the version (`RC`, `AB`, `EX`).
+    /// The two-letter kind after the version (`RC`, `AB`, `EX`, `PR`, `PH`, `WD`, `PF`,
+    /// `RR`).
     Kind,
     /// A request id.
     Request,
@@ -19,8 +20,12 @@ pub enum Field {
     Rank,
     /// The number of consumers that will report a read of the request.
     ConsumersTotal,
-    /// A lease generation in an expiry notice.
+    /// A lease or reservation generation.
     Generation,
+    /// A reservation's lease in milliseconds (push registration).
+    Lease,
+    /// A block id (push registration).
+    Block,
 }
 
 impl Field {
@@ -34,6 +39,8 @@ impl Field {
             Self::Rank => "rank",
             Self::ConsumersTotal => "consumers_total",
             Self::Generation => "generation",
+            Self::Lease => "lease_ms",
+            Self::Block => "block",
         }
     }
 }
@@ -93,9 +100,17 @@ pub enum DecodeError {
         /// Which id.
         field: Field,
     },
-    /// A heartbeat or an expiry notice names the same request twice.
+    /// A heartbeat, a push heartbeat or an expiry notice names the same request twice.
     #[error("request id at byte {offset} repeats the one at byte {first}")]
     DuplicateId {
+        /// Where the repetition starts.
+        offset: usize,
+        /// Where the first occurrence starts.
+        first: usize,
+    },
+    /// A push registration names the same block twice (two writes would land in it).
+    #[error("block at byte {offset} repeats the one at byte {first}")]
+    DuplicateBlock {
         /// Where the repetition starts.
         offset: usize,
         /// Where the first occurrence starts.
@@ -150,6 +165,7 @@ impl DecodeError {
             Self::IdTooLong { .. } => "id_too_long",
             Self::InvalidIdByte { .. } => "invalid_id_byte",
             Self::DuplicateId { .. } => "duplicate_id",
+            Self::DuplicateBlock { .. } => "duplicate_block",
             Self::BadNumber { .. } => "bad_number",
             Self::Truncated { .. } => "truncated",
             Self::TrailingData { .. } => "trailing_data",
@@ -173,5 +189,12 @@ pub enum EncodeError {
     BadMaxLen {
         /// The limit asked for.
         max_len: usize,
+    },
+    /// The message would be longer than [`crate::MAX_NOTIF_LEN`] and its kind is not split
+    /// (a push registration with too many blocks).
+    #[error("message would be {len} bytes long; the limit is {max}", max = crate::MAX_NOTIF_LEN)]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
     },
 }

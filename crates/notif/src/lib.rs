@@ -21,6 +21,14 @@
 //! read-complete  = "KVL1:RC:" request ";" engine ";" rank ";" total    ; D -> P
 //! abort          = "KVL1:AB:" request ";" engine ";" rank              ; D -> P
 //! expired        = "KVL1:EX:" request ";" gen *("," request ";" gen)   ; P -> D
+//! push-register  = "KVL1:PR:" transfer ";" gen ";" lease-ms ";" block *("," block)  ; D -> P
+//! push-heartbeat = "KVL1:PH:" transfer *("," transfer)                ; P -> D
+//! write-done     = "KVL1:WD:" transfer ";" gen                        ; P -> D
+//! push-failed    = "KVL1:PF:" transfer ";" gen                        ; P -> D
+//! released       = "KVL1:RR:" transfer ";" gen                        ; D -> P
+//! transfer       = request                  ; the transfer id the router gave both legs
+//! lease-ms       = decimal u64 (>= 1), the reservation's lease in milliseconds
+//! block          = decimal u32, one of D's block ids, in token order
 //! rank, total    = decimal u32 (total >= 1)
 //! gen            = decimal u64 (>= 1), the lease's generation
 //! decimal        = "0" / %x31-39 *DIGIT                                ; canonical
@@ -59,6 +67,16 @@
 //! D, in each step: [`decode()`] every received message (expiry notices untrack the
 //! requests, for the scheduler to recompute or abort), then [`encode_heartbeats`] every
 //! `HeartbeatTracker::poll_heartbeat` batch and send the messages to each P worker.
+//!
+//! # Push mode
+//! D registers the blocks it reserved for a transfer ([`PushRegistration`]); P renews the
+//! reservation with [`encode_push_heartbeats`] (one batch per D engine per interval,
+//! naming transfer ids) and ends it with a write-done or a push-failed; D tells P when it
+//! released the reservation itself (aborted or expired). The last three carry the
+//! reservation's generation ([`ReservationRef`]), so that a message about an old
+//! reservation is told apart from one about the current one. A registration must fit in
+//! one message ([`MAX_NOTIF_LEN`]): about 1,500 blocks with long ids and large block
+//! numbers; [`PushRegistration::encode`] refuses a larger one rather than split it.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -69,8 +87,8 @@ mod message;
 pub use decode::{decode, is_reserved};
 pub use error::{DecodeError, EncodeError, Field};
 pub use message::{
-    Abort, ExpiredLease, HeartbeatIds, Notif, ReadComplete, encode_expired, encode_heartbeats,
-    expiry_notice,
+    Abort, ExpiredLease, HeartbeatIds, Notif, PushNotice, PushRegistration, ReadComplete,
+    ReservationRef, encode_expired, encode_heartbeats, encode_push_heartbeats, expiry_notice,
 };
 
 /// The prefix of every heartbeat message (`HB:`), defined here and nowhere else.
@@ -90,6 +108,11 @@ const VERSION_PREFIX: &[u8] = b"KVL";
 const READ_COMPLETE_PREFIX: &[u8] = b"KVL1:RC:";
 const ABORT_PREFIX: &[u8] = b"KVL1:AB:";
 const EXPIRED_PREFIX: &[u8] = b"KVL1:EX:";
+const PUSH_REGISTER_PREFIX: &[u8] = b"KVL1:PR:";
+const PUSH_HEARTBEAT_PREFIX: &[u8] = b"KVL1:PH:";
+const WRITE_DONE_PREFIX: &[u8] = b"KVL1:WD:";
+const PUSH_FAILED_PREFIX: &[u8] = b"KVL1:PF:";
+const RELEASED_PREFIX: &[u8] = b"KVL1:RR:";
 
 use kvlease_lease::MAX_ID_LEN;
 

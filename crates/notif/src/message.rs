@@ -1,10 +1,16 @@
 //! The messages and their encoders.
 
-use kvlease_lease::{ConsumerId, Generation, ReleaseReason, Released, RequestId};
+use std::time::Duration;
+
+use kvlease_lease::{BlockId, ConsumerId, Generation, ReleaseReason, Released, RequestId};
 
 use crate::error::EncodeError;
 use crate::{ABORT_PREFIX, READ_COMPLETE_PREFIX};
 use crate::{EXPIRED_PREFIX, HEARTBEAT_PREFIX, MAX_NOTIF_LEN, MIN_SPLIT_LEN};
+use crate::{
+    PUSH_FAILED_PREFIX, PUSH_HEARTBEAT_PREFIX, PUSH_REGISTER_PREFIX, RELEASED_PREFIX,
+    WRITE_DONE_PREFIX,
+};
 
 /// A decoded notification.
 ///
@@ -22,6 +28,18 @@ pub enum Notif<'a> {
     /// `KVL1:EX:` (P → D): the explicit expiry signal — P reclaimed these leases while D
     /// may still track them.
     Expired(Vec<ExpiredLease>),
+    /// `KVL1:PR:` (D → P, push mode): D reserved blocks for a transfer; P writes into them.
+    PushRegister(PushRegistration),
+    /// `KVL1:PH:` + transfer ids (P → D, push mode): renew these reservations.
+    PushHeartbeat(HeartbeatIds<'a>),
+    /// `KVL1:WD:` (P → D, push mode): the write into the reservation completed.
+    WriteDone(ReservationRef),
+    /// `KVL1:PF:` (P → D, push mode): P will not write the reservation (its post failed,
+    /// or the request retired on P); D frees it and recomputes.
+    PushFailed(ReservationRef),
+    /// `KVL1:RR:` (D → P, push mode): D released the reservation (aborted or expired); P
+    /// writes nothing more into it.
+    ReservationReleased(ReservationRef),
     /// Anything outside the reserved namespace: the application's own message, unchanged.
     App(&'a [u8]),
 }
@@ -163,6 +181,111 @@ pub struct ExpiredLease {
     /// The generation of the lease that expired, so that D can tell a notice about an old
     /// grant from one about the lease it holds now.
     pub generation: Generation,
+}
+
+/// D's registration of the blocks it reserved for a push transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PushRegistration {
+    /// The transfer id the router gave both legs.
+    pub transfer: RequestId,
+    /// The reservation's generation (the write fence).
+    pub generation: Generation,
+    /// The reservation's lease, in whole milliseconds (at least 1).
+    pub lease_ms: u64,
+    /// D's blocks to write into, in token order (at least one, no repeats).
+    pub blocks: Vec<BlockId>,
+}
+
+impl PushRegistration {
+    /// The reservation's lease.
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms)
+    }
+
+    /// The message bytes:
+    /// `KVL1:PR:<transfer>;<generation>;<lease_ms>;<block>,<block>,...`.
+    ///
+    /// # Errors
+    /// [`EncodeError::TooLong`] when the blocks do not fit in [`MAX_NOTIF_LEN`] bytes.
+    pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = Vec::with_capacity(
+            PUSH_REGISTER_PREFIX.len() + self.transfer.as_str().len() + 44 + 6 * self.blocks.len(),
+        );
+        out.extend_from_slice(PUSH_REGISTER_PREFIX);
+        out.extend_from_slice(self.transfer.as_str().as_bytes());
+        out.push(b';');
+        push_decimal(&mut out, self.generation.word());
+        out.push(b';');
+        push_decimal(&mut out, self.lease_ms);
+        out.push(b';');
+        for (i, block) in self.blocks.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            push_decimal(&mut out, u64::from(block.0));
+        }
+        if out.len() > MAX_NOTIF_LEN {
+            return Err(EncodeError::TooLong { len: out.len() });
+        }
+        Ok(out)
+    }
+}
+
+/// Which push-mode message about one reservation ([`ReservationRef::encode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PushNotice {
+    /// `KVL1:WD:` (P → D): the write completed.
+    WriteDone,
+    /// `KVL1:PF:` (P → D): P will not write.
+    PushFailed,
+    /// `KVL1:RR:` (D → P): D released the reservation.
+    ReservationReleased,
+}
+
+/// A reservation, named by its transfer and generation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReservationRef {
+    /// The transfer.
+    pub transfer: RequestId,
+    /// The reservation's generation.
+    pub generation: Generation,
+}
+
+impl ReservationRef {
+    /// The message bytes of `notice` about this reservation: `<prefix><transfer>;<gen>`.
+    #[must_use]
+    pub fn encode(&self, notice: PushNotice) -> Vec<u8> {
+        let prefix = match notice {
+            PushNotice::WriteDone => WRITE_DONE_PREFIX,
+            PushNotice::PushFailed => PUSH_FAILED_PREFIX,
+            PushNotice::ReservationReleased => RELEASED_PREFIX,
+        };
+        let mut out = Vec::with_capacity(prefix.len() + self.transfer.as_str().len() + 21);
+        out.extend_from_slice(prefix);
+        out.extend_from_slice(self.transfer.as_str().as_bytes());
+        out.push(b';');
+        push_decimal(&mut out, self.generation.word());
+        out
+    }
+}
+
+/// Encodes reservation heartbeats (push mode, P → D) for transfer `ids` as
+/// `KVL1:PH:id,id,...` messages of at most `max_len` bytes, split like
+/// [`encode_heartbeats`].
+///
+/// # Errors
+/// [`EncodeError::BadMaxLen`] when `max_len` is outside
+/// [`MIN_SPLIT_LEN`]`..=`[`MAX_NOTIF_LEN`].
+pub fn encode_push_heartbeats<'a, I>(ids: I, max_len: usize) -> Result<Vec<Vec<u8>>, EncodeError>
+where
+    I: IntoIterator<Item = &'a RequestId>,
+{
+    let mut splitter = Splitter::new(PUSH_HEARTBEAT_PREFIX, max_len)?;
+    for id in ids {
+        let id = id.as_str().as_bytes();
+        splitter.push(id.len(), |out| out.extend_from_slice(id));
+    }
+    Ok(splitter.finish())
 }
 
 /// The expiry notice entry for `released`, if it deserves one: it expired (not completed

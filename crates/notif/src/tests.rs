@@ -404,6 +404,110 @@ fn unknown_versions_and_kinds() {
 }
 
 #[test]
+fn push_frames_decode() {
+    let Ok(Notif::PushRegister(r)) = decode(b"KVL1:PR:xfer-1;7;1500;12,0,4294967295") else {
+        panic!("not a registration");
+    };
+    assert_eq!(r.transfer, req("xfer-1"));
+    assert_eq!(r.generation, generation(7));
+    assert_eq!(r.lease(), Duration::from_millis(1500));
+    assert_eq!(r.blocks, [BlockId(12), BlockId(0), BlockId(u32::MAX)]);
+    assert_eq!(
+        r.encode().unwrap(),
+        b"KVL1:PR:xfer-1;7;1500;12,0,4294967295"
+    );
+    let Ok(Notif::PushHeartbeat(ids)) = decode(b"KVL1:PH:a,b") else {
+        panic!("not a push heartbeat");
+    };
+    assert_eq!(ids.iter().collect::<Vec<_>>(), ["a", "b"]);
+    let r = ReservationRef {
+        transfer: req("t"),
+        generation: generation(3),
+    };
+    assert_eq!(r.encode(PushNotice::WriteDone), b"KVL1:WD:t;3");
+    assert_eq!(r.encode(PushNotice::PushFailed), b"KVL1:PF:t;3");
+    assert_eq!(r.encode(PushNotice::ReservationReleased), b"KVL1:RR:t;3");
+    assert_eq!(decode(b"KVL1:WD:t;3"), Ok(Notif::WriteDone(r.clone())));
+    assert_eq!(decode(b"KVL1:PF:t;3"), Ok(Notif::PushFailed(r.clone())));
+    assert_eq!(decode(b"KVL1:RR:t;3"), Ok(Notif::ReservationReleased(r)));
+    assert_eq!(
+        encode_push_heartbeats(&[req("a")], MAX_NOTIF_LEN).unwrap(),
+        [b"KVL1:PH:a"]
+    );
+}
+
+#[test]
+fn push_frames_are_strict() {
+    // Generation and lease must be at least 1, canonical; blocks present, distinct, u32.
+    let bad = |offset, field| DecodeError::BadNumber { offset, field };
+    assert_eq!(err(b"KVL1:PR:t;0;1;1"), bad(10, Field::Generation));
+    assert_eq!(err(b"KVL1:PR:t;1;0;1"), bad(12, Field::Lease));
+    assert_eq!(err(b"KVL1:PR:t;1;01;1"), bad(12, Field::Lease));
+    assert_eq!(err(b"KVL1:PR:t;1;1;"), bad(14, Field::Block));
+    assert_eq!(err(b"KVL1:PR:t;1;1;1,"), bad(16, Field::Block));
+    assert_eq!(err(b"KVL1:PR:t;1;1;4294967296"), bad(14, Field::Block));
+    assert_eq!(
+        err(b"KVL1:PR:t;1;1;5,6,5"),
+        DecodeError::DuplicateBlock {
+            offset: 18,
+            first: 14
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:PR:t;1;1"),
+        DecodeError::Truncated {
+            offset: 13,
+            field: Field::Block
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:PR:t;1;1;2;3"),
+        DecodeError::TrailingData { offset: 15 }
+    );
+    assert_eq!(err(b"KVL1:WD:t;0"), bad(10, Field::Generation));
+    assert_eq!(
+        err(b"KVL1:PF:t;1;2"),
+        DecodeError::TrailingData { offset: 11 }
+    );
+    assert_eq!(
+        err(b"KVL1:RR:t"),
+        DecodeError::Truncated {
+            offset: 9,
+            field: Field::Generation
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:RR:"),
+        DecodeError::EmptyId {
+            offset: 8,
+            field: Field::Request
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:PH:a,a"),
+        DecodeError::DuplicateId {
+            offset: 10,
+            first: 8
+        }
+    );
+    assert_eq!(
+        err(b"KVL1:WD"),
+        DecodeError::Truncated {
+            offset: 7,
+            field: Field::Kind
+        }
+    );
+    // A registration that does not fit one message is refused, not split or truncated.
+    let huge = PushRegistration {
+        transfer: req("t"),
+        generation: generation(1),
+        lease_ms: 1,
+        blocks: (0..2000).map(|b| BlockId(4_000_000_000 + b)).collect(),
+    };
+    assert!(matches!(huge.encode(), Err(EncodeError::TooLong { .. })));
+}
+
+#[test]
 fn labels_are_distinct() {
     let errors = [
         err(b"HB:"),
@@ -416,6 +520,7 @@ fn labels_are_distinct() {
         err(b"KVL1:RC:r"),
         err(b"KVL1:AB:r;e;0;1"),
         err(b"KVL1:AB:r;e;x"),
+        err(b"KVL1:PR:t;1;1;5,5"),
         err(&[b"HB:".as_slice(), &[b'a'; MAX_NOTIF_LEN]].concat()),
     ];
     let labels: std::collections::HashSet<_> = errors.iter().map(DecodeError::label).collect();

@@ -4,10 +4,11 @@
 use std::collections::HashSet;
 use std::num::NonZeroU64;
 
-use kvlease_lease::{ConsumerId, EngineId, Generation, RequestId};
+use kvlease_lease::{BlockId, ConsumerId, EngineId, Generation, RequestId};
 use kvlease_notif::{
-    Abort, DecodeError, ExpiredLease, MAX_NOTIF_LEN, MIN_SPLIT_LEN, Notif, ReadComplete, decode,
-    encode_expired, encode_heartbeats, is_reserved,
+    Abort, DecodeError, ExpiredLease, MAX_NOTIF_LEN, MIN_SPLIT_LEN, Notif, PushNotice,
+    PushRegistration, ReadComplete, ReservationRef, decode, encode_expired, encode_heartbeats,
+    encode_push_heartbeats, is_reserved,
 };
 use proptest::collection::{hash_set, vec};
 use proptest::prelude::*;
@@ -46,6 +47,11 @@ fn reserved_looking() -> impl Strategy<Value = Vec<u8>> {
         Just(b"RC:".to_vec()),
         Just(b"AB:".to_vec()),
         Just(b"EX:".to_vec()),
+        Just(b"PR:".to_vec()),
+        Just(b"PH:".to_vec()),
+        Just(b"WD:".to_vec()),
+        Just(b"PF:".to_vec()),
+        Just(b"RR:".to_vec()),
         Just(b",".to_vec()),
         Just(b";".to_vec()),
         Just(b"0".to_vec()),
@@ -126,6 +132,51 @@ proptest! {
         prop_assert_eq!(decode(&bytes), Ok(Notif::Abort(abort)));
     }
 
+    #[test]
+    fn push_registration_round_trips(
+        transfer in request(),
+        generation in 1..=u64::MAX,
+        lease_ms in 1..=u64::MAX,
+        blocks in hash_set(any::<u32>(), 1..400),
+    ) {
+        let registration = PushRegistration {
+            transfer,
+            generation: Generation(NonZeroU64::new(generation).unwrap()),
+            lease_ms,
+            blocks: blocks.into_iter().map(BlockId).collect(),
+        };
+        let bytes = registration.encode().unwrap();
+        prop_assert!(bytes.len() <= MAX_NOTIF_LEN);
+        prop_assert!(is_reserved(&bytes));
+        prop_assert_eq!(decode(&bytes), Ok(Notif::PushRegister(registration)));
+    }
+
+    #[test]
+    fn reservation_notices_round_trip(transfer in request(), generation in 1..=u64::MAX) {
+        let r = ReservationRef { transfer, generation: Generation(NonZeroU64::new(generation).unwrap()) };
+        let done = r.encode(PushNotice::WriteDone);
+        prop_assert_eq!(decode(&done), Ok(Notif::WriteDone(r.clone())));
+        let failed = r.encode(PushNotice::PushFailed);
+        prop_assert_eq!(decode(&failed), Ok(Notif::PushFailed(r.clone())));
+        let released = r.encode(PushNotice::ReservationReleased);
+        prop_assert_eq!(decode(&released), Ok(Notif::ReservationReleased(r)));
+    }
+
+    #[test]
+    fn push_heartbeats_round_trip_and_split(ids in distinct_requests(120), max_len in MIN_SPLIT_LEN..2048usize) {
+        let messages = encode_push_heartbeats(&ids, max_len).unwrap();
+        let mut back: Vec<String> = Vec::new();
+        for m in &messages {
+            prop_assert!(m.len() <= max_len);
+            match decode(m) {
+                Ok(Notif::PushHeartbeat(hb)) => back.extend(hb.iter().map(str::to_owned)),
+                other => prop_assert!(false, "decoded as {:?}", other),
+            }
+        }
+        let want: Vec<&str> = ids.iter().map(RequestId::as_str).collect();
+        prop_assert_eq!(back, want);
+    }
+
 }
 
 proptest! {
@@ -166,6 +217,17 @@ fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
                 vec![bytes.to_vec()]
             );
         }
+        Ok(Notif::PushRegister(r)) => prop_assert_eq!(r.encode().unwrap(), bytes),
+        Ok(Notif::PushHeartbeat(hb)) => {
+            let ids: Vec<RequestId> = hb.iter().map(|s| RequestId::new(s).unwrap()).collect();
+            let again = encode_push_heartbeats(&ids, MAX_NOTIF_LEN).unwrap();
+            prop_assert_eq!(again, vec![bytes.to_vec()]);
+        }
+        Ok(Notif::WriteDone(r)) => prop_assert_eq!(r.encode(PushNotice::WriteDone), bytes),
+        Ok(Notif::PushFailed(r)) => prop_assert_eq!(r.encode(PushNotice::PushFailed), bytes),
+        Ok(Notif::ReservationReleased(r)) => {
+            prop_assert_eq!(r.encode(PushNotice::ReservationReleased), bytes);
+        }
         Ok(Notif::App(payload)) => {
             prop_assert!(!is_reserved(bytes));
             prop_assert_eq!(payload, bytes);
@@ -183,7 +245,8 @@ fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
                 | DecodeError::TrailingData { offset }
                 | DecodeError::UnsupportedVersion { offset, .. }
                 | DecodeError::UnknownKind { offset } => offset,
-                DecodeError::DuplicateId { offset, first } => {
+                DecodeError::DuplicateId { offset, first }
+                | DecodeError::DuplicateBlock { offset, first } => {
                     prop_assert!(first < offset);
                     offset
                 }

@@ -122,18 +122,32 @@
 //! P's [`plan_pull`](kvlease_engine::plan_pull)), and compares how P learns their deadline:
 //! absolute D timestamps converted with the clock-offset estimate, or relative TTLs on the
 //! wire (see [`BidirConfig`]).
+//!
+//! # Push mode
+//! [`run_push`] simulates push mode: D engines reserve blocks ([`Reservations`]) and P
+//! engines write into them ([`PushCore`]) under lost, duplicated and reordered frames,
+//! failed write posts, D aborts, a P that dies mid-prefill and a P that stalls past the
+//! lease; its oracles check that no write lands in blocks not held for that transfer and
+//! generation, that written KV is right, that every reservation and push ends exactly
+//! once, and that a dead P's reservations are freed within about one lease (see
+//! [`PushWorldConfig`]).
+//!
+//! [`Reservations`]: kvlease_engine::Reservations
+//! [`PushCore`]: kvlease_engine::PushCore
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod bidir;
 mod config;
 mod holds;
+mod push;
 mod rng;
 mod world;
 
 pub use bidir::{BidirBug, BidirConfig, BidirReport, FlightAllowance, run_bidir};
 pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
 pub use holds::{HoldsBug, HoldsConfig, HoldsReport, run_holds};
+pub use push::{PushReport, PushWorldConfig, run_push};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
 

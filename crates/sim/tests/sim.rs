@@ -7,7 +7,8 @@ use std::time::Duration;
 use kvlease_lease::LeaseConfig;
 
 use kvlease_sim::{
-    Bug, Report, World, WorldConfig, repro_command, run, scenario_seeds, seeds_from_env,
+    Bug, PushReport, PushWorldConfig, Report, World, WorldConfig, repro_command, run, run_push,
+    scenario_seeds, seeds_from_env,
 };
 
 /// Runs `make(seed)` for every seed; panics with every failure and its repro command.
@@ -401,5 +402,171 @@ fn baseline_fixed_timeout_wastes_prefills_under_overload() {
             "seed {seed}: {:?}",
             report.stats
         );
+    }
+}
+
+// ------------------------------------------------------------------- push mode
+
+fn push_sweep(
+    test: &str,
+    seeds: Vec<u64>,
+    make: impl Fn(u64) -> PushWorldConfig,
+) -> Vec<PushReport> {
+    let mut failed = String::new();
+    let mut reports = Vec::new();
+    for seed in seeds {
+        let report = run_push(make(seed));
+        if !report.failures.is_empty() {
+            failed += &format!(
+                "seed {seed} failed:\n  {}\n  reproduce: {}\n",
+                report
+                    .failures
+                    .iter()
+                    .take(10)
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join("\n  "),
+                repro_command(seed, test)
+            );
+        }
+        reports.push(report);
+    }
+    assert!(failed.is_empty(), "{failed}");
+    reports
+}
+
+/// Push mode under every fault: no write lands in blocks not held for it, written KV is
+/// right, every reservation and push ends once, a dead P's reservations go within about
+/// a lease.
+#[test]
+fn push_seeds() {
+    let reports = push_sweep("push_seeds", seeds_from_env(64), PushWorldConfig::random);
+    let sum = |f: fn(&PushReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let line = format!(
+        "push: seeds={} written={} aborted={} expired={} failed={} refused_writes={} failed_posts={} lost_with_p={} max_dead_p_reclaim_ms={}",
+        reports.len(),
+        sum(|r| r.written),
+        sum(|r| r.aborted),
+        sum(|r| r.expired),
+        sum(|r| r.failed),
+        sum(|r| r.refused_writes),
+        sum(|r| r.failed_posts),
+        sum(|r| r.lost_with_p),
+        reports
+            .iter()
+            .map(|r| r.dead_p_reclaim.as_millis())
+            .max()
+            .unwrap_or(0),
+    );
+    if std::env::var_os("KVLEASE_SIM_SEEDS").is_some() {
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
+    }
+    if reports.len() >= 16 {
+        // Every outcome and fault occurred somewhere.
+        for (name, n) in [
+            ("written", sum(|r| r.written)),
+            ("aborted", sum(|r| r.aborted)),
+            ("expired", sum(|r| r.expired)),
+            ("failed", sum(|r| r.failed)),
+            ("refused_writes", sum(|r| r.refused_writes)),
+            ("failed_posts", sum(|r| r.failed_posts)),
+            ("lost_with_p", sum(|r| r.lost_with_p)),
+        ] {
+            assert!(n > 0, "no {name} in {line}");
+        }
+    }
+}
+
+/// A P that dies mid-prefill: D frees its reservations within one lease (plus a delay
+/// and a step) of the death, never earlier than the last heartbeat's extension.
+#[test]
+fn push_dead_prefill_is_reclaimed_within_a_lease() {
+    let reports = push_sweep(
+        "push_dead_prefill_is_reclaimed_within_a_lease",
+        scenario_seeds(8),
+        |seed| PushWorldConfig {
+            p_death: Some(Duration::from_secs(3)),
+            p_stall: None,
+            ..PushWorldConfig::random(seed)
+        },
+    );
+    for r in &reports {
+        assert!(r.lost_with_p > 0, "seed {}: P died with no push", r.seed);
+        // One lease (1.2 s), a message's delay (at most 6 ms) and a step (10 ms).
+        assert!(
+            r.dead_p_reclaim <= Duration::from_millis(1200 + 6 + 10),
+            "seed {}: {:?}",
+            r.seed,
+            r.dead_p_reclaim
+        );
+    }
+}
+
+/// No fault at all: every reservation is written, none expires (P's heartbeats name the
+/// transfer ids D reserved under, so they renew every reservation however long the
+/// prefill).
+#[test]
+fn push_without_faults_writes_everything() {
+    let reports = push_sweep(
+        "push_without_faults_writes_everything",
+        scenario_seeds(8),
+        |seed| PushWorldConfig {
+            loss_ppm: 0,
+            dup_ppm: 0,
+            write_fail_ppm: 0,
+            abort_ppm: 0,
+            p_death: None,
+            p_stall: None,
+            ..PushWorldConfig::random(seed)
+        },
+    );
+    for r in &reports {
+        assert_eq!(
+            (r.expired, r.failed, r.aborted, r.refused_writes),
+            (0, 0, 0, 0),
+            "seed {}",
+            r.seed
+        );
+        assert_eq!(r.written + r.refused_at_d, 120, "seed {}", r.seed);
+    }
+}
+
+/// A P that stalls for two and a half leases: D's reservations for it expire and go to
+/// other requests meanwhile; when P resumes, its late writes meet the fence (refused) or
+/// D's release (never posted), and no byte lands in another request's blocks.
+#[test]
+fn push_stalled_prefill_never_writes_into_reused_blocks() {
+    let reports = push_sweep(
+        "push_stalled_prefill_never_writes_into_reused_blocks",
+        scenario_seeds(8),
+        |seed| PushWorldConfig {
+            p_death: None,
+            p_stall: Some((Duration::from_secs(2), Duration::from_secs(3))),
+            ..PushWorldConfig::random(seed)
+        },
+    );
+    for r in &reports {
+        assert!(
+            r.expired > 0,
+            "seed {}: nothing expired during the stall",
+            r.seed
+        );
+    }
+}
+
+#[test]
+fn push_same_seed_same_log() {
+    for seed in scenario_seeds(4) {
+        let a = run_push(PushWorldConfig::random(seed));
+        let b = run_push(PushWorldConfig::random(seed));
+        assert!(a.log.len() > 100, "seed {seed}: a short log");
+        if let Some(i) = (0..a.log.len().max(b.log.len())).find(|&i| a.log.get(i) != b.log.get(i)) {
+            panic!(
+                "seed {seed}: logs differ at line {i}:\n  {:?}\n  {:?}",
+                a.log.get(i),
+                b.log.get(i)
+            );
+        }
+        assert_eq!(a, b);
     }
 }

@@ -84,6 +84,9 @@ class NotifKind(_StrEnum):
     IGNORED = "ignored"
     #: An application notification (``decode_notif``).
     APP = "app"
+    #: A push-mode frame (``decode_notif``): registration, reservation heartbeat,
+    #: write-done, push-failed or reservation-released.
+    PUSH = "push"
 
 
 class ReadCompleteOutcome(_StrEnum):

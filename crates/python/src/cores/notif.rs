@@ -8,8 +8,10 @@ use super::{PyEnum, request_id};
 use crate::errors::{Family, raise_err};
 
 /// What a notification says (`decode_notif`): `kind` (a `NotifKind`: `heartbeat`,
-/// `read_complete`, `abort`, `expired` or `app`) and the fields of that kind; the others
-/// are `None`.
+/// `read_complete`, `abort`, `expired`, `push` or `app`) and the fields of that kind; the
+/// others are `None`. A `push` frame (push mode; the package does not push yet) gives its
+/// transfer as `request` and `(transfer, generation)` in `leases`, or a push heartbeat's
+/// transfer ids in `ids`.
 #[pyclass(module = "kvlease._kvlease", frozen, get_all)]
 pub(crate) struct DecodedNotif {
     /// What it is (a `NotifKind`).
@@ -85,7 +87,23 @@ pub(crate) fn decode_notif(py: Python<'_>, message: &[u8]) -> PyResult<DecodedNo
             ),
             ..DecodedNotif::of(py, "expired")?
         },
-        Ok(_) => DecodedNotif::of(py, "app")?,
+        Ok(Notif::PushRegister(r)) => DecodedNotif {
+            request: Some(r.transfer.as_str().to_owned()),
+            leases: Some(vec![(r.transfer.as_str().to_owned(), r.generation.word())]),
+            ..DecodedNotif::of(py, "push")?
+        },
+        Ok(Notif::PushHeartbeat(ids)) => DecodedNotif {
+            ids: Some(ids.iter().map(str::to_owned).collect()),
+            ..DecodedNotif::of(py, "push")?
+        },
+        Ok(Notif::WriteDone(r) | Notif::PushFailed(r) | Notif::ReservationReleased(r)) => {
+            DecodedNotif {
+                request: Some(r.transfer.as_str().to_owned()),
+                leases: Some(vec![(r.transfer.as_str().to_owned(), r.generation.word())]),
+                ..DecodedNotif::of(py, "push")?
+            }
+        }
+        Ok(Notif::App(_)) => DecodedNotif::of(py, "app")?,
         Err(e) => return Err(raise_err(py, Family::Notif, &e)),
     })
 }

@@ -198,7 +198,17 @@ impl World {
                     expect.unknown = true;
                 }
             }
-            Ok(Notif::Expired(_) | Notif::App(_)) | Err(_) => {}
+            // The pull world sends no push-mode frames.
+            Ok(
+                Notif::Expired(_)
+                | Notif::App(_)
+                | Notif::PushRegister(_)
+                | Notif::PushHeartbeat(_)
+                | Notif::WriteDone(_)
+                | Notif::PushFailed(_)
+                | Notif::ReservationReleased(_),
+            )
+            | Err(_) => {}
         }
         expect
     }
