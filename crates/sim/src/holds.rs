@@ -22,7 +22,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_engine::{
@@ -128,17 +127,6 @@ pub struct HoldsReport {
     /// A digest of every event in order: equal for two runs of one config.
     pub digest: u64,
 }
-
-#[derive(Debug)]
-struct SimError(&'static str);
-
-impl std::fmt::Display for SimError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for SimError {}
 
 #[derive(Debug)]
 enum Ev {
@@ -643,7 +631,7 @@ impl Sim {
         let verdict = if ok {
             Ok(())
         } else {
-            Err(Arc::new(SimError("the read did not verify")) as kvlease_engine::Cause)
+            Err(crate::cause("the read did not verify"))
         };
         self.reader.handle_verified(request, verdict);
         if ok {

@@ -151,6 +151,23 @@ pub use push::{PushReport, PushWorldConfig, run_push};
 pub use rng::Rng;
 pub use world::{Report, SimStats, World};
 
+/// A shell's error, as the typed cause the cores keep.
+#[derive(Debug)]
+struct SimError(&'static str);
+
+impl std::fmt::Display for SimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for SimError {}
+
+/// A shell's error `what`, as a core's [`Cause`](kvlease_engine::Cause).
+fn cause(what: &'static str) -> kvlease_engine::Cause {
+    std::sync::Arc::new(SimError(what))
+}
+
 /// Runs the world of `config` to the end.
 pub fn run(config: WorldConfig) -> Report {
     World::new(config).run()

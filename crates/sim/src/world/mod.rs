@@ -16,11 +16,10 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::fmt::Write as _;
 use std::num::NonZeroU64;
-use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_engine::{
-    BatchResult, Cause, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError, LoadError, LoadPlan,
+    BatchResult, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError, LoadError, LoadPlan,
     Outcome, Peer, PrefillAction, PrefillCore, PrefillEvent, PrefillNotif, RemoteEngine, RemoteKv,
     TransmitKind,
 };
@@ -85,21 +84,7 @@ impl Clock {
     }
 }
 
-/// A shell's error, as the typed cause the cores keep.
-#[derive(Debug)]
-struct SimError(&'static str);
-
-impl std::fmt::Display for SimError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for SimError {}
-
-fn cause(what: &'static str) -> Cause {
-    Arc::new(SimError(what))
-}
+use crate::cause;
 
 /// How a request ended, as the world saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
