@@ -196,6 +196,21 @@ def test_a_turn_read_after_the_hold_ended_is_fenced_and_p_recomputes(pair):
     assert sched_out.num_scheduled_tokens[nxt.request_id] == len(nxt.prompt_token_ids) - 32
 
 
+def computed_and_aborted(p, nxt):
+    """Steps P until it computes ``nxt`` and aborts the hold it named on D: the tokens it
+    first scheduled, the aborts it sent, and every load it planned meanwhile."""
+    deadline = time.monotonic() + 30
+    aborts, loads, scheduled = [], [], 0
+    while not (scheduled and aborts):
+        assert time.monotonic() < deadline, "P never computed the turn or aborted the hold"
+        meta = (sched_out := step(p)[0]).kv_connector_metadata
+        scheduled = scheduled or sched_out.num_scheduled_tokens.get(nxt.request_id, 0)
+        aborts += [m for e, kind, m in meta.transmits if kind == "abort" and e == "d0"]
+        loads += list(meta.loads)
+        time.sleep(0.01)
+    return scheduled, aborts, loads
+
+
 @pytest.mark.parametrize("case", ["diverged", "below_threshold"])
 def test_a_turn_p_does_not_read_is_aborted_so_d_frees_it_at_once(pair, case, caplog):
     caplog.set_level(logging.INFO, logger="kvlease")
@@ -210,15 +225,7 @@ def test_a_turn_p_does_not_read_is_aborted_so_d_frees_it_at_once(pair, case, cap
     nxt = create_request(prompt_token_ids=prompt, max_tokens=1,
                          kv_transfer_params=dict(turn))
     p.add_request(nxt)
-    deadline = time.monotonic() + 30
-    aborts, scheduled = [], 0
-    while not (scheduled and aborts):
-        assert time.monotonic() < deadline, "P never computed the turn or aborted the hold"
-        sched_out = step(p)[0]
-        scheduled = scheduled or sched_out.num_scheduled_tokens.get(nxt.request_id, 0)
-        aborts += [m for e, kind, m in sched_out.kv_connector_metadata.transmits
-                   if kind == "abort" and e == "d0"]
-        time.sleep(0.01)
+    scheduled, aborts, _ = computed_and_aborted(p, nxt)
     # P computes the prompt after its own cached prefix (the edit at token 3 leaves none),
     # in chunks of at most 64 tokens; nothing is read.
     cached = 0 if case == "diverged" else 16
@@ -288,16 +295,8 @@ def test_d_serves_its_clock_and_p_reads_the_deadline_on_it(pair):
     nxt = create_request(prompt_token_ids=next_prompt(req), max_tokens=1,
                          kv_transfer_params=late)
     p.add_request(nxt)
-    aborts, scheduled = [], 0
-    deadline = time.monotonic() + 30
-    while not (scheduled and aborts):
-        assert time.monotonic() < deadline, "P never computed the turn or aborted the hold"
-        sched_out = step(p)[0]
-        scheduled = scheduled or sched_out.num_scheduled_tokens.get(nxt.request_id, 0)
-        aborts += [m for e, kind, m in sched_out.kv_connector_metadata.transmits
-                   if kind == "abort" and e == "d0"]
-        time.sleep(0.01)
-    assert not [x for x in sched_out.kv_connector_metadata.loads]
+    _, aborts, loads = computed_and_aborted(p, nxt)
+    assert not loads, "P read a turn whose deadline had passed on D's clock"
     feed(d, worker_output(notifs=[(P_WORKER, m) for m in aborts]))
     assert d.connector.scheduler.prefill.stats()["holds_released_aborted"] == 1
 
