@@ -5,7 +5,7 @@ use std::io;
 
 use kvlease_gpu_mem::{MemoryKind, RegionAccessError, staging::StagingError};
 
-use crate::agent::{BatchId, PeerId, RegionId};
+use crate::ids::{BatchId, PeerId, RegionId};
 
 /// Why [`Agent::new`](crate::Agent::new) failed.
 #[derive(Debug, thiserror::Error)]

@@ -140,9 +140,10 @@ pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod link;
+mod mapped;
 mod server;
 
-pub(crate) use link::{ShmLink, connect};
+pub(crate) use link::connect;
 pub(crate) use server::Server;
 
 /// The metadata key of this backend's entry.

@@ -1,6 +1,6 @@
 //! The verbs backend inside the [`Agent`](crate::Agent): a per-agent [`VerbsDomain`]
 //! (device, protection domain, registrations, the queue-pair side channel listener) and a
-//! per-peer [`Link`] (one RC queue pair; notifications stay on the peer's TCP link).
+//! per-peer [`VerbsLink`] (one RC queue pair; notifications stay on the peer's TCP link).
 //!
 //! Queue pair info travels over a small TCP side channel of this module (P listens on
 //! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
@@ -39,9 +39,10 @@ use super::{
     Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, RdmaRead,
     RemoteRegion, VerbsError,
 };
-use crate::agent::FenceRead;
 use crate::batch::{Batch, Next};
 use crate::error::{LinkError, TransferError};
+use crate::ids::FenceRead;
+use crate::link::{Chunk, Link};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
 
@@ -244,7 +245,7 @@ impl VerbsDomain {
         own_name: &str,
         meta: &AgentMetadata,
         tcp: Arc<TcpLink>,
-    ) -> Result<Link, LinkError> {
+    ) -> Result<VerbsLink, LinkError> {
         let entry = meta
             .backends
             .get("verbs")
@@ -296,7 +297,7 @@ impl VerbsDomain {
             .register(Arc::clone(&fence_words) as Arc<dyn DmaRegion>)
             .map_err(verbs("registering the fence words"))?;
         let regions = lock(&self.regions).clone();
-        Ok(Link {
+        Ok(VerbsLink {
             peer: meta.name.clone(),
             meta: meta.clone(),
             rkeys,
@@ -536,7 +537,7 @@ fn refuse(s: &mut TcpStream, why: &str) -> Result<(), LinkError> {
 /// A verbs link to one peer (D's side): RDMA READs on the queue pair, notifications on
 /// the TCP link.
 #[derive(Debug)]
-pub(crate) struct Link {
+pub(crate) struct VerbsLink {
     peer: String,
     meta: AgentMetadata,
     rkeys: HashMap<u64, u32>,
@@ -568,8 +569,8 @@ struct Tracked {
     copy_back: Vec<(Registration, u64, u64)>,
 }
 
-impl Link {
-    fn remote(&self, range: &crate::agent::RemoteRange) -> Result<RemoteRegion, TransferError> {
+impl VerbsLink {
+    fn remote(&self, range: &crate::ids::RemoteRange) -> Result<RemoteRegion, TransferError> {
         let invalid = |reason: String| TransferError::InvalidBatch {
             peer: self.peer.clone(),
             reason,
@@ -603,7 +604,7 @@ impl Link {
     fn verbs_route(
         &self,
         batch: &Batch,
-        chunks: &[tcp::Chunk],
+        chunks: &[Chunk],
     ) -> Result<Vec<Registration>, NoVerbsRoute> {
         let unregistered = |region: u64| {
             !self.rkeys.contains_key(&region) && self.meta.regions.iter().any(|r| r.id == region)
@@ -640,12 +641,10 @@ impl Link {
             reason: format!("verbs: {reason}"),
         }
     }
+}
 
-    pub(crate) fn post(
-        &self,
-        batch: &Arc<Batch>,
-        chunks: Vec<tcp::Chunk>,
-    ) -> Result<(), TransferError> {
+impl Link for VerbsLink {
+    fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
         let regs = match self.verbs_route(batch, &chunks) {
             Ok(regs) => regs,
             Err(why) => {
@@ -654,7 +653,7 @@ impl Link {
                 // connect: the TCP link reads it instead, staging device memory through pinned
                 // buffers on both sides.
                 tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
-                return self.tcp.post(batch, chunks);
+                return self.tcp.post_reads(batch, chunks);
             }
         };
         let mut ops = Vec::with_capacity(chunks.len());
@@ -735,7 +734,7 @@ impl Link {
     /// A batch whose reads landed in mirrors is copied mirror → region (under the batch
     /// lock, outside the queue pair's) before it is marked done and before its
     /// notification goes out: the peer may free the source on that notification.
-    pub(crate) fn progress(&self) {
+    fn progress(&self) {
         let mut finished = Vec::new();
         {
             let mut guard = lock(&self.state);
@@ -812,13 +811,13 @@ impl Link {
         }
     }
 
-    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
         self.tcp.send_notif(bytes)
     }
 
     /// The batch timed out: stop every transfer into its memory by resetting the queue
     /// pair (the other batches' reads are re-posted after the reconnect).
-    pub(crate) fn on_timeout(&self, batch: &Batch) {
+    fn on_timeout(&self, batch: &Batch) {
         // A batch that went over TCP (see `verbs_route`) is cancelled there; the queue pair
         // has nothing of it to stop.
         if batch.lock().backend == crate::Backend::Tcp {
@@ -846,7 +845,7 @@ impl Link {
         }
     }
 
-    pub(crate) fn close(&self) {
+    fn close(&self) {
         let st = lock(&self.state);
         let _ = st.side.shutdown(std::net::Shutdown::Both);
         self.tcp.close();
