@@ -13,7 +13,8 @@ pub struct RegionId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeerId(pub(crate) u64);
 
-/// A posted read batch (returned by [`Agent::post_read`](crate::Agent::post_read)).
+/// A posted read batch: returned by [`Agent::post_read`](crate::Agent::post_read), and
+/// by the verbs endpoint's `post_read_batch` (there it names a batch of that endpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BatchId(pub(crate) u64);
 

@@ -95,4 +95,5 @@ pub use ids::{
 };
 pub use kvlease_proto::auth::Session;
 pub use metadata::{AgentMetadata, RegionDesc};
+pub use shm::error::ShmError;
 pub use stats::{StatsHandle, TransportStats};

@@ -59,7 +59,7 @@ impl Agent {
             BackendChoice::Tcp => (
                 tcp::client::connect(&self.inner.ctx, &self.inner.tcp_notifs, &meta, key)?
                     as Arc<dyn Link>,
-                (Backend::Tcp, LinkError::TcpRequested.to_string()),
+                (Backend::Tcp, LinkError::Requested(Backend::Tcp).to_string()),
             ),
             BackendChoice::Shm => {
                 let tcp =
@@ -71,7 +71,7 @@ impl Agent {
                         return Err(ConnectError::BackendUnavailable {
                             backend: Backend::Shm,
                             peer: meta.name,
-                            source,
+                            source: Box::new(source),
                         });
                     }
                 }
@@ -82,7 +82,7 @@ impl Agent {
                 let shm = if self.inner.backend == BackendChoice::Auto {
                     crate::shm::connect(&self.inner.ctx, &meta, key, Arc::clone(&tcp))
                 } else {
-                    Err(LinkError::VerbsRequested)
+                    Err(LinkError::Requested(Backend::Verbs))
                 };
                 match shm {
                     Ok(link) => (Arc::new(link) as Arc<dyn Link>, Self::shm_reason(&meta)),
@@ -107,7 +107,7 @@ impl Agent {
                                 return Err(ConnectError::BackendUnavailable {
                                     backend: Backend::Verbs,
                                     peer: meta.name,
-                                    source,
+                                    source: Box::new(source),
                                 });
                             }
                             Err(e) => {

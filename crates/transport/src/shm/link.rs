@@ -16,6 +16,7 @@ use kvlease_gpu_mem::{
 };
 
 use super::copy::{self, Completion, CopyOp};
+use super::error::ShmError;
 use super::mapped::{MappedRegion, Source};
 use super::{MAX_REGIONS, METADATA_KEY, host_identity};
 use crate::batch::{Batch, Next};
@@ -310,20 +311,21 @@ pub(crate) fn connect(
     let entry = meta
         .backends
         .get(METADATA_KEY)
-        .ok_or(LinkError::PeerHasNoShm)?;
+        .ok_or(LinkError::Shm(ShmError::PeerHasNoShm))?;
     let (Some(host), Some(socket)) = (
         entry.get("host").and_then(|v| v.as_str()),
         entry.get("socket").and_then(|v| v.as_str()),
     ) else {
-        return Err(LinkError::ShmMalformed {
+        return Err(LinkError::Shm(ShmError::Malformed {
             what: "the peer's shm metadata entry lacks host or socket",
-        });
+        }));
     };
-    let own = host_identity().ok_or(LinkError::NoHostIdentity)?;
+    let own = host_identity().ok_or(LinkError::Shm(ShmError::NoHostIdentity))?;
     if host != own {
-        return Err(LinkError::NotSameHost);
+        return Err(LinkError::Shm(ShmError::NotSameHost));
     }
-    let sock_err = |op: &'static str| move |source: io::Error| LinkError::ShmSocket { op, source };
+    let sock_err =
+        |op: &'static str| move |source: io::Error| LinkError::Shm(ShmError::Socket { op, source });
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).map_err(sock_err("socket name"))?;
     let mut s = UnixStream::connect_addr(&addr).map_err(sock_err("connect"))?;
     s.set_read_timeout(Some(ctx.limits.handshake_timeout))
@@ -386,13 +388,13 @@ fn cma_peer_pid(policy: CmaPolicy, s: &UnixStream, peer: &str) -> Option<u32> {
 
 fn frame_err(e: FrameError) -> LinkError {
     match e {
-        FrameError::Io(source) => LinkError::ShmSocket {
+        FrameError::Io(source) => LinkError::Shm(ShmError::Socket {
             op: "handshake",
             source,
-        },
-        FrameError::Malformed(_) => LinkError::ShmMalformed {
+        }),
+        FrameError::Malformed(_) => LinkError::Shm(ShmError::Malformed {
             what: "malformed frame from the peer's shm socket",
-        },
+        }),
     }
 }
 
@@ -405,14 +407,14 @@ fn handshake(
     wire::client_handshake(s, wire::SHM_ROLES, 0, &ctx.name, key, &meta.name).map_err(|e| match e {
         ClientAuthError::Frame(e) => frame_err(e),
         ClientAuthError::Random(e) => LinkError::Random(e),
-        ClientAuthError::Version(_) => LinkError::ShmMalformed {
+        ClientAuthError::Version(_) => LinkError::Shm(ShmError::Malformed {
             what: "the peer speaks another protocol version",
-        },
-        ClientAuthError::WrongName(_) => LinkError::ShmMalformed {
+        }),
+        ClientAuthError::WrongName(_) => LinkError::Shm(ShmError::Malformed {
             what: "the agent on the shm socket is not the one the metadata names",
-        },
-        ClientAuthError::Rejected => LinkError::ShmAuthRejected,
-        ClientAuthError::PeerAuthFailed => LinkError::ShmPeerAuthFailed,
+        }),
+        ClientAuthError::Rejected => LinkError::Shm(ShmError::AuthRejected),
+        ClientAuthError::PeerAuthFailed => LinkError::Shm(ShmError::PeerAuthFailed),
     })
 }
 
@@ -431,11 +433,13 @@ fn receive_handover(
     peer: &str,
     cma_pid: Option<u32>,
 ) -> Result<Handover, LinkError> {
-    let io = |source| LinkError::ShmSocket {
-        op: "receiving regions",
-        source,
+    let io = |source| {
+        LinkError::Shm(ShmError::Socket {
+            op: "receiving regions",
+            source,
+        })
     };
-    let malformed = |what| LinkError::ShmMalformed { what };
+    let malformed = |what| LinkError::Shm(ShmError::Malformed { what });
     let mut grants: Option<SharedRegionView> = None;
     let mut regions = HashMap::new();
     // Every region id handed over, also those not mapped (a device region this process
@@ -570,20 +574,20 @@ fn receive_handover(
                 }
                 grants = Some(
                     SharedRegionView::map(fd, table_len)
-                        .map_err(|source| LinkError::ShmMap { region: 0, source })?,
+                        .map_err(|source| LinkError::Shm(ShmError::Map { region: 0, source }))?,
                 );
             }
             wire::SHM_RING => {
                 let (capacity, max_record) = (word()?, word()?);
                 ring = Some(
                     RingWriter::map(fd, capacity, max_record)
-                        .map_err(|source| LinkError::ShmRing { source })?,
+                        .map_err(|source| LinkError::Shm(ShmError::Ring { source }))?,
                 );
             }
             _ => {
                 let (id, key, region_len, slot) = region_words(body, grants.as_ref(), &mut handed)?;
                 let view = SharedRegionView::map(fd, region_len)
-                    .map_err(|source| LinkError::ShmMap { region: id, source })?;
+                    .map_err(|source| LinkError::Shm(ShmError::Map { region: id, source }))?;
                 regions.insert(
                     id,
                     Arc::new(MappedRegion {
@@ -605,7 +609,7 @@ fn region_words(
     grants: Option<&SharedRegionView>,
     handed: &mut HashSet<u64>,
 ) -> Result<(u64, u64, u64, u64), LinkError> {
-    let malformed = |what| LinkError::ShmMalformed { what };
+    let malformed = |what| LinkError::Shm(ShmError::Malformed { what });
     let mut b = Body(words);
     let mut word = || b.u64().map_err(frame_err);
     let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);

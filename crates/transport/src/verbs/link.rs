@@ -33,15 +33,15 @@ use std::time::Duration;
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 
+use super::error::{MirrorError, VerbsLinkError};
 use super::mirror::Registration;
 use super::{
-    BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
-    Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, RdmaRead,
-    RemoteRegion, VerbsError,
+    ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
+    EndpointState, MemoryRegion, ProtectionDomain, RdmaRead, RemoteRegion, VerbsError,
 };
 use crate::batch::{Batch, Next};
 use crate::error::{LinkError, TransferError};
-use crate::ids::FenceRead;
+use crate::ids::{BatchId, FenceRead};
 use crate::link::{Chunk, Link};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
@@ -83,8 +83,10 @@ fn read_frame(
     op: &'static str,
 ) -> Result<(u8, Vec<u8>), LinkError> {
     let malformed = |e: FrameError| match e {
-        FrameError::Io(source) => LinkError::SideChannel { op, source },
-        FrameError::Malformed(what) => LinkError::SideChannelMalformed { what },
+        FrameError::Io(source) => LinkError::Verbs(VerbsLinkError::SideChannel { op, source }),
+        FrameError::Malformed(what) => {
+            LinkError::Verbs(VerbsLinkError::SideChannelMalformed { what })
+        }
     };
     let (ty, len) = read_header(s, allowed, |ty| match ty {
         VERBS_INFO | VERBS_RESET => INFO_LEN,
@@ -101,25 +103,25 @@ fn info_or_refusal(ty: u8, body: &[u8]) -> Result<ConnectionInfo, LinkError> {
     if ty == VERBS_REFUSE {
         return Err(refusal(body));
     }
-    ConnectionInfo::decode(body).map_err(LinkError::BadConnectionInfo)
+    ConnectionInfo::decode(body).map_err(|e| LinkError::Verbs(VerbsLinkError::BadConnectionInfo(e)))
 }
 
 /// The peer's refusal, with its reason.
 fn refusal(reason: &[u8]) -> LinkError {
-    LinkError::Refused {
+    LinkError::Verbs(VerbsLinkError::Refused {
         reason: String::from_utf8_lossy(reason).into_owned(),
-    }
+    })
 }
 
 /// D's side of a failed exchange.
 fn auth_failed(e: AuthError) -> LinkError {
     match e {
-        AuthError::Rejected => LinkError::ProofRejected,
-        AuthError::PeerAuthFailed => LinkError::WrongProof,
-        AuthError::WrongName(got) => LinkError::WrongPeer { got },
-        malformed => LinkError::SideChannelMalformed {
+        AuthError::Rejected => LinkError::Verbs(VerbsLinkError::ProofRejected),
+        AuthError::PeerAuthFailed => LinkError::Verbs(VerbsLinkError::WrongProof),
+        AuthError::WrongName(got) => LinkError::Verbs(VerbsLinkError::WrongPeer { got }),
+        malformed => LinkError::Verbs(VerbsLinkError::SideChannelMalformed {
             what: malformed.to_string(),
-        },
+        }),
     }
 }
 
@@ -249,12 +251,12 @@ impl VerbsDomain {
         let entry = meta
             .backends
             .get("verbs")
-            .ok_or(LinkError::PeerHasNoVerbs)?;
+            .ok_or(LinkError::Verbs(VerbsLinkError::PeerHasNoVerbs))?;
         let addr: SocketAddr = entry
             .get("addr")
             .and_then(|a| a.as_str())
             .and_then(|a| a.parse().ok())
-            .ok_or(LinkError::NoSideChannelAddress)?;
+            .ok_or(LinkError::Verbs(VerbsLinkError::NoSideChannelAddress))?;
         let rkeys: HashMap<u64, u32> = entry
             .get("rkeys")
             .and_then(|r| r.as_object())
@@ -286,11 +288,11 @@ impl VerbsDomain {
         ep.connect(&remote)
             .map_err(verbs("connecting the queue pair"))?;
         let fence_words = Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| {
-            LinkError::MirrorAlloc {
+            LinkError::Mirror(MirrorError::Alloc {
                 memory: "host fence-word",
                 len: FENCE_SLOTS as usize * 8,
                 source: Box::new(e),
-            }
+            })
         })?);
         let fence_mr = self
             .pd
@@ -349,7 +351,7 @@ impl VerbsDomain {
             return Err(refusal(&body));
         }
         if !AuthResult::decode(&body).map_err(auth_failed)?.ok {
-            return Err(LinkError::ProofRejected);
+            return Err(LinkError::Verbs(VerbsLinkError::ProofRejected));
         }
         let (ty, theirs) = read_frame(side, &[VERBS_INFO], "reading the peer's info")?;
         // The peer's proof covers its info: check it before using the info.
@@ -368,12 +370,12 @@ impl Drop for VerbsDomain {
 
 /// A `map_err` adapter: IO on the side channel failed while doing `op`.
 fn side_io(op: &'static str) -> impl Fn(std::io::Error) -> LinkError + Copy {
-    move |source| LinkError::SideChannel { op, source }
+    move |source| LinkError::Verbs(VerbsLinkError::SideChannel { op, source })
 }
 
 /// A `map_err` adapter: the verbs call behind `op` failed.
 fn verbs(op: &'static str) -> impl Fn(VerbsError) -> LinkError + Copy {
-    move |source| LinkError::Verbs { op, source }
+    move |source| LinkError::Verbs(VerbsLinkError::Verbs { op, source })
 }
 
 /// P's side of the side channel: one thread per connecting peer, owning its endpoint.
@@ -452,11 +454,11 @@ impl Server {
         if !checked.ok {
             s.write_all(&frame(AUTH_RESULT, &checked.reply(&[])))
                 .map_err(io)?;
-            return Err(LinkError::RefusedPeer {
+            return Err(LinkError::Verbs(VerbsLinkError::RefusedPeer {
                 reason: format!(
                     "{name}: cluster token proof failed (or its queue-pair info changed on the way): configure the same auth token on both agents"
                 ),
-            });
+            }));
         }
         let mut ep = match Endpoint::new(&self.pd, self.endpoint.clone()) {
             Ok(ep) => ep,
@@ -529,9 +531,9 @@ fn refuse(s: &mut TcpStream, why: &str) -> Result<(), LinkError> {
     let why = &why[..end];
     s.write_all(&frame(VERBS_REFUSE, why.as_bytes()))
         .map_err(side_io("refusing"))?;
-    Err(LinkError::RefusedPeer {
+    Err(LinkError::Verbs(VerbsLinkError::RefusedPeer {
         reason: why.to_owned(),
-    })
+    }))
 }
 
 /// A verbs link to one peer (D's side): RDMA READs on the queue pair, notifications on
@@ -555,7 +557,7 @@ pub(crate) struct VerbsLink {
 struct LinkState {
     ep: Endpoint,
     side: TcpStream,
-    tracked: HashMap<VerbsBatchId, Tracked>,
+    tracked: HashMap<BatchId, Tracked>,
     free_fence: Vec<u32>,
 }
 
@@ -754,10 +756,10 @@ impl Link for VerbsLink {
                 }
                 tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
             }
-            let ids: Vec<VerbsBatchId> = st.tracked.keys().copied().collect();
+            let ids: Vec<BatchId> = st.tracked.keys().copied().collect();
             for id in ids {
                 let status = match st.ep.poll_batch(id) {
-                    None | Some(VerbsStatus::Pending) => continue,
+                    None | Some(EndpointBatchStatus::Pending) => continue,
                     Some(s) => s,
                 };
                 let Some(t) = st.tracked.remove(&id) else {
@@ -775,7 +777,7 @@ impl Link for VerbsLink {
         for (t, status, word) in finished {
             let mut bst = t.batch.lock();
             match status {
-                VerbsStatus::Done => {
+                EndpointBatchStatus::Done => {
                     let mut next = Next::Nothing;
                     for len in &t.chunk_lens {
                         next = bst.chunk_done(*len);
@@ -803,7 +805,7 @@ impl Link for VerbsLink {
                         Next::Nothing | Next::Fence(_) => {}
                     }
                 }
-                VerbsStatus::Failed(e) => {
+                EndpointBatchStatus::Failed(e) => {
                     bst.fail(self.rdma_failed(&e));
                 }
                 _ => {}
@@ -826,7 +828,7 @@ impl Link for VerbsLink {
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        let ids: Vec<VerbsBatchId> = st
+        let ids: Vec<BatchId> = st
             .tracked
             .iter()
             .filter(|(_, t)| t.batch.id == batch.id)
@@ -893,8 +895,8 @@ pub(crate) fn start_for(
 ) -> Result<VerbsDomain, LinkError> {
     use crate::config::BackendChoice;
     match choice {
-        BackendChoice::Tcp => return Err(LinkError::TcpRequested),
-        BackendChoice::Shm => return Err(LinkError::ShmRequested),
+        BackendChoice::Tcp => return Err(LinkError::Requested(crate::Backend::Tcp)),
+        BackendChoice::Shm => return Err(LinkError::Requested(crate::Backend::Shm)),
         _ => {}
     }
     let backend = VerbsDomain::start(name, ip, limits, token.clone());
