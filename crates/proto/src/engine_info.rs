@@ -62,6 +62,9 @@ use std::ops::Range;
 use kvlease_lease::EngineId;
 use serde_json::{Map, Value};
 
+use crate::compat::{
+    CARRIED_KEYS, DESCRIPTOR_KEYS, KNOWN_ON_BOTH_SIDES, KvMismatch, SHAPE_KEYS, mismatches,
+};
 use crate::params::MAX_PARALLEL;
 
 /// The name of the whole object, and the prefix of every field path in an [`InfoError`].
@@ -284,6 +287,36 @@ pub struct KvDescriptor {
     pub layers: BTreeMap<String, BlockFormat>,
     /// Keys this build does not know, as received.
     pub extra: Map<String, Value>,
+}
+
+impl KvDescriptor {
+    /// Reads a descriptor (the `kv` object of an engine info; `path` prefixes the field
+    /// paths of its errors).
+    ///
+    /// # Errors
+    /// [`InfoError`] naming the field at fault.
+    pub fn from_value(v: &Value, path: &str) -> Result<Self, InfoError> {
+        descriptor(v, path)
+    }
+
+    /// The descriptor as JSON, as the engine info carries it.
+    #[must_use]
+    pub fn to_value(&self) -> Value {
+        descriptor_value(self)
+    }
+
+    /// Every compared key ([`DESCRIPTOR_KEYS`]) on which P's descriptor `p` differs from
+    /// this (D's) one, in key order: empty when P's blocks mean the same KV here as far as
+    /// the descriptors tell (`block_order` is compared only when both sides know it).
+    #[must_use]
+    pub fn mismatches(&self, p: &Self) -> Vec<KvMismatch> {
+        mismatches(
+            &DESCRIPTOR_KEYS,
+            &KNOWN_ON_BOTH_SIDES,
+            &descriptor_value(self),
+            &descriptor_value(p),
+        )
+    }
 }
 
 /// One P worker: how D's workers reach it and read its blocks.
@@ -565,13 +598,8 @@ impl EngineInfo {
         m.insert("num_blocks".into(), self.num_blocks.into());
         put(&mut m, "block_size", self.block_size);
         put(&mut m, "num_kv_heads", self.num_kv_heads);
-        if let Some(s) = &self.shape {
-            let o: Map<String, Value> = s
-                .dims()
-                .into_iter()
-                .map(|(k, v)| (k.to_owned(), v.into()))
-                .collect();
-            m.insert("shape".into(), Value::Object(o));
+        if let Some(s) = self.shape {
+            m.insert("shape".into(), s.to_value());
         }
         if let Some(kv) = &self.kv {
             m.insert("kv".into(), descriptor_value(kv));
@@ -594,6 +622,22 @@ impl EngineInfo {
 }
 
 impl KvShape {
+    /// Every dimension on which P's shape `p` differs from this (D's) one: empty when
+    /// P's blocks mean the same KV here.
+    #[must_use]
+    pub fn mismatches(&self, p: &Self) -> Vec<KvMismatch> {
+        mismatches(&SHAPE_KEYS, &[], &self.to_value(), &p.to_value())
+    }
+
+    fn to_value(self) -> Value {
+        Value::Object(
+            self.dims()
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.into()))
+                .collect(),
+        )
+    }
+
     /// The dimensions by their wire keys.
     fn dims(&self) -> [(&'static str, u32); 4] {
         [
@@ -916,21 +960,6 @@ fn formats(v: &Value, path: &str) -> Result<BTreeMap<String, BlockFormat>, InfoE
         .collect()
 }
 
-/// The descriptor's known keys.
-const KV_KEYS: [&str; 11] = [
-    "model",
-    "dtype",
-    "cache_dtype",
-    "num_kv_heads",
-    "head_size",
-    "num_layers",
-    "block_size",
-    "kv_cache_layout",
-    "block_order",
-    "use_mla",
-    "layers",
-];
-
 fn descriptor(v: &Value, path: &str) -> Result<KvDescriptor, InfoError> {
     let r = Obj::of(v, path.to_owned())?;
     Ok(KvDescriptor {
@@ -952,7 +981,9 @@ fn descriptor(v: &Value, path: &str) -> Result<KvDescriptor, InfoError> {
         extra: r
             .m
             .iter()
-            .filter(|(k, _)| !KV_KEYS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                !DESCRIPTOR_KEYS.contains(&k.as_str()) && !CARRIED_KEYS.contains(&k.as_str())
+            })
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
     })

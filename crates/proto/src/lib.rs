@@ -19,6 +19,7 @@
 //! slices and go out as vectors; a decoder that needs more bytes says how many.
 
 pub mod auth;
+pub mod compat;
 pub mod engine_info;
 pub mod params;
 pub mod sidechannel;
