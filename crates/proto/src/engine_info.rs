@@ -65,6 +65,7 @@ use serde_json::{Map, Value};
 use crate::compat::{
     CARRIED_KEYS, DESCRIPTOR_KEYS, KNOWN_ON_BOTH_SIDES, KvMismatch, SHAPE_KEYS, mismatches,
 };
+use crate::json::{FieldError, Fields};
 use crate::params::MAX_PARALLEL;
 
 /// The name of the whole object, and the prefix of every field path in an [`InfoError`].
@@ -439,7 +440,7 @@ impl EngineInfo {
     /// # Errors
     /// An [`InfoError`] naming the first field at fault.
     pub fn from_value(v: &Value) -> Result<Self, InfoError> {
-        let r = Obj::of(v, ENGINE_INFO.to_owned())?;
+        let r = obj(v, ENGINE_INFO.to_owned())?;
         let engine_id = EngineId::new(r.string("engine_id")?)
             .map_err(|e| InfoError::at(&r.path("engine_id"), e.to_string()))?;
         let tp_size = to_u32(r.uint("tp_size", 1, u64::from(MAX_PARALLEL))?);
@@ -798,85 +799,23 @@ fn to_u32(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// An object being read, at `path`, with readers that name the key at fault.
-struct Obj<'a> {
-    m: &'a Map<String, Value>,
-    path: String,
+/// The object `v` at `path`, read with the engine info's rules: a required key's absence
+/// is "missing", strings are at most [`MAX_STRING`] bytes.
+fn obj(v: &Value, path: String) -> Result<Fields<'_>, FieldError> {
+    Fields::of(v, path, "missing", MAX_STRING)
 }
 
-impl<'a> Obj<'a> {
-    fn of(v: &'a Value, path: String) -> Result<Self, InfoError> {
-        match v.as_object() {
-            Some(m) => Ok(Self { m, path }),
-            None => Err(InfoError::at(&path, "must be an object")),
+impl From<FieldError> for InfoError {
+    fn from(e: FieldError) -> Self {
+        Self {
+            field: e.field,
+            reason: e.reason,
         }
-    }
-
-    fn path(&self, key: &str) -> String {
-        format!("{}.{key}", self.path)
-    }
-
-    fn must_be(&self, key: &str, what: &str) -> InfoError {
-        InfoError::at(&self.path(key), format!("must be {what}"))
-    }
-
-    /// The key's value; `None` when absent or null.
-    fn opt(&self, key: &str) -> Option<&'a Value> {
-        self.m.get(key).filter(|v| !v.is_null())
-    }
-
-    fn req(&self, key: &str) -> Result<&'a Value, InfoError> {
-        self.opt(key)
-            .ok_or_else(|| InfoError::at(&self.path(key), "missing"))
-    }
-
-    fn uint_of(&self, key: &str, v: &Value, min: u64, max: u64) -> Result<u64, InfoError> {
-        v.as_u64()
-            .filter(|n| (min..=max).contains(n))
-            .ok_or_else(|| self.must_be(key, &format!("an integer in {min}..={max}")))
-    }
-
-    fn uint(&self, key: &str, min: u64, max: u64) -> Result<u64, InfoError> {
-        self.uint_of(key, self.req(key)?, min, max)
-    }
-
-    fn opt_uint(&self, key: &str, min: u64, max: u64) -> Result<Option<u64>, InfoError> {
-        self.opt(key)
-            .map(|v| self.uint_of(key, v, min, max))
-            .transpose()
-    }
-
-    fn opt_u32(&self, key: &str) -> Result<Option<u32>, InfoError> {
-        Ok(self.opt_uint(key, 0, u64::from(u32::MAX))?.map(to_u32))
-    }
-
-    fn str_of(&self, key: &str, v: &'a Value) -> Result<&'a str, InfoError> {
-        match v.as_str() {
-            Some(s) if s.len() <= MAX_STRING => Ok(s),
-            Some(_) => Err(self.must_be(key, &format!("a string of at most {MAX_STRING} bytes"))),
-            None => Err(self.must_be(key, "a string")),
-        }
-    }
-
-    fn string(&self, key: &str) -> Result<&'a str, InfoError> {
-        self.str_of(key, self.req(key)?)
-    }
-
-    fn opt_string(&self, key: &str) -> Result<Option<String>, InfoError> {
-        self.opt(key)
-            .map(|v| self.str_of(key, v).map(str::to_owned))
-            .transpose()
-    }
-
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>, InfoError> {
-        self.opt(key)
-            .map(|v| v.as_bool().ok_or_else(|| self.must_be(key, "a boolean")))
-            .transpose()
     }
 }
 
 fn shape(v: &Value, path: &str) -> Result<KvShape, InfoError> {
-    let r = Obj::of(v, path.to_owned())?;
+    let r = obj(v, path.to_owned())?;
     let dim = |key| r.uint(key, 1, u64::from(u32::MAX)).map(to_u32);
     Ok(KvShape {
         num_layers: dim("num_layers")?,
@@ -887,7 +826,7 @@ fn shape(v: &Value, path: &str) -> Result<KvShape, InfoError> {
 }
 
 fn region(v: &Value, path: &str) -> Result<RegionInfo, InfoError> {
-    let r = Obj::of(v, path.to_owned())?;
+    let r = obj(v, path.to_owned())?;
     let u = |key| r.uint(key, 0, u64::MAX);
     Ok(RegionInfo {
         id: u("id")?,
@@ -961,7 +900,7 @@ fn formats(v: &Value, path: &str) -> Result<BTreeMap<String, BlockFormat>, InfoE
 }
 
 fn descriptor(v: &Value, path: &str) -> Result<KvDescriptor, InfoError> {
-    let r = Obj::of(v, path.to_owned())?;
+    let r = obj(v, path.to_owned())?;
     Ok(KvDescriptor {
         model: r.opt_string("model")?,
         dtype: r.opt_string("dtype")?,
@@ -979,7 +918,7 @@ fn descriptor(v: &Value, path: &str) -> Result<KvDescriptor, InfoError> {
             .transpose()?
             .unwrap_or_default(),
         extra: r
-            .m
+            .map()
             .iter()
             .filter(|(k, _)| {
                 !DESCRIPTOR_KEYS.contains(&k.as_str()) && !CARRIED_KEYS.contains(&k.as_str())
@@ -1032,7 +971,7 @@ fn layer(v: &Value, path: &str) -> Result<RemoteLayer, InfoError> {
 }
 
 fn worker(v: &Value, path: &str, tp_size: u32) -> Result<WorkerInfo, InfoError> {
-    let r = Obj::of(v, path.to_owned())?;
+    let r = obj(v, path.to_owned())?;
     let rank = to_u32(r.uint("rank", 0, u64::from(tp_size - 1))?);
     let agent_metadata = if let Some(b64) = r.opt("agent_metadata") {
         let s = r.str_of("agent_metadata", b64).ok();

@@ -21,5 +21,6 @@
 pub mod auth;
 pub mod compat;
 pub mod engine_info;
+mod json;
 pub mod params;
 pub mod sidechannel;
