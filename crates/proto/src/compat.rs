@@ -1,10 +1,8 @@
 //! KV compatibility: whether P's KV block bytes mean the same KV on D. One check for every
-//! kvlease shell: the agents compare their model shapes
-//! ([`KvShape::mismatches`](crate::engine_info::KvShape::mismatches)), the vLLM connector
-//! its KV descriptors
-//! ([`KvDescriptor::mismatches`](crate::engine_info::KvDescriptor::mismatches), called
-//! from Python through the binding). Both compare JSON values key by key here; the result
-//! names each key that differs with P's value and D's.
+//! kvlease shell: the agents compare their model shapes ([`KvShape::mismatches`]), the
+//! vLLM connector its KV descriptors ([`KvDescriptor::mismatches`], called from Python
+//! through the binding). Both compare JSON values key by key here; the result names each
+//! key that differs with P's value and D's.
 //!
 //! What this does not decide: the connector reads P's blocks as runs of tokens when only
 //! the block sizes differ, and compares each layer's block format and the TP split on its
@@ -12,7 +10,9 @@
 
 use serde_json::Value;
 
-/// The [`KvDescriptor`](crate::engine_info::KvDescriptor) keys P and D must agree on, in
+use crate::engine_info::types::{KvDescriptor, KvShape};
+
+/// The [`KvDescriptor`] keys P and D must agree on, in
 /// the order they are compared.
 pub const DESCRIPTOR_KEYS: [&str; 9] = [
     "model",
@@ -37,7 +37,7 @@ pub const KNOWN_ON_BOTH_SIDES: [&str; 1] = ["block_order"];
 /// compared by the connector).
 pub const CARRIED_KEYS: [&str; 2] = ["kv_cache_layout", "layers"];
 
-/// The [`KvShape`](crate::engine_info::KvShape) keys the agents' P and D must agree on.
+/// The [`KvShape`] keys the agents' P and D must agree on.
 pub const SHAPE_KEYS: [&str; 4] = ["num_layers", "num_kv_heads", "block_size", "head_dim"];
 
 /// One key on which P's KV and D's differ: the key, P's value and D's (`null` where a
@@ -74,6 +74,30 @@ pub(crate) fn mismatches(
 
 fn field(v: &Value, key: &str) -> Value {
     v.get(key).cloned().unwrap_or(Value::Null)
+}
+
+impl KvDescriptor {
+    /// Every compared key ([`DESCRIPTOR_KEYS`]) on which P's descriptor `p` differs from
+    /// this (D's) one, in key order: empty when P's blocks mean the same KV here as far as
+    /// the descriptors tell (`block_order` is compared only when both sides know it).
+    #[must_use]
+    pub fn mismatches(&self, p: &Self) -> Vec<KvMismatch> {
+        mismatches(
+            &DESCRIPTOR_KEYS,
+            &KNOWN_ON_BOTH_SIDES,
+            &self.to_value(),
+            &p.to_value(),
+        )
+    }
+}
+
+impl KvShape {
+    /// Every dimension on which P's shape `p` differs from this (D's) one: empty when
+    /// P's blocks mean the same KV here.
+    #[must_use]
+    pub fn mismatches(&self, p: &Self) -> Vec<KvMismatch> {
+        mismatches(&SHAPE_KEYS, &[], &self.to_value(), &p.to_value())
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
+use kvlease_lease::EngineId;
 use proptest::prelude::*;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::*;
 
