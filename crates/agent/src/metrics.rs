@@ -6,9 +6,9 @@
 //! ([`CONTENT_TYPE`]), which Prometheus scrapes.
 //!
 //! Names: prometheus-client appends `_total` to counter sample names itself, so counters are
-//! registered without the suffix and exposed with it, exactly as listed in issue 5
-//! (`kvlease_leases_granted_total`). `kvlease_blocks_total` is a gauge (the pool size), so it
-//! is registered under its full name.
+//! registered without the suffix and exposed with it, exactly as the `REQUIRED` list in
+//! this module's tests names them (`kvlease_leases_granted_total`). `kvlease_blocks_total` is
+//! a gauge (the pool size), so it is registered under its full name.
 //!
 //! Labelled families are pre-populated with every label value, so that a scrape shows `0`
 //! rather than nothing before the first event (a rate over a missing series is empty).
@@ -745,7 +745,7 @@ pub(crate) fn encode_registry(registry: &Registry) -> String {
 mod tests {
     use super::*;
 
-    /// `(exposed sample name, TYPE line name, type)` for every name issue 5 requires.
+    /// `(exposed sample name, TYPE line name, type)` for every name the agents must expose.
     const REQUIRED: [(&str, &str, &str); 15] = [
         ("kvlease_blocks_total", "kvlease_blocks_total", "gauge"),
         ("kvlease_blocks_held", "kvlease_blocks_held", "gauge"),

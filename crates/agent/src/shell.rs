@@ -3,6 +3,7 @@
 
 use kvlease_gpu_mem::{BlockPool, KvLayout, MemoryRequest};
 use kvlease_lease::EngineId;
+use kvlease_proto::compat::KvMismatch;
 use kvlease_proto::engine_info::{EngineInfo, InfoError, RegionInfo, WorkerInfo};
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 
@@ -125,11 +126,16 @@ pub enum HandshakeFailure {
         /// The engine it serves.
         serves: String,
     },
-    /// P's model shape differs.
-    #[error("engine {engine} has model shape {theirs:?}, this engine {ours:?}")]
+    /// P's model shape differs (the KV compatibility check of `kvlease_proto::compat`).
+    #[error(
+        "engine {engine} is not KV-compatible with this engine ({mismatch}): model shape \
+         {theirs:?}, this engine {ours:?}"
+    )]
     Shape {
         /// P's engine.
         engine: EngineId,
+        /// The first dimension that differs, with P's value and ours.
+        mismatch: Box<KvMismatch>,
         /// P's shape.
         theirs: KvShape,
         /// D's shape.
@@ -269,9 +275,10 @@ pub(crate) fn remote_engine(
     // Only a P that binds sessions (an agents' P with a token) takes connections proving
     // one; any other (a connector's P) takes the token.
     peer.session = welcome.session.filter(|_| info.sessions);
-    if peer.shape != me.shape {
+    if let Some(mismatch) = me.shape.mismatches(&peer.shape).into_iter().next() {
         return Err(HandshakeFailure::Shape {
             engine: want.clone(),
+            mismatch: Box::new(mismatch),
             theirs: peer.shape,
             ours: me.shape,
         });

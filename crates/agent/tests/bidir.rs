@@ -1,4 +1,4 @@
-//! Bidirectional multi-turn KV transfer (issue 8), end to end: real `prefill-agent` and
+//! Bidirectional multi-turn KV transfer, end to end: real `prefill-agent` and
 //! `decode-agent` processes on loopback over TCP, both `kv_role: kv_both` with
 //! `bidirectional_kv_xfer: true`. The test plays the proxy: it sends turn N's D answer's
 //! `kv_transfer_params` (D's cached-blocks params) to P with turn N+1.

@@ -141,7 +141,7 @@ async fn advertised_address_api_key_and_allow_list() -> Result<()> {
     ensure!(s == 200, "with the key: {s} {v}");
     ensure!(v["kv_digest"] == pa["kv_digest"], "{v}");
 
-    // The default allow-list (issue 24, item 5): loopback and this host's attached
+    // The default allow-list: loopback and this host's attached
     // networks. A `remote_host` elsewhere (a documentation address) is refused at once,
     // before D connects anywhere.
     let mut far = pa["kv_transfer_params"].clone();
@@ -541,8 +541,8 @@ async fn an_instance_ahead_of_the_clock_never_pins_an_engine_id() -> Result<()> 
     Ok(())
 }
 
-/// Issue 24, item 5: a token holder's worker metadata used to make P connect (for expiry
-/// notices) to any address. P now connects back only to D workers on the address the
+/// A token holder's worker metadata must not make P connect (for expiry notices) to
+/// any address: P connects back only to D workers on the address the
 /// side-channel handshake came from: a hello from loopback naming a worker at another
 /// address is refused and counted (`kvlease_connect_back_refused_total`), while a worker
 /// on loopback is connected to.

@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use cudarc::driver::{CudaContext, DriverError, result, sys};
 
-use crate::pool::MemoryRequest;
 use crate::region::{DmaRegion, MemoryKind, RegionAccessError};
+use crate::request::MemoryRequest;
 use crate::staging::{self, SlotError};
 
 mod copier;

@@ -53,6 +53,7 @@ pub mod staging;
 
 mod layout;
 mod pool;
+mod request;
 
 pub use foreign::{ForeignRegion, ForeignRegionError};
 pub use host::{
@@ -65,8 +66,9 @@ pub use host::{
 /// allocate blocks); re-exported here where the pools are.
 pub use kvlease_lease::{AllocError, BlockAllocator};
 pub use layout::{KvHalf, KvLayout, LayoutError, MAX_POOL_BYTES};
-pub use pool::{BlockCopyError, BlockPool, FenceTable, MemoryRequest, PoolError};
+pub use pool::{BlockCopyError, BlockPool, FenceTable, PoolError};
 pub use region::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
+pub use request::MemoryRequest;
 pub use ring::{
     MAX_RING_CAPACITY, MIN_RING_CAPACITY, PushError, RING_HEADER_LEN, RING_RECORD_HEADER,
     RingCorrupt, RingError, RingReader, RingWriter,

@@ -20,6 +20,8 @@
 
 pub mod auth;
 pub mod clock;
+pub mod compat;
 pub mod engine_info;
+mod json;
 pub mod params;
 pub mod sidechannel;

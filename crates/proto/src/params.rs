@@ -50,6 +50,8 @@ use std::fmt;
 use kvlease_lease::{EngineId, InvalidId, MAX_DURATION, RequestId};
 use serde_json::{Map, Value};
 
+use crate::json::{FieldError, Fields};
+
 /// The name of the whole object, and the prefix of every field path in a [`ParamsError`].
 pub const PARAMS: &str = "kv_transfer_params";
 
@@ -235,168 +237,131 @@ pub struct TurnParams {
 /// The largest `kvlease_block_size` accepted.
 pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 
-/// The object being read, with the readers that name a key at fault.
-struct Reader<'a>(&'a Map<String, Value>);
+/// The object `v` read with `kv_transfer_params`' rules: errors name
+/// `kv_transfer_params.<key>`; a required key's absence asks for P's params.
+fn reader(v: &Value) -> Result<Fields<'_>, FieldError> {
+    Fields::of(
+        v,
+        PARAMS.to_owned(),
+        "missing (copy P's kv_transfer_params)",
+        usize::MAX,
+    )
+}
 
-impl<'a> Reader<'a> {
-    /// The object `v`, or an error naming `kv_transfer_params`.
-    fn of(v: &'a Value) -> Result<Self, ParamsError> {
-        v.as_object()
-            .map(Reader)
-            .ok_or_else(|| ParamsError::whole("must be an object"))
+impl From<FieldError> for ParamsError {
+    fn from(e: FieldError) -> Self {
+        Self {
+            field: e.field,
+            reason: e.reason,
+        }
     }
+}
 
-    /// The keys every lease and turn have (not yet [`validate`](KvTransferParams::validate)d).
-    fn fields(&self, turn: Option<TurnParams>) -> Result<KvTransferParams, ParamsError> {
-        let r = self;
-        let max_parallel = u64::from(MAX_PARALLEL);
-        let (remote_block_ids, remote_block_groups) = r.blocks()?;
-        Ok(KvTransferParams {
-            remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
-                .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
-            remote_request_id: RequestId::new(r.string("remote_request_id")?)
-                .map_err(|e| ParamsError::id("remote_request_id", &e))?,
-            remote_block_ids,
-            remote_block_groups,
-            remote_host: r.string("remote_host")?.to_owned(),
-            remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
-                .unwrap_or(u16::MAX),
-            tp_size: to_u32(r.uint("tp_size", 1, max_parallel)?),
-            dcp_size: r.opt_uint("dcp_size", 1, max_parallel)?.map(to_u32),
-            pp_size: r.opt_uint("pp_size", 1, max_parallel)?.map(to_u32),
-            remote_num_tokens: r
-                .opt_uint("remote_num_tokens", 0, u64::from(u32::MAX))?
-                .map(to_u32),
-            transfer_mode: r
-                .opt("transfer_mode")
-                .map(|v| Reader::str_of("transfer_mode", v).map(str::to_owned))
-                .transpose()?,
-            kvlease_generation: r.uint("kvlease_generation", 1, u64::MAX)?,
-            kvlease_num_tokens: to_u32(r.uint("kvlease_num_tokens", 0, u64::from(u32::MAX))?),
-            kvlease_lease_ms: r.lease_ms()?,
-            kvlease_instance: r.opt_uint("kvlease_instance", 0, u64::MAX)?.unwrap_or(0),
-            kv_digest: r
-                .opt("kv_digest")
-                .map(|v| {
-                    v.as_str()
-                        .and_then(KvDigest::parse)
-                        .ok_or_else(|| ParamsError::must_be("kv_digest", "kvd-<16 hex digits>"))
-                })
-                .transpose()?,
-            turn,
-        })
-    }
-
-    /// The key's value; `None` when absent or null.
-    fn opt(&self, key: &str) -> Option<&Value> {
-        self.0.get(key).filter(|v| !v.is_null())
-    }
-
-    fn req(&self, key: &str) -> Result<&Value, ParamsError> {
-        self.opt(key).ok_or_else(|| ParamsError::missing(key))
-    }
-
-    fn str_of<'v>(key: &str, v: &'v Value) -> Result<&'v str, ParamsError> {
-        v.as_str()
-            .ok_or_else(|| ParamsError::must_be(key, "a string"))
-    }
-
-    fn uint_of(key: &str, v: &Value, min: u64, max: u64) -> Result<u64, ParamsError> {
-        let n = v
-            .as_u64()
-            .ok_or_else(|| ParamsError::must_be(key, &format!("an integer in {min}..={max}")))?;
-        in_range(key, n, min, max)
-    }
-
-    fn uint(&self, key: &str, min: u64, max: u64) -> Result<u64, ParamsError> {
-        Self::uint_of(key, self.req(key)?, min, max)
-    }
-
-    fn opt_uint(&self, key: &str, min: u64, max: u64) -> Result<Option<u64>, ParamsError> {
-        self.opt(key)
-            .map(|v| Self::uint_of(key, v, min, max))
-            .transpose()
-    }
-
-    fn string(&self, key: &str) -> Result<&str, ParamsError> {
-        Self::str_of(key, self.req(key)?)
-    }
-
-    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ParamsError> {
-        self.opt(key)
+/// The keys every lease and turn have (not yet [`validate`](KvTransferParams::validate)d).
+fn fields(r: &Fields<'_>, turn: Option<TurnParams>) -> Result<KvTransferParams, ParamsError> {
+    let max_parallel = u64::from(MAX_PARALLEL);
+    let (remote_block_ids, remote_block_groups) = blocks(r)?;
+    Ok(KvTransferParams {
+        remote_engine_id: EngineId::new(r.string("remote_engine_id")?)
+            .map_err(|e| ParamsError::id("remote_engine_id", &e))?,
+        remote_request_id: RequestId::new(r.string("remote_request_id")?)
+            .map_err(|e| ParamsError::id("remote_request_id", &e))?,
+        remote_block_ids,
+        remote_block_groups,
+        remote_host: r.string("remote_host")?.to_owned(),
+        remote_port: u16::try_from(r.uint("remote_port", 1, u64::from(u16::MAX))?)
+            .unwrap_or(u16::MAX),
+        tp_size: to_u32(r.uint("tp_size", 1, max_parallel)?),
+        dcp_size: r.opt_uint("dcp_size", 1, max_parallel)?.map(to_u32),
+        pp_size: r.opt_uint("pp_size", 1, max_parallel)?.map(to_u32),
+        remote_num_tokens: r
+            .opt_uint("remote_num_tokens", 0, u64::from(u32::MAX))?
+            .map(to_u32),
+        transfer_mode: r
+            .opt("transfer_mode")
+            .map(|v| r.str_of("transfer_mode", v).map(str::to_owned))
+            .transpose()?,
+        kvlease_generation: r.uint("kvlease_generation", 1, u64::MAX)?,
+        kvlease_num_tokens: to_u32(r.uint("kvlease_num_tokens", 0, u64::from(u32::MAX))?),
+        kvlease_lease_ms: lease_ms(r)?,
+        kvlease_instance: r.opt_uint("kvlease_instance", 0, u64::MAX)?.unwrap_or(0),
+        kv_digest: r
+            .opt("kv_digest")
             .map(|v| {
-                v.as_bool()
-                    .ok_or_else(|| ParamsError::must_be(key, "a boolean"))
+                v.as_str()
+                    .and_then(KvDigest::parse)
+                    .ok_or_else(|| ParamsError::must_be("kv_digest", "kvd-<16 hex digits>"))
             })
-            .transpose()
-    }
+            .transpose()?,
+        turn,
+    })
+}
 
-    /// `remote_block_ids`: a list of block ids, or (as NixlConnector-style producers send
-    /// it) a list of KV cache groups' lists: the blocks of every group, group after group,
-    /// and each group's count (empty for a flat list or exactly one group).
-    fn blocks(&self) -> Result<(Vec<u32>, Vec<u32>), ParamsError> {
-        const KEY: &str = "remote_block_ids";
-        let bad = || {
-            ParamsError::must_be(
-                KEY,
-                "a list of block ids (integers in 0..=4294967295), or a list of such lists",
-            )
-        };
-        let ids = |list: &[Value]| {
-            list.iter()
-                .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(bad)
-        };
-        let list = self.req(KEY)?.as_array().ok_or_else(bad)?;
-        if !matches!(list.first(), Some(Value::Array(_))) {
-            return Ok((ids(list)?, Vec::new()));
-        }
-        let mut flat = Vec::new();
-        let mut groups = Vec::with_capacity(list.len());
-        for group in list {
-            let group = ids(group.as_array().ok_or_else(bad)?)?;
-            groups.push(u32::try_from(group.len()).map_err(|_| bad())?);
-            flat.extend(group);
-        }
-        if groups.len() == 1 {
-            groups.clear();
-        }
-        Ok((flat, groups))
+/// `remote_block_ids`: a list of block ids, or (as NixlConnector-style producers send
+/// it) a list of KV cache groups' lists: the blocks of every group, group after group,
+/// and each group's count (empty for a flat list or exactly one group).
+fn blocks(r: &Fields<'_>) -> Result<(Vec<u32>, Vec<u32>), ParamsError> {
+    const KEY: &str = "remote_block_ids";
+    let bad = || {
+        ParamsError::must_be(
+            KEY,
+            "a list of block ids (integers in 0..=4294967295), or a list of such lists",
+        )
+    };
+    let ids = |list: &[Value]| {
+        list.iter()
+            .map(|b| b.as_u64().and_then(|b| u32::try_from(b).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(bad)
+    };
+    let list = r.req(KEY)?.as_array().ok_or_else(bad)?;
+    if !matches!(list.first(), Some(Value::Array(_))) {
+        return Ok((ids(list)?, Vec::new()));
     }
+    let mut flat = Vec::new();
+    let mut groups = Vec::with_capacity(list.len());
+    for group in list {
+        let group = ids(group.as_array().ok_or_else(bad)?)?;
+        groups.push(u32::try_from(group.len()).map_err(|_| bad())?);
+        flat.extend(group);
+    }
+    if groups.len() == 1 {
+        groups.clear();
+    }
+    Ok((flat, groups))
+}
 
-    /// The lease in milliseconds: [`LEASE_MS_KEY`], else the old [`LEASE_DURATION_KEY`]
-    /// (seconds, rounded to the millisecond).
-    fn lease_ms(&self) -> Result<Option<u64>, ParamsError> {
-        if let Some(ms) = self.opt_uint(LEASE_MS_KEY, 1, MAX_LEASE_MS)? {
-            return Ok(Some(ms));
-        }
-        let Some(v) = self.opt(LEASE_DURATION_KEY) else {
-            return Ok(None);
-        };
-        #[allow(
-            clippy::cast_precision_loss,
-            reason = "MAX_LEASE_MS is far below 2^52: exact as f64"
-        )]
-        let max_s = MAX_LEASE_MS as f64 / 1e3;
-        let bad = || {
-            ParamsError::must_be(
-                LEASE_DURATION_KEY,
-                &format!("a number of seconds in 0.001..={max_s}"),
-            )
-        };
-        let secs = v.as_f64().ok_or_else(bad)?;
-        let ms = (secs * 1e3).round();
-        if !(1.0..=max_s * 1e3).contains(&ms) {
-            return Err(bad());
-        }
-        #[allow(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            reason = "a whole number in 1..=MAX_LEASE_MS, checked above"
-        )]
-        Ok(Some(ms as u64))
+/// The lease in milliseconds: [`LEASE_MS_KEY`], else the old [`LEASE_DURATION_KEY`]
+/// (seconds, rounded to the millisecond).
+fn lease_ms(r: &Fields<'_>) -> Result<Option<u64>, ParamsError> {
+    if let Some(ms) = r.opt_uint(LEASE_MS_KEY, 1, MAX_LEASE_MS)? {
+        return Ok(Some(ms));
     }
+    let Some(v) = r.opt(LEASE_DURATION_KEY) else {
+        return Ok(None);
+    };
+    #[allow(
+        clippy::cast_precision_loss,
+        reason = "MAX_LEASE_MS is far below 2^52: exact as f64"
+    )]
+    let max_s = MAX_LEASE_MS as f64 / 1e3;
+    let bad = || {
+        ParamsError::must_be(
+            LEASE_DURATION_KEY,
+            &format!("a number of seconds in 0.001..={max_s}"),
+        )
+    };
+    let secs = v.as_f64().ok_or_else(bad)?;
+    let ms = (secs * 1e3).round();
+    if !(1.0..=max_s * 1e3).contains(&ms) {
+        return Err(bad());
+    }
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a whole number in 1..=MAX_LEASE_MS, checked above"
+    )]
+    Ok(Some(ms as u64))
 }
 
 /// A bounded `u32` read: the bound is at most `u32::MAX`.
@@ -413,12 +378,12 @@ impl KvTransferParams {
     /// not an object, `kv_transfer_params.<key>` when a required key is missing or null, a
     /// key has the wrong type or is out of range, or `do_remote_prefill` is not true.
     pub fn from_value(v: &Value) -> Result<Self, ParamsError> {
-        let r = Reader::of(v)?;
+        let r = reader(v)?;
         if r.opt_bool("do_remote_prefill")? != Some(true) {
             return Err(ParamsError::must_be("do_remote_prefill", "true on D"));
         }
         r.opt_bool("do_remote_decode")?;
-        let p = r.fields(None)?;
+        let p = fields(&r, None)?;
         p.validate()?;
         Ok(p)
     }
@@ -432,7 +397,7 @@ impl KvTransferParams {
     /// # Errors
     /// A [`ParamsError`] naming the first field at fault.
     pub fn from_turn_value(v: &Value) -> Result<Self, ParamsError> {
-        let r = Reader::of(v)?;
+        let r = reader(v)?;
         if r.opt_bool("kvlease_bidir")? != Some(true) {
             return Err(ParamsError::must_be("kvlease_bidir", "true in a turn"));
         }
@@ -482,7 +447,7 @@ impl KvTransferParams {
             .unwrap_or(0),
             conversation_id: r
                 .opt("conversation_id")
-                .map(|v| Reader::str_of("conversation_id", v).map(str::to_owned))
+                .map(|v| r.str_of("conversation_id", v).map(str::to_owned))
                 .transpose()?
                 .unwrap_or_default(),
             remote_blocks_expiry_us: r
@@ -503,7 +468,7 @@ impl KvTransferParams {
                 })
                 .transpose()?,
         };
-        let p = r.fields(Some(turn))?;
+        let p = fields(&r, Some(turn))?;
         p.validate()?;
         Ok(p)
     }

@@ -346,3 +346,29 @@ impl EngineInfo {
         )
     }
 }
+
+/// One differing key as Python sees it: the key, P's value, D's value.
+type Mismatch = (&'static str, Py<PyAny>, Py<PyAny>);
+
+/// Every key of `kvlease_proto::compat::DESCRIPTOR_KEYS` on which P's KV compatibility
+/// descriptor `theirs` differs from D's `ours` (dicts of JSON values, as the connector's
+/// `_kv_descriptor` makes them), in key order: a list of `(key, P's value, D's value)`,
+/// empty when they agree. Raises `InvalidArgument` naming the field of a descriptor that
+/// does not read.
+#[pyfunction]
+pub(crate) fn kv_mismatches(
+    py: Python<'_>,
+    ours: &Bound<'_, PyAny>,
+    theirs: &Bound<'_, PyAny>,
+) -> PyResult<Vec<Mismatch>> {
+    let read = |v: &Bound<'_, PyAny>, side: &str| {
+        let path = format!("{ENGINE_INFO}.kv ({side})");
+        let json = to_json(v, &path, None, 0)?;
+        info::KvDescriptor::from_value(&json, &path).map_err(|e| info_err(py, &e))
+    };
+    let (d, p) = (read(ours, "D")?, read(theirs, "P")?);
+    d.mismatches(&p)
+        .into_iter()
+        .map(|m| Ok((m.key, to_py(py, &m.p)?, to_py(py, &m.d)?)))
+        .collect()
+}

@@ -73,6 +73,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;
     m.add_function(wrap_pyfunction!(logs::install_log_bridge, m)?)?;
     m.add_function(wrap_pyfunction!(params::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(engine_info::kv_mismatches, m)?)?;
     m.add_function(wrap_pyfunction!(logs::drain_logs, m)?)?;
     Ok(())
 }

@@ -27,7 +27,8 @@ fn main() -> anyhow::Result<()> {
     use anyhow::{Context, bail};
     use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
     use kvlease_transport::verbs::{
-        BatchStatus, ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointConfig, RdmaRead,
+        ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
+        RdmaRead,
     };
 
     let args: Vec<String> = std::env::args().collect();
@@ -95,8 +96,8 @@ fn main() -> anyhow::Result<()> {
                 std::thread::yield_now();
             }
             match d.poll_batch(id) {
-                Some(BatchStatus::Pending) => {}
-                Some(BatchStatus::Done) => break,
+                Some(EndpointBatchStatus::Pending) => {}
+                Some(EndpointBatchStatus::Done) => break,
                 other => bail!("batch {id:?}: {other:?}"),
             }
             // Read the clock only now and then: in the TCG guest the TSC is unstable, so

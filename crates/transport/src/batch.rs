@@ -13,8 +13,38 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::agent::{BatchStats, FenceRead};
+use crate::config::Backend;
 use crate::error::TransferError;
+use crate::ids::FenceRead;
+
+/// What a finished batch moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchStats {
+    /// Data bytes read (the fence word not included).
+    pub bytes: u64,
+    /// Read ops in the batch.
+    pub ops: usize,
+    /// The fence word read, when the batch had a fence.
+    pub fence_word: Option<u64>,
+    /// The backend that moved the bytes. A peer connected over verbs still has batches
+    /// that touch memory verbs could not register (not even through a host mirror, or
+    /// registered after connect) moved over TCP.
+    pub backend: Backend,
+}
+
+/// Where a batch stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BatchStatus {
+    /// Still running.
+    Pending,
+    /// Every read completed (and the fence matched); the notification was handed to the
+    /// connection.
+    Done(BatchStats),
+    /// The batch failed; the destination bytes are unspecified. No transfer into them is
+    /// running any more.
+    Failed(TransferError),
+}
 
 /// Where a batch stands.
 #[derive(Debug)]
@@ -41,7 +71,7 @@ pub(crate) struct BatchState {
     pub(crate) fence_word: Option<u64>,
     /// The backend that moves the bytes (TCP unless the verbs link posts it to its
     /// queue pair).
-    pub(crate) backend: crate::Backend,
+    pub(crate) backend: Backend,
 }
 
 /// What the backend must do after a data chunk completed.
@@ -193,7 +223,7 @@ impl Batch {
                 bytes: 0,
                 ops,
                 fence_word: None,
-                backend: crate::Backend::Tcp,
+                backend: Backend::Tcp,
             }),
             settled: AtomicBool::new(false),
         }

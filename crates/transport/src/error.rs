@@ -3,9 +3,13 @@
 use std::error::Error as StdError;
 use std::io;
 
-use kvlease_gpu_mem::{MemoryKind, RegionAccessError, staging::StagingError};
+use kvlease_gpu_mem::RegionAccessError;
 
-use crate::agent::{BatchId, PeerId, RegionId};
+use crate::config::Backend;
+use crate::ids::{BatchId, PeerId, RegionId};
+use crate::shm::error::ShmError;
+#[cfg(feature = "verbs")]
+use crate::verbs::error::{MirrorError, VerbsLinkError};
 
 /// Why [`Agent::new`](crate::Agent::new) failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,12 +130,12 @@ pub enum ConnectError {
     #[error("backend {backend} unavailable for peer {peer}")]
     BackendUnavailable {
         /// The backend that was asked for.
-        backend: crate::Backend,
+        backend: Backend,
         /// Peer name.
         peer: String,
-        /// Why.
+        /// Why (boxed: it is the largest cause of a connect error).
         #[source]
-        source: LinkError,
+        source: Box<LinkError>,
     },
     /// The OS random source failed.
     #[error("random source failed: {0}")]
@@ -148,78 +152,9 @@ pub enum ConnectError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LinkError {
-    /// The agent was configured for TCP only.
-    #[error("backend tcp was asked for")]
-    TcpRequested,
-    /// The agent was configured for shared memory only (no verbs backend is started).
-    #[error("backend shm was asked for")]
-    ShmRequested,
-    /// The agent was configured for verbs only (shared memory is not tried).
-    #[error("backend verbs was asked for")]
-    VerbsRequested,
-    /// The peer's metadata has no shared-memory entry (another build, an agent
-    /// configured for TCP or verbs, or a host without `/proc`).
-    #[error("the peer offers no shared memory")]
-    PeerHasNoShm,
-    /// This host's identity (boot id, network namespace) cannot be read from `/proc`.
-    #[error("this host's identity (boot id, network namespace) is unreadable")]
-    NoHostIdentity,
-    /// The peer runs on another host, or in another network namespace.
-    #[error("the peer is on another host (boot id or network namespace differs)")]
-    NotSameHost,
-    /// IO on the peer's shared-memory Unix socket failed.
-    #[error("shm socket: {op} failed")]
-    ShmSocket {
-        /// What was done.
-        op: &'static str,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// The peer's shared-memory entry or socket broke the protocol.
-    #[error("shm: {what}")]
-    ShmMalformed {
-        /// What was wrong.
-        what: &'static str,
-    },
-    /// The peer refused our proof of the cluster token on its shared-memory socket (we
-    /// have none, or another one).
-    #[error(
-        "the peer's shm socket rejected our authentication (cluster token mismatch or missing)"
-    )]
-    ShmAuthRejected,
-    /// The peer could not prove the cluster token on its shared-memory socket.
-    #[error("the peer's shm socket failed to prove the cluster token")]
-    ShmPeerAuthFailed,
-    /// A region the peer handed over cannot be mapped.
-    #[error("mapping the peer's shared region {region} failed")]
-    ShmMap {
-        /// The peer's region id.
-        region: u64,
-        /// Why.
-        #[source]
-        source: kvlease_gpu_mem::ShareError,
-    },
-    /// A CUDA device region the peer handed over is refused: its IPC handle is malformed,
-    /// or claims more memory than the allocation the driver mapped for it. (A handle that
-    /// cannot be opened here at all, for want of a driver or of the device, is not an
-    /// error: that region is read over TCP.)
-    #[cfg(feature = "cuda")]
-    #[error("the peer's CUDA IPC entry for region {region} is refused")]
-    ShmCudaRegion {
-        /// The peer's region id.
-        region: u64,
-        /// Why.
-        #[source]
-        source: kvlease_gpu_mem::cuda::ipc::IpcError,
-    },
-    /// The notification ring the peer handed over cannot be mapped.
-    #[error("mapping the peer's notification ring failed")]
-    ShmRing {
-        /// Why.
-        #[source]
-        source: kvlease_gpu_mem::RingError,
-    },
+    /// The agent's backend choice excludes this backend (`tcp`, `shm` or `verbs` only).
+    #[error("backend {0} was asked for")]
+    Requested(Backend),
     /// The crate was built without the `verbs` feature.
     #[error("this build has no verbs backend (feature `verbs` off)")]
     NotBuilt,
@@ -227,142 +162,20 @@ pub enum LinkError {
     /// the `Arc`).
     #[error("this agent has no verbs backend")]
     NoBackend(#[source] std::sync::Arc<Self>),
-    /// A verbs call failed: opening the device, a protection domain, an endpoint, a
-    /// registration, a queue pair transition.
-    #[cfg(feature = "verbs")]
-    #[error("verbs: {op} failed")]
-    Verbs {
-        /// What was done.
-        op: &'static str,
-        /// The verbs error.
-        #[source]
-        source: crate::verbs::VerbsError,
-    },
-    /// IO on the queue-pair side channel (TCP) failed.
-    #[error("verbs side channel: {op} failed")]
-    SideChannel {
-        /// What was done.
-        op: &'static str,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
     /// The OS random source failed (side-channel nonces must be unguessable).
     #[error("random source failed: {0}")]
     Random(getrandom::Error),
-    /// The peer's metadata has no verbs entry.
-    #[error("the peer offers no verbs backend (no RDMA device there)")]
-    PeerHasNoVerbs,
-    /// The peer's verbs entry lacks a usable side-channel address.
-    #[error("the peer's verbs entry has no side-channel address")]
-    NoSideChannelAddress,
-    /// The other side refused the queue pair; `reason` is its text.
-    #[error("the peer refused the queue pair: {reason}")]
-    Refused {
-        /// What the peer sent (at most 1 KiB, lossily decoded).
-        reason: String,
-    },
-    /// This side refused a peer's request (P's side channel; logged only).
-    #[error("refused the peer: {reason}")]
-    RefusedPeer {
-        /// What was sent to the peer.
-        reason: String,
-    },
-    /// A side-channel message that breaks the format (an unknown or unexpected frame, a
-    /// malformed body, another protocol version).
-    #[error("malformed verbs side-channel message: {what}")]
-    SideChannelMalformed {
-        /// What was wrong.
-        what: String,
-    },
-    /// The peer on the side channel is not the agent its metadata names.
-    #[error("the peer's verbs side channel is served by {got:?}, not the agent its metadata names")]
-    WrongPeer {
-        /// The name it proved (or claimed, without a token).
-        got: String,
-    },
-    /// The peer sent a connection info that does not decode.
+    /// The shared-memory backend cannot serve the peer.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// The verbs backend cannot serve the peer.
     #[cfg(feature = "verbs")]
-    #[error("the peer's connection info is malformed")]
-    BadConnectionInfo(#[source] crate::verbs::VerbsError),
-    /// The peer refused this agent's proof: a different or missing cluster token (or the
-    /// queue-pair info changed on the way).
-    #[error(
-        "the peer's verbs side channel refused our proof: configure the same auth token on \
-         both agents"
-    )]
-    ProofRejected,
-    /// This agent has a token and the peer did not prove it (none configured there,
-    /// another one, or its queue-pair info changed on the way).
-    #[error(
-        "the peer's verbs side channel did not prove the cluster token over its queue-pair \
-         info: refusing it"
-    )]
-    WrongProof,
-    /// Memory that verbs can register neither itself nor through a mirror.
+    #[error(transparent)]
+    Verbs(#[from] VerbsLinkError),
+    /// A region cannot be mirrored for verbs peers, or a mirror copy failed.
     #[cfg(feature = "verbs")]
-    #[error("{kind} memory cannot be registered with verbs nor mirrored")]
-    NotMirrorable {
-        /// The region's kind.
-        kind: MemoryKind,
-        /// Why verbs refused the region itself, where it was tried.
-        #[source]
-        source: Option<crate::verbs::VerbsError>,
-    },
-    /// Allocating a host mirror failed.
-    #[error("allocating a {memory} mirror of {len} bytes failed")]
-    MirrorAlloc {
-        /// `host` or `cuda-pinned`.
-        memory: &'static str,
-        /// Its length.
-        len: usize,
-        /// The allocator's error.
-        #[source]
-        source: Box<dyn StdError + Send + Sync>,
-    },
-    /// A pinned mirror for CUDA memory in a build without the `cuda` feature.
-    #[error("pinned mirror on cuda:{ordinal}: this build has no `cuda` feature")]
-    NoCudaMirror {
-        /// The CUDA device.
-        ordinal: u32,
-    },
-    /// A range of a mirrored region is unusable.
-    #[error("range [{offset}+{len}] of a mirrored region is unusable")]
-    MirrorRange {
-        /// Start.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// Why.
-        #[source]
-        source: RegionAccessError,
-    },
-    /// Copying a range region -> mirror (`sync_for_peers`) failed.
-    #[error("copying [{offset}+{len}] of a {kind} region into its mirror failed")]
-    SyncOut {
-        /// The region's kind.
-        kind: MemoryKind,
-        /// Start.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// The copy's error.
-        #[source]
-        source: StagingError,
-    },
-    /// Copying a range mirror -> region (after a read landed in the mirror) failed.
-    #[error("copying [{offset}+{len}] from the mirror into its {kind} region failed")]
-    SyncIn {
-        /// The region's kind.
-        kind: MemoryKind,
-        /// Start.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// The copy's error.
-        #[source]
-        source: StagingError,
-    },
+    #[error(transparent)]
+    Mirror(#[from] MirrorError),
 }
 
 impl LinkError {

@@ -26,13 +26,21 @@
 //!   buffers and tensors) are handed over as (address, length) and D reads them with
 //!   cross-memory attach (`process_vm_readv`, [`CmaPolicy`]), or over TCP where the kernel
 //!   refuses it. See the `shm` module.
-//! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`. A
-//!   backend plugs in as a variant of the private `PeerLink` enum in `agent.rs` (its doc
-//!   lists what a link implements: posting chunks and completing them through the shared
-//!   batch state in `batch.rs`, notifications, timeout handling, close) and stores what
-//!   its peers need in the metadata's `backends` map (`Inner::set_backend_metadata`).
-//!   [`BackendChoice::Auto`] selects per peer in `Agent::connect`: shm, then verbs, then
-//!   TCP.
+//! - **verbs** (feature `verbs`): RDMA READ over RC queue pairs, in `src/verbs/`.
+//!
+//! # Layering
+//! From the bottom up: `ids` (the shared ids and ranges; it imports nothing of the crate),
+//! `config`, `stats`, `sync`, `error`, `metadata`, `batch` (the backend-neutral state of
+//! a read batch), `notify` (notification sources and sinks), `context` (the narrow state
+//! a backend receives: name, credentials, limits, registered regions, the inbox, the
+//! counters, inbound-connection bookkeeping, its metadata entry), `link` (the `Link`
+//! trait each backend implements for one peer: post reads, send notifications, progress,
+//! time out, close; a one-sided WRITE is one more method there), then the backends
+//! `tcp`, `shm` (with cross-memory attach and CUDA IPC) and `verbs`, and on top the
+//! [`Agent`], which owns the context and each backend's own state and picks a backend
+//! per peer in `Agent::connect` ([`BackendChoice::Auto`]: shm, then verbs, then TCP).
+//! A backend stores what its peers need in the metadata's `backends` map
+//! (`Context::set_backend_metadata`). No module imports one above it.
 //!
 //! # Fenced reads
 //! A batch may end with a [`FenceRead`] of an 8-byte generation word (e.g. a slot of
@@ -52,14 +60,19 @@ mod agent;
 mod batch;
 pub mod clock_probe;
 mod config;
+mod context;
 pub mod deadline;
 mod error;
+mod ids;
+mod link;
 pub mod metadata;
 mod notify;
 mod sessions;
 mod shm;
 pub mod sidechannel;
 pub mod slots;
+mod stats;
+mod sync;
 mod tcp;
 
 // `unsafe` is allowed only in three verbs modules, each with its own
@@ -68,10 +81,8 @@ mod tcp;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
-pub use agent::{
-    Agent, BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, Sender, StatsHandle, TransportStats,
-};
+pub use agent::Agent;
+pub use batch::{BatchStats, BatchStatus};
 pub use config::{
     AgentConfig, Backend, BackendChoice, CmaPolicy, DEFAULT_MAX_NOTIF_LEN,
     DEFAULT_MAX_PENDING_NOTIF_BYTES, Limits,
@@ -79,5 +90,11 @@ pub use config::{
 pub use error::{
     AgentError, ConnectError, LinkError, MetadataError, Refusal, RegisterError, TransferError,
 };
+pub use ids::{
+    BatchId, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName, ReadBatch, ReadOp, RegionId,
+    RemoteRange, Sender,
+};
 pub use kvlease_proto::auth::Session;
 pub use metadata::{AgentMetadata, RegionDesc};
+pub use shm::error::ShmError;
+pub use stats::{StatsHandle, TransportStats};

@@ -9,7 +9,7 @@
 //! `backends` is the extension point: each backend stores what its peers need (the verbs
 //! backend: GID, port, QP numbers; the shm backend: `{"host": <boot id>/<net namespace>,
 //! "socket": <abstract Unix socket name>}`) under its own key through
-//! `Inner::set_backend_metadata`, and reads the peer's entry on connect. Unknown keys are
+//! `Context::set_backend_metadata`, and reads the peer's entry on connect. Unknown keys are
 //! ignored, so an agent without a backend still reads metadata of one that has it.
 
 use std::collections::BTreeMap;
@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::MetadataError;
+use crate::ids::RemoteRange;
 
 /// The metadata format this build writes and reads.
 pub const METADATA_FORMAT: u32 = 1;
@@ -77,6 +78,17 @@ pub fn decode_metadata(bytes: &[u8]) -> Result<AgentMetadata, MetadataError> {
 pub(crate) fn encode_metadata(meta: &AgentMetadata) -> Vec<u8> {
     // Serialising plain strings, integers and `serde_json::Value`s cannot fail.
     serde_json::to_vec(meta).unwrap_or_default()
+}
+
+impl RegionDesc {
+    /// The position `offset` bytes into this region.
+    pub fn at(&self, offset: u64) -> RemoteRange {
+        RemoteRange {
+            region: self.id,
+            key: self.key,
+            offset,
+        }
+    }
 }
 
 #[cfg(test)]

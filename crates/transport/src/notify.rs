@@ -1,7 +1,7 @@
 //! Notification paths besides a peer's TCP connection.
 //!
 //! Receiving: [`Agent::get_new_notifs`](crate::Agent::get_new_notifs) drains the inbox
-//! (what connection threads delivered with `Inner::deliver_notif`) and then every
+//! (what connection threads delivered with `Context::deliver_notif`) and then every
 //! registered [`NotifSource`]: a source is polled on the caller's thread, with no thread
 //! hand-off in between (the shared-memory backend's ring is one: a plain load when it is
 //! empty). A backend that receives notifications on its own adds a source with
@@ -15,8 +15,10 @@ use std::fmt;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::agent::{Inner, Sender, lock};
 use crate::error::TransferError;
+use crate::ids::Sender;
+use crate::stats::Counters;
+use crate::sync::lock;
 
 /// Notifications grouped by sender, in order of each sender's first message; each group
 /// in arrival order (what `get_new_notifs` returns).
@@ -43,9 +45,9 @@ pub(crate) enum Drained {
 /// A place notifications arrive that `get_new_notifs` drains on the caller's thread.
 pub(crate) trait NotifSource: Send + fmt::Debug {
     /// Moves every notification that arrived into `out` (with [`push_grouped`]) and
-    /// counts them in `inner`'s counters. Runs with the source list locked: it must not
+    /// counts them in `counters`. Runs with the source list locked: it must not
     /// block.
-    fn drain(&mut self, inner: &Inner, out: &mut Groups) -> Drained;
+    fn drain(&mut self, counters: &Counters, out: &mut Groups) -> Drained;
 }
 
 /// The sources an agent drains besides its inbox.
@@ -69,9 +71,9 @@ impl NotifSources {
 
     /// Drains every source into `out`, in the order they were added; removes those that
     /// finished.
-    pub(crate) fn drain_into(&self, inner: &Inner, out: &mut Groups) {
+    pub(crate) fn drain_into(&self, counters: &Counters, out: &mut Groups) {
         let mut list = lock(&self.list);
-        list.retain_mut(|s| s.drain(inner, out) == Drained::Open);
+        list.retain_mut(|s| s.drain(counters, out) == Drained::Open);
         self.count.store(list.len(), Ordering::Release);
     }
 }

@@ -18,7 +18,7 @@ use std::sync::Mutex;
 
 use kvlease_proto::auth::{Session, name_group};
 
-use crate::agent::lock;
+use crate::sync::lock;
 
 /// The sessions bound to peer groups.
 #[derive(Debug, Default)]

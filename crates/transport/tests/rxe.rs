@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
-use kvlease_transport::Backend;
 use kvlease_transport::verbs::{
-    BatchId, BatchStatus, Device, DeviceConfig, Endpoint, EndpointConfig, EndpointState,
+    Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig, EndpointState,
     MemoryRegion, ProtectionDomain, RdmaRead, RemoteRegion, VerbsError, WorkCompletionStatus,
 };
+use kvlease_transport::{Backend, BatchId};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -87,12 +87,12 @@ impl Pair {
     }
 
     /// Polls both sides until D's batch is final.
-    fn wait(&mut self, id: BatchId) -> Result<BatchStatus> {
+    fn wait(&mut self, id: BatchId) -> Result<EndpointBatchStatus> {
         let deadline = Instant::now() + TIMEOUT;
         loop {
             self.poll()?;
             match self.d.poll_batch(id) {
-                Some(BatchStatus::Pending) => {}
+                Some(EndpointBatchStatus::Pending) => {}
                 Some(s) => return Ok(s),
                 None => bail!("batch {id:?} unknown"),
             }
@@ -191,7 +191,10 @@ fn multi_mb_read_batch_is_byte_exact() -> Result<()> {
     drop(dst_mr);
     let status = pair.wait(id)?;
     let secs = t.elapsed().as_secs_f64();
-    ensure!(matches!(status, BatchStatus::Done), "batch: {status:?}");
+    ensure!(
+        matches!(status, EndpointBatchStatus::Done),
+        "batch: {status:?}"
+    );
     let want = bytes(&src, 0, SRC)?;
     let got = bytes(&dst, 0, SRC)?;
     for i in 0..64usize {
@@ -259,7 +262,7 @@ fn notifications_flow_both_ways_in_order() -> Result<()> {
     let id = pair
         .d
         .post_read_batch(&[op], None, Some(b"done:1".to_vec()))?;
-    ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+    ensure!(matches!(pair.wait(id)?, EndpointBatchStatus::Done));
     ensure!(pair.notifs(true, 1)? == vec![b"done:1".to_vec()]);
     Ok(())
 }
@@ -305,7 +308,7 @@ fn many_batches_through_a_small_window_complete_byte_exact() -> Result<()> {
     for id in &ids {
         let status = pair.wait(*id)?;
         ensure!(
-            matches!(status, BatchStatus::Done),
+            matches!(status, EndpointBatchStatus::Done),
             "batch {id:?}: {status:?}"
         );
     }
@@ -354,7 +357,7 @@ fn fenced_read_sees_the_generation_after_the_data() -> Result<()> {
             len: 8,
         };
         let id = pair.d.post_read_batch(&[data], Some(&fence), None)?;
-        ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+        ensure!(matches!(pair.wait(id)?, EndpointBatchStatus::Done));
         ensure!(word.load_u64(0)? == generation, "fence word");
         ensure!(bytes(&dst, 0, 4 << 20)? == bytes(&src, 0, 4 << 20)?, "data");
     }
@@ -388,14 +391,14 @@ fn wrong_rkey_fails_only_its_batch_and_the_qp_recovers() -> Result<()> {
     let id = pair
         .d
         .post_read_batch(&[read(0, 1 << 20, good)], None, None)?;
-    ensure!(matches!(pair.wait(id)?, BatchStatus::Done));
+    ensure!(matches!(pair.wait(id)?, EndpointBatchStatus::Done));
 
     let bad = RemoteRegion::new(good.addr(), good.len(), good.rkey() ^ 0x5a5a);
     let bad_id = pair
         .d
         .post_read_batch(&[read(1 << 20, 1 << 20, bad)], None, None)?;
     match pair.wait(bad_id)? {
-        BatchStatus::Failed(VerbsError::WorkRequest {
+        EndpointBatchStatus::Failed(VerbsError::WorkRequest {
             op: "READ", status, ..
         }) => {
             ensure!(
@@ -430,14 +433,14 @@ fn wrong_rkey_fails_only_its_batch_and_the_qp_recovers() -> Result<()> {
     pair.d.connect(&p_info)?;
     ensure!(pair.d.query_qp_state()? == "RTS");
     ensure!(
-        matches!(pair.wait(waiting)?, BatchStatus::Done),
+        matches!(pair.wait(waiting)?, EndpointBatchStatus::Done),
         "batch posted while down"
     );
     let next = pair
         .d
         .post_read_batch(&[read(4 << 20, 4 << 20, good)], None, None)?;
     ensure!(
-        matches!(pair.wait(next)?, BatchStatus::Done),
+        matches!(pair.wait(next)?, EndpointBatchStatus::Done),
         "batch after recovery"
     );
     ensure!(

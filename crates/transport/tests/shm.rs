@@ -953,7 +953,7 @@ fn unopenable_handle(len: u64) -> Vec<u8> {
 #[test]
 fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result<()> {
     use kvlease_gpu_mem::cuda::ipc::{IpcError, IpcHandleError};
-    use kvlease_transport::{ConnectError, LinkError};
+    use kvlease_transport::{ConnectError, LinkError, ShmError};
     // P is real (D's TCP link goes to it); its shm entry names a fake socket.
     let p = agent("p", BackendChoice::Auto, None);
     let good = unopenable_handle(4096);
@@ -981,7 +981,7 @@ fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result
             Ok(connected)
         };
     let refused = |r: Result<(), ConnectError>| match r {
-        Err(ConnectError::BackendUnavailable { source, .. }) => Ok(source),
+        Err(ConnectError::BackendUnavailable { source, .. }) => Ok(*source),
         other => bail!("expected a refused shm link, got {other:?}"),
     };
     // A handle that is not one: the typed error names the region and why.
@@ -989,10 +989,10 @@ fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result
     ensure!(
         matches!(
             err,
-            LinkError::ShmCudaRegion {
+            LinkError::Shm(ShmError::CudaRegion {
                 region: 5,
                 source: IpcError::Handle(IpcHandleError::Magic)
-            }
+            })
         ),
         "{err:?}"
     );
@@ -1000,10 +1000,10 @@ fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result
     ensure!(
         matches!(
             err,
-            LinkError::ShmCudaRegion {
+            LinkError::Shm(ShmError::CudaRegion {
                 source: IpcError::Handle(IpcHandleError::ZeroLength),
                 ..
-            }
+            })
         ),
         "{err:?}"
     );
@@ -1036,7 +1036,7 @@ fn malformed_cuda_entries_from_a_peer_are_refused_with_a_typed_error() -> Result
     ] {
         let err = refused(connect(frames, fd_on)?).context(what)?;
         ensure!(
-            matches!(err, LinkError::ShmMalformed { .. }),
+            matches!(err, LinkError::Shm(ShmError::Malformed { .. })),
             "{what}: {err:?}"
         );
     }

@@ -1,5 +1,6 @@
+use kvlease_lease::EngineId;
 use proptest::prelude::*;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::*;
 
@@ -329,4 +330,45 @@ proptest! {
             prop_assert_eq!(back.validate(), Ok(()));
         }
     }
+}
+
+#[test]
+fn kv_compatibility_names_the_key_and_both_values() {
+    let d = KvShape {
+        num_layers: 2,
+        num_kv_heads: 4,
+        block_size: 16,
+        head_dim: 64,
+    };
+    assert!(d.mismatches(&d).is_empty());
+    let p = KvShape {
+        block_size: 32,
+        ..d
+    };
+    let got = d.mismatches(&p);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].to_string(), "block_size: P 32, D 16");
+
+    let ours = KvDescriptor {
+        model: Some("m".into()),
+        block_size: Some(16),
+        block_order: Some("NHC".into()),
+        use_mla: Some(false),
+        ..KvDescriptor::default()
+    };
+    // A layout one side did not resolve is not compared; the other keys are, in order.
+    let theirs = KvDescriptor {
+        block_order: None,
+        block_size: Some(32),
+        head_size: Some(8),
+        ..ours.clone()
+    };
+    let got: Vec<String> = ours
+        .mismatches(&theirs)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(got, ["head_size: P 8, D null", "block_size: P 32, D 16"]);
+    let back = KvDescriptor::from_value(&ours.to_value(), "kv").expect("reads back");
+    assert_eq!(back, ours);
 }

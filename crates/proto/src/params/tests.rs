@@ -208,7 +208,7 @@ fn one_kv_cache_group_reads_as_the_list() {
     assert!(p.remote_block_groups.is_empty());
 }
 
-/// Issue 22 item 3: a hybrid model's groups (full attention, sliding window) are one
+/// A hybrid model's groups (full attention, sliding window) are one
 /// lease over all their blocks, and read back as they were written.
 #[test]
 fn several_kv_cache_groups_are_one_block_list_with_counts() {
@@ -243,7 +243,7 @@ fn several_kv_cache_groups_are_one_block_list_with_counts() {
     }
 }
 
-/// Issue 24 item 6: the range an error states is the range accepted.
+/// The range an error states is the range accepted.
 #[test]
 fn tp_size_zero_is_refused_with_the_range_that_is_accepted() {
     for bad in [json!(0), json!(1025), json!(-1), json!(1.5)] {
@@ -261,7 +261,7 @@ fn tp_size_zero_is_refused_with_the_range_that_is_accepted() {
     );
 }
 
-/// Issue 24 item 6: port 0 is no side channel.
+/// Port 0 is no side channel.
 #[test]
 fn remote_port_zero_is_refused() {
     let mut v = agent_answer();
@@ -273,7 +273,7 @@ fn remote_port_zero_is_refused() {
     assert!(KvTransferParams::from_value(&v).is_ok());
 }
 
-/// Issue 24 item 6: a lease of 0 ms or of more than a day is a mistake, not a lease.
+/// A lease of 0 ms or of more than a day is a mistake, not a lease.
 #[test]
 fn lease_ms_zero_or_absurd_is_refused() {
     for bad in [

@@ -311,6 +311,9 @@ class PullPlan:
     diverged: bool
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]: ...
+def kv_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every key of kvlease-proto's KV compatibility check on which P's descriptor
+    ``theirs`` differs from D's ``ours``: ``(key, P's value, D's value)``, in key order."""
 
 class KvTransferParams:
     """``kv_transfer_params`` as P answers them and D takes them: vLLM's keys and

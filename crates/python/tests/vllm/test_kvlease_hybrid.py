@@ -1,4 +1,4 @@
-"""Hybrid models (issue 22 item 3): ``KvleaseConnector`` is ``SupportsHMA``; a request's
+"""Hybrid models: ``KvleaseConnector`` is ``SupportsHMA``; a request's
 full-attention and sliding-window KV cache groups are one lease, and a sliding window's
 out-of-window blocks are neither held on P nor read on D. In vLLM 0.33.0's real
 ``Scheduler``, on CPU.

@@ -3,10 +3,13 @@
 
 use std::sync::Arc;
 
-use super::{Agent, Peer, PeerId, PeerLink, lock};
+use super::{Agent, Peer};
 use crate::config::{Backend, BackendChoice};
 use crate::error::{ConnectError, LinkError, TransferError};
+use crate::ids::PeerId;
+use crate::link::Link;
 use crate::metadata::{AgentMetadata, decode_metadata};
+use crate::sync::lock;
 use crate::tcp;
 
 impl Agent {
@@ -51,35 +54,38 @@ impl Agent {
         // A session's key proves in the token's place.
         let key = session
             .map(crate::Session::key)
-            .or(self.inner.token.as_deref());
+            .or(self.inner.ctx.token.as_deref());
         let (link, backend) = match self.inner.backend {
             BackendChoice::Tcp => (
-                PeerLink::Tcp(tcp::client::connect(&self.inner, &meta, key)?),
-                (Backend::Tcp, LinkError::TcpRequested.to_string()),
+                tcp::client::connect(&self.inner.ctx, &self.inner.tcp_notifs, &meta, key)?
+                    as Arc<dyn Link>,
+                (Backend::Tcp, LinkError::Requested(Backend::Tcp).to_string()),
             ),
             BackendChoice::Shm => {
-                let tcp = tcp::client::connect(&self.inner, &meta, key)?;
-                match crate::shm::connect(&self.inner, &meta, key, Arc::clone(&tcp)) {
-                    Ok(link) => (PeerLink::Shm(Arc::new(link)), Self::shm_reason(&meta)),
+                let tcp =
+                    tcp::client::connect(&self.inner.ctx, &self.inner.tcp_notifs, &meta, key)?;
+                match crate::shm::connect(&self.inner.ctx, &meta, key, Arc::clone(&tcp)) {
+                    Ok(link) => (Arc::new(link) as Arc<dyn Link>, Self::shm_reason(&meta)),
                     Err(source) => {
                         tcp.close();
                         return Err(ConnectError::BackendUnavailable {
                             backend: Backend::Shm,
                             peer: meta.name,
-                            source,
+                            source: Box::new(source),
                         });
                     }
                 }
             }
             BackendChoice::Verbs | BackendChoice::Auto => {
-                let tcp = tcp::client::connect(&self.inner, &meta, key)?;
+                let tcp =
+                    tcp::client::connect(&self.inner.ctx, &self.inner.tcp_notifs, &meta, key)?;
                 let shm = if self.inner.backend == BackendChoice::Auto {
-                    crate::shm::connect(&self.inner, &meta, key, Arc::clone(&tcp))
+                    crate::shm::connect(&self.inner.ctx, &meta, key, Arc::clone(&tcp))
                 } else {
-                    Err(LinkError::VerbsRequested)
+                    Err(LinkError::Requested(Backend::Verbs))
                 };
                 match shm {
-                    Ok(link) => (PeerLink::Shm(Arc::new(link)), Self::shm_reason(&meta)),
+                    Ok(link) => (Arc::new(link) as Arc<dyn Link>, Self::shm_reason(&meta)),
                     Err(shm_err) => {
                         if self.inner.backend == BackendChoice::Auto {
                             tracing::debug!(peer = %meta.name, reason = %shm_err.chain(), "backend auto: shm unusable for this peer");
@@ -101,20 +107,20 @@ impl Agent {
                                 return Err(ConnectError::BackendUnavailable {
                                     backend: Backend::Verbs,
                                     peer: meta.name,
-                                    source,
+                                    source: Box::new(source),
                                 });
                             }
                             Err(e) => {
                                 let reason = format!("{} (shm: {})", e.chain(), shm_err.chain());
                                 tracing::info!(peer = %meta.name, %reason, "backend auto: verbs unusable for this peer; using TCP");
-                                (PeerLink::Tcp(tcp), (Backend::Tcp, reason))
+                                (tcp as Arc<dyn Link>, (Backend::Tcp, reason))
                             }
                         }
                     }
                 }
             }
         };
-        let id = self.inner.fresh_id();
+        let id = self.inner.ctx.fresh_id();
         let peer = Arc::new(Peer {
             name: meta.name.clone(),
             meta,
@@ -148,14 +154,14 @@ impl Agent {
         &self,
         meta: &AgentMetadata,
         tcp: &Arc<tcp::TcpLink>,
-    ) -> Result<PeerLink, LinkError> {
+    ) -> Result<Arc<dyn Link>, LinkError> {
         let backend = self
             .inner
             .verbs
             .as_ref()
             .map_err(|e| LinkError::NoBackend(Arc::clone(e)))?;
-        let link = backend.connect(&self.inner.name, meta, Arc::clone(tcp))?;
-        Ok(PeerLink::Verbs(Arc::new(link)))
+        let link = backend.connect(&self.inner.ctx.name, meta, Arc::clone(tcp))?;
+        Ok(Arc::new(link))
     }
 
     #[cfg(not(feature = "verbs"))]
@@ -164,7 +170,7 @@ impl Agent {
         &self,
         _meta: &AgentMetadata,
         _tcp: &Arc<tcp::TcpLink>,
-    ) -> Result<PeerLink, LinkError> {
+    ) -> Result<Arc<dyn Link>, LinkError> {
         Err(LinkError::NotBuilt)
     }
 

@@ -1,247 +1,62 @@
-//! The agent: registration, metadata, peers, batches and notifications.
+//! The agent: registration, metadata, peers, batches and notifications. It owns the
+//! backends' shared [`Context`] and hands each backend only that and its own state.
 
 mod connect;
 mod read;
-mod types;
 
-pub use types::{
-    BatchId, BatchStats, BatchStatus, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName,
-    ReadBatch, ReadOp, RegionId, RemoteRange, Sender, StatsHandle, TransportStats,
-};
-pub(crate) use types::{Counters, bump};
-
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvlease_gpu_mem::{DmaRegion, RegionAccessError};
 
 use crate::batch::Batch;
-use crate::config::{AgentConfig, Backend, BackendChoice, Limits};
+use crate::config::{AgentConfig, Backend, BackendChoice};
+use crate::context::{Context, Registered};
 use crate::error::{AgentError, RegisterError, TransferError};
+use crate::ids::{MAX_NAME_LEN, PeerId, PeerName, RegionId, Sender};
+use crate::link::Link;
 use crate::metadata::{AgentMetadata, METADATA_FORMAT, RegionDesc, encode_metadata};
+use crate::stats::{StatsHandle, TransportStats};
+use crate::sync::lock;
 use crate::tcp;
-
-#[derive(Debug)]
-pub(crate) struct Registered {
-    pub(crate) region: Arc<dyn DmaRegion>,
-    pub(crate) desc: RegionDesc,
-}
-
-/// Notifications received and not yet drained, grouped by sender in order of first
-/// arrival.
-#[derive(Debug, Default)]
-pub(crate) struct Inbox {
-    pub(crate) groups: crate::notify::Groups,
-    pub(crate) count: usize,
-    /// Bytes of the bodies in `groups` (bounded by `limits.max_pending_notif_bytes`).
-    pub(crate) bytes: usize,
-}
 
 /// A posted batch and the peer it reads from.
 type BatchEntry = (Arc<Batch>, Arc<Peer>);
 
-/// The state shared by the agent and its threads.
+/// The agent's state: the context its backends share, and what only the agent touches
+/// (peers, batches, each backend's own state).
 #[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) name: String,
-    pub(crate) token: Option<Vec<u8>>,
-    /// Sessions inbound connections must prove, by the group of their name.
-    pub(crate) sessions: crate::sessions::Sessions,
-    pub(crate) limits: Limits,
-    pub(crate) num_connections: usize,
-    pub(crate) backend: BackendChoice,
-    /// Cross-memory attach on the shared-memory backend.
-    pub(crate) cma: crate::config::CmaPolicy,
-    pub(crate) local_addr: SocketAddr,
-    pub(crate) advertise: SocketAddr,
-    pub(crate) regions: RwLock<HashMap<u64, Registered>>,
-    pub(crate) next_id: AtomicU64,
+struct Inner {
+    ctx: Arc<Context>,
+    advertise: SocketAddr,
+    backend: BackendChoice,
     peers: Mutex<HashMap<u64, Arc<Peer>>>,
     batches: Mutex<HashMap<u64, BatchEntry>>,
-    pub(crate) inbox: Mutex<Inbox>,
-    /// Messages in the inbox, readable without the lock (see `get_new_notifs`).
-    inbox_len: AtomicUsize,
-    /// Where else `get_new_notifs` finds notifications (same-host peers' rings).
-    pub(crate) notif_sources: crate::notify::NotifSources,
-    pub(crate) counters: Arc<Counters>,
-    pub(crate) shutdown: AtomicBool,
-    /// Inbound sockets by connection id, shut down when the agent drops.
-    pub(crate) inbound: Mutex<HashMap<u64, TcpStream>>,
-    /// Inbound TCP connections held per peer address (`limits.max_inbound_per_address`).
-    pub(crate) per_address: crate::slots::PerAddress,
-    /// Inbound connections not authenticated yet (`limits.max_preauth_connections`).
-    pub(crate) preauth: crate::slots::FairSlots,
     /// Inbound TCP notification connections (read by `get_new_notifs`) and outbound
     /// notification queues waiting for their sockets.
-    pub(crate) tcp_notifs: tcp::NotifHub,
-    /// Backend extension entries of this agent's metadata (see `metadata`).
-    backend_meta: Mutex<BTreeMap<String, serde_json::Value>>,
+    tcp_notifs: Arc<tcp::NotifHub>,
     /// The shared-memory backend's socket (P's side), where this agent offers one.
     shm: Mutex<Option<crate::shm::Server>>,
     /// The verbs backend, or why this agent has none.
     #[cfg(feature = "verbs")]
-    pub(crate) verbs: Result<crate::verbs::link::VerbsDomain, Arc<crate::error::LinkError>>,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the data consistent before anything that can panic.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Inner {
-    pub(crate) fn fresh_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Sets (or with `None` removes) this agent's metadata entry for `backend`. The
-    /// extension point for backends: the verbs backend stores its GID, port and QP
-    /// information here and reads the peer's entry from [`AgentMetadata::backends`].
-    pub(crate) fn set_backend_metadata(&self, backend: &str, value: Option<serde_json::Value>) {
-        let mut meta = lock(&self.backend_meta);
-        match value {
-            Some(v) => meta.insert(backend.to_owned(), v),
-            None => meta.remove(backend),
-        };
-    }
-
-    /// Whether the inbox has room for one more notification of `len` bytes.
-    fn inbox_has_room(&self, inbox: &Inbox, len: usize) -> bool {
-        inbox.count < self.limits.max_pending_notifs
-            && inbox.bytes.saturating_add(len) <= self.limits.max_pending_notif_bytes
-    }
-
-    /// Queues a notification read by the caller's poll (a TCP notification connection)
-    /// when the inbox has room. Returns false, having queued and counted nothing, when it
-    /// has none: the caller keeps the bytes (and stops reading) until the inbox is
-    /// drained.
-    pub(crate) fn deliver_notif_if_room(&self, from: &Sender, bytes: &[u8]) -> bool {
-        let inbox = lock(&self.inbox);
-        if !self.inbox_has_room(&inbox, bytes.len()) {
-            return false;
-        }
-        self.push_notif(inbox, from, bytes.to_vec());
-        true
-    }
-
-    /// Queues a received notification from an authenticated peer (a serving thread's
-    /// connection): one that does not fit the inbox is dropped and counted.
-    pub(crate) fn deliver_notif(&self, from: &Sender, bytes: Vec<u8>) {
-        let inbox = lock(&self.inbox);
-        if !self.inbox_has_room(&inbox, bytes.len()) {
-            let (count, held) = (inbox.count, inbox.bytes);
-            drop(inbox);
-            bump(&self.counters.notifs_dropped_overflow);
-            tracing::warn!(
-                peer = %from,
-                count,
-                bytes = held,
-                max_count = self.limits.max_pending_notifs,
-                max_bytes = self.limits.max_pending_notif_bytes,
-                "notification inbox full; notification dropped"
-            );
-            return;
-        }
-        self.push_notif(inbox, from, bytes);
-    }
-
-    fn push_notif(&self, mut inbox: MutexGuard<'_, Inbox>, from: &Sender, bytes: Vec<u8>) {
-        inbox.count += 1;
-        inbox.bytes += bytes.len();
-        self.inbox_len.store(inbox.count, Ordering::Release);
-        crate::notify::push_grouped(&mut inbox.groups, from, bytes);
-        drop(inbox);
-        bump(&self.counters.notifs_received);
-    }
+    verbs: Result<crate::verbs::link::VerbsDomain, Arc<crate::error::LinkError>>,
 }
 
 /// A connected peer.
 #[derive(Debug)]
-pub(crate) struct Peer {
-    pub(crate) name: String,
-    pub(crate) meta: AgentMetadata,
-    pub(crate) link: PeerLink,
+struct Peer {
+    name: String,
+    meta: AgentMetadata,
+    /// The backend seam: how reads and notifications reach this peer (see
+    /// [`Link`]). `Agent::connect` picks the backend: for [`BackendChoice::Auto`] shared
+    /// memory, then verbs when both metadata carry a `"verbs"` entry, then TCP.
+    link: Arc<dyn Link>,
     /// Which backend this peer got and why (see [`Agent::peer_backend`]).
-    pub(crate) backend: (Backend, String),
-}
-
-/// The backend seam: how reads and notifications reach one peer.
-///
-/// A backend plugs in by adding a variant here (e.g. `Verbs(verbs::Link)` behind
-/// `#[cfg(feature = "verbs")]`), and implementing, like [`tcp::TcpLink`]:
-/// - `post(batch, chunks)`: start the chunks' reads; complete them through
-///   [`Batch::lock`] → `chunk_done` / `fence_done` / `finish` / `fail` (see `batch.rs`),
-///   performing the fence read and sending the notification in the order
-///   [`crate::batch::Next`] says;
-/// - `send_notif(bytes)`, `on_timeout(batch)` (stop transfers into the batch's memory),
-///   `close()`;
-/// - delivering received notifications with `Inner::deliver_notif` (the TCP connection is
-///   always there, so a verbs link can keep notifications on it).
-///
-/// The selection point is `Agent::connect`: for [`BackendChoice::Auto`] it tries the
-/// verbs link when both metadata carry a `"verbs"` entry and falls back to TCP with a log
-/// line; `Verbs` makes that failure an error.
-#[derive(Debug)]
-pub(crate) enum PeerLink {
-    /// The TCP backend.
-    Tcp(Arc<tcp::TcpLink>),
-    /// The shared-memory backend (plain copies; notifications through a shared ring; what
-    /// it cannot serve on its TCP link).
-    Shm(Arc<crate::shm::ShmLink>),
-    /// The verbs backend (RDMA READ; notifications on its TCP link).
-    #[cfg(feature = "verbs")]
-    Verbs(Arc<crate::verbs::link::Link>),
-}
-
-impl PeerLink {
-    fn post(&self, batch: &Arc<Batch>, chunks: Vec<tcp::Chunk>) -> Result<(), TransferError> {
-        match self {
-            Self::Tcp(link) => link.post(batch, chunks),
-            Self::Shm(link) => link.post(batch, chunks),
-            #[cfg(feature = "verbs")]
-            Self::Verbs(link) => link.post(batch, chunks),
-        }
-    }
-
-    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
-        match self {
-            Self::Tcp(link) => link.send_notif(bytes),
-            Self::Shm(link) => link.send_notif(bytes),
-            #[cfg(feature = "verbs")]
-            Self::Verbs(link) => link.send_notif(bytes),
-        }
-    }
-
-    fn on_timeout(&self, batch: &Batch) {
-        match self {
-            Self::Tcp(link) => link.on_timeout(batch),
-            Self::Shm(link) => link.on_timeout(batch),
-            #[cfg(feature = "verbs")]
-            Self::Verbs(link) => link.on_timeout(batch),
-        }
-    }
-
-    fn close(&self) {
-        match self {
-            Self::Tcp(link) => link.close(),
-            Self::Shm(link) => link.close(),
-            #[cfg(feature = "verbs")]
-            Self::Verbs(link) => link.close(),
-        }
-    }
-
-    /// Reaps completions of backends whose NIC completes reads (verbs); TCP completes
-    /// on its own threads.
-    fn progress(&self) {
-        match self {
-            Self::Tcp(_) | Self::Shm(_) => {}
-            #[cfg(feature = "verbs")]
-            Self::Verbs(link) => link.progress(),
-        }
-    }
+    backend: (Backend, String),
 }
 
 /// A transfer agent: registers memory, publishes metadata, connects to peers, reads
@@ -265,7 +80,7 @@ impl PeerLink {
 /// the agent closes every connection and stops the listener.
 #[derive(Debug)]
 pub struct Agent {
-    inner: Arc<Inner>,
+    inner: Inner,
     listener: Option<JoinHandle<()>>,
 }
 
@@ -334,48 +149,40 @@ impl Agent {
             &config.limits,
         )
         .map_err(Arc::new);
-        let inner = Arc::new(Inner {
-            name: config.name,
-            token: config.auth_token,
-            sessions: crate::sessions::Sessions::default(),
-            per_address: crate::slots::PerAddress::new(config.limits.max_inbound_per_address),
-            preauth: crate::slots::FairSlots::new(
-                config.limits.max_preauth_connections,
-                config.limits.max_preauth_per_address,
-            ),
-            limits: config.limits,
-            num_connections: config.num_connections,
-            backend: config.backend,
-            cma: config.cma,
+        let ctx = Arc::new(Context::new(
+            config.name,
+            config.auth_token,
+            config.limits,
+            config.num_connections,
+            config.cma,
             local_addr,
+        ));
+        let inner = Inner {
+            ctx,
             advertise,
-            regions: RwLock::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
+            backend: config.backend,
             peers: Mutex::new(HashMap::new()),
             batches: Mutex::new(HashMap::new()),
-            inbox: Mutex::new(Inbox::default()),
-            inbox_len: AtomicUsize::new(0),
-            notif_sources: crate::notify::NotifSources::default(),
-            counters: Arc::default(),
-            shutdown: AtomicBool::new(false),
-            inbound: Mutex::new(HashMap::new()),
-            tcp_notifs: tcp::NotifHub::new().map_err(AgentError::Poller)?,
-            backend_meta: Mutex::new(BTreeMap::new()),
+            tcp_notifs: Arc::new(tcp::NotifHub::new().map_err(AgentError::Poller)?),
             shm: Mutex::new(None),
             #[cfg(feature = "verbs")]
             verbs,
-        });
+        };
         if matches!(inner.backend, BackendChoice::Auto | BackendChoice::Shm) {
-            let server = crate::shm::Server::start(&inner);
+            let server = crate::shm::Server::start(&inner.ctx);
             *lock(&inner.shm) = server;
         }
         #[cfg(feature = "verbs")]
         if let Ok(v) = &inner.verbs {
-            inner.set_backend_metadata("verbs", Some(v.metadata()));
+            inner.ctx.set_backend_metadata("verbs", Some(v.metadata()));
         }
-        let listener =
-            tcp::server::spawn_listener(inner.clone(), listener).map_err(AgentError::Thread)?;
-        tracing::info!(name = %inner.name, addr = %local_addr, "transport agent listening");
+        let listener = tcp::server::spawn_listener(
+            Arc::clone(&inner.ctx),
+            Arc::clone(&inner.tcp_notifs),
+            listener,
+        )
+        .map_err(AgentError::Thread)?;
+        tracing::info!(name = %inner.ctx.name, addr = %local_addr, "transport agent listening");
         Ok(Self {
             inner,
             listener: Some(listener),
@@ -384,12 +191,12 @@ impl Agent {
 
     /// This agent's name.
     pub fn name(&self) -> &str {
-        &self.inner.name
+        &self.inner.ctx.name
     }
 
     /// The bound TCP address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr
+        self.inner.ctx.local_addr
     }
 
     /// Registers `region` so that peers may read it, with a fresh random key.
@@ -403,7 +210,7 @@ impl Agent {
         }
         let key = getrandom::u64().map_err(RegisterError::Random)?;
         let desc = RegionDesc {
-            id: self.inner.fresh_id(),
+            id: self.inner.ctx.fresh_id(),
             base: region.base_ptr() as u64,
             len: region.len() as u64,
             key,
@@ -420,12 +227,15 @@ impl Agent {
                     e.chain()
                 );
             }
-            self.inner.set_backend_metadata("verbs", Some(v.metadata()));
+            self.inner
+                .ctx
+                .set_backend_metadata("verbs", Some(v.metadata()));
         }
         if let Some(shm) = lock(&self.inner.shm).as_ref() {
             shm.grant(desc.id, region.as_ref());
         }
         self.inner
+            .ctx
             .regions
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -458,6 +268,7 @@ impl Agent {
     ) -> Result<(), RegisterError> {
         let region_len = self
             .inner
+            .ctx
             .regions
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -505,9 +316,12 @@ impl Agent {
         #[cfg(feature = "verbs")]
         if let Ok(v) = &self.inner.verbs {
             v.deregister(id.0);
-            self.inner.set_backend_metadata("verbs", Some(v.metadata()));
+            self.inner
+                .ctx
+                .set_backend_metadata("verbs", Some(v.metadata()));
         }
         self.inner
+            .ctx
             .regions
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -526,6 +340,7 @@ impl Agent {
     pub fn metadata(&self) -> Vec<u8> {
         let mut regions: Vec<RegionDesc> = self
             .inner
+            .ctx
             .regions
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -535,11 +350,11 @@ impl Agent {
         regions.sort_by_key(|r| r.id);
         encode_metadata(&AgentMetadata {
             format: METADATA_FORMAT,
-            name: self.inner.name.clone(),
+            name: self.inner.ctx.name.clone(),
             tcp_addr: self.inner.advertise.to_string(),
-            auth: self.inner.token.is_some(),
+            auth: self.inner.ctx.token.is_some(),
             regions,
-            backends: lock(&self.inner.backend_meta).clone(),
+            backends: self.inner.ctx.backend_metadata(),
         })
     }
 
@@ -560,11 +375,11 @@ impl Agent {
     /// (nothing is sent); [`TransferError::Disconnected`].
     pub fn send_notif(&self, peer: PeerId, bytes: Vec<u8>) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
-        if bytes.len() > self.inner.limits.max_notif_len {
+        if bytes.len() > self.inner.ctx.limits.max_notif_len {
             return Err(TransferError::NotifTooLarge {
                 peer: p.name.clone(),
                 len: bytes.len(),
-                max: self.inner.limits.max_notif_len,
+                max: self.inner.ctx.limits.max_notif_len,
             });
         }
         p.link.send_notif(bytes)
@@ -597,24 +412,8 @@ impl Agent {
         // TCP notification connections are read here, on the caller's thread (no thread
         // hand-off per message; one `epoll_wait(0)` when none has anything), and this
         // agent's queued notifications are written on.
-        self.inner.tcp_notifs.poll(&self.inner);
-        // The fast path keeps a polling loop from starving the connection threads of the
-        // inbox lock.
-        let mut groups = if self.inner.inbox_len.load(Ordering::Acquire) == 0 {
-            Vec::new()
-        } else {
-            let mut inbox = lock(&self.inner.inbox);
-            inbox.count = 0;
-            inbox.bytes = 0;
-            self.inner.inbox_len.store(0, Ordering::Release);
-            std::mem::take(&mut inbox.groups)
-        };
-        if !self.inner.notif_sources.is_empty() {
-            self.inner
-                .notif_sources
-                .drain_into(&self.inner, &mut groups);
-        }
-        groups
+        self.inner.tcp_notifs.poll(&self.inner.ctx);
+        self.inner.ctx.drain_notifs()
     }
 
     /// Binds `session` to the peer group `group` (see [`crate::Session`] and the module
@@ -626,38 +425,38 @@ impl Agent {
     /// and their notifications carry its id ([`Sender::session`]). No effect on an agent
     /// without a token.
     pub fn bind_session(&self, group: &str, session: crate::Session) {
-        if self.inner.token.is_some() {
-            self.inner.sessions.bind(group, session);
+        if self.inner.ctx.token.is_some() {
+            self.inner.ctx.sessions.bind(group, session);
         }
     }
 
     /// Removes `group`'s session (its names prove the token again); whether it had one.
     pub fn unbind_session(&self, group: &str) -> bool {
-        self.inner.sessions.unbind(group)
+        self.inner.ctx.sessions.unbind(group)
     }
 
     /// This agent's counters.
     pub fn stats(&self) -> TransportStats {
-        self.inner.counters.snapshot()
+        self.inner.ctx.counters.snapshot()
     }
 
     /// A handle that reads this agent's counters, for a metrics exporter that does not
     /// own the agent.
     pub fn stats_handle(&self) -> StatsHandle {
         StatsHandle {
-            counters: Arc::clone(&self.inner.counters),
+            counters: Arc::clone(&self.inner.ctx.counters),
         }
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.inner.shutdown.store(true, Ordering::SeqCst);
+        self.inner.ctx.shutdown.store(true, Ordering::SeqCst);
         // Wake the listener's `accept` so that it sees the flag.
-        let wake = if self.inner.local_addr.ip().is_unspecified() {
-            SocketAddr::from(([127, 0, 0, 1], self.inner.local_addr.port()))
+        let wake = if self.inner.ctx.local_addr.ip().is_unspecified() {
+            SocketAddr::from(([127, 0, 0, 1], self.inner.ctx.local_addr.port()))
         } else {
-            self.inner.local_addr
+            self.inner.ctx.local_addr
         };
         let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         if let Some(h) = self.listener.take()
@@ -671,7 +470,7 @@ impl Drop for Agent {
         for (_, peer) in lock(&self.inner.peers).drain() {
             peer.link.close();
         }
-        for (_, s) in lock(&self.inner.inbound).drain() {
+        for (_, s) in lock(&self.inner.ctx.inbound).drain() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         self.inner.tcp_notifs.close();

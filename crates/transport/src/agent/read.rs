@@ -6,12 +6,13 @@ use std::time::{Duration, Instant};
 
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
 
-use super::{
-    Agent, BatchId, BatchStatus, Peer, PeerId, ReadBatch, ReadOp, Registered, RemoteRange, lock,
-};
-use crate::batch::{Batch, BatchPhase};
+use super::{Agent, Peer};
+use crate::batch::{Batch, BatchPhase, BatchStatus};
+use crate::context::Registered;
 use crate::error::TransferError;
-use crate::tcp;
+use crate::ids::{BatchId, PeerId, ReadBatch, ReadOp, RemoteRange};
+use crate::link::Chunk;
+use crate::sync::lock;
 
 impl Agent {
     /// Posts a batch of reads from `peer`. Ops longer than `limits.chunk_len` are split;
@@ -36,7 +37,7 @@ impl Agent {
         let p = self.peer(peer)?;
         self.check_batch(&p, &batch)?;
         let chunks = self.cut_into_chunks(&p, &batch.ops)?;
-        let id = self.inner.fresh_id();
+        let id = self.inner.ctx.fresh_id();
         let b = Arc::new(Batch::new(
             id,
             p.name.clone(),
@@ -47,7 +48,7 @@ impl Agent {
             batch.notif,
         ));
         lock(&self.inner.batches).insert(id, (b.clone(), p.clone()));
-        if let Err(e) = p.link.post(&b, chunks) {
+        if let Err(e) = p.link.post_reads(&b, chunks) {
             lock(&self.inner.batches).remove(&id);
             return Err(e);
         }
@@ -59,23 +60,23 @@ impl Agent {
         if batch.ops.is_empty() {
             return Err(invalid(p, "a batch needs at least one read".into()));
         }
-        if batch.ops.len() > self.inner.limits.max_ops_per_batch {
+        if batch.ops.len() > self.inner.ctx.limits.max_ops_per_batch {
             return Err(invalid(
                 p,
                 format!(
                     "{} ops exceed the limit of {}",
                     batch.ops.len(),
-                    self.inner.limits.max_ops_per_batch
+                    self.inner.ctx.limits.max_ops_per_batch
                 ),
             ));
         }
         if let Some(n) = &batch.notif
-            && n.len() > self.inner.limits.max_notif_len
+            && n.len() > self.inner.ctx.limits.max_notif_len
         {
             return Err(TransferError::NotifTooLarge {
                 peer: p.name.clone(),
                 len: n.len(),
-                max: self.inner.limits.max_notif_len,
+                max: self.inner.ctx.limits.max_notif_len,
             });
         }
         Ok(())
@@ -83,11 +84,12 @@ impl Agent {
 
     /// Checks each op against its local region and cuts it into chunks of at most
     /// `limits.chunk_len` bytes, in op order.
-    fn cut_into_chunks(&self, p: &Peer, ops: &[ReadOp]) -> Result<Vec<tcp::Chunk>, TransferError> {
-        let chunk = self.inner.limits.chunk_len;
+    fn cut_into_chunks(&self, p: &Peer, ops: &[ReadOp]) -> Result<Vec<Chunk>, TransferError> {
+        let chunk = self.inner.ctx.limits.chunk_len;
         let mut chunks = Vec::with_capacity(ops.len());
         let regions = self
             .inner
+            .ctx
             .regions
             .read()
             .unwrap_or_else(PoisonError::into_inner);
@@ -108,7 +110,7 @@ impl Agent {
             let mut done = 0;
             while done < op.local.len {
                 let len = chunk.min(op.local.len - done);
-                chunks.push(tcp::Chunk {
+                chunks.push(Chunk {
                     dest: local.region.clone(),
                     dest_offset: op.local.offset + done,
                     remote: RemoteRange {

@@ -22,12 +22,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crossbeam_channel::Sender;
-use kvlease_gpu_mem::{CmaRead, DmaRegion, MAX_CMA_IOVECS, read_vectored};
+use kvlease_gpu_mem::{CmaError, CmaRead, DmaRegion, MAX_CMA_IOVECS, read_vectored};
 
-use super::link::{CopyError, Core, MappedRegion, Source};
-use crate::agent::lock;
+use super::mapped::{CopyError, MappedRegion, Source};
 use crate::batch::Batch;
 use crate::error::TransferError;
+use crate::sync::lock;
 
 /// Batches with more data bytes than this are split between the posting thread and the
 /// copy pool.
@@ -43,6 +43,16 @@ const CMA_CALL_BYTES: u64 = 64 << 20;
 /// Most threads copying one batch (the posting thread included).
 pub(crate) const MAX_COPY_THREADS: usize = 4;
 
+/// What the link does when copies end: the copy code calls back into it and knows
+/// nothing else of the link.
+pub(super) trait Completion: Send + Sync + std::fmt::Debug {
+    /// Ends a batch whose copies all finished (`copied`: none was cut short).
+    fn complete(&self, batch: &Arc<Batch>, copies: &[CopyOp], copied: bool);
+
+    /// The kernel refused a cross-memory read: later reads of such regions go elsewhere.
+    fn cma_refused(&self, err: &CmaError);
+}
+
 /// One data copy of a batch.
 #[derive(Debug)]
 pub(super) struct CopyOp {
@@ -57,7 +67,7 @@ pub(super) struct CopyOp {
 /// chunk completes the batch.
 #[derive(Debug)]
 struct Job {
-    core: Arc<Core>,
+    core: Arc<dyn Completion>,
     batch: Arc<Batch>,
     copies: Vec<CopyOp>,
     chunks: Vec<Range<usize>>,
@@ -79,7 +89,7 @@ impl Job {
             let Some(range) = self.chunks.get(i).cloned() else {
                 return;
             };
-            if !copy_some(&self.core, &self.batch, &self.copies[range]) {
+            if !copy_some(self.core.as_ref(), &self.batch, &self.copies[range]) {
                 self.copied.store(false, Ordering::Relaxed);
             }
             // AcqRel: the last chunk's thread sees every other chunk's copies (and
@@ -146,7 +156,7 @@ fn pool() -> &'static Pool {
 /// Copies `copies` into their destinations and completes `batch` (whose `in_receive`
 /// the caller raised by one) before it returns: on this thread, with the pool's help
 /// when the batch holds more than [`SPLIT_BYTES`].
-pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
+pub(super) fn run<C: Completion + 'static>(core: &Arc<C>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
     let total: u64 = copies.iter().map(|c| c.len).sum();
     let chunks = if total > SPLIT_BYTES && pool().threads > 0 {
         chunks(&copies, CHUNK_BYTES)
@@ -158,12 +168,12 @@ pub(super) fn run(core: &Arc<Core>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
         n => pool().threads.min(n - 1),
     };
     if helpers == 0 {
-        let copied = copy_some(core, batch, &copies);
+        let copied = copy_some(core.as_ref(), batch, &copies);
         core.complete(batch, &copies, copied);
         return;
     }
     let job = Arc::new(Job {
-        core: core.clone(),
+        core: core.clone() as Arc<dyn Completion>,
         batch: batch.clone(),
         left: AtomicUsize::new(chunks.len()),
         chunks,
@@ -206,7 +216,7 @@ fn chunks(copies: &[CopyOp], bytes: u64) -> Vec<Range<usize>> {
 
 /// Copies `copies` in order. Returns false when the batch stopped running meanwhile
 /// (failed or timed out): the caller's memory must not be written any further.
-fn copy_some(core: &Core, batch: &Batch, copies: &[CopyOp]) -> bool {
+fn copy_some(core: &dyn Completion, batch: &Batch, copies: &[CopyOp]) -> bool {
     let mut rest = copies;
     while !rest.is_empty() {
         if !batch.lock().is_running() {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use kvlease_gpu_mem::cuda::ipc::{self, IpcError, IpcExport, IpcHandle, IpcMapping};
 use kvlease_gpu_mem::{DmaRegion, MemoryKind};
 
+use super::error::ShmError;
 use crate::error::LinkError;
 use crate::metadata::RegionDesc;
 use crate::tcp::wire::{self, FrameError};
@@ -63,8 +64,8 @@ fn frame(desc: &RegionDesc, slot: u64, handle: &IpcHandle) -> Vec<u8> {
 /// the driver refuses the handle: logged), so the region is read over TCP.
 ///
 /// # Errors
-/// [`LinkError::ShmCudaRegion`] for a malformed handle or one that claims more than the
-/// allocation the driver mapped; [`LinkError::ShmMalformed`] for a handle whose length
+/// [`ShmError::CudaRegion`] for a malformed handle or one that claims more than the
+/// allocation the driver mapped; [`ShmError::Malformed`] for a handle whose length
 /// is not the descriptor's.
 pub(super) fn open(
     peer: &str,
@@ -72,12 +73,12 @@ pub(super) fn open(
     len: u64,
     handle: &[u8],
 ) -> Result<Option<IpcMapping>, LinkError> {
-    let refused = |source: IpcError| LinkError::ShmCudaRegion { region, source };
+    let refused = |source: IpcError| LinkError::Shm(ShmError::CudaRegion { region, source });
     let handle = IpcHandle::from_bytes(handle).map_err(|e| refused(e.into()))?;
     if handle.region_len() != len {
-        return Err(LinkError::ShmMalformed {
+        return Err(LinkError::Shm(ShmError::Malformed {
             what: "a CUDA region whose handle and descriptor differ in length",
-        });
+        }));
     }
     match IpcMapping::open(&handle) {
         Ok(mapping) => Ok(Some(mapping)),
@@ -138,10 +139,10 @@ mod tests {
         assert!(
             matches!(
                 err,
-                LinkError::ShmCudaRegion {
+                LinkError::Shm(ShmError::CudaRegion {
                     region: 7,
                     source: IpcError::Handle(ipc::IpcHandleError::Magic)
-                }
+                })
             ),
             "{err:?}"
         );
@@ -149,10 +150,10 @@ mod tests {
         assert!(
             matches!(
                 err,
-                LinkError::ShmCudaRegion {
+                LinkError::Shm(ShmError::CudaRegion {
                     source: IpcError::Handle(ipc::IpcHandleError::Length { got: 100, .. }),
                     ..
-                }
+                })
             ),
             "{err:?}"
         );
@@ -161,7 +162,10 @@ mod tests {
         bytes[4] = 1;
         bytes[104..112].copy_from_slice(&4096u64.to_le_bytes());
         let err = open("p", 7, 8192, &bytes).expect_err("length differs");
-        assert!(matches!(err, LinkError::ShmMalformed { .. }), "{err:?}");
+        assert!(
+            matches!(err, LinkError::Shm(ShmError::Malformed { .. })),
+            "{err:?}"
+        );
         // Well-formed and consistent, but for a device no process here has (the all-zero
         // UUID), or without a driver: skipped, not an error.
         assert!(matches!(open("p", 7, 4096, &bytes), Ok(None)));

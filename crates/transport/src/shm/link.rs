@@ -11,20 +11,25 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvlease_gpu_mem::{
-    CmaError, DmaRegion, MemoryKind, PeerProcessRange, PushError, RegionAccessError, RingWriter,
-    SharedRegionView, recv_with_fds, socket_peer_pid, yama_ptrace_scope,
+    CmaError, PeerProcessRange, PushError, RingWriter, SharedRegionView, recv_with_fds,
+    socket_peer_pid, yama_ptrace_scope,
 };
 
-use super::copy::{self, CopyOp};
+use super::copy::{self, Completion, CopyOp};
+use super::error::ShmError;
+use super::mapped::{MappedRegion, Source};
 use super::{MAX_REGIONS, METADATA_KEY, host_identity};
-use crate::agent::{Inner, RemoteRange, lock};
 use crate::batch::{Batch, Next};
 use crate::config::{Backend, CmaPolicy};
+use crate::context::Context;
 use crate::error::{LinkError, Refusal, TransferError};
+use crate::ids::RemoteRange;
+use crate::link::{Chunk, Link};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
+use crate::sync::lock;
+use crate::tcp::TcpLink;
 use crate::tcp::wire::{self, Body, ClientAuthError, FrameError};
-use crate::tcp::{Chunk, TcpLink};
 
 /// About how long a sender waits for the peer to drain a full notification ring before
 /// it fails with [`TransferError::NotifRingFull`], in milliseconds (counted in sleeps,
@@ -39,82 +44,6 @@ const RING_FULL_SLEEP: Duration = Duration::from_micros(50);
 /// [`RING_FULL_WAIT_MS`].
 const RING_FULL_TRIES: u64 =
     RING_FULL_SPINS as u64 + RING_FULL_WAIT_MS * 1000 / RING_FULL_SLEEP.as_micros() as u64;
-
-/// A peer's region mapped into this process.
-#[derive(Debug)]
-pub(super) struct MappedRegion {
-    key: u64,
-    /// Its slot in the peer's grant table.
-    slot: u64,
-    pub(super) source: Source,
-}
-
-/// Where a mapped region's bytes are read from.
-#[derive(Debug)]
-pub(super) enum Source {
-    /// The peer's memfd, mapped read-only: plain memory copies.
-    Host(SharedRegionView),
-    /// The peer's host memory that is not memfd-backed: cross-memory attach
-    /// (`process_vm_readv`).
-    Cma(PeerProcessRange),
-    /// The peer's CUDA device memory, opened through CUDA IPC: device copies.
-    #[cfg(feature = "cuda")]
-    Device(kvlease_gpu_mem::cuda::ipc::IpcMapping),
-}
-
-/// Why a copy out of a mapped region failed (the ranges were checked when the batch was
-/// posted, so this is the driver's or a check's last word).
-#[derive(Debug, thiserror::Error)]
-pub(super) enum CopyError {
-    /// Out of the peer's memfd.
-    #[error(transparent)]
-    Host(#[from] RegionAccessError),
-    /// Out of the peer's process with `process_vm_readv`.
-    #[error(transparent)]
-    Cma(#[from] CmaError),
-    /// Out of the peer's device memory.
-    #[cfg(feature = "cuda")]
-    #[error(transparent)]
-    Device(#[from] kvlease_gpu_mem::cuda::ipc::IpcError),
-}
-
-impl Source {
-    fn len(&self) -> u64 {
-        match self {
-            Self::Host(view) => view.len() as u64,
-            Self::Cma(range) => range.len() as u64,
-            #[cfg(feature = "cuda")]
-            Self::Device(mapping) => mapping.region_len() as u64,
-        }
-    }
-
-    /// Whether copies from here can land in memory of `kind`.
-    fn accepts(&self, kind: MemoryKind) -> bool {
-        match self {
-            Self::Host(_) | Self::Cma(_) => kind.is_host_accessible(),
-            #[cfg(feature = "cuda")]
-            Self::Device(_) => super::cuda::accepts(kind),
-        }
-    }
-
-    /// Copies `len` bytes at `offset` into `dest` at `dest_offset`.
-    pub(super) fn copy_to(
-        &self,
-        offset: u64,
-        dest: &dyn DmaRegion,
-        dest_offset: u64,
-        len: u64,
-    ) -> Result<(), CopyError> {
-        match self {
-            Self::Host(view) => Ok(view.copy_to(offset, dest, dest_offset, len)?),
-            Self::Cma(range) => Ok(range.copy_to(offset, dest, dest_offset, len)?),
-            #[cfg(feature = "cuda")]
-            Self::Device(mapping) => {
-                Ok(super::cuda::copy(mapping, offset, dest, dest_offset, len)?)
-            }
-        }
-    }
-}
 
 /// The notification ring to the peer: every notification of the link goes through it
 /// (routed into the TCP link too, for the batches that link moves), in order.
@@ -203,45 +132,6 @@ impl Core {
                  this link reads the peer's non-memfd host memory over TCP"
             );
         }
-    }
-
-    /// Ends a batch whose copies all finished (`copied`: none was cut short): counts its
-    /// chunks, reads the fence word, then sends the notification (through the ring, when
-    /// the link has one: the TCP link routes it there) and marks the batch done.
-    pub(super) fn complete(&self, batch: &Arc<Batch>, copies: &[CopyOp], copied: bool) {
-        let next = {
-            let mut st = batch.lock();
-            st.in_receive -= 1;
-            let mut next = Next::Nothing;
-            if copied {
-                for c in copies {
-                    next = st.chunk_done(c.len);
-                }
-            }
-            next
-        };
-        let next = match next {
-            Next::Fence(fence) => {
-                // Every data copy finished (the last part's `fetch_sub` synchronised with
-                // the others'); no later load may move before the fence word's.
-                std::sync::atomic::fence(Ordering::Acquire);
-                match self.fence_word(fence.remote) {
-                    Ok(found) => batch.lock().fence_done(&self.peer, fence.expected, found),
-                    Err(reason) => {
-                        batch.lock().fail(TransferError::Refused {
-                            peer: self.peer.clone(),
-                            region: fence.remote.region,
-                            offset: fence.remote.offset,
-                            len: 8,
-                            reason,
-                        });
-                        Next::Nothing
-                    }
-                }
-            }
-            other => other,
-        };
-        self.tcp.advance(batch, next);
     }
 
     /// The peer's mapped region `region`, if the peer still has it registered (its
@@ -353,6 +243,51 @@ impl Core {
     }
 }
 
+impl Completion for Core {
+    /// Ends a batch whose copies all finished (`copied`: none was cut short): counts its
+    /// chunks, reads the fence word, then sends the notification (through the ring, when
+    /// the link has one: the TCP link routes it there) and marks the batch done.
+    fn complete(&self, batch: &Arc<Batch>, copies: &[CopyOp], copied: bool) {
+        let next = {
+            let mut st = batch.lock();
+            st.in_receive -= 1;
+            let mut next = Next::Nothing;
+            if copied {
+                for c in copies {
+                    next = st.chunk_done(c.len);
+                }
+            }
+            next
+        };
+        let next = match next {
+            Next::Fence(fence) => {
+                // Every data copy finished (the last part's `fetch_sub` synchronised with
+                // the others'); no later load may move before the fence word's.
+                std::sync::atomic::fence(Ordering::Acquire);
+                match self.fence_word(fence.remote) {
+                    Ok(found) => batch.lock().fence_done(&self.peer, fence.expected, found),
+                    Err(reason) => {
+                        batch.lock().fail(TransferError::Refused {
+                            peer: self.peer.clone(),
+                            region: fence.remote.region,
+                            offset: fence.remote.offset,
+                            len: 8,
+                            reason,
+                        });
+                        Next::Nothing
+                    }
+                }
+            }
+            other => other,
+        };
+        self.tcp.advance(batch, next);
+    }
+
+    fn cma_refused(&self, err: &CmaError) {
+        Self::cma_refused(self, err);
+    }
+}
+
 /// D's side: the peer's regions mapped read-only, the notification ring to it, and the
 /// TCP link that carries the batches shared memory cannot serve.
 #[derive(Debug)]
@@ -368,7 +303,7 @@ pub(crate) struct ShmLink {
 /// Connects to `meta`'s shared-memory socket, authenticates, maps the ring and the
 /// regions it hands over.
 pub(crate) fn connect(
-    inner: &Inner,
+    ctx: &Context,
     meta: &AgentMetadata,
     key: Option<&[u8]>,
     tcp: Arc<TcpLink>,
@@ -376,28 +311,29 @@ pub(crate) fn connect(
     let entry = meta
         .backends
         .get(METADATA_KEY)
-        .ok_or(LinkError::PeerHasNoShm)?;
+        .ok_or(LinkError::Shm(ShmError::PeerHasNoShm))?;
     let (Some(host), Some(socket)) = (
         entry.get("host").and_then(|v| v.as_str()),
         entry.get("socket").and_then(|v| v.as_str()),
     ) else {
-        return Err(LinkError::ShmMalformed {
+        return Err(LinkError::Shm(ShmError::Malformed {
             what: "the peer's shm metadata entry lacks host or socket",
-        });
+        }));
     };
-    let own = host_identity().ok_or(LinkError::NoHostIdentity)?;
+    let own = host_identity().ok_or(LinkError::Shm(ShmError::NoHostIdentity))?;
     if host != own {
-        return Err(LinkError::NotSameHost);
+        return Err(LinkError::Shm(ShmError::NotSameHost));
     }
-    let sock_err = |op: &'static str| move |source: io::Error| LinkError::ShmSocket { op, source };
+    let sock_err =
+        |op: &'static str| move |source: io::Error| LinkError::Shm(ShmError::Socket { op, source });
     let addr = UnixAddr::from_abstract_name(socket.as_bytes()).map_err(sock_err("socket name"))?;
     let mut s = UnixStream::connect_addr(&addr).map_err(sock_err("connect"))?;
-    s.set_read_timeout(Some(inner.limits.handshake_timeout))
+    s.set_read_timeout(Some(ctx.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
-    s.set_write_timeout(Some(inner.limits.handshake_timeout))
+    s.set_write_timeout(Some(ctx.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
-    handshake(inner, meta, key, &mut s)?;
-    let cma_pid = cma_peer_pid(inner.cma, &s, &meta.name);
+    handshake(ctx, meta, key, &mut s)?;
+    let cma_pid = cma_peer_pid(ctx.cma, &s, &meta.name);
     let Handover {
         grants,
         regions,
@@ -452,34 +388,33 @@ fn cma_peer_pid(policy: CmaPolicy, s: &UnixStream, peer: &str) -> Option<u32> {
 
 fn frame_err(e: FrameError) -> LinkError {
     match e {
-        FrameError::Io(source) => LinkError::ShmSocket {
+        FrameError::Io(source) => LinkError::Shm(ShmError::Socket {
             op: "handshake",
             source,
-        },
-        FrameError::Malformed(_) => LinkError::ShmMalformed {
+        }),
+        FrameError::Malformed(_) => LinkError::Shm(ShmError::Malformed {
             what: "malformed frame from the peer's shm socket",
-        },
+        }),
     }
 }
 
 fn handshake(
-    inner: &Inner,
+    ctx: &Context,
     meta: &AgentMetadata,
     key: Option<&[u8]>,
     s: &mut UnixStream,
 ) -> Result<(), LinkError> {
-    wire::client_handshake(s, wire::SHM_ROLES, 0, &inner.name, key, &meta.name).map_err(|e| match e
-    {
+    wire::client_handshake(s, wire::SHM_ROLES, 0, &ctx.name, key, &meta.name).map_err(|e| match e {
         ClientAuthError::Frame(e) => frame_err(e),
         ClientAuthError::Random(e) => LinkError::Random(e),
-        ClientAuthError::Version(_) => LinkError::ShmMalformed {
+        ClientAuthError::Version(_) => LinkError::Shm(ShmError::Malformed {
             what: "the peer speaks another protocol version",
-        },
-        ClientAuthError::WrongName(_) => LinkError::ShmMalformed {
+        }),
+        ClientAuthError::WrongName(_) => LinkError::Shm(ShmError::Malformed {
             what: "the agent on the shm socket is not the one the metadata names",
-        },
-        ClientAuthError::Rejected => LinkError::ShmAuthRejected,
-        ClientAuthError::PeerAuthFailed => LinkError::ShmPeerAuthFailed,
+        }),
+        ClientAuthError::Rejected => LinkError::Shm(ShmError::AuthRejected),
+        ClientAuthError::PeerAuthFailed => LinkError::Shm(ShmError::PeerAuthFailed),
     })
 }
 
@@ -498,11 +433,13 @@ fn receive_handover(
     peer: &str,
     cma_pid: Option<u32>,
 ) -> Result<Handover, LinkError> {
-    let io = |source| LinkError::ShmSocket {
-        op: "receiving regions",
-        source,
+    let io = |source| {
+        LinkError::Shm(ShmError::Socket {
+            op: "receiving regions",
+            source,
+        })
     };
-    let malformed = |what| LinkError::ShmMalformed { what };
+    let malformed = |what| LinkError::Shm(ShmError::Malformed { what });
     let mut grants: Option<SharedRegionView> = None;
     let mut regions = HashMap::new();
     // Every region id handed over, also those not mapped (a device region this process
@@ -637,20 +574,20 @@ fn receive_handover(
                 }
                 grants = Some(
                     SharedRegionView::map(fd, table_len)
-                        .map_err(|source| LinkError::ShmMap { region: 0, source })?,
+                        .map_err(|source| LinkError::Shm(ShmError::Map { region: 0, source }))?,
                 );
             }
             wire::SHM_RING => {
                 let (capacity, max_record) = (word()?, word()?);
                 ring = Some(
                     RingWriter::map(fd, capacity, max_record)
-                        .map_err(|source| LinkError::ShmRing { source })?,
+                        .map_err(|source| LinkError::Shm(ShmError::Ring { source }))?,
                 );
             }
             _ => {
                 let (id, key, region_len, slot) = region_words(body, grants.as_ref(), &mut handed)?;
                 let view = SharedRegionView::map(fd, region_len)
-                    .map_err(|source| LinkError::ShmMap { region: id, source })?;
+                    .map_err(|source| LinkError::Shm(ShmError::Map { region: id, source }))?;
                 regions.insert(
                     id,
                     Arc::new(MappedRegion {
@@ -672,7 +609,7 @@ fn region_words(
     grants: Option<&SharedRegionView>,
     handed: &mut HashSet<u64>,
 ) -> Result<(u64, u64, u64, u64), LinkError> {
-    let malformed = |what| LinkError::ShmMalformed { what };
+    let malformed = |what| LinkError::Shm(ShmError::Malformed { what });
     let mut b = Body(words);
     let mut word = || b.u64().map_err(frame_err);
     let (id, key, region_len, slot) = (word()?, word()?, word()?, word()?);
@@ -690,7 +627,16 @@ fn region_words(
 }
 
 impl ShmLink {
-    pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
+    fn disconnected(&self, reason: &str) -> TransferError {
+        TransferError::Disconnected {
+            peer: self.core.peer.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+impl Link for ShmLink {
+    fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
         let core = &self.core;
         let fence = batch.lock().fence.map(|f| f.remote);
         let fence_region = fence.map(|f| f.region);
@@ -711,7 +657,7 @@ impl ShmLink {
             // A region registered after connect, one whose device memory could not be
             // opened here, or a destination the source cannot copy into (device memory
             // from a memfd): TCP moves it.
-            return core.tcp.post(batch, chunks);
+            return core.tcp.post_reads(batch, chunks);
         }
         if self.closed.load(Ordering::Acquire) {
             return Err(self.disconnected("link closed"));
@@ -720,7 +666,7 @@ impl ShmLink {
             return Err(self.disconnected("no live connection"));
         }
         if !core.cma_allowed(&chunks, fence) {
-            return core.tcp.post(batch, chunks);
+            return core.tcp.post_reads(batch, chunks);
         }
         let mut copies = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -765,15 +711,8 @@ impl ShmLink {
         Ok(())
     }
 
-    fn disconnected(&self, reason: &str) -> TransferError {
-        TransferError::Disconnected {
-            peer: self.core.peer.clone(),
-            reason: reason.to_owned(),
-        }
-    }
-
     /// Through the ring (the TCP link routes it there), or over TCP without one.
-    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
         if self.ring && !self.core.tcp.is_connected() {
             // P is gone (its TCP connections died): its ring is drained by nobody.
             return Err(self.disconnected("no live connection"));
@@ -782,11 +721,11 @@ impl ShmLink {
     }
 
     /// The copiers check the batch between chunks and stop; TCP cancels its part.
-    pub(crate) fn on_timeout(&self, batch: &Batch) {
+    fn on_timeout(&self, batch: &Batch) {
         self.core.tcp.on_timeout(batch);
     }
 
-    pub(crate) fn close(&self) {
+    fn close(&self) {
         self.closed.store(true, Ordering::Release);
         // P drains what is left in the ring and drops it.
         let _ = self.sock.shutdown(std::net::Shutdown::Both);

@@ -41,7 +41,7 @@
 //!   (no driver, device not visible here, the driver refuses it) leaves that region to
 //!   TCP, logged; a malformed one, one whose length is not the descriptor's, or one
 //!   claiming more than the allocation the driver mapped refuses the whole link with a
-//!   typed error (`LinkError::ShmCudaRegion`, `LinkError::ShmMalformed`). A build
+//!   typed error (`LinkError::Shm(ShmError::CudaRegion)`, `LinkError::Shm(ShmError::Malformed)`). A build
 //!   without `cuda` skips these frames; a build from before them refuses the hand-over
 //!   as malformed (and `auto` falls back to verbs or TCP);
 //! - with cross-memory attach on ([`CmaPolicy`](crate::CmaPolicy), on by default), for
@@ -139,10 +139,12 @@
 pub(crate) mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub(crate) mod error;
 mod link;
+mod mapped;
 mod server;
 
-pub(crate) use link::{ShmLink, connect};
+pub(crate) use link::connect;
 pub(crate) use server::Server;
 
 /// The metadata key of this backend's entry.

@@ -17,9 +17,11 @@ use kvlease_gpu_mem::{
 use kvlease_proto::auth::ServerAuth;
 
 use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
-use crate::agent::{Inner, bump, lock};
 use crate::config::CmaPolicy;
+use crate::context::Context;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
+use crate::stats::{Counters, bump};
+use crate::sync::lock;
 use crate::tcp::wire::{self, FrameError};
 
 /// The Unix-socket connections being served, shut down when the agent stops.
@@ -105,7 +107,7 @@ impl Server {
     /// Binds a fresh abstract socket and starts its accept thread; the metadata entry
     /// names it. `None` (logged) when the host has no identity or binding fails: peers
     /// then use another backend.
-    pub(crate) fn start(inner: &Arc<Inner>) -> Option<Self> {
+    pub(crate) fn start(ctx: &Arc<Context>) -> Option<Self> {
         let identity = host_identity()?;
         let mut suffix = [0u8; 12];
         if let Err(err) = getrandom::fill(&mut suffix) {
@@ -136,10 +138,10 @@ impl Server {
             }
         };
         let conns = Arc::new(Conns::default());
-        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
+        let (ctx2, conns2, grants2) = (ctx.clone(), conns.clone(), grants.clone());
         let handle = std::thread::Builder::new()
             .name("kvl-shm-listen".into())
-            .spawn(move || accept_loop(&inner2, &conns2, &grants2, &listener));
+            .spawn(move || accept_loop(&ctx2, &conns2, &grants2, &listener));
         let handle = match handle {
             Ok(h) => h,
             Err(err) => {
@@ -147,7 +149,7 @@ impl Server {
                 return None;
             }
         };
-        inner.set_backend_metadata(
+        ctx.set_backend_metadata(
             METADATA_KEY,
             Some(serde_json::json!({ "host": identity, "socket": name })),
         );
@@ -157,12 +159,12 @@ impl Server {
             listener: Some(handle),
             conns,
             grants,
-            cma: inner.cma,
+            cma: ctx.cma,
         })
     }
 
     /// A region was registered: peers that connect from now on get it, if its memory is
-    /// shareable (call before the region becomes visible in `Inner::regions`).
+    /// shareable (call before the region becomes visible in `Context::regions`).
     pub(crate) fn grant(&self, id: u64, region: &dyn DmaRegion) {
         if shareable(region, self.cma) && self.grants.grant(id).is_none() {
             tracing::warn!(
@@ -173,7 +175,7 @@ impl Server {
         }
     }
 
-    /// A region was deregistered (call after it left `Inner::regions`): peers that
+    /// A region was deregistered (call after it left `Context::regions`): peers that
     /// mapped it refuse to read it from now on.
     pub(crate) fn revoke(&self, id: u64) {
         self.grants.revoke(id);
@@ -240,18 +242,18 @@ fn name_ptracer(s: &UnixStream, policy: CmaPolicy, peer: &str) {
 }
 
 fn accept_loop(
-    inner: &Arc<Inner>,
+    ctx: &Arc<Context>,
     conns: &Arc<Conns>,
     grants: &Arc<Grants>,
     listener: &UnixListener,
 ) {
-    for stream in crate::tcp::server::accepted(listener.incoming(), &inner.shutdown, "shm") {
+    for stream in crate::tcp::server::accepted(listener.incoming(), &ctx.shutdown, "shm") {
         let id = conns.next.fetch_add(1, Ordering::Relaxed);
         {
             let mut open = lock(&conns.open);
-            if open.len() >= inner.limits.max_inbound_connections {
+            if open.len() >= ctx.limits.max_inbound_connections {
                 tracing::warn!(
-                    max = inner.limits.max_inbound_connections,
+                    max = ctx.limits.max_inbound_connections,
                     "too many shm connections; connection dropped"
                 );
                 continue;
@@ -264,14 +266,14 @@ fn accept_loop(
                 }
             };
         }
-        let (inner2, conns2, grants2) = (inner.clone(), conns.clone(), grants.clone());
+        let (ctx2, conns2, grants2) = (ctx.clone(), conns.clone(), grants.clone());
         let spawned = std::thread::Builder::new()
             .name("kvl-shm-serve".into())
             .spawn(move || {
-                if let Err(err) = serve(&inner2, &grants2, stream) {
+                if let Err(err) = serve(&ctx2, &grants2, stream) {
                     match err {
                         FrameError::Malformed(why) => {
-                            bump(&inner2.counters.malformed_frames);
+                            bump(&ctx2.counters.malformed_frames);
                             tracing::warn!(%why, "malformed frame on the shm socket; closed");
                         }
                         FrameError::Io(err) => {
@@ -290,17 +292,17 @@ fn accept_loop(
 
 /// Serves one Unix-socket connection: the handshake; if it succeeded the grant table, the
 /// ring and the regions, then waits until the peer closes the connection.
-fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameError> {
-    s.set_read_timeout(Some(inner.limits.handshake_timeout))?;
-    s.set_write_timeout(Some(inner.limits.handshake_timeout))?;
+fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameError> {
+    s.set_read_timeout(Some(ctx.limits.handshake_timeout))?;
+    s.set_write_timeout(Some(ctx.limits.handshake_timeout))?;
     let (_, len) = wire::read_header(&mut s, &[wire::HELLO], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
     let server_nonce = wire::random_nonce().map_err(|e| io::Error::other(e.to_string()))?;
     let challenged = ServerAuth::new(
         wire::SHM_ROLES,
         server_nonce,
-        &inner.name,
-        inner.token.as_deref(),
+        &ctx.name,
+        ctx.token.as_deref(),
     )
     .on_hello(&body)?;
     s.write_all(&wire::frame(wire::CHALLENGE, &challenged.reply))?;
@@ -308,7 +310,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let (_, len) = wire::read_header(&mut s, &[wire::PROOF], |_| wire::MAX_CONTROL_BODY)?;
     let body = wire::read_body(&mut s, len)?;
     let Some((client, ())) =
-        crate::tcp::server::answer_client_proof(inner, auth, &body, &mut s, || Ok(()))?
+        crate::tcp::server::answer_client_proof(ctx, auth, &body, &mut s, || Ok(()))?
     else {
         tracing::debug!("shm peer refused; no memory handed over");
         return Ok(());
@@ -322,7 +324,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     let f = wire::frame(wire::SHM_GRANTS, &(grants.table.len() as u64).to_le_bytes());
     send_with_fds(s.as_fd(), &f, &[table_fd])?;
     // The ring before the regions: D may notify as soon as it has seen `SHM_END`.
-    let (capacity, max_record) = ring_shape(inner.limits.max_notif_len);
+    let (capacity, max_record) = ring_shape(ctx.limits.max_notif_len);
     let closed = Arc::new(AtomicBool::new(false));
     match RingReader::new(capacity, max_record) {
         Ok(ring) => {
@@ -330,7 +332,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
             body[..8].copy_from_slice(&(capacity as u64).to_le_bytes());
             body[8..].copy_from_slice(&(max_record as u64).to_le_bytes());
             send_with_fds(s.as_fd(), &wire::frame(wire::SHM_RING, &body), &[ring.fd()])?;
-            inner.notif_sources.add(Box::new(RingSource {
+            ctx.notif_sources.add(Box::new(RingSource {
                 peer: client,
                 ring,
                 closed: closed.clone(),
@@ -349,7 +351,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
     // memory, other host memory when cma is on, and, with the `cuda` feature, device
     // memory.
     #[allow(unused_mut, reason = "only the cuda build splits off device regions")]
-    let mut regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = inner
+    let mut regions: Vec<(Arc<dyn DmaRegion>, crate::metadata::RegionDesc, u64)> = ctx
         .regions
         .read()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -367,7 +369,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         .iter()
         .any(|(r, ..)| r.shared_fd().is_none() && r.kind().is_host_accessible())
     {
-        name_ptracer(&s, inner.cma, &client_name);
+        name_ptracer(&s, ctx.cma, &client_name);
     }
     let handed = (|| -> Result<(), FrameError> {
         for (region, desc, slot) in &regions {
@@ -378,7 +380,7 @@ fn serve(inner: &Inner, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
                 }
                 // Host memory that is not memfd-backed (granted only with cma on): its
                 // address, for `process_vm_readv`.
-                None if region.kind().is_host_accessible() && inner.cma != CmaPolicy::Off => {
+                None if region.kind().is_host_accessible() && ctx.cma != CmaPolicy::Off => {
                     let mut cma = [0u8; wire::SHM_CMA_REGION_LEN];
                     cma[..body.len()].copy_from_slice(&body);
                     cma[body.len()..].copy_from_slice(&(region.base_ptr() as u64).to_le_bytes());
@@ -419,7 +421,7 @@ struct RingSource {
 }
 
 impl NotifSource for RingSource {
-    fn drain(&mut self, inner: &Inner, out: &mut Groups) -> Drained {
+    fn drain(&mut self, counters: &Counters, out: &mut Groups) -> Drained {
         // Loaded before the drain: what D pushed before it closed is drained below.
         let closed = self.closed.load(Ordering::Acquire);
         if !self.ring.is_empty() {
@@ -429,14 +431,11 @@ impl NotifSource for RingSource {
                 n += 1;
                 push_grouped(out, peer, m);
             });
-            inner
-                .counters
-                .notifs_received
-                .fetch_add(n, Ordering::Relaxed);
+            counters.notifs_received.fetch_add(n, Ordering::Relaxed);
             match drained {
                 Ok(_) => {}
                 Err(err) => {
-                    bump(&inner.counters.notif_rings_corrupt);
+                    bump(&counters.notif_rings_corrupt);
                     tracing::warn!(peer = %self.peer, %err, "shm peer's notification ring corrupt; ring and connection closed");
                     let _ = self.conn.shutdown(std::net::Shutdown::Both);
                     return Drained::Finished;

@@ -11,13 +11,17 @@ use crossbeam_channel::{Receiver, Sender};
 use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{DmaRegion, RegionBytes};
 
-use super::notif::NotifSender;
+use super::notif::{NotifHub, NotifSender};
 use super::wire::{self, Body, ClientAuthError, FrameError};
-use crate::agent::{FenceRead, Inner, bump, lock};
 use crate::batch::{Batch, Next};
+use crate::context::Context;
 use crate::error::{ConnectError, Refusal, TransferError};
+use crate::ids::FenceRead;
+use crate::link::{Chunk, Link};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
+use crate::stats::bump;
+use crate::sync::lock;
 
 /// The reader's buffer: room for a response header with its body (21 bytes) and a few
 /// small responses (refusals, fence words), but not for payloads, which are received
@@ -25,15 +29,6 @@ use crate::notify::NotifSink;
 /// it in with the header and copy it a second time (measured on 64 × 64 KiB: 3.2 GB/s
 /// with a 64 KiB buffer, 4.4 with a small one).
 const HEADER_BUF: usize = 256;
-
-/// One chunk of a read op, bound for one connection.
-#[derive(Debug)]
-pub(crate) struct Chunk {
-    pub(crate) dest: Arc<dyn DmaRegion>,
-    pub(crate) dest_offset: u64,
-    pub(crate) remote: crate::agent::RemoteRange,
-    pub(crate) len: u64,
-}
 
 #[derive(Debug)]
 enum Dest {
@@ -163,7 +158,8 @@ pub(crate) struct TcpLink {
 /// Connects to `meta`'s agent, every connection proving `key` (the token, or a session's
 /// key in its place).
 pub(crate) fn connect(
-    inner: &Arc<Inner>,
+    ctx: &Arc<Context>,
+    hub: &NotifHub,
     meta: &AgentMetadata,
     key: Option<&[u8]>,
 ) -> Result<Arc<TcpLink>, ConnectError> {
@@ -185,23 +181,23 @@ pub(crate) fn connect(
         })?;
     let open = |index: u16| -> Result<TcpStream, ConnectError> {
         let stream =
-            TcpStream::connect_timeout(&addr, inner.limits.handshake_timeout).map_err(io_err)?;
-        handshake(inner, meta, key, &stream, index).map_err(|e| match e {
+            TcpStream::connect_timeout(&addr, ctx.limits.handshake_timeout).map_err(io_err)?;
+        handshake(ctx, meta, key, &stream, index).map_err(|e| match e {
             HandshakeError::Io(source) => io_err(source),
             HandshakeError::Connect(e) => e,
         })?;
         Ok(stream)
     };
-    let mut streams = Vec::with_capacity(inner.num_connections);
+    let mut streams = Vec::with_capacity(ctx.num_connections);
     // `num_connections` is at most 64, far below `NOTIF_CONN_INDEX`.
-    for index in 0..inner.num_connections as u16 {
+    for index in 0..ctx.num_connections as u16 {
         streams.push(open(index)?);
     }
     let notif = NotifSender::new(
         meta.name.clone(),
         open(wire::NOTIF_CONN_INDEX)?,
-        inner.limits.max_queued_notif_bytes,
-        inner.tcp_notifs.backlog(),
+        ctx.limits.max_queued_notif_bytes,
+        hub.backlog(),
     )
     .map_err(io_err)?;
     let mut conns = Vec::with_capacity(streams.len());
@@ -240,10 +236,10 @@ pub(crate) fn connect(
     });
     for (conn, stream) in readers {
         let link2 = link.clone();
-        let inner2 = inner.clone();
+        let ctx2 = ctx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("kvl-rx-{}-{}", meta.name, conn.index))
-            .spawn(move || read_loop(&inner2, &link2, &conn, stream));
+            .spawn(move || read_loop(&ctx2, &link2, &conn, stream));
         if let Err(e) = spawned {
             link.close();
             return Err(ConnectError::Thread(e));
@@ -265,7 +261,7 @@ impl From<io::Error> for HandshakeError {
 }
 
 fn handshake(
-    inner: &Inner,
+    ctx: &Context,
     meta: &AgentMetadata,
     key: Option<&[u8]>,
     stream: &TcpStream,
@@ -279,9 +275,9 @@ fn handshake(
         })
     };
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(inner.limits.handshake_timeout))?;
-    stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
-    wire::client_handshake(stream, wire::TCP_ROLES, index, &inner.name, key, &meta.name).map_err(
+    stream.set_read_timeout(Some(ctx.limits.handshake_timeout))?;
+    stream.set_write_timeout(Some(ctx.limits.handshake_timeout))?;
+    wire::client_handshake(stream, wire::TCP_ROLES, index, &ctx.name, key, &meta.name).map_err(
         |e| match e {
             ClientAuthError::Frame(FrameError::Io(e)) => HandshakeError::Io(e),
             ClientAuthError::Frame(FrameError::Malformed(why)) => bad(why),
@@ -306,7 +302,7 @@ fn handshake(
     // Writes keep a deadline: a request write to a peer that stopped reading kills the
     // connection. (The notification connection becomes non-blocking instead.)
     stream.set_read_timeout(None)?;
-    stream.set_write_timeout(Some(inner.limits.handshake_timeout))?;
+    stream.set_write_timeout(Some(ctx.limits.handshake_timeout))?;
     Ok(())
 }
 
@@ -335,11 +331,11 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
     }
 }
 
-fn read_loop(inner: &Inner, link: &TcpLink, conn: &Conn, stream: TcpStream) {
+fn read_loop(ctx: &Context, link: &TcpLink, conn: &Conn, stream: TcpStream) {
     let mut r = BufReader::with_capacity(HEADER_BUF, stream);
     let reason = match receive(link, conn, &mut r) {
         Err(FrameError::Malformed(why)) => {
-            bump(&inner.counters.malformed_frames);
+            bump(&ctx.counters.malformed_frames);
             tracing::warn!(peer = %link.peer, %why, "malformed frame from peer; connection closed");
             format!("malformed frame: {why}")
         }
@@ -542,44 +538,6 @@ impl TcpLink {
         Some(frame)
     }
 
-    pub(crate) fn post(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
-        let conns = self.alive_conns();
-        if conns.is_empty() {
-            return Err(self.disconnected());
-        }
-        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let mut frames: Vec<Vec<u8>> = vec![Vec::new(); conns.len()];
-        for (i, chunk) in chunks.into_iter().enumerate() {
-            let k = (start + i) % conns.len();
-            let op = PendingOp {
-                batch: batch.clone(),
-                dest: Dest::Data {
-                    region: chunk.dest,
-                    offset: chunk.dest_offset,
-                },
-                region: chunk.remote.region,
-                offset: chunk.remote.offset,
-                len: chunk.len,
-            };
-            match self.enqueue(conns[k], op, chunk.remote.key) {
-                Some(f) => frames[k].extend_from_slice(&f),
-                None => {
-                    // Raced with the connection dying: fail the batch (ops already
-                    // queued elsewhere are cancelled).
-                    self.fail(batch, self.disconnected());
-                    return Ok(());
-                }
-            }
-        }
-        for (k, f) in frames.into_iter().enumerate() {
-            // A failed write kills the connection, whose reader then fails the ops.
-            if !f.is_empty() {
-                conns[k].send_direct(&f);
-            }
-        }
-        Ok(())
-    }
-
     fn post_fence(&self, batch: &Arc<Batch>, fence: FenceRead) {
         let conns = self.alive_conns();
         let Some(conn) = conns.first() else {
@@ -630,11 +588,6 @@ impl TcpLink {
         }
     }
 
-    /// Sends a notification over the notification connection, without blocking.
-    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
-        self.notif_to(&bytes)
-    }
-
     /// Sends this link's notifications through `sink` from now on (the shared-memory
     /// link routes them into its ring). The notification connection then carries nothing
     /// more: it is closed, so that the peer's `get_new_notifs` stops reading it (a system
@@ -653,10 +606,55 @@ impl TcpLink {
             None => self.notif.send(bytes),
         }
     }
+}
+
+impl Link for TcpLink {
+    fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
+        let conns = self.alive_conns();
+        if conns.is_empty() {
+            return Err(self.disconnected());
+        }
+        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let mut frames: Vec<Vec<u8>> = vec![Vec::new(); conns.len()];
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let k = (start + i) % conns.len();
+            let op = PendingOp {
+                batch: batch.clone(),
+                dest: Dest::Data {
+                    region: chunk.dest,
+                    offset: chunk.dest_offset,
+                },
+                region: chunk.remote.region,
+                offset: chunk.remote.offset,
+                len: chunk.len,
+            };
+            match self.enqueue(conns[k], op, chunk.remote.key) {
+                Some(f) => frames[k].extend_from_slice(&f),
+                None => {
+                    // Raced with the connection dying: fail the batch (ops already
+                    // queued elsewhere are cancelled).
+                    self.fail(batch, self.disconnected());
+                    return Ok(());
+                }
+            }
+        }
+        for (k, f) in frames.into_iter().enumerate() {
+            // A failed write kills the connection, whose reader then fails the ops.
+            if !f.is_empty() {
+                conns[k].send_direct(&f);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a notification over the notification connection, without blocking.
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+        self.notif_to(&bytes)
+    }
 
     /// Called once a batch timed out (already marked failed): cancels its queued chunks
     /// and shuts down connections that are receiving into its memory right now.
-    pub(crate) fn on_timeout(&self, batch: &Batch) {
+    fn on_timeout(&self, batch: &Batch) {
         for conn in &self.conns {
             lock(&conn.pending)
                 .ops
@@ -668,7 +666,7 @@ impl TcpLink {
         }
     }
 
-    pub(crate) fn close(&self) {
+    fn close(&self) {
         for conn in &self.conns {
             conn.kill();
         }

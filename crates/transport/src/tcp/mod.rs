@@ -22,5 +22,5 @@ pub(crate) mod notif;
 pub(crate) mod server;
 pub(crate) mod wire;
 
-pub(crate) use client::{Chunk, TcpLink};
+pub(crate) use client::TcpLink;
 pub(crate) use notif::NotifHub;

@@ -51,8 +51,11 @@ use std::time::Duration;
 use mio::{Events, Interest, Poll, Token};
 
 use super::wire::{self, FrameError};
-use crate::agent::{Inner, Sender, bump, lock};
+use crate::context::Context;
 use crate::error::TransferError;
+use crate::ids::Sender;
+use crate::stats::bump;
+use crate::sync::lock;
 
 /// Bytes asked of the socket per read, and the usual size of a connection's buffer.
 const READ_CHUNK: usize = 64 * 1024;
@@ -209,7 +212,7 @@ impl NotifHub {
 
     /// Writes what waits in the outbound queues, then reads the inbound connections into
     /// the inbox (as far as it has room). Called by `Agent::get_new_notifs`.
-    pub(crate) fn poll(&self, inner: &Inner) {
+    pub(crate) fn poll(&self, ctx: &Context) {
         self.backlog.flush();
         if self.count.load(Ordering::Acquire) == 0 {
             return;
@@ -235,7 +238,7 @@ impl NotifHub {
                 Err(err) => tracing::warn!(%err, "epoll_wait on notification connections failed"),
             }
         }
-        let max_body = inner.limits.max_notif_len;
+        let max_body = ctx.limits.max_notif_len;
         let mut stalled = None;
         for token in std::mem::take(&mut s.hot) {
             if stalled.is_some() {
@@ -246,12 +249,12 @@ impl NotifHub {
             let Some(c) = s.conns.get_mut(&token) else {
                 continue;
             };
-            match c.service(inner, max_body) {
+            match c.service(ctx, max_body) {
                 Ok(Serviced::Idle) => c.hot = false,
                 Ok(Serviced::Stalled) => stalled = Some(token),
                 Err(end) => {
                     if let Some(mut c) = s.conns.remove(&token) {
-                        c.close(inner, end, s.poll.registry());
+                        c.close(ctx, end, s.poll.registry());
                     }
                 }
             }
@@ -295,7 +298,7 @@ impl Source {
 
     /// Delivers the whole frames received, reading the socket until it is drained or the
     /// inbox is full.
-    fn service(&mut self, inner: &Inner, max_body: usize) -> Result<Serviced, End> {
+    fn service(&mut self, ctx: &Context, max_body: usize) -> Result<Serviced, End> {
         loop {
             // The frame at `start`, when its header is here: its body length.
             let mut need = wire::HEADER_LEN;
@@ -307,7 +310,7 @@ impl Source {
                 if r.len() < len {
                     break;
                 }
-                if !inner.deliver_notif_if_room(&self.peer, &r[..len]) {
+                if !ctx.deliver_notif_if_room(&self.peer, &r[..len]) {
                     return Ok(Serviced::Stalled);
                 }
                 self.start += need;
@@ -353,13 +356,13 @@ impl Source {
         }
     }
 
-    fn close(&mut self, inner: &Inner, end: End, registry: &mio::Registry) {
+    fn close(&mut self, ctx: &Context, end: End, registry: &mio::Registry) {
         match end {
             End::Eof => {
                 tracing::debug!(peer = %self.peer, "notification connection closed by the peer");
             }
             End::Frame(FrameError::Malformed(why)) => {
-                bump(&inner.counters.malformed_frames);
+                bump(&ctx.counters.malformed_frames);
                 tracing::warn!(peer = %self.peer, %why, "malformed frame on a notification connection; connection closed");
             }
             End::Frame(FrameError::Io(err)) => {

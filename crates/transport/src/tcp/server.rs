@@ -12,18 +12,24 @@ use kvlease_gpu_mem::staging::{Stager, StagingConfig};
 use kvlease_gpu_mem::{RegionAccessError, RegionBytes};
 use kvlease_proto::auth::{AwaitingProof, ServerAuth};
 
-use super::notif::Handoff;
+use super::notif::{Handoff, NotifHub};
 use super::wire::{self, Body, FrameError};
-use crate::agent::{Inner, Sender, bump, lock};
+use crate::context::Context;
 use crate::error::Refusal;
+use crate::ids::Sender;
+use crate::stats::bump;
+use crate::sync::lock;
 
+/// Starts the listener thread: it accepts inbound connections and serves each on a
+/// thread of its own; authenticated notification connections move to `hub`.
 pub(crate) fn spawn_listener(
-    inner: Arc<Inner>,
+    ctx: Arc<Context>,
+    hub: Arc<NotifHub>,
     listener: TcpListener,
 ) -> io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
-        .name(format!("kvl-listen-{}", inner.local_addr.port()))
-        .spawn(move || accept_loop(&inner, &listener))
+        .name(format!("kvl-listen-{}", ctx.local_addr.port()))
+        .spawn(move || accept_loop(&ctx, &hub, &listener))
 }
 
 /// The streams an accept loop serves (TCP here, the shm backend's Unix socket): each one
@@ -47,51 +53,51 @@ pub(crate) fn accepted<S>(
         })
 }
 
-fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
-    for stream in accepted(listener.incoming(), &inner.shutdown, "tcp") {
+fn accept_loop(ctx: &Arc<Context>, hub: &Arc<NotifHub>, listener: &TcpListener) {
+    for stream in accepted(listener.incoming(), &ctx.shutdown, "tcp") {
         // Until it authenticates, the connection holds one of the few pre-auth slots; a
         // newcomer may evict it (shut down) to make room. The caps on connections in all
         // (`max_inbound_*`) apply once it authenticated (see `authenticated_slot`).
-        let Some(preauth) = preauth_slot(inner, &stream) else {
-            bump(&inner.counters.preauth_refused);
+        let Some(preauth) = preauth_slot(ctx, &stream) else {
+            bump(&ctx.counters.preauth_refused);
             tracing::warn!(
                 peer = ?stream.peer_addr().ok(),
-                limit = inner.limits.max_preauth_connections,
+                limit = ctx.limits.max_preauth_connections,
                 "too many unauthenticated connections, none to evict; connection closed"
             );
             continue;
         };
-        bump(&inner.counters.connections_accepted);
+        bump(&ctx.counters.connections_accepted);
         // The pre-authentication deadline runs from here, whatever the peer sends later.
-        let deadline = Instant::now() + inner.limits.handshake_timeout;
-        let id = inner.fresh_id();
+        let deadline = Instant::now() + ctx.limits.handshake_timeout;
+        let id = ctx.fresh_id();
         if let Ok(clone) = stream.try_clone() {
-            lock(&inner.inbound).insert(id, clone);
+            lock(&ctx.inbound).insert(id, clone);
         }
-        let inner2 = inner.clone();
+        let (ctx2, hub2) = (ctx.clone(), hub.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("kvl-serve-{id}"))
             .spawn(move || {
                 let peer_addr = stream.peer_addr().ok();
-                let served = serve(&inner2, stream, deadline, preauth);
+                let served = serve(&ctx2, &hub2, stream, deadline, preauth);
                 if let Ok(handoff) = served {
                     // The socket lives on in the notification hub, read by
                     // `get_new_notifs`; this thread ends. It leaves `inbound` (without a
                     // shutdown) only once the hub counts it, so that the accept limit
                     // never misses it.
-                    inner2.tcp_notifs.add(handoff);
-                    lock(&inner2.inbound).remove(&id);
+                    hub2.add(handoff);
+                    lock(&ctx2.inbound).remove(&id);
                     return;
                 }
                 let _ = served.inspect_err(|err| match err {
                     FrameError::Malformed(why) => {
-                        bump(&inner2.counters.malformed_frames);
+                        bump(&ctx2.counters.malformed_frames);
                         tracing::warn!(?peer_addr, %why, "malformed frame; connection closed");
                     }
                     FrameError::Io(err) if Instant::now() >= deadline && is_timeout(err) => {
                         // Only an unauthenticated connection has a read timeout, so this
                         // is the pre-authentication deadline.
-                        bump(&inner2.counters.handshake_timeouts);
+                        bump(&ctx2.counters.handshake_timeouts);
                         tracing::debug!(
                             ?peer_addr,
                             "inbound connection not authenticated in time; closed"
@@ -101,13 +107,13 @@ fn accept_loop(inner: &Arc<Inner>, listener: &TcpListener) {
                         tracing::debug!(?peer_addr, %err, "inbound connection ended");
                     }
                 });
-                if let Some(s) = lock(&inner2.inbound).remove(&id) {
+                if let Some(s) = lock(&ctx2.inbound).remove(&id) {
                     let _ = s.shutdown(Shutdown::Both);
                 }
             });
         if let Err(err) = spawned {
             tracing::error!(%err, "could not start a connection thread; connection dropped");
-            if let Some(s) = lock(&inner.inbound).remove(&id) {
+            if let Some(s) = lock(&ctx.inbound).remove(&id) {
                 let _ = s.shutdown(Shutdown::Both);
             }
         }
@@ -126,38 +132,36 @@ fn over_cap(what: &str, limit: usize) -> FrameError {
 /// `limits.max_inbound_connections` authenticated connections (checked without a lock
 /// across the two counts: a race lets one more in, never unboundedly many).
 fn authenticated_slot(
-    inner: &Inner,
+    ctx: &Context,
+    hub: &NotifHub,
     stream: &TcpStream,
 ) -> Result<crate::slots::AddressSlot, FrameError> {
-    let held = lock(&inner.inbound)
-        .len()
-        .saturating_sub(inner.preauth.len())
-        + inner.tcp_notifs.len();
-    if held > inner.limits.max_inbound_connections {
+    let held = lock(&ctx.inbound).len().saturating_sub(ctx.preauth.len()) + hub.len();
+    if held > ctx.limits.max_inbound_connections {
         return Err(over_cap(
             "the cap on inbound connections",
-            inner.limits.max_inbound_connections,
+            ctx.limits.max_inbound_connections,
         ));
     }
     stream
         .peer_addr()
         .ok()
-        .and_then(|a| inner.per_address.take(a.ip()))
+        .and_then(|a| ctx.per_address.take(a.ip()))
         .ok_or_else(|| {
             over_cap(
                 "the cap on inbound connections from one address",
-                inner.limits.max_inbound_per_address,
+                ctx.limits.max_inbound_per_address,
             )
         })
 }
 
 /// A pre-auth slot for `stream` (see [`crate::config::Limits::max_preauth_connections`]),
 /// evicted by shutting the socket down; `None` when none can be made.
-pub(crate) fn preauth_slot(inner: &Inner, stream: &TcpStream) -> Option<crate::slots::FairSlot> {
+pub(crate) fn preauth_slot(ctx: &Context, stream: &TcpStream) -> Option<crate::slots::FairSlot> {
     let ip = stream.peer_addr().ok()?.ip();
     let socket = stream.try_clone().ok()?;
-    let evicted = inner.counters.clone();
-    inner.preauth.admit(ip, move || {
+    let evicted = ctx.counters.clone();
+    ctx.preauth.admit(ip, move || {
         bump(&evicted.preauth_evicted);
         let _ = socket.shutdown(Shutdown::Both);
         true
@@ -229,7 +233,8 @@ enum Phase {
 /// back instead once its peer authenticated (see `super::notif`). The connection gives
 /// its pre-auth slot back once its peer authenticated.
 fn serve(
-    inner: &Inner,
+    ctx: &Context,
+    hub: &NotifHub,
     stream: TcpStream,
     deadline: Instant,
     preauth: crate::slots::FairSlot,
@@ -242,13 +247,13 @@ fn serve(
         Inbound {
             stream,
             deadline: Some(deadline),
-            write_timeout: inner.limits.serve_write_timeout,
+            write_timeout: ctx.limits.serve_write_timeout,
         },
     );
     let mut phase = Phase::Hello;
     // Device (not host-accessible) regions are served through pinned bounce buffers.
     let mut stager = Stager::new(StagingConfig::default());
-    let max_notif = inner.limits.max_notif_len;
+    let max_notif = ctx.limits.max_notif_len;
     loop {
         let allowed: &[u8] = match phase {
             Phase::Hello => &[wire::HELLO, wire::READ_REQ, wire::NOTIF],
@@ -269,8 +274,8 @@ fn serve(
                 let challenged = ServerAuth::new(
                     wire::TCP_ROLES,
                     server_nonce,
-                    &inner.name,
-                    inner.token.as_deref(),
+                    &ctx.name,
+                    ctx.token.as_deref(),
                 )
                 .on_hello(&body)?;
                 out.write_all(&wire::frame(wire::CHALLENGE, &challenged.reply))?;
@@ -289,12 +294,12 @@ fn serve(
                 // authenticated one; over those caps it is closed before it is answered.
                 let admit = || {
                     drop(preauth.take());
-                    authenticated_slot(inner, &out).inspect_err(|e| {
+                    authenticated_slot(ctx, hub, &out).inspect_err(|e| {
                         tracing::warn!(error = %e, "too many inbound connections");
                     })
                 };
                 let Some((client, slot)) =
-                    answer_client_proof(inner, auth, &body, &mut out.try_clone()?, admit)?
+                    answer_client_proof(ctx, auth, &body, &mut out.try_clone()?, admit)?
                 else {
                     continue;
                 };
@@ -324,7 +329,7 @@ fn serve(
                 b.finish()?;
                 let authed = matches!(phase, Phase::Authenticated { .. });
                 serve_read(
-                    inner,
+                    ctx,
                     &mut out,
                     &mut stager,
                     authed,
@@ -338,9 +343,9 @@ fn serve(
             // Notifications on a data connection: a peer that predates the notification
             // connection. They go into the inbox from here (dropped when it is full).
             wire::NOTIF => match &phase {
-                Phase::Authenticated { client, .. } => inner.deliver_notif(client, body),
+                Phase::Authenticated { client, .. } => ctx.deliver_notif(client, body),
                 _ => {
-                    bump(&inner.counters.notifs_dropped_unauthenticated);
+                    bump(&ctx.counters.notifs_dropped_unauthenticated);
                     tracing::warn!("notification from an unauthenticated connection dropped");
                 }
             },
@@ -351,7 +356,7 @@ fn serve(
 
 #[allow(clippy::too_many_arguments)]
 fn serve_read(
-    inner: &Inner,
+    ctx: &Context,
     out: &mut TcpStream,
     stager: &mut Stager,
     authed: bool,
@@ -362,9 +367,9 @@ fn serve_read(
     len: u64,
 ) -> Result<(), FrameError> {
     let refuse = |out: &mut TcpStream, why: Refusal| -> Result<(), FrameError> {
-        bump(&inner.counters.reads_refused);
+        bump(&ctx.counters.reads_refused);
         if why == Refusal::Unauthenticated {
-            bump(&inner.counters.reads_refused_unauthenticated);
+            bump(&ctx.counters.reads_refused_unauthenticated);
         }
         tracing::debug!(region_id, offset, len, %why, "read refused");
         out.write_all(&wire::read_err(req, why.code()))?;
@@ -373,11 +378,11 @@ fn serve_read(
     if !authed {
         return refuse(out, Refusal::Unauthenticated);
     }
-    if len > inner.limits.max_read_len {
+    if len > ctx.limits.max_read_len {
         return refuse(out, Refusal::TooLong);
     }
     let region = {
-        let regions = inner
+        let regions = ctx
             .regions
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -411,11 +416,8 @@ fn serve_read(
             tracing::warn!(region_id, offset, len, %err, "staged read failed; connection closed");
             io::Error::other(err.to_string())
         })?;
-        bump(&inner.counters.reads_served);
-        inner
-            .counters
-            .bytes_served
-            .fetch_add(len, Ordering::Relaxed);
+        bump(&ctx.counters.reads_served);
+        ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
         return Ok(());
     }
     // A generation word is read atomically, so that it never tears against P's store.
@@ -433,11 +435,8 @@ fn serve_read(
             .unwrap_or_else(|e| Err(io::Error::other(e))),
     };
     sent?;
-    bump(&inner.counters.reads_served);
-    inner
-        .counters
-        .bytes_served
-        .fetch_add(len, Ordering::Relaxed);
+    bump(&ctx.counters.reads_served);
+    ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
     Ok(())
 }
 
@@ -448,20 +447,20 @@ fn serve_read(
 /// writes the `AUTH_RESULT` frame with the server's own proof. Returns the client and
 /// what `admit` gave when the proof held.
 pub(crate) fn answer_client_proof<T>(
-    inner: &Inner,
+    ctx: &Context,
     auth: AwaitingProof,
     given: &[u8],
     out: &mut impl Write,
     admit: impl FnOnce() -> Result<T, FrameError>,
 ) -> Result<Option<(Sender, T)>, FrameError> {
-    let session = inner.sessions.of(&auth.hello().name);
+    let session = ctx.sessions.of(&auth.hello().name);
     let verdict = auth.on_proof_keyed(given, session.as_ref())?;
     let admitted = if verdict.ok { Some(admit()?) } else { None };
     if !verdict.ok {
-        bump(&inner.counters.auth_failures);
+        bump(&ctx.counters.auth_failures);
         match &session {
             Some(s) => {
-                bump(&inner.counters.session_refusals);
+                bump(&ctx.counters.session_refusals);
                 tracing::warn!(
                     peer = %verdict.client_name,
                     session = ?s,

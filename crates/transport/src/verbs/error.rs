@@ -2,7 +2,7 @@
 
 use std::{error::Error as StdError, fmt, io};
 
-use kvlease_gpu_mem::MemoryKind;
+use kvlease_gpu_mem::{MemoryKind, RegionAccessError, staging::StagingError};
 
 /// A boxed error from `sideway` (its error types are per operation).
 type Source = Box<dyn StdError + Send + Sync + 'static>;
@@ -236,4 +236,154 @@ impl fmt::Display for WorkCompletionStatus {
         }
         f.write_str(")")
     }
+}
+
+/// Why the verbs backend cannot serve a peer (inside [`LinkError::Verbs`](crate::LinkError::Verbs)).
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsLinkError {
+    /// A verbs call failed: opening the device, a protection domain, an endpoint, a
+    /// registration, a queue pair transition.
+    #[error("verbs: {op} failed")]
+    Verbs {
+        /// What was done.
+        op: &'static str,
+        /// The verbs error.
+        #[source]
+        source: VerbsError,
+    },
+    /// IO on the queue-pair side channel (TCP) failed.
+    #[error("verbs side channel: {op} failed")]
+    SideChannel {
+        /// What was done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer's metadata has no verbs entry.
+    #[error("the peer offers no verbs backend (no RDMA device there)")]
+    PeerHasNoVerbs,
+    /// The peer's verbs entry lacks a usable side-channel address.
+    #[error("the peer's verbs entry has no side-channel address")]
+    NoSideChannelAddress,
+    /// The other side refused the queue pair; `reason` is its text.
+    #[error("the peer refused the queue pair: {reason}")]
+    Refused {
+        /// What the peer sent (at most 1 KiB, lossily decoded).
+        reason: String,
+    },
+    /// This side refused a peer's request (P's side channel; logged only).
+    #[error("refused the peer: {reason}")]
+    RefusedPeer {
+        /// What was sent to the peer.
+        reason: String,
+    },
+    /// A side-channel message that breaks the format (an unknown or unexpected frame, a
+    /// malformed body, another protocol version).
+    #[error("malformed verbs side-channel message: {what}")]
+    SideChannelMalformed {
+        /// What was wrong.
+        what: String,
+    },
+    /// The peer on the side channel is not the agent its metadata names.
+    #[error("the peer's verbs side channel is served by {got:?}, not the agent its metadata names")]
+    WrongPeer {
+        /// The name it proved (or claimed, without a token).
+        got: String,
+    },
+    /// The peer sent a connection info that does not decode.
+    #[error("the peer's connection info is malformed")]
+    BadConnectionInfo(#[source] VerbsError),
+    /// The peer refused this agent's proof: a different or missing cluster token (or the
+    /// queue-pair info changed on the way).
+    #[error(
+        "the peer's verbs side channel refused our proof: configure the same auth token on \
+         both agents"
+    )]
+    ProofRejected,
+    /// This agent has a token and the peer did not prove it (none configured there,
+    /// another one, or its queue-pair info changed on the way).
+    #[error(
+        "the peer's verbs side channel did not prove the cluster token over its queue-pair \
+         info: refusing it"
+    )]
+    WrongProof,
+}
+
+/// Why a region cannot be served to verbs peers through a host mirror, or a mirror
+/// copy failed (inside [`LinkError::Mirror`](crate::LinkError::Mirror)).
+#[derive(Debug, thiserror::Error)]
+pub enum MirrorError {
+    /// Memory that verbs can register neither itself nor through a mirror.
+    #[error("{kind} memory cannot be registered with verbs nor mirrored")]
+    NotMirrorable {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Why verbs refused the region itself, where it was tried.
+        #[source]
+        source: Option<VerbsError>,
+    },
+    /// Allocating a host mirror failed.
+    #[error("allocating a {memory} mirror of {len} bytes failed")]
+    Alloc {
+        /// `host` or `cuda-pinned`.
+        memory: &'static str,
+        /// Its length.
+        len: usize,
+        /// The allocator's error.
+        #[source]
+        source: Box<dyn StdError + Send + Sync>,
+    },
+    /// A pinned mirror for CUDA memory in a build without the `cuda` feature.
+    #[error("pinned mirror on cuda:{ordinal}: this build has no `cuda` feature")]
+    NoCudaMirror {
+        /// The CUDA device.
+        ordinal: u32,
+    },
+    /// A range of a mirrored region is unusable.
+    #[error("range [{offset}+{len}] of a mirrored region is unusable")]
+    Range {
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Why.
+        #[source]
+        source: RegionAccessError,
+    },
+    /// Copying a range region -> mirror (`sync_for_peers`) failed.
+    #[error("copying [{offset}+{len}] of a {kind} region into its mirror failed")]
+    SyncOut {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The copy's error.
+        #[source]
+        source: StagingError,
+    },
+    /// Copying a range mirror -> region (after a read landed in the mirror) failed.
+    #[error("copying [{offset}+{len}] from the mirror into its {kind} region failed")]
+    SyncIn {
+        /// The region's kind.
+        kind: MemoryKind,
+        /// Start.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The copy's error.
+        #[source]
+        source: StagingError,
+    },
+    /// Verbs refused to register the mirror or the region.
+    #[error("verbs: {op} failed")]
+    Register {
+        /// What was done.
+        op: &'static str,
+        /// The verbs error.
+        #[source]
+        source: VerbsError,
+    },
 }

@@ -1,6 +1,6 @@
 //! The verbs backend inside the [`Agent`](crate::Agent): a per-agent [`VerbsDomain`]
 //! (device, protection domain, registrations, the queue-pair side channel listener) and a
-//! per-peer [`Link`] (one RC queue pair; notifications stay on the peer's TCP link).
+//! per-peer [`VerbsLink`] (one RC queue pair; notifications stay on the peer's TCP link).
 //!
 //! Queue pair info travels over a small TCP side channel of this module (P listens on
 //! its advertised IP; the address is in P's metadata entry `"verbs"`), not rdma_cm. The
@@ -33,15 +33,16 @@ use std::time::Duration;
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 
+use super::error::{MirrorError, VerbsLinkError};
 use super::mirror::Registration;
 use super::{
-    BatchId as VerbsBatchId, BatchStatus as VerbsStatus, ConnectionInfo, Device, DeviceConfig,
-    Endpoint, EndpointConfig, EndpointState, MemoryRegion, ProtectionDomain, RdmaRead,
-    RemoteRegion, VerbsError,
+    ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
+    EndpointState, MemoryRegion, ProtectionDomain, RdmaRead, RemoteRegion, VerbsError,
 };
-use crate::agent::FenceRead;
 use crate::batch::{Batch, Next};
 use crate::error::{LinkError, TransferError};
+use crate::ids::{BatchId, FenceRead};
+use crate::link::{Chunk, Link};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
 
@@ -82,8 +83,10 @@ fn read_frame(
     op: &'static str,
 ) -> Result<(u8, Vec<u8>), LinkError> {
     let malformed = |e: FrameError| match e {
-        FrameError::Io(source) => LinkError::SideChannel { op, source },
-        FrameError::Malformed(what) => LinkError::SideChannelMalformed { what },
+        FrameError::Io(source) => LinkError::Verbs(VerbsLinkError::SideChannel { op, source }),
+        FrameError::Malformed(what) => {
+            LinkError::Verbs(VerbsLinkError::SideChannelMalformed { what })
+        }
     };
     let (ty, len) = read_header(s, allowed, |ty| match ty {
         VERBS_INFO | VERBS_RESET => INFO_LEN,
@@ -100,25 +103,25 @@ fn info_or_refusal(ty: u8, body: &[u8]) -> Result<ConnectionInfo, LinkError> {
     if ty == VERBS_REFUSE {
         return Err(refusal(body));
     }
-    ConnectionInfo::decode(body).map_err(LinkError::BadConnectionInfo)
+    ConnectionInfo::decode(body).map_err(|e| LinkError::Verbs(VerbsLinkError::BadConnectionInfo(e)))
 }
 
 /// The peer's refusal, with its reason.
 fn refusal(reason: &[u8]) -> LinkError {
-    LinkError::Refused {
+    LinkError::Verbs(VerbsLinkError::Refused {
         reason: String::from_utf8_lossy(reason).into_owned(),
-    }
+    })
 }
 
 /// D's side of a failed exchange.
 fn auth_failed(e: AuthError) -> LinkError {
     match e {
-        AuthError::Rejected => LinkError::ProofRejected,
-        AuthError::PeerAuthFailed => LinkError::WrongProof,
-        AuthError::WrongName(got) => LinkError::WrongPeer { got },
-        malformed => LinkError::SideChannelMalformed {
+        AuthError::Rejected => LinkError::Verbs(VerbsLinkError::ProofRejected),
+        AuthError::PeerAuthFailed => LinkError::Verbs(VerbsLinkError::WrongProof),
+        AuthError::WrongName(got) => LinkError::Verbs(VerbsLinkError::WrongPeer { got }),
+        malformed => LinkError::Verbs(VerbsLinkError::SideChannelMalformed {
             what: malformed.to_string(),
-        },
+        }),
     }
 }
 
@@ -244,16 +247,16 @@ impl VerbsDomain {
         own_name: &str,
         meta: &AgentMetadata,
         tcp: Arc<TcpLink>,
-    ) -> Result<Link, LinkError> {
+    ) -> Result<VerbsLink, LinkError> {
         let entry = meta
             .backends
             .get("verbs")
-            .ok_or(LinkError::PeerHasNoVerbs)?;
+            .ok_or(LinkError::Verbs(VerbsLinkError::PeerHasNoVerbs))?;
         let addr: SocketAddr = entry
             .get("addr")
             .and_then(|a| a.as_str())
             .and_then(|a| a.parse().ok())
-            .ok_or(LinkError::NoSideChannelAddress)?;
+            .ok_or(LinkError::Verbs(VerbsLinkError::NoSideChannelAddress))?;
         let rkeys: HashMap<u64, u32> = entry
             .get("rkeys")
             .and_then(|r| r.as_object())
@@ -285,18 +288,18 @@ impl VerbsDomain {
         ep.connect(&remote)
             .map_err(verbs("connecting the queue pair"))?;
         let fence_words = Arc::new(HostRegion::new(FENCE_SLOTS as usize * 8).map_err(|e| {
-            LinkError::MirrorAlloc {
+            LinkError::Mirror(MirrorError::Alloc {
                 memory: "host fence-word",
                 len: FENCE_SLOTS as usize * 8,
                 source: Box::new(e),
-            }
+            })
         })?);
         let fence_mr = self
             .pd
             .register(Arc::clone(&fence_words) as Arc<dyn DmaRegion>)
             .map_err(verbs("registering the fence words"))?;
         let regions = lock(&self.regions).clone();
-        Ok(Link {
+        Ok(VerbsLink {
             peer: meta.name.clone(),
             meta: meta.clone(),
             rkeys,
@@ -348,7 +351,7 @@ impl VerbsDomain {
             return Err(refusal(&body));
         }
         if !AuthResult::decode(&body).map_err(auth_failed)?.ok {
-            return Err(LinkError::ProofRejected);
+            return Err(LinkError::Verbs(VerbsLinkError::ProofRejected));
         }
         let (ty, theirs) = read_frame(side, &[VERBS_INFO], "reading the peer's info")?;
         // The peer's proof covers its info: check it before using the info.
@@ -367,12 +370,12 @@ impl Drop for VerbsDomain {
 
 /// A `map_err` adapter: IO on the side channel failed while doing `op`.
 fn side_io(op: &'static str) -> impl Fn(std::io::Error) -> LinkError + Copy {
-    move |source| LinkError::SideChannel { op, source }
+    move |source| LinkError::Verbs(VerbsLinkError::SideChannel { op, source })
 }
 
 /// A `map_err` adapter: the verbs call behind `op` failed.
 fn verbs(op: &'static str) -> impl Fn(VerbsError) -> LinkError + Copy {
-    move |source| LinkError::Verbs { op, source }
+    move |source| LinkError::Verbs(VerbsLinkError::Verbs { op, source })
 }
 
 /// P's side of the side channel: one thread per connecting peer, owning its endpoint.
@@ -451,11 +454,11 @@ impl Server {
         if !checked.ok {
             s.write_all(&frame(AUTH_RESULT, &checked.reply(&[])))
                 .map_err(io)?;
-            return Err(LinkError::RefusedPeer {
+            return Err(LinkError::Verbs(VerbsLinkError::RefusedPeer {
                 reason: format!(
                     "{name}: cluster token proof failed (or its queue-pair info changed on the way): configure the same auth token on both agents"
                 ),
-            });
+            }));
         }
         let mut ep = match Endpoint::new(&self.pd, self.endpoint.clone()) {
             Ok(ep) => ep,
@@ -528,15 +531,15 @@ fn refuse(s: &mut TcpStream, why: &str) -> Result<(), LinkError> {
     let why = &why[..end];
     s.write_all(&frame(VERBS_REFUSE, why.as_bytes()))
         .map_err(side_io("refusing"))?;
-    Err(LinkError::RefusedPeer {
+    Err(LinkError::Verbs(VerbsLinkError::RefusedPeer {
         reason: why.to_owned(),
-    })
+    }))
 }
 
 /// A verbs link to one peer (D's side): RDMA READs on the queue pair, notifications on
 /// the TCP link.
 #[derive(Debug)]
-pub(crate) struct Link {
+pub(crate) struct VerbsLink {
     peer: String,
     meta: AgentMetadata,
     rkeys: HashMap<u64, u32>,
@@ -554,7 +557,7 @@ pub(crate) struct Link {
 struct LinkState {
     ep: Endpoint,
     side: TcpStream,
-    tracked: HashMap<VerbsBatchId, Tracked>,
+    tracked: HashMap<BatchId, Tracked>,
     free_fence: Vec<u32>,
 }
 
@@ -568,8 +571,8 @@ struct Tracked {
     copy_back: Vec<(Registration, u64, u64)>,
 }
 
-impl Link {
-    fn remote(&self, range: &crate::agent::RemoteRange) -> Result<RemoteRegion, TransferError> {
+impl VerbsLink {
+    fn remote(&self, range: &crate::ids::RemoteRange) -> Result<RemoteRegion, TransferError> {
         let invalid = |reason: String| TransferError::InvalidBatch {
             peer: self.peer.clone(),
             reason,
@@ -603,7 +606,7 @@ impl Link {
     fn verbs_route(
         &self,
         batch: &Batch,
-        chunks: &[tcp::Chunk],
+        chunks: &[Chunk],
     ) -> Result<Vec<Registration>, NoVerbsRoute> {
         let unregistered = |region: u64| {
             !self.rkeys.contains_key(&region) && self.meta.regions.iter().any(|r| r.id == region)
@@ -640,12 +643,10 @@ impl Link {
             reason: format!("verbs: {reason}"),
         }
     }
+}
 
-    pub(crate) fn post(
-        &self,
-        batch: &Arc<Batch>,
-        chunks: Vec<tcp::Chunk>,
-    ) -> Result<(), TransferError> {
+impl Link for VerbsLink {
+    fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError> {
         let regs = match self.verbs_route(batch, &chunks) {
             Ok(regs) => regs,
             Err(why) => {
@@ -654,7 +655,7 @@ impl Link {
                 // connect: the TCP link reads it instead, staging device memory through pinned
                 // buffers on both sides.
                 tracing::debug!(peer = %self.peer, batch = batch.id, "batch over TCP: {why}");
-                return self.tcp.post(batch, chunks);
+                return self.tcp.post_reads(batch, chunks);
             }
         };
         let mut ops = Vec::with_capacity(chunks.len());
@@ -735,7 +736,7 @@ impl Link {
     /// A batch whose reads landed in mirrors is copied mirror → region (under the batch
     /// lock, outside the queue pair's) before it is marked done and before its
     /// notification goes out: the peer may free the source on that notification.
-    pub(crate) fn progress(&self) {
+    fn progress(&self) {
         let mut finished = Vec::new();
         {
             let mut guard = lock(&self.state);
@@ -755,10 +756,10 @@ impl Link {
                 }
                 tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
             }
-            let ids: Vec<VerbsBatchId> = st.tracked.keys().copied().collect();
+            let ids: Vec<BatchId> = st.tracked.keys().copied().collect();
             for id in ids {
                 let status = match st.ep.poll_batch(id) {
-                    None | Some(VerbsStatus::Pending) => continue,
+                    None | Some(EndpointBatchStatus::Pending) => continue,
                     Some(s) => s,
                 };
                 let Some(t) = st.tracked.remove(&id) else {
@@ -776,7 +777,7 @@ impl Link {
         for (t, status, word) in finished {
             let mut bst = t.batch.lock();
             match status {
-                VerbsStatus::Done => {
+                EndpointBatchStatus::Done => {
                     let mut next = Next::Nothing;
                     for len in &t.chunk_lens {
                         next = bst.chunk_done(*len);
@@ -804,7 +805,7 @@ impl Link {
                         Next::Nothing | Next::Fence(_) => {}
                     }
                 }
-                VerbsStatus::Failed(e) => {
+                EndpointBatchStatus::Failed(e) => {
                     bst.fail(self.rdma_failed(&e));
                 }
                 _ => {}
@@ -812,13 +813,13 @@ impl Link {
         }
     }
 
-    pub(crate) fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError> {
         self.tcp.send_notif(bytes)
     }
 
     /// The batch timed out: stop every transfer into its memory by resetting the queue
     /// pair (the other batches' reads are re-posted after the reconnect).
-    pub(crate) fn on_timeout(&self, batch: &Batch) {
+    fn on_timeout(&self, batch: &Batch) {
         // A batch that went over TCP (see `verbs_route`) is cancelled there; the queue pair
         // has nothing of it to stop.
         if batch.lock().backend == crate::Backend::Tcp {
@@ -827,7 +828,7 @@ impl Link {
         }
         let mut guard = lock(&self.state);
         let st = &mut *guard;
-        let ids: Vec<VerbsBatchId> = st
+        let ids: Vec<BatchId> = st
             .tracked
             .iter()
             .filter(|(_, t)| t.batch.id == batch.id)
@@ -846,7 +847,7 @@ impl Link {
         }
     }
 
-    pub(crate) fn close(&self) {
+    fn close(&self) {
         let st = lock(&self.state);
         let _ = st.side.shutdown(std::net::Shutdown::Both);
         self.tcp.close();
@@ -894,8 +895,8 @@ pub(crate) fn start_for(
 ) -> Result<VerbsDomain, LinkError> {
     use crate::config::BackendChoice;
     match choice {
-        BackendChoice::Tcp => return Err(LinkError::TcpRequested),
-        BackendChoice::Shm => return Err(LinkError::ShmRequested),
+        BackendChoice::Tcp => return Err(LinkError::Requested(crate::Backend::Tcp)),
+        BackendChoice::Shm => return Err(LinkError::Requested(crate::Backend::Shm)),
         _ => {}
     }
     let backend = VerbsDomain::start(name, ip, limits, token.clone());

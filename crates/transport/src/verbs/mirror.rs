@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, MemoryKind, RegionAccessError, RegionBytes, staging};
 
+use super::error::MirrorError;
 use super::{MemoryRegion, ProtectionDomain, VerbsError};
 use crate::error::LinkError;
 
@@ -74,23 +75,29 @@ fn alloc_mirror(memory: MirrorMemory, len: usize) -> Result<Arc<dyn DmaRegion>, 
     match memory {
         MirrorMemory::Host => HostRegion::new(len)
             .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-            .map_err(|e| LinkError::MirrorAlloc {
-                memory: "host",
-                len,
-                source: Box::new(e),
+            .map_err(|e| {
+                LinkError::Mirror(MirrorError::Alloc {
+                    memory: "host",
+                    len,
+                    source: Box::new(e),
+                })
             }),
         #[cfg(feature = "cuda")]
         MirrorMemory::CudaPinned { ordinal } => {
             kvlease_gpu_mem::cuda::CudaPinnedRegion::new(ordinal, len)
                 .map(|r| Arc::new(r) as Arc<dyn DmaRegion>)
-                .map_err(|e| LinkError::MirrorAlloc {
-                    memory: "cuda-pinned",
-                    len,
-                    source: Box::new(e),
+                .map_err(|e| {
+                    LinkError::Mirror(MirrorError::Alloc {
+                        memory: "cuda-pinned",
+                        len,
+                        source: Box::new(e),
+                    })
                 })
         }
         #[cfg(not(feature = "cuda"))]
-        MirrorMemory::CudaPinned { ordinal } => Err(LinkError::NoCudaMirror { ordinal }),
+        MirrorMemory::CudaPinned { ordinal } => {
+            Err(LinkError::Mirror(MirrorError::NoCudaMirror { ordinal }))
+        }
     }
 }
 
@@ -121,19 +128,19 @@ impl Registration {
                 Ok(mr) => return Ok(Self::with_mr(region, mr)),
                 Err(e @ VerbsError::UnsupportedMemory { .. }) => Some(e),
                 Err(source) => {
-                    return Err(LinkError::Verbs {
+                    return Err(LinkError::Mirror(MirrorError::Register {
                         op: "registering a region",
                         source,
-                    });
+                    }));
                 }
             },
             Path::Mirror => None,
         };
         let Some(memory) = mirror_memory(kind) else {
-            return Err(LinkError::NotMirrorable {
+            return Err(LinkError::Mirror(MirrorError::NotMirrorable {
                 kind,
                 source: refused,
-            });
+            }));
         };
         let why = refused.map_or_else(
             || format!("{kind} memory has neither a direct nor a dmabuf path"),
@@ -141,9 +148,11 @@ impl Registration {
         );
         let len = region.len();
         let mirror = alloc_mirror(memory, len)?;
-        let mr = pd.register(mirror).map_err(|source| LinkError::Verbs {
-            op: "registering a host mirror",
-            source,
+        let mr = pd.register(mirror).map_err(|source| {
+            LinkError::Mirror(MirrorError::Register {
+                op: "registering a host mirror",
+                source,
+            })
         })?;
         tracing::info!(
             %kind,
@@ -207,16 +216,20 @@ impl Registration {
                 .region()
                 .with_bytes_mut(offset, len, |buf| staging::read_region(region, off, buf))
         }
-        .map_err(|source| LinkError::MirrorRange {
-            offset,
-            len,
-            source,
+        .map_err(|source| {
+            LinkError::Mirror(MirrorError::Range {
+                offset,
+                len,
+                source,
+            })
         })?
-        .map_err(|source| LinkError::SyncOut {
-            kind: region.kind(),
-            offset,
-            len,
-            source,
+        .map_err(|source| {
+            LinkError::Mirror(MirrorError::SyncOut {
+                kind: region.kind(),
+                offset,
+                len,
+                source,
+            })
         })
     }
 
@@ -241,16 +254,20 @@ impl Registration {
                 .region()
                 .with_bytes(offset, len, |buf| staging::write_region(region, off, buf))
         }
-        .map_err(|source| LinkError::MirrorRange {
-            offset,
-            len,
-            source,
+        .map_err(|source| {
+            LinkError::Mirror(MirrorError::Range {
+                offset,
+                len,
+                source,
+            })
         })?
-        .map_err(|source| LinkError::SyncIn {
-            kind: region.kind(),
-            offset,
-            len,
-            source,
+        .map_err(|source| {
+            LinkError::Mirror(MirrorError::SyncIn {
+                kind: region.kind(),
+                offset,
+                len,
+                source,
+            })
         })
     }
 }
@@ -259,14 +276,16 @@ impl Registration {
 /// region of `region_len` bytes (an offset beyond the address space is outside every
 /// region).
 fn mirror_offset(offset: u64, len: u64, region_len: u64) -> Result<usize, LinkError> {
-    usize::try_from(offset).map_err(|_| LinkError::MirrorRange {
-        offset,
-        len,
-        source: RegionAccessError::OutOfBounds {
+    usize::try_from(offset).map_err(|_| {
+        LinkError::Mirror(MirrorError::Range {
             offset,
             len,
-            region_len,
-        },
+            source: RegionAccessError::OutOfBounds {
+                offset,
+                len,
+                region_len,
+            },
+        })
     })
 }
 
@@ -311,7 +330,10 @@ mod tests {
     fn a_pinned_mirror_needs_the_cuda_feature() {
         let err = alloc_mirror(MirrorMemory::CudaPinned { ordinal: 0 }, 4096).unwrap_err();
         assert!(
-            matches!(err, LinkError::NoCudaMirror { ordinal: 0 }),
+            matches!(
+                err,
+                LinkError::Mirror(MirrorError::NoCudaMirror { ordinal: 0 })
+            ),
             "{err}"
         );
         assert!(err.to_string().contains("`cuda` feature"), "{err}");

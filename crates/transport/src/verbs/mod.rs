@@ -25,7 +25,7 @@ mod device;
 // `setup_sge` is `unsafe`) and takes the CQ out of its `ManuallyDrop` in Drop.
 #[allow(unsafe_code)]
 mod endpoint;
-mod error;
+pub(crate) mod error;
 pub(crate) mod link;
 // `ibv_reg_mr`/`ibv_reg_dmabuf_mr` on raw addresses, and the notification rings' heap
 // buffer.
@@ -38,10 +38,10 @@ pub(crate) mod mirror;
 
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{
-    BatchId, BatchStatus, ConnectionInfo, Endpoint, EndpointConfig, EndpointState, RdmaRead,
+    ConnectionInfo, Endpoint, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead,
     RemoteRegion,
 };
-pub use error::{VerbsError, WorkCompletionStatus};
+pub use error::{MirrorError, VerbsError, VerbsLinkError, WorkCompletionStatus};
 pub use memory::{MemoryRegion, ProtectionDomain};
 
 use std::sync::atomic::{AtomicU64, Ordering};

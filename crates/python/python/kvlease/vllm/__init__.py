@@ -60,7 +60,8 @@ what its blocks mean (``_kv_descriptor``: model, model and KV cache dtypes, tota
 heads, head size, layers, block size, the order inside a block from
 ``kv_cache_layout``, MLA) with each worker's per-layer block format (``_block_format``:
 tensor dtype, block shape, dim order by stride). D compares it with its own
-(``_kv_incompatibility``) at the handshake; an incompatible P's requests are refused at
+(``_kv_incompatibility``, whose key-by-key check is kvlease-proto's ``compat``, the one the
+agents use) at the handshake; an incompatible P's requests are refused at
 ``get_num_new_matched_tokens`` (logged with every difference; aborted, so P frees the
 lease; vLLM computes the prompt on D), and D's workers check each P worker's layer formats
 again before posting a read (a mismatch fails the batch: load errors, vLLM recomputes).

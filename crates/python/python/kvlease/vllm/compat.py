@@ -6,29 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .. import _kvlease as native
+from ..errors import InvalidArgument
 from .layout import _block_format, format_parts
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["_block_format", "_kv_descriptor", "_kv_incompatibility", "_layer_format_diff"]
-
-#: The descriptor keys P and D must agree on for P's block bytes to mean the same KV on
-#: D (compared by ``_kv_incompatibility``; ``kv_cache_layout`` is carried for the logs:
-#: a layer-outer and a block-outer layout with the same order inside a block are
-#: compatible, ``block_order`` says that order).
-_KV_KEYS = (
-    "model",
-    "dtype",
-    "cache_dtype",
-    "num_kv_heads",
-    "head_size",
-    "num_layers",
-    "block_size",
-    "block_order",
-    "use_mla",
-)
-
 
 def _kv_descriptor(vllm_config: "VllmConfig") -> dict[str, Any]:
     """What makes a KV block's bytes mean the same on two engines, from the config
@@ -83,19 +68,22 @@ def _kv_incompatibility(
         return "P's handshake carries no KV compatibility descriptor (an older kvlease?)"
     diffs = []
     tokens = _block_sizes(ours, theirs)
-    for key in _KV_KEYS:
-        if key == "block_order" and None in (theirs.get(key), ours.get(key)):
-            continue  # a layout not resolved at the scheduler: the layer formats decide
-        if theirs.get(key) != ours.get(key):
-            what = f"{key}: P {theirs.get(key)!r}, D {ours.get(key)!r}"
-            if key == "block_order":
-                what += (
-                    f" (kv_cache_layout P {theirs.get('kv_cache_layout')!r}, "
-                    f"D {ours.get('kv_cache_layout')!r}; KV layout permutation, "
-                    "NixlConnector's enable_permute_local_kv, is not supported: run both "
-                    "with the same kv_cache_layout)"
-                )
-            diffs.append(what)
+    # The keys both must agree on, and the rule for a layout one scheduler did not
+    # resolve, are kvlease-proto's (``KvDescriptor::mismatches``), as the agents' check.
+    try:
+        mismatches = native.kv_mismatches(ours, theirs)
+    except InvalidArgument as e:
+        return f"P's KV compatibility descriptor does not read: {e}"
+    for key, p_value, d_value in mismatches:
+        what = f"{key}: P {p_value!r}, D {d_value!r}"
+        if key == "block_order":
+            what += (
+                f" (kv_cache_layout P {theirs.get('kv_cache_layout')!r}, "
+                f"D {ours.get('kv_cache_layout')!r}; KV layout permutation, "
+                "NixlConnector's enable_permute_local_kv, is not supported: run both "
+                "with the same kv_cache_layout)"
+            )
+        diffs.append(what)
     mine, p_layers = ours.get("layers") or {}, theirs.get("layers") or {}
     if tokens is not None and len(diffs) == 1 and diffs[0].startswith("block_size:"):
         # P ≠ D block sizes alone: D reads runs of tokens (``layout.sub_block_runs``)

@@ -6,7 +6,7 @@ mod recover;
 mod types;
 
 pub use types::{
-    BatchId, BatchStatus, ConnectionInfo, EndpointConfig, EndpointState, RdmaRead, RemoteRegion,
+    ConnectionInfo, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead, RemoteRegion,
 };
 
 use std::collections::{HashMap, VecDeque};
@@ -24,6 +24,7 @@ use sideway::ibverbs::queue_pair::{
 use super::device::mtu_bytes;
 use super::memory::HeapBuffer;
 use super::{MemoryRegion, ProtectionDomain, VerbsError, drop_guarded};
+use crate::ids::BatchId;
 
 /// Receive work requests carry this bit in their `wr_id`; send-queue ones never do.
 const RECV_BIT: u64 = 1 << 63;
@@ -440,17 +441,17 @@ impl Endpoint {
 
     /// The status of a batch; a final status (done or failed) is returned once, then the
     /// batch is forgotten. `None` for an unknown (or already reported) batch.
-    pub fn poll_batch(&mut self, id: BatchId) -> Option<BatchStatus> {
+    pub fn poll_batch(&mut self, id: BatchId) -> Option<EndpointBatchStatus> {
         let b = self.batches.get(&id.0)?;
         if b.failed.is_some() {
             let b = self.batches.remove(&id.0)?;
-            return b.failed.map(BatchStatus::Failed);
+            return b.failed.map(EndpointBatchStatus::Failed);
         }
         if b.remaining == 0 {
             self.batches.remove(&id.0);
-            return Some(BatchStatus::Done);
+            return Some(EndpointBatchStatus::Done);
         }
-        Some(BatchStatus::Pending)
+        Some(EndpointBatchStatus::Pending)
     }
 
     /// Gives up on a batch (the caller's timeout): its queued reads are dropped; reads in

@@ -195,14 +195,10 @@ pub enum EndpointState {
     Closed,
 }
 
-/// Identifies a posted batch on its endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BatchId(pub(super) u64);
-
-/// How a batch stands.
+/// How a batch posted on an endpoint stands.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum BatchStatus {
+pub enum EndpointBatchStatus {
     /// Work requests are queued or in flight.
     Pending,
     /// Every read completed; its bytes are in the destination.

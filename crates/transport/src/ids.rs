@@ -1,0 +1,105 @@
+//! The crate's shared ids and ranges: what every backend and the agent name regions,
+//! peers, batches, senders and reads by. This module imports nothing of the crate, so any
+//! module may import it.
+
+/// Longest agent name, in bytes.
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// A locally registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u64);
+
+/// A connected peer (returned by [`Agent::connect`](crate::Agent::connect)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub(crate) u64);
+
+/// A posted read batch: returned by [`Agent::post_read`](crate::Agent::post_read), and
+/// by the verbs endpoint's `post_read_batch` (there it names a batch of that endpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(pub(crate) u64);
+
+/// A peer's name, as it announced it in its metadata and handshake.
+pub type PeerName = String;
+
+/// Who sent a notification: the name its connection proved, and the id of the session it
+/// proved it with ([`Agent::bind_session`](crate::Agent::bind_session); `None`: the
+/// cluster token, or no token at all).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Sender {
+    /// The proven name.
+    pub name: PeerName,
+    /// [`Session::id`](kvlease_proto::auth::Session::id) of the session it proved.
+    pub session: Option<u64>,
+}
+
+impl Sender {
+    /// A sender that proved `name` without a session.
+    pub fn unbound(name: impl Into<PeerName>) -> Self {
+        Self {
+            name: name.into(),
+            session: None,
+        }
+    }
+}
+
+impl std::fmt::Display for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.session {
+            Some(id) => write!(f, "{} (session {id:016x})", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
+/// A destination range in a locally registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalRange {
+    /// The local region.
+    pub region: RegionId,
+    /// Offset inside it.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+}
+
+/// A source position in a peer's registered region (from its [`RegionDesc`](crate::RegionDesc)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRange {
+    /// The peer's region id ([`RegionDesc::id`](crate::RegionDesc::id)).
+    pub region: u64,
+    /// The region's key ([`RegionDesc::key`](crate::RegionDesc::key)).
+    pub key: u64,
+    /// Offset inside the region.
+    pub offset: u64,
+}
+
+/// One read: `local.len` bytes from `remote` into `local`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOp {
+    /// Destination.
+    pub local: LocalRange,
+    /// Source.
+    pub remote: RemoteRange,
+}
+
+/// A read of one 8-byte generation word, performed only after every data read of the
+/// batch completed; the batch fails with [`TransferError::FenceMismatch`](crate::TransferError::FenceMismatch) when the word
+/// differs from `expected`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceRead {
+    /// The word (8 bytes, 8-aligned, e.g. a `FenceTable` slot on the peer).
+    pub remote: RemoteRange,
+    /// The generation the reader was given.
+    pub expected: u64,
+}
+
+/// A batch of reads from one peer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadBatch {
+    /// The reads (at least one).
+    pub ops: Vec<ReadOp>,
+    /// Sent to the peer only after every read (and the fence) completed and matched.
+    pub notif: Option<Vec<u8>>,
+    /// The fence read that ends the batch.
+    pub fence: Option<FenceRead>,
+}

@@ -1,0 +1,48 @@
+//! The backend seam: what every backend (TCP, shared memory with cross-memory attach and
+//! CUDA IPC, verbs) implements for one connected peer.
+//!
+//! The agent cuts a [`ReadBatch`](crate::ReadBatch) into [`Chunk`]s and hands them to the
+//! peer's [`Link`]; the link completes them through the shared batch state
+//! ([`Batch::lock`] → `chunk_done` / `fence_done` / `finish` / `fail`, see `batch.rs`),
+//! performing the fence read and sending the notification in the order
+//! [`Next`](crate::batch::Next) says. Received notifications reach the agent through the
+//! [`Context`](crate::context::Context) the backend was given (`deliver_notif`) or a
+//! [`NotifSource`](crate::notify::NotifSource) it registered. A one-sided WRITE is one
+//! more method here, beside [`post_reads`](Link::post_reads).
+
+use std::fmt;
+use std::sync::Arc;
+
+use kvlease_gpu_mem::DmaRegion;
+
+use crate::batch::Batch;
+use crate::error::TransferError;
+use crate::ids::RemoteRange;
+
+/// One chunk of a read op: `len` bytes from `remote` into `dest` at `dest_offset`.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub(crate) dest: Arc<dyn DmaRegion>,
+    pub(crate) dest_offset: u64,
+    pub(crate) remote: RemoteRange,
+    pub(crate) len: u64,
+}
+
+/// How reads and notifications reach one connected peer.
+pub(crate) trait Link: Send + Sync + fmt::Debug {
+    /// Starts the chunks' reads into `batch`; completes them through [`Batch::lock`].
+    fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError>;
+
+    /// Sends one notification to the peer, in order with the batches' notifications.
+    fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError>;
+
+    /// Reaps completions of a backend whose hardware completes reads (verbs) on the
+    /// caller's thread; backends that complete on their own threads do nothing.
+    fn progress(&self) {}
+
+    /// `batch` timed out: stop transfers into its memory.
+    fn on_timeout(&self, batch: &Batch);
+
+    /// Closes the link; posted batches fail.
+    fn close(&self);
+}
