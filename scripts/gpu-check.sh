@@ -48,7 +48,7 @@
 #     cuda, host, and staged (host memory through the device code paths: staged fill,
 #     pipelined TCP staging, copy-back verify), byte-exact digests,
 #     `e2e_{cuda,host,staged}_tcp_read_gbps`;
-#   ratios: each goal of issue #23 as `ratio_<goal>=`, `goal_<goal>=`, `met_<goal>=0|1`
+#   ratios: each device-memory goal (GOALS below) as `ratio_<goal>=`, `goal_<goal>=`, `met_<goal>=0|1`
 #     (`NA` where a figure is missing, e.g. in a host-only run; see GOALS below).
 # Results are key=value lines on stdout, progress on stderr. Each step ends with
 # `step_<name>=ok|failed|skipped` (and `step_<name>_reason=` when it failed). At the end,

@@ -1,4 +1,4 @@
-//! Bidirectional multi-turn mode's decisions (SPEC, "Bidirectional mode"; issue 8): D keeps
+//! Bidirectional multi-turn mode's decisions (SPEC, "Bidirectional mode"): D keeps
 //! a finished turn's blocks for `decoder_kv_blocks_ttl`, P pulls them on the next turn
 //! instead of recomputing the shared prefix.
 //!
