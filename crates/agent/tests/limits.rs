@@ -363,8 +363,20 @@ async fn slow_headers_and_idle_connections_are_closed_and_idle_ones_make_room() 
         "{answer}"
     );
     drop(busy);
-    // Honest requests are served again.
-    honest_prefill(&c, &p.agent).await?;
+    // Honest requests are served again, once the server has seen the busy connections
+    // close (until then the address's share is still full and a newcomer is told to
+    // retry, before it has sent anything).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match honest_prefill(&c, &p.agent).await {
+            Ok(_) => break,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("honest prefill not served yet: {e:#}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.context("honest prefill 5 s after the busy connections closed")),
+        }
+    }
     let refused = metric_of(&c, &p.agent, "kvlease_http_connections_refused_total").await?;
     ensure!(
         refused >= 1.0,
