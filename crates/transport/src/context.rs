@@ -31,6 +31,33 @@ pub(crate) struct Registered {
     pub(crate) desc: RegionDesc,
 }
 
+/// The write-fence lock, striped by fence word: D's receiver holds a word's stripe from
+/// its check of the word until the write's last byte landed, and
+/// [`Agent::set_write_fence`](crate::Agent::set_write_fence) holds it while it stores
+/// the word, so a write either landed wholly before a clear returned or lands nothing.
+#[derive(Debug)]
+pub(crate) struct WriteFences {
+    stripes: [Mutex<()>; 64],
+}
+
+impl Default for WriteFences {
+    fn default() -> Self {
+        Self {
+            stripes: std::array::from_fn(|_| Mutex::new(())),
+        }
+    }
+}
+
+impl WriteFences {
+    /// Locks the stripe of the fence word at `offset` of region `region`.
+    pub(crate) fn lock(&self, region: u64, offset: u64) -> MutexGuard<'_, ()> {
+        // Words are 8-aligned; neighbouring slots of one table take different stripes.
+        let i = (region.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (offset >> 3)) % 64;
+        // `i < 64`.
+        lock(&self.stripes[i as usize])
+    }
+}
+
 /// Notifications received and not yet drained, grouped by sender in order of first
 /// arrival.
 #[derive(Debug, Default)]
@@ -54,6 +81,8 @@ pub(crate) struct Context {
     pub(crate) cma: CmaPolicy,
     pub(crate) local_addr: SocketAddr,
     pub(crate) regions: RwLock<HashMap<u64, Registered>>,
+    /// The lock of the write fences (see [`WriteFences`]).
+    pub(crate) write_fences: WriteFences,
     next_id: AtomicU64,
     inbox: Mutex<Inbox>,
     /// Messages in the inbox, readable without the lock (see `drain_inbox`).
@@ -96,6 +125,7 @@ impl Context {
             cma,
             local_addr,
             regions: RwLock::new(HashMap::new()),
+            write_fences: WriteFences::default(),
             next_id: AtomicU64::new(1),
             inbox: Mutex::new(Inbox::default()),
             inbox_len: AtomicUsize::new(0),

@@ -193,7 +193,7 @@ impl LinkError {
     }
 }
 
-/// Why the target refused one read op.
+/// Why the target refused one read or write op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Refusal {
@@ -209,6 +209,9 @@ pub enum Refusal {
     NotHostAccessible,
     /// The op is longer than the target's limit.
     TooLong,
+    /// A write's fence word did not hold the write's generation when its bytes arrived:
+    /// nothing of the write landed.
+    Stale,
     /// A code this build does not know.
     Other(u8),
 }
@@ -222,6 +225,7 @@ impl Refusal {
             Self::OutOfBounds => 4,
             Self::NotHostAccessible => 5,
             Self::TooLong => 6,
+            Self::Stale => 7,
             Self::Other(c) => c,
         }
     }
@@ -234,6 +238,7 @@ impl Refusal {
             4 => Self::OutOfBounds,
             5 => Self::NotHostAccessible,
             6 => Self::TooLong,
+            7 => Self::Stale,
             c => Self::Other(c),
         }
     }
@@ -247,7 +252,8 @@ impl std::fmt::Display for Refusal {
             Self::BadKey => f.write_str("wrong region key"),
             Self::OutOfBounds => f.write_str("range outside the region"),
             Self::NotHostAccessible => f.write_str("region not host-accessible"),
-            Self::TooLong => f.write_str("read longer than the target's limit"),
+            Self::TooLong => f.write_str("op longer than the target's limit"),
+            Self::Stale => f.write_str("write fence no longer holds the write's generation"),
             Self::Other(c) => write!(f, "refusal code {c}"),
         }
     }
@@ -320,6 +326,25 @@ pub enum TransferError {
         expected: u64,
         /// The word found after the data reads.
         found: u64,
+    },
+    /// The peer refused a write because its write fence no longer held the batch's
+    /// generation when the write's bytes arrived (D released or reused the blocks): no
+    /// byte of that write landed, and none of the batch's later writes will.
+    #[error(
+        "peer {peer} refused a write into region {region} [{offset}+{len}]: fence no longer \
+         holds generation {expected}"
+    )]
+    Stale {
+        /// Peer name.
+        peer: String,
+        /// Remote (destination) region id.
+        region: u64,
+        /// Remote offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// The generation the write carried.
+        expected: u64,
     },
     /// The notification is larger than the limit.
     #[error("notification of {len} bytes exceeds the limit of {max} bytes (peer {peer})")]

@@ -51,14 +51,14 @@ impl std::fmt::Display for Sender {
     }
 }
 
-/// A destination range in a locally registered region.
+/// A range in a locally registered region: a read's destination, a write's source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalRange {
     /// The local region.
     pub region: RegionId,
     /// Offset inside it.
     pub offset: u64,
-    /// Bytes to read.
+    /// Bytes to read (or write).
     pub len: u64,
 }
 
@@ -102,4 +102,37 @@ pub struct ReadBatch {
     pub notif: Option<Vec<u8>>,
     /// The fence read that ends the batch.
     pub fence: Option<FenceRead>,
+}
+
+/// The write fence: D's 8-byte generation word (in a region D registered, e.g. a
+/// `FenceTable` slot) that must hold `expected` when a write's bytes land. D's receiver
+/// checks it under the lock D's [`Agent::set_write_fence`](crate::Agent::set_write_fence)
+/// takes, after the write's bytes arrived and before any of them lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteFence {
+    /// The word on the peer (8 bytes, 8-aligned, host memory).
+    pub remote: RemoteRange,
+    /// The generation of the reservation the write answers.
+    pub expected: u64,
+}
+
+/// One write: `local.len` bytes from `local` (a source range of this agent) into
+/// `remote` (a destination range the peer registered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOp {
+    /// Source.
+    pub local: LocalRange,
+    /// Destination.
+    pub remote: RemoteRange,
+}
+
+/// A batch of fenced writes to one peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteBatch {
+    /// The writes (at least one).
+    pub ops: Vec<WriteOp>,
+    /// Sent to the peer only after every write landed.
+    pub notif: Option<Vec<u8>>,
+    /// The fence every write of the batch is checked against on the peer.
+    pub fence: WriteFence,
 }

@@ -7,8 +7,10 @@
 //! performing the fence read and sending the notification in the order
 //! [`Next`](crate::batch::Next) says. Received notifications reach the agent through the
 //! [`Context`](crate::context::Context) the backend was given (`deliver_notif`) or a
-//! [`NotifSource`](crate::notify::NotifSource) it registered. A one-sided WRITE is one
-//! more method here, beside [`post_reads`](Link::post_reads).
+//! [`NotifSource`](crate::notify::NotifSource) it registered. A fenced one-sided WRITE
+//! is [`post_writes`](Link::post_writes): the same batch state, completed chunk by chunk
+//! as the peer acknowledges each write landed; TCP implements it, the other backends
+//! refuse it for now.
 
 use std::fmt;
 use std::sync::Arc;
@@ -17,7 +19,7 @@ use kvlease_gpu_mem::DmaRegion;
 
 use crate::batch::Batch;
 use crate::error::TransferError;
-use crate::ids::RemoteRange;
+use crate::ids::{RemoteRange, WriteFence};
 
 /// One chunk of a read op: `len` bytes from `remote` into `dest` at `dest_offset`.
 #[derive(Debug)]
@@ -28,10 +30,35 @@ pub(crate) struct Chunk {
     pub(crate) len: u64,
 }
 
+/// One chunk of a write op: `len` bytes of `src` at `src_offset` into `remote`.
+#[derive(Debug)]
+pub(crate) struct WriteChunk {
+    pub(crate) src: Arc<dyn DmaRegion>,
+    pub(crate) src_offset: u64,
+    pub(crate) remote: RemoteRange,
+    pub(crate) len: u64,
+}
+
 /// How reads and notifications reach one connected peer.
 pub(crate) trait Link: Send + Sync + fmt::Debug {
     /// Starts the chunks' reads into `batch`; completes them through [`Batch::lock`].
     fn post_reads(&self, batch: &Arc<Batch>, chunks: Vec<Chunk>) -> Result<(), TransferError>;
+
+    /// Starts the chunks' fenced writes into `batch`, each checked on the peer against
+    /// `fence`; completes them through [`Batch::lock`] as the peer acknowledges each.
+    /// Backends without a write path refuse with [`TransferError::Unsupported`].
+    fn post_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), TransferError> {
+        let _ = (chunks, fence);
+        Err(TransferError::Unsupported {
+            peer: batch.peer.clone(),
+            reason: "write not supported on this backend".into(),
+        })
+    }
 
     /// Sends one notification to the peer, in order with the batches' notifications.
     fn send_notif(&self, bytes: Vec<u8>) -> Result<(), TransferError>;

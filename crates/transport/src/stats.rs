@@ -24,6 +24,14 @@ pub struct TransportStats {
     pub reads_refused: u64,
     /// Read ops refused because the peer was not authenticated.
     pub reads_refused_unauthenticated: u64,
+    /// Peers' writes that landed in this agent's regions.
+    pub writes_landed: u64,
+    /// Bytes of those writes.
+    pub bytes_landed: u64,
+    /// Peers' writes refused before any byte landed (the stale ones included).
+    pub writes_refused: u64,
+    /// Peers' writes refused because the write fence no longer held their generation.
+    pub writes_stale: u64,
     /// Notifications accepted: into the inbox, or drained from a same-host peer's
     /// shared-memory ring.
     pub notifs_received: u64,
@@ -55,6 +63,10 @@ pub(crate) struct Counters {
     pub(crate) bytes_served: AtomicU64,
     pub(crate) reads_refused: AtomicU64,
     pub(crate) reads_refused_unauthenticated: AtomicU64,
+    pub(crate) writes_landed: AtomicU64,
+    pub(crate) bytes_landed: AtomicU64,
+    pub(crate) writes_refused: AtomicU64,
+    pub(crate) writes_stale: AtomicU64,
     pub(crate) notifs_received: AtomicU64,
     pub(crate) notifs_dropped_unauthenticated: AtomicU64,
     pub(crate) notifs_dropped_overflow: AtomicU64,
@@ -76,6 +88,10 @@ impl Counters {
             bytes_served: g(&self.bytes_served),
             reads_refused: g(&self.reads_refused),
             reads_refused_unauthenticated: g(&self.reads_refused_unauthenticated),
+            writes_landed: g(&self.writes_landed),
+            bytes_landed: g(&self.bytes_landed),
+            writes_refused: g(&self.writes_refused),
+            writes_stale: g(&self.writes_stale),
             notifs_received: g(&self.notifs_received),
             notifs_dropped_unauthenticated: g(&self.notifs_dropped_unauthenticated),
             notifs_dropped_overflow: g(&self.notifs_dropped_overflow),

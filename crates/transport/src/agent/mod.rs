@@ -3,6 +3,7 @@
 
 mod connect;
 mod read;
+mod write;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -16,8 +16,8 @@ use super::wire::{self, Body, ClientAuthError, FrameError};
 use crate::batch::{Batch, Next};
 use crate::context::Context;
 use crate::error::{ConnectError, Refusal, TransferError};
-use crate::ids::FenceRead;
-use crate::link::{Chunk, Link};
+use crate::ids::{FenceRead, WriteFence};
+use crate::link::{Chunk, Link, WriteChunk};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
 use crate::stats::bump;
@@ -37,6 +37,10 @@ enum Dest {
         offset: u64,
     },
     Fence {
+        expected: u64,
+    },
+    /// A write: answered by `WRITE_ACK` or `WRITE_ERR`, no payload comes back.
+    Write {
         expected: u64,
     },
 }
@@ -124,6 +128,23 @@ impl Conn {
             self.kill();
             return false;
         }
+        true
+    }
+
+    /// Queues `bytes` for the writer thread without copying them when nothing else is
+    /// queued (writes: the posting thread does not block on their payload).
+    fn send_owned(&self, bytes: Vec<u8>) -> bool {
+        let mut st = lock(&self.out);
+        if st.closed {
+            return false;
+        }
+        if st.queue.is_empty() {
+            st.queue = bytes;
+        } else {
+            st.queue.extend_from_slice(&bytes);
+        }
+        drop(st);
+        let _ = self.doorbell.try_send(());
         true
     }
 
@@ -367,17 +388,34 @@ fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<
     // Device (not host-accessible) destinations are filled through pinned bounce buffers.
     let mut stager = Stager::new(StagingConfig::default());
     loop {
-        let (ty, len) = wire::read_header(r, &[wire::READ_RESP, wire::READ_ERR], |ty| {
-            if ty == wire::READ_RESP {
-                wire::READ_RESP_LEN
-            } else {
-                wire::READ_ERR_LEN
-            }
+        let answers = [
+            wire::READ_RESP,
+            wire::READ_ERR,
+            wire::WRITE_ACK,
+            wire::WRITE_ERR,
+        ];
+        let (ty, len) = wire::read_header(r, &answers, |ty| match ty {
+            wire::READ_RESP => wire::READ_RESP_LEN,
+            wire::READ_ERR => wire::READ_ERR_LEN,
+            wire::WRITE_ACK => wire::WRITE_ACK_LEN,
+            _ => wire::WRITE_ERR_LEN,
         })?;
         let body = wire::read_body(r, len)?;
         let mut b = Body(&body);
         let req = b.u64()?;
         let op = lock(&conn.pending).ops.remove(&req);
+        if ty == wire::WRITE_ACK || ty == wire::WRITE_ERR {
+            let code = if ty == wire::WRITE_ERR {
+                Some(b.u8()?)
+            } else {
+                None
+            };
+            b.finish()?;
+            if let Some(op) = op {
+                link.write_answered(&op, code)?;
+            }
+            continue;
+        }
         if ty == wire::READ_ERR {
             let code = b.u8()?;
             b.finish()?;
@@ -435,6 +473,8 @@ fn receive(link: &TcpLink, conn: &Conn, r: &mut BufReader<TcpStream>) -> Result<
                     "destination range beyond the address space",
                 )),
             },
+            // A peer answering a write with read bytes breaks the format.
+            Dest::Write { .. } => Err(io::Error::other("a read response to a write")),
             Dest::Fence { .. } => {
                 let mut w = [0u8; 8];
                 r.read_exact(&mut w).map(|()| Some(u64::from_ne_bytes(w)))
@@ -561,6 +601,41 @@ impl TcpLink {
         }
     }
 
+    /// Completes a write op on its answer: `code` `None` (`WRITE_ACK`: every byte
+    /// landed) or the refusal code of a `WRITE_ERR` (nothing of it landed).
+    fn write_answered(&self, op: &PendingOp, code: Option<u8>) -> Result<(), FrameError> {
+        let Dest::Write { expected } = op.dest else {
+            return Err(FrameError::Malformed("a write answer to a read".into()));
+        };
+        match code.map(Refusal::from_code) {
+            None => {
+                let next = op.batch.lock().chunk_done(op.len);
+                self.advance(&op.batch, next);
+            }
+            Some(Refusal::Stale) => self.fail(
+                &op.batch,
+                TransferError::Stale {
+                    peer: self.peer.clone(),
+                    region: op.region,
+                    offset: op.offset,
+                    len: op.len,
+                    expected,
+                },
+            ),
+            Some(reason) => self.fail(
+                &op.batch,
+                TransferError::Refused {
+                    peer: self.peer.clone(),
+                    region: op.region,
+                    offset: op.offset,
+                    len: op.len,
+                    reason,
+                },
+            ),
+        }
+        Ok(())
+    }
+
     /// Acts on what the batch state asked for after a completion (also for the
     /// shared-memory link, whose notifications travel here).
     pub(crate) fn advance(&self, batch: &Arc<Batch>, next: Next) {
@@ -642,6 +717,76 @@ impl Link for TcpLink {
             // A failed write kills the connection, whose reader then fails the ops.
             if !f.is_empty() {
                 conns[k].send_direct(&f);
+            }
+        }
+        Ok(())
+    }
+
+    /// Each chunk becomes one `WRITE_REQ` with its payload, read out of the source now
+    /// (the caller may reuse the source once this returns); the frames are striped over
+    /// the live connections and written by their writer threads.
+    fn post_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), TransferError> {
+        let conns = self.alive_conns();
+        if conns.is_empty() {
+            return Err(self.disconnected());
+        }
+        let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let mut frames: Vec<Vec<u8>> = vec![Vec::new(); conns.len()];
+        let mut ops = Vec::new();
+        let f = (
+            fence.remote.region,
+            fence.remote.key,
+            fence.remote.offset,
+            fence.expected,
+        );
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let k = (start + i) % conns.len();
+            let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+            let dest = (chunk.remote.region, chunk.remote.key, chunk.remote.offset);
+            let header = wire::write_req(req, dest, chunk.len, f);
+            let out = &mut frames[k];
+            let at = out.len();
+            // The agent checked the source range against its region; the length fits
+            // `MAX_WRITE_LEN`, far below `usize::MAX`.
+            out.resize(at + header.len() + chunk.len as usize, 0);
+            out[at..at + header.len()].copy_from_slice(&header);
+            chunk
+                .src
+                .read_into(chunk.src_offset, &mut out[at + header.len()..])
+                .map_err(|source| TransferError::Local {
+                    peer: self.peer.clone(),
+                    source,
+                })?;
+            let op = PendingOp {
+                batch: batch.clone(),
+                dest: Dest::Write {
+                    expected: fence.expected,
+                },
+                region: chunk.remote.region,
+                offset: chunk.remote.offset,
+                len: chunk.len,
+            };
+            ops.push((k, req, op));
+        }
+        // Queued only once every payload was read, so a failed read leaves nothing queued.
+        for (k, req, op) in ops {
+            let mut p = lock(&conns[k].pending);
+            if !p.alive {
+                drop(p);
+                self.fail(batch, self.disconnected());
+                return Ok(());
+            }
+            p.ops.insert(req, op);
+        }
+        for (k, f) in frames.into_iter().enumerate() {
+            // A failed write kills the connection, whose reader then fails the ops.
+            if !f.is_empty() {
+                conns[k].send_owned(f);
             }
         }
         Ok(())

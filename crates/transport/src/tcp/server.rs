@@ -1,4 +1,5 @@
-//! The target side: accepts connections and serves reads from registered regions.
+//! The target side: accepts connections, serves reads from registered regions and lands
+//! fenced writes into them.
 
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -254,14 +255,20 @@ fn serve(
     // Device (not host-accessible) regions are served through pinned bounce buffers.
     let mut stager = Stager::new(StagingConfig::default());
     let max_notif = ctx.limits.max_notif_len;
+    // One write's payload at a time, grown to the largest write seen (at most
+    // `wire::MAX_WRITE_LEN`).
+    let mut landing = Vec::new();
     loop {
         let allowed: &[u8] = match phase {
-            Phase::Hello => &[wire::HELLO, wire::READ_REQ, wire::NOTIF],
-            Phase::Proof { .. } => &[wire::PROOF, wire::READ_REQ, wire::NOTIF],
-            Phase::Authenticated { .. } | Phase::Rejected => &[wire::READ_REQ, wire::NOTIF],
+            Phase::Hello => &[wire::HELLO, wire::READ_REQ, wire::WRITE_REQ, wire::NOTIF],
+            Phase::Proof { .. } => &[wire::PROOF, wire::READ_REQ, wire::WRITE_REQ, wire::NOTIF],
+            Phase::Authenticated { .. } | Phase::Rejected => {
+                &[wire::READ_REQ, wire::WRITE_REQ, wire::NOTIF]
+            }
         };
         let (ty, len) = wire::read_header(&mut r, allowed, |ty| match ty {
             wire::READ_REQ => wire::READ_REQ_LEN,
+            wire::WRITE_REQ => wire::WRITE_REQ_LEN,
             wire::NOTIF => max_notif,
             _ => wire::MAX_CONTROL_BODY,
         })?;
@@ -339,6 +346,35 @@ fn serve(
                     offset,
                     len,
                 )?;
+            }
+            wire::WRITE_REQ => {
+                let mut w = [0u64; 9];
+                for v in &mut w {
+                    *v = b.u64()?;
+                }
+                b.finish()?;
+                let [
+                    req,
+                    region,
+                    key,
+                    offset,
+                    len,
+                    f_region,
+                    f_key,
+                    f_offset,
+                    expected,
+                ] = w;
+                let write = WriteReq {
+                    req,
+                    region,
+                    key,
+                    offset,
+                    len,
+                    fence: (f_region, f_key, f_offset),
+                    expected,
+                };
+                let authed = matches!(phase, Phase::Authenticated { .. });
+                serve_write(ctx, &mut r, &mut out, &mut landing, authed, &write)?;
             }
             // Notifications on a data connection: a peer that predates the notification
             // connection. They go into the inbox from here (dropped when it is full).
@@ -437,6 +473,145 @@ fn serve_read(
     sent?;
     bump(&ctx.counters.reads_served);
     ctx.counters.bytes_served.fetch_add(len, Ordering::Relaxed);
+    Ok(())
+}
+
+/// A `WRITE_REQ`'s fields (its payload follows on the connection).
+struct WriteReq {
+    req: u64,
+    region: u64,
+    key: u64,
+    offset: u64,
+    len: u64,
+    /// The fence word: region, key, offset.
+    fence: (u64, u64, u64),
+    expected: u64,
+}
+
+/// The regions a write names, once checked: the destination and the fence's.
+type WriteTargets = (
+    Arc<dyn kvlease_gpu_mem::DmaRegion>,
+    Arc<dyn kvlease_gpu_mem::DmaRegion>,
+);
+
+/// Checks a write against the registered regions: both regions known under their keys,
+/// the destination range inside host memory, the fence word's 8 bytes inside host memory.
+fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
+    if w.len > wire::MAX_WRITE_LEN {
+        return Err(Refusal::TooLong);
+    }
+    let regions = ctx
+        .regions
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let find = |id: u64, key: u64| match regions.get(&id) {
+        None => Err(Refusal::UnknownRegion),
+        Some(r) if !wire::keys_equal(r.desc.key, key) => Err(Refusal::BadKey),
+        Some(r) => Ok(r.region.clone()),
+    };
+    let dest = find(w.region, w.key)?;
+    let fence = find(w.fence.0, w.fence.1)?;
+    drop(regions);
+    let host = |r: &dyn kvlease_gpu_mem::DmaRegion, offset: u64, len: u64| {
+        r.check_host_range(offset, len).map_err(|e| match e {
+            RegionAccessError::NotHostAccessible { .. } => Refusal::NotHostAccessible,
+            _ => Refusal::OutOfBounds,
+        })
+    };
+    host(dest.as_ref(), w.offset, w.len)?;
+    host(fence.as_ref(), w.fence.2, 8)?;
+    Ok((dest, fence))
+}
+
+//= docs/spec.md#the-write-fence
+//# A write lands only in blocks D holds for that transfer under that generation
+//# (and registered with the writing P engine): D's receiver checks this before any byte
+//# lands, and a write that does not pass is refused and reported to P as failed.
+/// Serves one `WRITE_REQ` whose payload of `w.len` bytes follows on `r`: refused
+/// (`WRITE_ERR`, the payload read and dropped in bounded pieces) when the peer has not
+/// authenticated or the write names regions or ranges it may not write; otherwise the
+/// payload is taken into `landing` and lands only if, under the fence word's stripe of
+/// the write-fence lock, the word holds `w.expected` (else `WRITE_ERR` with
+/// [`Refusal::Stale`]). The lock is held from that check until the last byte landed, so
+/// once [`Agent::set_write_fence`](crate::Agent::set_write_fence) returned, no write
+/// checked against the old word lands any more. A write over [`wire::MAX_WRITE_LEN`] is
+/// refused and the connection closed (its payload is not drained).
+fn serve_write(
+    ctx: &Context,
+    r: &mut impl Read,
+    out: &mut TcpStream,
+    landing: &mut Vec<u8>,
+    authed: bool,
+    w: &WriteReq,
+) -> Result<(), FrameError> {
+    // `unread`: the payload still waits on the connection.
+    let refuse = |r: &mut dyn Read, out: &mut TcpStream, why: Refusal, unread: bool| {
+        bump(&ctx.counters.writes_refused);
+        if why == Refusal::Stale {
+            bump(&ctx.counters.writes_stale);
+        }
+        tracing::debug!(region = w.region, offset = w.offset, len = w.len, %why, "write refused");
+        if why == Refusal::TooLong {
+            out.write_all(&wire::write_err(w.req, why.code()))?;
+            return Err(FrameError::Malformed(format!(
+                "write of {} bytes exceeds {}",
+                w.len,
+                wire::MAX_WRITE_LEN
+            )));
+        }
+        if unread {
+            drain(r, w.len)?;
+        }
+        out.write_all(&wire::write_err(w.req, why.code()))?;
+        Ok(())
+    };
+    if !authed {
+        let why = if w.len > wire::MAX_WRITE_LEN {
+            Refusal::TooLong
+        } else {
+            Refusal::Unauthenticated
+        };
+        return refuse(r, out, why, true);
+    }
+    let (dest, fence) = match write_targets(ctx, w) {
+        Ok(t) => t,
+        Err(why) => return refuse(r, out, why, true),
+    };
+    // Checked against `MAX_WRITE_LEN` above.
+    let n = w.len as usize;
+    landing.resize(n, 0);
+    r.read_exact(&mut landing[..n])?;
+    let landed = {
+        let _fence = ctx.write_fences.lock(w.fence.0, w.fence.2);
+        match fence.load_u64(w.fence.2) {
+            // Counted under the lock too: once a clear returned, the count is final.
+            Ok(word) if word == w.expected => dest
+                .write_from(w.offset, &landing[..n])
+                .map(|()| {
+                    bump(&ctx.counters.writes_landed);
+                    ctx.counters
+                        .bytes_landed
+                        .fetch_add(w.len, Ordering::Relaxed);
+                })
+                .map_err(|_| Refusal::OutOfBounds),
+            Ok(_) => Err(Refusal::Stale),
+            // Misaligned: the word cannot be a fence.
+            Err(_) => Err(Refusal::OutOfBounds),
+        }
+    };
+    if let Err(why) = landed {
+        return refuse(r, out, why, false);
+    }
+    out.write_all(&wire::write_ack(w.req))?;
+    Ok(())
+}
+
+/// Reads and drops `n` bytes in pieces of 64 KiB.
+fn drain(r: &mut dyn Read, n: u64) -> io::Result<()> {
+    let copied = io::copy(&mut r.take(n), &mut io::sink())?;
+    if copied < n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(())
 }
 

@@ -2,7 +2,12 @@
 //!
 //! Every frame is `[type: u8][body_len: u32 LE][body]`, integers little-endian. A
 //! `READ_RESP` body is followed by its payload (`len` raw bytes, not counted in
-//! `body_len`), which the reader receives straight into the destination region.
+//! `body_len`), which the reader receives straight into the destination region. A
+//! `WRITE_REQ` body is followed by its payload the same way (at most [`MAX_WRITE_LEN`]
+//! bytes): the receiver takes it into a bounded buffer of the connection and lands it
+//! only after all of it arrived, under the write-fence lock (see `server`). Writes
+//! travel on the writer's data connections, which the receiver serves as it serves
+//! reads; their answers come back on the same connection.
 //!
 //! | type | dir | body |
 //! | --- | --- | --- |
@@ -23,6 +28,9 @@
 //! | 15 `VERBS_INFO` | both | a queue pair's connection info (40 bytes) |
 //! | 16 `VERBS_REFUSE` | P→D | why P gives no queue pair (UTF-8, at most 1 KiB) |
 //! | 17 `VERBS_RESET` | D→P | D's connection info after a queue-pair reset |
+//! | 18 `WRITE_REQ` | P→D | req id u64, region u64, key u64, offset u64, len u64, fence region u64, fence key u64, fence offset u64, expected generation u64, then `len` payload bytes |
+//! | 19 `WRITE_ACK` | D→P | req id u64: every byte of the write landed |
+//! | 20 `WRITE_ERR` | D→P | req id u64, refusal code u8: no byte of the write landed (code 7: the fence no longer holds the generation) |
 //!
 //! "D→P" is the connecting side to the accepting one: P connects to D as well to send
 //! it notifications. The connecting side opens `num_connections` data connections
@@ -90,6 +98,23 @@ pub(crate) const SHM_RING_LEN: usize = 16;
 /// Body of a `SHM_CUDA_REGION`: id, key, length, grant slot (u64 each), then the
 /// `kvlease_gpu_mem::cuda::ipc::IpcHandle` wire form (112 bytes; a test checks it).
 pub(crate) const SHM_CUDA_REGION_LEN: usize = 32 + 112;
+
+/// A fenced write with its payload (the writer's data connection).
+pub(crate) const WRITE_REQ: u8 = 18;
+/// Every byte of a write landed.
+pub(crate) const WRITE_ACK: u8 = 19;
+/// A write refused, nothing of it landed.
+pub(crate) const WRITE_ERR: u8 = 20;
+/// Body of a `WRITE_REQ` (before the payload).
+pub(crate) const WRITE_REQ_LEN: usize = 72;
+/// Body of a `WRITE_ACK`.
+pub(crate) const WRITE_ACK_LEN: usize = 8;
+/// Body of a `WRITE_ERR`.
+pub(crate) const WRITE_ERR_LEN: usize = 9;
+/// The largest write payload in one frame: the receiver buffers one write per
+/// connection before it lands, so this bounds that buffer. The writer cuts ops into
+/// chunks of at most this.
+pub(crate) const MAX_WRITE_LEN: u64 = 16 << 20;
 
 /// Header bytes.
 pub(crate) const HEADER_LEN: usize = 5;
@@ -214,6 +239,40 @@ pub(crate) fn read_resp_header(req: u64, len: u64) -> [u8; HEADER_LEN + READ_RES
 pub(crate) fn read_err(req: u64, code: u8) -> [u8; HEADER_LEN + READ_ERR_LEN] {
     let mut f = [0u8; HEADER_LEN + READ_ERR_LEN];
     f[..HEADER_LEN].copy_from_slice(&header(READ_ERR, READ_ERR_LEN));
+    f[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&req.to_le_bytes());
+    f[HEADER_LEN + 8] = code;
+    f
+}
+
+/// A `WRITE_REQ` header and body (the payload follows it): `dest` is (region, key,
+/// offset), `fence` is (region, key, offset, expected generation).
+pub(crate) fn write_req(
+    req: u64,
+    dest: (u64, u64, u64),
+    len: u64,
+    fence: (u64, u64, u64, u64),
+) -> [u8; HEADER_LEN + WRITE_REQ_LEN] {
+    let mut f = [0u8; HEADER_LEN + WRITE_REQ_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(WRITE_REQ, WRITE_REQ_LEN));
+    let words = [
+        req, dest.0, dest.1, dest.2, len, fence.0, fence.1, fence.2, fence.3,
+    ];
+    for (i, v) in words.into_iter().enumerate() {
+        f[HEADER_LEN + 8 * i..HEADER_LEN + 8 * (i + 1)].copy_from_slice(&v.to_le_bytes());
+    }
+    f
+}
+
+pub(crate) fn write_ack(req: u64) -> [u8; HEADER_LEN + WRITE_ACK_LEN] {
+    let mut f = [0u8; HEADER_LEN + WRITE_ACK_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(WRITE_ACK, WRITE_ACK_LEN));
+    f[HEADER_LEN..].copy_from_slice(&req.to_le_bytes());
+    f
+}
+
+pub(crate) fn write_err(req: u64, code: u8) -> [u8; HEADER_LEN + WRITE_ERR_LEN] {
+    let mut f = [0u8; HEADER_LEN + WRITE_ERR_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(WRITE_ERR, WRITE_ERR_LEN));
     f[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&req.to_le_bytes());
     f[HEADER_LEN + 8] = code;
     f

@@ -1,0 +1,172 @@
+//! Fenced writes: a batch checked, cut into chunks and handed to the peer's link (the
+//! writer's side); the write-fence word published and cleared under the lock the
+//! receiver lands writes under (the receiver's side). Polled as reads are
+//! ([`Agent::poll_batch`]).
+
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use kvlease_gpu_mem::RegionBytes;
+
+use super::Agent;
+use crate::batch::Batch;
+use crate::error::{RegisterError, TransferError};
+use crate::ids::{BatchId, PeerId, RegionId, RemoteRange, WriteBatch};
+use crate::link::WriteChunk;
+use crate::sync::lock;
+use crate::tcp::wire::MAX_WRITE_LEN;
+
+impl Agent {
+    /// Posts a batch of fenced writes to `peer`: each op's source range of this agent
+    /// into a range the peer registered. The sources are read when this is called (the
+    /// caller may reuse them once it returned). Ops longer than `limits.chunk_len` (or
+    /// 16 MiB) are split; the chunks are striped over the peer's connections.
+    ///
+    /// The peer lands each chunk only if, once its bytes arrived, the fence word
+    /// `batch.fence.remote` holds `batch.fence.expected` (checked under the lock of the
+    /// peer's [`set_write_fence`](Self::set_write_fence)); otherwise nothing of that
+    /// chunk lands and the batch fails with [`TransferError::Stale`]. The notification,
+    /// if any, is sent only once every chunk landed. The batch ends as a read batch does
+    /// ([`poll_batch`](Self::poll_batch)): `Done`, or `Failed` with `Stale`, a refusal, a
+    /// disconnect or [`TransferError::Timeout`]. Chunks that landed before a failure
+    /// stay landed.
+    ///
+    /// Only TCP links write for now: a peer on another backend gets
+    /// [`TransferError::Unsupported`].
+    ///
+    /// # Errors
+    /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
+    /// than `limits.max_ops_per_batch`, an unregistered local region, a write of zero
+    /// bytes or a notification over the limit; [`TransferError::Local`] for a source
+    /// outside its region or not host-accessible; [`TransferError::Disconnected`] when no
+    /// connection is left; [`TransferError::Unsupported`] on a backend without writes.
+    pub fn post_write(
+        &self,
+        peer: PeerId,
+        batch: WriteBatch,
+        timeout: Duration,
+    ) -> Result<BatchId, TransferError> {
+        let p = self.peer(peer)?;
+        let limits = &self.inner.ctx.limits;
+        let invalid = |reason: String| TransferError::InvalidBatch {
+            peer: p.name.clone(),
+            reason,
+        };
+        if batch.ops.is_empty() {
+            return Err(invalid("a batch needs at least one write".into()));
+        }
+        if batch.ops.len() > limits.max_ops_per_batch {
+            return Err(invalid(format!(
+                "{} ops exceed the limit of {}",
+                batch.ops.len(),
+                limits.max_ops_per_batch
+            )));
+        }
+        if let Some(n) = &batch.notif
+            && n.len() > limits.max_notif_len
+        {
+            return Err(TransferError::NotifTooLarge {
+                peer: p.name.clone(),
+                len: n.len(),
+                max: limits.max_notif_len,
+            });
+        }
+        let chunk = limits.chunk_len.min(MAX_WRITE_LEN);
+        let mut chunks = Vec::with_capacity(batch.ops.len());
+        {
+            let regions = self
+                .inner
+                .ctx
+                .regions
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
+            for op in &batch.ops {
+                let local = regions.get(&op.local.region.0).ok_or_else(|| {
+                    invalid(format!(
+                        "local region {:?} is not registered",
+                        op.local.region
+                    ))
+                })?;
+                if op.local.len == 0 {
+                    return Err(invalid("a write of zero bytes".into()));
+                }
+                local
+                    .region
+                    .check_host_range(op.local.offset, op.local.len)
+                    .map_err(|source| TransferError::Local {
+                        peer: p.name.clone(),
+                        source,
+                    })?;
+                if op.remote.offset.checked_add(op.local.len).is_none() {
+                    return Err(invalid("remote range overflows".into()));
+                }
+                let mut done = 0;
+                while done < op.local.len {
+                    let len = chunk.min(op.local.len - done);
+                    chunks.push(WriteChunk {
+                        src: local.region.clone(),
+                        src_offset: op.local.offset + done,
+                        remote: RemoteRange {
+                            offset: op.remote.offset + done,
+                            ..op.remote
+                        },
+                        len,
+                    });
+                    done += len;
+                }
+            }
+        }
+        let id = self.inner.ctx.fresh_id();
+        let b = Arc::new(Batch::new(
+            id,
+            p.name.clone(),
+            timeout,
+            chunks.len(),
+            batch.ops.len(),
+            None,
+            batch.notif,
+        ));
+        lock(&self.inner.batches).insert(id, (b.clone(), p.clone()));
+        if let Err(e) = p.link.post_writes(&b, chunks, batch.fence) {
+            lock(&self.inner.batches).remove(&id);
+            return Err(e);
+        }
+        Ok(BatchId(id))
+    }
+
+    //= docs/spec.md#the-write-fence
+    //# D gives blocks to another request only after the reservation ended, and it revokes
+    //# remote access to them (verbs) or stops admitting the generation (every other
+    //# backend) before that
+    /// Stores `generation` into the write-fence word at `offset` of the registered
+    /// region `region` (8 bytes, 8-aligned, host memory), under the lock this agent's
+    /// receiver lands peers' writes under. Publish a reservation's generation with it
+    /// before peers write, and clear it (store any other value, e.g. 0) when the
+    /// reservation ends: once this returns, no write checked against the old generation
+    /// lands any more, not even one whose bytes were arriving during the call (it lands
+    /// wholly before, or not at all). Change a write-fence word only through this.
+    ///
+    /// # Errors
+    /// [`RegisterError::Unknown`] when `region` is not registered;
+    /// [`RegisterError::Range`] when the word lies outside it, is misaligned or not in
+    /// host memory.
+    pub fn set_write_fence(
+        &self,
+        region: RegionId,
+        offset: u64,
+        generation: u64,
+    ) -> Result<(), RegisterError> {
+        let r = self
+            .inner
+            .ctx
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&region.0)
+            .map(|r| r.region.clone())
+            .ok_or(RegisterError::Unknown(region))?;
+        let _fence = self.inner.ctx.write_fences.lock(region.0, offset);
+        r.store_u64(offset, generation)
+            .map_err(|source| RegisterError::Range { region, source })
+    }
+}
