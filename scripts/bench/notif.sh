@@ -26,7 +26,7 @@ bench_tmp
 
 ours() { # BACKEND: prints the median RTT, or fails
   local o
-  o=$(timeout 90 "$BENCH" --backend "$1" --seconds 0.05) || return 1
+  o=$(timeout 90 "$BENCH" --backend "$1" --seconds 0.05 --no-write) || return 1
   grep -qx "backend=$1" <<<"$o" || [ "$1" = tcp ] \
     || { echo "tcp_bench printed no backend=$1 (built without --backend?)" >&2; return 1; }
   sed -n 's/^notif_rtt_us=//p' <<<"$o" | grep .

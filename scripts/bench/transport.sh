@@ -3,7 +3,9 @@
 #   memcpy     single-thread memcpy of 64 x 64 KiB and 64 x 1 MiB between two buffers, warm
 #              (crates/transport/examples/memcpy_bench.rs): the limit of a same-host READ.
 #   ours TCP   tcp_bench (crates/transport/examples/tcp_bench.rs): READ sweep 16 KiB..4 MiB
-#              x 1..256 blocks, READ 64 x 1 MiB and 64 x 64 KiB, notification RTT.
+#              x 1..256 blocks, READ 64 x 1 MiB and 64 x 64 KiB, notification RTT, and
+#              fenced WRITE 64 x 1 MiB and 64 x 64 KiB next to READ (tcp_write_gbps_64x1m,
+#              tcp_read_gbps_64x1m, tcp_write_over_read_64x1m, the same for 64x64k).
 #   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*.
 #   ours cma   tcp_bench --backend cma: the same link, the target's region plain heap memory
 #              (not memfd-backed, as host tensors registered from Python), read with
@@ -27,6 +29,8 @@
 #   shm_notif_ratio_vs_nixl=    our shm notification RTT over NIXL with UCX's defaults
 #   ratio_vs_iperf3= ratio_vs_nixl_read= ratio_vs_nixl_write= (our TCP READ 64 x 1 MiB over
 #   iperf3 and NIXL over TCP), notif_rtt_us= nixl_notif_rtt_us= (TCP, as before).
+#   write_ratio_vs_nixl_write= (and _64k=) our TCP fenced WRITE over NIXL's WRITE over TCP;
+#   write_ratio_vs_nixl_shm_write= (and _64k=) the same over NIXL with UCX's defaults.
 # A single run's notification RTTs are noisy: scripts/bench/notif.sh interleaves rounds.
 # A peer that fails prints its keys as nan (the reason on stderr) and the run goes on.
 # Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), KVLEASE_MOONCAKE_VENV
@@ -100,7 +104,9 @@ ucx() { # UCX 1.13 ucp_get over TCP; "Final:" row: iterations, 3 latencies, band
 }
 
 peer memcpy "memcpy_64k_x64_gbps memcpy_1m_x64_gbps" timeout 60 "$MEMCPY" --seconds "$PS"
-peer ours_tcp "read_1m_x64_gbps read_64k_x64_gbps notif_rtt_us notif_rtt_p99_us" ours_tcp
+peer ours_tcp "read_1m_x64_gbps read_64k_x64_gbps notif_rtt_us notif_rtt_p99_us \
+  tcp_write_gbps_64x1m tcp_read_gbps_64x1m tcp_write_over_read_64x1m \
+  tcp_write_gbps_64x64k tcp_read_gbps_64x64k tcp_write_over_read_64x64k" ours_tcp
 peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_notif_rtt_p99_us" \
   --prefix shm_ ours_shm
 peer ours_cma "cma_read_1m_x64_gbps cma_read_64k_x64_gbps" --prefix cma_ ours_cma
@@ -128,5 +134,9 @@ echo "shm_notif_ratio_vs_nixl=$(ratio "$(get shm_notif_rtt_us)" "$(get nixl_shm_
 echo "ratio_vs_iperf3=$(ratio "$(get read_1m_x64_gbps)" "$(get iperf3_gbps)")"
 echo "ratio_vs_nixl_read=$(ratio "$(get read_1m_x64_gbps)" "$(get nixl_tcp_read_1m_x64_gbps)")"
 echo "ratio_vs_nixl_write=$(ratio "$(get read_1m_x64_gbps)" "$(get nixl_tcp_write_1m_x64_gbps)")"
+echo "write_ratio_vs_nixl_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nixl_tcp_write_1m_x64_gbps)")"
+echo "write_ratio_vs_nixl_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_tcp_write_64k_x64_gbps)")"
+echo "write_ratio_vs_nixl_shm_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
+echo "write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
 echo "notif_rtt_us=$(get notif_rtt_us)"
 echo "nixl_notif_rtt_us=$(get nixl_tcp_notif_rtt_us)"

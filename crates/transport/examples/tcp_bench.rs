@@ -1,6 +1,6 @@
 //! Transport throughput and notification round trip, two processes on one host.
 //!
-//! `tcp_bench [--backend tcp|shm|cma] [--conns N] [--seconds S] [--sweep]` starts itself
+//! `tcp_bench [--backend tcp|shm|cma] [--conns N] [--seconds S] [--sweep] [--no-write]` starts itself
 //! again as the target (`--serve`), which registers a region filled with a pattern and
 //! echoes notifications; this process reads from it with batches of `block × batch` and
 //! verifies the bytes of the first batch of every point. `--backend` (default `tcp`)
@@ -14,6 +14,13 @@
 //! `read_gbps_<block>x<batch>=` (GB/s, 10^9 bytes, with `--sweep`), `read_1m_x64_gbps=`
 //! and `read_64k_x64_gbps=` (the headlines, measured longer), `notif_rtt_us=` (median)
 //! and `notif_rtt_p99_us=`.
+//!
+//! With `--backend tcp` it also measures fenced WRITEs on the same work, the other way
+//! round (this process writes `block × 64` from its region into a destination the target
+//! registered, under a fence word the target published with `Agent::set_write_fence`;
+//! the first batch is read back and checked): `tcp_write_gbps_64x1m=`,
+//! `tcp_read_gbps_64x1m=` (the READ headline again, under the name that pairs with it),
+//! `tcp_write_over_read_64x1m=`, and the same for `64x64k` (`--no-write`: not).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -24,10 +31,15 @@ use anyhow::{Context, Result, bail, ensure};
 use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes};
 use kvlease_transport::{
     Agent, AgentConfig, Backend, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp,
-    RegionDesc, RegionId,
+    RegionDesc, RegionId, WriteBatch, WriteFence, WriteOp,
 };
 
 const REGION: usize = 256 << 20;
+/// The target's write destination (64 × 1 MiB).
+const WRITE_REGION: usize = 64 << 20;
+/// The target's write-fence region, and the generation it publishes.
+const FENCE_REGION: usize = 64;
+const GENERATION: u64 = 1;
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn hex(b: &[u8]) -> String {
@@ -90,6 +102,10 @@ fn serve(conns: usize, backend: Backend) -> Result<()> {
         Arc::new(region)
     };
     agent.register(region)?;
+    // Registered after the read source, so their ids (and metadata order) follow it.
+    agent.register(Arc::new(HostRegion::new(WRITE_REGION)?))?;
+    let fence = agent.register(Arc::new(HostRegion::new(FENCE_REGION)?))?;
+    agent.set_write_fence(RegionId(fence.id), 0, GENERATION)?;
     println!("META {}", hex(&agent.metadata()));
     std::io::stdout().flush()?;
     let mut line = String::new();
@@ -185,6 +201,96 @@ fn measure(
     Ok(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9)
 }
 
+/// A batch of `n` fenced writes of `block` bytes from the start of `src` into `dest`.
+fn write_batch(
+    src: RegionId,
+    dest: &RegionDesc,
+    fence: &RegionDesc,
+    block: u64,
+    n: u64,
+) -> WriteBatch {
+    WriteBatch {
+        ops: (0..n)
+            .map(|i| WriteOp {
+                local: LocalRange {
+                    region: src,
+                    offset: i * block,
+                    len: block,
+                },
+                remote: dest.at((i * 7 % n) * block),
+            })
+            .collect(),
+        notif: None,
+        fence: WriteFence {
+            remote: fence.at(0),
+            expected: GENERATION,
+        },
+    }
+}
+
+/// The target's write destination and fence word.
+struct WriteTarget {
+    dest: RegionDesc,
+    fence: RegionDesc,
+}
+
+/// GB/s of fenced `block × n` write batches, run back to back for `seconds`. The first
+/// batch is read back (into the upper half of `region`) and checked.
+#[allow(clippy::too_many_arguments)]
+fn measure_write(
+    agent: &Agent,
+    peer: kvlease_transport::PeerId,
+    region: &HostRegion,
+    local: RegionId,
+    target: &WriteTarget,
+    block: u64,
+    n: u64,
+    seconds: f64,
+) -> Result<f64> {
+    let total = (block * n) as usize;
+    let stamp: Vec<u8> = (0..total).map(|i| pattern(i + 12_345)).collect();
+    region.write_from(0, &stamp)?;
+    let post = || {
+        agent.post_write(
+            peer,
+            write_batch(local, &target.dest, &target.fence, block, n),
+            TIMEOUT,
+        )
+    };
+    wait(agent, post()?)?;
+    let back = (REGION / 2) as u64;
+    let read_back = ReadBatch {
+        ops: vec![ReadOp {
+            local: LocalRange {
+                region: local,
+                offset: back,
+                len: block * n,
+            },
+            remote: target.dest.at(0),
+        }],
+        notif: None,
+        fence: None,
+    };
+    wait(agent, agent.post_read(peer, read_back, TIMEOUT)?)?;
+    let mut got = vec![0; total];
+    region.read_into(back, &mut got)?;
+    for i in 0..n {
+        let at = ((i * 7 % n) * block) as usize;
+        let from = (i * block) as usize;
+        ensure!(
+            got[at..at + block as usize] == stamp[from..from + block as usize],
+            "write mismatch in block {i}"
+        );
+    }
+    let t0 = Instant::now();
+    let mut bytes = 0u64;
+    while t0.elapsed().as_secs_f64() < seconds {
+        wait(agent, post()?)?;
+        bytes += block * n;
+    }
+    Ok(bytes as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let flag = |name: &str| args.iter().position(|a| a == name);
@@ -221,12 +327,12 @@ fn main() -> Result<()> {
     let dst = RegionId(agent.register(dst_region.clone())?.id);
     let peer = agent.connect(&target_meta)?;
     check_backend(&agent, peer, backend)?;
-    let src = *agent
-        .peer_metadata(peer)
-        .context("peer metadata")?
-        .regions
-        .first()
-        .context("target region")?;
+    let target_regions = agent.peer_metadata(peer).context("peer metadata")?.regions;
+    let src = *target_regions.first().context("target region")?;
+    let write_target = match target_regions[..] {
+        [_, dest, fence, ..] => Some(WriteTarget { dest, fence }),
+        _ => None,
+    };
     let mut child_in = child.stdin.take().context("child stdin")?;
     writeln!(child_in, "META {}", hex(&agent.metadata()))?;
     child_in.flush()?;
@@ -256,6 +362,7 @@ fn main() -> Result<()> {
         }
     }
     // The headline lines, measured for at least 2 s each.
+    let mut headline = Vec::new();
     for (block, label) in [(1 << 20, "1m"), (64 << 10, "64k")] {
         let gbps = measure(
             &agent,
@@ -269,6 +376,27 @@ fn main() -> Result<()> {
             backend,
         )?;
         println!("read_{label}_x64_gbps={gbps:.3}");
+        headline.push((block, label, gbps));
+    }
+    // Fenced WRITEs of the same sizes, next to the READs (TCP is the backend that writes).
+    // `--no-write` skips them (the notification benchmark's short rounds).
+    let writes = flag("--no-write").is_none();
+    if let (Backend::Tcp, Some(target), true) = (backend, &write_target, writes) {
+        for (block, label, read) in headline {
+            let write = measure_write(
+                &agent,
+                peer,
+                &dst_region,
+                dst,
+                target,
+                block,
+                64,
+                seconds.max(2.0),
+            )?;
+            println!("tcp_write_gbps_64x{label}={write:.3}");
+            println!("tcp_read_gbps_64x{label}={read:.3}");
+            println!("tcp_write_over_read_64x{label}={:.3}", write / read);
+        }
     }
 
     // Notification ping-pong: D → P → D (P answers over its own connection to D).

@@ -18,9 +18,10 @@ use crate::tcp::wire::MAX_WRITE_LEN;
 
 impl Agent {
     /// Posts a batch of fenced writes to `peer`: each op's source range of this agent
-    /// into a range the peer registered. The sources are read when this is called (the
-    /// caller may reuse them once it returned). Ops longer than `limits.chunk_len` (or
-    /// 16 MiB) are split; the chunks are striped over the peer's connections.
+    /// into a range the peer registered. The sources are sent straight from their
+    /// regions by the connections' writer threads: keep them unchanged until the batch
+    /// ended (as a read's destination). Ops longer than `limits.chunk_len` (or 16 MiB)
+    /// are split; the chunks are striped over the peer's connections.
     ///
     /// The peer lands each chunk only if, once its bytes arrived, the fence word
     /// `batch.fence.remote` holds `batch.fence.expected` (checked under the lock of the

@@ -1,6 +1,6 @@
 //! The reader side: connections to one peer, striping, completion of chunks.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
@@ -72,8 +72,30 @@ struct Pending {
 #[derive(Debug, Default)]
 struct OutState {
     queue: Vec<u8>,
+    /// Writes waiting for the writer thread, which sends each frame's payload straight
+    /// from its source region (no staging copy). Frames are independent requests, so
+    /// they need no order with `queue`; each one leaves whole.
+    writes: VecDeque<WriteFrame>,
     busy: bool,
     closed: bool,
+}
+
+/// A `WRITE_REQ` frame: its header and body, then `len` bytes of `src` at `offset`.
+#[derive(Debug)]
+struct WriteFrame {
+    header: [u8; wire::HEADER_LEN + wire::WRITE_REQ_LEN],
+    src: Arc<dyn DmaRegion>,
+    offset: u64,
+    len: u64,
+}
+
+impl WriteFrame {
+    /// Sends the frame, the payload straight from the source (one `writev`).
+    fn send(&self, socket: &TcpStream) -> io::Result<()> {
+        self.src
+            .write_to_fd(&self.header, self.offset, self.len, socket.as_fd())
+            .unwrap_or_else(|e| Err(io::Error::other(e)))
+    }
 }
 
 #[derive(Debug)]
@@ -131,18 +153,14 @@ impl Conn {
         true
     }
 
-    /// Queues `bytes` for the writer thread without copying them when nothing else is
-    /// queued (writes: the posting thread does not block on their payload).
-    fn send_owned(&self, bytes: Vec<u8>) -> bool {
+    /// Queues write frames for the writer thread (the posting thread does not block on
+    /// their payload).
+    fn send_writes(&self, frames: Vec<WriteFrame>) -> bool {
         let mut st = lock(&self.out);
         if st.closed {
             return false;
         }
-        if st.queue.is_empty() {
-            st.queue = bytes;
-        } else {
-            st.queue.extend_from_slice(&bytes);
-        }
+        st.writes.extend(frames);
         drop(st);
         let _ = self.doorbell.try_send(());
         true
@@ -334,14 +352,17 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
             if st.closed {
                 return;
             }
-            if st.busy || st.queue.is_empty() {
+            if st.busy || (st.queue.is_empty() && st.writes.is_empty()) {
                 // Whoever is writing rings again if more was queued meanwhile.
                 break;
             }
             let buf = std::mem::take(&mut st.queue);
+            let writes = std::mem::take(&mut st.writes);
             st.busy = true;
             drop(st);
-            let result = (&conn.writer).write_all(&buf);
+            let result = (&conn.writer)
+                .write_all(&buf)
+                .and_then(|()| writes.iter().try_for_each(|w| w.send(&conn.writer)));
             lock(&conn.out).busy = false;
             if let Err(err) = result {
                 tracing::debug!(%err, conn = conn.index, "connection write failed");
@@ -722,9 +743,9 @@ impl Link for TcpLink {
         Ok(())
     }
 
-    /// Each chunk becomes one `WRITE_REQ` with its payload, read out of the source now
-    /// (the caller may reuse the source once this returns); the frames are striped over
-    /// the live connections and written by their writer threads.
+    /// Each chunk becomes one `WRITE_REQ`; the frames are striped over the live
+    /// connections, whose writer threads send each payload straight from its source (so
+    /// the source must stay unchanged until the batch ended, as a read's destination).
     fn post_writes(
         &self,
         batch: &Arc<Batch>,
@@ -736,8 +757,7 @@ impl Link for TcpLink {
             return Err(self.disconnected());
         }
         let start = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let mut frames: Vec<Vec<u8>> = vec![Vec::new(); conns.len()];
-        let mut ops = Vec::new();
+        let mut frames: Vec<Vec<WriteFrame>> = conns.iter().map(|_| Vec::new()).collect();
         let f = (
             fence.remote.region,
             fence.remote.key,
@@ -748,20 +768,6 @@ impl Link for TcpLink {
             let k = (start + i) % conns.len();
             let req = self.next_req.fetch_add(1, Ordering::Relaxed);
             let dest = (chunk.remote.region, chunk.remote.key, chunk.remote.offset);
-            let header = wire::write_req(req, dest, chunk.len, f);
-            let out = &mut frames[k];
-            let at = out.len();
-            // The agent checked the source range against its region; the length fits
-            // `MAX_WRITE_LEN`, far below `usize::MAX`.
-            out.resize(at + header.len() + chunk.len as usize, 0);
-            out[at..at + header.len()].copy_from_slice(&header);
-            chunk
-                .src
-                .read_into(chunk.src_offset, &mut out[at + header.len()..])
-                .map_err(|source| TransferError::Local {
-                    peer: self.peer.clone(),
-                    source,
-                })?;
             let op = PendingOp {
                 batch: batch.clone(),
                 dest: Dest::Write {
@@ -771,22 +777,27 @@ impl Link for TcpLink {
                 offset: chunk.remote.offset,
                 len: chunk.len,
             };
-            ops.push((k, req, op));
-        }
-        // Queued only once every payload was read, so a failed read leaves nothing queued.
-        for (k, req, op) in ops {
             let mut p = lock(&conns[k].pending);
             if !p.alive {
                 drop(p);
+                // Raced with the connection dying: fail the batch (ops already queued
+                // elsewhere are cancelled).
                 self.fail(batch, self.disconnected());
                 return Ok(());
             }
             p.ops.insert(req, op);
+            drop(p);
+            frames[k].push(WriteFrame {
+                header: wire::write_req(req, dest, chunk.len, f),
+                src: chunk.src,
+                offset: chunk.src_offset,
+                len: chunk.len,
+            });
         }
         for (k, f) in frames.into_iter().enumerate() {
             // A failed write kills the connection, whose reader then fails the ops.
             if !f.is_empty() {
-                conns[k].send_owned(f);
+                conns[k].send_writes(f);
             }
         }
         Ok(())
