@@ -1,5 +1,5 @@
-//! Registered memory, batched one-sided reads and notifications for kvlease, shaped like
-//! NIXL's agent.
+//! Registered memory, batched one-sided reads, fenced one-sided writes and notifications
+//! for kvlease, shaped like NIXL's agent.
 //!
 //! An [`Agent`] registers [`DmaRegion`](kvlease_gpu_mem::DmaRegion)s, publishes its
 //! [`metadata`](Agent::metadata), [`connect`](Agent::connect)s to peers from theirs, posts
@@ -34,8 +34,8 @@
 //! a read batch), `notify` (notification sources and sinks), `context` (the narrow state
 //! a backend receives: name, credentials, limits, registered regions, the inbox, the
 //! counters, inbound-connection bookkeeping, its metadata entry), `link` (the `Link`
-//! trait each backend implements for one peer: post reads, send notifications, progress,
-//! time out, close; a one-sided WRITE is one more method there), then the backends
+//! trait each backend implements for one peer: post reads, post writes, send
+//! notifications, progress, time out, close), then the backends
 //! `tcp`, `shm` (with cross-memory attach and CUDA IPC) and `verbs`, and on top the
 //! [`Agent`], which owns the context and each backend's own state and picks a backend
 //! per peer in `Agent::connect` ([`BackendChoice::Auto`]: shm, then verbs, then TCP).
@@ -48,6 +48,16 @@
 //! completed. A word other than the expected one fails the batch with
 //! [`TransferError::FenceMismatch`] (and its notification is not sent): the data may come
 //! from released or reused blocks.
+//!
+//! # Fenced writes
+//! Push mode's data path: [`Agent::post_write`] posts a [`WriteBatch`] (local source
+//! ranges → ranges the peer registered, an optional notification sent once every write
+//! landed, and a [`WriteFence`]: the peer's generation word and the generation the writes
+//! answer). The receiver lands a write only if, once its bytes arrived and under the lock
+//! its [`Agent::set_write_fence`] takes, the word holds that generation; otherwise nothing
+//! of it lands and the batch fails with [`TransferError::Stale`]. So once the receiver
+//! cleared the word, no write for the old generation lands. TCP implements it; the other
+//! backends refuse writes with [`TransferError::Unsupported`] for now.
 //!
 //! # What this crate does not do
 //! It reads no clock except to enforce the timeouts the caller passes, does not decide

@@ -67,7 +67,9 @@ struct Peer {
 /// read → hand [`metadata`](Self::metadata) to peers (out of band) → [`connect`](Self::connect)
 /// with a peer's metadata → [`post_read`](Self::post_read) + [`poll_batch`](Self::poll_batch)
 /// until it is no longer pending; [`send_notif`](Self::send_notif) /
-/// [`get_new_notifs`](Self::get_new_notifs) at any time after `connect`.
+/// [`get_new_notifs`](Self::get_new_notifs) at any time after `connect`. Push mode: the
+/// receiver publishes a generation with [`set_write_fence`](Self::set_write_fence), the
+/// writer [`post_write`](Self::post_write)s under it and polls as for reads.
 ///
 /// Notifications travel over the *sender's* link: to send to a peer, connect to it (P
 /// connects to D too, as NIXL agents exchange metadata both ways). Each link has a
