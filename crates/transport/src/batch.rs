@@ -1,12 +1,14 @@
-//! Backend-neutral state of one read batch.
+//! Backend-neutral state of one read or write batch.
 //!
 //! A batch is split into data chunks; the backend completes them one by one
 //! ([`Batch::lock`] + [`BatchState::chunk_done`]). When the last data chunk is done the
 //! backend performs the fence read (if any), then sends the notification (if any), then
 //! marks the batch done. A failure marks it failed at once; [`BatchState::in_receive`]
-//! counts chunks whose bytes are being written into the destination right now, and the
-//! batch is reported failed only once that is zero, so the caller never gets its memory
-//! back while a transfer into it is still running.
+//! counts chunks whose bytes are being written into the destination (or, for a write
+//! batch, sent from the source) right now, and the batch is reported failed only once
+//! that is zero, so the caller never gets its memory back while a transfer into or out
+//! of it is still running. A write batch has no fence read (the peer checks its fence
+//! before each write lands) and completes a chunk when the peer acknowledges it.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,9 +22,9 @@ use crate::ids::FenceRead;
 /// What a finished batch moved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchStats {
-    /// Data bytes read (the fence word not included).
+    /// Data bytes read or written (the fence word not included).
     pub bytes: u64,
-    /// Read ops in the batch.
+    /// Read (or write) ops in the batch.
     pub ops: usize,
     /// The fence word read, when the batch had a fence.
     pub fence_word: Option<u64>,
@@ -59,7 +61,8 @@ pub(crate) enum BatchPhase {
 pub(crate) struct BatchState {
     /// Data chunks not yet completed.
     pub(crate) remaining: usize,
-    /// Chunks currently being received into their destination.
+    /// Chunks currently being received into their destination (reads) or sent from
+    /// their source (writes).
     pub(crate) in_receive: usize,
     /// The fence read, taken when it is posted.
     pub(crate) fence: Option<FenceRead>,

@@ -268,6 +268,47 @@ fn no_destination_byte_changes_once_the_clear_returned() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn a_write_to_a_peer_that_stops_reading_times_out_and_gives_the_source_back() -> Result<()> {
+    // The peer takes the connections and then reads nothing: the payload fills the
+    // socket and the writer thread blocks mid-frame until the timeout shuts it down.
+    let (meta, desc, peer_thread) = common::fake_peer("stalled", |data| {
+        std::thread::sleep(Duration::from_secs(3));
+        drop(data);
+    })?;
+    let p = common::single_conn("p")?;
+    let src = RegionId(p.register(filled(32 << 20, 5))?.id);
+    let peer = p.connect(&meta)?;
+    let batch = WriteBatch {
+        ops: vec![WriteOp {
+            local: LocalRange {
+                region: src,
+                offset: 0,
+                len: 32 << 20,
+            },
+            remote: desc.at(0),
+        }],
+        notif: Some(b"never".to_vec()),
+        fence: WriteFence {
+            remote: desc.at(0),
+            expected: 1,
+        },
+    };
+    let started = std::time::Instant::now();
+    let id = p.post_write(peer, batch, Duration::from_millis(300))?;
+    let status = wait(&p, id)?;
+    ensure!(
+        matches!(status, BatchStatus::Failed(TransferError::Timeout { .. })),
+        "{status:?}"
+    );
+    ensure!(
+        started.elapsed() < Duration::from_secs(3),
+        "the timeout did not cut the write short"
+    );
+    peer_thread.join().expect("fake peer");
+    Ok(())
+}
+
 // ---- hand-written write frames ----
 
 /// A destination: region, key, offset.

@@ -80,9 +80,11 @@ struct OutState {
     closed: bool,
 }
 
-/// A `WRITE_REQ` frame: its header and body, then `len` bytes of `src` at `offset`.
+/// A `WRITE_REQ` frame of `batch`: its header and body, then `len` bytes of `src` at
+/// `offset`.
 #[derive(Debug)]
 struct WriteFrame {
+    batch: Arc<Batch>,
     header: [u8; wire::HEADER_LEN + wire::WRITE_REQ_LEN],
     src: Arc<dyn DmaRegion>,
     offset: u64,
@@ -109,6 +111,8 @@ pub(crate) struct Conn {
     pending: Mutex<Pending>,
     /// The batch whose bytes the reader is receiving right now (0: none).
     receiving: AtomicU64,
+    /// The batch whose write payload the writer is sending right now (0: none).
+    sending: AtomicU64,
     socket: TcpStream,
 }
 
@@ -255,6 +259,7 @@ pub(crate) fn connect(
                 ops: HashMap::new(),
             }),
             receiving: AtomicU64::new(0),
+            sending: AtomicU64::new(0),
             socket,
         });
         let conn2 = conn.clone();
@@ -357,12 +362,16 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
                 break;
             }
             let buf = std::mem::take(&mut st.queue);
-            let writes = std::mem::take(&mut st.writes);
             st.busy = true;
             drop(st);
-            let result = (&conn.writer)
-                .write_all(&buf)
-                .and_then(|()| writes.iter().try_for_each(|w| w.send(&conn.writer)));
+            let mut result = (&conn.writer).write_all(&buf);
+            // Write frames one at a time, so that a timeout can withdraw those not sent.
+            while result.is_ok() {
+                let Some(w) = lock(&conn.out).writes.pop_front() else {
+                    break;
+                };
+                result = send_write(conn, &w);
+            }
             lock(&conn.out).busy = false;
             if let Err(err) = result {
                 tracing::debug!(%err, conn = conn.index, "connection write failed");
@@ -371,6 +380,25 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
             }
         }
     }
+}
+
+/// Sends one write frame unless its batch already ended. While the payload leaves, the
+/// batch counts it in `in_receive` (the caller gets its source back only once that is
+/// zero) and `conn.sending` names the batch (a timeout shuts the connection down).
+fn send_write(conn: &Conn, w: &WriteFrame) -> io::Result<()> {
+    {
+        let mut st = w.batch.lock();
+        if !st.is_running() {
+            return Ok(());
+        }
+        st.in_receive += 1;
+        // Stored under the lock, so a timeout that sees `in_receive > 0` sees it too.
+        conn.sending.store(w.batch.id, Ordering::SeqCst);
+    }
+    let result = w.send(&conn.writer);
+    conn.sending.store(0, Ordering::SeqCst);
+    w.batch.lock().in_receive -= 1;
+    result
 }
 
 fn read_loop(ctx: &Context, link: &TcpLink, conn: &Conn, stream: TcpStream) {
@@ -788,6 +816,7 @@ impl Link for TcpLink {
             p.ops.insert(req, op);
             drop(p);
             frames[k].push(WriteFrame {
+                batch: batch.clone(),
                 header: wire::write_req(req, dest, chunk.len, f),
                 src: chunk.src,
                 offset: chunk.src_offset,
@@ -809,13 +838,17 @@ impl Link for TcpLink {
     }
 
     /// Called once a batch timed out (already marked failed): cancels its queued chunks
-    /// and shuts down connections that are receiving into its memory right now.
+    /// (and write frames not sent yet) and shuts down connections that are receiving
+    /// into its memory, or sending a write from it, right now.
     fn on_timeout(&self, batch: &Batch) {
         for conn in &self.conns {
             lock(&conn.pending)
                 .ops
                 .retain(|_, op| op.batch.id != batch.id);
-            if conn.receiving.load(Ordering::SeqCst) == batch.id {
+            lock(&conn.out).writes.retain(|w| w.batch.id != batch.id);
+            if conn.receiving.load(Ordering::SeqCst) == batch.id
+                || conn.sending.load(Ordering::SeqCst) == batch.id
+            {
                 tracing::warn!(peer = %self.peer, conn = conn.index, "batch timed out mid-transfer; closing the connection");
                 conn.kill();
             }
