@@ -214,9 +214,9 @@ fn the_fence_setter_checks_its_word() -> Result<()> {
 
 #[test]
 fn no_destination_byte_changes_once_the_clear_returned() -> Result<()> {
-    const SLOT: u64 = 64 * 1024;
+    const SLOT: u64 = 256 * 1024;
     const WRITERS: u64 = 4;
-    for round in 0..3u64 {
+    for round in 0..5u64 {
         let t = Arc::new(pair((SLOT * WRITERS) as usize)?);
         let generation = 10 + round;
         t.set_fence(generation)?;
@@ -244,11 +244,23 @@ fn no_destination_byte_changes_once_the_clear_returned() -> Result<()> {
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(30 + 20 * round));
+        // Clear while writes stream in: after a few landed, at a different point each round.
+        let until = |what: &str, done: &dyn Fn() -> bool| -> Result<()> {
+            let start = std::time::Instant::now();
+            while !done() {
+                ensure!(start.elapsed() < LIMIT, "{what} within {LIMIT:?}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        };
+        until("writes landing", &|| {
+            t.d.stats().writes_landed >= 4 * (round + 1)
+        })?;
         t.set_fence(0)?;
         let after_clear = bytes_of(t.dst.as_ref(), 0, SLOT * WRITERS);
         let landed = t.d.stats().writes_landed;
-        std::thread::sleep(Duration::from_millis(100));
+        // Every writer meets the cleared fence at least once before they stop.
+        until("stale writes", &|| t.d.stats().writes_stale >= 2 * WRITERS)?;
         stop.store(true, Ordering::SeqCst);
         let mut stale = 0;
         for w in writers {
