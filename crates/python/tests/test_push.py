@@ -278,6 +278,11 @@ def test_push_cores_raise_typed_exceptions_on_bad_input():
     with pytest.raises(errors.InvalidArgument):
         kvlease.PushCore(registration_wait=float("nan"))
     with pytest.raises(errors.InvalidArgument):
+        kvlease.PushCore(remember_ended=1e18)
+    with pytest.raises(errors.InvalidArgument):
+        # 2**64 - 2048 s: an hour's deadline from it would overflow the clock.
+        kvlease.PushCore(remember_ended=3600.0).admit(1.844674407370955e19, "xfer-9", "req-9")
+    with pytest.raises(errors.InvalidArgument):
         res.reserve(-1.0, "xfer-1", "engine-p", [1])
     with pytest.raises(errors.InvalidArgument):
         res.reserve(0.0, "", "engine-p", [1])

@@ -34,11 +34,13 @@ class _StrEnum(str, Enum):
 
 
 class BatchStatus(_StrEnum):
-    """How a read batch ended (``BatchResult.status``, ``DecodeCore.handle_batch_done``)."""
+    """How a read (or write) batch ended (``BatchResult.status``,
+    ``DecodeCore.handle_batch_done``)."""
 
     #: Every read completed and the fence matched.
     DONE = "done"
-    #: The fence word did not match: nothing read may be used.
+    #: The fence word did not match: nothing read may be used (a write: the peer's write
+    #: fence refused it, and nothing of it landed).
     STALE = "stale"
     #: The read failed (connection, timeout, refused).
     FAILED = "failed"

@@ -14,6 +14,8 @@ use kvlease_lease::{Generation, GrantError, LeaseConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use kvlease_lease::Timestamp;
+
 use super::{PyEnum, at, block_ids, block_list, engine_id, lease_config, request_id, secs};
 use crate::errors::{Family, ToPyErr, bool_obj, chain, invalid, raise_with};
 
@@ -32,6 +34,9 @@ fn seconds(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
         )
     })
 }
+
+/// The longest `registration_wait` / `remember_ended` a `PushCore` takes: a year.
+const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 fn lease_terms(py: Python<'_>, duration: f64, max_lifetime: Option<f64>) -> PyResult<LeaseConfig> {
     let lease = lease_config(py, duration)?;
@@ -454,6 +459,19 @@ impl PushEnded {
 #[pyclass(module = "kvlease._kvlease")]
 pub(crate) struct PushCore {
     core: engine::PushCore,
+    /// The longest span the core adds to `now`: every `now` must leave room for it.
+    horizon: Duration,
+}
+
+impl PushCore {
+    /// `now` (seconds) as the core's timestamp, refused when the core's deadlines from it
+    /// would not fit the clock.
+    fn now(&self, py: Python<'_>, now: f64) -> PyResult<Timestamp> {
+        let t = at(py, now)?;
+        t.checked_add(self.horizon)
+            .map(|_| t)
+            .ok_or_else(|| invalid(py, format!("now of {now} s is too far in the future")))
+    }
 }
 
 #[pymethods]
@@ -477,8 +495,19 @@ impl PushCore {
         if let Some(r) = remember_ended {
             config.remember_ended = seconds(py, "remember_ended", r)?;
         }
+        if config.registration_wait > MAX_WAIT || config.remember_ended > MAX_WAIT {
+            return Err(invalid(
+                py,
+                "registration_wait and remember_ended must be at most a year",
+            ));
+        }
+        let horizon = config
+            .registration_wait
+            .max(config.remember_ended)
+            .max(config.lease.duration());
         Ok(Self {
             core: engine::PushCore::new(config),
+            horizon,
         })
     }
 
@@ -507,7 +536,7 @@ impl PushCore {
 
     /// Admits P's leg of `transfer` (P's own id `request`).
     fn admit(&mut self, py: Python<'_>, now: f64, transfer: &str, request: &str) -> PyResult<()> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let transfer = request_id(py, transfer)?;
         let request = request_id(py, request)?;
         self.core
@@ -532,7 +561,7 @@ impl PushCore {
         lease: f64,
         blocks: Vec<u32>,
     ) -> PyResult<Py<PyAny>> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let decode = engine_id(py, decode)?;
         let reservation = engine::Reservation {
             transfer: request_id(py, transfer)?,
@@ -560,7 +589,7 @@ impl PushCore {
         transfer: &str,
         blocks: Vec<u32>,
     ) -> PyResult<()> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let transfer = request_id(py, transfer)?;
         self.core
             .handle_prefill_done(now, &transfer, block_ids(blocks))
@@ -577,7 +606,7 @@ impl PushCore {
         generation: u64,
         ok: bool,
     ) -> PyResult<bool> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let transfer = request_id(py, transfer)?;
         let g = self::generation(py, generation)?;
         Ok(self.core.handle_write_result(now, &transfer, g, ok))
@@ -593,7 +622,7 @@ impl PushCore {
         transfer: &str,
         generation: u64,
     ) -> PyResult<bool> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let decode = engine_id(py, decode)?;
         let transfer = request_id(py, transfer)?;
         let g = self::generation(py, generation)?;
@@ -604,14 +633,14 @@ impl PushCore {
 
     /// The request of `transfer` retired on P. Returns whether it was pushing.
     fn retire(&mut self, py: Python<'_>, now: f64, transfer: &str) -> PyResult<bool> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         let transfer = request_id(py, transfer)?;
         Ok(self.core.retire(now, &transfer))
     }
 
     /// Ends what waited too long and forgets old ended transfers.
     fn handle_timeout(&mut self, py: Python<'_>, now: f64) -> PyResult<()> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         self.core.handle_timeout(now);
         Ok(())
     }
@@ -629,7 +658,7 @@ impl PushCore {
         py: Python<'_>,
         now: f64,
     ) -> PyResult<Option<(String, Vec<String>)>> {
-        let now = at(py, now)?;
+        let now = self.now(py, now)?;
         Ok(self.core.poll_heartbeat(now).map(|b| {
             (
                 b.engine.as_str().to_owned(),
