@@ -1,5 +1,5 @@
-//! The transport agent for Python: registration, metadata, peers, batched fenced reads
-//! and notifications. Blocking calls release the GIL.
+//! The transport agent for Python: registration, metadata, peers, batched fenced reads,
+//! fenced writes (push mode) and notifications. Blocking calls release the GIL.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvlease_transport as transport;
 use kvlease_transport::{
     AgentConfig, BackendChoice, BatchStatus, FenceRead, LocalRange, ReadBatch, ReadOp, RegionId,
-    RemoteRange,
+    RemoteRange, WriteBatch, WriteFence, WriteOp,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -145,11 +145,11 @@ impl Peer {
     }
 }
 
-/// A posted read batch (from [`Agent::post_read`]).
+/// A posted read or write batch (from [`Agent::post_read`] or [`Agent::post_write`]).
 #[pyclass(module = "kvlease._kvlease", frozen)]
 pub(crate) struct Batch {
     id: transport::BatchId,
-    /// The peer it reads from.
+    /// The peer it reads from (or writes to).
     #[pyo3(get)]
     peer: String,
 }
@@ -158,10 +158,11 @@ pub(crate) struct Batch {
 #[pyclass(module = "kvlease._kvlease", frozen)]
 pub(crate) struct BatchResult {
     /// A `BatchStatus`: `done`, `stale` (the fence word did not match: nothing read may
-    /// be used) or `failed`.
+    /// be used; for a write, the peer's write fence no longer held the generation and
+    /// the refused write did not land) or `failed`.
     #[pyo3(get)]
     status: Py<PyAny>,
-    /// Data bytes read (0 unless done).
+    /// Data bytes read or written (0 unless done).
     #[pyo3(get)]
     bytes: u64,
     /// The fence word read, when the batch had a fence and got that far.
@@ -219,6 +220,7 @@ impl BatchResult {
                     transport::TransferError::FenceMismatch { found, .. } => {
                         ("stale", Some(*found))
                     }
+                    transport::TransferError::Stale { .. } => ("stale", None),
                     _ => ("failed", None),
                 };
                 Some(Self {
@@ -300,15 +302,10 @@ impl Agent {
                 u64,
                 u64,
             ) = op.extract()?;
-            let local = match local.cast::<Region>() {
-                Ok(r) => r.get().id,
-                Err(_) => local.extract::<u64>().map_err(|_| {
-                    invalid(py, "a read op's destination is a Region or a region id")
-                })?,
-            };
+            let local = region_id(py, &local, "a read op's destination")?;
             out.push(ReadOp {
                 local: LocalRange {
-                    region: RegionId(local),
+                    region: local,
                     offset: local_offset,
                     len,
                 },
@@ -324,6 +321,54 @@ impl Agent {
             notif,
             fence,
         })
+    }
+
+    fn write_batch(
+        py: Python<'_>,
+        ops: &Bound<'_, PyAny>,
+        notif: Option<Vec<u8>>,
+        fence: (RemoteRegion, u64, u64),
+    ) -> PyResult<WriteBatch> {
+        let mut out = Vec::new();
+        for op in ops.try_iter()? {
+            let op = op?;
+            let (local, local_offset, remote, remote_offset, len): (
+                Bound<'_, PyAny>,
+                u64,
+                RemoteRegion,
+                u64,
+                u64,
+            ) = op.extract()?;
+            let local = region_id(py, &local, "a write op's source")?;
+            out.push(WriteOp {
+                local: LocalRange {
+                    region: local,
+                    offset: local_offset,
+                    len,
+                },
+                remote: remote.at(remote_offset),
+            });
+        }
+        let (region, offset, expected) = fence;
+        Ok(WriteBatch {
+            ops: out,
+            notif,
+            fence: WriteFence {
+                remote: region.at(offset),
+                expected,
+            },
+        })
+    }
+}
+
+/// The id of a local region passed as a `Region` or its id.
+fn region_id(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<RegionId> {
+    match obj.cast::<Region>() {
+        Ok(r) => Ok(RegionId(r.get().id)),
+        Err(_) => obj
+            .extract::<u64>()
+            .map(RegionId)
+            .map_err(|_| invalid(py, format!("{what} is a Region or a region id"))),
     }
 }
 
@@ -512,6 +557,60 @@ impl Agent {
             id,
             peer: peer.name.clone(),
         })
+    }
+
+    /// Posts a batch of fenced writes to `peer` (push mode; TCP peers only).
+    ///
+    /// `ops` is an iterable of `(local, local_offset, remote, remote_offset, length)`:
+    /// `local` a `Region` (or its id) of this agent, the source, `remote` a
+    /// `RemoteRegion` of the peer, the destination. Keep the source bytes unchanged until
+    /// the batch ended. `fence` is `(remote_region, offset, generation)`: the peer lands
+    /// each write only if, once its bytes arrived, its write-fence word there (published
+    /// with the peer's `set_write_fence`) holds `generation`; otherwise nothing of that
+    /// write lands and the batch ends `"stale"` (`StaleFenceError`). `notif` is sent to
+    /// the peer only after every write landed. The batch fails when it has not completed
+    /// `timeout` seconds after posting. Poll it as a read batch (`poll`, `wait`); writes
+    /// that landed before a failure stay landed.
+    #[pyo3(signature = (peer, ops, *, fence, notif = None, timeout = 30.0))]
+    fn post_write(
+        &self,
+        py: Python<'_>,
+        peer: &Peer,
+        ops: &Bound<'_, PyAny>,
+        fence: (RemoteRegion, u64, u64),
+        notif: Option<Vec<u8>>,
+        timeout: f64,
+    ) -> PyResult<Batch> {
+        let agent = self.get(py)?;
+        let batch = Self::write_batch(py, ops, notif, fence)?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        let id = py
+            .detach(|| agent.post_write(peer.id, batch, timeout))
+            .map_err(|e| e.to_py(py))?;
+        Ok(Batch {
+            id,
+            peer: peer.name.clone(),
+        })
+    }
+
+    /// Stores `value` into the write-fence word at `offset` of the registered region
+    /// `region` (a `Region` or its id; 8 bytes, 8-aligned, host memory), under the lock
+    /// this agent lands peers' writes under. Publish a reservation's generation with it
+    /// before peers write, and clear it (store any other value, e.g. 0) when the
+    /// reservation ends: once this returns, no write carrying the old generation lands.
+    /// Change a write-fence word only through this. Raises `RegisterError` for an
+    /// unregistered region or a word outside it, misaligned or not in host memory.
+    fn set_write_fence(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        offset: u64,
+        value: u64,
+    ) -> PyResult<()> {
+        let agent = self.get(py)?;
+        let region = region_id(py, region, "the fence's region")?;
+        py.detach(|| agent.set_write_fence(region, offset, value))
+            .map_err(|e| e.to_py(py))
     }
 
     /// Where `batch` stands: `None` while it runs, then its `BatchResult` (reported

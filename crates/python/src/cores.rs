@@ -6,6 +6,8 @@
 //! - `prefill`: P's core and what it returns (grants, releases, actions, events).
 //! - `decode`: D's core and what it returns (load plans, transmits, events).
 //! - `notif`: decoding and encoding notifications without a core.
+//! - `push`: push mode's cores, D's `Reservations` and P's `PushCore`, and what they
+//!   return.
 //! - here: the conversions both use, and [`PyEnum`], the enums of `kvlease.kinds` every
 //!   kind, status, reason and outcome is returned as.
 
@@ -23,6 +25,7 @@ use crate::errors::{ToPyErr, invalid};
 mod decode;
 mod notif;
 mod prefill;
+mod push;
 
 pub(crate) use decode::{
     BatchPlan, DecodeCore, DecodeNotifOutcome, EngineDropped, Finished, HandshakeDone,
@@ -32,6 +35,9 @@ pub(crate) use notif::{DecodedNotif, decode_notif, encode_heartbeats};
 pub(crate) use prefill::{
     ClearFences, Granted, PrefillCore, PrefillNotifOutcome, PrefillStart, Refused, Released,
     SendNotif,
+};
+pub(crate) use push::{
+    PushCore, PushEnded, PushSend, PushWrite, Reservation, ReservationEnded, Reservations,
 };
 
 /// The Python module that defines the enums.
@@ -52,6 +58,14 @@ pub(crate) enum PyEnum {
     NotifKind,
     /// What P's core did with a read completion.
     ReadCompleteOutcome,
+    /// Whether D's reservations admit a write: `accepted`, `stale`, `unknown`, `foreign`.
+    FenceVerdict,
+    /// How a reservation ended on D.
+    ReservationOutcome,
+    /// How a push ended on P.
+    PushOutcome,
+    /// What P's push core did with a registration.
+    RegistrationOutcome,
 }
 
 impl PyEnum {
@@ -63,11 +77,15 @@ impl PyEnum {
             Self::TransmitKind => "TransmitKind",
             Self::NotifKind => "NotifKind",
             Self::ReadCompleteOutcome => "ReadCompleteOutcome",
+            Self::FenceVerdict => "FenceVerdict",
+            Self::ReservationOutcome => "ReservationOutcome",
+            Self::PushOutcome => "PushOutcome",
+            Self::RegistrationOutcome => "RegistrationOutcome",
         }
     }
 
     fn cell(self) -> &'static PyOnceLock<Py<PyType>> {
-        static CELLS: [PyOnceLock<Py<PyType>>; 6] = [const { PyOnceLock::new() }; 6];
+        static CELLS: [PyOnceLock<Py<PyType>>; 10] = [const { PyOnceLock::new() }; 10];
         &CELLS[self as usize]
     }
 

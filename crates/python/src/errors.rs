@@ -187,6 +187,21 @@ impl ToPyErr for kvlease_transport::TransferError {
                     ),
                 ],
             ),
+            // A write the peer's fence refused: nothing of it landed.
+            Self::Stale { expected, .. } => raise_with(
+                py,
+                Family::StaleFence,
+                chain(self),
+                &[
+                    (
+                        "expected",
+                        expected
+                            .into_pyobject(py)
+                            .map_or_else(|_| py.None(), |v| v.into_any().unbind()),
+                    ),
+                    ("found", py.None()),
+                ],
+            ),
             Self::Timeout { .. } => raise_err(py, Family::TransferTimeout, self),
             Self::NotifTooLarge { .. } => raise_err(py, Family::Notif, self),
             _ => raise_err(py, Family::Transfer, self),

@@ -58,6 +58,13 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cores::HandshakeDone>()?;
     m.add_class::<cores::EngineDropped>()?;
     m.add_class::<cores::Finished>()?;
+    m.add_class::<cores::Reservations>()?;
+    m.add_class::<cores::Reservation>()?;
+    m.add_class::<cores::ReservationEnded>()?;
+    m.add_class::<cores::PushCore>()?;
+    m.add_class::<cores::PushWrite>()?;
+    m.add_class::<cores::PushSend>()?;
+    m.add_class::<cores::PushEnded>()?;
     m.add_class::<params::KvTransferParams>()?;
     m.add_class::<params::PullPlan>()?;
     m.add_class::<engine_info::EngineInfo>()?;

@@ -5,6 +5,9 @@
 - :class:`FenceWords`: a lease's generation words over shared memory.
 - :class:`PrefillCore`, :class:`DecodeCore`: the engine cores (every lease decision of P
   and D; time is an argument, ``now`` in seconds of ``time.monotonic()``).
+- :class:`Reservations`, :class:`PushCore`: push mode's cores (D's reservations, P's
+  pushes); with ``Agent.post_write`` / ``Agent.set_write_fence`` the pieces of push mode
+  (the vLLM connector does not use them yet).
 - :class:`KvTransferParams`: ``kv_transfer_params``, read and written by one codec (the
   agents' too); bad keys raise :class:`InvalidArgument` naming the field.
 - :class:`EngineInfo`: the engine-info handshake payload P serves on the side channel,
@@ -44,11 +47,18 @@ from ._kvlease import (
     PrefillCore,
     PrefillNotifOutcome,
     PrefillStart,
+    PushCore,
+    PushEnded,
+    PushSend,
+    PushWrite,
     Refused,
     Region,
     Released,
     RemoteKv,
     RemoteRegion,
+    Reservation,
+    ReservationEnded,
+    Reservations,
     SendNotif,
     SideChannelServer,
     Transmit,
@@ -78,10 +88,14 @@ from .errors import (
 )
 from .kinds import (
     BatchStatus,
+    FenceVerdict,
     NotifKind,
     Outcome,
+    PushOutcome,
     ReadCompleteOutcome,
+    RegistrationOutcome,
     ReleaseReason,
+    ReservationOutcome,
     TransmitKind,
 )
 
@@ -112,6 +126,13 @@ __all__ = [
     "HandshakeDone",
     "EngineDropped",
     "Finished",
+    "Reservations",
+    "Reservation",
+    "ReservationEnded",
+    "PushCore",
+    "PushWrite",
+    "PushSend",
+    "PushEnded",
     "KvTransferParams",
     "EngineInfo",
     "WorkerInfo",

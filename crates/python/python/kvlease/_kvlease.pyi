@@ -6,10 +6,14 @@ from typing import Any, Literal
 from .errors import KvleaseError
 from .kinds import (
     BatchStatus,
+    FenceVerdict,
     NotifKind,
     Outcome,
+    PushOutcome,
     ReadCompleteOutcome,
+    RegistrationOutcome,
     ReleaseReason,
+    ReservationOutcome,
     TransmitKind,
 )
 
@@ -60,7 +64,7 @@ class Peer:
         """The peer's region ``id``; raises ``InvalidArgument`` if it has none."""
 
 class Batch:
-    """A posted read batch."""
+    """A posted read or write batch."""
 
     @property
     def peer(self) -> str: ...
@@ -87,6 +91,10 @@ class BatchResult:
 
 ReadOp = tuple[Region | int, int, RemoteRegion, int, int]
 Fence = tuple[RemoteRegion, int, int]
+#: ``(local source, local_offset, remote destination, remote_offset, length)``
+WriteOp = tuple[Region | int, int, RemoteRegion, int, int]
+#: ``(remote_region, offset, generation)``: the peer's write-fence word
+WriteFence = tuple[RemoteRegion, int, int]
 
 class Agent:
     """A transfer agent: registered memory, metadata, peers, fenced batched reads and
@@ -131,6 +139,20 @@ class Agent:
         fence: Fence | None = None,
         timeout: float = 30.0,
     ) -> Batch: ...
+    def post_write(
+        self,
+        peer: Peer,
+        ops: Iterable[WriteOp],
+        *,
+        fence: WriteFence,
+        notif: bytes | None = None,
+        timeout: float = 30.0,
+    ) -> Batch:
+        """Fenced one-sided writes (push mode, TCP peers); poll as a read batch. A write
+        the peer's fence refused ends the batch ``stale`` (``StaleFenceError``)."""
+    def set_write_fence(self, region: Region | int, offset: int, value: int) -> None:
+        """Stores ``value`` in the write-fence word at ``offset`` of ``region`` under the
+        lock peers' writes land under; raises ``RegisterError`` for a bad word."""
     def poll(self, batch: Batch) -> BatchResult | None: ...
     def wait(self, batches: Sequence[Batch], timeout: float | None = None) -> list[BatchResult | None]: ...
     def read(
@@ -298,6 +320,101 @@ class RemoteKv:
     host: str
     port: int
     instance: int
+
+# ------------------------------------------------------------------------- push mode
+
+class Reservation:
+    transfer: str
+    blocks: list[int]
+    generation: int
+    lease: float
+
+class ReservationEnded:
+    transfer: str
+    prefill: str
+    blocks: list[int]
+    generation: int
+    outcome: ReservationOutcome
+    at: float
+    tells_prefill: bool
+    needs_recompute: bool
+
+class Reservations:
+    """D's push-mode reservations: reserved blocks, their leases and the write fence."""
+
+    def __init__(
+        self,
+        *,
+        lease_duration: float = 30.0,
+        max_lease_lifetime: float | None = None,
+        first_generation: int = 1,
+    ) -> None: ...
+    @property
+    def lease_duration(self) -> float: ...
+    @property
+    def blocks_held(self) -> int: ...
+    def __len__(self) -> int: ...
+    def get(self, transfer: str) -> tuple[int, list[int]] | None: ...
+    def expiry(self, transfer: str) -> float | None: ...
+    def reserve(self, now: float, transfer: str, prefill: str, blocks: Sequence[int]) -> Reservation: ...
+    def handle_heartbeat(self, now: float, prefill: str, transfers: Sequence[str]) -> dict[str, int]: ...
+    def admits_write(self, prefill: str, transfer: str, generation: int) -> FenceVerdict: ...
+    def handle_write_done(self, now: float, prefill: str, transfer: str, generation: int) -> FenceVerdict: ...
+    def handle_push_failed(self, now: float, prefill: str, transfer: str, generation: int) -> FenceVerdict: ...
+    def abort(self, now: float, transfer: str) -> bool: ...
+    def handle_timeout(self, now: float) -> int: ...
+    def poll_timeout(self) -> float | None: ...
+    def poll_event(self) -> ReservationEnded | None: ...
+    def stats(self) -> dict[str, int]: ...
+
+class PushWrite:
+    transfer: str
+    decode: str
+    generation: int
+    pairs: list[tuple[int, int]]
+
+class PushSend:
+    to: str
+    kind: Literal["write_done", "push_failed"]
+    transfer: str
+    generation: int
+
+class PushEnded:
+    transfer: str
+    request: str
+    decode: str | None
+    blocks: list[int]
+    outcome: PushOutcome
+
+class PushCore:
+    """P's push-mode core: when P writes, which registrations it heartbeats, who is told."""
+
+    def __init__(
+        self,
+        *,
+        lease_duration: float = 30.0,
+        registration_wait: float | None = None,
+        remember_ended: float | None = None,
+    ) -> None: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def pushing(self) -> int: ...
+    def is_idle(self) -> bool: ...
+    def is_writing(self, transfer: str) -> bool: ...
+    def admit(self, now: float, transfer: str, request: str) -> None: ...
+    def handle_registration(
+        self, now: float, decode: str, transfer: str, generation: int, lease: float, blocks: Sequence[int]
+    ) -> RegistrationOutcome: ...
+    def handle_prefill_done(self, now: float, transfer: str, blocks: Sequence[int]) -> None: ...
+    def handle_write_result(self, now: float, transfer: str, generation: int, ok: bool) -> bool: ...
+    def handle_reservation_released(self, now: float, decode: str, transfer: str, generation: int) -> bool: ...
+    def retire(self, now: float, transfer: str) -> bool: ...
+    def handle_timeout(self, now: float) -> None: ...
+    def poll_timeout(self) -> float | None: ...
+    def poll_heartbeat(self, now: float) -> tuple[str, list[str]] | None: ...
+    def poll_action(self) -> PushWrite | PushSend | PushEnded | None: ...
+    def stats(self) -> dict[str, int]: ...
 
 # ----------------------------------------------------------------- kv_transfer_params
 

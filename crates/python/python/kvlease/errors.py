@@ -69,7 +69,8 @@ class TransferError(KvleaseError):
 class StaleFenceError(TransferError):
     """The fence word read after the data did not hold the generation the reader was
     given: P released the lease (and may have reused the blocks) while D read. Nothing
-    read may be used; recompute.
+    read may be used; recompute. Also a write (``Agent.post_write``) the peer's write
+    fence refused: nothing of it landed (``found`` is ``None`` then).
 
     Attributes: ``expected`` (the generation) and ``found`` (the word read).
     """

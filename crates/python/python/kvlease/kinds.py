@@ -14,10 +14,14 @@ from enum import Enum
 
 __all__ = [
     "BatchStatus",
+    "FenceVerdict",
     "NotifKind",
     "Outcome",
+    "PushOutcome",
     "ReadCompleteOutcome",
+    "RegistrationOutcome",
     "ReleaseReason",
+    "ReservationOutcome",
     "TransmitKind",
 ]
 
@@ -30,11 +34,13 @@ class _StrEnum(str, Enum):
 
 
 class BatchStatus(_StrEnum):
-    """How a read batch ended (``BatchResult.status``, ``DecodeCore.handle_batch_done``)."""
+    """How a read (or write) batch ended (``BatchResult.status``,
+    ``DecodeCore.handle_batch_done``)."""
 
     #: Every read completed and the fence matched.
     DONE = "done"
-    #: The fence word did not match: nothing read may be used.
+    #: The fence word did not match: nothing read may be used (a write: the peer's write
+    #: fence refused it, and nothing of it landed).
     STALE = "stale"
     #: The read failed (connection, timeout, refused).
     FAILED = "failed"
@@ -104,3 +110,62 @@ class ReadCompleteOutcome(_StrEnum):
     INVALID_TOTAL = "invalid_total"
     #: An outcome this binding does not name.
     OTHER = "other"
+
+
+class FenceVerdict(_StrEnum):
+    """Whether D's reservations admit a write or a push message
+    (``Reservations.admits_write``, ``handle_write_done``, ``handle_push_failed``)."""
+
+    #: The transfer holds a reservation of that generation, registered with that P.
+    ACCEPTED = "accepted"
+    #: The transfer holds a reservation of another generation: nothing changed.
+    STALE = "stale"
+    #: No reservation is held for the transfer: nothing changed.
+    UNKNOWN = "unknown"
+    #: The reservation was registered with another P engine: nothing changed.
+    FOREIGN = "foreign"
+
+
+class ReservationOutcome(_StrEnum):
+    """How a reservation ended on D (``ReservationEnded.outcome``)."""
+
+    #: P's write-done for the generation D held: decode from the blocks.
+    WRITTEN = "written"
+    #: The request ended on D (``Reservations.abort``).
+    ABORTED = "aborted"
+    #: No heartbeat renewed it in time.
+    EXPIRED = "expired"
+    #: P's push-failed for the generation D held.
+    FAILED = "failed"
+
+
+class PushOutcome(_StrEnum):
+    """How a push ended on P (``PushEnded.outcome``)."""
+
+    #: The write completed and D was told (write-done).
+    WRITTEN = "written"
+    #: The write failed to post or complete; D was told (push-failed).
+    WRITE_FAILED = "write_failed"
+    #: D reported the reservation released; nothing more is written.
+    RESERVATION_GONE = "reservation_gone"
+    #: The request retired on P before its write; D was told if it had registered.
+    RETIRED = "retired"
+    #: P's prefill ended but no registration came in time.
+    NO_REGISTRATION = "no_registration"
+    #: D's registration named a lease P cannot keep; D was told (push-failed).
+    LEASE_TOO_SHORT = "lease_too_short"
+
+
+class RegistrationOutcome(_StrEnum):
+    """What ``PushCore.handle_registration`` did with D's registration."""
+
+    #: Recorded (and, when P's prefill is done, the write was planned).
+    ACCEPTED = "accepted"
+    #: The same registration again: nothing changed.
+    DUPLICATE = "duplicate"
+    #: The transfer holds another registration: ignored.
+    CONFLICT = "conflict"
+    #: The transfer's push ended: ignored.
+    ENDED = "ended"
+    #: The lease is too short for P's heartbeat interval: P answers push-failed.
+    LEASE_TOO_SHORT = "lease_too_short"
