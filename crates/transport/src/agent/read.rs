@@ -107,19 +107,13 @@ impl Agent {
             if op.remote.offset.checked_add(op.local.len).is_none() {
                 return Err(invalid(p, "remote range overflows".into()));
             }
-            let mut done = 0;
-            while done < op.local.len {
-                let len = chunk.min(op.local.len - done);
+            for (done, remote, len) in pieces(op.remote, op.local.len, chunk) {
                 chunks.push(Chunk {
                     dest: local.region.clone(),
                     dest_offset: op.local.offset + done,
-                    remote: RemoteRange {
-                        offset: op.remote.offset + done,
-                        ..op.remote
-                    },
+                    remote,
                     len,
                 });
-                done += len;
             }
         }
         Ok(chunks)
@@ -171,6 +165,25 @@ impl Agent {
 }
 
 /// [`TransferError::InvalidBatch`] for a batch to `p`.
+/// `len` bytes from `remote` on, cut into pieces of at most `chunk` bytes (at least 1), in
+/// order: `(offset into the op, the piece's remote range, its length)`. The caller has
+/// checked that `remote.offset + len` does not overflow.
+pub(super) fn pieces(
+    remote: RemoteRange,
+    len: u64,
+    chunk: u64,
+) -> impl Iterator<Item = (u64, RemoteRange, u64)> {
+    let chunk = chunk.max(1);
+    let step = usize::try_from(chunk).unwrap_or(usize::MAX);
+    (0..len).step_by(step).map(move |done| {
+        let piece = RemoteRange {
+            offset: remote.offset + done,
+            ..remote
+        };
+        (done, piece, chunk.min(len - done))
+    })
+}
+
 fn invalid(p: &Peer, reason: String) -> TransferError {
     TransferError::InvalidBatch {
         peer: p.name.clone(),

@@ -11,7 +11,7 @@ use kvlease_gpu_mem::RegionBytes;
 use super::Agent;
 use crate::batch::Batch;
 use crate::error::{RegisterError, TransferError};
-use crate::ids::{BatchId, PeerId, RegionId, RemoteRange, WriteBatch};
+use crate::ids::{BatchId, PeerId, RegionId, WriteBatch};
 use crate::link::WriteChunk;
 use crate::sync::lock;
 use crate::tcp::wire::MAX_WRITE_LEN;
@@ -101,19 +101,13 @@ impl Agent {
                 if op.remote.offset.checked_add(op.local.len).is_none() {
                     return Err(invalid("remote range overflows".into()));
                 }
-                let mut done = 0;
-                while done < op.local.len {
-                    let len = chunk.min(op.local.len - done);
+                for (done, remote, len) in super::read::pieces(op.remote, op.local.len, chunk) {
                     chunks.push(WriteChunk {
                         src: local.region.clone(),
                         src_offset: op.local.offset + done,
-                        remote: RemoteRange {
-                            offset: op.remote.offset + done,
-                            ..op.remote
-                        },
+                        remote,
                         len,
                     });
-                    done += len;
                 }
             }
         }
