@@ -292,35 +292,15 @@ impl Agent {
         notif: Option<Vec<u8>>,
         fence: Option<(RemoteRegion, u64, u64)>,
     ) -> PyResult<ReadBatch> {
-        let mut out = Vec::new();
-        for op in ops.try_iter()? {
-            let op = op?;
-            let (local, local_offset, remote, remote_offset, len): (
-                Bound<'_, PyAny>,
-                u64,
-                RemoteRegion,
-                u64,
-                u64,
-            ) = op.extract()?;
-            let local = region_id(py, &local, "a read op's destination")?;
-            out.push(ReadOp {
-                local: LocalRange {
-                    region: local,
-                    offset: local_offset,
-                    len,
-                },
-                remote: remote.at(remote_offset),
-            });
-        }
+        let ops = Self::ops(py, ops, "a read op's destination")?
+            .into_iter()
+            .map(|(local, remote)| ReadOp { local, remote })
+            .collect();
         let fence = fence.map(|(region, offset, expected)| FenceRead {
             remote: region.at(offset),
             expected,
         });
-        Ok(ReadBatch {
-            ops: out,
-            notif,
-            fence,
-        })
+        Ok(ReadBatch { ops, notif, fence })
     }
 
     fn write_batch(
@@ -329,35 +309,45 @@ impl Agent {
         notif: Option<Vec<u8>>,
         fence: (RemoteRegion, u64, u64),
     ) -> PyResult<WriteBatch> {
-        let mut out = Vec::new();
-        for op in ops.try_iter()? {
-            let op = op?;
-            let (local, local_offset, remote, remote_offset, len): (
-                Bound<'_, PyAny>,
-                u64,
-                RemoteRegion,
-                u64,
-                u64,
-            ) = op.extract()?;
-            let local = region_id(py, &local, "a write op's source")?;
-            out.push(WriteOp {
-                local: LocalRange {
-                    region: local,
-                    offset: local_offset,
-                    len,
-                },
-                remote: remote.at(remote_offset),
-            });
-        }
+        let ops = Self::ops(py, ops, "a write op's source")?
+            .into_iter()
+            .map(|(local, remote)| WriteOp { local, remote })
+            .collect();
         let (region, offset, expected) = fence;
         Ok(WriteBatch {
-            ops: out,
+            ops,
             notif,
             fence: WriteFence {
                 remote: region.at(offset),
                 expected,
             },
         })
+    }
+
+    /// A batch's `(local, local_offset, remote, remote_offset, len)` tuples as ranges;
+    /// `what` names the local side in errors.
+    fn ops(
+        py: Python<'_>,
+        ops: &Bound<'_, PyAny>,
+        what: &str,
+    ) -> PyResult<Vec<(LocalRange, RemoteRange)>> {
+        let mut out = Vec::new();
+        for op in ops.try_iter()? {
+            let (local, local_offset, remote, remote_offset, len): (
+                Bound<'_, PyAny>,
+                u64,
+                RemoteRegion,
+                u64,
+                u64,
+            ) = op?.extract()?;
+            let local = LocalRange {
+                region: region_id(py, &local, what)?,
+                offset: local_offset,
+                len,
+            };
+            out.push((local, remote.at(remote_offset)));
+        }
+        Ok(out)
     }
 }
 

@@ -163,45 +163,37 @@ impl ToPyErr for kvlease_transport::ConnectError {
     }
 }
 
+/// `StaleFenceError` for `err`, with the generation the fence was expected to hold and
+/// the one found (`None`: not reported, as for a write the peer refused).
+fn stale_fence(
+    py: Python<'_>,
+    err: &kvlease_transport::TransferError,
+    expected: u64,
+    found: Option<u64>,
+) -> PyErr {
+    let int = |v: u64| {
+        v.into_pyobject(py)
+            .map_or_else(|_| py.None(), |v| v.into_any().unbind())
+    };
+    raise_with(
+        py,
+        Family::StaleFence,
+        chain(err),
+        &[
+            ("expected", int(expected)),
+            ("found", found.map_or_else(|| py.None(), int)),
+        ],
+    )
+}
+
 impl ToPyErr for kvlease_transport::TransferError {
     fn to_py(&self, py: Python<'_>) -> PyErr {
         match self {
             Self::FenceMismatch {
                 expected, found, ..
-            } => raise_with(
-                py,
-                Family::StaleFence,
-                chain(self),
-                &[
-                    (
-                        "expected",
-                        expected
-                            .into_pyobject(py)
-                            .map_or_else(|_| py.None(), |v| v.into_any().unbind()),
-                    ),
-                    (
-                        "found",
-                        found
-                            .into_pyobject(py)
-                            .map_or_else(|_| py.None(), |v| v.into_any().unbind()),
-                    ),
-                ],
-            ),
+            } => stale_fence(py, self, *expected, Some(*found)),
             // A write the peer's fence refused: nothing of it landed.
-            Self::Stale { expected, .. } => raise_with(
-                py,
-                Family::StaleFence,
-                chain(self),
-                &[
-                    (
-                        "expected",
-                        expected
-                            .into_pyobject(py)
-                            .map_or_else(|_| py.None(), |v| v.into_any().unbind()),
-                    ),
-                    ("found", py.None()),
-                ],
-            ),
+            Self::Stale { expected, .. } => stale_fence(py, self, *expected, None),
             Self::Timeout { .. } => raise_err(py, Family::TransferTimeout, self),
             Self::NotifTooLarge { .. } => raise_err(py, Family::Notif, self),
             _ => raise_err(py, Family::Transfer, self),
