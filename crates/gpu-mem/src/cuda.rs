@@ -50,7 +50,6 @@ pub const DEVICE_ALLOC_GRANULE: usize = 2 << 20;
 
 /// Why a CUDA operation failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum CudaError {
     /// `libcuda` could not be loaded: no NVIDIA driver on this machine.
     #[error(
@@ -220,7 +219,6 @@ fn report_drop(call: &'static str, result: Result<(), DriverError>) {
 
 /// What the CUDA driver offers on this machine ([`probe`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum CudaAvailability {
     /// `libcuda` could not be loaded.
     NoDriver,

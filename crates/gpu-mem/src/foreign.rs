@@ -9,7 +9,6 @@ use crate::region::{DmaRegion, MemoryKind};
 
 /// Why [`ForeignRegion::new`] refused a range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum ForeignRegionError {
     /// The pointer is null.
     #[error("a null pointer cannot be registered")]

@@ -49,7 +49,6 @@ pub const MAX_HOST_REGION: usize = 1 << 40;
 
 /// How hard [`HostRegion::new`] tries to use huge pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum HugePagePolicy {
     /// Try explicit 2 MiB pages (MAP_HUGETLB), else normal pages + `MADV_HUGEPAGE`.
     #[default]
@@ -64,7 +63,6 @@ pub enum HugePagePolicy {
 
 /// Which pages a [`HostRegion`] got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum PageKind {
     /// Explicit 2 MiB huge pages (MAP_HUGETLB | MAP_HUGE_2MB).
     Huge2M,
@@ -76,7 +74,6 @@ pub enum PageKind {
 
 /// Why a host allocation failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum HostAllocError {
     /// Zero bytes, or more than [`MAX_HOST_REGION`].
     #[error("host region of {len} bytes refused (must be 1..={MAX_HOST_REGION})")]

@@ -25,7 +25,6 @@ pub enum KvHalf {
 
 /// Why a layout or a position in it is invalid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum LayoutError {
     /// A dimension is zero.
     #[error("layout dimension `{name}` is zero")]

@@ -12,7 +12,6 @@ use crate::request::MemoryRequest;
 
 /// Why a pool could not be built.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum PoolError {
     /// The layout does not fit in memory addresses of this machine.
     #[error("pool of {bytes} bytes does not fit in this address space")]
@@ -173,7 +172,6 @@ impl BlockPool {
 
 /// Why [`BlockPool::read_block`] or [`BlockPool::write_block`] failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum BlockCopyError {
     /// The layer or block is outside the pool's layout.
     #[error("block outside the pool layout: {0}")]

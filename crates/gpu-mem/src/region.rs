@@ -45,7 +45,6 @@ impl fmt::Display for MemoryKind {
 
 /// Why a region access was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum RegionAccessError {
     /// `offset + len` lies outside the region.
     #[error("range {offset}+{len} is outside the region of {region_len} bytes")]

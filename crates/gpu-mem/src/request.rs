@@ -3,7 +3,6 @@
 
 /// Which memory a [`BlockPool`](crate::BlockPool) should live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum MemoryRequest {
     /// Page-aligned host memory (mmap, huge pages tried).
     Host,

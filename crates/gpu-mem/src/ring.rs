@@ -66,7 +66,6 @@ const CLOSED_AT: usize = 192;
 
 /// Why a ring could not be created or mapped.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum RingError {
     /// The capacity is not a power of two in
     /// [`MIN_RING_CAPACITY`]..=[`MAX_RING_CAPACITY`].
@@ -101,7 +100,6 @@ pub enum RingError {
 
 /// Why [`RingWriter::try_push`] wrote nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum PushError {
     /// The record is longer than the ring's largest record.
     #[error("record of {len} bytes exceeds the ring's limit of {max} bytes")]
@@ -135,7 +133,6 @@ pub enum PushError {
 /// The producer published something no honest producer could have; the ring is closed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("ring corrupt: {what} (head {head}, tail {tail})")]
-#[non_exhaustive]
 pub struct RingCorrupt {
     /// What was wrong.
     pub what: &'static str,

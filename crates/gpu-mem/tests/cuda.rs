@@ -32,7 +32,6 @@ fn gpu() -> Vec<cuda::CudaDeviceInfo> {
         CudaAvailability::Unusable { reason } => {
             panic!("CUDA unusable: {reason}: this test needs a GPU")
         }
-        other => panic!("CUDA unavailable: {other:?}: this test needs a GPU"),
     }
 }
 

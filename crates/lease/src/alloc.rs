@@ -4,7 +4,6 @@ use crate::ids::BlockId;
 
 /// Why an allocation or a free was refused. A refused call changes nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum AllocError {
     /// Fewer free blocks than requested.
     #[error("{requested} blocks requested, {free} free")]

@@ -11,7 +11,6 @@ use crate::time::{PeerTimestamp, Timestamp, duration_nanos};
 
 /// Why a clock sample was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum ClockSampleError {
     /// The reply was received before the request was sent.
     #[error("clock sample answered at {t1:?}, before it was sent at {t0:?}")]

@@ -18,7 +18,6 @@ pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
 
 /// Why a duration was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[non_exhaustive]
 pub enum ConfigError {
     /// The value in seconds is NaN or infinite.
     #[error("{what} of {value} s is not a finite number; allowed: {} s to {} s", MIN_DURATION.as_secs_f64(), MAX_DURATION.as_secs_f64())]

@@ -7,7 +7,6 @@ use crate::time::Timestamp;
 
 /// What [`DecoderCache::insert`] hands back: what D tells P about the cached blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Cached {
     /// The fencing token of the cached blocks.
     pub generation: Generation,

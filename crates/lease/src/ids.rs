@@ -9,7 +9,6 @@ pub const MAX_ID_LEN: usize = 256;
 
 /// Why a string is not a valid [`RequestId`] or [`EngineId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum InvalidId {
     /// The identifier is empty.
     #[error("identifier is empty")]

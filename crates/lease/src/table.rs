@@ -23,7 +23,6 @@ const HEARTBEAT_GROUP: usize = 16;
 
 /// Why a grant was refused. Nothing changed in the table.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum GrantError {
     /// The table already holds a lease for this request.
     #[error("request {request} already holds a lease")]
@@ -70,7 +69,6 @@ pub enum ReleaseReason {
 
 /// A lease ended; its blocks are free for the caller to reuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct Released {
     /// The request the lease was granted to.
     pub request: RequestId,
@@ -95,7 +93,6 @@ pub struct Released {
 
 /// What the table reports, drained with [`LeaseTable::poll_event`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Event {
     /// A lease ended.
     Released(Released),
@@ -103,7 +100,6 @@ pub enum Event {
 
 /// What one [`LeaseTable::handle_heartbeat`] call did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct HeartbeatOutcome {
     /// Ids that named a live lease (a duplicate id counts each time). The counts of one
     /// call saturate at `u32::MAX`.
@@ -155,7 +151,6 @@ pub enum ReadCompleteOutcome {
 
 /// A lease as [`LeaseTable::get`] sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct LeaseInfo {
     /// Its fencing token.
     pub generation: Generation,
@@ -175,7 +170,6 @@ pub struct LeaseInfo {
 
 /// Counters since the table was created. All are monotonic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct LeaseStats {
     /// Successful grants.
     pub granted: u64,

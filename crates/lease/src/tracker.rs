@@ -8,7 +8,6 @@ use crate::time::{Timestamp, duration_nanos};
 
 /// Why a request could not be tracked. Nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum TrackError {
     /// The request is already tracked (for `engine`).
     #[error("request {request} is already tracked for engine {engine}")]
@@ -32,7 +31,6 @@ pub enum TrackError {
 /// each of its `workers` P workers (split into several messages when it exceeds the
 /// notification size limit; never truncate).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct HeartbeatBatch {
     /// The prefill engine (`remote_engine_id`).
     pub engine: EngineId,
@@ -45,7 +43,6 @@ pub struct HeartbeatBatch {
 
 /// Counters since the tracker was created. All are monotonic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct TrackerStats {
     /// Requests tracked.
     pub tracked: u64,

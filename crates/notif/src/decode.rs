@@ -529,13 +529,6 @@ fn id_error(error: InvalidId, at: usize, field: Field) -> DecodeError {
             byte,
             field,
         },
-        // `InvalidId` is non-exhaustive; a future reason is still a bad byte somewhere in
-        // the id, reported at its start.
-        _ => DecodeError::InvalidIdByte {
-            offset: at,
-            byte: 0,
-            field,
-        },
     }
 }
 

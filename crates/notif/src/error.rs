@@ -5,7 +5,6 @@ use std::fmt;
 
 /// A field of a structured notification, named in errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum Field {
     /// The protocol version after `KVL`.
     Version,
@@ -56,7 +55,6 @@ impl fmt::Display for Field {
 /// Offsets are byte offsets from the start of the message. [`DecodeError::label`] gives a
 /// stable short name for a metrics counter.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum DecodeError {
     /// The message is longer than the limit.
     #[error("notification is {len} bytes long; the limit is {max}")]
@@ -177,7 +175,6 @@ impl DecodeError {
 
 /// Why a batch could not be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum EncodeError {
     /// The requested message size cannot hold one entry of the longest allowed id, or is
     /// above [`crate::MAX_NOTIF_LEN`].

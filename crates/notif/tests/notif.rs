@@ -250,7 +250,6 @@ fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
                     prop_assert!(first < offset);
                     offset
                 }
-                _ => 0,
             };
             prop_assert!(offset <= bytes.len(), "{e:?} for {} bytes", bytes.len());
             prop_assert!(!e.to_string().is_empty());

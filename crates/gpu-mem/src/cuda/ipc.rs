@@ -72,7 +72,6 @@ impl fmt::Display for DeviceUuid {
 
 /// Why bytes are not an [`IpcHandle`] ([`IpcHandle::from_bytes`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum IpcHandleError {
     /// The input is not [`IpcHandle::WIRE_LEN`] bytes long.
     #[error("a CUDA IPC handle is {expected} bytes, got {got}")]
@@ -116,7 +115,6 @@ pub enum IpcHandleError {
 
 /// Why exporting or importing device memory through CUDA IPC failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum IpcError {
     /// No driver, no such device, not device memory, a driver call failed.
     #[error(transparent)]

@@ -21,7 +21,6 @@ const MAX_CALL: usize = 1 << 30;
 
 /// Why a [`PeerProcessRange`] could not be read.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum CmaError {
     /// The range lies outside the peer's range or the destination, or the destination is
     /// not host memory; nothing was read.
@@ -60,7 +59,6 @@ impl CmaError {
 
 /// Why [`PeerProcessRange::new`] refused a range.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum PeerRangeError {
     /// Process id 0, or one that does not fit a `pid_t`.
     #[error("process id {pid} is not a process")]
@@ -392,7 +390,6 @@ pub fn read_vectored(reads: &[CmaRead<'_>]) -> Result<(), CmaError> {
 
 /// Whom [`set_ptracer`] lets read this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Ptracer {
     /// That process (and its descendants), in place of the one named before: Yama keeps
     /// one per process.

@@ -10,7 +10,6 @@ use crate::region::{DmaRegion, RegionAccessError};
 
 /// Why a peer's shared region could not be mapped.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ShareError {
     /// Zero bytes, or more than [`MAX_HOST_REGION`].
     #[error("shared region of {len} bytes refused (must be 1..={MAX_HOST_REGION})")]

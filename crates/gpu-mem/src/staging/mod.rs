@@ -112,7 +112,6 @@ impl Default for StagingConfig {
 /// received some chunks ([`send`]); every copy that was in flight has finished (or its
 /// failure was logged), so the copier can be used again.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum StagingError {
     /// The chunk length or depth is out of range.
     #[error(
@@ -165,7 +164,6 @@ pub enum StagingError {
 
 /// A copier refused an operation on a staging slot.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum SlotError {
     /// The slot index is not below the depth.
     #[error("staging slot {slot} does not exist (depth {depth})")]
