@@ -37,7 +37,6 @@ impl PushConfig {
 
 /// Why a command was refused. Nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum PushError {
     /// P's leg of this transfer was admitted already.
     #[error("transfer {transfer} is admitted already")]
@@ -100,7 +99,6 @@ pub enum PushOutcome {
 
 /// A push ended: P's blocks are free for the shell to reuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct PushEnded {
     /// The transfer.
     pub transfer: RequestId,
@@ -116,7 +114,6 @@ pub struct PushEnded {
 
 /// A write to post: P's blocks into D's, one pair per block, under D's generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct WritePlan {
     /// The transfer.
     pub transfer: RequestId,
@@ -165,7 +162,6 @@ pub enum PushAction {
 
 /// Counters since the core was created. All are monotonic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct PushStats {
     /// Pushes admitted.
     pub admitted: u64,

@@ -40,7 +40,6 @@ pub enum ReservationOutcome {
 
 /// A reservation ended; its blocks are D's again.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct ReservationEnded {
     /// The transfer.
     pub transfer: RequestId,
@@ -94,7 +93,6 @@ pub enum FenceVerdict {
 
 /// Counters since the table was created. All are monotonic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub struct ReservationStats {
     /// Reservations made.
     pub reserved: u64,
