@@ -145,7 +145,7 @@ mod rng;
 mod world;
 
 pub use bidir::{BidirBug, BidirConfig, BidirReport, FlightAllowance, run_bidir};
-pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
+pub use config::{BidirSim, Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
 pub use holds::{HoldsBug, HoldsConfig, HoldsReport, run_holds};
 pub use push::{PushReport, PushWorldConfig, run_push};
 pub use rng::Rng;
