@@ -39,6 +39,12 @@ pub enum Bug {
     /// Bidirectional mode: the D shell drops P's read completions of cached turns instead
     /// of freeing them (they stay held until their TTL).
     KeepHoldAfterRead,
+    /// Bidirectional mode: the D shell never runs the hold's expiry (cached turns stay held
+    /// past their TTL until evicted or read).
+    NoHoldExpiry,
+    /// Bidirectional mode: the D shell frees a released cached turn's blocks without
+    /// publishing the free word and poison first (a pull of a reused block still matches).
+    SkipHoldFenceClear,
 }
 
 /// Bidirectional multi-turn mode in the main world ([`WorldConfig::bidir`]): every request

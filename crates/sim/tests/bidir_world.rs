@@ -113,6 +113,30 @@ fn planted_hold_kept_after_read_is_caught() {
     );
 }
 
+/// A D that never expires its cached turns keeps them past the TTL: the hold oracle sees
+/// them held past their deadline.
+#[test]
+fn planted_missing_expiry_is_caught() {
+    let failures = planted(Bug::NoHoldExpiry, 0..4);
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.contains("held past its deadline")),
+        "{failures:?}"
+    );
+}
+
+/// A D that frees a cached turn's blocks without the free word first lets a later pull
+/// match its fence on blocks another request overwrote: the pull oracle sees the wrong KV.
+#[test]
+fn planted_hold_fence_not_cleared_is_caught() {
+    let failures = planted(Bug::SkipHoldFenceClear, 0..16);
+    assert!(
+        failures.iter().any(|f| f.contains("wrong turn KV")),
+        "{failures:?}"
+    );
+}
+
 /// The same seed gives the same full trace in bidirectional mode too.
 #[test]
 fn bidir_same_seed_same_log() {

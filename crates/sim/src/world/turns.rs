@@ -296,7 +296,9 @@ impl World {
         let Some(hold) = self.d[d].hold.as_mut() else {
             return;
         };
-        hold.handle_timeout(local);
+        if self.config.bug != Some(Bug::NoHoldExpiry) {
+            hold.handle_timeout(local);
+        }
         self.drain_hold(d, HoldEnd::Expired);
         let local_ns = local.as_nanos_saturating();
         let incarnation = self.d[d].incarnation;
@@ -327,9 +329,10 @@ impl World {
                 released.push(r);
             }
         }
+        let clear = self.config.bug != Some(Bug::SkipHoldFenceClear);
         for r in released {
             let mem = &mut self.d[d].mem;
-            for b in &r.blocks {
+            for b in r.blocks.iter().filter(|_| clear) {
                 if let Some(w) = mem.words.get_mut(b.0 as usize) {
                     *w = Generation::FREE_WORD;
                 }
@@ -494,12 +497,14 @@ impl World {
     /// Symmetric lease: heartbeats the cached turns whose next turns wait on P `p`, a few
     /// times per extension, from P worker 0 to D rank 0.
     pub(super) fn heartbeat_cached(&mut self, p: usize, local: Timestamp) {
+        // Forget next turns that no longer wait (refused, lost).
+        let engine = &mut self.p[p];
+        let pending = &engine.pending;
+        engine.turns.retain(|r, _| pending.contains(r));
         if self.bidir().is_none_or(|b| !b.symmetric) {
             return;
         }
         let engine = &mut self.p[p];
-        let pending = &engine.pending;
-        engine.turns.retain(|r, _| pending.contains(r));
         let mut due = Vec::new();
         for turn in engine.turns.values_mut() {
             let ext = turn.params.kvlease_renew_extension_ms;
@@ -677,6 +682,13 @@ impl World {
             }
             self.stats.turns_recomputed += 1;
         }
+        let hold_end = self.holds.get(&pull.hold).and_then(|r| r.end);
+        self.note(|| {
+            format!(
+                "P{p} pull of {} done={done} (hold ended: {hold_end:?})",
+                pull.hold
+            )
+        });
         self.trace(&[25, self.now, p as u64, u64::from(done)]);
         // Read (or failed for good): D may free the cached turn now.
         let msg = ReadComplete {
