@@ -2,7 +2,8 @@
 //!
 //! `mod.rs` holds the world's state and its event loop; `net` is the network, `prefill`
 //! and `decode` are the P and D shells, `engines` builds their cores and first state,
-//! `oracle` the checks, `rogue` the forger, and `report` what a run hands back.
+//! `oracle` the checks, `rogue` the forger, `turns` bidirectional mode (D's held turns,
+//! P's pulls, and their oracle), and `report` what a run hands back.
 
 mod decode;
 mod engines;
