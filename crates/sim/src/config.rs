@@ -33,6 +33,51 @@ pub enum Bug {
     /// The D shell drops the read results of a request aborted while its reads ran (its
     /// blocks are never given back).
     SkipAbortedReads,
+    /// Bidirectional mode: P's pull of a cached turn reports every read that reached D as
+    /// done, whatever D's fence word (a reader that ignores the fence).
+    PullIgnoresFence,
+    /// Bidirectional mode: the D shell drops P's read completions of cached turns instead
+    /// of freeing them (they stay held until their TTL).
+    KeepHoldAfterRead,
+    /// Bidirectional mode: the D shell never runs the hold's expiry (cached turns stay held
+    /// past their TTL until evicted or read).
+    NoHoldExpiry,
+    /// Bidirectional mode: the D shell frees a released cached turn's blocks without
+    /// publishing the free word and poison first (a pull of a reused block still matches).
+    SkipHoldFenceClear,
+}
+
+/// Bidirectional multi-turn mode in the main world ([`WorldConfig::bidir`]): every request
+/// starts a conversation; when a turn finishes on D, D keeps its blocks in a
+/// [`DecoderHold`](kvlease_engine::DecoderHold) and answers its
+/// [`DecoderKvParams`](kvlease_engine::DecoderKvParams); the conversation's next turn
+/// arrives at a P engine after a think time, and P decides with
+/// [`plan_pull`](kvlease_engine::plan_pull) whether to read the shared prefix from D's
+/// held blocks (fenced by the hold's generation) or to recompute it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BidirSim {
+    /// `decoder_kv_blocks_ttl`.
+    pub ttl: Duration,
+    /// The symmetric lease: P heartbeats a cached turn while its next turn waits on P, and
+    /// D extends the hold like a lease.
+    pub symmetric: bool,
+    /// Turns per conversation, uniform in this range (the first turn included).
+    pub turns: (u32, u32),
+    /// The client's think time between a turn's answer and its next turn's arrival at P,
+    /// uniform in this range (drawn around the TTL, so that P's decisions fall near the
+    /// deadline).
+    pub think: (Duration, Duration),
+    /// Blocks of each D engine's pool (small: new requests evict held turns).
+    pub d_blocks: u32,
+    /// Time of P's one-sided read of D's held blocks (also P's expected transfer time).
+    pub pull_read: Duration,
+    /// `pull_safety_margin`.
+    pub safety_margin: Duration,
+    /// `kv_recompute_threshold`, in tokens.
+    pub threshold_tokens: u32,
+    /// Probability per next turn that its prompt does not extend the last one (the client
+    /// rewrote the history: no common block, P recomputes), per million.
+    pub rewrite_per_million: u32,
 }
 
 /// The notification network between every pair of endpoints.
@@ -165,6 +210,8 @@ pub struct WorldConfig {
     /// [`LeaseMode::Lease`] (heartbeats extend), or [`LeaseMode::Fixed`]: the baseline of
     /// one fixed timeout (`lease`), which heartbeats do not extend.
     pub mode: LeaseMode,
+    /// Bidirectional multi-turn mode; `None`: every request is a single turn.
+    pub bidir: Option<BidirSim>,
 }
 
 const MS: u64 = 1_000_000;
@@ -278,7 +325,38 @@ impl WorldConfig {
             notice_lost_connections: rng.chance(500_000),
             bug: None,
             mode: LeaseMode::Lease,
+            bidir: None,
         }
+    }
+
+    /// The random world of `seed` in bidirectional multi-turn mode (every fault of
+    /// [`WorldConfig::random`] applies): fewer, multi-turn conversations, a D pool small
+    /// enough that new requests evict held turns, think times around the TTL, and,
+    /// for some seeds, the symmetric lease.
+    pub fn bidir(seed: u64) -> Self {
+        let mut c = Self::random(seed);
+        // A stream of its own: the random world's draws stay those of `random`.
+        let mut rng = Rng::new(seed ^ 0xb1d1_7e57_0000_0000);
+        c.requests = 8 + rng.index(16);
+        // At least one whole block in a first turn: something to pull.
+        c.blocks_per_request = (2, 2 + rng.range(0, 2) as u32);
+        let turns = (2, 2 + rng.range(0, 2) as u32);
+        // A prompt grows by at most two blocks a turn.
+        let max_blocks = c.blocks_per_request.1 + 2 * turns.1;
+        let ttl = Duration::from_nanos(rng.range(1_200 * MS, 2_500 * MS));
+        let d_slots = c.d_slots as u32;
+        c.bidir = Some(BidirSim {
+            ttl,
+            symmetric: rng.chance(500_000),
+            turns,
+            think: (ttl / 2, ttl * 3 / 2),
+            d_blocks: max_blocks * d_slots + rng.range(0, u64::from(2 * max_blocks)) as u32,
+            pull_read: ms(rng.range(5, 60)),
+            safety_margin: ms(rng.range(0, 50)),
+            threshold_tokens: [0, 16, 32][rng.index(3)],
+            rewrite_per_million: 100_000,
+        });
+        c
     }
 
     /// D alive and overloaded: one slot, long decodes, so requests wait at least 10 lease

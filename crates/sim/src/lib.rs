@@ -117,6 +117,25 @@
 //! fault occurred.
 //!
 //! # Bidirectional mode
+//! With [`WorldConfig::bidir`] (a [`BidirSim`]), the world above runs multi-turn
+//! conversations, every fault included. The D shell does what the decode agent does: a
+//! finished turn's blocks go from `request_finished_keep` into the engine's
+//! [`DecoderHold`](kvlease_engine::DecoderHold), whose generation the shell publishes into
+//! D's fence words, and D answers [`DecoderKvParams`](kvlease_engine::DecoderKvParams); P's
+//! heartbeats (symmetric lease) and read completions go to the hold; the hold expires turns
+//! each step and gives up the oldest when a new request is short of blocks (whose read
+//! overwrites them at once); a release writes the free word and poison before the blocks
+//! go back to the core. The next turn reaches a P engine after a think time around the
+//! TTL; when its prefill starts, P probes D's clock, decides with
+//! [`plan_pull`](kvlease_engine::plan_pull) and either reads D's held blocks (content as the
+//! read starts, the first block's fence word as it ends; a restarted, crashed or cut-off D
+//! fails it) or recomputes, then tells D it has read. Checked: a pull that completes read
+//! under the hold's generation and got the previous turn's KV; every hold ends exactly
+//! once (pulled, expired, evicted, lost with its D), never before its deadline when it
+//! expires and no later than one D step after it (or after a stall), and at once on P's
+//! read completion; at the end no D holds a block or a live fence word. A turn that is not
+//! `Done` ends its conversation.
+//!
 //! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
 //! driving the engine's bidirectional decisions (D's [`DecoderHold`](kvlease_engine::DecoderHold),
 //! P's [`plan_pull`](kvlease_engine::plan_pull)), and compares how P learns their deadline:
@@ -145,7 +164,7 @@ mod rng;
 mod world;
 
 pub use bidir::{BidirBug, BidirConfig, BidirReport, FlightAllowance, run_bidir};
-pub use config::{Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
+pub use config::{BidirSim, Bug, Crash, NetConfig, Partition, Stall, WorldConfig};
 pub use holds::{HoldsBug, HoldsConfig, HoldsReport, run_holds};
 pub use push::{PushReport, PushWorldConfig, run_push};
 pub use rng::Rng;

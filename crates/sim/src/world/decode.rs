@@ -82,9 +82,15 @@ impl World {
             }
         });
         for id in finished {
-            let _ = self.d[d].core.request_finished(&id);
-            self.d_drain(d);
+            if self.config.bidir.is_some() {
+                self.finish_turn(d, &id, local);
+            } else {
+                let _ = self.d[d].core.request_finished(&id);
+                self.d_drain(d);
+            }
         }
+        // 5b. Bidirectional mode: cached turns whose TTL passed.
+        self.expire_holds(d, local);
         // 6. A client goes away.
         if !self.d[d].admitted.is_empty() && self.rng.chance(self.config.client_abort_per_million) {
             let i = self.rng.index(self.d[d].admitted.len());
@@ -199,6 +205,14 @@ impl World {
                 }
             }
             DecodeNotif::Malformed(e) => Some(format!("message rejected: {e}")),
+            DecodeNotif::CacheHeartbeat(ids) if honest && self.config.bidir.is_some() => {
+                self.hold_heartbeat(d, &ids);
+                None
+            }
+            DecodeNotif::CacheReadComplete(hold) if honest && self.config.bidir.is_some() => {
+                self.hold_read_complete(d, &hold);
+                None
+            }
             DecodeNotif::CacheHeartbeat(_)
             | DecodeNotif::CacheReadComplete(_)
             | DecodeNotif::Ignored => honest.then(|| "a message from P was ignored".to_string()),
@@ -209,7 +223,17 @@ impl World {
     }
 
     pub(super) fn post_loads(&mut self, d: usize) {
-        while let Some(plan) = self.d[d].core.poll_load() {
+        loop {
+            let Some(plan) = self.d[d].core.poll_load() else {
+                // Bidirectional mode: cached turns give way to new requests, oldest first.
+                if self.d[d].hold.is_some()
+                    && self.d[d].core.blocks_short().is_some()
+                    && self.evict_oldest_hold(d)
+                {
+                    continue;
+                }
+                break;
+            };
             let Some(&p) = self.p_by_id.get(&plan.remote.engine) else {
                 self.fail(format!(
                     "D{d}: load from unknown engine {}",
@@ -220,6 +244,19 @@ impl World {
             let conn = self.d[d].conns.get(&p).copied();
             let reachable = self.reachable(d, p, conn);
             // The one-sided read copies the bytes first; the fence word is checked at its end.
+            // Bidirectional mode: the read writes D's blocks as it runs (a block freed by a
+            // cached turn is overwritten at once).
+            if reachable && self.config.bidir.is_some() {
+                let seed = self
+                    .requests
+                    .get(&plan.request)
+                    .map_or(0, |r| r.content_seed);
+                for (j, b) in plan.blocks.iter().enumerate() {
+                    if let Some(c) = self.d[d].mem.content.get_mut(b.0 as usize) {
+                        *c = block_content(seed, 0, j);
+                    }
+                }
+            }
             let copied = plan
                 .batches
                 .iter()
@@ -475,6 +512,7 @@ impl World {
         for request in lost {
             self.end(&request, End::LostWithD);
         }
+        self.holds_lost_with(d);
         self.d_crashed_at[d] = Some(self.now);
         let back = restart_after.map_or(u64::MAX, |a| self.now + nanos(a));
         self.faults.push((self.now, back));
@@ -489,6 +527,8 @@ impl World {
         engine.alive = true;
         engine.incarnation += 1;
         engine.core = d_core(&self.config, self.lease, engine.id.clone());
+        engine.hold = engines::d_hold(&self.config);
+        engine.mem = engines::d_mem(&self.config);
         engine.stalled_until = 0;
         engine.last_step = self.now;
         let incarnation = engine.incarnation;

@@ -4,8 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::num::NonZeroU64;
 
-use kvlease_engine::{DecodeConfig, DecodeCore, PrefillConfig, PrefillCore};
-use kvlease_lease::{EngineId, Generation, LeaseConfig};
+use kvlease_engine::{DecodeConfig, DecodeCore, DecoderHold, PrefillConfig, PrefillCore};
+use kvlease_lease::{DecoderTtl, EngineId, Generation, LeaseConfig};
 
 use super::{Addr, BLOCK_SIZE, Clock, DEngine, NUM_KV_HEADS, PEngine, Pool, engine_id};
 use crate::config::WorldConfig;
@@ -40,7 +40,9 @@ pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> 
             config.d_tp,
             NUM_KV_HEADS,
             BLOCK_SIZE,
-            config.blocks_per_worker,
+            config
+                .bidir
+                .map_or(config.blocks_per_worker, |b| b.d_blocks),
             lease,
         )
         .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
@@ -71,6 +73,8 @@ impl PEngine {
             stalled_until: 0,
             stall_end: 0,
             watch_from: None,
+            turns: BTreeMap::new(),
+            pulls: BTreeMap::new(),
         }
     }
 }
@@ -95,7 +99,22 @@ impl DEngine {
             tracked: HashSet::new(),
             conns: HashMap::new(),
             stalled_until: 0,
+            stall_end: 0,
             last_step: 0,
+            hold: d_hold(config),
+            mem: d_mem(config),
         }
     }
+}
+
+/// A D engine's hold of cached turns in bidirectional mode (`None` without it).
+pub(super) fn d_hold(config: &WorldConfig) -> Option<DecoderHold> {
+    let b = config.bidir?;
+    let ttl = DecoderTtl::from_duration(b.ttl).ok()?;
+    Some(DecoderHold::new(ttl, b.symmetric))
+}
+
+/// A D engine's memory in bidirectional mode (P pulls from it); empty without it.
+pub(super) fn d_mem(config: &WorldConfig) -> Pool {
+    Pool::new(config.bidir.map_or(0, |b| b.d_blocks))
 }

@@ -2,7 +2,8 @@
 //!
 //! `mod.rs` holds the world's state and its event loop; `net` is the network, `prefill`
 //! and `decode` are the P and D shells, `engines` builds their cores and first state,
-//! `oracle` the checks, `rogue` the forger, and `report` what a run hands back.
+//! `oracle` the checks, `rogue` the forger, `turns` bidirectional mode (D's held turns,
+//! P's pulls, and their oracle), and `report` what a run hands back.
 
 mod decode;
 mod engines;
@@ -11,6 +12,7 @@ mod oracle;
 mod prefill;
 mod report;
 mod rogue;
+mod turns;
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
@@ -19,9 +21,9 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_engine::{
-    BatchResult, DecodeCore, DecodeEvent, DecodeNotif, HandshakeError, LoadError, LoadPlan,
-    Outcome, Peer, PrefillAction, PrefillCore, PrefillEvent, PrefillNotif, RemoteEngine, RemoteKv,
-    TransmitKind,
+    BatchResult, DecodeCore, DecodeEvent, DecodeNotif, DecoderKvParams, HandshakeError, LoadError,
+    LoadPlan, Outcome, Peer, PrefillAction, PrefillCore, PrefillEvent, PrefillNotif, RemoteEngine,
+    RemoteKv, TransmitKind,
 };
 use kvlease_lease::{
     ConsumerId, EngineId, Generation, LeaseConfig, LeaseMode, ReadCompleteOutcome, ReleaseReason,
@@ -35,6 +37,7 @@ use kvlease_notif::{
 use crate::config::{Bug, WorldConfig};
 use crate::rng::Rng;
 use engines::{d_core, instance_of, p_core};
+use turns::{Conv, HoldRec, Pull, TurnIn};
 
 pub use report::{Report, SimStats};
 
@@ -113,6 +116,8 @@ struct Req {
     watched: bool,
     /// The rogue claimed, completed or aborted its lease (a fault on its way).
     rogue_hit: bool,
+    /// Bidirectional mode: the conversation this request is a turn of.
+    conv: Option<usize>,
 }
 
 /// What the oracle expects P's core to answer to one message.
@@ -182,6 +187,10 @@ struct PEngine {
     stall_end: u64,
     /// The restart oracle watches the first arrival at or after this true time.
     watch_from: Option<u64>,
+    /// Bidirectional mode: next turns waiting here with D's cached-turn params.
+    turns: BTreeMap<RequestId, TurnIn>,
+    /// Bidirectional mode: pulls of D's held blocks in flight.
+    pulls: BTreeMap<RequestId, Pull>,
 }
 
 /// A request's reads in flight.
@@ -220,7 +229,14 @@ struct DEngine {
     /// P engine → the incarnation this D's connection reaches.
     conns: HashMap<usize, u32>,
     stalled_until: u64,
+    /// True time the latest stall ended (0: none).
+    stall_end: u64,
     last_step: u64,
+    /// Bidirectional mode: the finished turns this D keeps for P to pull.
+    hold: Option<kvlease_engine::DecoderHold>,
+    /// Bidirectional mode: D's memory (one pool for all its workers): the fence word and
+    /// the content of every block.
+    mem: Pool,
 }
 
 #[derive(Debug)]
@@ -284,6 +300,19 @@ enum Ev {
         duration: Duration,
     },
     Forge,
+    /// Bidirectional mode: a conversation's next turn reaches P, with D's params of the
+    /// last turn when D held it.
+    NextTurn {
+        conv: usize,
+        held: Option<Box<(DecoderKvParams, usize, u32)>>,
+        think: u64,
+    },
+    /// Bidirectional mode: P's read of D's held blocks ends.
+    PullDone {
+        p: usize,
+        incarnation: u32,
+        request: RequestId,
+    },
 }
 
 #[derive(Debug)]
@@ -334,6 +363,12 @@ pub struct World {
     crash_victims: HashMap<RequestId, usize>,
     /// Windows of true time in which a fault (crash, restart, stall, partition) was on.
     faults: Vec<(u64, u64)>,
+    /// Bidirectional mode: every conversation.
+    convs: Vec<Conv>,
+    /// Bidirectional mode: every cached turn D held (the hold oracle's record), by hold id.
+    holds: BTreeMap<RequestId, HoldRec>,
+    /// Bidirectional mode: next turns in the client's think time.
+    turns_pending: usize,
     arrivals_left: usize,
     next_request: u64,
     in_flight_transfers: usize,
@@ -379,6 +414,10 @@ impl World {
                 && NUM_KV_HEADS.is_multiple_of(config.d_tp),
             "config: TP sizes must divide {NUM_KV_HEADS} heads"
         );
+        if let Some(b) = &config.bidir {
+            // Invariant: the bidirectional worlds use TTLs of 1.2 to 2.5 s.
+            kvlease_lease::DecoderTtl::from_duration(b.ttl).expect("config: valid decoder TTL");
+        }
         let mut rng = Rng::new(config.seed);
         let clock = |rng: &mut Rng| Clock {
             offset_ns: rng.range(0, nanos(config.clock_offset_max)),
@@ -413,6 +452,9 @@ impl World {
             last_batch: HashMap::new(),
             crash_victims: HashMap::new(),
             faults: Vec::new(),
+            convs: Vec::new(),
+            holds: BTreeMap::new(),
+            turns_pending: 0,
             next_request: 0,
             in_flight_transfers: 0,
             trace: 0xcbf2_9ce4_8422_2325,
@@ -618,16 +660,19 @@ impl World {
     /// No request in flight anywhere (queues, prefills, transfers, reads, decodes).
     fn quiet(&self) -> bool {
         self.in_flight_transfers == 0
-            && self
-                .p
-                .iter()
-                .filter(|p| p.alive)
-                .all(|p| p.pending.is_empty() && p.jobs.is_empty() && p.prefilling.is_empty())
+            && self.turns_pending == 0
+            && self.p.iter().filter(|p| p.alive).all(|p| {
+                p.pending.is_empty()
+                    && p.jobs.is_empty()
+                    && p.prefilling.is_empty()
+                    && p.pulls.is_empty()
+            })
             && self.d.iter().filter(|d| d.alive).all(|d| {
                 d.arrivals.is_empty()
                     && d.admitted.is_empty()
                     && d.loads.is_empty()
                     && d.decoding.is_empty()
+                    && d.hold.as_ref().is_none_or(|h| h.blocks_held() == 0)
             })
     }
 
@@ -725,6 +770,7 @@ impl World {
                     self.p[engine].stall_end = until;
                 } else {
                     self.d[engine].stalled_until = until;
+                    self.d[engine].stall_end = until;
                 }
                 self.stats.stalls += 1;
                 self.faults.push((self.now, until));
@@ -735,6 +781,12 @@ impl World {
                 self.faults.push((self.now, self.now + nanos(duration)));
             }
             Ev::Forge => self.forge(),
+            Ev::NextTurn { conv, held, think } => self.next_turn(conv, held.map(|h| *h), think),
+            Ev::PullDone {
+                p,
+                incarnation,
+                request,
+            } => self.pull_done(p, incarnation, &request),
         }
     }
 

@@ -91,6 +91,7 @@ impl World {
                 ));
             }
         }
+        problems.extend(self.check_holds_end());
         for p in problems {
             self.fail(p);
         }

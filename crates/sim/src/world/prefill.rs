@@ -18,6 +18,8 @@ impl World {
         let n = self.rng.range(u64::from(lo.max(1)), u64::from(hi.max(1)));
         let tokens =
             (n * u64::from(BLOCK_SIZE) - self.rng.range(0, u64::from(BLOCK_SIZE) - 1)) as usize;
+        // Bidirectional mode: the request is the first turn of a conversation.
+        let conv = self.config.bidir.map(|b| self.new_conv(b, tokens));
         let engine = &mut self.p[p];
         let watched = engine.alive && engine.watch_from.is_some_and(|t| t <= self.now);
         if watched {
@@ -35,6 +37,7 @@ impl World {
                 ends: 0,
                 watched,
                 rogue_hit: false,
+                conv,
             },
         );
         let alive = engine.alive;
@@ -55,6 +58,9 @@ impl World {
     pub(super) fn p_step(&mut self, p: usize) {
         let local = self.p[p].clock.local(self.now);
         let local_ns = local.as_nanos_saturating();
+        // 0. Bidirectional mode (symmetric lease): heartbeats for the cached turns whose
+        // next turns wait here.
+        self.heartbeat_cached(p, local);
         // 1. New requests.
         while let Some(request) = self.p[p].jobs.pop_front() {
             let tokens = self.requests.get(&request).map_or(0, |r| r.tokens);
@@ -102,8 +108,16 @@ impl World {
                     }
                 }
             }
-            let done = self.now + nanos(self.config.prefill);
-            self.p[p].prefilling.push_back((done, start.request));
+            // Bidirectional mode: a next turn may first pull its shared prefix from D.
+            let pull = self.start_pull(p, &start.request, local);
+            let done = self.now + pull + nanos(self.config.prefill);
+            // In completion order (without pulls, that is arrival order).
+            let prefilling = &mut self.p[p].prefilling;
+            let at = prefilling
+                .iter()
+                .position(|(t, _)| *t > done)
+                .unwrap_or(prefilling.len());
+            prefilling.insert(at, (done, start.request));
             self.p_drain(p, local_ns);
         }
         self.p_drain(p, local_ns);
@@ -363,6 +377,8 @@ impl World {
         engine.deadlines.clear();
         engine.grant_order.clear();
         engine.watch_from = None;
+        engine.turns.clear();
+        engine.pulls.clear();
         let incarnation = engine.incarnation;
         for request in lost {
             self.end(&request, End::LostWithP);

@@ -96,6 +96,33 @@ pub struct SimStats {
     pub handshakes: u64,
     /// Heartbeat batches deferred while their engine handshaked.
     pub deferred_batches: u64,
+    /// Bidirectional mode: next turns that reached P.
+    pub turns: u64,
+    /// Bidirectional mode: next turns whose last turn D did not hold.
+    pub turns_without_hold: u64,
+    /// Bidirectional mode: next turns P recomputed (`plan_pull` said so, or the pull
+    /// failed).
+    pub turns_recomputed: u64,
+    /// Bidirectional mode: pulls of D's held blocks that completed.
+    pub pulls: u64,
+    /// Bidirectional mode: pulls that found a changed fence word (the hold ended first).
+    pub pulls_stale: u64,
+    /// Bidirectional mode: pulls that failed (D crashed, restarted or cut off).
+    pub pulls_failed: u64,
+    /// Bidirectional mode: finished turns D held.
+    pub holds: u64,
+    /// Bidirectional mode: holds freed on P's read completion.
+    pub holds_pulled: u64,
+    /// Bidirectional mode: holds whose TTL passed.
+    pub holds_expired: u64,
+    /// Bidirectional mode: holds evicted for a new request's blocks.
+    pub holds_evicted: u64,
+    /// Bidirectional mode: holds lost with a crashed D.
+    pub holds_lost_with_d: u64,
+    /// Bidirectional mode (symmetric lease): heartbeats P sent for cached turns.
+    pub cache_heartbeats: u64,
+    /// Bidirectional mode (symmetric lease): cached turns those heartbeats extended on D.
+    pub cache_heartbeats_extended: u64,
     /// Integral of the requests D tracks over true time (request·ns), for the mean.
     pub tracked_request_ns: u128,
     /// Virtual time at the end.
