@@ -413,3 +413,34 @@ fn prefix_hashes_are_the_wire_contract() {
     assert_eq!(block_hashes(&[1, 2, 3], 4), Vec::<u64>::new());
     assert_ne!(prefix_hashes(&[1, 2])[1], prefix_hashes(&[2, 1])[1]);
 }
+
+#[test]
+fn decoder_params_are_protos_turn_both_ways() {
+    let p = params(
+        &tokens(40, 2),
+        PeerTimestamp::from_millis(5),
+        Duration::from_millis(9_500),
+    );
+    let v = p.to_turn().expect("consistent").to_value();
+    assert_eq!(v["kvlease_ttl_remaining_ms"], 9_500);
+    let back = KvTransferParams::from_turn_value(&v).expect("proto reads it");
+    assert_eq!(DecoderKvParams::from_turn(&back).as_ref(), Some(&p));
+    // Sub-millisecond TTLs go out truncated.
+    let aged = p.clone().aged_by(Duration::from_micros(1_500));
+    assert_eq!(
+        aged.to_turn().expect("consistent").to_value()["kvlease_ttl_remaining_ms"],
+        9_498
+    );
+    let mut bad = p.clone();
+    bad.remote_engine_id.clear();
+    assert_eq!(
+        bad.to_turn().expect_err("empty id").field,
+        "remote_engine_id"
+    );
+    let mut bad = p;
+    bad.kvlease_block_hashes.pop();
+    assert_eq!(
+        bad.to_turn().expect_err("a hash short").field,
+        "kvlease_block_hashes"
+    );
+}
