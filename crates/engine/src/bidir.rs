@@ -17,9 +17,12 @@
 //! - [`DecoderHold`]: D's holding of cached turns, either the fixed TTL
 //!   ([`DecoderCache`]) or the **symmetric lease** (P heartbeats D's cached blocks while a
 //!   next-turn request waits on P; D extends them like P's leases, bounded), and which
-//!   turn gives way first when a new request needs blocks ([`DecoderHold::evict_oldest`]).
+//!   turn gives way first when a new request needs blocks ([`DecoderHold::evict_oldest`]);
+//! - [`TurnHeartbeats`]: P's schedule of the symmetric lease's heartbeats for D's held
+//!   turns while their next-turn requests wait on P.
 //!
-//! The drivers: the agents (`decode-agent` holds turns, `prefill-agent` plans pulls, the
+//! The drivers: the agents (`decode-agent` holds turns, `prefill-agent` plans pulls and
+//! polls its [`TurnHeartbeats`], the
 //! proxy ages the params between turns; the clock probes that feed the
 //! [`ClockOffsetEstimator`](kvlease_lease::ClockOffsetEstimator) are theirs) and the
 //! simulator (`kvlease-sim`'s `run_bidir`: skewed, drifting clocks and asymmetric delays).
@@ -32,6 +35,10 @@ use kvlease_lease::{
     LeaseConfig, LeaseTable, PeerTimestamp, RequestId, Timestamp,
 };
 use kvlease_proto::params::{KvTransferParams, TurnParams};
+
+mod turn_heartbeats;
+
+pub use turn_heartbeats::{TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats};
 
 /// Most block ids / hashes accepted in one [`DecoderKvParams`].
 pub const MAX_PARAM_BLOCKS: usize = 1 << 20;

@@ -78,8 +78,8 @@ pub mod registry;
 
 pub use bidir::{
     BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,
-    PullPolicy, RecomputeReason, block_hashes, common_blocks, estimated_deadline, plan_pull,
-    prefix_hashes,
+    PullPolicy, RecomputeReason, TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats,
+    block_hashes, common_blocks, estimated_deadline, plan_pull, prefix_hashes,
 };
 pub use blocks::BlockSource;
 pub use decode::{

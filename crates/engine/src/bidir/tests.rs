@@ -444,3 +444,51 @@ fn decoder_params_are_protos_turn_both_ways() {
         "kvlease_block_hashes"
     );
 }
+
+fn ms(n: u64) -> Timestamp {
+    Timestamp::from_duration(Duration::from_millis(n))
+}
+
+#[test]
+fn turn_heartbeats_go_per_extension_while_the_next_turn_waits() {
+    let base = params(&tokens(32, 1), PeerTimestamp::ZERO, Duration::from_secs(9));
+    let turn = |id: &str, extension_ms: u64| DecoderKvParams {
+        remote_request_id: id.into(),
+        kvlease_renew_extension_ms: extension_ms,
+        ..base.clone()
+    };
+    let (a, b, fixed) = (
+        turn("turn-a", 4_000),
+        turn("turn-b", 8_000),
+        turn("turn-c", 0),
+    );
+    let ids = |v: Vec<TurnHeartbeat>| v.into_iter().map(|h| h.turn).collect::<Vec<_>>();
+    let mut s = TurnHeartbeats::new(4);
+    s.handle_waiting([&b, &fixed, &a]);
+    assert_eq!(s.len(), 2, "a fixed TTL is never heartbeated");
+    assert_eq!(
+        ids(s.due(ms(0))),
+        ["turn-a", "turn-b"],
+        "new turns at once, in id order"
+    );
+    let first = &s.due(ms(0))[0];
+    assert_eq!((first.engine.as_str(), first.port), ("d0", 5601));
+    assert!(s.handle_sent(ms(0), "turn-a"));
+    assert_eq!(ids(s.due(ms(0))), ["turn-b"], "one not sent stays due");
+    s.handle_sent(ms(0), "turn-b");
+    assert!(s.due(ms(999)).is_empty());
+    assert_eq!(s.poll_timeout(), Some(ms(1_000)), "every extension / 4");
+    assert_eq!(ids(s.due(ms(1_000))), ["turn-a"]);
+    s.handle_sent(ms(1_000), "turn-a");
+    assert_eq!(ids(s.due(ms(2_000))), ["turn-a", "turn-b"]);
+    // The waiting set is renewed every step: a turn kept waiting keeps its schedule, one
+    // no longer waiting is forgotten.
+    s.handle_waiting([&b]);
+    assert!(!s.handle_sent(ms(2_000), "turn-a"));
+    assert!(s.due(ms(1_999)).is_empty());
+    // The pull starts: the last heartbeat's time bounds D's renewal.
+    assert_eq!(s.take("turn-b"), Some(ms(0)));
+    assert_eq!(s.take("turn-b"), None);
+    assert!(s.is_empty());
+    assert_eq!(s.poll_timeout(), None);
+}
