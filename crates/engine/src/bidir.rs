@@ -17,12 +17,14 @@
 //! - [`DecoderHold`]: D's holding of cached turns, either the fixed TTL
 //!   ([`DecoderCache`]) or the **symmetric lease** (P heartbeats D's cached blocks while a
 //!   next-turn request waits on P; D extends them like P's leases, bounded), and which
-//!   turn gives way first when a new request needs blocks ([`DecoderHold::evict_oldest`]);
+//!   turn gives way first when a new request needs blocks ([`DecoderHold::evict_oldest`]).
+//!   The decode core owns one as a sub-state machine
+//!   ([`DecodeConfig::with_hold`](crate::DecodeConfig::with_hold));
 //! - [`TurnHeartbeats`]: P's schedule of the symmetric lease's heartbeats for D's held
 //!   turns while their next-turn requests wait on P.
 //!
-//! The drivers: the agents (`decode-agent` holds turns, `prefill-agent` plans pulls and
-//! polls its [`TurnHeartbeats`], the
+//! The drivers: the agents (`decode-agent` holds turns through its `DecodeCore`,
+//! `prefill-agent` plans pulls and polls its [`TurnHeartbeats`], the
 //! proxy ages the params between turns; the clock probes that feed the
 //! [`ClockOffsetEstimator`](kvlease_lease::ClockOffsetEstimator) are theirs) and the
 //! simulator (`kvlease-sim`'s `run_bidir`: skewed, drifting clocks and asymmetric delays).
@@ -572,6 +574,16 @@ impl DecoderHold {
             self.order.clear();
         }
         e
+    }
+
+    /// The earliest deadline of an entry held, when to call
+    /// [`handle_timeout`](Self::handle_timeout) next; `None` when nothing is held.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        match &self.kind {
+            HoldKind::Fixed(c) => c.poll_timeout(),
+            HoldKind::Symmetric(t) => t.poll_timeout(),
+        }
     }
 
     /// The current deadline of `request`.

@@ -85,8 +85,8 @@ pub use blocks::BlockSource;
 pub use decode::{
     AdmitError, BatchPlan, BatchResult, Cause, DEFAULT_INSTANCE_CHECK_INTERVAL,
     DEFAULT_MAX_ENGINES, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, DecodeStats,
-    HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
-    StartLoadError, Transmit, TransmitKind,
+    HandshakeError, HandshakeStart, HoldRefused, HoldTerms, KeptTurn, KvSplit, LoadError, LoadPlan,
+    Outcome, RemoteEngine, RemoteKv, StartLoadError, Transmit, TransmitKind, TurnEnd, TurnReleased,
 };
 pub use prefill::{
     Granted, HOLD_GENERATIONS, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError,
