@@ -3,8 +3,10 @@
 //! instead of recomputing the shared prefix.
 //!
 //! The decisions live in the engine ([`kvlease_engine`]: [`DecoderKvParams`],
-//! [`plan_pull`](kvlease_engine::plan_pull), [`DecoderHold`](kvlease_engine::DecoderHold)),
-//! so that the simulator drives the same code. This module holds what touches the outside:
+//! [`plan_pull`](kvlease_engine::plan_pull), D's hold on finished turns inside its
+//! [`DecodeCore`](kvlease_engine::DecodeCore), P's heartbeat schedule
+//! [`TurnHeartbeats`](kvlease_engine::TurnHeartbeats)), so that the simulator drives the
+//! same code. This module holds what touches the outside:
 //! - the JSON form of [`DecoderKvParams`], the `kv_transfer_params` D answers with in
 //!   bidirectional mode: `kvlease-proto`'s codec of a turn, converted in one place
 //!   ([`params_from_value`], [`params_to_value`], [`is_decoder_params`]);
