@@ -462,6 +462,15 @@ enum HoldKind {
     Symmetric(LeaseTable),
 }
 
+impl HoldKind {
+    fn holds(&self, request: &RequestId) -> bool {
+        match self {
+            Self::Fixed(c) => c.deadline(request).is_some(),
+            Self::Symmetric(t) => t.get(request).is_some(),
+        }
+    }
+}
+
 /// A cached entry: its generation and deadline on D's clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
@@ -524,7 +533,27 @@ impl DecoderHold {
             }
         };
         self.order.push_back(request);
+        // Turns pulled or expired leave their ids in the eviction order: prune them once
+        // they outnumber the turns held, so the order stays within about twice what is
+        // held (amortized O(1) per insert) rather than growing with every turn ever held.
+        if self.order.len() > 2 * self.len() + 16 {
+            let kind = &self.kind;
+            self.order.retain(|id| kind.holds(id));
+        }
         Ok(held)
+    }
+
+    /// Turns held.
+    pub fn len(&self) -> usize {
+        match &self.kind {
+            HoldKind::Fixed(c) => c.len(),
+            HoldKind::Symmetric(t) => t.len(),
+        }
+    }
+
+    /// Whether no turn is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// P's heartbeat for cached `ids`; returns how many it extended (always zero for the

@@ -492,3 +492,26 @@ fn turn_heartbeats_go_per_extension_while_the_next_turn_waits() {
     assert!(s.is_empty());
     assert_eq!(s.poll_timeout(), None);
 }
+
+#[test]
+fn the_eviction_order_forgets_turns_no_longer_held() {
+    let ttl = DecoderTtl::from_duration(Duration::from_secs(60)).expect("in range");
+    for symmetric in [false, true] {
+        let mut h = DecoderHold::new(ttl, symmetric);
+        let kept = RequestId::new("kept").expect("valid id");
+        h.insert(secs(0), kept.clone(), vec![BlockId(0)])
+            .expect("fresh id");
+        // Turn after turn pulled while one stays held: the order does not keep them all.
+        for i in 1..1_000u32 {
+            let id = RequestId::new(&format!("t{i}")).expect("valid id");
+            h.insert(secs(1), id.clone(), vec![BlockId(i)])
+                .expect("fresh id");
+            assert!(h.read_complete(secs(1), &id));
+            while h.poll_event().is_some() {}
+            assert!(h.order.len() <= 2 * h.len() + 18, "symmetric={symmetric}");
+        }
+        assert_eq!(h.len(), 1);
+        assert_eq!(h.evict_oldest(secs(2)), Some(kept), "still the oldest held");
+        assert_eq!(h.evict_oldest(secs(2)), None);
+    }
+}
