@@ -1,6 +1,7 @@
 //! A turn's `kv_transfer_params` are one wire for the agents and the vLLM connector: what
 //! one engine answers with after decoding a turn, the other reads as the next turn's P
-//! (the agents' `DecoderKvParams` codec and `kvlease-proto`'s `KvTransferParams` turn).
+//! (the engine's `DecoderKvParams` as the agents write and read them, through
+//! `kvlease-proto`'s `KvTransferParams` turn).
 
 use std::time::Duration;
 

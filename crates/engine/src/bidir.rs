@@ -6,8 +6,8 @@
 //! - [`DecoderKvParams`]: what D answers with in bidirectional mode (D's engine id, side
 //!   channel, block ids, the deadline on D's clock **and** the remaining TTL, the
 //!   conversation id, one prefix hash per whole block), as plain data. Its JSON form (under
-//!   `kv_transfer_params`) is the agents' codec; [`DecoderKvParams::check`] is the
-//!   consistency the codec enforces, naming the field at fault;
+//!   `kv_transfer_params`) is `kvlease-proto`'s turn ([`KvTransferParams`], converted with
+//!   [`DecoderKvParams::from_turn`] / [`DecoderKvParams::to_turn`]);
 //! - [`plan_pull`]: P's pull-or-recompute decision. It checks the token prefix itself,
 //!   block by block (vLLM#43094: a prompt of the right length whose tokens differ, e.g.
 //!   stripped reasoning traces, must not reuse KV), the `kv_recompute_threshold`, and that
@@ -18,8 +18,13 @@
 //!   ([`DecoderCache`]) or the **symmetric lease** (P heartbeats D's cached blocks while a
 //!   next-turn request waits on P; D extends them like P's leases, bounded), and which
 //!   turn gives way first when a new request needs blocks ([`DecoderHold::evict_oldest`]).
+//!   The decode core owns one as a sub-state machine
+//!   ([`DecodeConfig::with_hold`](crate::DecodeConfig::with_hold));
+//! - [`TurnHeartbeats`]: P's schedule of the symmetric lease's heartbeats for D's held
+//!   turns while their next-turn requests wait on P.
 //!
-//! The drivers: the agents (`decode-agent` holds turns, `prefill-agent` plans pulls, the
+//! The drivers: the agents (`decode-agent` holds turns through its `DecodeCore`,
+//! `prefill-agent` plans pulls and polls its [`TurnHeartbeats`], the
 //! proxy ages the params between turns; the clock probes that feed the
 //! [`ClockOffsetEstimator`](kvlease_lease::ClockOffsetEstimator) are theirs) and the
 //! simulator (`kvlease-sim`'s `run_bidir`: skewed, drifting clocks and asymmetric delays).
@@ -28,9 +33,14 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use kvlease_lease::{
-    BlockId, ClockOffset, DecoderCache, DecoderTtl, Event, Generation, GrantError, LeaseConfig,
-    LeaseTable, PeerTimestamp, RequestId, Timestamp,
+    BlockId, ClockOffset, DecoderCache, DecoderTtl, EngineId, Event, Generation, GrantError,
+    LeaseConfig, LeaseTable, PeerTimestamp, RequestId, Timestamp,
 };
+use kvlease_proto::params::{KvTransferParams, TurnParams};
+
+mod turn_heartbeats;
+
+pub use turn_heartbeats::{TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats};
 
 /// Most block ids / hashes accepted in one [`DecoderKvParams`].
 pub const MAX_PARAM_BLOCKS: usize = 1 << 20;
@@ -71,7 +81,8 @@ pub fn block_hashes(tokens: &[u32], block_size: u32) -> Vec<u64> {
 
 /// What D answers with in bidirectional mode, under `kv_transfer_params`: enough for P to
 /// pull the cached blocks on the next turn. Field names follow the JSON keys (vLLM's where
-/// they exist); the JSON codec is the agents'.
+/// they exist). The JSON codec is `kvlease-proto`'s (a turn's [`KvTransferParams`]):
+/// [`DecoderKvParams::from_turn`] and [`DecoderKvParams::to_turn`] convert.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecoderKvParams {
     /// Always true: marks D's cached-blocks params (P's own params never carry it).
@@ -214,6 +225,81 @@ impl DecoderKvParams {
     pub fn aged_by(mut self, elapsed: Duration) -> Self {
         self.kvlease_ttl_remaining = self.kvlease_ttl_remaining.saturating_sub(elapsed);
         self
+    }
+
+    /// The params of a turn read with `kvlease-proto`'s codec
+    /// ([`KvTransferParams::from_turn_value`], which checked them); `None` when `p` is a
+    /// lease, not a turn.
+    pub fn from_turn(p: &KvTransferParams) -> Option<Self> {
+        let t = p.turn.as_ref()?;
+        Some(Self {
+            kvlease_bidir: true,
+            remote_engine_id: p.remote_engine_id.as_str().to_owned(),
+            remote_host: p.remote_host.clone(),
+            remote_port: p.remote_port,
+            kvlease_clock_port: t.kvlease_clock_port,
+            remote_block_ids: p.remote_block_ids.clone(),
+            remote_request_id: p.remote_request_id.as_str().to_owned(),
+            tp_size: p.tp_size,
+            kvlease_generation: p.kvlease_generation,
+            conversation_id: t.conversation_id.clone(),
+            kvlease_num_tokens: p.kvlease_num_tokens,
+            kvlease_block_size: t.kvlease_block_size,
+            kvlease_block_hashes: t
+                .kvlease_block_hashes
+                .iter()
+                .map(|h| format!("{h:016x}"))
+                .collect(),
+            kvlease_deadline_ns: t.kvlease_deadline_ns,
+            kvlease_ttl_remaining: Duration::from_millis(t.kvlease_ttl_remaining_ms),
+            kvlease_renew_extension_ms: t.kvlease_renew_extension_ms,
+        })
+    }
+
+    /// The params as `kvlease-proto`'s turn, to write with [`KvTransferParams::to_value`]
+    /// (the relative TTL in whole milliseconds, truncated).
+    ///
+    /// # Errors
+    /// The field at fault when [`check`](Self::check) fails or an id is not a valid id.
+    pub fn to_turn(&self) -> Result<KvTransferParams, BadParam> {
+        self.check()?;
+        let bad_id = |field| {
+            move |e: kvlease_lease::InvalidId| BadParam {
+                field,
+                reason: e.to_string(),
+            }
+        };
+        Ok(KvTransferParams {
+            remote_engine_id: EngineId::new(&self.remote_engine_id)
+                .map_err(bad_id("remote_engine_id"))?,
+            remote_request_id: RequestId::new(&self.remote_request_id)
+                .map_err(bad_id("remote_request_id"))?,
+            remote_block_ids: self.remote_block_ids.clone(),
+            remote_block_groups: Vec::new(),
+            remote_host: self.remote_host.clone(),
+            remote_port: self.remote_port,
+            tp_size: self.tp_size,
+            dcp_size: None,
+            pp_size: None,
+            remote_num_tokens: None,
+            transfer_mode: None,
+            kvlease_generation: self.kvlease_generation,
+            kvlease_num_tokens: self.kvlease_num_tokens,
+            kvlease_lease_ms: None,
+            kvlease_instance: 0,
+            kv_digest: None,
+            turn: Some(TurnParams {
+                kvlease_block_size: self.kvlease_block_size,
+                kvlease_block_hashes: self.parsed_hashes().unwrap_or_default(),
+                kvlease_deadline_ns: self.kvlease_deadline_ns,
+                kvlease_ttl_remaining_ms: u64::try_from(self.kvlease_ttl_remaining.as_millis())
+                    .unwrap_or(u64::MAX),
+                kvlease_renew_extension_ms: self.kvlease_renew_extension_ms,
+                kvlease_clock_port: self.kvlease_clock_port,
+                conversation_id: self.conversation_id.clone(),
+                remote_blocks_expiry_us: None,
+            }),
+        })
     }
 }
 
@@ -376,6 +462,15 @@ enum HoldKind {
     Symmetric(LeaseTable),
 }
 
+impl HoldKind {
+    fn holds(&self, request: &RequestId) -> bool {
+        match self {
+            Self::Fixed(c) => c.deadline(request).is_some(),
+            Self::Symmetric(t) => t.get(request).is_some(),
+        }
+    }
+}
+
 /// A cached entry: its generation and deadline on D's clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
@@ -438,7 +533,27 @@ impl DecoderHold {
             }
         };
         self.order.push_back(request);
+        // Turns pulled or expired leave their ids in the eviction order: prune them once
+        // they outnumber the turns held, so the order stays within about twice what is
+        // held (amortized O(1) per insert) rather than growing with every turn ever held.
+        if self.order.len() > 2 * self.len() + 16 {
+            let kind = &self.kind;
+            self.order.retain(|id| kind.holds(id));
+        }
         Ok(held)
+    }
+
+    /// Turns held.
+    pub fn len(&self) -> usize {
+        match &self.kind {
+            HoldKind::Fixed(c) => c.len(),
+            HoldKind::Symmetric(t) => t.len(),
+        }
+    }
+
+    /// Whether no turn is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// P's heartbeat for cached `ids`; returns how many it extended (always zero for the
@@ -488,6 +603,16 @@ impl DecoderHold {
             self.order.clear();
         }
         e
+    }
+
+    /// The earliest deadline of an entry held, when to call
+    /// [`handle_timeout`](Self::handle_timeout) next; `None` when nothing is held.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        match &self.kind {
+            HoldKind::Fixed(c) => c.poll_timeout(),
+            HoldKind::Symmetric(t) => t.poll_timeout(),
+        }
     }
 
     /// The current deadline of `request`.

@@ -7,11 +7,14 @@ use std::sync::Arc;
 use kvlease_lease::{BlockId, ConsumerId, EngineId, HeartbeatTracker, RequestId, Timestamp};
 use kvlease_notif::{Abort, Notif};
 
+use crate::bidir::DecoderHold;
 use crate::blocks::{BlockSource, Blocks};
 
+mod hold;
 mod plan;
 mod types;
 
+pub use hold::{HoldRefused, HoldTerms, KeptTurn, TurnEnd, TurnReleased};
 pub use types::*;
 
 #[derive(Debug)]
@@ -87,8 +90,19 @@ impl Req {
 ///    [`handle_batch_done`](Self::handle_batch_done) as they end; on
 ///    [`DecodeEvent::Loaded`] verify and call [`handle_verified`](Self::handle_verified);
 /// 5. the model decodes; [`request_finished`](Self::request_finished) frees a finished
-///    request's blocks;
+///    request's blocks, or, in bidirectional mode ([`DecodeConfig::with_hold`]),
+///    [`request_finished_hold`](Self::request_finished_hold) keeps them as a held turn for
+///    P to pull;
 /// 6. after every input: [`poll_event`](Self::poll_event) until `None`.
+///
+/// # Held turns (bidirectional mode)
+/// A core built [`with_hold`](DecodeConfig::with_hold) owns the hold on finished turns as a
+/// sub-state machine: notifications go through [`handle_notif_at`](Self::handle_notif_at)
+/// (P's heartbeats and read completions for held turns), [`handle_timeout`](Self::handle_timeout)
+/// runs before step 4 (expiry, and eviction of the oldest held turn while the next request
+/// is short of blocks), and [`poll_turn_released`](Self::poll_turn_released) is drained
+/// after each of these and before [`poll_load`](Self::poll_load): clear each released
+/// turn's fences, its blocks are free from there.
 ///
 /// # Order
 /// Everything the core hands out comes in an order defined by its inputs, never by a
@@ -114,6 +128,10 @@ pub struct DecodeCore {
     transmits: VecDeque<Transmit>,
     events: VecDeque<DecodeEvent>,
     stats: DecodeStats,
+    /// Bidirectional mode: finished turns kept for P ([`DecodeConfig::hold`]).
+    hold: Option<DecoderHold>,
+    /// Held turns that ended, until [`poll_turn_released`](Self::poll_turn_released).
+    released: VecDeque<TurnReleased>,
 }
 
 impl DecodeCore {
@@ -130,6 +148,8 @@ impl DecodeCore {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: DecodeStats::default(),
+            hold: config.hold.map(|t| DecoderHold::new(t.ttl, t.symmetric)),
+            released: VecDeque::new(),
             config,
         }
     }
@@ -532,7 +552,9 @@ impl DecodeCore {
 
     /// A notification from an endpoint of P engine `from`. Expiry notices fail the waiting
     /// requests they name (never read; recompute) when they come from the engine that
-    /// holds those leases and name the generation D was given. Never panics.
+    /// holds those leases and name the generation D was given. P's frames about held
+    /// turns (bidirectional mode) are reported, not applied: a core that keeps turns takes
+    /// its notifications through [`handle_notif_at`](Self::handle_notif_at). Never panics.
     pub fn handle_notif(&mut self, from: &EngineId, bytes: &[u8]) -> DecodeNotif {
         match kvlease_notif::decode(bytes) {
             Ok(Notif::Expired(leases)) => {
@@ -858,11 +880,16 @@ impl DecodeCore {
         }
     }
 
-    /// When to call [`poll_transmit`](Self::poll_transmit) next; `None` when nothing is
-    /// tracked.
+    /// When to call [`poll_transmit`](Self::poll_transmit) (and, for a core that keeps
+    /// turns, [`handle_timeout`](Self::handle_timeout)) next; `None` when nothing is
+    /// tracked or held.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Timestamp> {
-        self.tracker.poll_timeout()
+        let held = self.hold.as_ref().and_then(DecoderHold::poll_timeout);
+        [self.tracker.poll_timeout(), held]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// The next event, in order.

@@ -78,15 +78,15 @@ pub mod registry;
 
 pub use bidir::{
     BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,
-    PullPolicy, RecomputeReason, block_hashes, common_blocks, estimated_deadline, plan_pull,
-    prefix_hashes,
+    PullPolicy, RecomputeReason, TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats,
+    block_hashes, common_blocks, estimated_deadline, plan_pull, prefix_hashes,
 };
 pub use blocks::BlockSource;
 pub use decode::{
     AdmitError, BatchPlan, BatchResult, Cause, DEFAULT_INSTANCE_CHECK_INTERVAL,
     DEFAULT_MAX_ENGINES, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif, DecodeStats,
-    HandshakeError, HandshakeStart, KvSplit, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
-    StartLoadError, Transmit, TransmitKind,
+    HandshakeError, HandshakeStart, HoldRefused, HoldTerms, KeptTurn, KvSplit, LoadError, LoadPlan,
+    Outcome, RemoteEngine, RemoteKv, StartLoadError, Transmit, TransmitKind, TurnEnd, TurnReleased,
 };
 pub use prefill::{
     Granted, HOLD_GENERATIONS, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError,

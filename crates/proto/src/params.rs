@@ -663,6 +663,14 @@ impl KvTransferParams {
     }
 }
 
+/// Whether `v` (a request's `kv_transfer_params`) is a turn, `kvlease_bidir: true` (read it
+/// with [`KvTransferParams::from_turn_value`]) rather than a lease.
+pub fn is_turn(v: Option<&Value>) -> bool {
+    v.and_then(|v| v.get("kvlease_bidir"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
 /// Checks the `kv_transfer_params` of a request to P: an object with
 /// `do_remote_decode: true` (vLLM's proxies send the other vLLM keys as `null`, and they are
 /// not read).

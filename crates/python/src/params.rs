@@ -165,30 +165,7 @@ impl KvTransferParams {
 
     /// The turn as the engine's bidirectional types take it (`plan_pull`).
     fn decoder_params(&self) -> Option<DecoderKvParams> {
-        let p = &self.0;
-        let t = p.turn.as_ref()?;
-        Some(DecoderKvParams {
-            kvlease_bidir: true,
-            remote_engine_id: p.remote_engine_id.as_str().to_owned(),
-            remote_host: p.remote_host.clone(),
-            remote_port: p.remote_port,
-            kvlease_clock_port: t.kvlease_clock_port,
-            remote_block_ids: p.remote_block_ids.clone(),
-            remote_request_id: p.remote_request_id.as_str().to_owned(),
-            tp_size: p.tp_size,
-            kvlease_generation: p.kvlease_generation,
-            conversation_id: t.conversation_id.clone(),
-            kvlease_num_tokens: p.kvlease_num_tokens,
-            kvlease_block_size: t.kvlease_block_size,
-            kvlease_block_hashes: t
-                .kvlease_block_hashes
-                .iter()
-                .map(|h| format!("{h:016x}"))
-                .collect(),
-            kvlease_deadline_ns: t.kvlease_deadline_ns,
-            kvlease_ttl_remaining: Duration::from_millis(t.kvlease_ttl_remaining_ms),
-            kvlease_renew_extension_ms: t.kvlease_renew_extension_ms,
-        })
+        DecoderKvParams::from_turn(&self.0)
     }
 }
 

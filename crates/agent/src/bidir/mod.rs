@@ -3,10 +3,13 @@
 //! instead of recomputing the shared prefix.
 //!
 //! The decisions live in the engine ([`kvlease_engine`]: [`DecoderKvParams`],
-//! [`plan_pull`](kvlease_engine::plan_pull), [`DecoderHold`](kvlease_engine::DecoderHold)),
-//! so that the simulator drives the same code. This module holds what touches the outside:
-//! - the JSON codec of [`DecoderKvParams`] ([`params_from_value`], [`params_to_value`],
-//!   [`is_decoder_params`]), the `kv_transfer_params` D answers with in bidirectional mode;
+//! [`plan_pull`](kvlease_engine::plan_pull), D's hold on finished turns inside its
+//! [`DecodeCore`](kvlease_engine::DecodeCore), P's heartbeat schedule
+//! [`TurnHeartbeats`](kvlease_engine::TurnHeartbeats)), so that the simulator drives the
+//! same code. This module holds what touches the outside:
+//! - the JSON form of [`DecoderKvParams`], the `kv_transfer_params` D answers with in
+//!   bidirectional mode: `kvlease-proto`'s codec of a turn, converted in one place
+//!   ([`params_from_value`], [`params_to_value`], [`is_decoder_params`]);
 //! - [`PeerClock`]: the clock an agent shows its peers;
 //! - [`ClockProbeServer`] / [`probe_clock`] (from `kvlease_transport::clock_probe`, the
 //!   frames from `kvlease_proto::clock`): a tiny request (own port, 16-byte frames) that
@@ -16,11 +19,11 @@
 //! - [`TEST_CLOCK_OFFSET_ENV`]: an offset added to the clock an agent reports, so tests can
 //!   run two agents with ±10 s of skew on one host.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvlease_engine::DecoderKvParams;
 use kvlease_lease::Timestamp;
-use serde::{Deserialize, Serialize};
+use kvlease_proto::params::KvTransferParams;
 use serde_json::Value;
 
 use crate::api::ApiError;
@@ -101,78 +104,29 @@ impl PeerClock {
     }
 }
 
-// ------------------------------------------------------------------- JSON codec
+// ------------------------------------------------------------------- JSON form
 
-/// The JSON form of [`DecoderKvParams`] (the engine holds them as plain data): the same
-/// fields under the same keys, the relative TTL as whole milliseconds.
-#[derive(Serialize, Deserialize)]
-#[serde(remote = "DecoderKvParams")]
-struct Wire {
-    kvlease_bidir: bool,
-    remote_engine_id: String,
-    remote_host: String,
-    remote_port: u16,
-    kvlease_clock_port: u16,
-    remote_block_ids: Vec<u32>,
-    remote_request_id: String,
-    tp_size: u32,
-    kvlease_generation: u64,
-    conversation_id: String,
-    kvlease_num_tokens: u32,
-    kvlease_block_size: u32,
-    kvlease_block_hashes: Vec<String>,
-    kvlease_deadline_ns: u64,
-    #[serde(rename = "kvlease_ttl_remaining_ms", with = "whole_millis")]
-    kvlease_ttl_remaining: Duration,
-    #[serde(default)]
-    kvlease_renew_extension_ms: u64,
-}
-
-/// A [`Duration`] as whole milliseconds (truncated, saturating).
-mod whole_millis {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        u64::deserialize(d).map(Duration::from_millis)
-    }
-}
-
-/// Parses D's cached-blocks params as P gets them (D's answer, copied by a proxy), naming
-/// the field at fault.
+/// Reads D's cached-blocks params as P gets them (D's answer, copied by a proxy) with
+/// `kvlease-proto`'s codec of a turn ([`KvTransferParams::from_turn_value`]), as the
+/// engine's [`DecoderKvParams`].
 ///
 /// # Errors
-/// 400 naming `kv_transfer_params.<field>` for a missing or mistyped field or one that
-/// fails [`DecoderKvParams::check`].
+/// 400 naming `kv_transfer_params.<field>` for a missing, mistyped or inconsistent field.
 pub fn params_from_value(v: &Value) -> Result<DecoderKvParams, ApiError> {
-    let p = Wire::deserialize(v).map_err(|e| {
-        ApiError::bad_field(
-            "kv_transfer_params",
-            format!("bidirectional params from D: {e}"),
-        )
-    })?;
-    p.check()
-        .map_err(|e| ApiError::bad_field(format!("kv_transfer_params.{}", e.field), e.reason))?;
-    Ok(p)
+    let p = KvTransferParams::from_turn_value(v)?;
+    DecoderKvParams::from_turn(&p).ok_or_else(|| {
+        ApiError::bad_field("kv_transfer_params.kvlease_bidir", "must be true in a turn")
+    })
 }
 
-/// The JSON form of `p`.
+/// The JSON form of `p` (`kvlease-proto`'s turn); `Null` for params that fail
+/// [`DecoderKvParams::to_turn`] (D never builds such).
 pub fn params_to_value(p: &DecoderKvParams) -> Value {
-    // Invariant: every field is a plain string, integer, bool or list of those.
-    Wire::serialize(p, serde_json::value::Serializer).unwrap_or(Value::Null)
+    p.to_turn().map_or(Value::Null, |t| t.to_value())
 }
 
 /// Whether `v` (a request's `kv_transfer_params`) carries D's cached-blocks params.
-pub fn is_decoder_params(v: Option<&Value>) -> bool {
-    v.and_then(|v| v.get("kvlease_bidir"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
-}
+pub use kvlease_proto::params::is_turn as is_decoder_params;
 
 // ------------------------------------------------------------------- clock probe
 

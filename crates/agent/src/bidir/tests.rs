@@ -1,12 +1,10 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kvlease_lease::{ClockOffsetEstimator, PeerTimestamp};
+use kvlease_lease::ClockOffsetEstimator;
 
-use kvlease_engine::{
-    DeadlineBasis, PullDecision, PullPolicy, RecomputeReason, block_hashes, plan_pull,
-};
+use kvlease_engine::block_hashes;
 
 use super::*;
 use crate::proxy::{ConversationStore, conversation_key};
@@ -18,48 +16,39 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
     (0..n as u32).map(|i| (i * 7 + seed) % 251).collect()
 }
 
-/// D's params for a cached turn of `turn` tokens with a deadline `ttl` after D's `d_now`.
-fn params(turn: &[u32], d_now: PeerTimestamp, ttl: Duration) -> DecoderKvParams {
+/// D's answer for a cached turn of `turn` tokens with `ttl` left, in its JSON form.
+fn answer(turn: &[u32], ttl: Duration) -> Value {
     let blocks = turn.len().div_ceil(BS as usize) as u32;
-    DecoderKvParams {
-        kvlease_bidir: true,
-        remote_engine_id: "d0".into(),
-        remote_host: "127.0.0.1".into(),
-        remote_port: 5601,
-        kvlease_clock_port: 5602,
-        remote_block_ids: (100..100 + blocks).collect(),
-        remote_request_id: "cache-1".into(),
-        tp_size: 1,
-        kvlease_generation: 7,
-        conversation_id: "conv".into(),
-        kvlease_num_tokens: turn.len() as u32,
-        kvlease_block_size: BS,
-        kvlease_block_hashes: block_hashes(turn, BS)
+    json!({
+        "kvlease_bidir": true,
+        "remote_engine_id": "d0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5601,
+        "kvlease_clock_port": 5602,
+        "remote_block_ids": (100..100 + blocks).collect::<Vec<u32>>(),
+        "remote_request_id": "cache-1",
+        "tp_size": 1,
+        "kvlease_generation": 7,
+        "conversation_id": "conv",
+        "kvlease_num_tokens": turn.len(),
+        "kvlease_block_size": BS,
+        "kvlease_block_hashes": block_hashes(turn, BS)
             .iter()
             .map(|h| format!("{h:016x}"))
-            .collect(),
-        kvlease_deadline_ns: (d_now.as_duration() + ttl).as_nanos() as u64,
-        kvlease_ttl_remaining: ttl,
-        kvlease_renew_extension_ms: 0,
-    }
+            .collect::<Vec<String>>(),
+        "kvlease_deadline_ns": ttl.as_nanos() as u64,
+        "kvlease_ttl_remaining_ms": ttl.as_millis() as u64,
+    })
 }
 
-fn policy(basis: DeadlineBasis) -> PullPolicy {
-    PullPolicy {
-        threshold_tokens: 64,
-        safety_margin: Duration::from_secs(5),
-        basis,
-    }
-}
-
-fn secs(s: u64) -> Timestamp {
-    Timestamp::from_duration(Duration::from_secs(s))
+/// The params as P reads D's answer.
+fn params(turn: &[u32], ttl: Duration) -> DecoderKvParams {
+    params_from_value(&answer(turn, ttl)).expect("D's answer reads")
 }
 
 #[test]
 fn relative_ttl_is_aged_by_the_holder() {
-    let turn1 = tokens(128, 5);
-    let p = params(&turn1, PeerTimestamp::ZERO, Duration::from_secs(8));
+    let p = params(&tokens(128, 5), Duration::from_secs(8));
     let mut store = ConversationStore::new(4);
     let t = Instant::now();
     store.remember("id:c".into(), p, t);
@@ -68,17 +57,10 @@ fn relative_ttl_is_aged_by_the_holder() {
         .expect("held");
     assert_eq!(aged.kvlease_ttl_remaining, Duration::from_secs(4));
     assert!(store.take("id:c", t).is_none(), "taken once");
+    // What the proxy forwards to P carries the aged TTL.
     assert_eq!(
-        plan_pull(
-            &policy(DeadlineBasis::RelativeTtl),
-            &aged,
-            &turn1,
-            BS,
-            secs(0),
-            None,
-            Duration::ZERO
-        ),
-        PullDecision::Recompute(RecomputeReason::DeadlineTooClose)
+        params_to_value(&aged)["kvlease_ttl_remaining_ms"],
+        json!(4_000)
     );
 }
 
@@ -98,7 +80,7 @@ fn conversation_store_keys_expires_and_bounds() {
     assert_eq!(conversation_key(&json!({"prompt": "x"})), None);
 
     let t = Instant::now();
-    let p = params(&tokens(32, 1), PeerTimestamp::ZERO, Duration::from_secs(1));
+    let p = params(&tokens(32, 1), Duration::from_secs(1));
     let mut s = ConversationStore::new(2);
     s.remember("a".into(), p.clone(), t);
     assert!(
@@ -115,7 +97,7 @@ fn conversation_store_keys_expires_and_bounds() {
 #[test]
 fn params_round_trip_and_name_bad_fields() {
     let turn = tokens(40, 2);
-    let p = params(&turn, PeerTimestamp::from_millis(5), Duration::from_secs(9));
+    let p = params(&turn, Duration::from_secs(9));
     let v = params_to_value(&p);
     assert_eq!(
         v["kvlease_ttl_remaining_ms"],
@@ -151,7 +133,16 @@ fn params_round_trip_and_name_bad_fields() {
             json!(false),
             "kv_transfer_params.kvlease_bidir",
         ),
-        ("remote_port", json!(70_000), "kv_transfer_params"),
+        (
+            "remote_port",
+            json!(70_000),
+            "kv_transfer_params.remote_port",
+        ),
+        (
+            "remote_engine_id",
+            json!(""),
+            "kv_transfer_params.remote_engine_id",
+        ),
     ] {
         let mut bad = v.clone();
         bad[key] = val;

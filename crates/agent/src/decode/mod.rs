@@ -14,7 +14,10 @@
 //!    (D worker, P worker) pair, fenced; the batch's notification is the read completion);
 //! 5. report finished batches; verify a loaded request's bytes against its tokens and the
 //!    digest against P's;
-//! 6. decode one token for every running request; a finished one frees its blocks.
+//! 6. decode one token for every running request; a finished one frees its blocks, or in
+//!    bidirectional mode the core keeps them as a held turn for P to pull (the core
+//!    decides keeping, renewal, eviction and expiry; the shell syncs the blocks for
+//!    peers, publishes and clears their fences, and writes the turn's params).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,14 +27,10 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use kvlease_engine::{
     AdmitError, BatchResult, Cause, DecodeConfig, DecodeCore, DecodeEvent, DecodeNotif,
-    DecoderHold, HandshakeError, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv,
-    TransmitKind,
+    HandshakeError, LoadError, LoadPlan, Outcome, RemoteEngine, RemoteKv, TransmitKind,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvHalf, KvLayout, MemoryRequest};
-use kvlease_lease::{
-    BlockId, DecoderTtl, EngineId, Event, Generation, LeaseConfig, ReleaseReason, RequestId,
-    Timestamp,
-};
+use kvlease_lease::{BlockId, DecoderTtl, EngineId, Generation, LeaseConfig, RequestId, Timestamp};
 use kvlease_proto::engine_info::EngineInfo;
 use kvlease_proto::params::KvTransferParams;
 use kvlease_transport::{Agent, PeerId, RegionDesc};
@@ -239,8 +238,6 @@ pub struct DecodeEngine {
     reqs: HashMap<RequestId, Req>,
     epoch: Instant,
     worker_metadata: Vec<Vec<u8>>,
-    /// Bidirectional mode: finished turns kept for P (on [`DecodeBidir::clock`]).
-    hold: Option<DecoderHold>,
 }
 
 impl DecodeEngine {
@@ -281,19 +278,21 @@ impl DecodeEngine {
         }
         metrics.blocks_total.set(i64::from(cfg.num_blocks));
         let worker_metadata = workers.iter().map(|w| w.agent.metadata()).collect();
-        let core = DecodeCore::new(
-            DecodeConfig::new(
-                cfg.engine_id.clone(),
-                cfg.tp_size,
-                cfg.shape.num_kv_heads,
-                cfg.shape.block_size,
-                cfg.num_blocks,
-                cfg.lease,
-            )
-            .with_limits(cfg.max_running, cfg.max_waiting)
-            .with_retry(cfg.step)
-            .with_max_engines(cfg.max_engines),
-        );
+        let mut config = DecodeConfig::new(
+            cfg.engine_id.clone(),
+            cfg.tp_size,
+            cfg.shape.num_kv_heads,
+            cfg.shape.block_size,
+            cfg.num_blocks,
+            cfg.lease,
+        )
+        .with_limits(cfg.max_running, cfg.max_waiting)
+        .with_retry(cfg.step)
+        .with_max_engines(cfg.max_engines);
+        if let Some(b) = &cfg.bidir {
+            config = config.with_hold(b.ttl, b.symmetric);
+        }
+        let core = DecodeCore::new(config);
         Ok(Self {
             core,
             instance: instance_now(),
@@ -301,10 +300,6 @@ impl DecodeEngine {
             reqs: HashMap::new(),
             epoch: Instant::now(),
             worker_metadata,
-            hold: cfg
-                .bidir
-                .as_ref()
-                .map(|b| DecoderHold::new(b.ttl, b.symmetric)),
             cfg,
             metrics,
             workers,
@@ -382,7 +377,6 @@ impl DecodeEngine {
         self.schedule();
         self.finish_loads();
         self.decode_tokens();
-        self.expire_cache();
         self.metrics
             .requests_tracked
             .set(self.core.tracked() as i64);
@@ -513,22 +507,20 @@ impl DecodeEngine {
         for w in &self.workers {
             received.extend(w.agent.get_new_notifs());
         }
-        let mut cache_heartbeats: Vec<RequestId> = Vec::new();
-        let mut pulled = Vec::new();
+        let now = self.now();
         for (from, msgs) in received {
             let Some(engine) = engine_of_peer(&from) else {
                 self.metrics.notif_malformed.inc();
                 continue;
             };
             for m in msgs {
-                match self.core.handle_notif(&engine, &m) {
+                // The core applies P's frames about held turns (bidirectional mode).
+                match self.core.handle_notif_at(now, &engine, &m) {
                     DecodeNotif::Expired { .. } => {
                         self.metrics.expiry_notices_received.inc();
                     }
-                    DecodeNotif::CacheHeartbeat(ids) if self.hold.is_some() => {
-                        cache_heartbeats.extend(ids);
-                    }
-                    DecodeNotif::CacheReadComplete(r) if self.hold.is_some() => pulled.push(r),
+                    DecodeNotif::CacheHeartbeat(_) | DecodeNotif::CacheReadComplete(_)
+                        if self.core.holds_turns() => {}
                     DecodeNotif::Malformed(e) => {
                         self.metrics.notif_malformed.inc();
                         tracing::debug!(error = %e, %from, "malformed notification");
@@ -537,18 +529,7 @@ impl DecodeEngine {
                 }
             }
         }
-        if let (Some(b), Some(hold)) = (&self.cfg.bidir, self.hold.as_mut()) {
-            let now = b.clock.now();
-            if !cache_heartbeats.is_empty() {
-                hold.heartbeat(now, &cache_heartbeats);
-            }
-            for r in &pulled {
-                if hold.read_complete(now, r) {
-                    self.metrics.decoder_cache_pulled.inc();
-                }
-            }
-            self.drain_cache();
-        }
+        self.drain_turns();
         self.drain_events();
     }
 
@@ -569,15 +550,14 @@ impl DecodeEngine {
 
     fn schedule(&mut self) {
         loop {
-            if let Some(plan) = self.core.poll_load() {
-                self.post_reads(plan);
-                continue;
-            }
-            // Cached turns give way to new requests, oldest first.
-            if self.core.blocks_short().is_some() && self.evict_oldest_cached() {
-                continue;
-            }
-            break;
+            // Held turns expire, and give way to the next request short of blocks (the
+            // core picks which); their fences clear before their blocks are reused.
+            self.core.handle_timeout(self.now());
+            self.drain_turns();
+            let Some(plan) = self.core.poll_load() else {
+                break;
+            };
+            self.post_reads(plan);
         }
         self.drain_events();
     }

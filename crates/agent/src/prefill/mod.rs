@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvlease_engine::{
     DecoderKvParams, Peer, PrefillAction, PrefillConfig, PrefillCore, PrefillError, PrefillEvent,
-    PrefillNotif, PullPolicy,
+    PrefillNotif, PullPolicy, TurnHeartbeats,
 };
 use kvlease_gpu_mem::{BlockPool, FenceTable, KvLayout, MemoryRequest};
 use kvlease_lease::{
@@ -96,9 +96,6 @@ pub struct PrefillBidir {
     /// requests wait on P.
     pub symmetric: bool,
 }
-
-/// Fewest heartbeats P sends a cached entry per renewal extension (symmetric lease).
-const CACHE_HEARTBEATS_PER_EXTENSION: u32 = 4;
 
 /// Clock-probe round trips per pull (the lowest-RTT one is kept).
 const PROBE_SAMPLES: u32 = 8;
@@ -231,9 +228,9 @@ pub struct PrefillEngine {
         crossbeam_channel::Sender<String>,
         crossbeam_channel::Receiver<String>,
     ),
-    /// Symmetric lease: when (P's clock) P last heartbeated each cached entry of D, by
-    /// `remote_request_id`.
-    cache_heartbeats: HashMap<String, Timestamp>,
+    /// Symmetric lease: which of D's held turns P heartbeats, and when (on P's
+    /// [`PrefillBidir::clock`]).
+    turn_heartbeats: TurnHeartbeats,
 }
 
 impl PrefillEngine {
@@ -306,7 +303,7 @@ impl PrefillEngine {
             pulled: crossbeam_channel::unbounded(),
             handshaking: std::collections::HashSet::new(),
             handshaken: crossbeam_channel::unbounded(),
-            cache_heartbeats: HashMap::new(),
+            turn_heartbeats: TurnHeartbeats::default(),
             cfg,
             metrics,
             workers,

@@ -7,7 +7,7 @@
 
 use std::sync::Mutex;
 
-use kvlease_engine::{PullDecision, plan_pull};
+use kvlease_engine::{PullDecision, TurnHeartbeat, plan_pull};
 
 use super::*;
 use crate::shell::{HandshakeFailure, Me, connect_worker, remote_engine};
@@ -102,7 +102,7 @@ impl PrefillEngine {
         let Some(ctx) = self.pull_ctx.clone() else {
             return false;
         };
-        let heartbeat_t0 = self.cache_heartbeats.remove(&params.remote_request_id);
+        let heartbeat_t0 = self.turn_heartbeats.take(&params.remote_request_id);
         let (params, tokens, ids) = (params.clone(), tokens.to_vec(), ids.to_vec());
         let tx = self.pulled.0.clone();
         let request = request.clone();
@@ -121,9 +121,9 @@ impl PrefillEngine {
         }
     }
 
-    /// Symmetric lease: heartbeats D's cached entries whose next-turn requests wait here,
-    /// `CACHE_HEARTBEATS_PER_EXTENSION` times per extension. An engine not handshaken yet
-    /// gets a handshake on a background thread and its heartbeat on a later step.
+    /// Symmetric lease: sends the heartbeats for D's held turns that the schedule
+    /// ([`TurnHeartbeats`]) has due for the next-turn requests waiting here. An engine not
+    /// handshaken yet gets a handshake on a background thread, its heartbeat stays due.
     pub(super) fn heartbeat_cached(&mut self) {
         let (Some(b), Some(ctx)) = (&self.cfg.bidir, &self.pull_ctx) else {
             return;
@@ -132,38 +132,19 @@ impl PrefillEngine {
             return;
         }
         let now = b.clock.now();
-        // Forget entries whose requests no longer wait (prefilled, refused, gone).
-        let waiting: std::collections::HashSet<&str> = self
-            .jobs
-            .values()
-            .filter_map(|w| w.job.decoder.as_ref())
-            .map(|p| p.remote_request_id.as_str())
-            .collect();
-        self.cache_heartbeats
-            .retain(|k, _| waiting.contains(k.as_str()));
-        let due: Vec<(String, String, String)> = self
-            .jobs
-            .values()
-            .filter_map(|w| w.job.decoder.as_ref())
-            .filter(|p| p.kvlease_renew_extension_ms > 0)
-            .filter(|p| {
-                let every = Duration::from_millis(p.kvlease_renew_extension_ms)
-                    / CACHE_HEARTBEATS_PER_EXTENSION;
-                self.cache_heartbeats
-                    .get(&p.remote_request_id)
-                    .is_none_or(|&last| now.saturating_duration_since(last) >= every)
-            })
-            .map(|p| {
-                (
-                    p.remote_engine_id.clone(),
-                    host_port(&p.remote_host, p.remote_port),
-                    p.remote_request_id.clone(),
-                )
-            })
-            .collect();
+        self.turn_heartbeats
+            .handle_waiting(self.jobs.values().filter_map(|w| w.job.decoder.as_ref()));
+        let due = self.turn_heartbeats.due(now);
         let ctx = ctx.clone();
-        for (engine, addr, request) in due {
+        for TurnHeartbeat {
+            engine,
+            host,
+            port,
+            turn: request,
+        } in due
+        {
             let Some(remote) = ctx.cached(&engine) else {
+                let addr = host_port(&host, port);
                 if self.handshaking.insert(engine.clone()) {
                     let ctx = ctx.clone();
                     let done = self.handshaken.0.clone();
@@ -200,7 +181,7 @@ impl PrefillEngine {
             }
             if sent {
                 self.metrics.heartbeats_sent.inc();
-                self.cache_heartbeats.insert(request, now);
+                self.turn_heartbeats.handle_sent(now, &request);
             }
         }
         while let Ok(engine) = self.handshaken.1.try_recv() {

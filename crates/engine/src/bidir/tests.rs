@@ -413,3 +413,105 @@ fn prefix_hashes_are_the_wire_contract() {
     assert_eq!(block_hashes(&[1, 2, 3], 4), Vec::<u64>::new());
     assert_ne!(prefix_hashes(&[1, 2])[1], prefix_hashes(&[2, 1])[1]);
 }
+
+#[test]
+fn decoder_params_are_protos_turn_both_ways() {
+    let p = params(
+        &tokens(40, 2),
+        PeerTimestamp::from_millis(5),
+        Duration::from_millis(9_500),
+    );
+    let v = p.to_turn().expect("consistent").to_value();
+    assert_eq!(v["kvlease_ttl_remaining_ms"], 9_500);
+    let back = KvTransferParams::from_turn_value(&v).expect("proto reads it");
+    assert_eq!(DecoderKvParams::from_turn(&back).as_ref(), Some(&p));
+    // Sub-millisecond TTLs go out truncated.
+    let aged = p.clone().aged_by(Duration::from_micros(1_500));
+    assert_eq!(
+        aged.to_turn().expect("consistent").to_value()["kvlease_ttl_remaining_ms"],
+        9_498
+    );
+    let mut bad = p.clone();
+    bad.remote_engine_id.clear();
+    assert_eq!(
+        bad.to_turn().expect_err("empty id").field,
+        "remote_engine_id"
+    );
+    let mut bad = p;
+    bad.kvlease_block_hashes.pop();
+    assert_eq!(
+        bad.to_turn().expect_err("a hash short").field,
+        "kvlease_block_hashes"
+    );
+}
+
+fn ms(n: u64) -> Timestamp {
+    Timestamp::from_duration(Duration::from_millis(n))
+}
+
+#[test]
+fn turn_heartbeats_go_per_extension_while_the_next_turn_waits() {
+    let base = params(&tokens(32, 1), PeerTimestamp::ZERO, Duration::from_secs(9));
+    let turn = |id: &str, extension_ms: u64| DecoderKvParams {
+        remote_request_id: id.into(),
+        kvlease_renew_extension_ms: extension_ms,
+        ..base.clone()
+    };
+    let (a, b, fixed) = (
+        turn("turn-a", 4_000),
+        turn("turn-b", 8_000),
+        turn("turn-c", 0),
+    );
+    let ids = |v: Vec<TurnHeartbeat>| v.into_iter().map(|h| h.turn).collect::<Vec<_>>();
+    let mut s = TurnHeartbeats::new(4);
+    s.handle_waiting([&b, &fixed, &a]);
+    assert_eq!(s.len(), 2, "a fixed TTL is never heartbeated");
+    assert_eq!(
+        ids(s.due(ms(0))),
+        ["turn-a", "turn-b"],
+        "new turns at once, in id order"
+    );
+    let first = &s.due(ms(0))[0];
+    assert_eq!((first.engine.as_str(), first.port), ("d0", 5601));
+    assert!(s.handle_sent(ms(0), "turn-a"));
+    assert_eq!(ids(s.due(ms(0))), ["turn-b"], "one not sent stays due");
+    s.handle_sent(ms(0), "turn-b");
+    assert!(s.due(ms(999)).is_empty());
+    assert_eq!(s.poll_timeout(), Some(ms(1_000)), "every extension / 4");
+    assert_eq!(ids(s.due(ms(1_000))), ["turn-a"]);
+    s.handle_sent(ms(1_000), "turn-a");
+    assert_eq!(ids(s.due(ms(2_000))), ["turn-a", "turn-b"]);
+    // The waiting set is renewed every step: a turn kept waiting keeps its schedule, one
+    // no longer waiting is forgotten.
+    s.handle_waiting([&b]);
+    assert!(!s.handle_sent(ms(2_000), "turn-a"));
+    assert!(s.due(ms(1_999)).is_empty());
+    // The pull starts: the last heartbeat's time bounds D's renewal.
+    assert_eq!(s.take("turn-b"), Some(ms(0)));
+    assert_eq!(s.take("turn-b"), None);
+    assert!(s.is_empty());
+    assert_eq!(s.poll_timeout(), None);
+}
+
+#[test]
+fn the_eviction_order_forgets_turns_no_longer_held() {
+    let ttl = DecoderTtl::from_duration(Duration::from_secs(60)).expect("in range");
+    for symmetric in [false, true] {
+        let mut h = DecoderHold::new(ttl, symmetric);
+        let kept = RequestId::new("kept").expect("valid id");
+        h.insert(secs(0), kept.clone(), vec![BlockId(0)])
+            .expect("fresh id");
+        // Turn after turn pulled while one stays held: the order does not keep them all.
+        for i in 1..1_000u32 {
+            let id = RequestId::new(&format!("t{i}")).expect("valid id");
+            h.insert(secs(1), id.clone(), vec![BlockId(i)])
+                .expect("fresh id");
+            assert!(h.read_complete(secs(1), &id));
+            while h.poll_event().is_some() {}
+            assert!(h.order.len() <= 2 * h.len() + 18, "symmetric={symmetric}");
+        }
+        assert_eq!(h.len(), 1);
+        assert_eq!(h.evict_oldest(secs(2)), Some(kept), "still the oldest held");
+        assert_eq!(h.evict_oldest(secs(2)), None);
+    }
+}

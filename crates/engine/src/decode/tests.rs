@@ -699,3 +699,166 @@ fn a_replicated_kv_is_read_once_per_d_worker_from_one_p_rank() {
         Err(AdmitError::TpSize { p_tp: 2, heads: 1 })
     ));
 }
+
+// ------------------------------------------------------------------ held turns
+
+/// A core keeping finished turns for `ttl_ms` (the symmetric lease when `symmetric`), with
+/// `n` requests of `blocks` blocks each decoded and finished into held turns `turn-r<i>`,
+/// at 10 ms apart.
+fn holding(ttl_ms: u64, symmetric: bool, n: u32, blocks: u32) -> (DecodeCore, Vec<KeptTurn>) {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let ttl = kvlease_lease::DecoderTtl::from_duration(Duration::from_millis(ttl_ms)).unwrap();
+    let mut c = DecodeCore::new(
+        DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease)
+            .with_limits(1, 4)
+            .with_hold(ttl, symmetric),
+    );
+    let mut kept = Vec::new();
+    for i in 0..n {
+        let (req, now) = (format!("r{i}"), at(u64::from(i) * 10));
+        c.on_new_request(
+            now,
+            id(&req),
+            blocks as usize * 16,
+            remote(&format!("p{i}"), 2, blocks),
+        )
+        .unwrap();
+        if i == 0 {
+            ready(&mut c, now, 2);
+        }
+        let plan = c.poll_load().unwrap();
+        for b in 0..plan.batches.len() {
+            c.handle_batch_done(&id(&req), b, BatchResult::Done { bytes: 1 });
+        }
+        c.handle_verified(&id(&req), Ok(()));
+        kept.push(c.request_finished_hold(now, &id(&req)).unwrap());
+    }
+    assert_eq!(
+        finished(&mut c).len(),
+        n as usize,
+        "every request ended done"
+    );
+    (c, kept)
+}
+
+fn released(c: &mut DecodeCore) -> Vec<(String, TurnEnd, usize)> {
+    std::iter::from_fn(|| c.poll_turn_released())
+        .map(|r| (r.turn.to_string(), r.end, r.blocks.len()))
+        .collect()
+}
+
+fn read_complete(turn: &str) -> Vec<u8> {
+    kvlease_notif::ReadComplete {
+        request: id(turn),
+        consumer: ConsumerId::new(engine("p"), 0),
+        consumers_total: 1,
+    }
+    .encode()
+}
+
+#[test]
+fn a_finished_turn_is_held_until_pulled_and_its_blocks_return_only_when_handed_out() {
+    let (mut c, kept) = holding(10_000, false, 1, 2);
+    let k = &kept[0];
+    assert_eq!(k.turn, id("turn-r0"));
+    assert_eq!(
+        (k.blocks.len(), k.ttl, k.renew_extension),
+        (2, Duration::from_secs(10), None)
+    );
+    assert_eq!((c.blocks_allocated(), c.turn_blocks_held()), (2, 2));
+    assert!(!c.is_idle(), "held blocks stay allocated");
+    let n = c.handle_notif_at(at(50), &engine("p"), &read_complete("turn-r0"));
+    assert_eq!(n, DecodeNotif::CacheReadComplete(id("turn-r0")));
+    assert_eq!(c.turn_blocks_held(), 0);
+    assert_eq!(
+        c.blocks_allocated(),
+        2,
+        "not free before the shell clears the fences"
+    );
+    assert_eq!(released(&mut c), [("turn-r0".into(), TurnEnd::Pulled, 2)]);
+    assert!(c.is_idle());
+    assert_eq!((c.stats().turns_held, c.stats().turns_pulled), (1, 1));
+    // A second completion changes nothing.
+    c.handle_notif_at(at(60), &engine("p"), &read_complete("turn-r0"));
+    assert!(released(&mut c).is_empty());
+}
+
+#[test]
+fn held_turns_give_way_oldest_first_to_a_request_short_of_blocks_then_expire() {
+    // 8 blocks: two turns of 3 held, 2 free; a request of 4 needs one turn to go.
+    let (mut c, _) = holding(10_000, false, 2, 3);
+    c.on_new_request(at(30), id("new"), 64, remote("pn", 2, 4))
+        .unwrap();
+    assert_eq!(c.blocks_short(), Some(2));
+    c.handle_timeout(at(30));
+    // Not yet free: the fences come first.
+    assert!(c.poll_load().is_none());
+    assert_eq!(released(&mut c), [("turn-r0".into(), TurnEnd::Evicted, 3)]);
+    c.handle_timeout(at(30));
+    assert!(released(&mut c).is_empty(), "one turn was enough");
+    let plan = c.poll_load().expect("room now");
+    assert_eq!(plan.blocks.len(), 4);
+    // The other turn ends at its deadline (held at 10 ms for 10 s), not before.
+    c.handle_timeout(at(10_009));
+    assert!(released(&mut c).is_empty());
+    c.handle_timeout(at(10_010));
+    assert_eq!(released(&mut c), [("turn-r1".into(), TurnEnd::Expired, 3)]);
+    let s = c.stats();
+    assert_eq!((s.turns_evicted, s.turns_expired), (1, 1));
+}
+
+#[test]
+fn heartbeats_extend_a_symmetric_hold_and_not_a_fixed_one() {
+    let hb = kvlease_notif::encode_heartbeats([&id("turn-r0")], kvlease_notif::MAX_NOTIF_LEN)
+        .unwrap()
+        .remove(0);
+    for symmetric in [false, true] {
+        let (mut c, kept) = holding(6_000, symmetric, 1, 1);
+        assert_eq!(kept[0].renew_extension.is_some(), symmetric);
+        let n = c.handle_notif_at(at(5_000), &engine("p"), &hb);
+        assert_eq!(n, DecodeNotif::CacheHeartbeat(vec![id("turn-r0")]));
+        c.handle_timeout(at(6_000));
+        let gone = released(&mut c);
+        if symmetric {
+            assert!(gone.is_empty(), "renewed past its first deadline");
+            c.handle_timeout(at(60_000));
+            assert_eq!(
+                released(&mut c).len(),
+                1,
+                "a P that stops heartbeating loses it"
+            );
+        } else {
+            assert_eq!(gone, [("turn-r0".into(), TurnEnd::Expired, 1)]);
+        }
+    }
+}
+
+#[test]
+fn a_turn_the_shell_cannot_serve_is_dropped_and_a_core_without_hold_frees_at_once() {
+    let (mut c, kept) = holding(10_000, false, 1, 2);
+    assert!(c.drop_turn(at(20), &kept[0].turn));
+    assert!(!c.drop_turn(at(20), &kept[0].turn));
+    assert_eq!(released(&mut c), [("turn-r0".into(), TurnEnd::Dropped, 2)]);
+    assert!(c.is_idle());
+
+    let mut c = core();
+    c.on_new_request(at(0), id("a"), 32, remote("ra", 2, 2))
+        .unwrap();
+    ready(&mut c, at(0), 2);
+    let plan = c.poll_load().unwrap();
+    assert_eq!(
+        c.request_finished_hold(at(0), &id("a")),
+        Err(HoldRefused::NotDecoding { request: id("a") }),
+        "still loading: nothing changes"
+    );
+    for i in 0..plan.batches.len() {
+        c.handle_batch_done(&id("a"), i, BatchResult::Done { bytes: 1 });
+    }
+    c.handle_verified(&id("a"), Ok(()));
+    assert_eq!(
+        c.request_finished_hold(at(0), &id("a")),
+        Err(HoldRefused::NoHold)
+    );
+    assert!(matches!(&finished(&mut c)[..], [(_, Outcome::Done)]));
+    assert!(c.is_idle());
+}

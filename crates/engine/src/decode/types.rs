@@ -50,6 +50,9 @@ pub struct DecodeConfig {
     /// request naming a newer instance sooner is refused retryably
     /// ([`AdmitError::InstanceUnconfirmed`]). Default [`DEFAULT_INSTANCE_CHECK_INTERVAL`].
     pub instance_check_interval: Duration,
+    /// Bidirectional mode: how finished turns are kept for P to pull; `None` (default)
+    /// keeps none.
+    pub hold: Option<super::HoldTerms>,
 }
 
 /// Default for [`DecodeConfig::max_engines`].
@@ -93,7 +96,16 @@ impl DecodeConfig {
             kv_split: KvSplit::Heads,
             max_engines: DEFAULT_MAX_ENGINES,
             instance_check_interval: DEFAULT_INSTANCE_CHECK_INTERVAL,
+            hold: None,
         }
+    }
+
+    /// Sets [`hold`](Self::hold): finished turns are kept for `ttl`, renewed by P's
+    /// heartbeats when `symmetric` (the symmetric lease), else never.
+    #[must_use]
+    pub fn with_hold(mut self, ttl: kvlease_lease::DecoderTtl, symmetric: bool) -> Self {
+        self.hold = Some(super::HoldTerms { ttl, symmetric });
+        self
     }
 
     /// Sets [`max_engines`](Self::max_engines) (at least 1).
@@ -673,9 +685,11 @@ pub enum DecodeNotif {
     },
     /// An expiry notice naming leases of another engine than its sender: ignored.
     Foreign,
-    /// Bidirectional mode: P heartbeats D's cached turns (for the shell's hold).
+    /// Bidirectional mode: P heartbeats D's held turns (applied by
+    /// [`DecodeCore::handle_notif_at`](super::DecodeCore::handle_notif_at)).
     CacheHeartbeat(Vec<RequestId>),
-    /// Bidirectional mode: P read a cached turn (for the shell's hold).
+    /// Bidirectional mode: P read a held turn (which
+    /// [`DecodeCore::handle_notif_at`](super::DecodeCore::handle_notif_at) ends).
     CacheReadComplete(RequestId),
     /// A message D does not expect: ignored.
     Ignored,
@@ -721,4 +735,14 @@ pub struct DecodeStats {
     pub instance_checks: u64,
     /// Idle P engines dropped to make room for another.
     pub engines_evicted: u64,
+    /// Bidirectional mode: finished turns kept for P.
+    pub turns_held: u64,
+    /// Held turns P read.
+    pub turns_pulled: u64,
+    /// Held turns whose deadline passed.
+    pub turns_expired: u64,
+    /// Held turns evicted for a new request short of blocks.
+    pub turns_evicted: u64,
+    /// Held turns the shell could not make readable.
+    pub turns_dropped: u64,
 }
