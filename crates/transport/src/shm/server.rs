@@ -401,8 +401,13 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         s.set_write_timeout(Some(ctx.limits.serve_write_timeout))?;
         serve_writes(ctx, &mut s)
     })();
-    // Whatever ended the connection, the ring delivers what it holds, then goes.
+    // Whatever ended the connection, the ring delivers what it holds, then goes; a
+    // connection ended by a malformed frame is shut down (the ring's drain holds a clone
+    // of the socket), so that the peer sees it closed.
     closed.store(true, Ordering::Release);
+    if handed.is_err() {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
     handed
 }
 
