@@ -493,3 +493,134 @@ fn another_process_writes_into_this_one_over_shm() -> Result<()> {
     }
     Ok(())
 }
+
+const WRITER_ENV: &str = "KVLEASE_SHM_WRITE_WRITER";
+const KILL_LEN: usize = 8 << 20;
+
+/// The P side of `a_writer_killed_mid_write_holds_nothing_of_the_receiver`: does nothing
+/// unless started by it. Reads D's metadata and regions from stdin, then writes 8 MiB
+/// batches under generation 5 until it is killed.
+#[test]
+fn child_writer() -> Result<()> {
+    if std::env::var_os(WRITER_ENV).is_none() {
+        return Ok(());
+    }
+    let mut stdin = BufReader::new(std::io::stdin());
+    let desc: Vec<u64> = line_with(&mut stdin, "DESC ")?
+        .split(' ')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let [id, key, fence_id, fence_key] = desc[..] else {
+        bail!("DESC {desc:?}");
+    };
+    let hex = line_with(&mut stdin, "META ")?;
+    let meta: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+        .collect::<Result<_, _>>()?;
+    let p = agent("p-child");
+    let src = RegionId(p.register(filled(KILL_LEN, 3))?.id);
+    let peer = p.connect(&meta)?;
+    let dst = RegionDesc {
+        id,
+        key,
+        len: KILL_LEN as u64,
+        base: 0,
+    };
+    let fence = RegionDesc {
+        id: fence_id,
+        key: fence_key,
+        len: 64,
+        base: 0,
+    };
+    loop {
+        let batch = WriteBatch {
+            ops: vec![WriteOp {
+                local: LocalRange {
+                    region: src,
+                    offset: 0,
+                    len: KILL_LEN as u64,
+                },
+                remote: dst.at(0),
+            }],
+            notif: None,
+            fence: WriteFence {
+                remote: fence.at(FENCE_AT),
+                expected: 5,
+            },
+        };
+        wait(&p, p.post_write(peer, batch, LIMIT)?)?;
+    }
+}
+
+#[test]
+fn a_writer_killed_mid_write_holds_nothing_of_the_receiver() -> Result<()> {
+    let d = agent("d");
+    let dst = zeroed(KILL_LEN, Memory::Memfd)?;
+    let desc = d.register(dst.clone())?;
+    let fence = d.register(zeroed(64, Memory::Memfd)?)?;
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 5)?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", "child_writer", "--nocapture", "--test-threads=1"])
+        .env(WRITER_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()?;
+    let meta: String = d.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    writeln!(
+        child.stdin.as_mut().context("stdin")?,
+        "DESC {} {} {} {}\nMETA {meta}",
+        desc.id,
+        desc.key,
+        fence.id,
+        fence.key
+    )?;
+    let start = Instant::now();
+    while d.stats().writes_landed < 20 {
+        ensure!(start.elapsed() < LIMIT, "the child's writes did not land");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Killed while its writes stream in: most likely in the middle of one.
+    child.kill()?;
+    child.wait()?;
+    let cleared = Instant::now();
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 0)?;
+    ensure!(
+        cleared.elapsed() < Duration::from_secs(1),
+        "the clear waited {:?} after the writer died",
+        cleared.elapsed()
+    );
+    let landed = d.stats().writes_landed;
+    let reused = reuse_pattern(1, KILL_LEN as u64);
+    dst.write_from(0, &reused)?;
+    std::thread::sleep(Duration::from_millis(100));
+    ensure!(bytes_of(dst.as_ref(), 0, KILL_LEN as u64) == reused);
+    ensure!(d.stats().writes_landed == landed);
+    // D goes on: a new writer's write of the new generation lands.
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 6)?;
+    let p = agent("p");
+    let src = filled(4096, 4);
+    let src_id = RegionId(p.register(src.clone())?.id);
+    let peer = p.connect(&d.metadata())?;
+    let batch = WriteBatch {
+        ops: vec![WriteOp {
+            local: LocalRange {
+                region: src_id,
+                offset: 0,
+                len: 4096,
+            },
+            remote: desc.at(0),
+        }],
+        notif: None,
+        fence: WriteFence {
+            remote: fence.at(FENCE_AT),
+            expected: 6,
+        },
+    };
+    ensure!(matches!(
+        wait(&p, p.post_write(peer, batch, LIMIT)?)?,
+        BatchStatus::Done(_)
+    ));
+    ensure!(bytes_of(dst.as_ref(), 0, 4096) == bytes_of(src.as_ref(), 0, 4096));
+    Ok(())
+}
