@@ -624,3 +624,119 @@ fn a_writer_killed_mid_write_holds_nothing_of_the_receiver() -> Result<()> {
     ensure!(bytes_of(dst.as_ref(), 0, 4096) == bytes_of(src.as_ref(), 0, 4096));
     Ok(())
 }
+
+const STOPPED_ENV: &str = "KVLEASE_SHM_WRITE_STOPPED";
+const STOPPED_LEN: usize = 32 << 20;
+
+/// The D side of `a_write_to_a_stopped_receiver_times_out_then_goes_over_tcp`: does
+/// nothing unless started by it. Registers a zeroed region and a fence region under
+/// generation 5, announces them, and waits for a line on stdin.
+#[test]
+fn child_stopped_target() -> Result<()> {
+    if std::env::var_os(STOPPED_ENV).is_none() {
+        return Ok(());
+    }
+    let d = agent("d-child");
+    let desc = d.register(zeroed(STOPPED_LEN, Memory::Memfd)?)?;
+    let fence = d.register(zeroed(64, Memory::Memfd)?)?;
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 5)?;
+    let meta: String = d.metadata().iter().map(|b| format!("{b:02x}")).collect();
+    println!(
+        "\nDESC {} {} {} {}\nMETA {meta}",
+        desc.id, desc.key, fence.id, fence.key
+    );
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    Ok(())
+}
+
+fn signal(pid: u32, sig: &str) -> Result<()> {
+    ensure!(
+        Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()?
+            .success(),
+        "kill {sig} {pid}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_write_to_a_stopped_receiver_times_out_then_goes_over_tcp() -> Result<()> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "--exact",
+            "child_stopped_target",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(STOPPED_ENV, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+    let desc: Vec<u64> = line_with(&mut out, "DESC ")?
+        .split(' ')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let [id, key, fence_id, fence_key] = desc[..] else {
+        bail!("DESC {desc:?}");
+    };
+    let hex = line_with(&mut out, "META ")?;
+    let meta: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
+        .collect::<Result<_, _>>()?;
+    let p = agent("p");
+    let src = filled(STOPPED_LEN, 6);
+    let src_id = RegionId(p.register(src)?.id);
+    let peer = p.connect(&meta)?;
+    let batch = |len: usize| WriteBatch {
+        ops: vec![WriteOp {
+            local: LocalRange {
+                region: src_id,
+                offset: 0,
+                len: len as u64,
+            },
+            remote: kvlease_transport::RemoteRange {
+                region: id,
+                key,
+                offset: 0,
+            },
+        }],
+        notif: None,
+        fence: WriteFence {
+            remote: kvlease_transport::RemoteRange {
+                region: fence_id,
+                key: fence_key,
+                offset: FENCE_AT,
+            },
+            expected: 5,
+        },
+    };
+    let pid = child.id();
+    signal(pid, "-STOP")?;
+    let started = Instant::now();
+    let status = wait(
+        &p,
+        p.post_write(peer, batch(STOPPED_LEN), Duration::from_millis(300))?,
+    );
+    let took = started.elapsed();
+    signal(pid, "-CONT")?;
+    let status = status?;
+    ensure!(
+        matches!(status, BatchStatus::Failed(TransferError::Timeout { .. })),
+        "{status:?}"
+    );
+    ensure!(took < Duration::from_secs(5), "the write took {took:?}");
+    // The stream was given up mid-frame: the link's next write goes over TCP and lands.
+    let status = wait(&p, p.post_write(peer, batch(1 << 20), LIMIT)?)?;
+    let BatchStatus::Done(stats) = status else {
+        bail!("{status:?}");
+    };
+    ensure!(stats.backend == Backend::Tcp, "{}", stats.backend);
+    writeln!(child.stdin.as_mut().context("stdin")?, "quit")?;
+    ensure!(child.wait()?.success());
+    Ok(())
+}
