@@ -418,7 +418,7 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
 /// Serves the fenced writes an authenticated peer sends on its Unix socket after the
 /// hand-over, one at a time and in order, until it closes the socket: the TCP write
 /// protocol (`WRITE_REQ` and its payload; `WRITE_ACK` or `WRITE_ERR`), landed by
-/// [`serve_write`](crate::tcp::server::serve_write) as the TCP receiver lands them. The
+/// [`serve_write`] as the TCP receiver lands them. The
 /// peer's bytes are taken into a buffer of this process first and copied into the
 /// destination only under the fence word's stripe of the write-fence lock, after the
 /// word was found to hold the write's generation. The peer never maps this agent's
