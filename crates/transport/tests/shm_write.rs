@@ -740,3 +740,35 @@ fn a_write_to_a_stopped_receiver_times_out_then_goes_over_tcp() -> Result<()> {
     ensure!(child.wait()?.success());
     Ok(())
 }
+
+#[test]
+fn a_write_whose_deadline_passed_before_it_was_sent_leaves_the_stream_in_step() -> Result<()> {
+    let t = pair(1 << 20, Memory::Memfd)?;
+    t.set_fence(2)?;
+    let id = t.p.post_write(
+        t.peer,
+        WriteBatch {
+            ops: vec![t.op(0, 0, 1 << 20)],
+            notif: None,
+            fence: WriteFence {
+                remote: t.fence_desc.at(FENCE_AT),
+                expected: 2,
+            },
+        },
+        Duration::ZERO,
+    )?;
+    let status = wait(&t.p, id)?;
+    ensure!(
+        matches!(status, BatchStatus::Failed(TransferError::Timeout { .. })),
+        "{status:?}"
+    );
+    ensure!(t.d.stats().writes_landed == 0);
+    // Nothing was sent: the link's next write still goes over shm.
+    let status = t.write(vec![t.op(0, 0, 1 << 20)], 2, None)?;
+    let BatchStatus::Done(stats) = status else {
+        bail!("{status:?}");
+    };
+    ensure!(stats.backend == Backend::Shm, "{}", stats.backend);
+    ensure!(bytes_of(t.dst.as_ref(), 0, 1 << 20) == bytes_of(t.src.as_ref(), 0, 1 << 20));
+    Ok(())
+}

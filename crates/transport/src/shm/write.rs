@@ -27,16 +27,19 @@
 //! [`WINDOW`] unanswered at a time and completes each chunk on its answer, which the
 //! peer sends in order; [`Agent::post_write`](crate::Agent::post_write) returns once every
 //! chunk was answered (the batch is settled then, so its source is free again). One batch
-//! at a time uses a link's stream. Each socket read and write waits at most until the
-//! batch's deadline; a stream that timed out mid-frame, broke or carried a malformed
-//! answer is given up (its batch fails), and the link's later writes go over TCP.
+//! at a time uses a link's stream. A batch whose deadline passes between frames (also
+//! while it waited for the stream) fails with `Timeout` and sends nothing more; each
+//! send waits at most until the deadline, and the answers to chunks already sent at most
+//! [`ANSWER_GRACE`] longer. A stream that timed out mid-frame or past that grace, broke
+//! or carried a malformed answer is given up (its batch fails), and the link's later
+//! writes go over TCP.
 
 use std::collections::VecDeque;
 use std::io::{self, BufReader};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvlease_gpu_mem::RegionBytes;
 
@@ -53,6 +56,11 @@ use crate::tcp::wire::{self, Body, FrameError};
 /// few enough that its answers (17 bytes each) never fill the socket while this side
 /// sends.
 pub(super) const WINDOW: usize = 32;
+
+/// How long past a batch's deadline the answers to chunks already sent are still
+/// awaited, so that a batch that timed out leaves the stream in step (a stream whose
+/// answers do not come even then is given up).
+const ANSWER_GRACE: Duration = Duration::from_secs(1);
 
 /// The write stream of one link.
 #[derive(Debug)]
@@ -198,7 +206,18 @@ impl Stream {
                     c.len,
                     f,
                 );
-                self.set_timeouts(batch)?;
+                if batch.deadline <= Instant::now() {
+                    // At a frame boundary: the batch fails, the stream stays in step.
+                    tcp.fail(
+                        batch,
+                        TransferError::Timeout {
+                            peer: batch.peer.clone(),
+                            timeout: batch.timeout,
+                        },
+                    );
+                    continue;
+                }
+                self.set_timeouts(batch.deadline)?;
                 match c
                     .src
                     .write_to_fd(&header, c.src_offset, c.len, self.out.as_fd())
@@ -228,15 +247,16 @@ impl Stream {
             let Some(s) = sent.pop_front() else {
                 return Ok(());
             };
-            self.set_timeouts(batch)?;
+            let grace = batch.deadline.checked_add(ANSWER_GRACE);
+            self.set_timeouts(grace.unwrap_or(batch.deadline))?;
             let code = self.answer(s.req)?;
             answered(tcp, batch, &s, fence.expected, code);
         }
     }
 
-    /// Bounds the next socket calls by the batch's deadline.
-    fn set_timeouts(&self, batch: &Batch) -> Result<(), Broken> {
-        let left = batch.deadline.saturating_duration_since(Instant::now());
+    /// Bounds the next socket calls by `deadline`.
+    fn set_timeouts(&self, deadline: Instant) -> Result<(), Broken> {
+        let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Broken::Timeout);
         }
