@@ -6,10 +6,15 @@
 #              x 1..256 blocks, READ 64 x 1 MiB and 64 x 64 KiB, notification RTT, and
 #              fenced WRITE 64 x 1 MiB and 64 x 64 KiB next to READ (tcp_write_gbps_64x1m,
 #              tcp_read_gbps_64x1m, tcp_write_over_read_64x1m, the same for 64x64k).
-#   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*.
-#   ours cma   tcp_bench --backend cma: the same link, the target's region plain heap memory
+#   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*; with
+#              fenced WRITE 64 x 1 MiB and 64 x 64 KiB next to READ (shm_write_gbps_64x1m,
+#              shm_read_gbps_64x1m, shm_write_over_read_64x1m, the same for 64x64k): the
+#              writer sends on the shm link's Unix socket, the target lands the bytes.
+#   ours cma   tcp_bench --backend cma: the same link, the target's regions plain heap memory
 #              (not memfd-backed, as host tensors registered from Python), read with
-#              cross-memory attach (process_vm_readv), keys cma_*.
+#              cross-memory attach (process_vm_readv), keys cma_*; WRITE into such memory
+#              (cma_write_gbps_64x1m, cma_read_gbps_64x1m, cma_write_over_read_64x1m, the
+#              same for 64x64k; written as on shm, landed by the target's process).
 #   iperf3     one stream; ucx_perftest -t ucp_get over UCX_TLS=tcp (Debian's UCX 1.13).
 #   NIXL 1.5.1 from PyPI (scripts/bench/nixl/nixl_pair.py), twice: UCX's default transports
 #              (UCX_TLS unset; on one host READ goes through cma), keys nixl_shm_*; and
@@ -61,7 +66,8 @@ ours_backend() {
   o=$(timeout 120 "$BENCH" --backend "$1" --seconds 0.25) || return 1
   grep -qx "backend=$1" <<<"$o" \
     || { echo "tcp_bench printed no backend=$1 (built without --backend $1?)" >&2; return 1; }
-  printf '%s\n' "$o"
+  # Its write keys carry the backend already; `peer --prefix` adds it back.
+  sed "s/^$1_//" <<<"$o"
 }
 ours_shm() { ours_backend shm; }
 ours_cma() { ours_backend cma; }
@@ -107,9 +113,12 @@ peer memcpy "memcpy_64k_x64_gbps memcpy_1m_x64_gbps" timeout 60 "$MEMCPY" --seco
 peer ours_tcp "read_1m_x64_gbps read_64k_x64_gbps notif_rtt_us notif_rtt_p99_us \
   tcp_write_gbps_64x1m tcp_read_gbps_64x1m tcp_write_over_read_64x1m \
   tcp_write_gbps_64x64k tcp_read_gbps_64x64k tcp_write_over_read_64x64k" ours_tcp
-peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_notif_rtt_p99_us" \
-  --prefix shm_ ours_shm
-peer ours_cma "cma_read_1m_x64_gbps cma_read_64k_x64_gbps" --prefix cma_ ours_cma
+peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_notif_rtt_p99_us \
+  shm_write_gbps_64x1m shm_read_gbps_64x1m shm_write_over_read_64x1m \
+  shm_write_gbps_64x64k shm_read_gbps_64x64k shm_write_over_read_64x64k" --prefix shm_ ours_shm
+peer ours_cma "cma_read_1m_x64_gbps cma_read_64k_x64_gbps \
+  cma_write_gbps_64x1m cma_read_gbps_64x1m cma_write_over_read_64x1m \
+  cma_write_gbps_64x64k cma_read_gbps_64x64k cma_write_over_read_64x64k" --prefix cma_ ours_cma
 peer iperf3 "iperf3_gbps" iperf
 peer ucx_perftest "ucx_ucp_get_1m_gbps" ucx
 nixl_keys() { for k in read_64k_x64_gbps read_1m_x64_gbps write_64k_x64_gbps write_1m_x64_gbps notif_rtt_us; do printf 'nixl_%s_%s ' "$1" "$k"; done; }

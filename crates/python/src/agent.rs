@@ -549,7 +549,7 @@ impl Agent {
         })
     }
 
-    /// Posts a batch of fenced writes to `peer` (push mode; TCP peers only).
+    /// Posts a batch of fenced writes to `peer` (push mode; TCP and shared-memory peers).
     ///
     /// `ops` is an iterable of `(local, local_offset, remote, remote_offset, length)`:
     /// `local` a `Region` (or its id) of this agent, the source, `remote` a

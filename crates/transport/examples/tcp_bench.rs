@@ -15,12 +15,15 @@
 //! and `read_64k_x64_gbps=` (the headlines, measured longer), `notif_rtt_us=` (median)
 //! and `notif_rtt_p99_us=`.
 //!
-//! With `--backend tcp` it also measures fenced WRITEs on the same work, the other way
-//! round (this process writes `block × 64` from its region into a destination the target
-//! registered, under a fence word the target published with `Agent::set_write_fence`;
-//! the first batch is read back and checked): `tcp_write_gbps_64x1m=`,
-//! `tcp_read_gbps_64x1m=` (the READ headline again, under the name that pairs with it),
-//! `tcp_write_over_read_64x1m=`, and the same for `64x64k` (`--no-write`: not).
+//! It also measures fenced WRITEs on the same work, the other way round (this process
+//! writes `block × 64` from its region into a destination the target registered, under a
+//! fence word the target published with `Agent::set_write_fence`; the first batch is read
+//! back and checked, and must say the backend that moved it: `tcp`, or `shm` for `shm`
+//! and `cma`, whose writes go on the shm link's Unix socket and land in the target's
+//! process; with `cma` the destination is plain heap memory too):
+//! `<backend>_write_gbps_64x1m=`, `<backend>_read_gbps_64x1m=` (the READ headline again,
+//! under the name that pairs with it), `<backend>_write_over_read_64x1m=`, and the same
+//! for `64x64k` (`--no-write`: not); `<backend>` is `tcp`, `shm` or `cma`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -103,7 +106,12 @@ fn serve(conns: usize, backend: Backend) -> Result<()> {
     };
     agent.register(region)?;
     // Registered after the read source, so their ids (and metadata order) follow it.
-    agent.register(Arc::new(HostRegion::new(WRITE_REGION)?))?;
+    let dest: Arc<dyn DmaRegion> = if backend == Backend::Cma {
+        Arc::new(ForeignRegion::from_heap(vec![0; WRITE_REGION])?)
+    } else {
+        Arc::new(HostRegion::new(WRITE_REGION)?)
+    };
+    agent.register(dest)?;
     let fence = agent.register(Arc::new(HostRegion::new(FENCE_REGION)?))?;
     agent.set_write_fence(RegionId(fence.id), 0, GENERATION)?;
     println!("META {}", hex(&agent.metadata()));
@@ -235,7 +243,8 @@ struct WriteTarget {
 }
 
 /// GB/s of fenced `block × n` write batches, run back to back for `seconds`. The first
-/// batch is read back (into the upper half of `region`) and checked.
+/// batch is read back (into the upper half of `region`) and checked, and must have gone
+/// over `want`.
 #[allow(clippy::too_many_arguments)]
 fn measure_write(
     agent: &Agent,
@@ -246,6 +255,7 @@ fn measure_write(
     block: u64,
     n: u64,
     seconds: f64,
+    want: Backend,
 ) -> Result<f64> {
     let total = (block * n) as usize;
     let stamp: Vec<u8> = (0..total).map(|i| pattern(i + 12_345)).collect();
@@ -257,7 +267,8 @@ fn measure_write(
             TIMEOUT,
         )
     };
-    wait(agent, post()?)?;
+    let got = wait(agent, post()?)?;
+    ensure!(got == want, "the write went over {got}, not {want}");
     let back = (REGION / 2) as u64;
     let read_back = ReadBatch {
         ops: vec![ReadOp {
@@ -378,10 +389,16 @@ fn main() -> Result<()> {
         println!("read_{label}_x64_gbps={gbps:.3}");
         headline.push((block, label, gbps));
     }
-    // Fenced WRITEs of the same sizes, next to the READs (TCP is the backend that writes).
-    // `--no-write` skips them (the notification benchmark's short rounds).
+    // Fenced WRITEs of the same sizes, next to the READs. `--no-write` skips them (the
+    // notification benchmark's short rounds).
     let writes = flag("--no-write").is_none();
-    if let (Backend::Tcp, Some(target), true) = (backend, &write_target, writes) {
+    // A cma link writes as shm does: on the link's socket, landed by the target.
+    let write_backend = if backend == Backend::Tcp {
+        Backend::Tcp
+    } else {
+        Backend::Shm
+    };
+    if let (Some(target), true) = (&write_target, writes) {
         for (block, label, read) in headline {
             let write = measure_write(
                 &agent,
@@ -392,10 +409,11 @@ fn main() -> Result<()> {
                 block,
                 64,
                 seconds.max(2.0),
+                write_backend,
             )?;
-            println!("tcp_write_gbps_64x{label}={write:.3}");
-            println!("tcp_read_gbps_64x{label}={read:.3}");
-            println!("tcp_write_over_read_64x{label}={:.3}", write / read);
+            println!("{backend}_write_gbps_64x{label}={write:.3}");
+            println!("{backend}_read_gbps_64x{label}={read:.3}");
+            println!("{backend}_write_over_read_64x{label}={:.3}", write / read);
         }
     }
 

@@ -56,8 +56,10 @@
 //! answer). The receiver lands a write only if, once its bytes arrived and under the lock
 //! its [`Agent::set_write_fence`] takes, the word holds that generation; otherwise nothing
 //! of it lands and the batch fails with [`TransferError::Stale`]. So once the receiver
-//! cleared the word, no write for the old generation lands. TCP implements it; the other
-//! backends refuse writes with [`TransferError::Unsupported`] for now.
+//! cleared the word, no write for the old generation lands. TCP and shm implement it (on
+//! shm the writer sends each write on the link's Unix socket and the receiver's process
+//! lands it, into memfd-backed or plain heap memory alike); verbs refuses writes with
+//! [`TransferError::Unsupported`].
 //!
 //! # What this crate does not do
 //! It reads no clock except to enforce the timeouts the caller passes, does not decide

@@ -9,8 +9,8 @@
 //! [`Context`](crate::context::Context) the backend was given (`deliver_notif`) or a
 //! [`NotifSource`](crate::notify::NotifSource) it registered. A fenced one-sided WRITE
 //! is [`post_writes`](Link::post_writes): the same batch state, completed chunk by chunk
-//! as the peer acknowledges each write landed; TCP implements it, the other backends
-//! refuse it for now.
+//! as the peer acknowledges each write landed; TCP and shared memory implement it (the
+//! peer's process lands each write under its write-fence lock), verbs refuses it.
 
 use std::fmt;
 use std::sync::Arc;

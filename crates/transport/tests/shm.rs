@@ -13,8 +13,7 @@ use kvlease_gpu_mem::{ForeignRegion, HostRegion, RegionBytes, recv_with_fds};
 use kvlease_transport::metadata::decode_metadata;
 use kvlease_transport::{
     Agent, AgentConfig, Backend, BackendChoice, BatchStatus, CmaPolicy, ConnectError, FenceRead,
-    LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError, WriteBatch,
-    WriteFence, WriteOp,
+    LocalRange, ReadBatch, ReadOp, Refusal, RegionDesc, RegionId, TransferError,
 };
 
 mod common;
@@ -1508,35 +1507,103 @@ fn a_reader_the_kernel_refuses_reads_over_tcp() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_write_on_a_shared_memory_link_is_refused_as_unsupported() -> Result<()> {
-    let d = agent("d", BackendChoice::Shm, None);
-    let dst = d.register(Arc::new(HostRegion::new(4096)?))?;
-    let fence = d.register(Arc::new(HostRegion::new(64)?))?;
-    d.set_write_fence(RegionId(fence.id), 0, 1)?;
-    let p = agent("p", BackendChoice::Shm, None);
-    let src = RegionId(p.register(filled(4096, 3))?.id);
-    let peer = p.connect(&d.metadata())?;
-    ensure!(p.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
-    let batch = WriteBatch {
-        ops: vec![WriteOp {
-            local: LocalRange {
-                region: src,
-                offset: 0,
-                len: 4096,
-            },
-            remote: dst.at(0),
-        }],
-        notif: None,
-        fence: WriteFence {
-            remote: fence.at(0),
-            expected: 1,
-        },
-    };
-    let got = p.post_write(peer, batch, LIMIT);
+/// A write's destination: region, key, offset.
+type WriteDest = (u64, u64, u64);
+/// A write's fence: region, key, offset, expected generation.
+type WriteFenceWords = (u64, u64, u64, u64);
+
+/// A `WRITE_REQ` frame with its payload, as a peer on the shm socket sends it.
+fn shm_write_req(req: u64, dst: WriteDest, fence: WriteFenceWords, payload: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for v in [
+        req,
+        dst.0,
+        dst.1,
+        dst.2,
+        payload.len() as u64,
+        fence.0,
+        fence.1,
+        fence.2,
+        fence.3,
+    ] {
+        body.extend_from_slice(&v.to_le_bytes());
+    }
+    let mut f = frame(18, &body);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The answer to a write on the shm socket: `Ok` for `WRITE_ACK`, the refusal code of a
+/// `WRITE_ERR`.
+fn shm_write_answer(s: &mut UnixStream, req: u64) -> Result<Result<(), u8>> {
+    let mut header = [0u8; 5];
+    s.read_exact(&mut header)?;
+    let mut body = vec![0; u32::from_le_bytes(header[1..5].try_into()?) as usize];
+    s.read_exact(&mut body)?;
     ensure!(
-        matches!(&got, Err(TransferError::Unsupported { reason, .. }) if reason.contains("write not supported")),
-        "{got:?}"
+        u64::from_le_bytes(body[..8].try_into()?) == req,
+        "answer to another write"
     );
+    match header[0] {
+        19 => Ok(Ok(())),
+        20 => Ok(Err(body[8])),
+        t => bail!("frame type {t}"),
+    }
+}
+
+#[test]
+fn write_frames_on_the_shm_socket_are_checked_and_hostile_ones_close_it() -> Result<()> {
+    let d = agent("d", BackendChoice::Shm, None);
+    let dst_region = Arc::new(HostRegion::new(4096)?);
+    let dst = d.register(dst_region.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(64)?))?;
+    d.set_write_fence(RegionId(fence.id), 8, 5)?;
+    let (mut s, ..) = raw_shm_client(&d, "w")?;
+    let f = (fence.id, fence.key, 8, 5);
+    let cases: [(u64, WriteDest, WriteFenceWords, Result<(), u8>); 6] = [
+        (1, (dst.id, dst.key, 100), f, Ok(())),
+        (2, (dst.id + 99, dst.key, 0), f, Err(2)),
+        (3, (dst.id, dst.key ^ 1, 0), f, Err(3)),
+        (4, (dst.id, dst.key, 4090), f, Err(4)),
+        (5, (dst.id, dst.key, 0), (fence.id, fence.key, 8, 4), Err(7)),
+        (6, (dst.id, dst.key, 0), (fence.id, fence.key, 3, 5), Err(4)),
+    ];
+    for (req, to, fence, want) in cases {
+        s.write_all(&shm_write_req(req, to, fence, &[0xab; 16]))?;
+        let got = shm_write_answer(&mut s, req)?;
+        ensure!(got == want, "write {req}: {got:?}, want {want:?}");
+    }
+    let bytes = bytes_of(dst_region.as_ref(), 0, 4096);
+    ensure!(
+        bytes[100..116].iter().all(|&b| b == 0xab),
+        "the good write did not land"
+    );
+    ensure!(
+        bytes
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| (100..116).contains(&i) || b == 0),
+        "a refused write landed"
+    );
+    ensure!(d.stats().writes_landed == 1 && d.stats().writes_refused == 5);
+    // A write over the limit is refused and the connection closed (its payload is not
+    // read); so is any other frame on the socket.
+    let mut over = shm_write_req(7, (dst.id, dst.key, 0), f, &[]);
+    // The length word (the fifth of the body).
+    over[5 + 32..5 + 40].copy_from_slice(&((16u64 << 20) + 1).to_le_bytes());
+    s.write_all(&over)?;
+    ensure!(shm_write_answer(&mut s, 7)? == Err(6));
+    let mut rest = Vec::new();
+    ensure!(s.read_to_end(&mut rest)? == 0, "the connection stayed open");
+    let (mut s, ..) = raw_shm_client(&d, "w2")?;
+    s.write_all(&frame(8, b"hi"))?;
+    ensure!(s.read_to_end(&mut rest)? == 0, "the connection stayed open");
+    // Counted once the connection's thread ended, just after the peer saw it closed.
+    let start = Instant::now();
+    while d.stats().malformed_frames < 2 {
+        ensure!(start.elapsed() < LIMIT, "malformed frames not counted");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    ensure!(bytes_of(dst_region.as_ref(), 0, 4096) == bytes);
     Ok(())
 }

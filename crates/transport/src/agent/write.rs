@@ -26,13 +26,16 @@ impl Agent {
     /// The peer lands each chunk only if, once its bytes arrived, the fence word
     /// `batch.fence.remote` holds `batch.fence.expected` (checked under the lock of the
     /// peer's [`set_write_fence`](Self::set_write_fence)); otherwise nothing of that
-    /// chunk lands and the batch fails with [`TransferError::Stale`]. The notification,
+    /// chunk lands and the batch fails with [`TransferError::Stale`]. Every backend that
+    /// writes lands on the peer's side this way, in the peer's process. The notification,
     /// if any, is sent only once every chunk landed. The batch ends as a read batch does
     /// ([`poll_batch`](Self::poll_batch)): `Done`, or `Failed` with `Stale`, a refusal, a
     /// disconnect or [`TransferError::Timeout`]. Chunks that landed before a failure
     /// stay landed.
     ///
-    /// Only TCP links write for now: a peer on another backend gets
+    /// TCP and shared-memory links write (a shared-memory link sends the chunks on its
+    /// Unix socket and the peer's process lands them, see `shm::write`; this call then
+    /// returns once every chunk was answered); a verbs link gets
     /// [`TransferError::Unsupported`].
     ///
     /// # Errors

@@ -18,13 +18,14 @@ use kvlease_gpu_mem::{
 use super::copy::{self, Completion, CopyOp};
 use super::error::ShmError;
 use super::mapped::{MappedRegion, Source};
+use super::write::Writer;
 use super::{MAX_REGIONS, METADATA_KEY, host_identity};
 use crate::batch::{Batch, Next};
 use crate::config::{Backend, CmaPolicy};
 use crate::context::Context;
 use crate::error::{LinkError, Refusal, TransferError};
-use crate::ids::RemoteRange;
-use crate::link::{Chunk, Link};
+use crate::ids::{RemoteRange, WriteFence};
+use crate::link::{Chunk, Link, WriteChunk};
 use crate::metadata::AgentMetadata;
 use crate::notify::NotifSink;
 use crate::sync::lock;
@@ -297,6 +298,8 @@ pub(crate) struct ShmLink {
     ring: bool,
     /// P's Unix socket, kept open for the link's life: P drops the ring when it closes.
     sock: UnixStream,
+    /// Fenced writes into P's memory, on that socket.
+    writer: Writer,
     closed: AtomicBool,
 }
 
@@ -340,6 +343,9 @@ pub(crate) fn connect(
         ring,
     } = receive_handover(&mut s, &meta.name, cma_pid)?;
     let has_ring = ring.is_some();
+    // The peer serves fenced writes on the socket after the hand-over.
+    let serves_writes = entry.get("write").and_then(serde_json::Value::as_bool) == Some(true);
+    let writer = Writer::new(&s, serves_writes);
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
             peer: meta.name.clone(),
@@ -356,6 +362,7 @@ pub(crate) fn connect(
         }),
         ring: has_ring,
         sock: s,
+        writer,
         closed: AtomicBool::new(false),
     };
     tracing::debug!(peer = %meta.name, regions = link.core.regions.len(), ring = has_ring, "shm link up");
@@ -709,6 +716,27 @@ impl Link for ShmLink {
         }
         copy::run(core, batch, copies);
         Ok(())
+    }
+
+    /// Over the Unix socket, landed by the peer's process under its write-fence lock
+    /// (see `shm::write`); over TCP when the peer does not serve writes there or the
+    /// link's write stream broke.
+    fn post_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), TransferError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(self.disconnected("link closed"));
+        }
+        if !self.core.tcp.is_connected() {
+            return Err(self.disconnected("no live connection"));
+        }
+        match self.writer.post(&self.core.tcp, batch, chunks, fence) {
+            Ok(()) => Ok(()),
+            Err(chunks) => self.core.tcp.post_writes(batch, chunks, fence),
+        }
     }
 
     /// Through the ring (the TCP link routes it there), or over TCP without one.

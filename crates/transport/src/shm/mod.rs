@@ -121,6 +121,22 @@
 //! Notifications that arrive in the ring are counted in `notifs_received`; they never
 //! sit in the inbox (the ring bounds them), so `max_pending_notifs` does not apply.
 //!
+//! # Writes
+//! Fenced writes ([`Agent::post_write`](crate::Agent::post_write)) go the other way: the
+//! agent that connected (P, the writer) sends each chunk on the Unix socket it holds,
+//! after the hand-over, as TCP's `WRITE_REQ` frames, the payload straight from its source
+//! region; the agent that listens (D) reads it into a buffer of its own and lands it
+//! under the fence word's stripe of its write-fence lock once the word holds the write's
+//! generation, exactly as its TCP receiver does, and answers `WRITE_ACK` or `WRITE_ERR`.
+//! Destinations are any host memory D registered (memfd-backed or plain heap memory,
+//! the memory D would read with cma). The peer never writes D's memory itself: the
+//! memfds are sealed against it, and a write fence that the writer checks in memory
+//! both processes share would make D's clear wait on a lock holder it cannot tell from
+//! a dead one (see `write.rs`). D says it serves writes there with `"write": true` in
+//! its metadata entry; without it, and once a link's write stream broke (a timeout
+//! mid-frame, a malformed answer), writes go over the TCP link. Such a batch reports
+//! [`Backend::Shm`](crate::Backend::Shm).
+//!
 //! # Limits
 //! D's mapping keeps P's pages alive until the link closes, and D's reads do not show up
 //! in P's counters (`reads_served`). A cma range is named by pid and address only: D
@@ -143,6 +159,7 @@ pub(crate) mod error;
 mod link;
 mod mapped;
 mod server;
+mod write;
 
 pub(crate) use link::connect;
 pub(crate) use server::Server;

@@ -2,7 +2,7 @@
 //! ring to authenticated peers on the same host, and the ring's drain.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
@@ -22,7 +22,8 @@ use crate::context::Context;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
 use crate::stats::{Counters, bump};
 use crate::sync::lock;
-use crate::tcp::wire::{self, FrameError};
+use crate::tcp::server::{WriteReq, serve_write};
+use crate::tcp::wire::{self, Body, FrameError};
 
 /// The Unix-socket connections being served, shut down when the agent stops.
 #[derive(Debug, Default)]
@@ -151,7 +152,7 @@ impl Server {
         };
         ctx.set_backend_metadata(
             METADATA_KEY,
-            Some(serde_json::json!({ "host": identity, "socket": name })),
+            Some(serde_json::json!({ "host": identity, "socket": name, "write": true })),
         );
         tracing::debug!(socket = %name, "shm backend listening");
         Some(Self {
@@ -394,19 +395,56 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         let _exports = super::cuda::hand_over(&mut s, &client_name, &devices)?;
         s.write_all(&wire::header(wire::SHM_END, 0))?;
         tracing::debug!(peer = %client_name, regions = regions.len(), "shm regions handed over");
-        // D keeps the socket open for the link's life and sends nothing more.
+        // D keeps the socket open for the link's life; what it sends from now on is
+        // fenced writes into this agent's memory.
         s.set_read_timeout(None)?;
-        let mut byte = [0u8; 1];
-        match s.read(&mut byte)? {
-            0 => Ok(()),
-            _ => Err(FrameError::Malformed(
-                "data on the shm socket after the handshake".into(),
-            )),
-        }
+        s.set_write_timeout(Some(ctx.limits.serve_write_timeout))?;
+        serve_writes(ctx, &mut s)
     })();
-    // Whatever ended the connection, the ring delivers what it holds, then goes.
+    // Whatever ended the connection, the ring delivers what it holds, then goes; a
+    // connection ended by a malformed frame is shut down (the ring's drain holds a clone
+    // of the socket), so that the peer sees it closed.
     closed.store(true, Ordering::Release);
+    if handed.is_err() {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
     handed
+}
+
+//= docs/spec.md#the-write-fence
+//# A write lands only in blocks D holds for that transfer under that generation
+//# (and registered with the writing P engine): D's receiver checks this before any byte
+//# lands, and a write that does not pass is refused and reported to P as failed.
+/// Serves the fenced writes an authenticated peer sends on its Unix socket after the
+/// hand-over, one at a time and in order, until it closes the socket: the TCP write
+/// protocol (`WRITE_REQ` and its payload; `WRITE_ACK` or `WRITE_ERR`), landed by
+/// [`serve_write`] as the TCP receiver lands them. The
+/// peer's bytes are taken into a buffer of this process first and copied into the
+/// destination only under the fence word's stripe of the write-fence lock, after the
+/// word was found to hold the write's generation. The peer never maps this agent's
+/// memory writable (its memfds are sealed against it) and never holds that lock: a peer
+/// that stalls or dies mid-write holds only this connection's thread, and
+/// [`Agent::set_write_fence`](crate::Agent::set_write_fence) waits at most for one copy
+/// of this process already under way.
+fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
+    let mut r = io::BufReader::with_capacity(64 * 1024, s.try_clone()?);
+    // One write's payload at a time, grown to the largest write seen (at most
+    // `wire::MAX_WRITE_LEN`).
+    let mut landing = Vec::new();
+    loop {
+        let (_, len) = match wire::read_header(&mut r, &[wire::WRITE_REQ], |_| wire::WRITE_REQ_LEN)
+        {
+            Ok(h) => h,
+            // The peer closed the socket between frames: the link's end.
+            Err(FrameError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                return Ok(());
+            }
+            Err(err) => return Err(err),
+        };
+        let body = wire::read_body(&mut r, len)?;
+        let write = WriteReq::parse(&mut Body(&body))?;
+        serve_write(ctx, &mut r, s, &mut landing, true, &write)?;
+    }
 }
 
 /// One D's notification ring, drained by P's `get_new_notifs`.

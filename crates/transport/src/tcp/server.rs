@@ -348,31 +348,7 @@ fn serve(
                 )?;
             }
             wire::WRITE_REQ => {
-                let mut w = [0u64; 9];
-                for v in &mut w {
-                    *v = b.u64()?;
-                }
-                b.finish()?;
-                let [
-                    req,
-                    region,
-                    key,
-                    offset,
-                    len,
-                    f_region,
-                    f_key,
-                    f_offset,
-                    expected,
-                ] = w;
-                let write = WriteReq {
-                    req,
-                    region,
-                    key,
-                    offset,
-                    len,
-                    fence: (f_region, f_key, f_offset),
-                    expected,
-                };
+                let write = WriteReq::parse(&mut b)?;
                 let authed = matches!(phase, Phase::Authenticated { .. });
                 serve_write(ctx, &mut r, &mut out, &mut landing, authed, &write)?;
             }
@@ -477,7 +453,7 @@ fn serve_read(
 }
 
 /// A `WRITE_REQ`'s fields (its payload follows on the connection).
-struct WriteReq {
+pub(crate) struct WriteReq {
     req: u64,
     region: u64,
     key: u64,
@@ -486,6 +462,37 @@ struct WriteReq {
     /// The fence word: region, key, offset.
     fence: (u64, u64, u64),
     expected: u64,
+}
+
+impl WriteReq {
+    /// Parses a `WRITE_REQ` body (the whole of it).
+    pub(crate) fn parse(b: &mut Body<'_>) -> Result<Self, FrameError> {
+        let mut w = [0u64; 9];
+        for v in &mut w {
+            *v = b.u64()?;
+        }
+        b.finish()?;
+        let [
+            req,
+            region,
+            key,
+            offset,
+            len,
+            f_region,
+            f_key,
+            f_offset,
+            expected,
+        ] = w;
+        Ok(Self {
+            req,
+            region,
+            key,
+            offset,
+            len,
+            fence: (f_region, f_key, f_offset),
+            expected,
+        })
+    }
 }
 
 /// The regions a write names, once checked: the destination and the fence's.
@@ -536,16 +543,16 @@ fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
 /// once [`Agent::set_write_fence`](crate::Agent::set_write_fence) returned, no write
 /// checked against the old word lands any more. A write over [`wire::MAX_WRITE_LEN`] is
 /// refused and the connection closed (its payload is not drained).
-fn serve_write(
+pub(crate) fn serve_write(
     ctx: &Context,
     r: &mut impl Read,
-    out: &mut TcpStream,
+    out: &mut impl Write,
     landing: &mut Vec<u8>,
     authed: bool,
     w: &WriteReq,
 ) -> Result<(), FrameError> {
     // `unread`: the payload still waits on the connection.
-    let refuse = |r: &mut dyn Read, out: &mut TcpStream, why: Refusal, unread: bool| {
+    let refuse = |r: &mut dyn Read, out: &mut dyn Write, why: Refusal, unread: bool| {
         bump(&ctx.counters.writes_refused);
         if why == Refusal::Stale {
             bump(&ctx.counters.writes_stale);

@@ -1,0 +1,331 @@
+//! The writer's side of fenced writes on the shared-memory link: each chunk goes to the
+//! peer's agent over the link's authenticated Unix socket, and the peer's own process
+//! lands it under its write-fence lock.
+//!
+//! # Why the peer's process lands the bytes
+//! The peer's memory is never mapped writable here: the memfds it hands over are sealed
+//! against every writer but its own mapping, and a cross-memory write into its process
+//! would need it to name this process as its ptracer. More to the point, a write that
+//! this process copied straight into the peer's memory could be checked against the
+//! fence word only by this process, under a lock shared across the two processes; the
+//! peer's clear would then have to wait for a lock holder it cannot tell apart from a
+//! dead one (a stalled writer that wakes after the peer gave up waiting lands a stale
+//! byte). So the fence stays where TCP keeps it: the peer copies each chunk from a buffer
+//! of its own into the destination only under the fence word's stripe of its
+//! write-fence lock, after finding the word holds the write's generation, and
+//! [`Agent::set_write_fence`](crate::Agent::set_write_fence) takes the same stripe. Once
+//! the clear returned, no chunk checked against the old generation lands, whatever this
+//! process does or fails to do; a peer that stalls or dies mid-write holds only its
+//! connection thread on the receiving side, never the lock.
+//!
+//! # The stream
+//! The frames are TCP's (`WRITE_REQ` with its payload, answered by `WRITE_ACK` or
+//! `WRITE_ERR`, see `tcp::wire`), sent on the Unix socket the hand-over came on (the
+//! peer says it serves them with `"write": true` in its `shm` metadata entry; without
+//! it, writes go over TCP). The payload leaves straight from the source region
+//! (`writev`, no staging copy). The posting thread sends the batch's chunks with up to
+//! [`WINDOW`] unanswered at a time and completes each chunk on its answer, which the
+//! peer sends in order; [`Agent::post_write`](crate::Agent::post_write) returns once every
+//! chunk was answered (the batch is settled then, so its source is free again). One batch
+//! at a time uses a link's stream. A batch whose deadline passes between frames (also
+//! while it waited for the stream) fails with `Timeout` and sends nothing more; each
+//! send waits at most until the deadline, and the answers to chunks already sent at most
+//! [`ANSWER_GRACE`] longer. A stream that timed out mid-frame or past that grace, broke
+//! or carried a malformed answer is given up (its batch fails), and the link's later
+//! writes go over TCP.
+
+use std::collections::VecDeque;
+use std::io::{self, BufReader};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvlease_gpu_mem::RegionBytes;
+
+use crate::batch::Batch;
+use crate::config::Backend;
+use crate::error::{Refusal, TransferError};
+use crate::ids::WriteFence;
+use crate::link::WriteChunk;
+use crate::sync::lock;
+use crate::tcp::TcpLink;
+use crate::tcp::wire::{self, Body, FrameError};
+
+/// Most chunks sent and not yet answered: enough to keep the peer's receiver busy,
+/// few enough that its answers (17 bytes each) never fill the socket while this side
+/// sends.
+pub(super) const WINDOW: usize = 32;
+
+/// How long past a batch's deadline the answers to chunks already sent are still
+/// awaited, so that a batch that timed out leaves the stream in step (a stream whose
+/// answers do not come even then is given up).
+const ANSWER_GRACE: Duration = Duration::from_secs(1);
+
+/// The write stream of one link.
+#[derive(Debug)]
+pub(super) struct Writer {
+    /// `None` once a write broke the stream (or the peer does not serve writes).
+    stream: Mutex<Option<Stream>>,
+}
+
+#[derive(Debug)]
+struct Stream {
+    out: UnixStream,
+    answers: BufReader<UnixStream>,
+    next_req: u64,
+}
+
+/// A chunk sent and not answered yet.
+struct Sent {
+    req: u64,
+    region: u64,
+    offset: u64,
+    len: u64,
+}
+
+/// Why the stream is given up.
+enum Broken {
+    /// The batch's deadline passed in a socket call.
+    Timeout,
+    /// The socket failed or an answer broke the format.
+    Stream(String),
+}
+
+impl From<FrameError> for Broken {
+    fn from(e: FrameError) -> Self {
+        match e {
+            FrameError::Io(err) if is_timeout(&err) => Self::Timeout,
+            FrameError::Io(err) => Self::Stream(err.to_string()),
+            FrameError::Malformed(why) => Self::Stream(why),
+        }
+    }
+}
+
+fn is_timeout(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+    )
+}
+
+impl Writer {
+    /// A writer on a clone of the link's socket `sock`, or one that leaves every write to
+    /// TCP (`serves` false: the peer does not serve writes on it; or the clone failed).
+    pub(super) fn new(sock: &UnixStream, serves: bool) -> Self {
+        let stream = serves
+            .then(|| {
+                let out = sock.try_clone().ok()?;
+                let answers = BufReader::with_capacity(4096, sock.try_clone().ok()?);
+                Some(Stream {
+                    out,
+                    answers,
+                    next_req: 1,
+                })
+            })
+            .flatten();
+        Self {
+            stream: Mutex::new(stream),
+        }
+    }
+
+    /// Runs `batch`'s chunks on the stream; `Err(chunks)` hands them back when the link
+    /// has no write stream (any more): the caller sends them over TCP.
+    pub(super) fn post(
+        &self,
+        tcp: &TcpLink,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), Vec<WriteChunk>> {
+        let mut guard = lock(&self.stream);
+        let Some(stream) = guard.as_mut() else {
+            return Err(chunks);
+        };
+        {
+            let mut st = batch.lock();
+            st.backend = Backend::Shm;
+            if !st.is_running() {
+                return Ok(());
+            }
+            // Sending from the source: the batch is not settled until this returns.
+            st.in_receive += 1;
+        }
+        let result = stream.run(tcp, batch, chunks, fence);
+        if let Err(broken) = result {
+            let err = match broken {
+                Broken::Timeout => TransferError::Timeout {
+                    peer: batch.peer.clone(),
+                    timeout: batch.timeout,
+                },
+                Broken::Stream(why) => {
+                    tracing::warn!(peer = %batch.peer, %why, "shm write stream broken; this link's later writes go over TCP");
+                    TransferError::Disconnected {
+                        peer: batch.peer.clone(),
+                        reason: format!("shm write stream: {why}"),
+                    }
+                }
+            };
+            // Mid-frame, perhaps: the stream cannot carry another write.
+            *guard = None;
+            tcp.fail(batch, err);
+        }
+        batch.lock().in_receive -= 1;
+        Ok(())
+    }
+}
+
+impl Stream {
+    /// Sends the chunks (while the batch runs) and completes each on its answer; returns
+    /// once every chunk sent was answered, or the stream broke.
+    fn run(
+        &mut self,
+        tcp: &TcpLink,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), Broken> {
+        let f = (
+            fence.remote.region,
+            fence.remote.key,
+            fence.remote.offset,
+            fence.expected,
+        );
+        let mut sent = VecDeque::with_capacity(WINDOW);
+        let mut chunks = chunks.into_iter();
+        loop {
+            if sent.len() < WINDOW
+                && batch.lock().is_running()
+                && let Some(c) = chunks.next()
+            {
+                let req = self.next_req;
+                self.next_req += 1;
+                let header = wire::write_req(
+                    req,
+                    (c.remote.region, c.remote.key, c.remote.offset),
+                    c.len,
+                    f,
+                );
+                if batch.deadline <= Instant::now() {
+                    // At a frame boundary: the batch fails, the stream stays in step.
+                    tcp.fail(
+                        batch,
+                        TransferError::Timeout {
+                            peer: batch.peer.clone(),
+                            timeout: batch.timeout,
+                        },
+                    );
+                    continue;
+                }
+                self.set_timeouts(batch.deadline)?;
+                match c
+                    .src
+                    .write_to_fd(&header, c.src_offset, c.len, self.out.as_fd())
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(err)) => return Err(FrameError::Io(err).into()),
+                    // Checked when posted; nothing was sent.
+                    Err(source) => {
+                        tcp.fail(
+                            batch,
+                            TransferError::Local {
+                                peer: batch.peer.clone(),
+                                source,
+                            },
+                        );
+                        continue;
+                    }
+                }
+                sent.push_back(Sent {
+                    req,
+                    region: c.remote.region,
+                    offset: c.remote.offset,
+                    len: c.len,
+                });
+                continue;
+            }
+            let Some(s) = sent.pop_front() else {
+                return Ok(());
+            };
+            let grace = batch.deadline.checked_add(ANSWER_GRACE);
+            self.set_timeouts(grace.unwrap_or(batch.deadline))?;
+            let code = self.answer(s.req)?;
+            answered(tcp, batch, &s, fence.expected, code);
+        }
+    }
+
+    /// Bounds the next socket calls by `deadline`.
+    fn set_timeouts(&self, deadline: Instant) -> Result<(), Broken> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Broken::Timeout);
+        }
+        let set = self
+            .out
+            .set_write_timeout(Some(left))
+            .and_then(|()| self.out.set_read_timeout(Some(left)));
+        set.map_err(|e| Broken::Stream(e.to_string()))
+    }
+
+    /// Reads the answer to `req` (the peer answers in order): `None` for `WRITE_ACK`,
+    /// the refusal code of a `WRITE_ERR`.
+    fn answer(&mut self, req: u64) -> Result<Option<u8>, Broken> {
+        let (ty, len) = wire::read_header(
+            &mut self.answers,
+            &[wire::WRITE_ACK, wire::WRITE_ERR],
+            |ty| {
+                if ty == wire::WRITE_ACK {
+                    wire::WRITE_ACK_LEN
+                } else {
+                    wire::WRITE_ERR_LEN
+                }
+            },
+        )?;
+        let body = wire::read_body(&mut self.answers, len)?;
+        let mut b = Body(&body);
+        let got = b.u64()?;
+        let code = if ty == wire::WRITE_ERR {
+            Some(b.u8()?)
+        } else {
+            None
+        };
+        b.finish()?;
+        if got != req {
+            return Err(Broken::Stream(format!(
+                "the answer to write {got} came where {req}'s was due"
+            )));
+        }
+        Ok(code)
+    }
+}
+
+/// Completes the chunk `s` on its answer: `code` `None` (every byte landed) or the
+/// refusal code (nothing of it landed).
+fn answered(tcp: &TcpLink, batch: &Arc<Batch>, s: &Sent, expected: u64, code: Option<u8>) {
+    match code.map(Refusal::from_code) {
+        None => {
+            let next = batch.lock().chunk_done(s.len);
+            tcp.advance(batch, next);
+        }
+        Some(Refusal::Stale) => tcp.fail(
+            batch,
+            TransferError::Stale {
+                peer: batch.peer.clone(),
+                region: s.region,
+                offset: s.offset,
+                len: s.len,
+                expected,
+            },
+        ),
+        Some(reason) => tcp.fail(
+            batch,
+            TransferError::Refused {
+                peer: batch.peer.clone(),
+                region: s.region,
+                offset: s.offset,
+                len: s.len,
+                reason,
+            },
+        ),
+    }
+}
