@@ -23,13 +23,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
+use kvlease_engine::{Cause, HandshakeError};
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
 use kvlease_transport::slots::FairSlots;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::{Family, check_unauthenticated_listen, invalid, raise};
+use crate::cores::cause;
+use crate::errors::{Family, check_unauthenticated_listen, handshake, invalid};
 
 /// Largest registration a server reads (from a D that proved the token): room for the
 /// transport metadata of hundreds of TP workers.
@@ -249,10 +251,10 @@ impl SideChannelServer {
             .ok_or_else(|| invalid(py, "handshake_timeout must be positive, at most a day"))?;
         let listener = TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
+            .map_err(|e| serve_error(py, format!("binding {addr}: {e}")))?;
         let address = listener
             .local_addr()
-            .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
+            .map_err(|e| serve_error(py, format!("binding {addr}: {e}")))?;
         let shared = Arc::new(Shared {
             engine_id: engine_id.to_owned(),
             token,
@@ -266,13 +268,7 @@ impl SideChannelServer {
         let thread = std::thread::Builder::new()
             .name("kvlease-sc-accept".into())
             .spawn(move || accept_loop(&looped, &listener))
-            .map_err(|e| {
-                raise(
-                    py,
-                    Family::SideChannel,
-                    format!("starting the listener: {e}"),
-                )
-            })?;
+            .map_err(|e| serve_error(py, format!("starting the listener: {e}")))?;
         Ok(Self {
             shared,
             address,
@@ -376,18 +372,36 @@ pub(crate) fn side_channel_fetch<'py>(
                 .ok_or_else(|| format!("{host}:{port} resolves to nothing"))?;
             Ok((addr, fetch(addr, engine_id, token.as_deref(), timeout)))
         })
-        .map_err(|message: String| raise(py, Family::SideChannel, message))?;
+        .map_err(|message: String| {
+            let e = HandshakeError::NotFound(cause(message.clone()));
+            handshake::to_py_as(py, &e, Family::SideChannel, message)
+        })?;
     match result {
         Ok(payload) => Ok(PyBytes::new(py, &payload)),
-        Err(e) if e.is_auth() => Err(raise(
-            py,
-            Family::Auth,
-            format!("side channel {addr}: {}", crate::errors::chain(&e)),
-        )),
-        Err(e) => Err(raise(
-            py,
-            Family::SideChannel,
-            format!("side channel {addr}: {}", crate::errors::chain(&e)),
-        )),
+        Err(e) => {
+            let message = format!("side channel {addr}: {}", crate::errors::chain(&e));
+            let e = fetch_failure(&e)(cause(message.clone()));
+            Err(handshake::to_py_as(py, &e, Family::SideChannel, message))
+        }
+    }
+}
+
+/// `SideChannelError` for a server that cannot serve (kind `other`).
+fn serve_error(py: Python<'_>, message: String) -> PyErr {
+    let e = HandshakeError::Other(cause(message.clone()));
+    handshake::to_py_as(py, &e, Family::SideChannel, message)
+}
+
+/// The engine's kind of a failed fetch, as the agents tell them apart: the token failed
+/// (`Auth`); P was there but busy, or the connection broke after it was accepted
+/// (`Connect`: a retry may succeed); else nothing answered as P (`NotFound`).
+fn fetch_failure(e: &sc::Error) -> fn(Cause) -> HandshakeError {
+    match e {
+        e if e.is_auth() => HandshakeError::Auth,
+        sc::Error::Protocol(p) if p.is_busy() => HandshakeError::Connect,
+        sc::Error::Io(io) if io.kind() != io::ErrorKind::ConnectionRefused => {
+            HandshakeError::Connect
+        }
+        _ => HandshakeError::NotFound,
     }
 }
