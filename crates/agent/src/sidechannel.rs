@@ -29,16 +29,14 @@
 //! us.
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread;
 use std::time::{Duration, Instant};
 
 use kvlease_proto::engine_info::EngineInfo;
+use kvlease_transport::acceptor::{Acceptor, Handler, Limits};
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
-use kvlease_transport::slots::FairSlots;
 use prometheus_client::metrics::counter::Counter;
 
 /// Largest frame D accepts from a P that proved the token (the welcome, with P's info).
@@ -197,15 +195,7 @@ pub struct Server {
 pub struct ServerHandle {
     /// The bound address.
     pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for ServerHandle {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Wake the accept loop; failure means it is already gone.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-    }
+    _acceptor: Acceptor,
 }
 
 impl Server {
@@ -225,73 +215,22 @@ impl Server {
                 "side-channel limits must be non-zero",
             ));
         }
-        let listener = TcpListener::bind(addr)?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let slots = FairSlots::new(self.limits.max_connections, self.limits.max_per_address);
-        let this = Arc::new(self);
-        let stop2 = Arc::clone(&stop);
-        thread::Builder::new()
-            .name("side-channel".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let Ok(conn) = conn else {
-                        // Out of descriptors and similar: back off instead of spinning.
-                        thread::sleep(Duration::from_millis(10));
-                        continue;
-                    };
-                    let accepted = Instant::now();
-                    // The handshakes at once are few; a newcomer evicts the oldest of
-                    // the address holding the most (its socket shut down).
-                    let slot = conn.peer_addr().ok().zip(conn.try_clone().ok()).and_then(
-                        |(peer, socket)| {
-                            let evicted = this.evicted.clone();
-                            slots.admit(peer.ip(), move || {
-                                evicted.inc();
-                                let _ = socket.shutdown(std::net::Shutdown::Both);
-                                true
-                            })
-                        },
-                    );
-                    let Some(slot) = slot else {
-                        this.refused.inc();
-                        tracing::debug!(
-                            peer = ?conn.peer_addr().ok(),
-                            limit = this.limits.max_connections,
-                            "side channel: too many handshakes at once, none to evict; refused"
-                        );
-                        // Tell D to retry (a few bytes into a fresh socket's buffer).
-                        let _ = conn.set_nonblocking(true);
-                        let _ = io::Write::write_all(
-                            &mut &conn,
-                            &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
-                        );
-                        continue;
-                    };
-                    let this = Arc::clone(&this);
-                    let spawned = thread::Builder::new()
-                        .name("side-channel-conn".into())
-                        .spawn(move || {
-                            let _slot = slot;
-                            let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                            let s = Deadlined::new(conn, accepted + this.limits.handshake_timeout);
-                            if let Err(e) = this.serve(s) {
-                                let error = crate::telemetry::error_chain(&e);
-                                tracing::warn!(%peer, %error, "side-channel handshake failed");
-                            }
-                        });
-                    if let Err(e) = spawned {
-                        tracing::error!(error = %e, "cannot spawn side-channel thread");
-                    }
-                }
-            })?;
-        Ok(ServerHandle { addr, stop })
+        // The handshakes at once are few; a newcomer evicts the oldest of the address
+        // holding the most (its socket shut down).
+        let limits = Limits {
+            max_connections: l.max_connections,
+            max_per_address: l.max_per_address.min(l.max_connections),
+            evict: true,
+        };
+        let acceptor = Acceptor::bind(addr, "side-channel", limits, Arc::new(self))?;
+        Ok(ServerHandle {
+            addr: acceptor.local_addr(),
+            _acceptor: acceptor,
+        })
     }
 
-    fn serve(&self, mut s: Deadlined) -> Result<(), sc::Error> {
+    /// P's half of one handshake, by its deadline.
+    fn handshake(&self, mut s: Deadlined) -> Result<(), sc::Error> {
         s.get_ref().set_nodelay(true)?;
         let peer_ip = s.get_ref().peer_addr().ok().map(|a| a.ip());
         let token = self.token.as_deref().map(str::as_bytes);
@@ -331,6 +270,34 @@ impl Server {
             _ => {}
         }
         Ok(())
+    }
+}
+
+impl Handler for Server {
+    fn serve(&self, conn: TcpStream, peer: SocketAddr, accepted: Instant) {
+        let s = Deadlined::new(conn, accepted + self.limits.handshake_timeout);
+        if let Err(e) = self.handshake(s) {
+            let error = crate::telemetry::error_chain(&e);
+            tracing::warn!(%peer, %error, "side-channel handshake failed");
+        }
+    }
+
+    fn refuse(&self, conn: &TcpStream, peer: SocketAddr) {
+        self.refused.inc();
+        tracing::debug!(
+            %peer,
+            limit = self.limits.max_connections,
+            "side channel: too many handshakes at once, none to evict; refused"
+        );
+        // Tell D to retry (a few bytes into a fresh socket's buffer).
+        let _ = io::Write::write_all(
+            &mut &*conn,
+            &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
+        );
+    }
+
+    fn evicted(&self) {
+        self.evicted.inc();
     }
 }
 
@@ -430,7 +397,9 @@ fn auth_message(e: &sc::Error) -> String {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+    use std::net::TcpListener;
     use std::sync::Mutex;
+    use std::thread;
 
     fn serve(token: Option<&str>) -> (ServerHandle, Arc<Mutex<Vec<Hello>>>) {
         serve_with(token, ServerLimits::default(), Counter::default())

@@ -66,6 +66,8 @@ pub(crate) enum PyEnum {
     PushOutcome,
     /// What P's push core did with a registration.
     RegistrationOutcome,
+    /// Why a handshake failed (`kvlease.errors.HandshakeError.kind`).
+    HandshakeKind,
 }
 
 impl PyEnum {
@@ -81,11 +83,12 @@ impl PyEnum {
             Self::ReservationOutcome => "ReservationOutcome",
             Self::PushOutcome => "PushOutcome",
             Self::RegistrationOutcome => "RegistrationOutcome",
+            Self::HandshakeKind => "HandshakeKind",
         }
     }
 
     fn cell(self) -> &'static PyOnceLock<Py<PyType>> {
-        static CELLS: [PyOnceLock<Py<PyType>>; 10] = [const { PyOnceLock::new() }; 10];
+        static CELLS: [PyOnceLock<Py<PyType>>; 11] = [const { PyOnceLock::new() }; 11];
         &CELLS[self as usize]
     }
 
@@ -147,16 +150,6 @@ struct ShellError {
     message: String,
 }
 
-fn cause(message: String) -> engine::Cause {
+pub(crate) fn cause(message: String) -> engine::Cause {
     Arc::new(ShellError { message })
-}
-
-/// A failed handshake as the core takes it: `auth` when P refused our proof of the
-/// cluster token.
-fn handshake_error(auth: bool, message: String) -> engine::HandshakeError {
-    if auth {
-        engine::HandshakeError::Auth(cause(message))
-    } else {
-        engine::HandshakeError::Other(cause(message))
-    }
 }

@@ -17,6 +17,7 @@ pub(crate) enum Family {
     Config,
     Register,
     Connect,
+    Handshake,
     Auth,
     Transfer,
     StaleFence,
@@ -36,6 +37,7 @@ impl Family {
             Self::Config => "ConfigError",
             Self::Register => "RegisterError",
             Self::Connect => "ConnectError",
+            Self::Handshake => "HandshakeError",
             Self::Auth => "AuthError",
             Self::Transfer => "TransferError",
             Self::StaleFence => "StaleFenceError",
@@ -49,8 +51,13 @@ impl Family {
         }
     }
 
+    /// The class (an `ImportError` when the package is not importable).
+    fn class<'py>(self, py: Python<'py>) -> PyResult<&'py Bound<'py, PyType>> {
+        self.cell().import(py, MODULE, self.class_name())
+    }
+
     fn cell(self) -> &'static PyOnceLock<Py<PyType>> {
-        static CELLS: [PyOnceLock<Py<PyType>>; 14] = [const { PyOnceLock::new() }; 14];
+        static CELLS: [PyOnceLock<Py<PyType>>; 15] = [const { PyOnceLock::new() }; 15];
         &CELLS[self as usize]
     }
 }
@@ -79,7 +86,7 @@ pub(crate) fn raise_with(
     attrs: &[(&str, Py<PyAny>)],
 ) -> PyErr {
     let message = message.into();
-    let class = match family.cell().import(py, MODULE, family.class_name()) {
+    let class = match family.class(py) {
         Ok(class) => class,
         // The package is not importable (the native module used on its own): the base
         // class of Python still carries the message.
@@ -259,12 +266,125 @@ impl ToPyErr for kvlease_engine::AdmitError {
 
 impl ToPyErr for kvlease_engine::LoadError {
     fn to_py(&self, py: Python<'_>) -> PyErr {
+        let handshake = match self {
+            Self::Handshake { source, .. } => source.to_py(py).into_value(py).into_any(),
+            _ => py.None(),
+        };
         raise_with(
             py,
             Family::Load,
             chain(self),
-            &[("retryable", bool_obj(py, self.is_retryable()))],
+            &[
+                ("retryable", bool_obj(py, self.is_retryable())),
+                ("handshake", handshake),
+            ],
         )
+    }
+}
+
+/// The one mapping between the engine's [`HandshakeError`](kvlease_engine::HandshakeError)
+/// and Python's typed handshake errors: each variant is a value of
+/// `kvlease.kinds.HandshakeKind`, and `kvlease.errors.HandshakeError.kind` carries it
+/// (`AuthError` for [`Auth`](kvlease_engine::HandshakeError::Auth)).
+pub(crate) mod handshake {
+    use kvlease_engine::{Cause, HandshakeError};
+    use pyo3::prelude::*;
+
+    use super::{Family, ToPyErr, chain, invalid, raise_with};
+    use crate::cores::{PyEnum, cause};
+
+    /// The `HandshakeKind` value of `e`.
+    pub(crate) fn kind(e: &HandshakeError) -> &'static str {
+        match e {
+            HandshakeError::Auth(_) => "auth",
+            HandshakeError::NotAllowed(_) => "not_allowed",
+            HandshakeError::NotFound(_) => "not_found",
+            HandshakeError::Connect(_) => "connect",
+            HandshakeError::Other(_) => "other",
+            HandshakeError::TpSize { .. } => "incompatible",
+        }
+    }
+
+    /// The variant a shell reports for the `HandshakeKind` value `kind`, carrying
+    /// `cause`; `None` for `incompatible` (the core's own check) and unknown values.
+    pub(crate) fn from_kind(kind: &str, cause: Cause) -> Option<HandshakeError> {
+        Some(match kind {
+            "auth" => HandshakeError::Auth(cause),
+            "not_allowed" => HandshakeError::NotAllowed(cause),
+            "not_found" => HandshakeError::NotFound(cause),
+            "connect" => HandshakeError::Connect(cause),
+            "other" => HandshakeError::Other(cause),
+            _ => return None,
+        })
+    }
+
+    /// The engine's error for the Python exception `error`, an instance of
+    /// `kvlease.errors.HandshakeError` (its `kind` and message).
+    pub(crate) fn from_py(error: &Bound<'_, PyAny>) -> PyResult<HandshakeError> {
+        let py = error.py();
+        let class = Family::Handshake.class(py)?;
+        if !error.is_instance(class)? {
+            return Err(invalid(
+                py,
+                format!(
+                    "error must be a kvlease.HandshakeError, not {}",
+                    error.get_type().name()?
+                ),
+            ));
+        }
+        let kind: String = error.getattr("kind")?.extract()?;
+        let message = error.str()?.to_string();
+        from_kind(&kind, cause(message)).ok_or_else(|| {
+            invalid(
+                py,
+                format!(
+                    "a shell reports a handshake of kind auth, not_allowed, not_found, \
+                     connect or other, not {kind:?}"
+                ),
+            )
+        })
+    }
+
+    /// The Python exception for `e`, of `family` (`AuthError` whatever `family` for
+    /// [`Auth`](HandshakeError::Auth)), with `message` and `kind` set.
+    pub(crate) fn to_py_as(
+        py: Python<'_>,
+        e: &HandshakeError,
+        family: Family,
+        message: String,
+    ) -> PyErr {
+        let family = if e.is_auth() { Family::Auth } else { family };
+        let kind = match PyEnum::HandshakeKind.member(py, kind(e)) {
+            Ok(kind) => kind,
+            Err(err) => return err,
+        };
+        raise_with(py, family, message, &[("kind", kind)])
+    }
+
+    impl ToPyErr for HandshakeError {
+        fn to_py(&self, py: Python<'_>) -> PyErr {
+            to_py_as(py, self, Family::Handshake, chain(self))
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn every_kind_a_shell_reports_names_its_variant_and_back() {
+            for k in ["auth", "not_allowed", "not_found", "connect", "other"] {
+                let e = from_kind(k, cause(k.to_owned())).expect("a shell's kind");
+                assert_eq!(kind(&e), k);
+                assert_eq!(e.to_string(), k, "the message is the shell's");
+            }
+            assert_eq!(
+                kind(&HandshakeError::TpSize { p_tp: 3, heads: 2 }),
+                "incompatible"
+            );
+            assert!(from_kind("incompatible", cause(String::new())).is_none());
+            assert!(from_kind("AUTH", cause(String::new())).is_none());
+        }
     }
 }
 

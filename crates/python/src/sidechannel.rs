@@ -17,19 +17,20 @@
 //! and refuses to listen beyond loopback without a token unless the caller opts out.
 
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
+use kvlease_engine::{Cause, HandshakeError};
+use kvlease_transport::acceptor::{Acceptor, Handler, Limits};
 use kvlease_transport::deadline::Deadlined;
 use kvlease_transport::sidechannel::{self as sc, Outcome, Registration};
-use kvlease_transport::slots::FairSlots;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::errors::{Family, check_unauthenticated_listen, invalid, raise};
+use crate::cores::cause;
+use crate::errors::{Family, check_unauthenticated_listen, handshake, invalid};
 
 /// Largest registration a server reads (from a D that proved the token): room for the
 /// transport metadata of hundreds of TP workers.
@@ -38,8 +39,6 @@ const MAX_REGISTRATION: usize = 256 << 10;
 const MAX_PAYLOAD: usize = 64 << 20;
 /// Longest handshake or fetch timeout (a deadline past what `Instant` holds would panic).
 const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
-/// How often the accept loop checks for `close()`.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// The engine id of a server or client whose caller names none.
 const DEFAULT_ENGINE_ID: &str = "kvlease-python";
 
@@ -78,11 +77,6 @@ struct Shared {
     engine_id: String,
     token: Option<Vec<u8>>,
     payload: Mutex<Arc<Vec<u8>>>,
-    stop: AtomicBool,
-    /// Handshakes at once, in all and per peer address: a newcomer takes the slot of the
-    /// oldest handshake of its own address (over its share) or of the address holding
-    /// the most, so that a few addresses cannot keep others out.
-    slots: FairSlots,
     deadline: Duration,
     counters: Counters,
 }
@@ -120,60 +114,31 @@ fn serve(shared: &Shared, mut s: Deadlined) -> Result<(), sc::Error> {
     Ok(())
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    while !shared.stop.load(Ordering::Acquire) {
-        let (s, peer) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "side channel: accept failed");
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-        };
-        let slot = s.try_clone().ok().and_then(|socket| {
-            let evicting = Arc::clone(shared);
-            shared.slots.admit(peer.ip(), move || {
-                evicting.counters.evicted.fetch_add(1, Ordering::Relaxed);
-                let _ = socket.shutdown(std::net::Shutdown::Both);
-                true
-            })
-        });
-        let Some(slot) = slot else {
-            shared
-                .counters
-                .over_capacity
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%peer, "side channel: too many handshakes at once, none to evict; told to retry");
-            // A fresh socket's buffer takes these few bytes at once.
-            let _ = io::Write::write_all(
-                &mut &s,
-                &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
-            );
-            continue;
-        };
-        let conn = Arc::clone(shared);
-        let accepted = Instant::now();
-        let spawned = std::thread::Builder::new()
-            .name("kvlease-sc".into())
-            .spawn(move || {
-                let _slot = slot;
-                let result = (|| {
-                    s.set_nonblocking(false)?;
-                    // The whole handshake, not each read or write, ends by the deadline.
-                    serve(&conn, Deadlined::new(s, accepted + conn.deadline))
-                })();
-                if let Err(e) = result {
-                    conn.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(error = %e, "side channel: handshake failed");
-                }
-            });
-        if spawned.is_err() {
-            shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+impl Handler for Shared {
+    fn serve(&self, s: TcpStream, _peer: SocketAddr, accepted: Instant) {
+        // The whole handshake, not each read or write, ends by the deadline.
+        if let Err(e) = serve(self, Deadlined::new(s, accepted + self.deadline)) {
+            self.counters.failed.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %e, "side channel: handshake failed");
         }
+    }
+
+    fn refuse(&self, s: &TcpStream, peer: SocketAddr) {
+        self.counters.over_capacity.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%peer, "side channel: too many handshakes at once, none to evict; told to retry");
+        // A fresh socket's buffer takes these few bytes at once.
+        let _ = io::Write::write_all(
+            &mut &*s,
+            &kvlease_proto::sidechannel::refused(kvlease_proto::sidechannel::BUSY),
+        );
+    }
+
+    fn evicted(&self) {
+        self.counters.evicted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn spawn_failed(&self, _peer: SocketAddr, _error: &io::Error) {
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -183,7 +148,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
 pub(crate) struct SideChannelServer {
     shared: Arc<Shared>,
     address: SocketAddr,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    acceptor: Mutex<Option<Acceptor>>,
 }
 
 #[pymethods]
@@ -247,36 +212,29 @@ impl SideChannelServer {
             .ok()
             .filter(|d| !d.is_zero() && *d <= MAX_TIMEOUT)
             .ok_or_else(|| invalid(py, "handshake_timeout must be positive, at most a day"))?;
-        let listener = TcpListener::bind(addr)
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
-        let address = listener
-            .local_addr()
-            .map_err(|e| raise(py, Family::SideChannel, format!("binding {addr}: {e}")))?;
         let shared = Arc::new(Shared {
             engine_id: engine_id.to_owned(),
             token,
             payload: Mutex::new(Arc::new(payload)),
-            stop: AtomicBool::new(false),
-            slots: FairSlots::new(max_connections, per_address),
             deadline,
             counters: Counters::default(),
         });
-        let looped = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("kvlease-sc-accept".into())
-            .spawn(move || accept_loop(&looped, &listener))
-            .map_err(|e| {
-                raise(
-                    py,
-                    Family::SideChannel,
-                    format!("starting the listener: {e}"),
-                )
-            })?;
+        // A newcomer takes the slot of the oldest handshake of its own address (over its
+        // share) or of the address holding the most, so that a few addresses cannot keep
+        // others out.
+        let limits = Limits {
+            max_connections,
+            max_per_address: per_address,
+            evict: true,
+        };
+        let handler: Arc<dyn Handler> = Arc::clone(&shared) as Arc<dyn Handler>;
+        let acceptor = Acceptor::bind(addr, "kvlease-sc", limits, handler)
+            .map_err(|e| serve_error(py, format!("binding {addr}: {e}")))?;
+        let address = acceptor.local_addr();
         Ok(Self {
             shared,
             address,
-            thread: Mutex::new(Some(thread)),
+            acceptor: Mutex::new(Some(acceptor)),
         })
     }
 
@@ -321,29 +279,18 @@ impl SideChannelServer {
 
     /// Stops accepting (idempotent); handshakes under way finish by their deadline.
     fn close(&self, py: Python<'_>) {
-        self.shared.stop.store(true, Ordering::Release);
-        let thread = self
-            .thread
+        let acceptor = self
+            .acceptor
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(t) = thread {
-            py.detach(move || {
-                if t.join().is_err() {
-                    tracing::error!("side channel listener thread panicked");
-                }
-            });
+        if let Some(mut acceptor) = acceptor {
+            py.detach(move || acceptor.shutdown());
         }
     }
 
     fn __repr__(&self) -> String {
         format!("SideChannelServer(address={:?})", self.address.to_string())
-    }
-}
-
-impl Drop for SideChannelServer {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Release);
     }
 }
 
@@ -376,18 +323,36 @@ pub(crate) fn side_channel_fetch<'py>(
                 .ok_or_else(|| format!("{host}:{port} resolves to nothing"))?;
             Ok((addr, fetch(addr, engine_id, token.as_deref(), timeout)))
         })
-        .map_err(|message: String| raise(py, Family::SideChannel, message))?;
+        .map_err(|message: String| {
+            let e = HandshakeError::NotFound(cause(message.clone()));
+            handshake::to_py_as(py, &e, Family::SideChannel, message)
+        })?;
     match result {
         Ok(payload) => Ok(PyBytes::new(py, &payload)),
-        Err(e) if e.is_auth() => Err(raise(
-            py,
-            Family::Auth,
-            format!("side channel {addr}: {}", crate::errors::chain(&e)),
-        )),
-        Err(e) => Err(raise(
-            py,
-            Family::SideChannel,
-            format!("side channel {addr}: {}", crate::errors::chain(&e)),
-        )),
+        Err(e) => {
+            let message = format!("side channel {addr}: {}", crate::errors::chain(&e));
+            let e = fetch_failure(&e)(cause(message.clone()));
+            Err(handshake::to_py_as(py, &e, Family::SideChannel, message))
+        }
+    }
+}
+
+/// `SideChannelError` for a server that cannot serve (kind `other`).
+fn serve_error(py: Python<'_>, message: String) -> PyErr {
+    let e = HandshakeError::Other(cause(message.clone()));
+    handshake::to_py_as(py, &e, Family::SideChannel, message)
+}
+
+/// The engine's kind of a failed fetch, as the agents tell them apart: the token failed
+/// (`Auth`); P was there but busy, or the connection broke after it was accepted
+/// (`Connect`: a retry may succeed); else nothing answered as P (`NotFound`).
+fn fetch_failure(e: &sc::Error) -> fn(Cause) -> HandshakeError {
+    match e {
+        e if e.is_auth() => HandshakeError::Auth,
+        sc::Error::Protocol(p) if p.is_busy() => HandshakeError::Connect,
+        sc::Error::Io(io) if io.kind() != io::ErrorKind::ConnectionRefused => {
+            HandshakeError::Connect
+        }
+        _ => HandshakeError::NotFound,
     }
 }

@@ -425,3 +425,71 @@ def test_one_address_cannot_take_every_side_channel_slot():
         server.close()
     with pytest.raises(kvlease.InvalidArgument, match="max_connections_per_address"):
         kvlease.SideChannelServer(b"info", max_connections=4, max_connections_per_address=5)
+
+
+def _failed_load(d: kvlease.DecodeCore, request: str) -> kvlease.LoadError:
+    """The load failure ``d`` ended ``request`` with."""
+    while (event := d.poll_event()) is not None:
+        if isinstance(event, kvlease.Finished) and event.request == request:
+            assert event.outcome == kvlease.Outcome.FAILED
+            assert isinstance(event.error, kvlease.LoadError)
+            return event.error
+    raise AssertionError(f"{request} did not end")
+
+
+def test_an_auth_failure_and_an_incompatible_engine_are_distinct_typed_handshake_errors():
+    d = kvlease.DecodeCore(
+        "d", tp_size=1, num_kv_heads=2, block_size=16, num_blocks=8, external_blocks=True
+    )
+    for engine in ("p-auth", "p-tp"):
+        remote = kvlease.RemoteKv(
+            engine=engine, request=f"r-{engine}", blocks=[0], generation=1, tp_size=1,
+            num_tokens=16, host="127.0.0.1", port=1,
+        )
+        d.on_new_request(0.0, f"d-{engine}", 16, remote)
+    # A real side channel that holds another cluster token: the fetch raises AuthError,
+    # which the shell hands to the core as it is.
+    server = kvlease.SideChannelServer(b"info", token=TOKEN, listen="127.0.0.1:0")
+    try:
+        with pytest.raises(kvlease.AuthError) as refused:
+            kvlease.side_channel_fetch("127.0.0.1", server.port, token=b"another token")
+    finally:
+        server.close()
+    assert isinstance(refused.value, kvlease.HandshakeError)
+    assert refused.value.kind is kvlease.HandshakeKind.AUTH
+    d.handle_handshake_failed(1.0, "p-auth", refused.value)
+    auth = _failed_load(d, "d-p-auth")
+    assert isinstance(auth.handshake, kvlease.AuthError)
+    assert auth.handshake.kind is kvlease.HandshakeKind.AUTH
+    assert auth.retryable is False
+
+    # P answers with a TP size that does not divide D's 2 KV heads: the core refuses it.
+    d.handle_handshake(1.0, "p-tp", tp_size=3, num_blocks=8)
+    tp = _failed_load(d, "d-p-tp")
+    assert type(tp.handshake) is kvlease.HandshakeError
+    assert tp.handshake.kind is kvlease.HandshakeKind.INCOMPATIBLE
+    assert "num_kv_heads 2" in str(tp.handshake)
+    assert tp.retryable is True
+
+
+def test_a_failed_handshake_is_reported_as_a_handshake_error_of_a_shell_kind():
+    d = kvlease.DecodeCore(
+        "d", tp_size=1, num_kv_heads=2, block_size=16, num_blocks=8, external_blocks=True
+    )
+    remote = kvlease.RemoteKv(
+        engine="p", request="r", blocks=[0], generation=1, tp_size=1, num_tokens=16,
+        host="127.0.0.1", port=1,
+    )
+    d.on_new_request(0.0, "d-r", 16, remote)
+    with pytest.raises(kvlease.InvalidArgument, match="HandshakeError"):
+        d.handle_handshake_failed(1.0, "p", ValueError("not typed"))
+    # Incompatibility is the core's own verdict on P's answer, never a shell's.
+    incompatible = kvlease.HandshakeError("x", kind=kvlease.HandshakeKind.INCOMPATIBLE)
+    with pytest.raises(kvlease.InvalidArgument, match="incompatible"):
+        d.handle_handshake_failed(1.0, "p", incompatible)
+    # Nothing listens on port 1: the fetch names it not found, and so does the load.
+    with pytest.raises(kvlease.SideChannelError) as gone:
+        kvlease.side_channel_fetch("127.0.0.1", 1, token=TOKEN, timeout=2.0)
+    assert gone.value.kind is kvlease.HandshakeKind.NOT_FOUND
+    d.handle_handshake_failed(1.0, "p", gone.value)
+    assert _failed_load(d, "d-r").handshake.kind == "not_found"

@@ -5,14 +5,14 @@
 //! on its own clock.
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvlease_lease::{ClockOffsetEstimator, PeerTimestamp, Timestamp};
 use kvlease_proto::clock::{PROBE_ANSWER_LEN, PROBE_REQUEST, probe_answer, read_probe_answer};
+
+use crate::acceptor::{Acceptor, Handler, Limits};
 
 /// Read/write timeout of every clock-probe socket.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -35,15 +35,7 @@ pub struct ClockProbeServer {
 pub struct ProbeHandle {
     /// The bound address.
     pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-}
-
-impl Drop for ProbeHandle {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Wake the accept loop; failure means it is already gone.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-    }
+    _acceptor: Acceptor,
 }
 
 impl ClockProbeServer {
@@ -55,44 +47,31 @@ impl ClockProbeServer {
     }
 
     /// Binds `addr` and answers probes on a background thread (one short-lived thread per
-    /// connection, at most [`MAX_PROBE_CONNS`]; each ends after [`MAX_PROBES_PER_CONN`]
-    /// probes, a malformed probe or [`PROBE_TIMEOUT`] of silence).
+    /// connection, at most [`MAX_PROBE_CONNS`], more are closed unanswered; each ends
+    /// after [`MAX_PROBES_PER_CONN`] probes, a malformed probe or [`PROBE_TIMEOUT`] of
+    /// silence).
     ///
     /// # Errors
     /// The bind error.
     pub fn spawn(self, addr: SocketAddr) -> io::Result<ProbeHandle> {
-        let listener = TcpListener::bind(addr)?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
-        let clock = self.clock;
-        let live = Arc::new(AtomicUsize::new(0));
-        thread::Builder::new()
-            .name("clock-probe".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    if live.fetch_add(1, Ordering::AcqRel) >= MAX_PROBE_CONNS {
-                        live.fetch_sub(1, Ordering::AcqRel);
-                        continue;
-                    }
-                    let live2 = Arc::clone(&live);
-                    let clock = Arc::clone(&clock);
-                    let spawned = thread::Builder::new()
-                        .name("clock-probe-conn".into())
-                        .spawn(move || {
-                            let _ = answer_probes(conn, &*clock);
-                            live2.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if spawned.is_err() {
-                        live.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })?;
-        Ok(ProbeHandle { addr, stop })
+        // Probes are short and cheap: no address gets a share of its own, and none is cut
+        // off for another.
+        let limits = Limits {
+            max_connections: MAX_PROBE_CONNS,
+            max_per_address: MAX_PROBE_CONNS,
+            evict: false,
+        };
+        let acceptor = Acceptor::bind(addr, "clock-probe", limits, Arc::new(self))?;
+        Ok(ProbeHandle {
+            addr: acceptor.local_addr(),
+            _acceptor: acceptor,
+        })
+    }
+}
+
+impl Handler for ClockProbeServer {
+    fn serve(&self, conn: TcpStream, _peer: SocketAddr, _accepted: Instant) {
+        let _ = answer_probes(conn, &*self.clock);
     }
 }
 

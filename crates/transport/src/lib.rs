@@ -68,6 +68,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod acceptor;
 mod agent;
 mod batch;
 pub mod clock_probe;

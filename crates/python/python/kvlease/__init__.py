@@ -75,6 +75,7 @@ from .errors import (
     ClosedError,
     ConfigError,
     ConnectError,
+    HandshakeError,
     InvalidArgument,
     KvleaseError,
     LoadError,
@@ -89,6 +90,7 @@ from .errors import (
 from .kinds import (
     BatchStatus,
     FenceVerdict,
+    HandshakeKind,
     NotifKind,
     Outcome,
     PushOutcome,

@@ -3,7 +3,7 @@
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from .errors import KvleaseError
+from .errors import HandshakeError, KvleaseError
 from .kinds import (
     BatchStatus,
     FenceVerdict,
@@ -741,9 +741,10 @@ class DecodeCore:
     def handle_handshake(
         self, now: float, engine: str, *, tp_size: int, num_blocks: int, instance: int = 0
     ) -> None: ...
-    def handle_handshake_failed(
-        self, now: float, engine: str, message: str, *, auth: bool = False
-    ) -> None: ...
+    def handle_handshake_failed(self, now: float, engine: str, error: HandshakeError) -> None:
+        """The handshake with ``engine`` failed with ``error`` (its ``kind`` decides what
+        the core does; ``HandshakeKind.INCOMPATIBLE`` is the core's own and is refused):
+        every request waiting for it fails."""
     def forget_engine(self, engine: str) -> None: ...
     def handle_notif(self, engine: str, message: bytes) -> DecodeNotifOutcome: ...
     def abort(self, request: str) -> bool: ...
@@ -819,4 +820,7 @@ def side_channel_fetch(
     token: bytes | None = None,
     timeout: float = 5.0,
     engine_id: str = "kvlease-python",
-) -> bytes: ...
+) -> bytes:
+    """P's handshake payload. Raises :class:`~kvlease.errors.AuthError` for a token
+    mismatch, else :class:`~kvlease.errors.SideChannelError` whose ``kind`` is
+    ``connect`` (P was busy or broke off: a retry may succeed) or ``not_found``."""

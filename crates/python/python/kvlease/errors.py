@@ -8,12 +8,15 @@ attributes (listed per class).
 
 from __future__ import annotations
 
+from .kinds import HandshakeKind
+
 __all__ = [
     "KvleaseError",
     "InvalidArgument",
     "ConfigError",
     "RegisterError",
     "ConnectError",
+    "HandshakeError",
     "AuthError",
     "TransferError",
     "StaleFenceError",
@@ -56,9 +59,27 @@ class ConnectError(KvleaseError):
     """Connecting to a peer failed (unreachable, bad metadata, handshake refused)."""
 
 
-class AuthError(ConnectError):
+class HandshakeError(KvleaseError):
+    """A handshake with a peer engine failed.
+
+    Attributes: ``kind``, a :class:`~kvlease.kinds.HandshakeKind` saying why (the engine's
+    kind of handshake failure, which decides whether a retry may succeed). Each subclass
+    has its own default; ``HandshakeError(message, kind=...)`` names another.
+    """
+
+    kind: HandshakeKind = HandshakeKind.OTHER
+
+    def __init__(self, *args: object, kind: HandshakeKind | str | None = None) -> None:
+        super().__init__(*args)
+        if kind is not None:
+            self.kind = HandshakeKind(kind)
+
+
+class AuthError(ConnectError, HandshakeError):
     """The cluster token did not match: the peer refused our proof, or could not prove
-    it holds the token itself."""
+    it holds the token itself. ``kind`` is always ``HandshakeKind.AUTH``."""
+
+    kind: HandshakeKind = HandshakeKind.AUTH
 
 
 class TransferError(KvleaseError):
@@ -113,15 +134,22 @@ class LoadError(KvleaseError):
     """A KV load failed (lease expired, stale fence, read or handshake failure); the
     request produced no output from the remote KV.
 
-    Attributes: ``retryable``.
+    Attributes: ``retryable``, and ``handshake``: the :class:`HandshakeError` (an
+    :class:`AuthError` for a token mismatch) when the handshake with P failed, else
+    ``None``.
     """
 
     retryable: bool = True
+    handshake: HandshakeError | None = None
 
 
-class SideChannelError(KvleaseError):
-    """The handshake side channel failed (unreachable, malformed, or the peer did not
-    prove the cluster token). ``AuthError`` is raised for token mismatches."""
+class SideChannelError(HandshakeError):
+    """The handshake side channel failed: fetching a peer's handshake (``kind`` says how:
+    ``not_found`` when it did not answer or its answer is malformed, ``connect`` when it
+    was busy or broke off), or serving one (``other``). ``AuthError`` is raised for token
+    mismatches."""
+
+    kind: HandshakeKind = HandshakeKind.NOT_FOUND
 
 
 class ClosedError(KvleaseError):

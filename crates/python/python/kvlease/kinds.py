@@ -15,6 +15,7 @@ from enum import Enum
 __all__ = [
     "BatchStatus",
     "FenceVerdict",
+    "HandshakeKind",
     "NotifKind",
     "Outcome",
     "PushOutcome",
@@ -124,6 +125,30 @@ class FenceVerdict(_StrEnum):
     UNKNOWN = "unknown"
     #: The reservation was registered with another P engine: nothing changed.
     FOREIGN = "foreign"
+
+
+class HandshakeKind(_StrEnum):
+    """Why a handshake with a P engine failed (``HandshakeError.kind``): the engine's
+    ``HandshakeError`` variants, one member each. The shell reports every kind but
+    ``INCOMPATIBLE`` (``DecodeCore.handle_handshake_failed``); the core decides that one
+    from P's answer."""
+
+    #: A proof was refused, ours or P's (the cluster tokens differ): retrying cannot help.
+    AUTH = "auth"
+    #: This engine's policy refuses P's address.
+    NOT_ALLOWED = "not_allowed"
+    #: The engine is not there as named: its side channel did not answer, or answered as
+    #: another engine, or with engine info that does not parse.
+    NOT_FOUND = "not_found"
+    #: P answered but was busy, or the connection broke after it was accepted: a retry
+    #: may succeed.
+    CONNECT = "connect"
+    #: P's engine cannot serve this one's KV: its TP size does not divide the model's KV
+    #: heads (the core's check of P's answer), or, on a D worker, a P worker's KV block
+    #: format differs from ours.
+    INCOMPATIBLE = "incompatible"
+    #: Any other failure.
+    OTHER = "other"
 
 
 class ReservationOutcome(_StrEnum):

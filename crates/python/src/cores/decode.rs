@@ -11,10 +11,7 @@ use kvlease_engine::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::{
-    PyEnum, at, block_ids, block_list, cause, engine_id, handshake_error, lease_config, request_id,
-    secs,
-};
+use super::{PyEnum, at, block_ids, block_list, cause, engine_id, lease_config, request_id, secs};
 use crate::errors::{Family, ToPyErr, invalid, raise_err};
 
 /// Where a request's KV lives on P: the typed core of `kv_transfer_params`.
@@ -509,21 +506,19 @@ impl DecodeCore {
         Ok(())
     }
 
-    /// The handshake with `engine` failed (`auth`: P refused our proof of the cluster
-    /// token): every request waiting for it fails.
-    #[pyo3(signature = (now, engine, message, *, auth = false))]
+    /// The handshake with `engine` failed with `error`, a `kvlease.HandshakeError` (its
+    /// `kind` is the engine's kind of failure): every request waiting for it fails.
     fn handle_handshake_failed(
         &mut self,
         py: Python<'_>,
         now: f64,
         engine: &str,
-        message: String,
-        auth: bool,
+        error: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let now = at(py, now)?;
         let engine = engine_id(py, engine)?;
-        self.core
-            .handle_handshake(now, &engine, Err(handshake_error(auth, message)));
+        let error = crate::errors::handshake::from_py(error)?;
+        self.core.handle_handshake(now, &engine, Err(error));
         Ok(())
     }
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from .. import _kvlease as native
 from ..errors import InvalidArgument, SideChannelError
+from ..kinds import HandshakeKind
 
 
 class RemoteLayer(NamedTuple):
@@ -62,13 +63,15 @@ def _engine_info(raw: bytes) -> EngineInfo:
     """P's handshake payload (``KvleaseScheduler._payload``) read by the one codec
     (``kvlease._kvlease.EngineInfo``, the agents' too) and viewed as what D uses
     (``EngineInfo``). P is a peer: a payload the codec refuses raises
-    ``SideChannelError`` naming the field, so a malformed payload fails the handshake and
+    ``SideChannelError`` (kind ``not_found``) naming the field, so a malformed payload fails the handshake and
     never reaches a scheduler or worker hook.
     """
     try:
         info = native.EngineInfo.from_bytes(raw)
     except InvalidArgument as e:
-        raise SideChannelError(f"P's handshake payload is malformed: {e}") from None
+        raise SideChannelError(
+            f"P's handshake payload is malformed: {e}", kind=HandshakeKind.NOT_FOUND
+        ) from None
     return EngineInfo(
         engine_id=info.engine_id,
         instance=info.instance,

@@ -14,8 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
-from ..errors import AuthError, ConfigError, InvalidArgument, KvleaseError
-from ..kinds import NotifKind, Outcome
+from ..errors import ConfigError, HandshakeError, InvalidArgument, KvleaseError
+from ..kinds import HandshakeKind, NotifKind, Outcome
 from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
@@ -353,7 +353,8 @@ class KvleaseScheduler:
 
     def _handshake(self, engine: str, host: str, port: int, check: int | None) -> None:
         """Fetches P's engine info (``check``: the instance D is connected to, when a
-        request named another one; ``None``: a first handshake)."""
+        request named another one; ``None``: a first handshake). A failure is reported
+        as a ``HandshakeError``, whose ``kind`` the core decides by."""
         try:
             raw = native.side_channel_fetch(
                 host, port, token=self.config.token, timeout=self.config.handshake_timeout
@@ -361,12 +362,17 @@ class KvleaseScheduler:
             # Validated here, off the engine thread: _pump and the workers use it as is.
             info = _engine_info(raw)
             if info.engine_id != engine:
-                raise KvleaseError(
-                    f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}"
+                raise HandshakeError(
+                    f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}",
+                    kind=HandshakeKind.NOT_FOUND,
                 )
             self._handshakes.put((engine, info, None, check))
-        except Exception as e:  # reported to the core, which fails the waiting requests
+        except HandshakeError as e:  # reported to the core, which fails the waiting requests
             self._handshakes.put((engine, None, e, check))
+        except Exception as e:
+            error = HandshakeError(f"{type(e).__name__}: {e}", kind=HandshakeKind.OTHER)
+            error.__cause__ = e
+            self._handshakes.put((engine, None, error, check))
 
     def _pump(self, now: float) -> None:
         """Handshake results, then the decode core's events."""
@@ -400,9 +406,7 @@ class KvleaseScheduler:
                 self.counters.add("handshakes_done")
             else:
                 logger.warning("handshake with engine %s failed: %s", engine, error)
-                self.decode.handle_handshake_failed(
-                    now, engine, str(error), auth=isinstance(error, AuthError)
-                )
+                self.decode.handle_handshake_failed(now, engine, error)
                 self.counters.add("handshakes_failed")
         self._drain_decode()
 

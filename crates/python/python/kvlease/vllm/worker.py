@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import _kvlease as native
-from ..errors import ConfigError, KvleaseError, NotifError, TransferError
-from ..kinds import BatchStatus
+from ..errors import ConfigError, HandshakeError, KvleaseError, NotifError, TransferError
+from ..kinds import BatchStatus, HandshakeKind
 from .compat import _layer_format_diff, _rank_heads
 from .config import KvleaseConfig, _agent_name, _engine_of, _ip_of, _listen_addr
 from .handshake import EngineInfo
@@ -427,7 +427,10 @@ class KvleaseWorker:
         peer = self.agent.connect(w.agent_metadata)
         try:
             if _engine_of(peer.name) != engine:
-                raise KvleaseError(f"worker {p_rank} of {engine} calls itself {peer.name!r}")
+                raise HandshakeError(
+                    f"worker {p_rank} of {engine} calls itself {peer.name!r}",
+                    kind=HandshakeKind.NOT_FOUND,
+                )
             layers = {
                 name: (peer.region(region), offset, stride, page, n)
                 for name, region, offset, stride, page, n in w.layers
@@ -544,7 +547,7 @@ class KvleaseWorker:
         engine, p_rank = load.engine, b.p_rank
         link = self._link(engine, p_rank)
         if link.incompatible is not None:
-            raise KvleaseError(link.incompatible)
+            raise HandshakeError(link.incompatible, kind=HandshakeKind.INCOMPATIBLE)
         sizes = tuple(getattr(load, "group_sizes", ()) or ())
         if load.remote_block_size and load.remote_block_size != load.block_size:
             if sizes:
