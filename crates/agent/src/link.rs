@@ -153,9 +153,6 @@ pub fn poll(agent: &Agent, batch: BatchId) -> LinkStatus {
             backend: stats.backend,
         },
         Ok(BatchStatus::Failed(e)) | Err(e) => LinkStatus::Failed(Failure(e)),
-        // `BatchStatus` is non-exhaustive: a state this agent does not know is still
-        // running as far as it can tell; the batch's timeout ends it.
-        Ok(_) => LinkStatus::Pending,
     }
 }
 

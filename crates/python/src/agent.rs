@@ -231,18 +231,6 @@ impl BatchResult {
                     error: Some(e.to_py(py).into_value(py).into_any()),
                 })
             }
-            // A status added later: report it as a failure rather than hang.
-            _ => Some(Self {
-                status: PyEnum::BatchStatus.member(py, "failed")?,
-                bytes: 0,
-                fence_word: None,
-                backend: None,
-                error: Some(
-                    raise(py, Family::Transfer, "unknown batch status")
-                        .into_value(py)
-                        .into_any(),
-                ),
-            }),
         })
     }
 }

@@ -36,7 +36,6 @@ pub struct BatchStats {
 
 /// Where a batch stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum BatchStatus {
     /// Still running.
     Pending,

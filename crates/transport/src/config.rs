@@ -13,7 +13,6 @@ pub const DEFAULT_MAX_PENDING_NOTIF_BYTES: usize = 16 << 20;
 
 /// Which backend carries reads to a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum BackendChoice {
     /// Per peer: shared memory when the peer runs on the same host (same boot id and
     /// network namespace), else verbs where both sides have a usable RDMA device and the
@@ -78,7 +77,6 @@ impl Backend {
 /// one only for an authenticated peer (it proved the cluster token), and only when it has
 /// such regions to hand over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
 pub enum CmaPolicy {
     /// On: after a same-host peer proved the token on the shared-memory socket, this
     /// process names that peer's process (its pid as the kernel reports it for the

@@ -13,7 +13,6 @@ use crate::verbs::error::{MirrorError, VerbsLinkError};
 
 /// Why [`Agent::new`](crate::Agent::new) failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum AgentError {
     /// The configuration is unusable.
     #[error("invalid agent configuration: {0}")]
@@ -38,7 +37,6 @@ pub enum AgentError {
 
 /// Why a registration call failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum RegisterError {
     /// The region has zero length.
     #[error("cannot register an empty region")]
@@ -73,7 +71,6 @@ pub enum RegisterError {
 
 /// Why peer metadata could not be loaded.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum MetadataError {
     /// Not valid metadata JSON.
     #[error("peer metadata is not valid: {0}")]
@@ -90,7 +87,6 @@ pub enum MetadataError {
 
 /// Why [`Agent::connect`](crate::Agent::connect) failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ConnectError {
     /// The metadata could not be loaded.
     #[error(transparent)]
@@ -195,7 +191,6 @@ impl LinkError {
 
 /// Why the target refused one read or write op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Refusal {
     /// Our connection has not completed the (authenticated) handshake.
     Unauthenticated,
@@ -261,7 +256,6 @@ impl std::fmt::Display for Refusal {
 
 /// Why a read batch (or posting it) failed. Every variant names the peer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum TransferError {
     /// No such peer.
     #[error("unknown peer {0:?}")]

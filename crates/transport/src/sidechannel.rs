@@ -19,7 +19,6 @@ pub use kvlease_proto::sidechannel::{Peer, Registration, Served, SideChannelErro
 
 /// Why one side-channel connection failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum Error {
     /// The socket failed, timed out or closed early.
     #[error("side channel IO failed")]

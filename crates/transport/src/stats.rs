@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters of this agent (monotonic since it was built).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct TransportStats {
     /// Inbound connections accepted.
     pub connections_accepted: u64,

@@ -220,9 +220,11 @@ fn multi_mb_read_batch_is_byte_exact() -> Result<()> {
 #[ignore = "needs RDMA devices rxeP/rxeD: scripts/softroce/test.sh runs it"]
 fn notifications_flow_both_ways_in_order() -> Result<()> {
     let (p_dev, d_dev) = devices("notifications_flow_both_ways_in_order");
-    let mut cfg = EndpointConfig::default();
-    cfg.notif_slot_size = 256;
-    cfg.recv_slots = 8;
+    let cfg = EndpointConfig {
+        notif_slot_size: 256,
+        recv_slots: 8,
+        ..EndpointConfig::default()
+    };
     let mut pair = Pair::new(&p_dev, &d_dev, cfg)?;
     // More messages than receive slots: the ring is re-posted as it drains.
     let msgs: Vec<Vec<u8>> = (0..40)
@@ -274,10 +276,12 @@ fn many_batches_through_a_small_window_complete_byte_exact() -> Result<()> {
     // A window of 8 reads, chains of 4, and a signalling interval longer than any chain:
     // queued reads wait for whole chains, and batches that share a chain are reported
     // through their own last work request.
-    let mut cfg = EndpointConfig::default();
-    cfg.max_outstanding_reads = 8;
-    cfg.wrs_per_doorbell = 4;
-    cfg.signal_every = 64;
+    let cfg = EndpointConfig {
+        max_outstanding_reads: 8,
+        wrs_per_doorbell: 4,
+        signal_every: 64,
+        ..EndpointConfig::default()
+    };
     let mut pair = Pair::new(&p_dev, &d_dev, cfg)?;
     const BLOCK: u64 = 16 << 10;
     const BLOCKS: u64 = 64;

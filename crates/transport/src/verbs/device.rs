@@ -14,7 +14,6 @@ const GID_TYPE_ROCE_V2: u32 = 1;
 
 /// Which device to open.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct DeviceConfig {
     /// Device name (`mlx5_0`, `rxeP`); `None` takes the first usable one.
     pub name: Option<String>,

@@ -9,7 +9,6 @@ type Source = Box<dyn StdError + Send + Sync + 'static>;
 
 /// Why a verbs operation failed.
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum VerbsError {
     /// No usable RDMA device: libibverbs is missing, no device exists, or none matches.
     #[error("no RDMA device: {reason}")]

@@ -11,7 +11,6 @@ const INFO_LEN: usize = 40;
 
 /// Tuning of an [`Endpoint`](super::Endpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct EndpointConfig {
     /// RDMA READ work requests in flight at most (the send queue's read share).
     pub max_outstanding_reads: u32,
@@ -101,7 +100,6 @@ pub struct RdmaRead {
 /// What a peer needs to connect its queue pair to ours; exchanged over the caller's TCP
 /// side channel (see [`encode`](Self::encode)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct ConnectionInfo {
     /// Queue pair number.
     pub qpn: u32,
@@ -181,7 +179,6 @@ impl ConnectionInfo {
 
 /// Where an endpoint is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum EndpointState {
     /// Created; waiting for the peer's [`ConnectionInfo`] ([`Endpoint::connect`](super::Endpoint::connect)).
     Init,
@@ -197,7 +194,6 @@ pub enum EndpointState {
 
 /// How a batch posted on an endpoint stands.
 #[derive(Debug)]
-#[non_exhaustive]
 pub enum EndpointBatchStatus {
     /// Work requests are queued or in flight.
     Pending,
