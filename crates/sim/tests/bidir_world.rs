@@ -40,6 +40,10 @@ fn bidir_seeds() {
         ("holds", total(&reports, |r| r.stats.holds)),
         ("pulls", total(&reports, |r| r.stats.pulls)),
         ("pulls_stale", total(&reports, |r| r.stats.pulls_stale)),
+        (
+            "pulls_stale_expired",
+            total(&reports, |r| r.stats.pulls_stale_expired),
+        ),
         ("pulls_failed", total(&reports, |r| r.stats.pulls_failed)),
         (
             "turns_recomputed",
@@ -76,7 +80,10 @@ fn bidir_seeds() {
     // Every outcome of a next turn and of a hold occurred (over all seeds together). A
     // failed pull (D crashed or cut off during the read) is too rare to ask for.
     if reports.len() >= 32 {
-        for (name, count) in counts.iter().filter(|(n, _)| *n != "pulls_failed") {
+        for (name, count) in counts
+            .iter()
+            .filter(|(n, _)| !matches!(*n, "pulls_failed" | "pulls_stale_expired"))
+        {
             assert!(*count > 0, "{name}: never in {} seeds", reports.len());
         }
         // Under the faults it claims.

@@ -745,4 +745,6 @@ pub struct DecodeStats {
     pub turns_evicted: u64,
     /// Held turns the shell could not make readable.
     pub turns_dropped: u64,
+    /// Held turns a heartbeat of P extended (the symmetric lease), one per turn named.
+    pub turns_renewed: u64,
 }

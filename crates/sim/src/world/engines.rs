@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::num::NonZeroU64;
 
-use kvlease_engine::{DecodeConfig, DecodeCore, DecoderHold, PrefillConfig, PrefillCore};
+use kvlease_engine::{DecodeConfig, DecodeCore, PrefillConfig, PrefillCore, TurnHeartbeats};
 use kvlease_lease::{DecoderTtl, EngineId, Generation, LeaseConfig};
 
 use super::{Addr, BLOCK_SIZE, Clock, DEngine, NUM_KV_HEADS, PEngine, Pool, engine_id};
@@ -33,21 +33,27 @@ pub(super) fn instance_of(incarnation: u32) -> u64 {
     u64::from(incarnation) + 1
 }
 
+/// A D engine's core; in bidirectional mode it keeps finished turns (the decode agent's
+/// `with_hold`).
 pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
-    DecodeCore::new(
-        DecodeConfig::new(
-            id,
-            config.d_tp,
-            NUM_KV_HEADS,
-            BLOCK_SIZE,
-            config
-                .bidir
-                .map_or(config.blocks_per_worker, |b| b.d_blocks),
-            lease,
-        )
-        .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
-        .with_retry(config.d_step),
+    let mut core = DecodeConfig::new(
+        id,
+        config.d_tp,
+        NUM_KV_HEADS,
+        BLOCK_SIZE,
+        config
+            .bidir
+            .map_or(config.blocks_per_worker, |b| b.d_blocks),
+        lease,
     )
+    .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
+    .with_retry(config.d_step);
+    if let Some(b) = config.bidir
+        && let Ok(ttl) = DecoderTtl::from_duration(b.ttl)
+    {
+        core = core.with_hold(ttl, b.symmetric);
+    }
+    DecodeCore::new(core)
 }
 
 impl PEngine {
@@ -74,6 +80,7 @@ impl PEngine {
             stall_end: 0,
             watch_from: None,
             turns: BTreeMap::new(),
+            turn_heartbeats: TurnHeartbeats::default(),
             pulls: BTreeMap::new(),
         }
     }
@@ -101,17 +108,9 @@ impl DEngine {
             stalled_until: 0,
             stall_end: 0,
             last_step: 0,
-            hold: d_hold(config),
             mem: d_mem(config),
         }
     }
-}
-
-/// A D engine's hold of cached turns in bidirectional mode (`None` without it).
-pub(super) fn d_hold(config: &WorldConfig) -> Option<DecoderHold> {
-    let b = config.bidir?;
-    let ttl = DecoderTtl::from_duration(b.ttl).ok()?;
-    Some(DecoderHold::new(ttl, b.symmetric))
 }
 
 /// A D engine's memory in bidirectional mode (P pulls from it); empty without it.

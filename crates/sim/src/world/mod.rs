@@ -189,6 +189,9 @@ struct PEngine {
     watch_from: Option<u64>,
     /// Bidirectional mode: next turns waiting here with D's cached-turn params.
     turns: BTreeMap<RequestId, TurnIn>,
+    /// Bidirectional mode, symmetric lease: P's schedule of heartbeats for the held turns
+    /// of the next turns waiting here (the prefill agent's).
+    turn_heartbeats: kvlease_engine::TurnHeartbeats,
     /// Bidirectional mode: pulls of D's held blocks in flight.
     pulls: BTreeMap<RequestId, Pull>,
 }
@@ -232,8 +235,6 @@ struct DEngine {
     /// True time the latest stall ended (0: none).
     stall_end: u64,
     last_step: u64,
-    /// Bidirectional mode: the finished turns this D keeps for P to pull.
-    hold: Option<kvlease_engine::DecoderHold>,
     /// Bidirectional mode: D's memory (one pool for all its workers): the fence word and
     /// the content of every block.
     mem: Pool,
@@ -672,7 +673,7 @@ impl World {
                     && d.admitted.is_empty()
                     && d.loads.is_empty()
                     && d.decoding.is_empty()
-                    && d.hold.as_ref().is_none_or(|h| h.blocks_held() == 0)
+                    && d.core.turn_blocks_held() == 0
             })
     }
 
