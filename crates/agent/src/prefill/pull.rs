@@ -102,14 +102,14 @@ impl PrefillEngine {
         let Some(ctx) = self.pull_ctx.clone() else {
             return false;
         };
-        let heartbeat_t0 = self.turn_heartbeats.take(&params.remote_request_id);
+        let heartbeats = self.turn_heartbeats.take(&params.remote_request_id);
         let (params, tokens, ids) = (params.clone(), tokens.to_vec(), ids.to_vec());
         let tx = self.pulled.0.clone();
         let request = request.clone();
         let spawned = std::thread::Builder::new()
             .name("p-pull".into())
             .spawn(move || {
-                let blocks = ctx.pull(&params, &tokens, &ids, heartbeat_t0);
+                let blocks = ctx.pull(&params, &tokens, &ids, heartbeats);
                 let _ = tx.send(Pulled { request, blocks });
             });
         match spawned {
@@ -206,7 +206,7 @@ impl PullCtx {
         params: &DecoderKvParams,
         tokens: &[u32],
         ids: &[u32],
-        heartbeat_t0: Option<Timestamp>,
+        heartbeats: Option<kvlease_engine::HeartbeatRun>,
     ) -> usize {
         let b = &self.bidir;
         let engine = params.remote_engine_id.clone();
@@ -225,11 +225,12 @@ impl PullCtx {
             }
             Err(e) => tracing::info!(%engine, error = %e, %probe, "clock probe address"),
         }
-        // Symmetric lease: the last heartbeat for the entry, sent at t0, renewed it.
+        // Symmetric lease: P's heartbeats for the entry renewed it, if the first of their run
+        // went out before its deadline.
         let renewed;
         let mut params = params;
-        if let (Some(t0), Some(offset)) = (heartbeat_t0, est.offset())
-            && let Some(p) = params.renewed_by_heartbeat(offset.to_peer(t0))
+        if let (Some(run), Some(offset)) = (heartbeats, est.offset())
+            && let Some(p) = params.renewed_by_heartbeats(run, &offset)
         {
             renewed = p;
             params = &renewed;

@@ -561,7 +561,7 @@ impl World {
         let Some(turn) = self.p[p].turns.remove(request) else {
             return 0;
         };
-        let last_heartbeat = self.p[p]
+        let heartbeats = self.p[p]
             .turn_heartbeats
             .take(&turn.params.remote_request_id);
         let d = turn.d;
@@ -582,9 +582,10 @@ impl World {
             );
         }
         let mut params = turn.params;
-        // The last heartbeat (sent at t0) renewed the cached turn, if D got it.
-        if let (Some(t0), Some(offset)) = (last_heartbeat, est.offset())
-            && let Some(renewed) = params.renewed_by_heartbeat(offset.to_peer(t0))
+        // P's heartbeats renewed the cached turn, if the first of their run went out before
+        // its deadline (and D got them).
+        if let (Some(run), Some(offset)) = (heartbeats, est.offset())
+            && let Some(renewed) = params.renewed_by_heartbeats(run, &offset)
         {
             params = renewed;
         }
