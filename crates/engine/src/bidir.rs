@@ -497,14 +497,22 @@ pub struct Held {
 }
 
 impl DecoderHold {
-    /// A hold of `ttl`; `symmetric` selects the renewable variant.
+    /// A hold of `ttl`; `symmetric` selects the renewable variant. Its first entry gets
+    /// generation 1 ([`with_first_generation`](Self::with_first_generation)).
     pub fn new(ttl: DecoderTtl, symmetric: bool) -> Self {
-        let fixed = || HoldKind::Fixed(DecoderCache::new(ttl));
+        Self::with_first_generation(ttl, symmetric, Generation(std::num::NonZeroU64::MIN))
+    }
+
+    /// A hold of `ttl` whose first entry gets generation `first`, then `first + 1`, …: a D
+    /// that restarts starts above every generation it handed out before, so that a pull
+    /// with an earlier instance's params never matches a new entry on the same blocks.
+    pub fn with_first_generation(ttl: DecoderTtl, symmetric: bool, first: Generation) -> Self {
+        let fixed = || HoldKind::Fixed(DecoderCache::with_first_generation(ttl, first));
         let kind = if symmetric {
             // DecoderTtl is validated against the same range as lease durations, so the
             // derivation cannot fail; fall back to the fixed cache if it ever does.
             match LeaseConfig::from_duration(ttl.as_duration()) {
-                Ok(c) => HoldKind::Symmetric(LeaseTable::new(c)),
+                Ok(c) => HoldKind::Symmetric(LeaseTable::with_first_generation(c, first)),
                 Err(_) => fixed(),
             }
         } else {

@@ -45,6 +45,10 @@ pub enum Bug {
     /// Bidirectional mode: the D shell skips publishing the free word and poison of a
     /// cached turn its core released (a pull of a reused block still matches).
     SkipHoldFenceClear,
+    /// Bidirectional mode: a restarted D starts its held turns' generations where its
+    /// first incarnation did (a pull with the earlier incarnation's params can match a
+    /// turn held now on the same blocks).
+    HoldGenerationsRepeat,
 }
 
 /// Bidirectional multi-turn mode in the main world ([`WorldConfig::bidir`]): every request

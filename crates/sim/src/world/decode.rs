@@ -530,7 +530,12 @@ impl World {
         let engine = &mut self.d[d];
         engine.alive = true;
         engine.incarnation += 1;
-        engine.core = d_core(&self.config, self.lease, engine.id.clone());
+        engine.core = d_core(
+            &self.config,
+            self.lease,
+            engine.id.clone(),
+            engine.incarnation,
+        );
         engine.mem = engines::d_mem(&self.config);
         engine.stalled_until = 0;
         engine.last_step = self.now;

@@ -8,7 +8,14 @@ use kvlease_engine::{DecodeConfig, DecodeCore, PrefillConfig, PrefillCore, TurnH
 use kvlease_lease::{DecoderTtl, EngineId, Generation, LeaseConfig};
 
 use super::{Addr, BLOCK_SIZE, Clock, DEngine, NUM_KV_HEADS, PEngine, Pool, engine_id};
-use crate::config::WorldConfig;
+use crate::config::{Bug, WorldConfig};
+
+/// The first generation of an engine's incarnation: above every generation an earlier
+/// incarnation handed out.
+fn first_generation(incarnation: u32) -> Generation {
+    NonZeroU64::new((u64::from(incarnation) << 40) | 1)
+        .map_or(Generation(NonZeroU64::MIN), Generation)
+}
 
 pub(super) fn p_core(
     config: &WorldConfig,
@@ -18,8 +25,7 @@ pub(super) fn p_core(
 ) -> PrefillCore<Addr> {
     // A restarted P starts its generations above every earlier one (the agent uses the
     // wall clock in microseconds).
-    let first = NonZeroU64::new((u64::from(incarnation) << 40) | 1)
-        .map_or(Generation(NonZeroU64::MIN), Generation);
+    let first = first_generation(incarnation);
     PrefillCore::new(
         PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
             .with_first_generation(first),
@@ -33,9 +39,16 @@ pub(super) fn instance_of(incarnation: u32) -> u64 {
     u64::from(incarnation) + 1
 }
 
-/// A D engine's core; in bidirectional mode it keeps finished turns (the decode agent's
-/// `with_hold`).
-pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
+/// A D engine's core in incarnation `incarnation`; in bidirectional mode it keeps finished
+/// turns (the decode agent's `with_hold`), their generations starting above every earlier
+/// incarnation's (the agent uses its instance, the wall clock in microseconds; planted
+/// [`Bug::HoldGenerationsRepeat`]: at 1 in every incarnation).
+pub(super) fn d_core(
+    config: &WorldConfig,
+    lease: LeaseConfig,
+    id: EngineId,
+    incarnation: u32,
+) -> DecodeCore {
     let mut core = DecodeConfig::new(
         id,
         config.d_tp,
@@ -52,6 +65,9 @@ pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> 
         && let Ok(ttl) = DecoderTtl::from_duration(b.ttl)
     {
         core = core.with_hold(ttl, b.symmetric);
+        if config.bug != Some(Bug::HoldGenerationsRepeat) {
+            core = core.with_hold_first_generation(first_generation(incarnation));
+        }
     }
     DecodeCore::new(core)
 }
@@ -81,6 +97,7 @@ impl PEngine {
             watch_from: None,
             turns: BTreeMap::new(),
             turn_heartbeats: TurnHeartbeats::default(),
+            d_conns: BTreeMap::new(),
             pulls: BTreeMap::new(),
         }
     }
@@ -91,7 +108,7 @@ impl DEngine {
     pub(super) fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
         let id = engine_id(&format!("d{i}"));
         Self {
-            core: d_core(config, lease, id.clone()),
+            core: d_core(config, lease, id.clone(), 0),
             id,
             alive: true,
             incarnation: 0,

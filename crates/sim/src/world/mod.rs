@@ -192,6 +192,10 @@ struct PEngine {
     /// Bidirectional mode, symmetric lease: P's schedule of heartbeats for the held turns
     /// of the next turns waiting here (the prefill agent's).
     turn_heartbeats: kvlease_engine::TurnHeartbeats,
+    /// Bidirectional mode: P's handshakes with D engines for pulls (the prefill agent's
+    /// `d_caches`): D → the incarnation it reached. A failed pull drops it; the next pull
+    /// handshakes with the D then running.
+    d_conns: BTreeMap<usize, u32>,
     /// Bidirectional mode: pulls of D's held blocks in flight.
     pulls: BTreeMap<RequestId, Pull>,
 }

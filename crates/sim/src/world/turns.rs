@@ -78,7 +78,7 @@ pub(super) struct HoldRec {
 pub(super) struct TurnIn {
     params: DecoderKvParams,
     d: usize,
-    /// D's incarnation that holds the turn (P's connection reaches that one).
+    /// D's incarnation that held the turn.
     d_incarnation: u32,
 }
 
@@ -86,7 +86,10 @@ pub(super) struct TurnIn {
 #[derive(Debug)]
 pub(super) struct Pull {
     d: usize,
-    d_incarnation: u32,
+    /// D's incarnation that held the turn.
+    held_in: u32,
+    /// D's incarnation P's handshake for pulls reached (`None`: D was down).
+    conn: Option<u32>,
     hold: RequestId,
     generation: u64,
     blocks: Vec<BlockId>,
@@ -565,11 +568,10 @@ impl World {
             .turn_heartbeats
             .take(&turn.params.remote_request_id);
         let d = turn.d;
-        let reachable = self.d_reachable(p, d, turn.d_incarnation);
-        // The clock probe, just before: one sample over the network (none when D does not
-        // answer).
+        // The clock probe, just before: one sample over the network from whichever D runs
+        // (none when D does not answer).
         let mut est = ClockOffsetEstimator::new();
-        if reachable {
+        if self.d_reachable(p, d, self.d[d].incarnation) {
             let net = self.config.net;
             let there = nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
             let back = nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
@@ -622,6 +624,18 @@ impl World {
         let Ok(hold) = RequestId::new(&params.remote_request_id) else {
             return 0;
         };
+        // P's handshake with D for pulls (the agent's `d_caches`): the one it made before,
+        // or one with the D running now. An earlier incarnation's connection fails the read.
+        let conn = match self.p[p].d_conns.get(&d) {
+            Some(&i) => Some(i),
+            None if self.d[d].alive => {
+                let i = self.d[d].incarnation;
+                self.p[p].d_conns.insert(d, i);
+                Some(i)
+            }
+            None => None,
+        };
+        let reachable = conn.is_some_and(|i| self.d_reachable(p, d, i));
         // The one-sided read copies D's blocks as it starts.
         let mem = &self.d[d].mem;
         let copied = blocks
@@ -638,7 +652,8 @@ impl World {
             request.clone(),
             Pull {
                 d,
-                d_incarnation: turn.d_incarnation,
+                held_in: turn.d_incarnation,
+                conn,
                 hold,
                 generation: params.kvlease_generation,
                 blocks,
@@ -656,8 +671,10 @@ impl World {
     }
 
     /// P's read of D's held blocks ends: the fence word of the first block decides (a
-    /// changed one: stale, P recomputes; D gone, restarted or cut off: failed); the oracle
-    /// checks a completed read; P tells D it has read.
+    /// changed one: stale, P recomputes; D gone, restarted since the handshake or cut off:
+    /// failed); the oracle checks a completed read; P tells D it has read. A read that
+    /// did not complete drops P's handshake with D (the next pull makes a new one, with
+    /// the D running then).
     pub(super) fn pull_done(&mut self, p: usize, incarnation: u32, request: &RequestId) {
         if !self.p[p].alive || self.p[p].incarnation != incarnation {
             return;
@@ -666,7 +683,7 @@ impl World {
             return;
         };
         let d = pull.d;
-        let reachable = self.d_reachable(p, d, pull.d_incarnation);
+        let reachable = pull.conn.is_some_and(|i| self.d_reachable(p, d, i));
         let word = pull
             .blocks
             .first()
@@ -684,10 +701,16 @@ impl World {
                 if hold_end == Some(HoldEnd::Expired) {
                     self.stats.pulls_stale_expired += 1;
                 }
+                if pull.conn != Some(pull.held_in) {
+                    self.stats.pulls_stale_restarted += 1;
+                }
             } else {
                 self.stats.pulls_failed += 1;
             }
             self.stats.turns_recomputed += 1;
+            if self.p[p].d_conns.get(&d) == pull.conn.as_ref() {
+                self.p[p].d_conns.remove(&d);
+            }
         }
         self.note(|| {
             format!(
