@@ -182,6 +182,9 @@ impl PrefillEngine {
             if sent {
                 self.metrics.heartbeats_sent.inc();
                 self.turn_heartbeats.handle_sent(now, &request);
+            } else {
+                // The connection broke (D may have restarted): handshake again.
+                ctx.forget_d(&engine, &remote);
             }
         }
         while let Ok(engine) = self.handshaken.1.try_recv() {
@@ -272,8 +275,21 @@ impl PullCtx {
             }
             Err(e) => {
                 tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
+                // D may have restarted (a stale fence, broken connections): the next pull
+                // or heartbeat handshakes with it again.
+                self.forget_d(&engine, &remote);
                 0
             }
+        }
+    }
+
+    /// Drops the handshake with D engine `engine` for pulls, when it is still `remote`
+    /// (not one another thread made since).
+    fn forget_d(&self, engine: &str, remote: &Arc<DRemote>) {
+        if let Ok(mut m) = self.d_caches.lock()
+            && m.get(engine).is_some_and(|r| Arc::ptr_eq(r, remote))
+        {
+            m.remove(engine);
         }
     }
 
