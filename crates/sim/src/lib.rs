@@ -130,13 +130,15 @@
 //! turn reaches a P engine after a think time around the
 //! TTL; when its prefill starts, P probes D's clock, decides with
 //! [`plan_pull`](kvlease_engine::plan_pull) and either reads D's held blocks (content as the
-//! read starts, the first block's fence word as it ends; a restarted, crashed or cut-off D
-//! fails it) or recomputes, then tells D it has read. Checked: a pull that completes read
-//! under the hold's generation and got the previous turn's KV; every hold ends exactly
-//! once (pulled, expired, evicted, lost with its D), never before its deadline when it
-//! expires and no later than one D step after it (or after a stall), and at once on P's
-//! read completion; at the end no D holds a block or a live fence word. A turn that is not
-//! `Done` ends its conversation.
+//! read starts, the first block's fence word as it ends; a D crashed, cut off or restarted
+//! since P's handshake with it fails it, and drops that handshake) or recomputes, then
+//! tells D it has read. A D's held turns count their generations from above every earlier
+//! incarnation's, so a pull with an earlier incarnation's params fails its fence.
+//! Checked: a pull that completes read under the hold's generation and got the previous
+//! turn's KV; every hold ends exactly once (pulled, expired, evicted, lost with its D),
+//! never before its deadline when it expires and no later than one D step after it (or
+//! after a stall), and at once on P's read completion; at the end no D holds a block or
+//! a live fence word. A turn that is not `Done` ends its conversation.
 //!
 //! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
 //! driving the engine's bidirectional decisions (D's [`DecoderHold`](kvlease_engine::DecoderHold),
