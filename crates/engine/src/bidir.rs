@@ -40,7 +40,9 @@ use kvlease_proto::params::{KvTransferParams, TurnParams};
 
 mod turn_heartbeats;
 
-pub use turn_heartbeats::{TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats};
+pub use turn_heartbeats::{
+    HeartbeatRun, TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats,
+};
 
 /// Most block ids / hashes accepted in one [`DecoderKvParams`].
 pub const MAX_PARAM_BLOCKS: usize = 1 << 20;
@@ -202,15 +204,29 @@ impl DecoderKvParams {
         PeerTimestamp::from_nanos(self.kvlease_deadline_ns)
     }
 
-    /// With the symmetric lease (`kvlease_renew_extension_ms` > 0): the params as a
-    /// heartbeat for the entry that P sent at `sent` (on D's clock) leaves them — D keeps the
-    /// entry until at least `sent` + the extension, so the deadline moves there when that
-    /// is later. `None` when nothing changes (the fixed TTL, or no later bound).
-    pub fn renewed_by_heartbeat(&self, sent: PeerTimestamp) -> Option<Self> {
+    /// With the symmetric lease (`kvlease_renew_extension_ms` > 0): the params as P's
+    /// `run` of heartbeats for the entry leaves them, read on D's clock with `offset`.
+    ///
+    /// D extends a held entry only when a heartbeat reaches it **before** the entry's
+    /// deadline (the lease rule: a late heartbeat does not revive an expired entry). So the
+    /// run counts only when its first heartbeat was sent before the advertised deadline
+    /// even at the latest D time it can have been sent at (P's send time plus the offset's
+    /// error bound, rtt/2); each later heartbeat of the run then came while the entry was
+    /// held ([`HeartbeatRun`]). D then keeps the entry until at least the last heartbeat's
+    /// earliest send time on D's clock plus the extension; the deadline moves there when
+    /// that is later. `None` when nothing changes (the fixed TTL, a run that began at or
+    /// after the deadline, or no later bound). The one-way delay of the first heartbeat is
+    /// not counted (P cannot know it), nor a heartbeat lost on the way: the pull's fence
+    /// catches a hold that ended all the same.
+    pub fn renewed_by_heartbeats(&self, run: HeartbeatRun, offset: &ClockOffset) -> Option<Self> {
         if self.kvlease_renew_extension_ms == 0 {
             return None;
         }
-        let until = sent
+        if offset.to_peer_latest(run.first).as_nanos_saturating() >= self.kvlease_deadline_ns {
+            return None;
+        }
+        let until = offset
+            .to_peer_earliest(run.last)
             .as_nanos_saturating()
             .saturating_add(self.kvlease_renew_extension_ms.saturating_mul(1_000_000));
         (until > self.kvlease_deadline_ns).then(|| Self {
@@ -481,14 +497,22 @@ pub struct Held {
 }
 
 impl DecoderHold {
-    /// A hold of `ttl`; `symmetric` selects the renewable variant.
+    /// A hold of `ttl`; `symmetric` selects the renewable variant. Its first entry gets
+    /// generation 1 ([`with_first_generation`](Self::with_first_generation)).
     pub fn new(ttl: DecoderTtl, symmetric: bool) -> Self {
-        let fixed = || HoldKind::Fixed(DecoderCache::new(ttl));
+        Self::with_first_generation(ttl, symmetric, Generation(std::num::NonZeroU64::MIN))
+    }
+
+    /// A hold of `ttl` whose first entry gets generation `first`, then `first + 1`, …: a D
+    /// that restarts starts above every generation it handed out before, so that a pull
+    /// with an earlier instance's params never matches a new entry on the same blocks.
+    pub fn with_first_generation(ttl: DecoderTtl, symmetric: bool, first: Generation) -> Self {
+        let fixed = || HoldKind::Fixed(DecoderCache::with_first_generation(ttl, first));
         let kind = if symmetric {
             // DecoderTtl is validated against the same range as lease durations, so the
             // derivation cannot fail; fall back to the fixed cache if it ever does.
             match LeaseConfig::from_duration(ttl.as_duration()) {
-                Ok(c) => HoldKind::Symmetric(LeaseTable::new(c)),
+                Ok(c) => HoldKind::Symmetric(LeaseTable::with_first_generation(c, first)),
                 Err(_) => fixed(),
             }
         } else {

@@ -148,7 +148,9 @@ impl DecodeCore {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: DecodeStats::default(),
-            hold: config.hold.map(|t| DecoderHold::new(t.ttl, t.symmetric)),
+            hold: config.hold.map(|t| {
+                DecoderHold::with_first_generation(t.ttl, t.symmetric, config.hold_first_generation)
+            }),
             released: VecDeque::new(),
             config,
         }

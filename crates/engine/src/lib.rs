@@ -77,9 +77,9 @@ mod push;
 pub mod registry;
 
 pub use bidir::{
-    BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, Held, MAX_PARAM_BLOCKS, PullDecision,
-    PullPolicy, RecomputeReason, TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat, TurnHeartbeats,
-    block_hashes, common_blocks, estimated_deadline, plan_pull, prefix_hashes,
+    BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, HeartbeatRun, Held, MAX_PARAM_BLOCKS,
+    PullDecision, PullPolicy, RecomputeReason, TURN_HEARTBEATS_PER_EXTENSION, TurnHeartbeat,
+    TurnHeartbeats, block_hashes, common_blocks, estimated_deadline, plan_pull, prefix_hashes,
 };
 pub use blocks::BlockSource;
 pub use decode::{

@@ -71,6 +71,20 @@ impl ClockOffset {
         PeerTimestamp::from_nanos(clamp_u64(ns))
     }
 
+    /// The earliest peer time that local `t` can correspond to: [`ClockOffset::to_peer`]
+    /// minus half the sample's round trip (saturating at the peer's epoch).
+    pub fn to_peer_earliest(&self, t: Timestamp) -> PeerTimestamp {
+        let half = u64::try_from((self.rtt / 2).as_nanos()).unwrap_or(u64::MAX);
+        PeerTimestamp::from_nanos(self.to_peer(t).as_nanos_saturating().saturating_sub(half))
+    }
+
+    /// The latest peer time that local `t` can correspond to: [`ClockOffset::to_peer`]
+    /// plus half the sample's round trip (saturating at `u64::MAX` nanoseconds).
+    pub fn to_peer_latest(&self, t: Timestamp) -> PeerTimestamp {
+        let half = u64::try_from((self.rtt / 2).as_nanos()).unwrap_or(u64::MAX);
+        PeerTimestamp::from_nanos(self.to_peer(t).as_nanos_saturating().saturating_add(half))
+    }
+
     /// The earliest local time that `peer` can correspond to: [`ClockOffset::to_local`]
     /// minus half the sample's round trip.
     pub fn to_local_earliest(&self, peer: PeerTimestamp) -> Timestamp {

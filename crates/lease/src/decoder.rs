@@ -1,5 +1,7 @@
 //! The decode side's cache of finished requests' blocks (bidirectional mode).
 
+use std::num::NonZeroU64;
+
 use crate::config::{DecoderTtl, LeaseConfig, LeaseMode};
 use crate::ids::{BlockId, ConsumerId, Generation, RequestId};
 use crate::table::{Event, GrantError, LeaseTable, ReadCompleteOutcome};
@@ -34,13 +36,21 @@ pub struct DecoderCache {
 }
 
 impl DecoderCache {
-    /// An empty cache keeping blocks for `ttl`.
+    /// An empty cache keeping blocks for `ttl`; its first entry gets generation 1.
     pub fn new(ttl: DecoderTtl) -> Self {
+        Self::with_first_generation(ttl, Generation(NonZeroU64::MIN))
+    }
+
+    /// An empty cache keeping blocks for `ttl`, whose first entry gets generation `first`,
+    /// then `first + 1`, … A D that restarts should start above every generation it
+    /// handed out before (e.g. from the wall clock in microseconds), so that a pull with
+    /// an earlier instance's params never matches a new entry on the same blocks.
+    pub fn with_first_generation(ttl: DecoderTtl, first: Generation) -> Self {
         // DecoderTtl was validated against the same range as lease durations.
         let config = LeaseConfig::derive(ttl.as_duration()).with_mode(LeaseMode::Fixed);
         Self {
             ttl,
-            table: LeaseTable::new(config),
+            table: LeaseTable::with_first_generation(config, first),
         }
     }
 
@@ -135,6 +145,29 @@ mod tests {
 
     fn rid(s: &str) -> RequestId {
         RequestId::new(s).unwrap()
+    }
+
+    #[test]
+    fn generations_count_up_from_the_first_one() {
+        let ttl = DecoderTtl::from_secs_f64(10.0).unwrap();
+        let first = Generation(NonZeroU64::new(1 << 40).unwrap());
+        let mut cache = DecoderCache::with_first_generation(ttl, first);
+        let t0 = Timestamp::from_millis(1);
+        let a = cache.insert(t0, rid("a"), vec![BlockId(0)]).unwrap();
+        let b = cache.insert(t0, rid("b"), vec![BlockId(1)]).unwrap();
+        assert_eq!(
+            (a.generation.word(), b.generation.word()),
+            (1 << 40, (1 << 40) + 1)
+        );
+        let mut plain = DecoderCache::new(ttl);
+        assert_eq!(
+            plain
+                .insert(t0, rid("a"), vec![])
+                .unwrap()
+                .generation
+                .word(),
+            1
+        );
     }
 
     #[test]

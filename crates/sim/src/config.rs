@@ -37,19 +37,23 @@ pub enum Bug {
     /// done, whatever D's fence word (a reader that ignores the fence).
     PullIgnoresFence,
     /// Bidirectional mode: the D shell drops P's read completions of cached turns instead
-    /// of freeing them (they stay held until their TTL).
+    /// of handing them to its core (they stay held until their TTL).
     KeepHoldAfterRead,
-    /// Bidirectional mode: the D shell never runs the hold's expiry (cached turns stay held
-    /// past their TTL until evicted or read).
+    /// Bidirectional mode: the D shell never runs its core's timer (`handle_timeout`:
+    /// cached turns stay held past their TTL until read).
     NoHoldExpiry,
-    /// Bidirectional mode: the D shell frees a released cached turn's blocks without
-    /// publishing the free word and poison first (a pull of a reused block still matches).
+    /// Bidirectional mode: the D shell skips publishing the free word and poison of a
+    /// cached turn its core released (a pull of a reused block still matches).
     SkipHoldFenceClear,
+    /// Bidirectional mode: a restarted D starts its held turns' generations where its
+    /// first incarnation did (a pull with the earlier incarnation's params can match a
+    /// turn held now on the same blocks).
+    HoldGenerationsRepeat,
 }
 
 /// Bidirectional multi-turn mode in the main world ([`WorldConfig::bidir`]): every request
-/// starts a conversation; when a turn finishes on D, D keeps its blocks in a
-/// [`DecoderHold`](kvlease_engine::DecoderHold) and answers its
+/// starts a conversation; when a turn finishes on D, D's core keeps its blocks
+/// (`DecodeCore::request_finished_hold`) and D answers its
 /// [`DecoderKvParams`](kvlease_engine::DecoderKvParams); the conversation's next turn
 /// arrives at a P engine after a think time, and P decides with
 /// [`plan_pull`](kvlease_engine::plan_pull) whether to read the shared prefix from D's

@@ -118,23 +118,27 @@
 //!
 //! # Bidirectional mode
 //! With [`WorldConfig::bidir`] (a [`BidirSim`]), the world above runs multi-turn
-//! conversations, every fault included. The D shell does what the decode agent does: a
-//! finished turn's blocks go from `request_finished_keep` into the engine's
-//! [`DecoderHold`](kvlease_engine::DecoderHold), whose generation the shell publishes into
-//! D's fence words, and D answers [`DecoderKvParams`](kvlease_engine::DecoderKvParams); P's
-//! heartbeats (symmetric lease) and read completions go to the hold; the hold expires turns
-//! each step and gives up the oldest when a new request is short of blocks (whose read
-//! overwrites them at once); a release writes the free word and poison before the blocks
-//! go back to the core. The next turn reaches a P engine after a think time around the
+//! conversations, every fault included. The D shell does what the decode agent does
+//! around its `DecodeCore`, built `with_hold`: `request_finished_hold` keeps a finished
+//! turn, whose generation the shell publishes into D's fence words, and D answers
+//! [`DecoderKvParams`](kvlease_engine::DecoderKvParams); P's heartbeats (symmetric lease)
+//! and read completions go to `handle_notif_at`; `handle_timeout` expires turns each step
+//! and, before each load, evicts the oldest while the next request is short of blocks
+//! (whose read overwrites them at once); for each turn `poll_turn_released` hands out the
+//! shell writes the free word and poison. The P shell heartbeats held turns on the
+//! prefill agent's schedule, [`TurnHeartbeats`](kvlease_engine::TurnHeartbeats). The next
+//! turn reaches a P engine after a think time around the
 //! TTL; when its prefill starts, P probes D's clock, decides with
 //! [`plan_pull`](kvlease_engine::plan_pull) and either reads D's held blocks (content as the
-//! read starts, the first block's fence word as it ends; a restarted, crashed or cut-off D
-//! fails it) or recomputes, then tells D it has read. Checked: a pull that completes read
-//! under the hold's generation and got the previous turn's KV; every hold ends exactly
-//! once (pulled, expired, evicted, lost with its D), never before its deadline when it
-//! expires and no later than one D step after it (or after a stall), and at once on P's
-//! read completion; at the end no D holds a block or a live fence word. A turn that is not
-//! `Done` ends its conversation.
+//! read starts, the first block's fence word as it ends; a D crashed, cut off or restarted
+//! since P's handshake with it fails it, and drops that handshake) or recomputes, then
+//! tells D it has read. A D's held turns count their generations from above every earlier
+//! incarnation's, so a pull with an earlier incarnation's params fails its fence.
+//! Checked: a pull that completes read under the hold's generation and got the previous
+//! turn's KV; every hold ends exactly once (pulled, expired, evicted, lost with its D),
+//! never before its deadline when it expires and no later than one D step after it (or
+//! after a stall), and at once on P's read completion; at the end no D holds a block or
+//! a live fence word. A turn that is not `Done` ends its conversation.
 //!
 //! [`run_bidir`] simulates D's cached turns under clock skew, drift and asymmetric delays,
 //! driving the engine's bidirectional decisions (D's [`DecoderHold`](kvlease_engine::DecoderHold),

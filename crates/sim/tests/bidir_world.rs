@@ -5,7 +5,9 @@
 
 use std::io::Write as _;
 
-use kvlease_sim::{Bug, Report, World, WorldConfig, run, seeds_from_env};
+use std::time::Duration;
+
+use kvlease_sim::{Bug, Crash, Report, World, WorldConfig, run, seeds_from_env};
 
 fn total(reports: &[Report], f: impl Fn(&Report) -> u64) -> u64 {
     reports.iter().map(f).sum()
@@ -40,6 +42,14 @@ fn bidir_seeds() {
         ("holds", total(&reports, |r| r.stats.holds)),
         ("pulls", total(&reports, |r| r.stats.pulls)),
         ("pulls_stale", total(&reports, |r| r.stats.pulls_stale)),
+        (
+            "pulls_stale_expired",
+            total(&reports, |r| r.stats.pulls_stale_expired),
+        ),
+        (
+            "pulls_stale_restarted",
+            total(&reports, |r| r.stats.pulls_stale_restarted),
+        ),
         ("pulls_failed", total(&reports, |r| r.stats.pulls_failed)),
         (
             "turns_recomputed",
@@ -76,7 +86,10 @@ fn bidir_seeds() {
     // Every outcome of a next turn and of a hold occurred (over all seeds together). A
     // failed pull (D crashed or cut off during the read) is too rare to ask for.
     if reports.len() >= 32 {
-        for (name, count) in counts.iter().filter(|(n, _)| *n != "pulls_failed") {
+        for (name, count) in counts
+            .iter()
+            .filter(|(n, _)| !matches!(*n, "pulls_failed" | "pulls_stale_expired"))
+        {
             assert!(*count > 0, "{name}: never in {} seeds", reports.len());
         }
         // Under the faults it claims.
@@ -168,4 +181,62 @@ fn bidir_same_seed_same_log() {
         assert_eq!(a.log, b.log, "seed {seed}");
         assert_eq!(a.trace_hash, b.trace_hash);
     }
+}
+
+/// A bidirectional world of `seed` with one D that crashes three times and comes back
+/// 200 ms later, so that next turns wait on P with the params of an earlier incarnation
+/// while the new one holds turns on the same blocks.
+fn restarting_d(seed: u64) -> WorldConfig {
+    let mut c = WorldConfig::bidir(seed);
+    c.d_engines = 1;
+    c.partitions.retain(|p| p.d == 0);
+    c.d_stalls.retain(|s| s.engine == 0);
+    let span = c.arrival_gap * u32::try_from(c.requests).unwrap_or(u32::MAX);
+    c.d_crashes = (1..=3)
+        .map(|k| Crash {
+            engine: 0,
+            at: span * k / 4,
+            restart_after: Some(Duration::from_millis(200)),
+        })
+        .collect();
+    c
+}
+
+/// After a D restart P pulls with the params of the earlier incarnation from the D running
+/// now (its handshake of the old one dropped with the failed read): the new incarnation's
+/// generations start above the old one's, so the fence refuses every such pull (stale),
+/// and none reads another turn's KV.
+#[test]
+fn pulls_with_an_earlier_d_incarnations_params_are_stale() {
+    let (mut stale, mut restarts) = (0, 0);
+    for seed in seeds_from_env(64) {
+        let report = run(restarting_d(seed));
+        assert!(
+            report.failures.is_empty(),
+            "seed {seed}: {:?}",
+            report.failures
+        );
+        stale += report.stats.pulls_stale_restarted;
+        restarts += report.stats.d_restarts;
+    }
+    if std::env::var_os("KVLEASE_SIM_SEEDS").is_some() {
+        let line =
+            format!("bidir restarting D: d_restarts={restarts} pulls_stale_restarted={stale}");
+        let _ = writeln!(std::io::stdout().lock(), "{line}");
+    }
+    assert!(stale > 0, "no pull with an earlier incarnation's params");
+}
+
+/// A D that restarts with the hold generations of its first incarnation lets P's pull
+/// with the earlier incarnation's params match a turn held now on the same blocks: the
+/// pull oracle sees another conversation's KV.
+#[test]
+fn planted_hold_generations_repeating_across_d_restarts_is_caught() {
+    let failures: Vec<String> = (0..64)
+        .flat_map(|seed| run(restarting_d(seed).with_bug(Bug::HoldGenerationsRepeat)).failures)
+        .collect();
+    assert!(
+        failures.iter().any(|f| f.contains("wrong turn KV")),
+        "{failures:?}"
+    );
 }

@@ -289,13 +289,21 @@ impl DecodeEngine {
         .with_limits(cfg.max_running, cfg.max_waiting)
         .with_retry(cfg.step)
         .with_max_engines(cfg.max_engines);
+        // The instance is the wall clock in microseconds: a restarted D has a larger one, and
+        // starting the held turns' generations there means P's pull with an earlier
+        // instance's params never matches a turn held now on the same blocks.
+        let instance = instance_now();
         if let Some(b) = &cfg.bidir {
-            config = config.with_hold(b.ttl, b.symmetric);
+            let first = std::num::NonZeroU64::new(instance)
+                .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
+            config = config
+                .with_hold(b.ttl, b.symmetric)
+                .with_hold_first_generation(first);
         }
         let core = DecodeCore::new(config);
         Ok(Self {
             core,
-            instance: instance_now(),
+            instance,
             remotes: HashMap::new(),
             reqs: HashMap::new(),
             epoch: Instant::now(),

@@ -102,14 +102,14 @@ impl PrefillEngine {
         let Some(ctx) = self.pull_ctx.clone() else {
             return false;
         };
-        let heartbeat_t0 = self.turn_heartbeats.take(&params.remote_request_id);
+        let heartbeats = self.turn_heartbeats.take(&params.remote_request_id);
         let (params, tokens, ids) = (params.clone(), tokens.to_vec(), ids.to_vec());
         let tx = self.pulled.0.clone();
         let request = request.clone();
         let spawned = std::thread::Builder::new()
             .name("p-pull".into())
             .spawn(move || {
-                let blocks = ctx.pull(&params, &tokens, &ids, heartbeat_t0);
+                let blocks = ctx.pull(&params, &tokens, &ids, heartbeats);
                 let _ = tx.send(Pulled { request, blocks });
             });
         match spawned {
@@ -182,6 +182,9 @@ impl PrefillEngine {
             if sent {
                 self.metrics.heartbeats_sent.inc();
                 self.turn_heartbeats.handle_sent(now, &request);
+            } else {
+                // The connection broke (D may have restarted): handshake again.
+                ctx.forget_d(&engine, &remote);
             }
         }
         while let Ok(engine) = self.handshaken.1.try_recv() {
@@ -206,7 +209,7 @@ impl PullCtx {
         params: &DecoderKvParams,
         tokens: &[u32],
         ids: &[u32],
-        heartbeat_t0: Option<Timestamp>,
+        heartbeats: Option<kvlease_engine::HeartbeatRun>,
     ) -> usize {
         let b = &self.bidir;
         let engine = params.remote_engine_id.clone();
@@ -225,11 +228,12 @@ impl PullCtx {
             }
             Err(e) => tracing::info!(%engine, error = %e, %probe, "clock probe address"),
         }
-        // Symmetric lease: the last heartbeat for the entry, sent at t0, renewed it.
+        // Symmetric lease: P's heartbeats for the entry renewed it, if the first of their run
+        // went out before its deadline.
         let renewed;
         let mut params = params;
-        if let (Some(t0), Some(offset)) = (heartbeat_t0, est.offset())
-            && let Some(p) = params.renewed_by_heartbeat(offset.to_peer(t0))
+        if let (Some(run), Some(offset)) = (heartbeats, est.offset())
+            && let Some(p) = params.renewed_by_heartbeats(run, &offset)
         {
             renewed = p;
             params = &renewed;
@@ -271,8 +275,21 @@ impl PullCtx {
             }
             Err(e) => {
                 tracing::warn!(%engine, error = %e, "pull from D failed; recomputing");
+                // D may have restarted (a stale fence, broken connections): the next pull
+                // or heartbeat handshakes with it again.
+                self.forget_d(&engine, &remote);
                 0
             }
+        }
+    }
+
+    /// Drops the handshake with D engine `engine` for pulls, when it is still `remote`
+    /// (not one another thread made since).
+    fn forget_d(&self, engine: &str, remote: &Arc<DRemote>) {
+        if let Ok(mut m) = self.d_caches.lock()
+            && m.get(engine).is_some_and(|r| Arc::ptr_eq(r, remote))
+        {
+            m.remove(engine);
         }
     }
 

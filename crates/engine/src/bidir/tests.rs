@@ -288,31 +288,57 @@ fn relative_ttl_ages_and_is_read_from_now() {
 }
 
 #[test]
-fn a_heartbeat_moves_a_symmetric_deadline_only_later() {
+fn heartbeats_move_a_symmetric_deadline_only_when_their_run_began_before_it() {
+    // D's clock reads P's + 10 s, known to ±50 ms: sent at P's 0, D read 10.05 s, back at
+    // P's 100 ms.
+    let mut est = ClockOffsetEstimator::new();
+    est.add_sample(ms(0), PeerTimestamp::from_millis(10_050), ms(100))
+        .expect("forward");
+    let offset = est.offset().expect("one sample");
+    let run = |first: u64, last: u64| HeartbeatRun {
+        first: ms(first),
+        last: ms(last),
+    };
     let turn = tokens(32, 1);
-    let fixed = params(&turn, PeerTimestamp::from_millis(0), Duration::from_secs(6));
+    // Held until D's 16 s.
+    let fixed = params(
+        &turn,
+        PeerTimestamp::from_millis(10_000),
+        Duration::from_secs(6),
+    );
     assert_eq!(
-        fixed.renewed_by_heartbeat(PeerTimestamp::from_millis(5_000)),
+        fixed.renewed_by_heartbeats(run(1_000, 5_000), &offset),
         None
     );
     let symmetric = DecoderKvParams {
         kvlease_renew_extension_ms: 4_000,
         ..fixed
     };
-    // Sent at 5 s: kept until at least 9 s, later than the 6 s advertised.
+    let deadline = |r: HeartbeatRun| {
+        symmetric
+            .renewed_by_heartbeats(r, &offset)
+            .map(|p| p.deadline().as_nanos_saturating() / 1_000_000)
+    };
+    // A run from D's 11 s to 15 s: kept until at least the last one's earliest D time
+    // (14.95 s) + 4 s.
+    assert_eq!(deadline(run(1_000, 5_000)), Some(18_950));
     let renewed = symmetric
-        .renewed_by_heartbeat(PeerTimestamp::from_millis(5_000))
+        .renewed_by_heartbeats(run(1_000, 5_000), &offset)
         .expect("later");
-    assert_eq!(renewed.deadline(), PeerTimestamp::from_millis(9_000));
     assert_eq!(
         renewed.kvlease_ttl_remaining,
         symmetric.kvlease_ttl_remaining
     );
-    // Sent at 1 s: 5 s is earlier than the deadline, nothing changes.
-    assert_eq!(
-        symmetric.renewed_by_heartbeat(PeerTimestamp::from_millis(1_000)),
-        None
-    );
+    // A run that began after the deadline renews nothing: D had let the turn go (a late
+    // heartbeat does not revive it), however late the run ended.
+    assert_eq!(deadline(run(6_100, 6_100)), None);
+    assert_eq!(deadline(run(7_000, 9_000)), None);
+    // Nor one that may have begun after it within the offset's error bound (15.99 s ±
+    // 50 ms), while 15.9 s (at the latest 15.95 s) counts.
+    assert_eq!(deadline(run(5_990, 5_990)), None);
+    assert_eq!(deadline(run(5_900, 5_900)), Some(19_850));
+    // A run whose bound is not later than the deadline changes nothing.
+    assert_eq!(deadline(run(1_000, 1_000)), None);
 }
 
 #[test]
@@ -486,11 +512,45 @@ fn turn_heartbeats_go_per_extension_while_the_next_turn_waits() {
     s.handle_waiting([&b]);
     assert!(!s.handle_sent(ms(2_000), "turn-a"));
     assert!(s.due(ms(1_999)).is_empty());
-    // The pull starts: the last heartbeat's time bounds D's renewal.
-    assert_eq!(s.take("turn-b"), Some(ms(0)));
+    // The pull starts: the run of heartbeats bounds D's renewal.
+    assert_eq!(
+        s.take("turn-b"),
+        Some(HeartbeatRun {
+            first: ms(0),
+            last: ms(0)
+        })
+    );
     assert_eq!(s.take("turn-b"), None);
     assert!(s.is_empty());
     assert_eq!(s.poll_timeout(), None);
+}
+
+#[test]
+fn a_gap_of_half_an_extension_starts_a_new_heartbeat_run() {
+    let turn = DecoderKvParams {
+        remote_request_id: "turn-a".into(),
+        kvlease_renew_extension_ms: 4_000,
+        ..params(
+            &tokens(32, 1),
+            PeerTimestamp::from_millis(0),
+            Duration::from_secs(6),
+        )
+    };
+    let mut s = TurnHeartbeats::new(4);
+    s.handle_waiting([&turn]);
+    for t in [0, 1_000, 2_900] {
+        assert!(s.handle_sent(ms(t), "turn-a"));
+    }
+    // 1.9 s apart: still the run from 0. Then P stalls for 2 s (half the extension).
+    assert!(s.handle_sent(ms(4_900), "turn-a"));
+    assert!(s.handle_sent(ms(5_900), "turn-a"));
+    assert_eq!(
+        s.take("turn-a"),
+        Some(HeartbeatRun {
+            first: ms(4_900),
+            last: ms(5_900)
+        })
+    );
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! P's side of the symmetric lease on held turns: which of D's held turns P heartbeats,
 //! and when. P heartbeats a held turn while the conversation's next-turn request waits on
 //! P (for blocks, or behind other requests), so that D keeps it until P pulls; D extends it
-//! by its `kvlease_renew_extension_ms` per heartbeat ([`DecoderHold`](super::DecoderHold)).
+//! by its `kvlease_renew_extension_ms` per heartbeat ([`DecoderHold`](super::DecoderHold))
+//! when it arrives before the turn's deadline.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -28,12 +29,31 @@ pub struct TurnHeartbeat {
     pub turn: String,
 }
 
+/// P's unbroken run of heartbeats for a held turn, on P's clock: what
+/// [`TurnHeartbeats::take`] hands to
+/// [`DecoderKvParams::renewed_by_heartbeats`](super::DecoderKvParams::renewed_by_heartbeats).
+///
+/// Each heartbeat of a run went out less than half an extension after the one before
+/// (they are due every extension / [`TURN_HEARTBEATS_PER_EXTENSION`]), so when the first
+/// found the turn held, each later one reached D while the turn the one before extended
+/// was still held (the other half covers the difference of their delays). A longer gap (P
+/// stalled, a heartbeat not sent for a while) starts a new run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeartbeatRun {
+    /// When the run's first heartbeat went out.
+    pub first: Timestamp,
+    /// When its last heartbeat went out.
+    pub last: Timestamp,
+}
+
 #[derive(Debug)]
 struct Watched {
     to: TurnHeartbeat,
     every: Duration,
-    /// When the last heartbeat went out; `None`: due at once.
-    last: Option<Timestamp>,
+    /// The renewal extension: a gap of half of it between heartbeats breaks a run.
+    extension: Duration,
+    /// The heartbeats sent so far; `None`: due at once.
+    run: Option<HeartbeatRun>,
 }
 
 /// P's schedule of heartbeats for D's held turns (sans-IO: time is an argument).
@@ -44,9 +64,8 @@ struct Watched {
 /// 2. [`due`](Self::due) at `now`: send each heartbeat (handshaking with its engine first
 ///    when needed), and report each one sent with [`handle_sent`](Self::handle_sent); one
 ///    not sent stays due;
-/// 3. when a request's pull starts, [`take`](Self::take) its turn: the last heartbeat's
-///    time bounds how far D extended the turn
-///    ([`DecoderKvParams::renewed_by_heartbeat`]).
+/// 3. when a request's pull starts, [`take`](Self::take) its turn: the run of heartbeats
+///    bounds how far D extended the turn ([`DecoderKvParams::renewed_by_heartbeats`]).
 ///
 /// Turns are kept in id order, so [`due`](Self::due) hands them out in an order defined by
 /// the inputs.
@@ -90,8 +109,9 @@ impl TurnHeartbeats {
             if p.kvlease_renew_extension_ms == 0 {
                 continue;
             }
-            let every = Duration::from_millis(p.kvlease_renew_extension_ms) / self.per_extension;
-            let last = self.turns.get(&p.remote_request_id).and_then(|w| w.last);
+            let extension = Duration::from_millis(p.kvlease_renew_extension_ms);
+            let every = extension / self.per_extension;
+            let run = self.turns.get(&p.remote_request_id).and_then(|w| w.run);
             next.insert(
                 p.remote_request_id.clone(),
                 Watched {
@@ -102,7 +122,8 @@ impl TurnHeartbeats {
                         turn: p.remote_request_id.clone(),
                     },
                     every,
-                    last,
+                    extension,
+                    run,
                 },
             );
         }
@@ -116,18 +137,24 @@ impl TurnHeartbeats {
         self.turns
             .values()
             .filter(|w| {
-                w.last
-                    .is_none_or(|last| now.saturating_duration_since(last) >= w.every)
+                w.run
+                    .is_none_or(|r| now.saturating_duration_since(r.last) >= w.every)
             })
             .map(|w| w.to.clone())
             .collect()
     }
 
     /// A heartbeat for `turn` went out at `now`; returns whether the turn is heartbeated.
+    /// It continues the turn's run of heartbeats, or starts a new one when the last went
+    /// out half an extension ago or more ([`HeartbeatRun`]).
     pub fn handle_sent(&mut self, now: Timestamp, turn: &str) -> bool {
         match self.turns.get_mut(turn) {
             Some(w) => {
-                w.last = Some(now);
+                let first = match w.run {
+                    Some(r) if now.saturating_duration_since(r.last) < w.extension / 2 => r.first,
+                    _ => now,
+                };
+                w.run = Some(HeartbeatRun { first, last: now });
                 true
             }
             None => false,
@@ -135,9 +162,9 @@ impl TurnHeartbeats {
     }
 
     /// P starts pulling `turn` (its request no longer waits): stop heartbeating it. Returns
-    /// when its last heartbeat went out, if one did.
-    pub fn take(&mut self, turn: &str) -> Option<Timestamp> {
-        self.turns.remove(turn).and_then(|w| w.last)
+    /// its latest run of heartbeats, if one went out.
+    pub fn take(&mut self, turn: &str) -> Option<HeartbeatRun> {
+        self.turns.remove(turn).and_then(|w| w.run)
     }
 
     /// When the next heartbeat comes due; `None` when no turn is heartbeated.
@@ -145,9 +172,9 @@ impl TurnHeartbeats {
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         self.turns
             .values()
-            .map(|w| match w.last {
+            .map(|w| match w.run {
                 None => Timestamp::ZERO,
-                Some(last) => last.checked_add(w.every).unwrap_or(last),
+                Some(r) => r.last.checked_add(w.every).unwrap_or(r.last),
             })
             .min()
     }

@@ -187,7 +187,8 @@ impl DecodeCore {
         };
         match &handled {
             DecodeNotif::CacheHeartbeat(ids) => {
-                hold.heartbeat(now, ids);
+                let renewed = hold.heartbeat(now, ids);
+                self.stats.turns_renewed += u64::from(renewed);
             }
             DecodeNotif::CacheReadComplete(turn) => {
                 hold.read_complete(now, turn);

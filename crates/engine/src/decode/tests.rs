@@ -862,3 +862,67 @@ fn a_turn_the_shell_cannot_serve_is_dropped_and_a_core_without_hold_frees_at_onc
     assert!(matches!(&finished(&mut c)[..], [(_, Outcome::Done)]));
     assert!(c.is_idle());
 }
+
+/// The generations of the first `n` turns a core keeps (each pulled before the next), the
+/// core's hold starting at `first` (`None`: the default).
+fn hold_generations(symmetric: bool, first: Option<u64>, n: u32) -> Vec<u64> {
+    let lease = LeaseConfig::from_duration(Duration::from_secs(3)).unwrap();
+    let ttl = kvlease_lease::DecoderTtl::from_duration(Duration::from_secs(10)).unwrap();
+    let mut config = DecodeConfig::new(engine("d"), 2, 4, 16, 8, lease)
+        .with_limits(1, 4)
+        .with_hold(ttl, symmetric);
+    if let Some(first) = first {
+        let first = Generation(std::num::NonZeroU64::new(first).unwrap());
+        config = config.with_hold_first_generation(first);
+    }
+    let mut c = DecodeCore::new(config);
+    let mut generations = Vec::new();
+    for i in 0..n {
+        let (req, now) = (format!("r{i}"), at(u64::from(i) * 10));
+        c.on_new_request(now, id(&req), 32, remote(&format!("p{i}"), 2, 2))
+            .unwrap();
+        if i == 0 {
+            ready(&mut c, now, 2);
+        }
+        let plan = c.poll_load().expect("every block free again");
+        for b in 0..plan.batches.len() {
+            c.handle_batch_done(&id(&req), b, BatchResult::Done { bytes: 1 });
+        }
+        c.handle_verified(&id(&req), Ok(()));
+        let kept = c.request_finished_hold(now, &id(&req)).unwrap();
+        generations.push(kept.generation.word());
+        c.handle_notif_at(now, &engine("p"), &read_complete(kept.turn.as_str()));
+        assert_eq!(released(&mut c).len(), 1);
+    }
+    generations
+}
+
+#[test]
+fn restarted_cores_with_later_first_generations_never_repeat_a_hold_generation() {
+    for symmetric in [false, true] {
+        // Two instances of one D, the second started 1 s after the first (the agent's
+        // instance: the wall clock in microseconds).
+        let first = 1_765_000_000_000_000;
+        let before = hold_generations(symmetric, Some(first), 64);
+        let after = hold_generations(symmetric, Some(first + 1_000_000), 64);
+        assert_eq!(
+            before[0], first,
+            "the first held turn gets the first generation"
+        );
+        assert!(
+            before.windows(2).all(|w| w[0] < w[1]),
+            "rising within an instance"
+        );
+        assert!(
+            before.iter().all(|g| !after.contains(g)),
+            "symmetric={symmetric}: a generation of the earlier instance came back"
+        );
+        // Without a first generation every instance starts at the same one: a pull with
+        // an earlier instance's params could match a new turn on the same blocks.
+        let (a, b) = (
+            hold_generations(symmetric, None, 4),
+            hold_generations(symmetric, None, 4),
+        );
+        assert_eq!(a, b);
+    }
+}

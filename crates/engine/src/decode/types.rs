@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvlease_lease::{BlockId, EngineId, LeaseConfig, RequestId, TrackError};
+use kvlease_lease::{BlockId, EngineId, Generation, LeaseConfig, RequestId, TrackError};
 use kvlease_notif::DecodeError;
 
 use crate::BlockSource;
@@ -53,6 +53,12 @@ pub struct DecodeConfig {
     /// Bidirectional mode: how finished turns are kept for P to pull; `None` (default)
     /// keeps none.
     pub hold: Option<super::HoldTerms>,
+    /// Bidirectional mode: the fencing generation of the first held turn, then one more
+    /// for each. A D that restarts should start above every generation it handed out
+    /// before (the decode agent uses its instance, the wall clock in microseconds), so
+    /// that P's pull with an earlier instance's params never matches a new turn held on
+    /// the same blocks. Default 1.
+    pub hold_first_generation: Generation,
 }
 
 /// Default for [`DecodeConfig::max_engines`].
@@ -97,6 +103,7 @@ impl DecodeConfig {
             max_engines: DEFAULT_MAX_ENGINES,
             instance_check_interval: DEFAULT_INSTANCE_CHECK_INTERVAL,
             hold: None,
+            hold_first_generation: Generation(std::num::NonZeroU64::MIN),
         }
     }
 
@@ -105,6 +112,13 @@ impl DecodeConfig {
     #[must_use]
     pub fn with_hold(mut self, ttl: kvlease_lease::DecoderTtl, symmetric: bool) -> Self {
         self.hold = Some(super::HoldTerms { ttl, symmetric });
+        self
+    }
+
+    /// Sets [`hold_first_generation`](Self::hold_first_generation).
+    #[must_use]
+    pub fn with_hold_first_generation(mut self, first: Generation) -> Self {
+        self.hold_first_generation = first;
         self
     }
 
@@ -745,4 +759,6 @@ pub struct DecodeStats {
     pub turns_evicted: u64,
     /// Held turns the shell could not make readable.
     pub turns_dropped: u64,
+    /// Held turns a heartbeat of P extended (the symmetric lease), one per turn named.
+    pub turns_renewed: u64,
 }

@@ -90,7 +90,7 @@ impl World {
             }
         }
         // 5b. Bidirectional mode: cached turns whose TTL passed.
-        self.expire_holds(d, local);
+        self.hold_timeout(d, local);
         // 6. A client goes away.
         if !self.d[d].admitted.is_empty() && self.rng.chance(self.config.client_abort_per_million) {
             let i = self.rng.index(self.d[d].admitted.len());
@@ -187,7 +187,12 @@ impl World {
     pub(super) fn d_notif(&mut self, d: usize, from: Addr, bytes: &[u8]) {
         let engine = self.sender_engine(from);
         let honest = matches!(from, Addr::P { .. });
-        let problem = match self.d[d].core.handle_notif(&engine, bytes) {
+        let handled = if self.config.bidir.is_some() {
+            self.hold_notif(d, &engine, bytes, honest)
+        } else {
+            self.d[d].core.handle_notif(&engine, bytes)
+        };
+        let problem = match handled {
             DecodeNotif::Expired { failed, .. } => {
                 if honest {
                     self.stats.recomputed_after_notice += u64::from(failed);
@@ -224,14 +229,13 @@ impl World {
 
     pub(super) fn post_loads(&mut self, d: usize) {
         loop {
+            // Bidirectional mode: held turns give way to the next request short of blocks
+            // (the core picks which), their fences cleared before their blocks are reused.
+            if self.config.bidir.is_some() {
+                let local = self.d[d].clock.local(self.now);
+                self.hold_timeout(d, local);
+            }
             let Some(plan) = self.d[d].core.poll_load() else {
-                // Bidirectional mode: cached turns give way to new requests, oldest first.
-                if self.d[d].hold.is_some()
-                    && self.d[d].core.blocks_short().is_some()
-                    && self.evict_oldest_hold(d)
-                {
-                    continue;
-                }
                 break;
             };
             let Some(&p) = self.p_by_id.get(&plan.remote.engine) else {
@@ -526,8 +530,12 @@ impl World {
         let engine = &mut self.d[d];
         engine.alive = true;
         engine.incarnation += 1;
-        engine.core = d_core(&self.config, self.lease, engine.id.clone());
-        engine.hold = engines::d_hold(&self.config);
+        engine.core = d_core(
+            &self.config,
+            self.lease,
+            engine.id.clone(),
+            engine.incarnation,
+        );
         engine.mem = engines::d_mem(&self.config);
         engine.stalled_until = 0;
         engine.last_step = self.now;

@@ -4,11 +4,18 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::num::NonZeroU64;
 
-use kvlease_engine::{DecodeConfig, DecodeCore, DecoderHold, PrefillConfig, PrefillCore};
+use kvlease_engine::{DecodeConfig, DecodeCore, PrefillConfig, PrefillCore, TurnHeartbeats};
 use kvlease_lease::{DecoderTtl, EngineId, Generation, LeaseConfig};
 
 use super::{Addr, BLOCK_SIZE, Clock, DEngine, NUM_KV_HEADS, PEngine, Pool, engine_id};
-use crate::config::WorldConfig;
+use crate::config::{Bug, WorldConfig};
+
+/// The first generation of an engine's incarnation: above every generation an earlier
+/// incarnation handed out.
+fn first_generation(incarnation: u32) -> Generation {
+    NonZeroU64::new((u64::from(incarnation) << 40) | 1)
+        .map_or(Generation(NonZeroU64::MIN), Generation)
+}
 
 pub(super) fn p_core(
     config: &WorldConfig,
@@ -18,8 +25,7 @@ pub(super) fn p_core(
 ) -> PrefillCore<Addr> {
     // A restarted P starts its generations above every earlier one (the agent uses the
     // wall clock in microseconds).
-    let first = NonZeroU64::new((u64::from(incarnation) << 40) | 1)
-        .map_or(Generation(NonZeroU64::MIN), Generation);
+    let first = first_generation(incarnation);
     PrefillCore::new(
         PrefillConfig::new(id, config.p_tp, config.blocks_per_worker, BLOCK_SIZE, lease)
             .with_first_generation(first),
@@ -33,21 +39,37 @@ pub(super) fn instance_of(incarnation: u32) -> u64 {
     u64::from(incarnation) + 1
 }
 
-pub(super) fn d_core(config: &WorldConfig, lease: LeaseConfig, id: EngineId) -> DecodeCore {
-    DecodeCore::new(
-        DecodeConfig::new(
-            id,
-            config.d_tp,
-            NUM_KV_HEADS,
-            BLOCK_SIZE,
-            config
-                .bidir
-                .map_or(config.blocks_per_worker, |b| b.d_blocks),
-            lease,
-        )
-        .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
-        .with_retry(config.d_step),
+/// A D engine's core in incarnation `incarnation`; in bidirectional mode it keeps finished
+/// turns (the decode agent's `with_hold`), their generations starting above every earlier
+/// incarnation's (the agent uses its instance, the wall clock in microseconds; planted
+/// [`Bug::HoldGenerationsRepeat`]: at 1 in every incarnation).
+pub(super) fn d_core(
+    config: &WorldConfig,
+    lease: LeaseConfig,
+    id: EngineId,
+    incarnation: u32,
+) -> DecodeCore {
+    let mut core = DecodeConfig::new(
+        id,
+        config.d_tp,
+        NUM_KV_HEADS,
+        BLOCK_SIZE,
+        config
+            .bidir
+            .map_or(config.blocks_per_worker, |b| b.d_blocks),
+        lease,
     )
+    .with_limits(u32::try_from(config.d_slots).unwrap_or(u32::MAX), 1 << 20)
+    .with_retry(config.d_step);
+    if let Some(b) = config.bidir
+        && let Ok(ttl) = DecoderTtl::from_duration(b.ttl)
+    {
+        core = core.with_hold(ttl, b.symmetric);
+        if config.bug != Some(Bug::HoldGenerationsRepeat) {
+            core = core.with_hold_first_generation(first_generation(incarnation));
+        }
+    }
+    DecodeCore::new(core)
 }
 
 impl PEngine {
@@ -74,6 +96,8 @@ impl PEngine {
             stall_end: 0,
             watch_from: None,
             turns: BTreeMap::new(),
+            turn_heartbeats: TurnHeartbeats::default(),
+            d_conns: BTreeMap::new(),
             pulls: BTreeMap::new(),
         }
     }
@@ -84,7 +108,7 @@ impl DEngine {
     pub(super) fn new(config: &WorldConfig, lease: LeaseConfig, i: usize, clock: Clock) -> Self {
         let id = engine_id(&format!("d{i}"));
         Self {
-            core: d_core(config, lease, id.clone()),
+            core: d_core(config, lease, id.clone(), 0),
             id,
             alive: true,
             incarnation: 0,
@@ -101,17 +125,9 @@ impl DEngine {
             stalled_until: 0,
             stall_end: 0,
             last_step: 0,
-            hold: d_hold(config),
             mem: d_mem(config),
         }
     }
-}
-
-/// A D engine's hold of cached turns in bidirectional mode (`None` without it).
-pub(super) fn d_hold(config: &WorldConfig) -> Option<DecoderHold> {
-    let b = config.bidir?;
-    let ttl = DecoderTtl::from_duration(b.ttl).ok()?;
-    Some(DecoderHold::new(ttl, b.symmetric))
 }
 
 /// A D engine's memory in bidirectional mode (P pulls from it); empty without it.

@@ -189,6 +189,13 @@ struct PEngine {
     watch_from: Option<u64>,
     /// Bidirectional mode: next turns waiting here with D's cached-turn params.
     turns: BTreeMap<RequestId, TurnIn>,
+    /// Bidirectional mode, symmetric lease: P's schedule of heartbeats for the held turns
+    /// of the next turns waiting here (the prefill agent's).
+    turn_heartbeats: kvlease_engine::TurnHeartbeats,
+    /// Bidirectional mode: P's handshakes with D engines for pulls (the prefill agent's
+    /// `d_caches`): D → the incarnation it reached. A failed pull drops it; the next pull
+    /// handshakes with the D then running.
+    d_conns: BTreeMap<usize, u32>,
     /// Bidirectional mode: pulls of D's held blocks in flight.
     pulls: BTreeMap<RequestId, Pull>,
 }
@@ -232,8 +239,6 @@ struct DEngine {
     /// True time the latest stall ended (0: none).
     stall_end: u64,
     last_step: u64,
-    /// Bidirectional mode: the finished turns this D keeps for P to pull.
-    hold: Option<kvlease_engine::DecoderHold>,
     /// Bidirectional mode: D's memory (one pool for all its workers): the fence word and
     /// the content of every block.
     mem: Pool,
@@ -672,7 +677,7 @@ impl World {
                     && d.admitted.is_empty()
                     && d.loads.is_empty()
                     && d.decoding.is_empty()
-                    && d.hold.as_ref().is_none_or(|h| h.blocks_held() == 0)
+                    && d.core.turn_blocks_held() == 0
             })
     }
 

@@ -378,6 +378,8 @@ impl World {
         engine.grant_order.clear();
         engine.watch_from = None;
         engine.turns.clear();
+        engine.turn_heartbeats = kvlease_engine::TurnHeartbeats::default();
+        engine.d_conns.clear();
         engine.pulls.clear();
         let incarnation = engine.incarnation;
         for request in lost {

@@ -107,6 +107,12 @@ pub struct SimStats {
     pub pulls: u64,
     /// Bidirectional mode: pulls that found a changed fence word (the hold ended first).
     pub pulls_stale: u64,
+    /// Bidirectional mode: stale pulls of a hold that had expired (P read a hold it
+    /// believed renewed or alive: a wasted read).
+    pub pulls_stale_expired: u64,
+    /// Bidirectional mode: stale pulls with the params of a D incarnation before the one
+    /// P reached (D restarted: the new one's generations never match them).
+    pub pulls_stale_restarted: u64,
     /// Bidirectional mode: pulls that failed (D crashed, restarted or cut off).
     pub pulls_failed: u64,
     /// Bidirectional mode: finished turns D held.

@@ -1,14 +1,17 @@
 //! Bidirectional multi-turn mode ([`BidirSim`]): conversations whose turns go P → D → P.
 //!
-//! The D shell does what the decode agent does (`decode/hold.rs`): when a turn finishes,
-//! `request_finished_keep` hands its blocks over, the engine's
-//! [`DecoderHold`](kvlease_engine::DecoderHold) keeps them
-//! (the shell publishes the hold's generation into D's fence words) and the shell answers
-//! [`DecoderKvParams`]; P's heartbeats and read completions go to the hold; the hold
-//! expires entries each step, and gives up the oldest when a new request is short of
-//! blocks; a release publishes the free word and poison before the blocks go back to the
-//! core. The P shell does what the prefill agent does (`prefill/pull.rs`): while a next
-//! turn waits, it heartbeats the cached turn (symmetric lease); when its prefill starts,
+//! The D shell does what the decode agent does (`decode/hold.rs`) around its
+//! `DecodeCore`, built `with_hold`: when a turn finishes, `request_finished_hold` keeps
+//! its blocks (the shell publishes the turn's generation into D's fence words) and the
+//! shell answers [`DecoderKvParams`]; P's heartbeats and read completions go to
+//! `handle_notif_at`; `handle_timeout` expires turns each step and, before each load,
+//! evicts the oldest while the next request is short of blocks; for each turn that
+//! `poll_turn_released` hands out, the shell publishes the free word and poison (the core
+//! frees the blocks). Planted bugs drop or skip what the core asks of the shell. The P
+//! shell does what the prefill agent does (`prefill/pull.rs`): while a next turn waits, it
+//! heartbeats the cached turn on the agent's schedule
+//! ([`TurnHeartbeats`](kvlease_engine::TurnHeartbeats), symmetric lease); when its
+//! prefill starts,
 //! it probes D's clock, decides with [`plan_pull`] and either reads D's held blocks (a
 //! one-sided read: the content when it starts, the fence word of the first block when it
 //! ends) or recomputes; then it tells D it has read.
@@ -20,15 +23,13 @@
 //! a D stall), and at once when D gets P's read completion.
 
 use kvlease_engine::{
-    DeadlineBasis, DecoderKvParams, PullDecision, PullPolicy, block_hashes, plan_pull,
+    DeadlineBasis, DecoderKvParams, HoldRefused, KeptTurn, PullDecision, PullPolicy, TurnEnd,
+    TurnHeartbeat, block_hashes, plan_pull,
 };
-use kvlease_lease::{BlockId, ClockOffsetEstimator, Event, PeerTimestamp};
+use kvlease_lease::{BlockId, ClockOffsetEstimator, PeerTimestamp};
 
 use super::*;
 use crate::config::BidirSim;
-
-/// Heartbeats P sends for a cached turn per extension (the prefill agent's rate).
-const CACHE_HEARTBEATS_PER_EXTENSION: u32 = 4;
 
 /// One conversation.
 #[derive(Debug)]
@@ -77,17 +78,18 @@ pub(super) struct HoldRec {
 pub(super) struct TurnIn {
     params: DecoderKvParams,
     d: usize,
-    /// D's incarnation that holds the turn (P's connection reaches that one).
+    /// D's incarnation that held the turn.
     d_incarnation: u32,
-    /// P's clock when it last heartbeated the cached turn.
-    last_heartbeat: Option<Timestamp>,
 }
 
 /// P's read of D's held blocks, in flight.
 #[derive(Debug)]
 pub(super) struct Pull {
     d: usize,
-    d_incarnation: u32,
+    /// D's incarnation that held the turn.
+    held_in: u32,
+    /// D's incarnation P's handshake for pulls reached (`None`: D was down).
+    conn: Option<u32>,
     hold: RequestId,
     generation: u64,
     blocks: Vec<BlockId>,
@@ -128,14 +130,24 @@ impl World {
     /// A turn finished decoding on D: its blocks go into the hold (else back to the core),
     /// and the conversation's next turn, if any, goes to P after the think time.
     pub(super) fn finish_turn(&mut self, d: usize, id: &RequestId, local: Timestamp) {
-        let Some(blocks) = self.d[d].core.request_finished_keep(id) else {
-            self.d_drain(d);
-            return;
+        let kept = match self.d[d].core.request_finished_hold(local, id) {
+            Ok(kept) => kept,
+            Err(HoldRefused::NotDecoding { .. }) => {
+                self.d_drain(d);
+                return;
+            }
+            Err(e) => {
+                self.d_drain(d);
+                self.fail(format!("D{d}: the hold refused turn {id}: {e}"));
+                return;
+            }
         };
         self.d_drain(d);
-        let held = self.hold_turn(d, id, &blocks, local);
+        let held = self.hold_turn(d, id, &kept, local);
         if held.is_none() {
-            self.d[d].core.free_blocks(&blocks);
+            // The shell cannot answer the turn's params: it gives the turn back.
+            self.d[d].core.drop_turn(local, &kept.turn);
+            self.drain_turns(d);
         }
         let Some(b) = self.bidir() else { return };
         let Some(c) = self.requests.get(id).and_then(|r| r.conv) else {
@@ -162,13 +174,13 @@ impl World {
         );
     }
 
-    /// Keeps `blocks` of finished turn `id` in D's hold, publishes its generation into the
-    /// fence words, and answers D's params; `None` when the hold refuses (or D has none).
+    /// Publishes the generation of turn `id`, which D's core kept, into the fence words
+    /// and answers D's params; `None` when the conversation is unknown.
     fn hold_turn(
         &mut self,
         d: usize,
         id: &RequestId,
-        blocks: &[BlockId],
+        kept: &KeptTurn,
         local: Timestamp,
     ) -> Option<DecoderKvParams> {
         let (seed, len) = {
@@ -176,17 +188,10 @@ impl World {
             (self.convs.get(r.conv?)?.token_seed, r.tokens)
         };
         let ttl = nanos(self.bidir()?.ttl);
-        let hold_id = RequestId::new(&format!("turn-{id}")).ok()?;
-        let hold = self.d[d].hold.as_mut()?;
-        let held = match hold.insert(local, hold_id.clone(), blocks.to_vec()) {
-            Ok(h) => h,
-            Err(e) => {
-                self.fail(format!("D{d}: the hold refused turn {id}: {e}"));
-                return None;
-            }
-        };
-        let extension = hold.renew_extension();
-        let word = held.generation.word();
+        let hold_id = kept.turn.clone();
+        let blocks = &kept.blocks;
+        let extension = kept.renew_extension;
+        let word = kept.generation.word();
         let mem = &mut self.d[d].mem;
         for b in blocks {
             if let Some(w) = mem.words.get_mut(b.0 as usize) {
@@ -228,13 +233,14 @@ impl World {
                 .into_iter()
                 .map(|h| format!("{h:016x}"))
                 .collect(),
-            kvlease_deadline_ns: held.deadline.as_nanos_saturating(),
-            kvlease_ttl_remaining: held.deadline.saturating_duration_since(local),
+            kvlease_deadline_ns: kept.deadline.as_nanos_saturating(),
+            kvlease_ttl_remaining: kept.ttl,
             kvlease_renew_extension_ms: extension.map_or(0, |e| e.as_millis() as u64),
         })
     }
 
-    /// P heartbeated cached turns `ids` (symmetric lease).
+    /// D's core applied P's heartbeat for cached turns `ids` (symmetric lease): the
+    /// oracle's model follows.
     pub(super) fn hold_heartbeat(&mut self, d: usize, ids: &[RequestId]) {
         let local = self.d[d].clock.local(self.now);
         let local_ns = local.as_nanos_saturating();
@@ -251,20 +257,11 @@ impl World {
                 rec.deadline_ns = rec.deadline_ns.max(local_ns.saturating_add(ext));
             }
         }
-        if let Some(hold) = self.d[d].hold.as_mut() {
-            self.stats.cache_heartbeats_extended += u64::from(hold.heartbeat(local, ids));
-        }
     }
 
-    /// P read cached turn `id` (or gave up): D frees it at once.
+    /// D's core has P's read completion for cached turn `id` (or P gave up): the hold
+    /// oracle checks that D freed it at once.
     pub(super) fn hold_read_complete(&mut self, d: usize, id: &RequestId) {
-        let local = self.d[d].clock.local(self.now);
-        if self.config.bug != Some(Bug::KeepHoldAfterRead)
-            && let Some(hold) = self.d[d].hold.as_mut()
-            && hold.read_complete(local, id)
-        {
-            self.drain_hold(d, HoldEnd::Pulled);
-        }
         let incarnation = self.d[d].incarnation;
         if let Some(rec) = self.holds.get(id)
             && rec.d == d
@@ -277,29 +274,41 @@ impl World {
         }
     }
 
-    /// Frees the oldest cached turn so that a new request gets its blocks; false when none
-    /// is held.
-    pub(super) fn evict_oldest_hold(&mut self, d: usize) -> bool {
+    /// P's frame `bytes` from `engine` to D `d` in bidirectional mode: D's core applies
+    /// it at D's clock (heartbeats for held turns, read completions) when P sent it
+    /// (`honest`), and the shell clears the fences of the turns it released. Planted
+    /// [`Bug::KeepHoldAfterRead`]: a read completion is reported, not applied.
+    pub(super) fn hold_notif(
+        &mut self,
+        d: usize,
+        engine: &EngineId,
+        bytes: &[u8],
+        honest: bool,
+    ) -> DecodeNotif {
         let local = self.d[d].clock.local(self.now);
-        let Some(hold) = self.d[d].hold.as_mut() else {
-            return false;
+        let keep = self.config.bug == Some(Bug::KeepHoldAfterRead)
+            && matches!(decode(bytes), Ok(Notif::ReadComplete(_)));
+        let core = &mut self.d[d].core;
+        let renewed = core.stats().turns_renewed;
+        let handled = if honest && !keep {
+            core.handle_notif_at(local, engine, bytes)
+        } else {
+            core.handle_notif(engine, bytes)
         };
-        if hold.evict_oldest(local).is_none() {
-            return false;
-        }
-        self.drain_hold(d, HoldEnd::Evicted);
-        true
+        self.stats.cache_heartbeats_extended += core.stats().turns_renewed - renewed;
+        self.drain_turns(d);
+        handled
     }
 
-    /// Expires the cached turns whose deadline passed, then checks that none is overdue.
-    pub(super) fn expire_holds(&mut self, d: usize, local: Timestamp) {
-        let Some(hold) = self.d[d].hold.as_mut() else {
-            return;
-        };
+    /// D's timer in bidirectional mode (the decode agent runs it before each load): the
+    /// core expires the cached turns whose deadline passed and evicts the oldest while the
+    /// next request is short of blocks; the shell clears their fences; then the oracle
+    /// checks that none is overdue. Planted [`Bug::NoHoldExpiry`]: the timer never runs.
+    pub(super) fn hold_timeout(&mut self, d: usize, local: Timestamp) {
         if self.config.bug != Some(Bug::NoHoldExpiry) {
-            hold.handle_timeout(local);
+            self.d[d].core.handle_timeout(local);
         }
-        self.drain_hold(d, HoldEnd::Expired);
+        self.drain_turns(d);
         let local_ns = local.as_nanos_saturating();
         let incarnation = self.d[d].incarnation;
         let overdue: Vec<RequestId> = self
@@ -318,19 +327,13 @@ impl World {
         }
     }
 
-    /// Frees what the hold released: the free word and poison first (a pull in flight
-    /// fails its fence), then the blocks go back to the core. `cause` names releases that
-    /// are not expiries.
-    fn drain_hold(&mut self, d: usize, cause: HoldEnd) {
+    /// Clears the fences of every cached turn D's core released (the free word and
+    /// poison: a pull in flight fails its fence); the core frees the blocks as it hands
+    /// each one out. Planted [`Bug::SkipHoldFenceClear`]: the fences stay.
+    fn drain_turns(&mut self, d: usize) {
         let local = self.d[d].clock.local(self.now);
-        let mut released = Vec::new();
-        if let Some(hold) = self.d[d].hold.as_mut() {
-            while let Some(Event::Released(r)) = hold.poll_event() {
-                released.push(r);
-            }
-        }
         let clear = self.config.bug != Some(Bug::SkipHoldFenceClear);
-        for r in released {
+        while let Some(r) = self.d[d].core.poll_turn_released() {
             let mem = &mut self.d[d].mem;
             for b in r.blocks.iter().filter(|_| clear) {
                 if let Some(w) = mem.words.get_mut(b.0 as usize) {
@@ -340,13 +343,14 @@ impl World {
                     *c = POISON;
                 }
             }
-            self.d[d].core.free_blocks(&r.blocks);
-            let end = if r.reason == ReleaseReason::Expired {
-                HoldEnd::Expired
-            } else {
-                cause
+            let end = match r.end {
+                TurnEnd::Pulled => HoldEnd::Pulled,
+                TurnEnd::Expired => HoldEnd::Expired,
+                TurnEnd::Evicted => HoldEnd::Evicted,
+                // Given back before its params were answered: the oracle never saw it.
+                TurnEnd::Dropped => continue,
             };
-            self.hold_ended(d, &r.request, end, local, &r.blocks);
+            self.hold_ended(d, &r.turn, end, local, &r.blocks);
         }
     }
 
@@ -486,7 +490,6 @@ impl World {
                         params,
                         d,
                         d_incarnation,
-                        last_heartbeat: None,
                     },
                 );
             }
@@ -494,8 +497,9 @@ impl World {
         }
     }
 
-    /// Symmetric lease: heartbeats the cached turns whose next turns wait on P `p`, a few
-    /// times per extension, from P worker 0 to D rank 0.
+    /// Symmetric lease: sends the heartbeats for cached turns that P `p`'s schedule
+    /// ([`TurnHeartbeats`](kvlease_engine::TurnHeartbeats), the prefill agent's) has due
+    /// for the next turns waiting on it, from P worker 0 to D rank 0.
     pub(super) fn heartbeat_cached(&mut self, p: usize, local: Timestamp) {
         // Forget next turns that no longer wait (refused, lost).
         let engine = &mut self.p[p];
@@ -505,23 +509,20 @@ impl World {
             return;
         }
         let engine = &mut self.p[p];
-        let mut due = Vec::new();
-        for turn in engine.turns.values_mut() {
-            let ext = turn.params.kvlease_renew_extension_ms;
-            if ext == 0 {
+        engine
+            .turn_heartbeats
+            .handle_waiting(engine.turns.values().map(|t| &t.params));
+        for TurnHeartbeat { turn, .. } in engine.turn_heartbeats.due(local) {
+            let engine = &self.p[p];
+            let Some(d) = engine
+                .turns
+                .values()
+                .find(|t| t.params.remote_request_id == turn)
+                .map(|t| t.d)
+            else {
                 continue;
-            }
-            let every = Duration::from_millis(ext) / CACHE_HEARTBEATS_PER_EXTENSION;
-            if turn
-                .last_heartbeat
-                .is_none_or(|last| local.saturating_duration_since(last) >= every)
-            {
-                turn.last_heartbeat = Some(local);
-                due.push((turn.d, turn.params.remote_request_id.clone()));
-            }
-        }
-        for (d, hold) in due {
-            let Ok(id) = RequestId::new(&hold) else {
+            };
+            let Ok(id) = RequestId::new(&turn) else {
                 continue;
             };
             let Ok(msgs) = encode_heartbeats([&id], MAX_NOTIF_LEN) else {
@@ -538,6 +539,7 @@ impl World {
                     m,
                 );
             }
+            self.p[p].turn_heartbeats.handle_sent(local, &turn);
         }
     }
 
@@ -562,12 +564,14 @@ impl World {
         let Some(turn) = self.p[p].turns.remove(request) else {
             return 0;
         };
+        let heartbeats = self.p[p]
+            .turn_heartbeats
+            .take(&turn.params.remote_request_id);
         let d = turn.d;
-        let reachable = self.d_reachable(p, d, turn.d_incarnation);
-        // The clock probe, just before: one sample over the network (none when D does not
-        // answer).
+        // The clock probe, just before: one sample over the network from whichever D runs
+        // (none when D does not answer).
         let mut est = ClockOffsetEstimator::new();
-        if reachable {
+        if self.d_reachable(p, d, self.d[d].incarnation) {
             let net = self.config.net;
             let there = nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
             let back = nanos(net.delay) + self.rng.range(0, nanos(net.jitter));
@@ -580,9 +584,10 @@ impl World {
             );
         }
         let mut params = turn.params;
-        // The last heartbeat (sent at t0) renewed the cached turn, if D got it.
-        if let (Some(t0), Some(offset)) = (turn.last_heartbeat, est.offset())
-            && let Some(renewed) = params.renewed_by_heartbeat(offset.to_peer(t0))
+        // P's heartbeats renewed the cached turn, if the first of their run went out before
+        // its deadline (and D got them).
+        if let (Some(run), Some(offset)) = (heartbeats, est.offset())
+            && let Some(renewed) = params.renewed_by_heartbeats(run, &offset)
         {
             params = renewed;
         }
@@ -619,6 +624,18 @@ impl World {
         let Ok(hold) = RequestId::new(&params.remote_request_id) else {
             return 0;
         };
+        // P's handshake with D for pulls (the agent's `d_caches`): the one it made before,
+        // or one with the D running now. An earlier incarnation's connection fails the read.
+        let conn = match self.p[p].d_conns.get(&d) {
+            Some(&i) => Some(i),
+            None if self.d[d].alive => {
+                let i = self.d[d].incarnation;
+                self.p[p].d_conns.insert(d, i);
+                Some(i)
+            }
+            None => None,
+        };
+        let reachable = conn.is_some_and(|i| self.d_reachable(p, d, i));
         // The one-sided read copies D's blocks as it starts.
         let mem = &self.d[d].mem;
         let copied = blocks
@@ -635,7 +652,8 @@ impl World {
             request.clone(),
             Pull {
                 d,
-                d_incarnation: turn.d_incarnation,
+                held_in: turn.d_incarnation,
+                conn,
                 hold,
                 generation: params.kvlease_generation,
                 blocks,
@@ -653,8 +671,10 @@ impl World {
     }
 
     /// P's read of D's held blocks ends: the fence word of the first block decides (a
-    /// changed one: stale, P recomputes; D gone, restarted or cut off: failed); the oracle
-    /// checks a completed read; P tells D it has read.
+    /// changed one: stale, P recomputes; D gone, restarted since the handshake or cut off:
+    /// failed); the oracle checks a completed read; P tells D it has read. A read that
+    /// did not complete drops P's handshake with D (the next pull makes a new one, with
+    /// the D running then).
     pub(super) fn pull_done(&mut self, p: usize, incarnation: u32, request: &RequestId) {
         if !self.p[p].alive || self.p[p].incarnation != incarnation {
             return;
@@ -663,7 +683,7 @@ impl World {
             return;
         };
         let d = pull.d;
-        let reachable = self.d_reachable(p, d, pull.d_incarnation);
+        let reachable = pull.conn.is_some_and(|i| self.d_reachable(p, d, i));
         let word = pull
             .blocks
             .first()
@@ -671,18 +691,27 @@ impl World {
             .copied();
         let matched = reachable && word == Some(pull.generation);
         let done = matched || (reachable && self.config.bug == Some(Bug::PullIgnoresFence));
+        let hold_end = self.holds.get(&pull.hold).and_then(|r| r.end);
         if done {
             self.check_pull(p, request, &pull, matched);
             self.stats.pulls += 1;
         } else {
             if reachable {
                 self.stats.pulls_stale += 1;
+                if hold_end == Some(HoldEnd::Expired) {
+                    self.stats.pulls_stale_expired += 1;
+                }
+                if pull.conn != Some(pull.held_in) {
+                    self.stats.pulls_stale_restarted += 1;
+                }
             } else {
                 self.stats.pulls_failed += 1;
             }
             self.stats.turns_recomputed += 1;
+            if self.p[p].d_conns.get(&d) == pull.conn.as_ref() {
+                self.p[p].d_conns.remove(&d);
+            }
         }
-        let hold_end = self.holds.get(&pull.hold).and_then(|r| r.end);
         self.note(|| {
             format!(
                 "P{p} pull of {} done={done} (hold ended: {hold_end:?})",
@@ -761,13 +790,11 @@ impl World {
             }
         }
         for d in self.d.iter().filter(|d| d.alive) {
-            if let Some(hold) = &d.hold
-                && hold.blocks_held() != 0
-            {
+            let held = d.core.turn_blocks_held();
+            if held != 0 {
                 problems.push(format!(
-                    "leak: {} still holds {} blocks of cached turns at the end",
-                    d.id,
-                    hold.blocks_held()
+                    "leak: {} still holds {held} blocks of cached turns at the end",
+                    d.id
                 ));
             }
             let fenced = d
