@@ -344,8 +344,10 @@ async fn the_proxy_carries_d_params_to_the_next_turn_by_first_message() -> Resul
 /// the same schedule recomputes.
 async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
     let c = client();
-    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 1.5,
-        "pull_safety_margin": 0.3, "kv_lease_duration": 3, "symmetric_decoder_lease": symmetric});
+    // D's TTL is half of how long the next turn waits on P, with room for heartbeats
+    // delayed by a loaded machine.
+    let extra = json!({"kv_recompute_threshold": 16, "decoder_kv_blocks_ttl": 3,
+        "pull_safety_margin": 0.3, "kv_lease_duration": 6, "symmetric_decoder_lease": symmetric});
     let tag = if symmetric { "sym" } else { "fixed" };
     let mut p = spawn(
         env!("CARGO_BIN_EXE_prefill-agent"),
@@ -365,7 +367,7 @@ async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
     wait_healthy(&c, &mut d).await?;
     let first = first_prompt();
     let (_, da1) = turn(&c, &p, &d, &first, None).await?;
-    // A prefill nobody decodes takes all 16 blocks until its 3 s lease expires.
+    // A prefill nobody decodes takes all 16 blocks until its 6 s lease expires.
     post(
         &c,
         &p.url,

@@ -173,17 +173,24 @@ impl PrefillEngine {
                 continue;
             };
             let mut sent = true;
+            let mut broken = false;
             for m in msgs {
                 if let Err(e) = w.agent.send_notif(peer, m) {
                     tracing::debug!(%engine, error = %e, "cached-blocks heartbeat not sent");
                     sent = false;
+                    broken |= matches!(
+                        e,
+                        kvlease_transport::TransferError::Disconnected { .. }
+                            | kvlease_transport::TransferError::UnknownPeer(_)
+                    );
                 }
             }
             if sent {
                 self.metrics.heartbeats_sent.inc();
                 self.turn_heartbeats.handle_sent(now, &request);
-            } else {
-                // The connection broke (D may have restarted): handshake again.
+            } else if broken {
+                // The connection broke (D may have restarted): handshake again. A full
+                // queue is only backpressure: the next heartbeat tries the same link.
                 ctx.forget_d(&engine, &remote);
             }
         }
