@@ -354,7 +354,7 @@ async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
         &format!("p-{tag}"),
         &extra,
         0,
-        &["--num-blocks", "16"],
+        &["--num-blocks", "16", "--pool-wait-ms", "15000"],
     )?;
     let mut d = spawn(
         env!("CARGO_BIN_EXE_decode-agent"),
@@ -367,7 +367,8 @@ async fn waits_on_p(symmetric: bool) -> Result<(Value, f64)> {
     wait_healthy(&c, &mut d).await?;
     let first = first_prompt();
     let (_, da1) = turn(&c, &p, &d, &first, None).await?;
-    // A prefill nobody decodes takes all 16 blocks until its 6 s lease expires.
+    // A prefill nobody decodes takes all 16 blocks until its 6 s lease expires (P's
+    // requests wait up to 15 s for blocks).
     post(
         &c,
         &p.url,
