@@ -385,6 +385,12 @@ class KvleaseScheduler:
                 reason = _kv_incompatibility(
                     self.kv_descriptor, info.kv, d_tp=self.tp_size, p_tp=info.tp_size
                 )
+            theirs = None if info.kv is None else info.kv.get("block_size")
+            if reason is None and theirs is not None and theirs != self.block_size:
+                # Pull reads runs of tokens across block sizes; a push writes whole blocks.
+                reason = f"block size {theirs}, ours {self.block_size}: push writes whole blocks"
+            if reason is None and info.tp_size != self.tp_size:
+                reason = f"TP size {info.tp_size}, ours {self.tp_size}: push needs equal TP sizes"
             if reason is not None:
                 logger.error("engine %s is not KV-compatible: %s (push refused)", engine, reason)
                 self._push_failed[engine] = f"not KV-compatible: {reason}"
