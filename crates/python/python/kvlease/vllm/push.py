@@ -154,11 +154,12 @@ class PushDecode:
 
     @staticmethod
     def wants(params: dict | None) -> bool:
-        """A D leg of vLLM's push flow: a remote prefill naming P, with no P blocks."""
+        """A D leg of vLLM's push flow: a remote prefill naming P, with no P blocks (or
+        P's params passed on whole: ``transfer_mode`` push)."""
         return bool(
             params
             and params.get("do_remote_prefill")
-            and not params.get("remote_block_ids")
+            and (not params.get("remote_block_ids") or params.get("transfer_mode") == "push")
             and params.get("remote_engine_id")
             and params.get("remote_request_id")
         )

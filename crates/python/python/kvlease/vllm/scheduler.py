@@ -645,9 +645,7 @@ class KvleaseScheduler:
             return
         if not params or not params.get("do_remote_prefill"):
             return
-        if self.push_d is not None and (
-            PushDecode.wants(params) or params.get("transfer_mode") == "push"
-        ):
+        if self.push_d is not None and PushDecode.wants(params):
             leg = self.push_d.admit(request.request_id, params)
             self.counters.add("requests_tracked")
             self._push_handshake(leg.engine, leg.host, leg.port)
@@ -1218,6 +1216,10 @@ class KvleaseScheduler:
         if not blocks:
             return False, None
         if self.push_p is not None:
+            if groups is not None and len(groups) > 1:
+                logger.warning("request %s: a hybrid model's KV is not pushed", rid)
+                self.counters.add("pushes_refused")
+                return False, None
             # The prompt's blocks (paired from the end with D's).
             blocks = blocks[: -(-int(request.num_prompt_tokens) // self.block_size)]
             if not self.push_p.finished(now, rid, blocks):
