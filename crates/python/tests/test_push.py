@@ -2,7 +2,8 @@
 TCP (``Agent.post_write``, ``Agent.set_write_fence``), and the push cores
 (``Reservations`` on D, ``PushCore`` on P) driven by hand with explicit times.
 
-The vLLM connector does not push yet; these tests pin the API it will build on.
+The vLLM connector's push mode is built on them (``tests/vllm/test_kvlease_push.py``,
+``tests/serve/test_push.py``).
 """
 
 from __future__ import annotations

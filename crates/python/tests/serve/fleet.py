@@ -346,6 +346,16 @@ class Fleet:
         return self._add(Process(name, argv, port, self.work / f"{name}.log",
                                  ready_path="/healthcheck"))
 
+    def push_proxy(self, name: str, prefill: list[Process], decode: list[Process]) -> Process:
+        """A push-mode proxy (``push_proxy.py``: vLLM's push proxy's flow)."""
+        port = free_port()
+        argv = [
+            sys.executable, str(Path(__file__).with_name("push_proxy.py")), "--port", str(port),
+            "--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode],
+        ]
+        return self._add(Process(name, argv, port, self.work / f"{name}.log",
+                                 ready_path="/healthcheck"))
+
     def kvlease_proxy(self, name: str, prefill: list[Process], decode: list[Process]) -> Process:
         port = free_port()
         argv = [

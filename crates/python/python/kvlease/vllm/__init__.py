@@ -83,9 +83,13 @@ aborts), ``engines`` (P's ``EngineInfo`` learned by handshakes since the last st
 ``failed_loads`` (requests vLLM parked for a load the core refused: reported failed at
 once) and ``finished_sending`` (P: leases ended; vLLM may free their blocks).
 
+Push mode adds ``reserves`` (``ReserveSpec``), ``reservation_ends``
+(``ReservationEndSpec``) and ``writes`` (``WriteSpec``).
+
 ``KvleaseWorkerMetadata`` (workers → scheduler): ``notifs`` (``ReceivedNotif``: sender,
-message, received by P's workers) and ``batches`` (``{request: {batch index:
-BatchOutcome}}``: ``BatchStatus``, bytes, error).
+message, received by P's workers), ``batches`` (``{request: {batch index:
+BatchOutcome}}``: ``BatchStatus``, bytes, error) and, in push mode, ``writes``
+(``{transfer: [WriteOutcome]}``, one per P worker).
 
 ``kv_transfer_params`` returned by P: vLLM's keys (``do_remote_prefill``,
 ``do_remote_decode``, ``remote_block_ids``, ``remote_engine_id``, ``remote_request_id``,
@@ -133,6 +137,16 @@ fenced by its own P rank's fence word. An MLA model's latent cache (one "head", 
 on every rank) is read once per D worker, from one P rank (``replicated_kv``), and P's
 lease waits for exactly those readers.
 
+**Push mode** (``KvleasePushConnector``, or ``transfer_mode: push``; ``push``): the flow
+of vLLM's push proxy. P keeps a finished prompt's blocks and answers ``kv_transfer_params``
+naming itself; D reserves the blocks vLLM allocated (``kvlease.Reservations``), its
+workers publish the reservation's generation in their write-fence words, and D's worker 0
+registers the blocks with P's worker 0 (``KVL1:PR:``). P's ``kvlease.PushCore`` decides;
+P's workers write their blocks into D's workers' of the same rank with fenced one-sided
+writes (TCP), P heartbeats the reservation and says written or failed. D clears the fence
+before it reports the request (received, or with load errors when P's write failed or no
+heartbeat renewed the reservation) or frees its blocks (aborted, and P is told).
+
 Not supported (yet): TP sizes that do not divide the KV heads when P's and D's differ
 (vLLM replicates heads there; refused at the handshake), KV layouts whose layer block is not dense (``BHLNC``:
 ``register_kv_caches`` refuses it), KV cache groups other than full attention and
@@ -156,7 +170,7 @@ from __future__ import annotations
 
 from .compat import _block_format, _kv_descriptor, _kv_incompatibility, _layer_format_diff
 from .config import VLLM_VERSION, KvleaseConfig, _agent_name, _engine_of
-from .connector import KvleaseConnector
+from .connector import KvleaseConnector, KvleasePushConnector
 from .handshake import EngineInfo, RemoteLayer, WorkerInfo, _engine_info
 from .metadata import (
     BatchOutcome,
@@ -175,6 +189,7 @@ from .worker import KvleaseWorker
 
 __all__ = [
     "KvleaseConnector",
+    "KvleasePushConnector",
     "KvleaseConnectorMetadata",
     "KvleaseWorkerMetadata",
     "KvleaseHandshakeMetadata",

@@ -105,9 +105,20 @@ class KvleaseConfig:
     #: The next turn's P heartbeats the hold while its request waits or reads, and each
     #: heartbeat extends it (the symmetric lease); false: a fixed TTL, as NixlConnector's.
     symmetric_decoder_lease: bool = True
+    #: ``pull`` (D reads P's leased blocks) or ``push`` (D reserves its blocks, P writes
+    #: them): ``kv_connector_extra_config`` ``transfer_mode``, or ``KvleasePushConnector``.
+    transfer_mode: str = "pull"
+
+    @property
+    def push(self) -> bool:
+        return self.transfer_mode == "push"
 
     @classmethod
-    def from_vllm(cls, vllm_config: "VllmConfig") -> "KvleaseConfig":
+    def from_vllm(
+        cls, vllm_config: "VllmConfig", transfer_mode: str | None = None
+    ) -> "KvleaseConfig":
+        """``transfer_mode``: the mode the connector class names (``KvleasePushConnector``:
+        ``push``), which ``kv_connector_extra_config`` must not contradict."""
         ktc = vllm_config.kv_transfer_config
         if ktc is None:
             raise ConfigError("kv_transfer_config must be set")
@@ -165,6 +176,25 @@ class KvleaseConfig:
         transport_port = _port(extra, "transport_port", "KVLEASE_TRANSPORT_PORT")
         transport_host = str(extra.get("transport_host") or host)
         kv_buffer_device, use_host_buffer = _host_buffer(ktc, extra)
+        mode = str(extra.get("transfer_mode", transfer_mode or "pull"))
+        if mode not in ("pull", "push"):
+            raise ConfigError(f"transfer_mode must be pull or push, not {mode!r}")
+        if transfer_mode is not None and mode != transfer_mode:
+            raise ConfigError(
+                f"the connector class pushes, but kv_connector_extra_config says "
+                f"transfer_mode {mode!r}"
+            )
+        if mode == "push" and transport not in ("auto", "tcp"):
+            raise ConfigError(
+                f"push mode writes over tcp (the backend with the write fence), not {transport!r}"
+            )
+        if mode == "push" and bidirectional:
+            raise ConfigError("bidirectional_kv_xfer is not supported in push mode")
+        if mode == "push" and use_host_buffer:
+            raise ConfigError(
+                "push mode writes into the KV caches themselves: kv_buffer_device 'cpu' "
+                "(a host buffer) is not supported with it"
+            )
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype in SIDE_SCALE_CACHE_DTYPES:
             raise ConfigError(
@@ -197,6 +227,7 @@ class KvleaseConfig:
             kv_recompute_threshold=threshold,
             pull_safety_margin=number("pull_safety_margin", 5.0),
             symmetric_decoder_lease=_flag(extra, "symmetric_decoder_lease", True),
+            transfer_mode=mode,
         )
 
 

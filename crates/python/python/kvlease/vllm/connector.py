@@ -49,6 +49,10 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
     groups) keep vLLM's hybrid KV cache manager (``kvlease.vllm.hybrid``).
     """
 
+    #: The transfer mode the class fixes (``KvleasePushConnector``: push); ``None``:
+    #: ``kv_connector_extra_config`` ``transfer_mode``, pull by default.
+    TRANSFER_MODE: str | None = None
+
     def __init__(
         self,
         vllm_config: "VllmConfig",
@@ -57,7 +61,7 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         attach_to_vllm()
-        self.config = KvleaseConfig.from_vllm(vllm_config)
+        self.config = KvleaseConfig.from_vllm(vllm_config, self.TRANSFER_MODE)
         self.scheduler: KvleaseScheduler | None = None
         self.worker: KvleaseWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -195,3 +199,12 @@ class KvleaseConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.shutdown()
         if self.worker is not None:
             self.worker.shutdown()
+
+
+class KvleasePushConnector(KvleaseConnector):
+    """``KvleaseConnector`` in push mode (as vLLM's ``NixlPushConnector`` is
+    NixlConnector's): D reserves the blocks it allocated for a request and P writes its
+    KV into them (``kvlease.vllm.push``). The same as ``KvleaseConnector`` with
+    ``kv_connector_extra_config`` ``{"transfer_mode": "push"}``."""
+
+    TRANSFER_MODE = "push"

@@ -111,6 +111,56 @@ class SaveSpec:
     block_groups: list[list[int]]
 
 
+@dataclass(frozen=True)
+class ReserveSpec:
+    """Push mode, D: a reservation made. Every D worker publishes ``generation`` in the
+    write-fence words of ``blocks`` (under its agent's write lock); then worker 0 sends
+    P's worker 0 ``messages`` (where D's side channel is, and the registration)."""
+
+    request: str
+    #: P's engine.
+    engine: str
+    blocks: list[int]
+    generation: int
+    messages: list[bytes]
+
+
+@dataclass(frozen=True)
+class ReservationEndSpec:
+    """Push mode, D: a reservation ended (``written``, ``failed``, ``expired`` or
+    ``aborted``). Every D worker clears the write-fence words of ``blocks`` first (no
+    write of the generation lands after that), then reports the request received:
+    with its blocks as load errors when failed or expired (vLLM recomputes or fails it);
+    aborted, vLLM frees the blocks it held back for it."""
+
+    request: str
+    blocks: list[int]
+    outcome: str
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """Push mode, P: write ``local_blocks`` (P's) into ``remote_blocks`` (D's, a
+    reservation of ``generation`` fenced by the write-fence word of ``fence_block``),
+    every P worker into the D worker of its rank."""
+
+    transfer: str
+    #: D's engine.
+    engine: str
+    generation: int
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    fence_block: int
+
+
+class WriteOutcome(NamedTuple):
+    """How one P worker's write of a push ended, for P's scheduler."""
+
+    generation: int
+    ok: bool
+    error: str | None
+
+
 @dataclass
 class KvleaseConnectorMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step (plain values and dataclasses of them: vLLM
@@ -130,6 +180,11 @@ class KvleaseConnectorMetadata(KVConnectorMetadata):
     finished_sending: list[str] = field(default_factory=list)
     #: P with a host buffer: the blocks to copy to it after this step's forward.
     saves: list[SaveSpec] = field(default_factory=list)
+    #: Push mode, D: reservations made and ended since the last step.
+    reserves: list[ReserveSpec] = field(default_factory=list)
+    reservation_ends: list[ReservationEndSpec] = field(default_factory=list)
+    #: Push mode, P: writes to post.
+    writes: list[WriteSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +194,8 @@ class KvleaseWorkerMetadata(KVConnectorWorkerMetadata):
     notifs: list[ReceivedNotif] = field(default_factory=list)
     #: D request -> batch index -> how the batch ended.
     batches: dict[str, dict[int, BatchOutcome]] = field(default_factory=dict)
+    #: Push mode, P: transfer -> how each worker's write ended (one entry per worker).
+    writes: dict[str, list[WriteOutcome]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KvleaseWorkerMetadata):
@@ -149,6 +206,9 @@ class KvleaseWorkerMetadata(KVConnectorWorkerMetadata):
         )
         for req, results in other.batches.items():
             merged.batches.setdefault(req, {}).update(results)
+        merged.writes = {k: list(v) for k, v in self.writes.items()}
+        for transfer, outcomes in other.writes.items():
+            merged.writes.setdefault(transfer, []).extend(outcomes)
         return merged
 
 

@@ -20,6 +20,7 @@ from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
 from .hybrid import _clip_groups, _group_windows, _pair_groups
+from .push import PEER_PREFIX, PushDecode, PushFrame, PushPrefill, is_push_frame, parse
 from .metadata import (
     BatchSpec,
     KvleaseConnectorMetadata,
@@ -134,6 +135,20 @@ class KvleaseScheduler:
                 max_waiting=1 << 20,
                 replicated_kv=self.kv_replicated,
             )
+        # Push mode (``push``): D's reservations, P's pushes; the handshakes they need
+        # (D with P, to send it registrations; P with D, to write): results queued by
+        # the handshake threads, engines failed (why), engines asked.
+        self.push_d: PushDecode | None = None
+        self.push_p: PushPrefill | None = None
+        if config.push and self.is_consumer:
+            self.push_d = PushDecode(config.lease_duration, self.counters)
+        if config.push and self.is_producer:
+            self.push_p = PushPrefill(config.lease_duration, self.tp_size, self.counters)
+        self._push_hs: queue.Queue[tuple[str, EngineInfo | None, Exception | None]] = (
+            queue.Queue()
+        )
+        self._push_failed: dict[str, str] = {}
+        self._push_asked: set[str] = set()
         # P: the workers' fence words, by rank; what the side channel serves.
         self.fences: dict[int, native.FenceWords] = {}
         self._fence_maps: list[mmap.mmap] = []
@@ -142,7 +157,8 @@ class KvleaseScheduler:
         # as remote_host (127.0.0.1 unless configured), not every interface.
         self.side_channel: native.SideChannelServer | None = None
         self.side_channel_port = 0
-        if self.is_producer:
+        # Push mode: D serves its engine info too (P writes into its workers' blocks).
+        if self.is_producer or self.push_d is not None:
             self.side_channel = native.SideChannelServer(
                 self._payload(),
                 token=config.token,
@@ -277,6 +293,174 @@ class KvleaseScheduler:
         if self.side_channel is not None:
             self.side_channel.set_payload(self._payload())
 
+    # ---------------------------------------------------------------- push mode
+
+    def _push_notif(self, now: float, notif: ReceivedNotif) -> bool:
+        """A push-mode frame from a peer's worker, fed to the push core it is for;
+        ``False`` for any other notification."""
+        sender, message = notif
+        message = bytes(message)
+        if not is_push_frame(message):
+            return False
+        try:
+            frame = parse(message)
+        except KvleaseError as e:
+            logger.warning("push frame from %r ignored: %s", sender, e)
+            self.counters.add("push_frames_invalid")
+            return True
+        engine = _engine_of(sender)
+        if frame.kind in ("peer", "register", "released"):
+            if self.push_p is None:
+                self.counters.add("push_frames_ignored")
+                return True
+            if frame.kind == "peer":
+                self._push_peer(frame, engine)
+            else:
+                self.push_p.handle(now, engine, frame)
+        elif self.push_d is not None:
+            self.push_d.handle(now, engine, frame)
+        else:
+            self.counters.add("push_frames_ignored")
+        return True
+
+    def _push_peer(self, frame: PushFrame, sender: str) -> None:
+        """P: where D's side channel is; its engine info is fetched once (again when the
+        peer message names another address: D restarted)."""
+        assert frame.peer is not None and self.push_p is not None
+        engine, host, port = frame.peer
+        if engine != sender:
+            logger.warning("push peer message from %s names engine %s: ignored", sender, engine)
+            self.counters.add("push_frames_invalid")
+            return
+        if self.push_p.peers.get(engine) == (host, port) and (
+            engine in self.engines or engine in self._push_asked
+        ):
+            return
+        self.push_p.peers[engine] = (host, port)
+        self._push_handshake(engine, host, port, force=True)
+
+    def _push_handshake(self, engine: str, host: str, port: int, force: bool = False) -> None:
+        """Fetches ``engine``'s info from its side channel on a background thread (push
+        mode: D learns P's workers, P learns D's)."""
+        if not force and (engine in self.engines or engine in self._push_asked):
+            return
+        self._push_asked.add(engine)
+        self._push_failed.pop(engine, None)
+
+        def run() -> None:
+            try:
+                raw = native.side_channel_fetch(
+                    host, port, token=self.config.token, timeout=self.config.handshake_timeout
+                )
+                info = _engine_info(raw)
+                if info.engine_id != engine:
+                    raise KvleaseError(
+                        f"{host}:{port} serves engine {info.engine_id!r}, not {engine!r}"
+                    )
+                self._push_hs.put((engine, info, None))
+            except Exception as e:  # the engine's pushes fail; its requests recompute
+                self._push_hs.put((engine, None, e))
+
+        threading.Thread(target=run, name=f"kvlease-push-handshake-{engine}", daemon=True).start()
+
+    def _push_handshakes(self) -> None:
+        while True:
+            try:
+                engine, info, error = self._push_hs.get_nowait()
+            except queue.Empty:
+                return
+            self._push_asked.discard(engine)
+            if info is None:
+                logger.warning("push handshake with engine %s failed: %s", engine, error)
+                self._push_failed[engine] = str(error)
+                self.counters.add("handshakes_failed")
+                continue
+            # P checks D's KV as D checks P's: a D whose blocks mean something else is
+            # never written (its pushes fail; D recomputes).
+            if self.push_p is not None and engine in self.push_p.peers:
+                reason = _kv_incompatibility(
+                    self.kv_descriptor, info.kv, d_tp=info.tp_size, p_tp=self.tp_size
+                )
+            else:
+                reason = _kv_incompatibility(
+                    self.kv_descriptor, info.kv, d_tp=self.tp_size, p_tp=info.tp_size
+                )
+            theirs = None if info.kv is None else info.kv.get("block_size")
+            if reason is None and theirs is not None and theirs != self.block_size:
+                # Pull reads runs of tokens across block sizes; a push writes whole blocks.
+                reason = f"block size {theirs}, ours {self.block_size}: push writes whole blocks"
+            if reason is None and info.tp_size != self.tp_size:
+                reason = f"TP size {info.tp_size}, ours {self.tp_size}: push needs equal TP sizes"
+            if reason is not None:
+                logger.error("engine %s is not KV-compatible: %s (push refused)", engine, reason)
+                self._push_failed[engine] = f"not KV-compatible: {reason}"
+                self.counters.add("handshakes_incompatible")
+                continue
+            self.engines[engine] = info
+            self._new_engines[engine] = info
+            self.counters.add("handshakes_done")
+
+    def _push_peer_message(self) -> bytes:
+        body = {
+            "engine": self.engine_id,
+            "host": self.config.side_channel_host,
+            "port": self.side_channel_port,
+        }
+        return PEER_PREFIX + json.dumps(body, separators=(",", ":")).encode()
+
+    def _push_matched(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """D, ``get_num_new_matched_tokens`` of a push leg: ask again until P's engine
+        info is in (D's worker 0 sends the registration to P's worker 0); the prompt is
+        computed here when the handshake failed or P cannot push to this engine."""
+        assert self.push_d is not None
+        rid = request.request_id
+        leg = self.push_d.legs[rid]
+        if leg.generation:
+            return 0, False  # reserved already (a preempted request scheduled again)
+        self._push_handshakes()
+        why = self._push_failed.get(leg.engine)
+        if why is None and leg.tp_size != self.tp_size:
+            why = f"P's TP size {leg.tp_size} is not ours ({self.tp_size})"
+        if why is None and len(self.group_windows) > 1:
+            why = "a hybrid model's KV cache groups are not pushed"
+        if why is not None:
+            logger.warning("request %s: not pushed (%s): computing locally", rid, why)
+            self.push_d.legs.pop(rid, None)
+            self.counters.add("requests_refused")
+            return 0, False
+        if leg.engine not in self.engines:
+            self._push_handshake(leg.engine, leg.host, leg.port)
+            return None, False
+        count = int(request.num_prompt_tokens) - int(num_computed_tokens)
+        if count <= 0:
+            self.push_d.legs.pop(rid, None)
+            return 0, False
+        return count, True
+
+    def _push_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
+        """D: the blocks vLLM allocated for the pushed tokens are reserved, fenced and
+        registered with P (``PushDecode.reserve``)."""
+        assert self.push_d is not None
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one reservation, even after a preemption
+        if num_external <= 0:
+            self.push_d.legs.pop(rid, None)
+            return
+        # The blocks that receive the prompt's tokens past D's prefix hits (vLLM may
+        # allocate more): P pairs its last blocks with them, from the end.
+        unhashed = [int(b) for b in blocks.get_unhashed_block_ids()]
+        skip = len(blocks.get_block_ids()[0]) - len(unhashed)
+        need = -(-int(request.num_prompt_tokens) // self.block_size) - skip
+        local = unhashed[: max(0, need)]
+        if not local or not self.push_d.reserve(
+            self.clock(), rid, local, self._push_peer_message()
+        ):
+            self.push_d.legs.pop(rid, None)
+            self._failed_loads[rid] = local
+
     def _publish(self, blocks: list[int], word: int) -> None:
         for words in self.fences.values():
             words.publish(blocks, word)
@@ -304,6 +488,8 @@ class KvleaseScheduler:
             pass
 
     def _handle_notifs(self, now: float, notifs: list[ReceivedNotif]) -> None:
+        if self.push_d is not None or self.push_p is not None:
+            notifs = [n for n in notifs if not self._push_notif(now, n)]
         if self.prefill is None:
             if notifs:
                 # Nothing leased here: P engines never send D notifications.
@@ -463,6 +649,11 @@ class KvleaseScheduler:
             return
         if not params or not params.get("do_remote_prefill"):
             return
+        if self.push_d is not None and PushDecode.wants(params):
+            leg = self.push_d.admit(request.request_id, params)
+            self.counters.add("requests_tracked")
+            self._push_handshake(leg.engine, leg.host, leg.port)
+            return
         self._decodes.add(request.request_id)
         if self.decode is None:
             logger.warning(
@@ -618,6 +809,8 @@ class KvleaseScheduler:
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
+        if self.push_d is not None and rid in self.push_d.legs:
+            return self._push_matched(request, num_computed_tokens)
         if rid not in self._remote:
             return 0, False
         self._pump(self.clock())
@@ -671,6 +864,9 @@ class KvleaseScheduler:
             # Its blocks go to the host buffer at the step that completes its prompt
             # (again after a preemption): ``_build_saves``.
             self._to_save[rid] = request
+        if self.push_d is not None and rid in self.push_d.legs:
+            self._push_alloc(request, blocks, num_external_tokens)
+            return
         if rid not in self._remote or not params:
             return
         if rid in self._pulls:
@@ -877,6 +1073,29 @@ class KvleaseScheduler:
         meta.engines, self._new_engines = self._new_engines, {}
         meta.dropped_engines, self._dropped_engines = self._dropped_engines, []
         meta.failed_loads, self._failed_loads = self._failed_loads, {}
+        if self.push_d is not None or self.push_p is not None:
+            self._push_handshakes()
+        if self.push_d is not None:
+            self.push_d.handle_timeout(now)
+            meta.reserves, self.push_d.reserves = self.push_d.reserves, []
+            meta.reservation_ends, self.push_d.ends = self.push_d.ends, []
+            meta.transmits.extend(self.push_d.transmits)
+            self.push_d.transmits = []
+            for engine in self.push_d.lost:
+                # P stopped heartbeating a reservation: the next request handshakes
+                # afresh (P may have restarted with new agents; the workers replace
+                # their links when the new engine info reaches them).
+                self.engines.pop(engine, None)
+            self.push_d.lost = []
+        if self.push_p is not None:
+            self.push_p.step(now, self.engines, self._push_failed)
+            meta.writes, self.push_p.to_write = self.push_p.to_write, []
+            meta.transmits.extend(self.push_p.transmits)
+            self.push_p.transmits = []
+            self._finished_sending.extend(self.push_p.freed)
+            self.push_p.freed = []
+        meta.engines.update(self._new_engines)
+        self._new_engines = {}
         meta.finished_sending, self._finished_sending = self._finished_sending, []
         if self._to_save:
             meta.saves = self._build_saves(scheduler_output)
@@ -923,6 +1142,9 @@ class KvleaseScheduler:
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, KvleaseWorkerMetadata):
             self._handle_notifs(now, worker_meta.notifs)
+            if self.push_p is not None:
+                for transfer, outcomes in getattr(worker_meta, "writes", {}).items():
+                    self.push_p.write_result(now, transfer, outcomes)
             if self.decode is not None:
                 # Each batch as soon as its worker reports it: with TP > 1 a worker
                 # reports its batches in the step they end, but vLLM lists the request
@@ -969,6 +1191,12 @@ class KvleaseScheduler:
         self._tables.pop(rid, None)
         saved = self._saved.pop(rid, None)
         self._pulls.pop(rid, None)
+        if self.push_d is not None and rid in self.push_d.legs:
+            # D: ended before P's write came (aborted). vLLM keeps the blocks of a
+            # request that waited for remote KV until it is reported received, which
+            # the workers do once they cleared the write fences.
+            self.push_d.abort(now, rid)
+            return False, None
         if rid in self._remote:
             # D: decoded to the end, or aborted before (or while) loading; P: done
             # reading a held turn (or aborted).
@@ -991,6 +1219,16 @@ class KvleaseScheduler:
         blocks = [int(b) for b in block_ids]
         if not blocks:
             return False, None
+        if self.push_p is not None:
+            if groups is not None and len(groups) > 1:
+                logger.warning("request %s: a hybrid model's KV is not pushed", rid)
+                self.counters.add("pushes_refused")
+                return False, None
+            # The prompt's blocks (paired from the end with D's).
+            blocks = blocks[: -(-int(request.num_prompt_tokens) // self.block_size)]
+            if not self.push_p.finished(now, rid, blocks):
+                return False, None
+            return True, self._push_answer(request, rid, blocks)
         if self.prefill is None:
             logger.warning(
                 "request %s asks P to keep its KV, but this engine is a kv_consumer: "
@@ -1101,6 +1339,24 @@ class KvleaseScheduler:
             self.counters.add("holds_refused")
             return False, None
         return True, answer
+
+    def _push_answer(self, request: "Request", rid: str, blocks: list[int]) -> dict[str, Any]:
+        """P's ``kv_transfer_params`` in push mode: vLLM's keys, as NixlPushConnector
+        answers (D reserves its own blocks; P's are named for reference only)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.config.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "transfer_mode": "push",
+        }
 
     def _answer(
         self, request: "Request", rid: str, blocks: list[Any], generation: int

@@ -35,8 +35,15 @@ from .metadata import (
     KvleaseWorkerMetadata,
     LoadSpec,
     ReceivedNotif,
+    ReservationEndSpec,
+    ReserveSpec,
     SaveSpec,
+    WriteOutcome,
+    WriteSpec,
 )
+
+#: The most bytes one write op carries (D's receiver buffers a write whole, up to 16 MiB).
+MAX_WRITE_OP = 16 * 1024 * 1024
 from .stats import _Counters
 
 if TYPE_CHECKING:
@@ -155,11 +162,13 @@ class KvleaseWorker:
                 )
         # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
         listen = f"0.0.0.0:{port}" if host in ("0.0.0.0", "::") else _listen_addr(host, port)
+        # Push mode writes over TCP (the backend with the write fence).
+        backend = "tcp" if config.push and config.transport == "auto" else config.transport
         self.agent = native.Agent(
             _agent_name(self.engine_id, self.rank),
             listen=listen,
             token=config.token,
-            backend=config.transport,
+            backend=backend,
             handshake_timeout=config.handshake_timeout,
             allow_unauthenticated=config.allow_unauthenticated,
         )
@@ -196,6 +205,10 @@ class KvleaseWorker:
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
+        # Push mode, P: writes in flight (transfer -> batch, generation, D link key) and
+        # how they ended, for the scheduler.
+        self._writes: dict[str, tuple[native.Batch, int, tuple[str, int]]] = {}
+        self._write_outcomes: dict[str, list[WriteOutcome]] = {}
 
     @staticmethod
     def _tp_rank() -> int:
@@ -490,6 +503,10 @@ class KvleaseWorker:
         for rid, blocks in meta.failed_loads.items():
             self._finished_recving.add(rid)
             self._load_errors.update(blocks)
+        for end in meta.reservation_ends:
+            self._end_reservation(end)
+        for res in meta.reserves:
+            self._reserve(res)
         if self.rank == 0:
             for engine, kind, message in meta.transmits:
                 try:
@@ -504,6 +521,95 @@ class KvleaseWorker:
                     logger.warning("%s to engine %s not sent: %s", kind, engine, e)
         for load in meta.loads:
             self._post(load)
+        for write in meta.writes:
+            self._post_write(write)
+
+    # ---------------------------------------------------------------- push mode
+
+    def _fence_words(self, blocks: list[int], value: int) -> None:
+        """Push mode, D: ``value`` in the write-fence words of ``blocks``, under the
+        agent's write lock (after it returns, no write of another generation lands)."""
+        if self._fence_region is None:
+            raise ConfigError("register_kv_caches must run before a reservation")
+        for b in blocks:
+            self.agent.set_write_fence(self._fence_region, int(b) * 8, int(value))
+
+    def _reserve(self, res: ReserveSpec) -> None:
+        """Push mode, D: the reservation's generation in the fence words, then (worker 0)
+        the registration to P's worker 0. A registration that cannot be sent is not
+        retried: no heartbeat comes, and the reservation expires."""
+        self._fence_words(res.blocks, res.generation)
+        self.counters.add("reservations_fenced")
+        if self.rank != 0:
+            return
+        try:
+            peer = self._link(res.engine, 0).peer
+            for message in res.messages:
+                self.agent.send_notif(peer, bytes(message))
+            self.counters.add("registrations_sent")
+        except KvleaseError as e:
+            if isinstance(e, (TransferError, NotifError)):
+                self._forget_link((res.engine, 0))
+            self.counters.add("registrations_failed")
+            logger.warning("registration of %s to engine %s not sent: %s", res.request,
+                           res.engine, e)
+
+    def _end_reservation(self, end: ReservationEndSpec) -> None:
+        """Push mode, D: the fence words cleared, then the request reported."""
+        self._fence_words(end.blocks, 0)
+        # Aborted too: vLLM frees a request's blocks that ended while it waited for
+        # remote KV only once it is reported received.
+        self._finished_recving.add(end.request)
+        if end.outcome not in ("written", "aborted"):
+            self._load_errors.update(int(b) for b in end.blocks)
+        else:
+            self.counters.add("blocks_pushed", len(end.blocks))
+
+    def _post_write(self, spec: WriteSpec) -> None:
+        """Push mode, P: this worker's blocks written into D's worker of its rank, byte
+        runs by the layout math of the read path (``_block_ops``), fenced by D's word."""
+        key = (spec.engine, self.rank)
+        try:
+            link = self._link(spec.engine, self.rank)
+            if link.incompatible is not None:
+                raise KvleaseError(link.incompatible)
+            local = [int(b) for b in spec.local_blocks]
+            remote = [int(b) for b in spec.remote_blocks]
+            if len(local) != len(remote) or not local:
+                raise KvleaseError("the write's block lists differ in length or are empty")
+            whole = BatchSpec(0, self.rank, self.rank, None, None, b"")  # type: ignore[arg-type]
+            ops = []
+            for region, lo, r_region, ro, length in self._block_ops(link, whole, local, remote, ()):
+                for at in range(0, length, MAX_WRITE_OP):
+                    n = min(MAX_WRITE_OP, length - at)
+                    ops.append((region, lo + at, r_region, ro + at, n))
+            fence = (link.fence, int(spec.fence_block) * 8, int(spec.generation))
+            batch = self.agent.post_write(
+                link.peer, ops, fence=fence, timeout=self.config.read_timeout
+            )
+        except KvleaseError as e:
+            self._write_outcomes.setdefault(spec.transfer, []).append(
+                WriteOutcome(int(spec.generation), False, str(e))
+            )
+            logger.warning("push of %s to %s not posted: %s", spec.transfer, spec.engine, e)
+            return
+        self._writes[spec.transfer] = (batch, int(spec.generation), key)
+        self.counters.add("writes_posted")
+
+    def _poll_writes(self) -> None:
+        for transfer, (batch, generation, key) in list(self._writes.items()):
+            result = self.agent.poll(batch)
+            if result is None:
+                continue
+            del self._writes[transfer]
+            if result.status == BatchStatus.FAILED:
+                self._forget_link(key)
+            ok = result.status == BatchStatus.DONE
+            if ok:
+                self.counters.add("bytes_written", int(result.bytes))
+            self._write_outcomes.setdefault(transfer, []).append(
+                WriteOutcome(generation, ok, None if ok else f"{result.status}: {result.error}")
+            )
 
     def _post(self, load: LoadSpec) -> None:
         rid = load.request
@@ -763,6 +869,8 @@ class KvleaseWorker:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
+        if self._writes:
+            self._poll_writes()
         sending, self._finished_sending = self._finished_sending, set()
         recving, self._finished_recving = self._finished_recving, set()
         return sending or None, recving or None
@@ -778,11 +886,12 @@ class KvleaseWorker:
             for m in messages
         ]
         results, self._outcomes = self._outcomes, {}
+        writes, self._write_outcomes = self._write_outcomes, {}
         if notifs:
             self.counters.add("notifs_forwarded", len(notifs))
-        if not notifs and not results:
+        if not notifs and not results and not writes:
             return None
-        return KvleaseWorkerMetadata(notifs=notifs, batches=results)
+        return KvleaseWorkerMetadata(notifs=notifs, batches=results, writes=writes)
 
     def shutdown(self) -> None:
         self.agent.close()

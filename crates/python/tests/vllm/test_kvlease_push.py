@@ -1,0 +1,222 @@
+"""Push mode (``KvleasePushConnector``) inside vLLM 0.33.0's real ``Scheduler``: P and D
+schedulers in this process, the workers' part played by the test (as in
+``test_kvlease_scheduler.py``): what D's scheduler asks its workers to send P (the peer
+message and the registration) is handed to P's scheduler verbatim as its workers would
+forward it, and back. Both handshakes are real (D fetches P's engine info, P fetches D's,
+over the side channels with the cluster token). Virtual clocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sched_harness import (
+    assert_scheduler_empty,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    step,
+)
+from test_kvlease_scheduler import FakeClock, feed, prefill_on_p, wait_for_handshake
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from kvlease import ConfigError
+from kvlease.vllm.metadata import KvleaseWorkerMetadata, WriteOutcome
+from kvlease.vllm.push import parse
+
+TOKEN = "push-scheduler-test-token"
+LEASE = 6.0  # heartbeats every 1 s
+P_WORKER, D_WORKER = "p0#0", "d0#0"
+
+
+def push_scheduler(role: str, engine_id: str, connector: str = "KvleasePushConnector",
+                   **extra):
+    config = create_vllm_config(
+        kv_connector=connector, kv_connector_module_path="kvlease.vllm", kv_role=role,
+        engine_id=engine_id,
+        kv_connector_extra_config={"kv_lease_duration": LEASE, "cluster_token": TOKEN,
+                                   **extra},
+    )
+    scheduler = create_scheduler(config, num_blocks=64)
+    clock = FakeClock()
+    scheduler.connector.scheduler.clock = clock
+    return scheduler, clock
+
+
+@pytest.fixture
+def pd():
+    made = []
+
+    def make():
+        p, p_clock = push_scheduler("kv_producer", "p0", connector="KvleaseConnector",
+                                    transfer_mode="push")
+        d, d_clock = push_scheduler("kv_consumer", "d0")
+        made.extend([p, d])
+        return p, p_clock, d, d_clock
+
+    yield make
+    for s in made:
+        s.connector.shutdown()
+
+
+def proxy_leg(params: dict, prompt_of) -> object:
+    """D's leg as vLLM's push proxy sends it: P's coordinates, no block ids."""
+    keys = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
+    return create_request(
+        prompt_token_ids=prompt_of.prompt_token_ids, max_tokens=3,
+        kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": False,
+                            **{k: params[k] for k in keys}},
+    )
+
+
+def out(notifs=(), writes=None, **kwargs) -> KVConnectorOutput:
+    return KVConnectorOutput(
+        kv_connector_worker_meta=KvleaseWorkerMetadata(notifs=list(notifs),
+                                                       writes=writes or {}),
+        **kwargs)
+
+
+def reserved(d, req):
+    """Steps D until its request waits for P's write; its ``ReserveSpec``."""
+    metas = wait_for_handshake(d, req)
+    metas.append(step(d, output_for=[])[0].kv_connector_metadata)
+    specs = [r for m in metas for r in m.reserves]
+    assert len(specs) == 1, specs
+    return specs[0]
+
+
+def until(scheduler, what, limit_s: float = 30.0):
+    """Steps ``scheduler`` (nothing runs) until ``what(meta)`` is true; returns it."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        meta = feed(scheduler, out()).kv_connector_metadata
+        got = what(meta)
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def test_push_is_selected_by_class_or_extra_config_and_pull_stays_the_default():
+    for connector, extra, mode in [("KvleaseConnector", {}, "pull"),
+                                   ("KvleasePushConnector", {}, "push"),
+                                   ("KvleaseConnector", {"transfer_mode": "push"}, "push")]:
+        s, _ = push_scheduler("kv_both", "e0", connector=connector, **extra)
+        try:
+            assert s.connector.config.transfer_mode == mode
+            assert (s.connector.scheduler.push_d is not None) == (mode == "push")
+        finally:
+            s.connector.shutdown()
+    for extra in ({"transfer_mode": "pull"}, {"transport": "shm"}, {"transfer_mode": "x"}):
+        with pytest.raises(ConfigError):
+            push_scheduler("kv_both", "e1", **extra)
+
+
+def test_d_reserves_registers_p_writes_into_its_blocks_and_d_decodes(pd):
+    p, p_clock, d, d_clock = pd()
+    p_req, params = prefill_on_p(p, num_tokens=40)
+    assert params["transfer_mode"] == "push" and params["remote_request_id"] == p_req.request_id
+    # P keeps its blocks (vLLM delays freeing them) until the push ends.
+    assert p_req.request_id in p.requests
+    req = proxy_leg(params, p_req)
+    d.add_request(req)
+    spec = reserved(d, req)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert spec.engine == "p0" and len(spec.blocks) == 3  # 40 tokens, blocks of 16
+    peer, register = (parse(m) for m in spec.messages)
+    assert peer.kind == "peer" and peer.peer[0] == "d0"
+    assert (register.kind, register.transfer, register.blocks) == (
+        "register", p_req.request_id, tuple(spec.blocks))
+    assert register.generation == spec.generation and register.lease_ms == LEASE * 1000
+
+    # P takes the registration, fetches D's engine info and plans the write.
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    (write,) = until(p, lambda m: m.writes)
+    assert write.engine == "d0" and write.generation == spec.generation
+    assert write.remote_blocks == spec.blocks and len(write.local_blocks) == 3
+    assert write.fence_block == spec.blocks[-1]
+    # While the write is in flight, P heartbeats D's reservation.
+    p_clock.advance(LEASE / 6 + 0.01)
+    beats = until(p, lambda m: [t for t in m.transmits if t.kind == "push_heartbeat"])
+    assert parse(beats[0].message).transfers == (p_req.request_id,)
+    # The write landed: write-done to D, and P frees its blocks.
+    meta = feed(p, out(writes={write.transfer: [WriteOutcome(write.generation, True, None)]}))
+    meta = feed(p, out()).kv_connector_metadata
+    done = [t for t in meta.transmits if t.kind == "write_done"]
+    assert done and done[0].engine == "d0"
+    assert p_req.request_id in meta.finished_sending
+    feed(p, KVConnectorOutput(finished_sending={p_req.request_id}))
+    assert_scheduler_empty(p)
+
+    # D takes the heartbeat and the write-done: the reservation ends written; its workers
+    # clear the fence and report the request received; it decodes.
+    d_clock.advance(1.0)
+    feed(d, out(notifs=[(P_WORKER, beats[0].message), (P_WORKER, done[0].message)]))
+    meta = feed(d, out()).kv_connector_metadata
+    (end,) = meta.reservation_ends
+    assert (end.request, end.outcome, end.blocks) == (req.request_id, "written", spec.blocks)
+    assert not meta.transmits  # nothing to tell P
+    feed(d, KVConnectorOutput(finished_recving={req.request_id}))
+    for _ in range(6):
+        step(d)
+    assert req.is_finished()
+    assert_scheduler_empty(d)
+
+
+def test_no_heartbeat_within_the_lease_expires_the_reservation_and_d_recomputes(pd):
+    p, _, d, d_clock = pd()
+    p_req, params = prefill_on_p(p, num_tokens=40)
+    req = proxy_leg(params, p_req)
+    d.add_request(req)
+    spec = reserved(d, req)
+    # P died: no heartbeat, no write. Just before the lease nothing happens ...
+    d_clock.advance(LEASE - 0.1)
+    assert not feed(d, out()).kv_connector_metadata.reservation_ends
+    # ... then the reaper ends the reservation, tells P, and the load fails.
+    d_clock.advance(0.2)
+    meta = feed(d, out()).kv_connector_metadata
+    (end,) = meta.reservation_ends
+    assert (end.request, end.outcome) == (req.request_id, "expired")
+    (rr,) = [t for t in meta.transmits if t.kind == "release"]
+    assert parse(rr.message).kind == "released" and parse(rr.message).generation == spec.generation
+    feed(d, KVConnectorOutput(finished_recving={req.request_id},
+                              invalid_block_ids=set(end.blocks)))
+    for _ in range(8):
+        step(d)
+    assert req.is_finished(), "D did not recompute the prompt"
+    assert_scheduler_empty(d)
+
+
+def test_an_abort_on_d_clears_the_reservation_and_tells_p_which_frees_at_once(pd):
+    p, _, d, _ = pd()
+    p_req, params = prefill_on_p(p, num_tokens=40)
+    req = proxy_leg(params, p_req)
+    d.add_request(req)
+    spec = reserved(d, req)
+    feed(p, out(notifs=[(D_WORKER, spec.messages[0])]))  # the peer message only
+
+    d.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    meta = feed(d, out()).kv_connector_metadata
+    (end,) = meta.reservation_ends
+    assert end.outcome == "aborted"
+    (rr,) = [t for t in meta.transmits if t.kind == "release"]
+    # vLLM keeps D's blocks until the workers report the request (fence cleared).
+    assert req.request_id in d.requests
+    feed(d, KVConnectorOutput(finished_recving={req.request_id}))
+    assert_scheduler_empty(d)
+    # P: the registration and then D's release. A write P planned before it took the
+    # release is refused by D's cleared fence (stale); then P frees its blocks.
+    feed(p, out(notifs=[(D_WORKER, spec.messages[1]), (D_WORKER, rr.message)]))
+    deadline = time.monotonic() + 30
+    while True:
+        meta = feed(p, out()).kv_connector_metadata
+        if p_req.request_id in meta.finished_sending:
+            break
+        for w in meta.writes:
+            assert w.generation == spec.generation
+            feed(p, out(writes={w.transfer: [WriteOutcome(w.generation, False, "stale")]}))
+        assert time.monotonic() < deadline, "P never freed its blocks"
+        time.sleep(0.01)
+    assert not [t for t in meta.transmits if t.kind == "write_done"]
+    assert p.connector.scheduler.push_p.core.pushing == 0
