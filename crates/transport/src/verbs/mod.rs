@@ -39,7 +39,7 @@ pub(crate) mod mirror;
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{
     ConnectionInfo, Endpoint, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead,
-    RemoteRegion,
+    RdmaWrite, RemoteRegion,
 };
 pub use error::{MirrorError, VerbsError, VerbsLinkError, WorkCompletionStatus};
 pub use memory::{MemoryRegion, ProtectionDomain};

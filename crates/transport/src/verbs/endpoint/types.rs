@@ -97,6 +97,24 @@ pub struct RdmaRead {
     pub len: u64,
 }
 
+/// One RDMA WRITE on the queue pair: `len` bytes of our registered `local` at
+/// `local_offset` into the peer's `remote` at `remote_offset`. The peer's range must be
+/// registered for remote writes (a pool registration is not: see
+/// [`Agent::grant_write`](crate::Agent::grant_write)).
+#[derive(Debug, Clone)]
+pub struct RdmaWrite {
+    /// Source (registered in the endpoint's protection domain).
+    pub local: MemoryRegion,
+    /// Offset in `local`.
+    pub local_offset: u64,
+    /// Destination on the peer.
+    pub remote: RemoteRegion,
+    /// Offset in `remote`.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// What a peer needs to connect its queue pair to ours; exchanged over the caller's TCP
 /// side channel (see [`encode`](Self::encode)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
