@@ -83,8 +83,16 @@ pub(crate) struct VerbsDomain {
     shutdown: Arc<AtomicBool>,
 }
 
-/// One remote-write grant: the generation it was granted for, and its registration.
-type Granted = (u64, WriteAccess);
+/// One remote-write grant.
+#[derive(Debug)]
+struct Granted {
+    /// The generation it was granted for.
+    generation: u64,
+    /// The agent region the granted range lies in.
+    region: u64,
+    /// Its registration.
+    access: WriteAccess,
+}
 
 /// The side channel's frames, as [`read_header`] and [`read_body`] give them, or why not.
 fn read_frame(
@@ -257,7 +265,11 @@ impl VerbsDomain {
             rkey,
             "remote write granted"
         );
-        grants.entry(fence).or_default().push((generation, access));
+        grants.entry(fence).or_default().push(Granted {
+            generation,
+            region: id,
+            access,
+        });
         Ok(rkey)
     }
 
@@ -265,30 +277,41 @@ impl VerbsDomain {
     /// is not `generation`; returns once each is deregistered (its rkey invalid). The
     /// caller holds the fence word's lock.
     pub(crate) fn revoke_writes(&self, region: u64, offset: u64, generation: u64) {
-        let revoked: Vec<WriteAccess> = {
+        self.revoke_where(|word, g| word == (region, offset) && g.generation != generation);
+    }
+
+    /// Deregisters every grant `gone(fence word, grant)` picks; returns once each is
+    /// deregistered.
+    fn revoke_where(&self, gone: impl Fn((u64, u64), &Granted) -> bool) {
+        let revoked: Vec<Granted> = {
             let mut grants = lock(&self.grants);
-            let Some(list) = grants.get_mut(&(region, offset)) else {
-                return;
-            };
-            let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(list)
-                .into_iter()
-                .partition(|(g, _)| *g == generation);
-            *list = keep;
-            if list.is_empty() {
-                grants.remove(&(region, offset));
-            }
-            gone.into_iter().map(|(_, access)| access).collect()
+            let mut out = Vec::new();
+            grants.retain(|word, list| {
+                let (drop, keep): (Vec<_>, Vec<_>) = std::mem::take(list)
+                    .into_iter()
+                    .partition(|g| gone(*word, g));
+                out.extend(drop);
+                *list = keep;
+                !list.is_empty()
+            });
+            out
         };
-        for access in revoked {
-            let (offset, len) = access.range();
-            tracing::debug!(rkey = access.rkey(), offset, len, kind = %access.region().kind(), "remote write revoked");
-            access.revoke();
+        for g in revoked {
+            let (offset, len) = g.access.range();
+            tracing::debug!(
+                region = g.region, generation = g.generation, rkey = g.access.rkey(), offset,
+                len, kind = %g.access.region().kind(), "remote write revoked"
+            );
+            g.access.revoke();
         }
     }
 
     /// Forgets a region (it is deregistered once no work request references it).
     pub(crate) fn deregister(&self, id: u64) {
         lock(&self.regions).remove(&id);
+        // Grants into the region, and grants under a fence word of it (which can no
+        // longer be cleared), end with it.
+        self.revoke_where(|word, g| word.0 == id || g.region == id);
     }
 
     /// This agent's metadata entry: side channel, GID, the rkey of every region, and

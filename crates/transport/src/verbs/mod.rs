@@ -1,5 +1,7 @@
 //! The verbs backend: one-sided RDMA READ over RC queue pairs (libibverbs through
-//! `sideway`, loaded at run time).
+//! `sideway`, loaded at run time), and push mode's RDMA WRITE into ranges the receiver
+//! granted remote-write access to for one reservation (`ProtectionDomain::
+//! register_remote_write`; pools are registered for remote reads only).
 //!
 //! Layers, bottom up, each child holding an `Arc` of its parent (like rust-ibverbs):
 //! [`Device`] (an opened device context, its port, GID and MTU) → [`ProtectionDomain`] →

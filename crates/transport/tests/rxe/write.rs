@@ -122,7 +122,8 @@ fn wait(p: &Agent, id: kvlease_transport::BatchId) -> Result<BatchStatus> {
 /// cleared the fence word, a write under the revoked grant fails at P with `Stale` and no
 /// byte of D's pool changes. The pool's own registration grants no remote write: a
 /// write naming its rkey fails the same way. A write outside the grant, or for another
-/// generation than the grant's, is refused before anything is posted.
+/// generation than the grant's, is refused before anything is posted; deregistering the
+/// destination region revokes its grants.
 #[test]
 #[ignore = "needs RDMA devices rxeP/rxeD: scripts/softroce/test.sh runs it"]
 fn granted_write_lands_and_a_revoked_grant_fails_without_a_byte() -> Result<()> {
@@ -234,6 +235,20 @@ fn granted_write_lands_and_a_revoked_grant_fails_without_a_byte() -> Result<()> 
     ensure!(
         matches!(stale, Err(kvlease_transport::RegisterError::Grant { .. })),
         "{stale:?}"
+    );
+
+    // Deregistering the destination region ends its grants with it.
+    let grant = t.reserve(9)?;
+    t.d.deregister(RegionId(t.pool_desc.id))?;
+    let before = super::bytes(&t.pool, 0, POOL)?;
+    t.src.write_from(0, &super::pattern(LEN, 24))?;
+    match t.write(&grant, None)? {
+        BatchStatus::Failed(TransferError::Stale { expected: 9, .. }) => {}
+        other => bail!("write into a deregistered region: {other:?}"),
+    }
+    ensure!(
+        super::bytes(&t.pool, 0, POOL)? == before,
+        "a write into a deregistered region changed D's bytes"
     );
     Ok(())
 }
