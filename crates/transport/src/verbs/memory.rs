@@ -101,7 +101,7 @@ impl ProtectionDomain {
     /// memory and staged memory take other paths, see `mirror`);
     /// [`VerbsError::OutOfBounds`] for a range outside the region or of zero bytes;
     /// [`VerbsError::MemlockLimit`] / [`VerbsError::Register`] as `register`.
-    pub(crate) fn register_remote_write(
+    pub fn register_remote_write(
         &self,
         region: Arc<dyn DmaRegion>,
         offset: u64,
@@ -341,7 +341,7 @@ impl fmt::Debug for MemoryRegion {
 /// Remote-write access to one range of a region, granted for one reservation (see
 /// [`ProtectionDomain::register_remote_write`]). Not `Clone`: the registration is held
 /// here alone, so [`revoke`](Self::revoke) (or Drop) deregisters it at once.
-pub(crate) struct WriteAccess {
+pub struct WriteAccess {
     // Drop order: the registration first, then the memory, then the protection domain.
     mr: Option<Arc<RawMemoryRegion>>,
     region: Arc<dyn DmaRegion>,
@@ -352,25 +352,31 @@ pub(crate) struct WriteAccess {
 
 impl WriteAccess {
     /// The key a peer names in its RDMA WRITEs into the range.
-    pub(crate) fn rkey(&self) -> u32 {
+    pub fn rkey(&self) -> u32 {
         self.mr.as_ref().map_or(0, |mr| mr.rkey())
     }
 
     /// The granted range: offset in the region and length.
-    pub(crate) fn range(&self) -> (u64, u64) {
+    pub fn range(&self) -> (u64, u64) {
         (self.offset, self.len)
     }
 
     /// The region the range lies in.
-    pub(crate) fn region(&self) -> &Arc<dyn DmaRegion> {
+    pub fn region(&self) -> &Arc<dyn DmaRegion> {
         &self.region
+    }
+
+    /// What a peer needs to write the range: its address on this host, length and rkey.
+    pub fn remote(&self) -> super::RemoteRegion {
+        let addr = self.region.base_ptr() as u64 + self.offset;
+        super::RemoteRegion::new(addr, self.len, self.rkey())
     }
 
     /// Deregisters the range (`ibv_dereg_mr`). Once this returns the rkey is invalid: a
     /// WRITE naming it fails at the writer with a remote access error, and the provider
     /// no longer touches the range through it (the kernel's deregistration waits for the
     /// responder's references to the registration to drop).
-    pub(crate) fn revoke(mut self) {
+    pub fn revoke(mut self) {
         self.revoke_now();
     }
 

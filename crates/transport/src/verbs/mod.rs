@@ -44,7 +44,7 @@ pub use endpoint::{
     RdmaWrite, RemoteRegion,
 };
 pub use error::{MirrorError, VerbsError, VerbsLinkError, WorkCompletionStatus};
-pub use memory::{MemoryRegion, ProtectionDomain};
+pub use memory::{MemoryRegion, ProtectionDomain, WriteAccess};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

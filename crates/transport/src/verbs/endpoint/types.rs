@@ -12,7 +12,8 @@ const INFO_LEN: usize = 40;
 /// Tuning of an [`Endpoint`](super::Endpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointConfig {
-    /// RDMA READ work requests in flight at most (the send queue's read share).
+    /// RDMA READ (and WRITE) work requests in flight at most (the send queue's share
+    /// for data; writes count against it as reads do).
     pub max_outstanding_reads: u32,
     /// Request a completion at least every this many work requests (selective signalling;
     /// the last work request of each chain and of each batch is always signalled).
