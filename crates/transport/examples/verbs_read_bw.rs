@@ -1,10 +1,13 @@
-//! RDMA READ throughput of the verbs backend between two local devices (in CI: rxeP and
-//! rxeD inside the SoftRoCE VM; `scripts/bench/verbs.sh` runs it next to perftest's
-//! `ib_read_bw` on the same pair).
+//! RDMA READ (or WRITE) throughput of the verbs backend between two local devices (in
+//! CI: rxeP and rxeD inside the SoftRoCE VM; `scripts/bench/verbs.sh` runs it next to
+//! perftest's `ib_read_bw` and `ib_write_bw` on the same pair).
 //!
 //! usage: verbs_read_bw [P_DEV] [D_DEV] [SIZE] [ITERS] [BATCH]
 //! (defaults rxeP rxeD 1048576 128 64). Prints `key=value` lines:
 //! `verbs_read_<size>_gbit_s`, `verbs_read_<size>_mb_s`, `verbs_read_<size>_secs`.
+//! With `KV_BENCH_OP=write`, P writes into D's memory instead (push mode: D's destination
+//! registered for remote writes with `register_remote_write`, as a write grant is), and
+//! the keys read `verbs_write_…`.
 //!
 //! The endpoints use the library's [`EndpointConfig::default`]; for experiments the env
 //! variables `KV_BENCH_OUTSTANDING`, `KV_BENCH_SIGNAL_EVERY`, `KV_BENCH_DOORBELL` and
@@ -28,7 +31,7 @@ fn main() -> anyhow::Result<()> {
     use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
     use kvlease_transport::verbs::{
         ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
-        RdmaRead,
+        RdmaRead, RdmaWrite,
     };
 
     let args: Vec<String> = std::env::args().collect();
@@ -53,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         config.max_wr_bytes = v;
     }
     let spin = env("KV_BENCH_SPIN") == Some(1);
+    let write = std::env::var("KV_BENCH_OP").is_ok_and(|v| v == "write");
 
     let p_dev = Device::open(&DeviceConfig::named(p_name))?;
     let d_dev = Device::open(&DeviceConfig::named(d_name))?;
@@ -71,6 +75,17 @@ fn main() -> anyhow::Result<()> {
     let src_mr = p_pd.register(Arc::clone(&src) as Arc<dyn DmaRegion>)?;
     let dst_mr = d_pd.register(Arc::clone(&dst) as Arc<dyn DmaRegion>)?;
     let slots = span / size;
+    // Push mode: the destination's remote-write registration (a write grant's).
+    let grant = d_pd.register_remote_write(Arc::clone(&dst) as Arc<dyn DmaRegion>, 0, span)?;
+    let writes: Vec<RdmaWrite> = (0..iters)
+        .map(|i| RdmaWrite {
+            local: src_mr.clone(),
+            local_offset: ((i + 1) % slots) * size,
+            remote: grant.remote(),
+            remote_offset: (i % slots) * size,
+            len: size,
+        })
+        .collect();
     let ops: Vec<RdmaRead> = (0..iters)
         .map(|i| RdmaRead {
             local: dst_mr.clone(),
@@ -83,19 +98,27 @@ fn main() -> anyhow::Result<()> {
 
     let t0 = Instant::now();
     let mut ids = Vec::new();
-    for batch in ops.chunks(per_batch.max(1) as usize) {
-        ids.push(d.post_read_batch(batch, None, None)?);
+    if write {
+        for batch in writes.chunks(per_batch.max(1) as usize) {
+            ids.push(p.post_write_batch(batch, None)?);
+        }
+    } else {
+        for batch in ops.chunks(per_batch.max(1) as usize) {
+            ids.push(d.post_read_batch(batch, None, None)?);
+        }
     }
+    // The side that posted polls (the other side's NIC serves it).
+    let poster = if write { &mut p } else { &mut d };
     let deadline = t0 + Duration::from_secs(600);
     let mut spins = 0u32;
     for id in ids {
         loop {
-            // Only D needs polling (P's NIC serves the reads). Yield when nothing completed:
-            // under emulation the kernel's rxe threads need the CPU we would spin on.
-            if d.poll()? == 0 && !spin {
+            // Yield when nothing completed: under emulation the kernel's rxe threads need
+            // the CPU we would spin on.
+            if poster.poll()? == 0 && !spin {
                 std::thread::yield_now();
             }
-            match d.poll_batch(id) {
+            match poster.poll_batch(id) {
                 Some(EndpointBatchStatus::Pending) => {}
                 Some(EndpointBatchStatus::Done) => break,
                 other => bail!("batch {id:?}: {other:?}"),
@@ -120,8 +143,10 @@ fn main() -> anyhow::Result<()> {
     } else {
         format!("{}k", size >> 10)
     };
-    println!("verbs_read_{label}_gbit_s={:.3}", bytes * 8.0 / 1e9 / secs);
-    println!("verbs_read_{label}_mb_s={:.1}", bytes / 1e6 / secs);
-    println!("verbs_read_{label}_secs={secs:.2}");
+    let op = if write { "write" } else { "read" };
+    println!("verbs_{op}_{label}_gbit_s={:.3}", bytes * 8.0 / 1e9 / secs);
+    println!("verbs_{op}_{label}_mb_s={:.1}", bytes / 1e6 / secs);
+    println!("verbs_{op}_{label}_secs={secs:.2}");
+    grant.revoke();
     Ok(())
 }

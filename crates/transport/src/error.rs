@@ -57,6 +57,14 @@ pub enum RegisterError {
         #[source]
         source: RegionAccessError,
     },
+    /// [`Agent::grant_write`](crate::Agent::grant_write) granted nothing.
+    #[error("no write access granted on region {region:?}: {reason}")]
+    Grant {
+        /// The destination region.
+        region: RegionId,
+        /// Why.
+        reason: String,
+    },
     /// Copying a region's range into the host mirror that verbs peers read failed
     /// (a CUDA copy error); peers must not be told to read that range.
     #[error("copying region {region:?} into its verbs mirror failed")]

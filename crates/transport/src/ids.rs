@@ -136,3 +136,67 @@ pub struct WriteBatch {
     /// The fence every write of the batch is checked against on the peer.
     pub fence: WriteFence,
 }
+
+/// Remote-write access D granted on a verbs link to one reservation's destination range
+/// ([`Agent::grant_write`](crate::Agent::grant_write)), handed to P with the
+/// reservation; P names it in
+/// [`Agent::post_write_granted`](crate::Agent::post_write_granted). The rkey stands for
+/// the generation: D revokes it when the generation's fence word changes, and a new
+/// reservation gets a new rkey.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteGrant {
+    /// D's region ([`RegionDesc::id`](crate::RegionDesc::id)).
+    pub region: u64,
+    /// Start of the granted range in the region.
+    pub offset: u64,
+    /// Length of the granted range.
+    pub len: u64,
+    /// The generation the range is granted for.
+    pub generation: u64,
+    /// The key of the range's remote-write registration.
+    pub rkey: u32,
+}
+
+impl WriteGrant {
+    /// Whether `len` bytes at `offset` of region `region` lie inside the grant.
+    pub fn covers(&self, region: u64, offset: u64, len: u64) -> bool {
+        let end = offset.checked_add(len);
+        let grant_end = self.offset.checked_add(self.len);
+        match (end, grant_end) {
+            (Some(end), Some(grant_end)) => {
+                region == self.region && offset >= self.offset && end <= grant_end
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WriteGrant;
+
+    #[test]
+    fn a_grant_covers_exactly_its_range_of_its_region() {
+        let g = WriteGrant {
+            region: 3,
+            offset: 4096,
+            len: 8192,
+            generation: 1,
+            rkey: 9,
+        };
+        assert!(g.covers(3, 4096, 8192));
+        assert!(g.covers(3, 8192, 4096));
+        assert!(g.covers(3, 12_287, 1));
+        assert!(!g.covers(3, 4095, 1), "before the range");
+        assert!(!g.covers(3, 12_288, 1), "after the range");
+        assert!(!g.covers(3, 4096, 8193), "past its end");
+        assert!(!g.covers(4, 4096, 1), "another region");
+        assert!(!g.covers(3, u64::MAX, 2), "an overflowing range");
+        let at_end = WriteGrant {
+            offset: u64::MAX - 1,
+            len: 2,
+            ..g
+        };
+        assert!(!at_end.covers(3, u64::MAX - 1, 1), "an overflowing grant");
+    }
+}

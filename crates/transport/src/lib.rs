@@ -105,7 +105,7 @@ pub use error::{
 };
 pub use ids::{
     BatchId, FenceRead, LocalRange, MAX_NAME_LEN, PeerId, PeerName, ReadBatch, ReadOp, RegionId,
-    RemoteRange, Sender, WriteBatch, WriteFence, WriteOp,
+    RemoteRange, Sender, WriteBatch, WriteFence, WriteGrant, WriteOp,
 };
 pub use kvlease_proto::auth::Session;
 pub use metadata::{AgentMetadata, RegionDesc};

@@ -10,7 +10,9 @@
 //! [`NotifSource`](crate::notify::NotifSource) it registered. A fenced one-sided WRITE
 //! is [`post_writes`](Link::post_writes): the same batch state, completed chunk by chunk
 //! as the peer acknowledges each write landed; TCP and shared memory implement it (the
-//! peer's process lands each write under its write-fence lock), verbs refuses it.
+//! peer's process lands each write under its write-fence lock); a verbs link sends them
+//! over its TCP link, or as RDMA WRITEs into ranges the peer granted
+//! ([`post_granted_writes`](Link::post_granted_writes)).
 
 use std::fmt;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use kvlease_gpu_mem::DmaRegion;
 
 use crate::batch::Batch;
 use crate::error::TransferError;
-use crate::ids::{RemoteRange, WriteFence};
+use crate::ids::{RemoteRange, WriteFence, WriteGrant};
 
 /// One chunk of a read op: `len` bytes from `remote` into `dest` at `dest_offset`.
 #[derive(Debug)]
@@ -58,6 +60,21 @@ pub(crate) trait Link: Send + Sync + fmt::Debug {
             peer: batch.peer.clone(),
             reason: "write not supported on this backend".into(),
         })
+    }
+
+    /// Starts fenced writes that the peer also granted remote-write access for
+    /// (`grants`, one per granted range; every chunk lies inside one). A backend whose
+    /// writes land in the peer's process ignores the grants (the peer's receiver checks
+    /// the fence word); verbs posts RDMA WRITEs naming the grants' rkeys.
+    fn post_granted_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+        grants: &[WriteGrant],
+    ) -> Result<(), TransferError> {
+        let _ = grants;
+        self.post_writes(batch, chunks, fence)
     }
 
     /// Sends one notification to the peer, in order with the batches' notifications.

@@ -14,8 +14,8 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use kvlease_gpu_mem::{HostRegion, RegionBytes};
 use kvlease_transport::{
-    Agent, BatchStatus, LocalRange, RegionDesc, RegionId, RemoteRange, TransferError, WriteBatch,
-    WriteFence, WriteOp,
+    Agent, BatchStatus, LocalRange, RegionDesc, RegionId, RegisterError, RemoteRange,
+    TransferError, WriteBatch, WriteFence, WriteGrant, WriteOp,
 };
 use proptest::prelude::*;
 
@@ -192,6 +192,63 @@ fn a_write_after_the_receiver_cleared_the_fence_is_stale_and_lands_nothing() -> 
         t.d.get_new_notifs().is_empty(),
         "a refused batch sent its notification"
     );
+    Ok(())
+}
+
+/// Write grants are verbs access: an agent without a verbs backend grants nothing (the
+/// fence word is checked first), and a TCP link ignores the grants a batch carries, its
+/// receiver fencing the writes as ever.
+#[test]
+fn grants_are_verbs_access_and_a_tcp_receiver_fences_granted_writes_itself() -> Result<()> {
+    let t = pair(1 << 20)?;
+    t.set_fence(3)?;
+    let dest = LocalRange {
+        region: RegionId(t.dst_desc.id),
+        offset: 0,
+        len: 4096,
+    };
+    let fence = RegionId(t.fence_desc.id);
+    match t.d.grant_write(fence, FENCE_AT, 4, dest) {
+        Err(RegisterError::Grant { reason, .. }) => {
+            ensure!(reason.contains("holds generation 3, not 4"), "{reason}");
+        }
+        other => anyhow::bail!("grant for an unpublished generation: {other:?}"),
+    }
+    match t.d.grant_write(fence, FENCE_AT, 3, dest) {
+        Err(RegisterError::Grant { reason, .. }) => {
+            ensure!(reason.contains("no verbs backend"), "{reason}");
+        }
+        other => anyhow::bail!("grant without verbs: {other:?}"),
+    }
+    ensure!(matches!(
+        t.d.grant_write(RegionId(999), FENCE_AT, 3, dest),
+        Err(RegisterError::Unknown(RegionId(999)))
+    ));
+    let grant = WriteGrant {
+        region: t.dst_desc.id,
+        offset: 0,
+        len: 1 << 20,
+        generation: 3,
+        rkey: 1,
+    };
+    let batch = |expected| WriteBatch {
+        ops: vec![t.op(0, 0, 4096)],
+        notif: None,
+        fence: t.fence(expected),
+    };
+    let id = t.p.post_write_granted(t.peer, batch(3), &[grant], LIMIT)?;
+    ensure!(matches!(wait(&t.p, id)?, BatchStatus::Done(_)));
+    ensure!(bytes_of(t.dst.as_ref(), 0, 4096) == bytes_of(t.src.as_ref(), 0, 4096));
+    t.set_fence(0)?;
+    let before = bytes_of(t.dst.as_ref(), 0, 1 << 20);
+    t.src.write_from(0, &[0xee; 4096])?;
+    let id = t.p.post_write_granted(t.peer, batch(3), &[grant], LIMIT)?;
+    let status = wait(&t.p, id)?;
+    ensure!(
+        matches!(status, BatchStatus::Failed(TransferError::Stale { .. })),
+        "{status:?}"
+    );
+    ensure!(bytes_of(t.dst.as_ref(), 0, 1 << 20) == before);
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use kvlease_gpu_mem::RegionBytes;
 use super::Agent;
 use crate::batch::Batch;
 use crate::error::{RegisterError, TransferError};
-use crate::ids::{BatchId, PeerId, RegionId, WriteBatch};
+use crate::ids::{BatchId, LocalRange, PeerId, RegionId, WriteBatch, WriteGrant};
 use crate::link::WriteChunk;
 use crate::sync::lock;
 use crate::tcp::wire::MAX_WRITE_LEN;
@@ -35,8 +35,8 @@ impl Agent {
     ///
     /// TCP and shared-memory links write (a shared-memory link sends the chunks on its
     /// Unix socket and the peer's process lands them, see `shm::write`; this call then
-    /// returns once every chunk was answered); a verbs link gets
-    /// [`TransferError::Unsupported`].
+    /// returns once every chunk was answered); a verbs link sends them over its TCP link
+    /// (RDMA WRITEs need the peer's grants: [`post_write_granted`](Self::post_write_granted)).
     ///
     /// # Errors
     /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
@@ -48,6 +48,27 @@ impl Agent {
         &self,
         peer: PeerId,
         batch: WriteBatch,
+        timeout: Duration,
+    ) -> Result<BatchId, TransferError> {
+        self.post_write_granted(peer, batch, &[], timeout)
+    }
+
+    /// [`post_write`](Self::post_write) into ranges the peer granted remote-write access
+    /// to ([`grant_write`](Self::grant_write) on the peer, one grant per range, handed
+    /// over with the reservation). On a verbs link the chunks go as RDMA WRITEs naming
+    /// the grants' rkeys, with no CPU of the peer involved: the peer's fence is the
+    /// grant, which it revokes when the reservation's fence word changes, so a write
+    /// after that fails here with [`TransferError::Stale`] and changes no byte there.
+    /// Other links ignore the grants and land the writes as `post_write` does.
+    ///
+    /// # Errors
+    /// As `post_write`; [`TransferError::InvalidBatch`] (on a verbs link) for a grant of
+    /// another generation than `batch.fence.expected` or a write outside every grant.
+    pub fn post_write_granted(
+        &self,
+        peer: PeerId,
+        batch: WriteBatch,
+        grants: &[WriteGrant],
         timeout: Duration,
     ) -> Result<BatchId, TransferError> {
         let p = self.peer(peer)?;
@@ -125,7 +146,12 @@ impl Agent {
             batch.notif,
         ));
         lock(&self.inner.batches).insert(id, (b.clone(), p.clone()));
-        if let Err(e) = p.link.post_writes(&b, chunks, batch.fence) {
+        let posted = if grants.is_empty() {
+            p.link.post_writes(&b, chunks, batch.fence)
+        } else {
+            p.link.post_granted_writes(&b, chunks, batch.fence, grants)
+        };
+        if let Err(e) = posted {
             lock(&self.inner.batches).remove(&id);
             return Err(e);
         }
@@ -165,6 +191,119 @@ impl Agent {
             .ok_or(RegisterError::Unknown(region))?;
         let _fence = self.inner.ctx.write_fences.lock(region.0, offset);
         r.store_u64(offset, generation)
-            .map_err(|source| RegisterError::Range { region, source })
+            .map_err(|source| RegisterError::Range { region, source })?;
+        // Verbs grants of any other generation on this word are deregistered before
+        // this returns: a peer's RDMA WRITE naming one fails from now on.
+        #[cfg(feature = "verbs")]
+        if let Ok(v) = &self.inner.verbs {
+            v.revoke_writes(region.0, offset, generation);
+        }
+        Ok(())
+    }
+
+    //= docs/spec.md#the-write-fence
+    //# D gives blocks to another request only after the reservation ended, and it revokes
+    //# remote access to them (verbs) or stops admitting the generation (every other
+    //# backend) before that
+    /// Grants verbs peers remote-write access to `dest` (a range of a registered host
+    /// region of this agent) for the reservation whose fence word is at `fence_offset`
+    /// of `fence_region` and currently holds `generation` (published with
+    /// [`set_write_fence`](Self::set_write_fence)). Hand the returned grant to the
+    /// writer with the reservation; it names it in
+    /// [`post_write_granted`](Self::post_write_granted).
+    ///
+    /// The range gets a registration of its own with remote-write access (the region's
+    /// own registration serves only reads), and a fresh rkey. The grant lives until the
+    /// fence word changes: `set_write_fence` on that word with any other value
+    /// deregisters it before returning, so once the clear returned, no RDMA WRITE of
+    /// the old generation lands in `dest`, not even one in flight during the call.
+    ///
+    /// # Errors
+    /// [`RegisterError::Unknown`] for an unregistered region;
+    /// [`RegisterError::Range`] for a fence word outside its region or misaligned;
+    /// [`RegisterError::Grant`] when the fence word does not hold `generation` (nothing
+    /// granted), on an agent without a verbs backend, or when the registration fails
+    /// (memory verbs serves through a mirror or dmabuf gets no grant: its writers use
+    /// [`post_write`](Self::post_write), fenced by this agent's receiver).
+    pub fn grant_write(
+        &self,
+        fence_region: RegionId,
+        fence_offset: u64,
+        generation: u64,
+        dest: LocalRange,
+    ) -> Result<WriteGrant, RegisterError> {
+        let regions = self
+            .inner
+            .ctx
+            .regions
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let fence = regions
+            .get(&fence_region.0)
+            .map(|r| r.region.clone())
+            .ok_or(RegisterError::Unknown(fence_region))?;
+        let target = regions
+            .get(&dest.region.0)
+            .map(|r| r.region.clone())
+            .ok_or(RegisterError::Unknown(dest.region))?;
+        drop(regions);
+        let _fence = self
+            .inner
+            .ctx
+            .write_fences
+            .lock(fence_region.0, fence_offset);
+        let word = fence
+            .load_u64(fence_offset)
+            .map_err(|source| RegisterError::Range {
+                region: fence_region,
+                source,
+            })?;
+        if word != generation {
+            return Err(RegisterError::Grant {
+                region: dest.region,
+                reason: format!(
+                    "the fence word holds generation {word}, not {generation}: publish it with set_write_fence first"
+                ),
+            });
+        }
+        #[cfg(feature = "verbs")]
+        {
+            let v = self
+                .inner
+                .verbs
+                .as_ref()
+                .map_err(|e| RegisterError::Grant {
+                    region: dest.region,
+                    reason: format!("no verbs backend: {}", e.chain()),
+                })?;
+            let rkey = v
+                .grant_write(
+                    (fence_region.0, fence_offset),
+                    generation,
+                    dest.region.0,
+                    target,
+                    dest.offset,
+                    dest.len,
+                )
+                .map_err(|e| RegisterError::Grant {
+                    region: dest.region,
+                    reason: e.chain(),
+                })?;
+            Ok(WriteGrant {
+                region: dest.region.0,
+                offset: dest.offset,
+                len: dest.len,
+                generation,
+                rkey,
+            })
+        }
+        #[cfg(not(feature = "verbs"))]
+        {
+            let _ = target;
+            Err(RegisterError::Grant {
+                region: dest.region,
+                reason: "this build has no verbs backend (feature `verbs` off)".into(),
+            })
+        }
     }
 }

@@ -250,6 +250,12 @@ pub enum VerbsLinkError {
         #[source]
         source: VerbsError,
     },
+    /// As many remote-write grants as the agent holds at most are held.
+    #[error("{max} remote-write grants are held already: clear reservations' fence words first")]
+    TooManyGrants {
+        /// The limit.
+        max: usize,
+    },
     /// IO on the queue-pair side channel (TCP) failed.
     #[error("verbs side channel: {op} failed")]
     SideChannel {

@@ -34,15 +34,17 @@ use std::time::Duration;
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 
 use super::error::{MirrorError, VerbsLinkError};
+use super::memory::WriteAccess;
 use super::mirror::Registration;
 use super::{
     ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
-    EndpointState, MemoryRegion, ProtectionDomain, RdmaRead, RemoteRegion, VerbsError,
+    EndpointState, MemoryRegion, ProtectionDomain, RdmaRead, RdmaWrite, RemoteRegion, VerbsError,
+    WorkCompletionStatus,
 };
 use crate::batch::{Batch, Next};
 use crate::error::{LinkError, TransferError};
-use crate::ids::{BatchId, FenceRead};
-use crate::link::{Chunk, Link};
+use crate::ids::{BatchId, FenceRead, WriteFence, WriteGrant};
+use crate::link::{Chunk, Link, WriteChunk};
 use crate::metadata::AgentMetadata;
 use crate::tcp::{self, TcpLink};
 
@@ -57,6 +59,8 @@ const INFO_LEN: usize = 40;
 const MAX_REASON: usize = 1024;
 /// Fence words per link (8 bytes each): batches with a fence in flight at once.
 const FENCE_SLOTS: u32 = 512;
+/// Remote-write grants held at once (each is one registration of the NIC's).
+const MAX_GRANTS: usize = 65_536;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Critical sections leave the data consistent before anything that can panic.
@@ -69,11 +73,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) struct VerbsDomain {
     pd: ProtectionDomain,
     regions: Mutex<HashMap<u64, Registration>>,
+    /// Remote-write grants by fence word (region, offset): the generation each was
+    /// granted for and its registration (see [`grant_write`](Self::grant_write)).
+    grants: Mutex<HashMap<(u64, u64), Vec<Granted>>>,
     listen: SocketAddr,
     endpoint: EndpointConfig,
     timeout: Duration,
     token: Option<Vec<u8>>,
     shutdown: Arc<AtomicBool>,
+}
+
+/// One remote-write grant.
+#[derive(Debug)]
+struct Granted {
+    /// The generation it was granted for.
+    generation: u64,
+    /// The agent region the granted range lies in.
+    region: u64,
+    /// Its registration.
+    access: WriteAccess,
 }
 
 /// The side channel's frames, as [`read_header`] and [`read_body`] give them, or why not.
@@ -179,6 +197,7 @@ impl VerbsDomain {
         Ok(Self {
             pd,
             regions: Mutex::new(HashMap::new()),
+            grants: Mutex::new(HashMap::new()),
             listen,
             endpoint,
             timeout,
@@ -213,9 +232,86 @@ impl VerbsDomain {
             .is_some_and(Registration::is_mirror)
     }
 
+    /// Registers `offset..offset + len` of `region` (agent region `id`) for remote
+    /// writes under the fence word `fence` at `generation`, and returns its rkey. The
+    /// caller holds the fence word's lock and checked that the word holds `generation`;
+    /// [`revoke_writes`](Self::revoke_writes) under the same lock ends the grant.
+    pub(crate) fn grant_write(
+        &self,
+        fence: (u64, u64),
+        generation: u64,
+        id: u64,
+        region: Arc<dyn DmaRegion>,
+        offset: u64,
+        len: u64,
+    ) -> Result<u32, LinkError> {
+        let mut grants = lock(&self.grants);
+        let held: usize = grants.values().map(Vec::len).sum();
+        if held >= MAX_GRANTS {
+            return Err(LinkError::Verbs(VerbsLinkError::TooManyGrants {
+                max: MAX_GRANTS,
+            }));
+        }
+        let access = self
+            .pd
+            .register_remote_write(region, offset, len)
+            .map_err(verbs("registering a write grant"))?;
+        let rkey = access.rkey();
+        tracing::debug!(
+            region = id,
+            offset,
+            len,
+            generation,
+            rkey,
+            "remote write granted"
+        );
+        grants.entry(fence).or_default().push(Granted {
+            generation,
+            region: id,
+            access,
+        });
+        Ok(rkey)
+    }
+
+    /// Deregisters every grant under the fence word `(region, offset)` whose generation
+    /// is not `generation`; returns once each is deregistered (its rkey invalid). The
+    /// caller holds the fence word's lock.
+    pub(crate) fn revoke_writes(&self, region: u64, offset: u64, generation: u64) {
+        self.revoke_where(|word, g| word == (region, offset) && g.generation != generation);
+    }
+
+    /// Deregisters every grant `gone(fence word, grant)` picks; returns once each is
+    /// deregistered.
+    fn revoke_where(&self, gone: impl Fn((u64, u64), &Granted) -> bool) {
+        let revoked: Vec<Granted> = {
+            let mut grants = lock(&self.grants);
+            let mut out = Vec::new();
+            grants.retain(|word, list| {
+                let (drop, keep): (Vec<_>, Vec<_>) = std::mem::take(list)
+                    .into_iter()
+                    .partition(|g| gone(*word, g));
+                out.extend(drop);
+                *list = keep;
+                !list.is_empty()
+            });
+            out
+        };
+        for g in revoked {
+            let (offset, len) = g.access.range();
+            tracing::debug!(
+                region = g.region, generation = g.generation, rkey = g.access.rkey(), offset,
+                len, kind = %g.access.region().kind(), "remote write revoked"
+            );
+            g.access.revoke();
+        }
+    }
+
     /// Forgets a region (it is deregistered once no work request references it).
     pub(crate) fn deregister(&self, id: u64) {
         lock(&self.regions).remove(&id);
+        // Grants into the region, and grants under a fence word of it (which can no
+        // longer be cleared), end with it.
+        self.revoke_where(|word, g| word.0 == id || g.region == id);
     }
 
     /// This agent's metadata entry: side channel, GID, the rkey of every region, and
@@ -569,6 +665,9 @@ struct Tracked {
     /// Ranges of mirrored destinations the reads land in, copied mirror → region before
     /// the batch is done (adjacent chunks merged).
     copy_back: Vec<(Registration, u64, u64)>,
+    /// For a batch of RDMA WRITEs: its first chunk's destination and the generation it
+    /// writes for, named by the `Stale` error a revoked grant gives.
+    write: Option<(u64, u64, u64, u64)>,
 }
 
 impl VerbsLink {
@@ -635,6 +734,86 @@ impl VerbsLink {
                     })
             })
             .collect()
+    }
+
+    /// A batch's failure: `Stale` for a write the peer refused with a remote access
+    /// error (its grant was revoked: the reservation ended), a disconnect otherwise.
+    fn failed(&self, t: &Tracked, e: &VerbsError) -> TransferError {
+        if let (Some((region, offset, len, expected)), VerbsError::WorkRequest { status, .. }) =
+            (t.write, e)
+            && status.code() == WorkCompletionStatus::REM_ACCESS_ERR
+        {
+            return TransferError::Stale {
+                peer: self.peer.clone(),
+                region,
+                offset,
+                len,
+                expected,
+            };
+        }
+        self.rdma_failed(e)
+    }
+
+    /// The RDMA WRITEs of `chunks`, each inside one of `grants` (of the batch's
+    /// generation), or why the batch cannot be written: `Ok(None)` when a source has no
+    /// direct verbs registration on this link (the batch then goes over TCP).
+    fn granted_writes(
+        &self,
+        chunks: &[WriteChunk],
+        fence: WriteFence,
+        grants: &[WriteGrant],
+    ) -> Result<Option<Vec<RdmaWrite>>, TransferError> {
+        let invalid = |reason: String| TransferError::InvalidBatch {
+            peer: self.peer.clone(),
+            reason,
+        };
+        if let Some(g) = grants.iter().find(|g| g.generation != fence.expected) {
+            return Err(invalid(format!(
+                "a write grant for generation {}, the batch writes for {}",
+                g.generation, fence.expected
+            )));
+        }
+        let mut ops = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let Some(src) = self
+                .local
+                .values()
+                .find(|reg| Arc::ptr_eq(reg.region(), &c.src) && !reg.is_mirror())
+            else {
+                return Ok(None);
+            };
+            let grant = grants
+                .iter()
+                .find(|g| g.covers(c.remote.region, c.remote.offset, c.len))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "the write of {} bytes at {} of peer region {} lies outside every write grant",
+                        c.len, c.remote.offset, c.remote.region
+                    ))
+                })?;
+            if self.bases.contains_key(&c.remote.region) {
+                return Err(invalid(format!(
+                    "peer region {} is served through a mirror: it takes no RDMA WRITE",
+                    c.remote.region
+                )));
+            }
+            let region = self.remote(&c.remote)?;
+            let addr = region.addr().checked_add(grant.offset).ok_or_else(|| {
+                invalid(format!(
+                    "write grant at {} overflows peer region {}",
+                    grant.offset, c.remote.region
+                ))
+            })?;
+            ops.push(RdmaWrite {
+                local: src.mr().clone(),
+                local_offset: c.src_offset,
+                remote: RemoteRegion::new(addr, grant.len, grant.rkey),
+                // Inside the grant (`covers`).
+                remote_offset: c.remote.offset - grant.offset,
+                len: c.len,
+            });
+        }
+        Ok(Some(ops))
     }
 
     fn rdma_failed(&self, reason: &dyn std::fmt::Display) -> TransferError {
@@ -717,6 +896,7 @@ impl Link for VerbsLink {
                         chunk_lens: lens,
                         fence,
                         copy_back,
+                        write: None,
                     },
                 );
                 Ok(())
@@ -806,10 +986,60 @@ impl Link for VerbsLink {
                     }
                 }
                 EndpointBatchStatus::Failed(e) => {
-                    bst.fail(self.rdma_failed(&e));
+                    bst.fail(self.failed(&t, &e));
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// Without grants the peer's receiver fences the writes: they go over the TCP link.
+    fn post_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+    ) -> Result<(), TransferError> {
+        self.tcp.post_writes(batch, chunks, fence)
+    }
+
+    /// RDMA WRITEs into the granted ranges, completed as the peer's NIC acknowledges
+    /// them (no CPU of the peer involved); the notification follows on the TCP link once
+    /// every write completed. A write whose grant the peer revoked fails at its NIC with
+    /// a remote access error and changes nothing there: the batch fails with `Stale`.
+    /// A batch whose source has no direct verbs registration goes over TCP.
+    fn post_granted_writes(
+        &self,
+        batch: &Arc<Batch>,
+        chunks: Vec<WriteChunk>,
+        fence: WriteFence,
+        grants: &[WriteGrant],
+    ) -> Result<(), TransferError> {
+        let Some(ops) = self.granted_writes(&chunks, fence, grants)? else {
+            tracing::debug!(peer = %self.peer, batch = batch.id, "write batch over TCP: a source has no direct verbs registration");
+            return self.tcp.post_writes(batch, chunks, fence);
+        };
+        let first = chunks
+            .first()
+            .map(|c| (c.remote.region, c.remote.offset, c.len, fence.expected));
+        let lens: Vec<u64> = chunks.iter().map(|c| c.len).collect();
+        let mut st = lock(&self.state);
+        batch.lock().backend = crate::Backend::Verbs;
+        match st.ep.post_write_batch(&ops, None) {
+            Ok(id) => {
+                st.tracked.insert(
+                    id,
+                    Tracked {
+                        batch: Arc::clone(batch),
+                        chunk_lens: lens,
+                        fence: None,
+                        copy_back: Vec::new(),
+                        write: first,
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => Err(self.rdma_failed(&e)),
         }
     }
 

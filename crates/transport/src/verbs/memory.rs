@@ -89,6 +89,60 @@ impl ProtectionDomain {
         })
     }
 
+    /// Registers `offset..offset + len` of a host-accessible `region` for remote writes
+    /// only: the access a peer's RDMA WRITE needs for the life of one reservation (the
+    /// pool's own registration, [`register`](Self::register), never grants remote
+    /// writes). The returned [`WriteAccess`] carries its own rkey; dropping it (or
+    /// [`WriteAccess::revoke`]) deregisters the range, after which a WRITE naming that
+    /// rkey fails at the writer with a remote access error and changes nothing.
+    ///
+    /// # Errors
+    /// [`VerbsError::UnsupportedMemory`] for memory that is not host-accessible (device
+    /// memory and staged memory take other paths, see `mirror`);
+    /// [`VerbsError::OutOfBounds`] for a range outside the region or of zero bytes;
+    /// [`VerbsError::MemlockLimit`] / [`VerbsError::Register`] as `register`.
+    pub fn register_remote_write(
+        &self,
+        region: Arc<dyn DmaRegion>,
+        offset: u64,
+        len: u64,
+    ) -> Result<WriteAccess, VerbsError> {
+        let kind = region.kind();
+        if !kind.is_host_accessible() {
+            return Err(VerbsError::UnsupportedMemory {
+                kind,
+                why: "remote writes are granted only on host-accessible memory".into(),
+            });
+        }
+        let region_len = region.len() as u64;
+        let end = offset.checked_add(len);
+        if len == 0 || end.is_none_or(|end| end > region_len) {
+            return Err(VerbsError::OutOfBounds {
+                side: "local",
+                offset,
+                len,
+                region_len,
+            });
+        }
+        // In bounds of a `usize`-long region, so both fit a usize.
+        let (start, size) = (offset as usize, len as usize);
+        let addr = region.base_ptr() as usize + start;
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+        // SAFETY: `addr..addr + size` lies inside the region (checked above), one host
+        // allocation valid while `region` lives (the DmaRegion contract); the WriteAccess
+        // built below owns `region` and drops the registration (its first field) before
+        // it, so the NIC's mapping never outlives the memory.
+        let result = unsafe { self.inner.pd.reg_mr(addr, size, access) };
+        let mr = result.map_err(|e| self.register_error(size, e.0))?;
+        Ok(WriteAccess {
+            mr: Some(mr),
+            region,
+            offset,
+            len,
+            _pd: self.clone(),
+        })
+    }
+
     /// Device memory: dmabuf where the CUDA driver and the RDMA provider support it.
     #[cfg(feature = "cuda")]
     fn register_device(&self, region: Arc<dyn DmaRegion>) -> Result<MemoryRegion, VerbsError> {
@@ -280,6 +334,75 @@ impl fmt::Debug for MemoryRegion {
             .field("rkey", &self.rkey())
             .field("kind", &self.inner.region.kind())
             .field("dmabuf", &self.is_dmabuf())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Remote-write access to one range of a region, granted for one reservation (see
+/// [`ProtectionDomain::register_remote_write`]). Not `Clone`: the registration is held
+/// here alone, so [`revoke`](Self::revoke) (or Drop) deregisters it at once.
+pub struct WriteAccess {
+    // Drop order: the registration first, then the memory, then the protection domain.
+    mr: Option<Arc<RawMemoryRegion>>,
+    region: Arc<dyn DmaRegion>,
+    offset: u64,
+    len: u64,
+    _pd: ProtectionDomain,
+}
+
+impl WriteAccess {
+    /// The key a peer names in its RDMA WRITEs into the range.
+    pub fn rkey(&self) -> u32 {
+        self.mr.as_ref().map_or(0, |mr| mr.rkey())
+    }
+
+    /// The granted range: offset in the region and length.
+    pub fn range(&self) -> (u64, u64) {
+        (self.offset, self.len)
+    }
+
+    /// The region the range lies in.
+    pub fn region(&self) -> &Arc<dyn DmaRegion> {
+        &self.region
+    }
+
+    /// What a peer needs to write the range: its address on this host, length and rkey.
+    pub fn remote(&self) -> super::RemoteRegion {
+        let addr = self.region.base_ptr() as u64 + self.offset;
+        super::RemoteRegion::new(addr, self.len, self.rkey())
+    }
+
+    /// Deregisters the range (`ibv_dereg_mr`). Once this returns the rkey is invalid: a
+    /// WRITE naming it fails at the writer with a remote access error, and the provider
+    /// no longer touches the range through it (the kernel's deregistration waits for the
+    /// responder's references to the registration to drop).
+    pub fn revoke(mut self) {
+        self.revoke_now();
+    }
+
+    fn revoke_now(&mut self) {
+        if let Some(mr) = self.mr.take() {
+            // The only reference (never cloned): dropping it deregisters. sideway's Drop
+            // discards ibv_dereg_mr's result; the one documented failure (EBUSY: memory
+            // windows bound to the region) cannot happen, kvlease binds none.
+            super::drop_guarded("ibv_dereg_mr (write access)", mr);
+        }
+    }
+}
+
+impl Drop for WriteAccess {
+    fn drop(&mut self) {
+        self.revoke_now();
+    }
+}
+
+impl fmt::Debug for WriteAccess {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WriteAccess")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("rkey", &self.rkey())
+            .field("revoked", &self.mr.is_none())
             .finish_non_exhaustive()
     }
 }

@@ -12,7 +12,10 @@
 //!   metadata (`"mirrors"`, `"rkeys"`). The source copies region → mirror
 //!   ([`Registration::sync_out`], `Agent::sync_for_peers`) before peers read; a read into
 //!   a mirror-backed destination lands in the mirror and is copied mirror → region
-//!   ([`Registration::sync_in`]) before its batch is reported done. This is vLLM
+//!   ([`Registration::sync_in`]) before its batch is reported done. A mirrored (or
+//!   dmabuf) region gets no remote-write grant (`Agent::grant_write`): a peer's RDMA
+//!   WRITE would land in the mirror with nothing of this agent to copy it into the
+//!   region, so pushes into it go over TCP, landed by this agent's receiver. This is vLLM
 //!   NixlConnector's `kv_buffer_device=cpu`: host transfer buffers the size of the KV cache,
 //!   a device→host copy after prefill, a host→device copy after the read. It costs host
 //!   memory equal to the region (pinned, and counted against `RLIMIT_MEMLOCK`) and one copy

@@ -1,5 +1,7 @@
 //! The verbs backend: one-sided RDMA READ over RC queue pairs (libibverbs through
-//! `sideway`, loaded at run time).
+//! `sideway`, loaded at run time), and push mode's RDMA WRITE into ranges the receiver
+//! granted remote-write access to for one reservation (`ProtectionDomain::
+//! register_remote_write`; pools are registered for remote reads only).
 //!
 //! Layers, bottom up, each child holding an `Arc` of its parent (like rust-ibverbs):
 //! [`Device`] (an opened device context, its port, GID and MTU) → [`ProtectionDomain`] →
@@ -39,10 +41,10 @@ pub(crate) mod mirror;
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{
     ConnectionInfo, Endpoint, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead,
-    RemoteRegion,
+    RdmaWrite, RemoteRegion,
 };
 pub use error::{MirrorError, VerbsError, VerbsLinkError, WorkCompletionStatus};
-pub use memory::{MemoryRegion, ProtectionDomain};
+pub use memory::{MemoryRegion, ProtectionDomain, WriteAccess};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -6,7 +6,8 @@ mod recover;
 mod types;
 
 pub use types::{
-    ConnectionInfo, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead, RemoteRegion,
+    ConnectionInfo, EndpointBatchStatus, EndpointConfig, EndpointState, RdmaRead, RdmaWrite,
+    RemoteRegion,
 };
 
 use std::collections::{HashMap, VecDeque};
@@ -42,6 +43,8 @@ struct Chunk {
     rkey: u32,
     len: u32,
     fence: bool,
+    /// An RDMA WRITE from `local` (instead of a READ into it).
+    write: bool,
 }
 
 /// A posted send-queue work request, in post order (= completion order on an RC QP).
@@ -407,11 +410,11 @@ impl Endpoint {
         let batch = self.next_batch;
         let mut chunks = Vec::new();
         for op in ops {
-            self.split(batch, op, false, &mut chunks)?;
+            self.split(batch, op, false, false, &mut chunks)?;
         }
         if let Some(op) = fence {
             let before = chunks.len();
-            self.split(batch, op, true, &mut chunks)?;
+            self.split(batch, op, true, false, &mut chunks)?;
             if chunks.len() != before + 1 {
                 return Err(VerbsError::OutOfBounds {
                     side: "fence",
@@ -420,6 +423,56 @@ impl Endpoint {
                     region_len: u64::from(self.config.max_wr_bytes),
                 });
             }
+        }
+        self.next_batch += 1;
+        self.batches.insert(
+            batch,
+            Batch {
+                remaining: chunks.len(),
+                failed: None,
+                notif,
+            },
+        );
+        if chunks.is_empty() {
+            self.finish_batch(batch);
+        }
+        self.pending.extend(chunks);
+        self.post_pending()?;
+        self.flush_notifs()?;
+        Ok(BatchId(batch))
+    }
+
+    /// Posts a batch of RDMA WRITEs (each from our registered `local` into the peer's
+    /// range), optionally followed by a notification sent once every write completed. A
+    /// write's completion means the peer's NIC acknowledged its bytes; a write into a
+    /// range whose access the peer revoked fails its batch with a remote access error
+    /// ([`VerbsError::WorkRequest`]) and changes nothing there.
+    ///
+    /// # Errors
+    /// As [`post_read_batch`](Self::post_read_batch); nothing is posted when validation
+    /// fails.
+    pub fn post_write_batch(
+        &mut self,
+        ops: &[RdmaWrite],
+        notif: Option<Vec<u8>>,
+    ) -> Result<BatchId, VerbsError> {
+        if self.state == EndpointState::Closed {
+            return Err(VerbsError::NotConnected { state: self.state });
+        }
+        if let Some(n) = &notif {
+            self.check_notif_len(n.len())?;
+        }
+        let batch = self.next_batch;
+        let mut chunks = Vec::new();
+        for op in ops {
+            let shaped = RdmaRead {
+                local: op.local.clone(),
+                local_offset: op.local_offset,
+                remote: op.remote,
+                remote_offset: op.remote_offset,
+                len: op.len,
+            };
+            self.split(batch, &shaped, false, true, &mut chunks)?;
         }
         self.next_batch += 1;
         self.batches.insert(

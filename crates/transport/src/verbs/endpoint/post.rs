@@ -20,6 +20,7 @@ impl Endpoint {
         batch: u64,
         op: &RdmaRead,
         fence: bool,
+        write: bool,
         out: &mut Vec<Chunk>,
     ) -> Result<(), VerbsError> {
         if !op.local.pd().same(&self.pd) {
@@ -47,6 +48,7 @@ impl Endpoint {
                 // At most max_wr_bytes (a u32).
                 len: u32::try_from(len).unwrap_or(u32::MAX),
                 fence,
+                write,
             });
             done += len;
         }
@@ -60,7 +62,12 @@ impl Endpoint {
         init.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(port)
-            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteRead);
+            .setup_access_flags(
+                // Remote writes are admitted by the queue pair but land only in memory
+                // registered with REMOTE_WRITE: the per-reservation grants
+                // (`register_remote_write`), never the pools.
+                AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite,
+            );
         let qpn = self.qpn;
         self.qp_mut()?
             .modify(&init)
@@ -144,15 +151,18 @@ impl Endpoint {
             let qp = self.qp_mut()?;
             let mut guard = qp.start_post_send();
             for (i, c) in chunks.iter().enumerate() {
-                let wr = guard
-                    .construct_wr(first_id + i as u64, flags[i])
-                    .setup_read(c.rkey, c.remote_addr);
+                let wr = guard.construct_wr(first_id + i as u64, flags[i]);
+                let wr = if c.write {
+                    wr.setup_write(c.rkey, c.remote_addr)
+                } else {
+                    wr.setup_read(c.rkey, c.remote_addr)
+                };
                 // SAFETY: local_addr..+len was bounds-checked against `c.local` (a
                 // registered region of this PD) in `split`, and `c` (holding an Arc of
                 // that MemoryRegion) moves into the in-flight table below, where it stays
                 // until this work request's completion is reaped or the QP is reset or
-                // destroyed: the destination stays registered and alive while the NIC
-                // may write it.
+                // destroyed: the destination of a read (the source of a write) stays
+                // registered and alive while the NIC may touch it.
                 unsafe { wr.setup_sge(c.local.lkey(), c.local_addr, c.len) };
             }
             match guard.post() {

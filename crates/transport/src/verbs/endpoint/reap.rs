@@ -67,6 +67,7 @@ impl Endpoint {
         let qpn = self.qpn;
         if let Some(p) = self.send_q.front().filter(|p| p.wr_id == wr_id) {
             let (op, batch) = match &p.what {
+                PostedKind::Read(c) if c.write => ("WRITE", Some(c.batch)),
                 PostedKind::Read(c) => ("READ", Some(c.batch)),
                 PostedKind::Send { .. } => ("SEND", None),
             };

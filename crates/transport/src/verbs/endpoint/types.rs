@@ -12,7 +12,8 @@ const INFO_LEN: usize = 40;
 /// Tuning of an [`Endpoint`](super::Endpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointConfig {
-    /// RDMA READ work requests in flight at most (the send queue's read share).
+    /// RDMA READ (and WRITE) work requests in flight at most (the send queue's share
+    /// for data; writes count against it as reads do).
     pub max_outstanding_reads: u32,
     /// Request a completion at least every this many work requests (selective signalling;
     /// the last work request of each chain and of each batch is always signalled).
@@ -90,6 +91,24 @@ pub struct RdmaRead {
     /// Offset in `local`.
     pub local_offset: u64,
     /// Source on the peer.
+    pub remote: RemoteRegion,
+    /// Offset in `remote`.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// One RDMA WRITE on the queue pair: `len` bytes of our registered `local` at
+/// `local_offset` into the peer's `remote` at `remote_offset`. The peer's range must be
+/// registered for remote writes (a pool registration is not: see
+/// [`Agent::grant_write`](crate::Agent::grant_write)).
+#[derive(Debug, Clone)]
+pub struct RdmaWrite {
+    /// Source (registered in the endpoint's protection domain).
+    pub local: MemoryRegion,
+    /// Offset in `local`.
+    pub local_offset: u64,
+    /// Destination on the peer.
     pub remote: RemoteRegion,
     /// Offset in `remote`.
     pub remote_offset: u64,
