@@ -108,7 +108,7 @@ def test_push_is_selected_by_class_or_extra_config_and_pull_stays_the_default():
             assert (s.connector.scheduler.push_d is not None) == (mode == "push")
         finally:
             s.connector.shutdown()
-    for extra in ({"transfer_mode": "pull"}, {"transport": "shm"}, {"transfer_mode": "x"}):
+    for extra in ({"transfer_mode": "pull"}, {"transport": "verbs"}, {"transfer_mode": "x"}):
         with pytest.raises(ConfigError):
             push_scheduler("kv_both", "e1", **extra)
 

@@ -184,9 +184,10 @@ class KvleaseConfig:
                 f"the connector class pushes, but kv_connector_extra_config says "
                 f"transfer_mode {mode!r}"
             )
-        if mode == "push" and transport not in ("auto", "tcp"):
+        if mode == "push" and transport not in ("auto", "tcp", "shm"):
             raise ConfigError(
-                f"push mode writes over tcp (the backend with the write fence), not {transport!r}"
+                f"push mode writes over tcp or shm (the connector does not pass verbs write "
+                f"grants yet), not {transport!r}"
             )
         if mode == "push" and bidirectional:
             raise ConfigError("bidirectional_kv_xfer is not supported in push mode")

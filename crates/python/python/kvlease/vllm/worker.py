@@ -162,8 +162,7 @@ class KvleaseWorker:
                 )
         # An unspecified address (0.0.0.0 or ::) listens on every IPv4 interface.
         listen = f"0.0.0.0:{port}" if host in ("0.0.0.0", "::") else _listen_addr(host, port)
-        # Push mode writes over TCP (the backend with the write fence).
-        backend = "tcp" if config.push and config.transport == "auto" else config.transport
+        backend = config.transport
         self.agent = native.Agent(
             _agent_name(self.engine_id, self.rank),
             listen=listen,
