@@ -36,6 +36,9 @@
 #   iperf3 and NIXL over TCP), notif_rtt_us= nixl_notif_rtt_us= (TCP, as before).
 #   write_ratio_vs_nixl_write= (and _64k=) our TCP fenced WRITE over NIXL's WRITE over TCP;
 #   write_ratio_vs_nixl_shm_write= (and _64k=) the same over NIXL with UCX's defaults.
+#   shm_write_ratio_vs_nixl_shm_write= (and _64k=) our same-host fenced WRITE (shm link,
+#                               memfd destination) over NIXL's WRITE with UCX's defaults;
+#                               cma_write_ratio_vs_nixl_shm_write= the same, heap destination.
 # A single run's notification RTTs are noisy: scripts/bench/notif.sh interleaves rounds.
 # A peer that fails prints its keys as nan (the reason on stderr) and the run goes on.
 # Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), KVLEASE_MOONCAKE_VENV
@@ -147,5 +150,9 @@ echo "write_ratio_vs_nixl_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nix
 echo "write_ratio_vs_nixl_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_tcp_write_64k_x64_gbps)")"
 echo "write_ratio_vs_nixl_shm_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
 echo "write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
+echo "shm_write_ratio_vs_nixl_shm_write=$(ratio "$(get shm_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
+echo "shm_write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get shm_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
+echo "cma_write_ratio_vs_nixl_shm_write=$(ratio "$(get cma_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
+echo "cma_write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get cma_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
 echo "notif_rtt_us=$(get notif_rtt_us)"
 echo "nixl_notif_rtt_us=$(get nixl_tcp_notif_rtt_us)"
