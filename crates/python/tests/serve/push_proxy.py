@@ -10,7 +10,8 @@ written here with the standard library.
    False}`` and P's ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
    ``remote_port``, ``tp_size`` (no ``remote_block_ids``: D allocates its blocks and
    registers them with P, which writes into them);
-4. D's answer goes to the client.
+4. D's answer goes to the client, streamed as it comes when the client asked for a
+   stream (as vLLM's proxies do: a client's time to first token is D's).
 
 Run: ``python push_proxy.py --port N --prefill URL --decode URL`` (round robin over
 several of each). ``/healthcheck`` answers 200 once it listens.
@@ -19,6 +20,7 @@ several of each). ``/healthcheck`` answers 200 once it listens.
 from __future__ import annotations
 
 import argparse
+import http.client
 import itertools
 import json
 import threading
@@ -65,16 +67,21 @@ def prefill_leg(p_url: str, body: dict, path: str, request_id: str) -> tuple[int
     return status, raw, params
 
 
-def decode_leg(d_url: str, body: dict, path: str, request_id: str, p_params: dict,
-               timeout: float = 300.0) -> tuple[int, bytes]:
-    """Step 3-4: D's leg, naming P as the push proxy does."""
+def decode_body(body: dict, p_params: dict) -> dict:
+    """Step 3: D's leg's body, naming P as the push proxy does."""
     leg = dict(body)
     leg["kv_transfer_params"] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         **{k: p_params.get(k) for k in D_KEYS},
     }
-    return post(d_url + path, leg, request_id, timeout)
+    return leg
+
+
+def decode_leg(d_url: str, body: dict, path: str, request_id: str, p_params: dict,
+               timeout: float = 300.0) -> tuple[int, bytes]:
+    """Steps 3-4: D's leg; D's status and whole answer."""
+    return post(d_url + path, decode_body(body, p_params), request_id, timeout)
 
 
 def serve(port: int, prefill: list[str], decode: list[str]) -> None:
@@ -100,11 +107,41 @@ def serve(port: int, prefill: list[str], decode: list[str]) -> None:
             with lock:
                 p_url, d_url = next(p_next), next(d_next)
             request_id = self.headers.get("X-Request-Id") or str(uuid.uuid4())
-            status, raw, params = prefill_leg(p_url, body, self.path, request_id)
-            if status != 200:
-                self._send(status, raw)
+            try:
+                status, raw, params = prefill_leg(p_url, body, self.path, request_id)
+                if status != 200:
+                    self._send(status, raw)
+                    return
+                self._relay(d_url, decode_body(body, params), request_id)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                # P or D unreachable, or an answer cut short: the client sees a 502 (or,
+                # once D's stream began, a connection that closes early).
+                if not self._started:
+                    self._send(502, json.dumps({"error": repr(e)}).encode())
+
+        _started = False
+
+        def _relay(self, d_url: str, leg: dict, request_id: str) -> None:
+            """Step 4: D's answer to the client, each chunk as it arrives (no length:
+            HTTP/1.0, the connection's end ends the answer)."""
+            req = urllib.request.Request(
+                d_url + self.path, data=json.dumps(leg).encode(),
+                headers={"content-type": "application/json", "X-Request-Id": request_id},
+            )
+            try:
+                r = urllib.request.urlopen(req, timeout=300)
+            except urllib.error.HTTPError as e:
+                self._send(e.code, e.read())
                 return
-            self._send(*decode_leg(d_url, body, self.path, request_id, params))
+            with r:
+                self._started = True
+                self.send_response(r.status)
+                self.send_header("content-type",
+                                 r.headers.get("content-type", "application/json"))
+                self.end_headers()
+                while chunk := r.read1(65536):
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
 
         def log_message(self, fmt: str, *args) -> None:
             print(fmt % args, flush=True)
