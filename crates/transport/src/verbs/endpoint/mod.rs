@@ -424,6 +424,17 @@ impl Endpoint {
                 });
             }
         }
+        self.start_batch(batch, chunks, notif)
+    }
+
+    /// Records batch `batch` of validated `chunks` (the next batch id) and posts what the
+    /// send window admits; a batch of no chunks finishes at once.
+    fn start_batch(
+        &mut self,
+        batch: u64,
+        chunks: Vec<Chunk>,
+        notif: Option<Vec<u8>>,
+    ) -> Result<BatchId, VerbsError> {
         self.next_batch += 1;
         self.batches.insert(
             batch,
@@ -474,22 +485,7 @@ impl Endpoint {
             };
             self.split(batch, &shaped, false, true, &mut chunks)?;
         }
-        self.next_batch += 1;
-        self.batches.insert(
-            batch,
-            Batch {
-                remaining: chunks.len(),
-                failed: None,
-                notif,
-            },
-        );
-        if chunks.is_empty() {
-            self.finish_batch(batch);
-        }
-        self.pending.extend(chunks);
-        self.post_pending()?;
-        self.flush_notifs()?;
-        Ok(BatchId(batch))
+        self.start_batch(batch, chunks, notif)
     }
 
     /// The status of a batch; a final status (done or failed) is returned once, then the
