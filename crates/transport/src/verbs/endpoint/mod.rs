@@ -401,12 +401,7 @@ impl Endpoint {
         fence: Option<&RdmaRead>,
         notif: Option<Vec<u8>>,
     ) -> Result<BatchId, VerbsError> {
-        if self.state == EndpointState::Closed {
-            return Err(VerbsError::NotConnected { state: self.state });
-        }
-        if let Some(n) = &notif {
-            self.check_notif_len(n.len())?;
-        }
+        self.check_post(notif.as_deref())?;
         let batch = self.next_batch;
         let mut chunks = Vec::new();
         for op in ops {
@@ -425,6 +420,18 @@ impl Endpoint {
             }
         }
         self.start_batch(batch, chunks, notif)
+    }
+
+    /// What a batch of reads or writes, or a notification, is refused for before anything
+    /// is queued: a closed endpoint, a notification over the slot size.
+    fn check_post(&self, notif: Option<&[u8]>) -> Result<(), VerbsError> {
+        if self.state == EndpointState::Closed {
+            return Err(VerbsError::NotConnected { state: self.state });
+        }
+        if let Some(n) = notif {
+            self.check_notif_len(n.len())?;
+        }
+        Ok(())
     }
 
     /// Records batch `batch` of validated `chunks` (the next batch id) and posts what the
@@ -467,12 +474,7 @@ impl Endpoint {
         ops: &[RdmaWrite],
         notif: Option<Vec<u8>>,
     ) -> Result<BatchId, VerbsError> {
-        if self.state == EndpointState::Closed {
-            return Err(VerbsError::NotConnected { state: self.state });
-        }
-        if let Some(n) = &notif {
-            self.check_notif_len(n.len())?;
-        }
+        self.check_post(notif.as_deref())?;
         let batch = self.next_batch;
         let mut chunks = Vec::new();
         for op in ops {
@@ -519,10 +521,7 @@ impl Endpoint {
     /// never truncated); [`VerbsError::NotifRingFull`] when the queue is full;
     /// [`VerbsError::NotConnected`] when closed.
     pub fn send_notif(&mut self, bytes: &[u8]) -> Result<(), VerbsError> {
-        if self.state == EndpointState::Closed {
-            return Err(VerbsError::NotConnected { state: self.state });
-        }
-        self.check_notif_len(bytes.len())?;
+        self.check_post(Some(bytes))?;
         if self.queued_notifs.len() >= self.config.max_queued_notifs as usize {
             return Err(VerbsError::NotifRingFull {
                 slots: self.config.send_slots as usize,
