@@ -120,6 +120,24 @@ struct Req {
     conv: Option<usize>,
 }
 
+impl Req {
+    /// A request that arrived at P engine `p` at `arrived`, nothing yet done to it.
+    fn arrived(p: usize, tokens: usize, arrived: u64, watched: bool, conv: Option<usize>) -> Self {
+        Self {
+            p,
+            tokens,
+            arrived,
+            content_seed: 0,
+            generation: 0,
+            end: None,
+            ends: 0,
+            watched,
+            rogue_hit: false,
+            conv,
+        }
+    }
+}
+
 /// What the oracle expects P's core to answer to one message.
 #[derive(Debug, Clone, Copy, Default)]
 struct Expect {

@@ -27,18 +27,7 @@ impl World {
         }
         self.requests.insert(
             request.clone(),
-            Req {
-                p,
-                tokens,
-                arrived: self.now,
-                content_seed: 0,
-                generation: 0,
-                end: None,
-                ends: 0,
-                watched,
-                rogue_hit: false,
-                conv,
-            },
+            Req::arrived(p, tokens, self.now, watched, conv),
         );
         let alive = engine.alive;
         self.trace(&[4, self.now, p as u64]);

@@ -458,18 +458,7 @@ impl World {
         self.next_request += 1;
         self.requests.insert(
             request.clone(),
-            Req {
-                p,
-                tokens,
-                arrived: self.now,
-                content_seed: 0,
-                generation: 0,
-                end: None,
-                ends: 0,
-                watched: false,
-                rogue_hit: false,
-                conv: Some(c),
-            },
+            Req::arrived(p, tokens, self.now, false, Some(c)),
         );
         self.trace(&[22, self.now, p as u64, u64::from(held.is_some())]);
         self.trace_str(request.as_str());
