@@ -588,7 +588,22 @@ impl PushCore {
                 self.end(now, &transfer, PushOutcome::NoRegistration);
             } else {
                 self.stats.registrations_dropped += 1;
-                self.forget(now, &transfer);
+                //= docs/spec.md#push-mode
+                //# a registration whose P leg does not come within the registration wait
+                //# is dropped, and D is told at once (push-failed)
+                if let Some(Push {
+                    registration: Some(r),
+                    ..
+                }) = self.forget(now, &transfer)
+                {
+                    self.actions.push_back(PushAction::Send {
+                        to: r.decode,
+                        message: PushMessage::PushFailed {
+                            transfer,
+                            generation: r.generation,
+                        },
+                    });
+                }
             }
         }
     }

@@ -355,7 +355,7 @@ fn registration_with_a_lease_too_short_fails_fast() {
 }
 
 /// A prefilled push whose registration never comes frees P's blocks after the wait; a
-/// registration whose leg never comes is dropped.
+/// registration whose leg never comes is dropped, and D is told.
 #[test]
 fn waits_for_the_other_leg_are_bounded() {
     let mut p = p_core();
@@ -381,8 +381,17 @@ fn waits_for_the_other_leg_are_bounded() {
         p.poll_heartbeat(ms(0)).is_none(),
         "not heartbeated before P's leg"
     );
-    p.handle_timeout(ms(1200));
+    p.handle_timeout(ms(1199));
     assert!(actions(&mut p).is_empty());
+    p.handle_timeout(ms(1200));
+    assert!(
+        matches!(
+            &actions(&mut p)[..],
+            [PushAction::Send { to, message: PushMessage::PushFailed { transfer, .. } }]
+                if *to == engine("D") && *transfer == id("y")
+        ),
+        "D is told its lone registration was dropped"
+    );
     assert_eq!(p.stats().registrations_dropped, 1);
     assert!(p.admit(ms(1201), id("y"), id("p2")).is_err());
     p.handle_timeout(ms(100_000));

@@ -220,3 +220,110 @@ def test_an_abort_on_d_clears_the_reservation_and_tells_p_which_frees_at_once(pd
         time.sleep(0.01)
     assert not [t for t in meta.transmits if t.kind == "write_done"]
     assert p.connector.scheduler.push_p.core.pushing == 0
+
+
+def both_legs(p, transfer: str, num_tokens: int = 40):
+    """P's and D's legs as ``kvlease-proxy --transfer-mode push`` sends them, at once: one
+    ``transfer_id``; D's names P's identity (its engine id and side channel), nothing P
+    computed."""
+    p_req = create_request(num_tokens=num_tokens, max_tokens=1,
+                           kv_transfer_params={"do_remote_decode": True,
+                                               "transfer_id": transfer})
+    sched = p.connector.scheduler
+    d_req = create_request(
+        prompt_token_ids=p_req.prompt_token_ids, max_tokens=3,
+        kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": False,
+                            "transfer_mode": "push", "transfer_id": transfer,
+                            "remote_engine_id": "p0",
+                            "remote_host": sched.config.side_channel_host,
+                            "remote_port": sched.side_channel_port, "tp_size": 1},
+    )
+    return p_req, d_req
+
+
+def test_both_legs_at_once_d_registers_first_p_heartbeats_while_prefilling_then_writes(pd):
+    p, p_clock, d, d_clock = pd()
+    # 320 tokens: P prefills them in 5 steps (64 tokens a step), 20 blocks.
+    p_req, req = both_legs(p, "tx-1", num_tokens=320)
+    # D's leg first: D reserves and registers under the proxy's transfer id before P
+    # even has its leg; P holds the lone registration.
+    d.add_request(req)
+    spec = reserved(d, req)
+    register = parse(spec.messages[1])
+    assert (register.kind, register.transfer, len(register.blocks)) == ("register", "tx-1", 20)
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    assert not feed(p, out()).kv_connector_metadata.writes  # no leg, no prefill yet
+
+    # P's leg arrives; while it prefills (4 steps, 3.9 s apart: 15.6 s, past D's 6 s
+    # lease), P renews D's reservation by the transfer id, and D keeps it.
+    p.add_request(p_req)
+    for _ in range(4):
+        p_clock.advance(3.9)
+        d_clock.advance(3.9)
+        sched_out, _ = step(p)
+        beats = [t for t in sched_out.kv_connector_metadata.transmits
+                 if t.kind == "push_heartbeat"]
+        assert [parse(b.message).transfers for b in beats] == [("tx-1",)]
+        assert not p_req.is_finished() and not sched_out.kv_connector_metadata.writes
+        meta = feed(d, out(notifs=[(P_WORKER, b.message) for b in beats])).kv_connector_metadata
+        assert not meta.reservation_ends, "D's reservation ended while P heartbeated it"
+
+    # The prefill ends: P writes at once into D's blocks (the registration was there).
+    step(p)
+    assert p_req.is_finished()
+    (write,) = until(p, lambda m: m.writes)
+    assert (write.transfer, write.engine, write.generation) == ("tx-1", "d0", spec.generation)
+    assert write.remote_blocks == spec.blocks and len(write.local_blocks) == 20
+    feed(p, out(writes={write.transfer: [WriteOutcome(write.generation, True, None)]}))
+    meta = feed(p, out()).kv_connector_metadata
+    (done,) = [t for t in meta.transmits if t.kind == "write_done"]
+    assert p_req.request_id in meta.finished_sending
+    feed(p, KVConnectorOutput(finished_sending={p_req.request_id}))
+    assert_scheduler_empty(p)
+    feed(d, out(notifs=[(P_WORKER, done.message)]))
+    (end,) = feed(d, out()).kv_connector_metadata.reservation_ends
+    assert (end.request, end.outcome) == (req.request_id, "written")
+
+
+def test_p_leg_aborted_before_its_prefill_ends_tells_d_at_once_and_writes_nothing(pd):
+    p, _, d, _ = pd()
+    p_req, req = both_legs(p, "tx-2", num_tokens=320)
+    p.add_request(p_req)
+    step(p)  # the first 64 of 320 tokens
+    d.add_request(req)
+    spec = reserved(d, req)
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    # The client went away on P's side: its leg is aborted before the prefill ended.
+    assert not p_req.is_finished()
+    p.finish_requests([p_req.request_id], RequestStatus.FINISHED_ABORTED)
+    (failed,) = until(p, lambda m: [t for t in m.transmits if t.kind == "push_failed"])
+    assert failed.engine == "d0"
+    assert (parse(failed.message).transfer, parse(failed.message).generation) == (
+        "tx-2", spec.generation)
+    assert p.connector.scheduler.push_p.core.pushing == 0
+    assert_scheduler_empty(p)
+    # D frees the reservation at once (not after its lease) and recomputes.
+    feed(d, out(notifs=[(P_WORKER, failed.message)]))
+    meta = feed(d, out()).kv_connector_metadata
+    (end,) = meta.reservation_ends
+    assert (end.request, end.outcome) == (req.request_id, "failed")
+    feed(d, KVConnectorOutput(finished_recving={req.request_id},
+                              invalid_block_ids=set(end.blocks)))
+    for _ in range(12):
+        step(d)
+    assert req.is_finished(), "D did not recompute the prompt"
+    assert_scheduler_empty(d)
+
+
+def test_a_registration_whose_p_leg_never_comes_is_dropped_and_d_told(pd):
+    p, p_clock, d, _ = pd()
+    _, req = both_legs(p, "tx-3")
+    d.add_request(req)
+    spec = reserved(d, req)
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    p_clock.advance(LEASE - 0.1)  # the registration wait: one lease duration
+    assert not [t for t in feed(p, out()).kv_connector_metadata.transmits
+                if t.kind == "push_failed"]
+    p_clock.advance(0.2)
+    (failed,) = until(p, lambda m: [t for t in m.transmits if t.kind == "push_failed"])
+    assert parse(failed.message).transfer == "tx-3" and failed.engine == "d0"

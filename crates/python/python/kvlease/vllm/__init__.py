@@ -137,9 +137,10 @@ fenced by its own P rank's fence word. An MLA model's latent cache (one "head", 
 on every rank) is read once per D worker, from one P rank (``replicated_kv``), and P's
 lease waits for exactly those readers.
 
-**Push mode** (``KvleasePushConnector``, or ``transfer_mode: push``; ``push``): the flow
-of vLLM's push proxy. P keeps a finished prompt's blocks and answers ``kv_transfer_params``
-naming itself; D reserves the blocks vLLM allocated (``kvlease.Reservations``), its
+**Push mode** (``KvleasePushConnector``, or ``transfer_mode: push``; ``push``): both legs
+at once with one ``transfer_id`` (``kvlease-proxy --transfer-mode push``), or P's leg
+first (vLLM's older push proxy). P admits its leg on arrival and keeps the prompt's blocks
+once prefilled; D reserves the blocks vLLM allocated (``kvlease.Reservations``), its
 workers publish the reservation's generation in their write-fence words, and D's worker 0
 registers the blocks with P's worker 0 (``KVL1:PR:``). P's ``kvlease.PushCore`` decides;
 P's workers write their blocks into D's workers' of the same rank with fenced one-sided

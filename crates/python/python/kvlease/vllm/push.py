@@ -1,15 +1,27 @@
 """Push mode (``transfer_mode: push``, or ``KvleasePushConnector``): D reserves the blocks
-it allocated for a request and P writes its KV into them with fenced one-sided writes,
-as vLLM's push proxy drives it (P's leg first, with ``max_tokens`` 1; then D's, naming P,
-with no ``remote_block_ids``).
+it allocated for a request and P writes its KV into them with fenced one-sided writes.
+
+Two flows, both matched by a transfer id:
+
+- **Both legs at once** (what push is for; ``kvlease-proxy --transfer-mode push``): the
+  proxy sends P's leg (``do_remote_decode``, ``max_tokens`` 1, ``transfer_id`` T) and D's
+  leg (``do_remote_prefill``, ``transfer_mode`` push, ``transfer_id`` T and P's identity:
+  ``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``) together. D
+  registers its blocks while P still prefills; P writes the moment its prefill ends.
+- **One after the other** (vLLM's older push proxy): P's leg first; D's leg names P's
+  answer (``remote_request_id``, or the ``transfer_id`` P's answer carries).
+
+P admits its leg when the request arrives (``on_new_request``), so a registration that
+comes first is matched, and P's heartbeats keep D's reservation while the request waits
+and prefills on P. The transfer id is the leg's ``transfer_id`` when it has one, else P's
+request id.
 
 The decisions are the Rust push cores': ``kvlease.Reservations`` on D (a reservation per
 transfer, under a lease P renews with heartbeats; each ends once: written, failed,
 expired or aborted) and ``kvlease.PushCore`` on P (writes only once its prefill is done
-and D registered, never after D released; heartbeats; who is told what). This module
-holds the scheduler's side of each (``PushDecode``, ``PushPrefill``) and the frames
-(docs/spec.md, "Push mode"). The transfer id both legs carry is P's request id (the
-``remote_request_id`` vLLM's proxy hands D).
+and D registered, never after D released or P's leg retired; heartbeats; who is told
+what). This module holds the scheduler's side of each (``PushDecode``, ``PushPrefill``)
+and the frames (docs/spec.md, "Push mode").
 
 How the frames travel: D's worker 0 sends P's worker 0 ``KVL1:PR:`` (registration) and
 ``KVL1:RR:`` (released), preceded by ``kvlease-push-peer:`` (an application message:
@@ -155,20 +167,21 @@ class PushDecode:
     @staticmethod
     def wants(params: dict | None) -> bool:
         """A D leg of vLLM's push flow: a remote prefill naming P, with no P blocks (or
-        P's params passed on whole: ``transfer_mode`` push)."""
+        P's params passed on whole: ``transfer_mode`` push), and the transfer (the
+        proxy's ``transfer_id``, else P's request id)."""
         return bool(
             params
             and params.get("do_remote_prefill")
             and (not params.get("remote_block_ids") or params.get("transfer_mode") == "push")
             and params.get("remote_engine_id")
-            and params.get("remote_request_id")
+            and (params.get("transfer_id") or params.get("remote_request_id"))
         )
 
     def admit(self, request: str, params: dict) -> _Leg:
         leg = _Leg(
             request=request,
             engine=str(params["remote_engine_id"]),
-            transfer=str(params["remote_request_id"]),
+            transfer=str(params.get("transfer_id") or params["remote_request_id"]),
             host=str(params.get("remote_host") or "127.0.0.1"),
             port=int(params.get("remote_port") or 0),
             tp_size=int(params.get("tp_size") or 1),
@@ -288,18 +301,46 @@ class PushPrefill:
         #: P's requests whose blocks vLLM may free now.
         self.freed: list[str] = []
         self.to_write: list[WriteSpec] = []
+        #: P's requests admitted and not yet prefilled -> their transfer ids.
+        self.transfers: dict[str, str] = {}
+
+    def admit(self, now: float, rid: str, transfer: str) -> bool:
+        """P's leg ``rid`` of ``transfer`` arrived: from now on a registration of D for
+        it is matched, and P's heartbeats keep D's reservation while the request waits
+        and prefills here."""
+        if not self._command(rid, self.core.admit, now, transfer, rid):
+            return False
+        self.transfers[rid] = transfer
+        self.counters.add("pushes_admitted")
+        return True
+
+    def transfer_of(self, rid: str) -> str | None:
+        return self.transfers.get(rid)
 
     def finished(self, now: float, rid: str, blocks: list[int]) -> bool:
-        """P's leg finished its prefill: it waits for D's registration."""
+        """P's leg finished its prefill: its blocks are written once D registered (at
+        once when D registered already)."""
+        transfer = self.transfers.pop(rid, None)
+        if transfer is None:
+            return False
+        return self._command(rid, self.core.handle_prefill_done, now, transfer, blocks)
+
+    def _command(self, rid: str, command: Any, *args: Any) -> bool:
+        """``command(*args)`` of the core; a refusal is logged and counted (not pushed)."""
         try:
-            self.core.admit(now, rid, rid)
-            self.core.handle_prefill_done(now, rid, blocks)
+            command(*args)
         except KvleaseError as e:
             logger.warning("request %s: not pushed (%s)", rid, e)
             self.counters.add("pushes_refused")
             return False
-        self.counters.add("pushes_admitted")
         return True
+
+    def retire(self, now: float, rid: str) -> None:
+        """P's leg ended without a prefill to push (aborted, failed, nothing to write):
+        the push ends, and D, when it registered, is told at once."""
+        transfer = self.transfers.pop(rid, None)
+        if transfer is not None and self.core.retire(now, transfer):
+            self.counters.add("pushes_retired")
 
     def handle(self, now: float, decode: str, frame: PushFrame) -> None:
         if frame.kind == "register":
@@ -383,4 +424,8 @@ class PushPrefill:
             self.transmits.append(TransmitSpec(action.to, str(action.kind), msg))
         elif isinstance(action, native.PushEnded):
             self.counters.add(f"pushes_ended_{action.outcome}")
-            self.freed.append(action.request)
+            # A push that ended before its prefill did holds no block of P's (vLLM
+            # freed the request's blocks when it ended, or frees them when it does).
+            self.transfers.pop(action.request, None)
+            if action.blocks:
+                self.freed.append(action.request)

@@ -647,6 +647,13 @@ class KvleaseScheduler:
         if params and params.get("kvlease_bidir") and not params.get("do_remote_prefill"):
             self._on_new_turn(request)
             return
+        if self.push_p is not None and params and params.get("do_remote_decode"):
+            # P's leg of a push: admitted on arrival, so that D's registration (which,
+            # when the proxy sends both legs at once, may come first) is matched and
+            # heartbeated while the request waits and prefills here.
+            rid = request.request_id
+            self.push_p.admit(self.clock(), rid, str(params.get("transfer_id") or rid))
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         if self.push_d is not None and PushDecode.wants(params):
@@ -1210,25 +1217,28 @@ class KvleaseScheduler:
             return self._hold(request, block_ids, now)
         if not params.get("do_remote_decode"):
             return False, None
+        blocks = [int(b) for b in block_ids]
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
-        ):
-            # Aborted (or failed) on P: nobody will read it; vLLM frees at once.
-            return False, None
-        blocks = [int(b) for b in block_ids]
-        if not blocks:
+        ) or not blocks:
+            # Aborted (or failed) on P: nobody will read it; vLLM frees at once. A push
+            # ends here, and D, when it registered, is told at once.
+            if self.push_p is not None:
+                self.push_p.retire(now, rid)
             return False, None
         if self.push_p is not None:
             if groups is not None and len(groups) > 1:
                 logger.warning("request %s: a hybrid model's KV is not pushed", rid)
                 self.counters.add("pushes_refused")
+                self.push_p.retire(now, rid)
                 return False, None
+            transfer = self.push_p.transfer_of(rid) or rid
             # The prompt's blocks (paired from the end with D's).
             blocks = blocks[: -(-int(request.num_prompt_tokens) // self.block_size)]
             if not self.push_p.finished(now, rid, blocks):
                 return False, None
-            return True, self._push_answer(request, rid, blocks)
+            return True, self._push_answer(request, rid, transfer, blocks)
         if self.prefill is None:
             logger.warning(
                 "request %s asks P to keep its KV, but this engine is a kv_consumer: "
@@ -1340,15 +1350,19 @@ class KvleaseScheduler:
             return False, None
         return True, answer
 
-    def _push_answer(self, request: "Request", rid: str, blocks: list[int]) -> dict[str, Any]:
+    def _push_answer(
+        self, request: "Request", rid: str, transfer: str, blocks: list[int]
+    ) -> dict[str, Any]:
         """P's ``kv_transfer_params`` in push mode: vLLM's keys, as NixlPushConnector
-        answers (D reserves its own blocks; P's are named for reference only)."""
+        answers (D reserves its own blocks; P's are named for reference only), and the
+        transfer id D's leg must name (``transfer_id``)."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": blocks,
             "remote_engine_id": self.engine_id,
             "remote_request_id": rid,
+            "transfer_id": transfer,
             "remote_host": self.config.side_channel_host,
             "remote_port": self.side_channel_port,
             "tp_size": self.tp_size,
