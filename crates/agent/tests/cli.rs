@@ -105,6 +105,11 @@ fn proxy_rejects_bad_flags_naming_them() -> Result<()> {
         &with(&["http://127.0.0.1:2", "--log-format", "xml"]),
         &["--log-format"],
     )?;
+    assert_rejected(
+        PROXY,
+        &with(&["http://127.0.0.1:2", "--transfer-mode", "bogus"]),
+        &["--transfer-mode", "bogus", "pull", "push"],
+    )?;
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! The proxy's own logic against small in-process FAKE upstreams (axum servers that record
 //! what they receive and answer canned bodies): round-robin, `kv_transfer_params` copying,
-//! retry-once on a retryable KV failure, pass-through of errors and streams, 502 / 504.
+//! retry-once on a retryable KV failure, pass-through of errors and streams, 502 / 504,
+//! and push mode's legs (`--transfer-mode push`: transfer ids, P's identity, both legs at
+//! once).
 //!
 //! These are not end-to-end tests of P and D: the real agents are exercised by the
 //! system tests of the prefill and decode engines and by `scripts/demo.sh`.
@@ -996,5 +998,613 @@ async fn the_bodies_the_proxy_holds_at_once_stay_within_their_budget() -> Result
     let peak = proxy.peak_rss_kib()?;
     eprintln!("budget: {refused} refused, proxy VmHWM {peak} KiB");
     assert!(peak < 64 << 10, "the proxy's peak RSS reached {peak} KiB");
+    Ok(())
+}
+
+// ---- push mode (`--transfer-mode push`) ----
+
+/// What the push-mode fakes did, in order: `p{i} received`, `p{i} answered`,
+/// `d{i} received`, `d{i} answered` (`i`: the fake's call index).
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn logged(log: &Log) -> Vec<String> {
+    log.lock().expect("log lock").clone()
+}
+
+fn log_position(log: &Log, entry: &str) -> Option<usize> {
+    logged(log).iter().position(|e| e == entry)
+}
+
+type PushResponder = dyn Fn(usize, &Value) -> Response + Send + Sync;
+
+/// A push-mode fake upstream: records its calls and logs them; a P may hold its answer to
+/// call `i` until the log shows `d{i} received` (at most 5 s), so that a P leg sent
+/// alongside its D leg answers only after D's leg arrived, and one sent before D's leg
+/// answers after 5 s, its D leg still to come.
+struct PushFake {
+    role: &'static str,
+    calls: Mutex<Vec<Call>>,
+    count: AtomicUsize,
+    log: Log,
+    hold_from: usize,
+    respond: Box<PushResponder>,
+}
+
+impl PushFake {
+    fn calls(&self) -> Vec<Call> {
+        self.calls.lock().expect("fake upstream lock").clone()
+    }
+}
+
+async fn push_fake_handler(
+    State(fake): State<Arc<PushFake>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let index = {
+        let mut calls = fake.calls.lock().expect("fake upstream lock");
+        calls.push(Call {
+            path: uri.path().to_owned(),
+            request_id,
+            authorization: None,
+            body: body.clone(),
+        });
+        let index = fake.count.fetch_add(1, Ordering::SeqCst);
+        fake.log
+            .lock()
+            .expect("log lock")
+            .push(format!("{}{index} received", fake.role));
+        index
+    };
+    if fake.role == "p" && index >= fake.hold_from {
+        let wanted = format!("d{index} received");
+        for _ in 0..500 {
+            if log_position(&fake.log, &wanted).is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let response = (fake.respond)(index, &body);
+    fake.log
+        .lock()
+        .expect("log lock")
+        .push(format!("{}{index} answered", fake.role));
+    response
+}
+
+async fn start_push_fake(
+    role: &'static str,
+    log: &Log,
+    hold_from: usize,
+    respond: impl Fn(usize, &Value) -> Response + Send + Sync + 'static,
+) -> Result<(Arc<PushFake>, String)> {
+    let fake = Arc::new(PushFake {
+        role,
+        calls: Mutex::new(Vec::new()),
+        count: AtomicUsize::new(0),
+        log: Arc::clone(log),
+        hold_from,
+        respond: Box::new(respond),
+    });
+    let router = axum::Router::new()
+        .route("/v1/completions", axum::routing::post(push_fake_handler))
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(push_fake_handler),
+        )
+        .with_state(fake.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok((fake, url))
+}
+
+/// A P's push-mode answer naming `engine` (its side channel `host:port`, TP size 2).
+fn push_prefill_answer(engine: &str, host: &str, port: u16) -> Response {
+    axum::Json(json!({
+        "id": "cmpl-p",
+        "choices": [{"text": "x", "index": 0}],
+        "kv_transfer_params": {
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "transfer_mode": "push",
+            "remote_engine_id": engine,
+            "remote_request_id": "p-internal-id",
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 2,
+        }
+    }))
+    .into_response()
+}
+
+/// A fake push D: echoes the params it got, as JSON or (`stream: true`) as server-sent
+/// events.
+fn push_decode_answer(index: usize, body: &Value) -> Response {
+    if body["stream"] == true {
+        let events = format!(
+            "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [{"text": "A"}], "echo_params": body["kv_transfer_params"]}),
+            json!({"choices": [{"text": "B"}]}),
+        );
+        return ([("content-type", "text/event-stream")], events).into_response();
+    }
+    axum::Json(json!({
+        "choices": [{"text": format!("decoded {index}"), "index": 0}],
+        "echo_params": body["kv_transfer_params"],
+    }))
+    .into_response()
+}
+
+/// Polls the proxy's `series` until it equals `want` (10 s at most).
+async fn wait_metric(proxy: &str, series: &str, want: f64) -> Result<()> {
+    for _ in 0..1000 {
+        if metric(proxy, series).await? == want {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!(
+        "{series} = {}, not {want}, after 10 s",
+        metric(proxy, series).await?
+    )
+}
+
+/// Waits until `fake` logged `entry` (10 s at most).
+async fn wait_logged(log: &Log, entry: &str) -> Result<()> {
+    for _ in 0..1000 {
+        if log_position(log, entry).is_some() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("{entry:?} not logged in 10 s: {:?}", logged(log))
+}
+
+const CONCURRENT: &str = "kvlease_proxy_push_legs_total{dispatch=\"concurrent\"}";
+const SEQUENTIAL: &str = "kvlease_proxy_push_legs_total{dispatch=\"sequential\"}";
+const PUSH_FAILURES: &str = "kvlease_proxy_push_prefill_failures_total";
+const IDENTITY_CHANGES: &str = "kvlease_proxy_push_identity_changes_total";
+
+/// The push-mode D params the proxy must send for P `engine` at `host:port` (TP 2).
+fn push_params(transfer: &Value, engine: &str, host: &str, port: u16) -> Value {
+    json!({"do_remote_prefill": true, "do_remote_decode": false, "transfer_mode": "push",
+           "transfer_id": transfer, "remote_engine_id": engine, "remote_host": host,
+           "remote_port": port, "tp_size": 2})
+}
+
+/// The first request to a P waits for P's answer: D's leg goes out after it, names the
+/// identity that answer carried and the transfer id P's leg got; the client gets D's
+/// answer. P's leg is pull's, plus the transfer id.
+#[tokio::test]
+async fn push_the_first_request_to_a_prefill_waits_for_its_answer() -> Result<()> {
+    let log = Log::default();
+    let (p, p_url) = start_push_fake("p", &log, usize::MAX, |_, _| {
+        push_prefill_answer("p0", "10.0.0.11", 5601)
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, push_decode_answer).await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let request = json!({"model": "m", "prompt": "hello", "max_tokens": 7, "temperature": 0});
+    let (status, answer) = post(&format!("{proxy}/v1/completions"), &request).await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["choices"][0]["text"], "decoded 0", "D's answer");
+    assert_eq!(
+        logged(&log),
+        ["p0 received", "p0 answered", "d0 received", "d0 answered"],
+        "D's leg after P's answer"
+    );
+    let (pc, dc) = (&p.calls()[0], &d.calls()[0]);
+    let transfer = &pc.body["kv_transfer_params"]["transfer_id"];
+    assert!(transfer.is_string(), "{}", pc.body);
+    assert_eq!(
+        pc.body["kv_transfer_params"],
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null,
+               "transfer_id": transfer})
+    );
+    assert_eq!(
+        (pc.body["max_tokens"].clone(), pc.body["stream"].clone()),
+        (json!(1), json!(false))
+    );
+    assert_eq!(
+        dc.body["kv_transfer_params"],
+        push_params(transfer, "p0", "10.0.0.11", 5601)
+    );
+    assert_eq!(answer["echo_params"], dc.body["kv_transfer_params"]);
+    assert_eq!(dc.body["max_tokens"], 7);
+    assert_eq!(dc.body["prompt"], "hello");
+    assert!(pc.request_id.is_some());
+    assert_eq!(pc.request_id, dc.request_id, "same X-Request-Id on P and D");
+    assert_eq!(metric(&proxy, SEQUENTIAL).await?, 1.0);
+    assert_eq!(metric(&proxy, CONCURRENT).await?, 0.0);
+    assert_eq!(
+        metric(&proxy, "kvlease_proxy_requests_total{outcome=\"ok\"}").await?,
+        1.0
+    );
+
+    // A P answer without its identity: 502 naming the missing key, and D is not asked.
+    let (plain, plain_url) = start_fake(|_, _| {
+        axum::Json(json!({"kv_transfer_params": {"remote_engine_id": "p1",
+                                                   "remote_host": "h", "tp_size": 1}}))
+        .into_response()
+    })
+    .await?;
+    let (d2, d2_url) = fake_decode("d2").await?;
+    let proxy2 = start_proxy(&[&plain_url], &[&d2_url], &["--transfer-mode", "push"]).await?;
+    let (status, answer) =
+        post(&format!("{proxy2}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or("");
+    assert!(message.contains("without remote_port"), "{message}");
+    assert_eq!((plain.calls().len(), d2.calls().len()), (1, 0));
+    Ok(())
+}
+
+/// Once a P's identity is known, P's and D's legs go out at once: D's leg arrives while P
+/// still holds its answer, names the identity learned before and the transfer id of this
+/// request's P leg; D's answers, JSON or server-sent events, reach the client.
+#[tokio::test]
+async fn push_a_known_prefill_gets_its_leg_at_the_same_time_as_decode() -> Result<()> {
+    let log = Log::default();
+    // P holds its answers from the second call on until D's leg of that request came.
+    let (p, p_url) = start_push_fake("p", &log, 1, |_, _| {
+        push_prefill_answer("p0", "10.0.0.11", 5601)
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, push_decode_answer).await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let url = format!("{proxy}/v1/completions");
+    let (status, answer) = post(&url, &json!({"prompt": "one", "max_tokens": 3})).await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+
+    // The second request: JSON, with the client's own X-Request-Id.
+    let response = reqwest::Client::new()
+        .post(&url)
+        .header("x-request-id", "client-id-2")
+        .json(&json!({"prompt": "two", "max_tokens": 3}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    let answer: Value = response.json().await?;
+    assert_eq!(answer["choices"][0]["text"], "decoded 1");
+    wait_logged(&log, "p1 answered").await?;
+    let (d_at, p_at) = (
+        log_position(&log, "d1 received"),
+        log_position(&log, "p1 answered"),
+    );
+    assert!(
+        d_at.is_some() && d_at < p_at,
+        "D's leg before P's answer: {:?}",
+        logged(&log)
+    );
+
+    // The third: streamed; its events pass through.
+    let mut response = reqwest::Client::new()
+        .post(&url)
+        .json(&json!({"prompt": "three", "max_tokens": 3, "stream": true}))
+        .send()
+        .await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
+    let mut text = Vec::new();
+    while let Some(chunk) =
+        tokio::time::timeout(Duration::from_secs(10), response.chunk()).await??
+    {
+        text.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8(text)?;
+    assert!(
+        text.contains("\"A\"") && text.contains("\"B\"") && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
+    wait_logged(&log, "p2 answered").await?;
+    let (d_at, p_at) = (
+        log_position(&log, "d2 received"),
+        log_position(&log, "p2 answered"),
+    );
+    assert!(
+        d_at.is_some() && d_at < p_at,
+        "D's leg before P's answer: {:?}",
+        logged(&log)
+    );
+
+    let (pc, dc) = (p.calls(), d.calls());
+    assert_eq!((pc.len(), dc.len()), (3, 3));
+    for i in 1..3 {
+        let transfer = &pc[i].body["kv_transfer_params"]["transfer_id"];
+        assert_eq!(
+            dc[i].body["kv_transfer_params"],
+            push_params(transfer, "p0", "10.0.0.11", 5601),
+            "request {i}"
+        );
+        assert_ne!(
+            transfer,
+            &pc[i - 1].body["kv_transfer_params"]["transfer_id"],
+            "a new transfer id per request"
+        );
+        assert_eq!(pc[i].request_id, dc[i].request_id);
+        assert_eq!(pc[i].body["stream"], false, "P never streams");
+        assert_eq!(pc[i].body["max_tokens"], 1);
+    }
+    assert_eq!(pc[1].request_id.as_deref(), Some("client-id-2"));
+    assert_eq!(dc[2].body["stream"], true);
+    assert_eq!(metric(&proxy, SEQUENTIAL).await?, 1.0);
+    assert_eq!(metric(&proxy, CONCURRENT).await?, 2.0);
+    assert_eq!(metric(&proxy, PUSH_FAILURES).await?, 0.0);
+    assert_eq!(metric(&proxy, IDENTITY_CHANGES).await?, 0.0);
+    assert_eq!(
+        metric(&proxy, "kvlease_proxy_requests_total{outcome=\"ok\"}").await?,
+        3.0
+    );
+    Ok(())
+}
+
+/// A P that answers its first request and then closes the connection of the second
+/// without an answer (`Connection: close` on every answer: no pooled connections), and
+/// answers again from the third on.
+async fn start_prefill_that_drops_its_second_call() -> Result<(Arc<AtomicUsize>, String)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&calls);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                if !read_request(&mut socket).await {
+                    return;
+                }
+                if count.fetch_add(1, Ordering::SeqCst) == 1 {
+                    return; // closed without an answer
+                }
+                let body = json!({"kv_transfer_params": {"remote_engine_id": "p0",
+                    "remote_host": "10.0.0.11", "remote_port": 5601, "tp_size": 2}})
+                .to_string();
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    Ok((calls, url))
+}
+
+/// A P leg sent alongside its D leg that fails (an error status, or a connection closed
+/// without an answer) does not fail the client's request: D's answer reaches the client,
+/// the failure is counted, and the next request to that P waits for its answer again.
+#[tokio::test]
+async fn push_a_failed_prefill_leg_sent_with_decode_leaves_the_request_to_decode() -> Result<()> {
+    let log = Log::default();
+    let (p500, p500_url) = start_push_fake("p", &log, usize::MAX, |index, _| {
+        if index == 1 {
+            (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response()
+        } else {
+            push_prefill_answer("p0", "10.0.0.11", 5601)
+        }
+    })
+    .await?;
+    let (pclosed_calls, pclosed_url) = start_prefill_that_drops_its_second_call().await?;
+    for (case, p_url) in [("500", &p500_url), ("closed", &pclosed_url)] {
+        let (d, d_url) = fake_decode("d0").await?;
+        let proxy = start_proxy(&[p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+        let url = format!("{proxy}/v1/completions");
+        for i in 0..3 {
+            let (status, answer) = post(&url, &json!({"prompt": format!("p{i}")})).await?;
+            assert_eq!(status, StatusCode::OK, "{case}: request {i}: {answer}");
+            assert_eq!(answer["choices"][0]["text"], "decoded by d0");
+            if i == 1 {
+                // The second request's P leg fails on its own task.
+                wait_metric(&proxy, PUSH_FAILURES, 1.0).await?;
+            }
+        }
+        assert_eq!(d.calls().len(), 3, "{case}");
+        assert_eq!(metric(&proxy, PUSH_FAILURES).await?, 1.0, "{case}");
+        // The first and the third (after the failure) waited for P; the second did not.
+        assert_eq!(metric(&proxy, SEQUENTIAL).await?, 2.0, "{case}");
+        assert_eq!(metric(&proxy, CONCURRENT).await?, 1.0, "{case}");
+        assert_eq!(
+            metric(&proxy, "kvlease_proxy_requests_total{outcome=\"ok\"}").await?,
+            3.0,
+            "{case}"
+        );
+    }
+    assert_eq!(p500.calls().len(), 3);
+    assert_eq!(pclosed_calls.load(Ordering::SeqCst), 3);
+    Ok(())
+}
+
+/// A P that answers with another identity (restarted) replaces the one remembered: the
+/// next D leg names the new one, and the change is counted.
+#[tokio::test]
+async fn push_a_changed_prefill_identity_is_learned_and_counted() -> Result<()> {
+    let log = Log::default();
+    let (p, p_url) = start_push_fake("p", &log, usize::MAX, |index, _| {
+        if index == 0 {
+            push_prefill_answer("p0-old", "10.0.0.11", 5601)
+        } else {
+            push_prefill_answer("p0-new", "10.0.0.12", 5602)
+        }
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, push_decode_answer).await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let url = format!("{proxy}/v1/completions");
+    for i in 0..3 {
+        let (status, answer) = post(&url, &json!({"prompt": format!("p{i}")})).await?;
+        assert_eq!(status, StatusCode::OK, "request {i}: {answer}");
+        wait_logged(&log, &format!("p{i} answered")).await?;
+        if i == 1 {
+            // P's answer to the second request (sent with its D leg) names the new one.
+            wait_metric(&proxy, IDENTITY_CHANGES, 1.0).await?;
+        }
+    }
+    let (pc, dc) = (p.calls(), d.calls());
+    let transfer = |i: usize| pc[i].body["kv_transfer_params"]["transfer_id"].clone();
+    // The first waited for P; the second named what P answered to the first (P answered
+    // it another identity); the third names the new one.
+    assert_eq!(
+        dc[0].body["kv_transfer_params"],
+        push_params(&transfer(0), "p0-old", "10.0.0.11", 5601)
+    );
+    assert_eq!(
+        dc[1].body["kv_transfer_params"],
+        push_params(&transfer(1), "p0-old", "10.0.0.11", 5601)
+    );
+    assert_eq!(
+        dc[2].body["kv_transfer_params"],
+        push_params(&transfer(2), "p0-new", "10.0.0.12", 5602)
+    );
+    assert_eq!(metric(&proxy, IDENTITY_CHANGES).await?, 1.0);
+    assert_eq!(metric(&proxy, PUSH_FAILURES).await?, 0.0);
+    assert_eq!(metric(&proxy, CONCURRENT).await?, 2.0);
+    Ok(())
+}
+
+/// Transfer ids are the proxy's own: distinct across requests (and retries), never the
+/// client's X-Request-Id, which both legs carry as in pull mode.
+#[tokio::test]
+async fn push_transfer_ids_are_distinct_and_not_the_client_request_id() -> Result<()> {
+    let log = Log::default();
+    let (p, p_url) = start_push_fake("p", &log, usize::MAX, |_, _| {
+        push_prefill_answer("p0", "10.0.0.11", 5601)
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, push_decode_answer).await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let ids = ["same", "same", "client-3", "client-4"];
+    for id in ids {
+        let response = reqwest::Client::new()
+            .post(format!("{proxy}/v1/completions"))
+            .header("x-request-id", id)
+            .json(&json!({"prompt": "a"}))
+            .send()
+            .await?;
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    wait_logged(&log, "p3 answered").await?;
+    let (pc, dc) = (p.calls(), d.calls());
+    assert_eq!((pc.len(), dc.len()), (4, 4));
+    let p_transfers: Vec<String> = pc
+        .iter()
+        .map(|c| {
+            c.body["kv_transfer_params"]["transfer_id"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    let d_transfers: Vec<String> = dc
+        .iter()
+        .map(|c| {
+            c.body["kv_transfer_params"]["transfer_id"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(
+        p_transfers, d_transfers,
+        "each D leg has its P leg's transfer id"
+    );
+    let distinct: std::collections::HashSet<_> = p_transfers.iter().collect();
+    assert_eq!(distinct.len(), 4, "{p_transfers:?}");
+    for (i, t) in p_transfers.iter().enumerate() {
+        assert!(!t.is_empty());
+        assert!(!ids.contains(&t.as_str()), "{t} is a client's id");
+        assert_eq!(pc[i].request_id.as_deref(), Some(ids[i]));
+        assert_eq!(dc[i].request_id.as_deref(), Some(ids[i]));
+    }
+    Ok(())
+}
+
+/// D's retryable KV failure is retried once through the push flow, with a new transfer
+/// id (here on the only P, whose identity is known by then: both legs at once).
+#[tokio::test]
+async fn push_a_retryable_kv_failure_is_retried_once_with_a_new_transfer_id() -> Result<()> {
+    let log = Log::default();
+    let (p, p_url) = start_push_fake("p", &log, usize::MAX, |_, _| {
+        push_prefill_answer("p0", "10.0.0.11", 5601)
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, |index, body| {
+        if index == 0 {
+            ApiError::kv_load_failed("the push failed").into_response()
+        } else {
+            push_decode_answer(index, body)
+        }
+    })
+    .await?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    wait_logged(&log, "p1 answered").await?;
+    let (pc, dc) = (p.calls(), d.calls());
+    assert_eq!((pc.len(), dc.len()), (2, 2));
+    let transfer = |c: &Call| c.body["kv_transfer_params"]["transfer_id"].clone();
+    assert_ne!(transfer(&pc[0]), transfer(&pc[1]), "a new transfer id");
+    for i in 0..2 {
+        assert_eq!(transfer(&pc[i]), transfer(&dc[i]));
+    }
+    assert_ne!(
+        pc[0].request_id, pc[1].request_id,
+        "the retry is a new request"
+    );
+    assert_eq!(
+        answer["echo_params"],
+        push_params(&transfer(&pc[1]), "p0", "10.0.0.11", 5601)
+    );
+    assert_eq!(metric(&proxy, "kvlease_proxy_retries_total").await?, 1.0);
+    assert_eq!(
+        metric(
+            &proxy,
+            "kvlease_proxy_requests_total{outcome=\"ok_after_retry\"}"
+        )
+        .await?,
+        1.0
+    );
+    assert_eq!(metric(&proxy, SEQUENTIAL).await?, 1.0);
+    assert_eq!(metric(&proxy, CONCURRENT).await?, 1.0);
+    Ok(())
+}
+
+/// A P that cannot be reached while the proxy waits for its answer is skipped for the
+/// next P, as in pull mode; D's leg names the P that answered.
+#[tokio::test]
+async fn push_an_unreachable_prefill_is_skipped_when_its_answer_is_awaited() -> Result<()> {
+    let (_held, dead) = closed_port_url()?;
+    let log = Log::default();
+    let (p, p_url) = start_push_fake("p", &log, usize::MAX, |_, _| {
+        push_prefill_answer("p1", "10.0.0.12", 5602)
+    })
+    .await?;
+    let (d, d_url) = start_push_fake("d", &log, 0, push_decode_answer).await?;
+    let proxy = start_proxy(&[&dead, &p_url], &[&d_url], &["--transfer-mode", "push"]).await?;
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let transfer = p.calls()[0].body["kv_transfer_params"]["transfer_id"].clone();
+    assert_eq!(
+        d.calls()[0].body["kv_transfer_params"],
+        push_params(&transfer, "p1", "10.0.0.12", 5602)
+    );
+    assert_eq!(metric(&proxy, SEQUENTIAL).await?, 1.0);
     Ok(())
 }

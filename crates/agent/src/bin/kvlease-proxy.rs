@@ -1,5 +1,6 @@
 //! `kvlease-proxy`: routes each completion request to a prefill agent, then to a decode
-//! agent with the prefill's `kv_transfer_params` (see `kvlease_agent::proxy`).
+//! agent with the prefill's `kv_transfer_params`, or, with `--transfer-mode push`, to both
+//! at once tied by a transfer id (see `kvlease_agent::proxy`).
 
 use std::process::ExitCode;
 

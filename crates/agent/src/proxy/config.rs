@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use reqwest::Url;
 
 use crate::config::{LogFormat, default_per_source};
@@ -49,7 +49,8 @@ pub enum ProxyError {
 #[command(
     name = "kvlease-proxy",
     version,
-    about = "kvlease routing proxy: prefill on P, then decode on D with P's kv_transfer_params"
+    about = "kvlease routing proxy: prefill on P, then decode on D with P's kv_transfer_params \
+             (--transfer-mode push: both at once, tied by a transfer id)"
 )]
 pub struct ProxyArgs {
     /// Address to listen on.
@@ -104,6 +105,25 @@ pub struct ProxyArgs {
     /// Log line format (the level comes from RUST_LOG, default info).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// How the KV cache moves from P to D. `pull`: P prefills first, then D gets P's
+    /// returned kv_transfer_params verbatim and reads P's blocks. `push` (vLLM's push
+    /// proxy's flow): both legs carry a transfer id the proxy makes; D's leg names P
+    /// (remote_engine_id, remote_host, remote_port, tp_size, learned from P's earlier
+    /// answers) and goes out at the same time as P's, once P's identity is known (the
+    /// first request to a P waits for P's answer); P writes into the blocks D reserves.
+    /// Every P and D behind the proxy must run the chosen mode.
+    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
+    pub transfer_mode: TransferMode,
+}
+
+/// `--transfer-mode`: how the KV cache moves from P to D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum TransferMode {
+    /// D reads P's blocks: P's leg first, then D's leg with P's kv_transfer_params.
+    #[default]
+    Pull,
+    /// P writes into blocks D reserved: both legs at once, tied by a transfer id.
+    Push,
 }
 
 /// Default of `--max-upstream-body-bytes`: 64 MiB.
@@ -139,6 +159,8 @@ pub struct ProxyConfig {
     /// [`ProxyArgs::http_max_connections_per_source`] and
     /// [`ProxyArgs::http_header_timeout_ms`]; the rest are [`HttpLimits`]' defaults.
     pub http: HttpLimits,
+    /// See [`ProxyArgs::transfer_mode`].
+    pub transfer_mode: TransferMode,
 }
 
 fn parse_upstreams(flag: &'static str, urls: &[String]) -> Result<Vec<Url>, ProxyError> {
@@ -237,6 +259,7 @@ impl ProxyArgs {
             max_upstream_body_bytes: self.max_upstream_body_bytes,
             max_buffered_body_bytes: self.max_buffered_body_bytes,
             http,
+            transfer_mode: self.transfer_mode,
         })
     }
 

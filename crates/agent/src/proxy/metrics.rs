@@ -68,6 +68,39 @@ struct OutcomeLabel {
     outcome: ProxyOutcome,
 }
 
+/// How push mode sent a D leg (the `dispatch` label of `kvlease_proxy_push_legs_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PushDispatch {
+    /// P's identity was known: P's and D's legs went out at once.
+    Concurrent,
+    /// P's identity was not known: D's leg went out after P's answer.
+    Sequential,
+}
+
+impl PushDispatch {
+    /// Both, in label order.
+    pub const ALL: [Self; 2] = [Self::Concurrent, Self::Sequential];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Concurrent => "concurrent",
+            Self::Sequential => "sequential",
+        }
+    }
+}
+
+impl EncodeLabelValue for PushDispatch {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        EncodeLabelValue::encode(&self.as_str(), encoder)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DispatchLabel {
+    dispatch: PushDispatch,
+}
+
 /// The proxy's own metrics, on its `/metrics`.
 #[derive(Debug, Clone)]
 pub struct ProxyMetrics {
@@ -89,7 +122,15 @@ pub struct ProxyMetrics {
     /// `kvlease_proxy_buffered_body_bytes`: bytes of bodies the proxy holds now (at most
     /// `--max-buffered-body-bytes`).
     pub buffered_body_bytes: prometheus_client::metrics::gauge::Gauge,
+    /// `kvlease_proxy_push_prefill_failures_total` (push mode): P legs sent alongside their
+    /// D leg that failed (P unreachable, an error status, an unreadable answer or one
+    /// without P's identity); the client's request went on with D.
+    pub push_prefill_failures: Counter,
+    /// `kvlease_proxy_push_identity_changes_total` (push mode): times a P answered with an
+    /// identity other than the one the proxy remembered for it (a restarted P).
+    pub push_identity_changes: Counter,
     requests: Family<OutcomeLabel, Counter>,
+    push_legs: Family<DispatchLabel, Counter>,
 }
 
 impl Default for ProxyMetrics {
@@ -111,6 +152,27 @@ impl ProxyMetrics {
         let requests = Family::<OutcomeLabel, Counter>::default();
         let http_connections_refused = Counter::default();
         let http_connections_evicted = Counter::default();
+        let push_legs = Family::<DispatchLabel, Counter>::default();
+        let push_prefill_failures = Counter::default();
+        let push_identity_changes = Counter::default();
+        registry.register(
+            "kvlease_proxy_push_legs",
+            "Push mode: D legs sent, by dispatch (concurrent: with P's leg; sequential: after P's answer)",
+            push_legs.clone(),
+        );
+        for dispatch in PushDispatch::ALL {
+            drop(push_legs.get_or_create(&DispatchLabel { dispatch }));
+        }
+        registry.register(
+            "kvlease_proxy_push_prefill_failures",
+            "Push mode: P legs sent alongside their D leg that failed (D recomputes the prompt)",
+            push_prefill_failures.clone(),
+        );
+        registry.register(
+            "kvlease_proxy_push_identity_changes",
+            "Push mode: P answers naming an identity other than the one remembered for that P",
+            push_identity_changes.clone(),
+        );
         registry.register(
             "kvlease_proxy_http_connections_evicted",
             "Idle client connections closed to make room for a newcomer",
@@ -164,8 +226,18 @@ impl ProxyMetrics {
             http_connections_refused,
             http_connections_evicted,
             buffered_body_bytes,
+            push_prefill_failures,
+            push_identity_changes,
             requests,
+            push_legs,
         }
+    }
+
+    /// The counter `kvlease_proxy_push_legs_total{dispatch}`.
+    pub fn push_legs(&self, dispatch: PushDispatch) -> Counter {
+        self.push_legs
+            .get_or_create(&DispatchLabel { dispatch })
+            .clone()
     }
 
     /// The counter `kvlease_proxy_requests_total{outcome}`.

@@ -20,6 +20,40 @@
 //!    into the `kv_transfer_params` P gets with the conversation's next turn (aged by the
 //!    time held); P's `cached_tokens_pulled` is added to D's answer.
 //!
+//! That is pull mode (`--transfer-mode pull`, the default): D reads P's blocks, so D's
+//! leg needs what P's prefill returned. **Push mode** (`--transfer-mode push`, the flow
+//! of vLLM's push proxy: P writes into blocks D reserved) needs only P's identity on D's
+//! leg, so both legs can run at once:
+//!
+//! 1. per client request (and per retry) the proxy makes a transfer id `T`
+//!    (`{prefix}-t{n}`: this process's random prefix and a counter; never the client's
+//!    `X-Request-Id`, which both legs carry as in pull mode);
+//! 2. P's leg is pull's step 1, its `kv_transfer_params` with `transfer_id: T` added;
+//! 3. D's leg is the client's body with `kv_transfer_params: {do_remote_prefill: true,
+//!    do_remote_decode: false, transfer_mode: "push", transfer_id: T, remote_engine_id,
+//!    remote_host, remote_port, tp_size}`, the last four P's identity;
+//! 4. P's identity comes from P's answers (their `kv_transfer_params`' `remote_engine_id`,
+//!    `remote_host`, `remote_port`, `tp_size`), remembered per P base URL, the newest
+//!    answer replacing the older (`kvlease_proxy_push_identity_changes_total` counts a
+//!    change: a restarted P). When the chosen P's identity is not known (its first
+//!    request, or a P leg sent to it with its D leg failed since), the proxy waits for
+//!    P's answer (as pull does: P's error answers are passed through, an unreachable P is
+//!    tried on the next P once, an answer without the identity is a 502 naming the key)
+//!    and sends D's leg with the identity it carried. When it is known, P's leg runs on a
+//!    task of its own and D's leg goes out at once
+//!    (`kvlease_proxy_push_legs_total{dispatch="concurrent"|"sequential"}`); D's answer is
+//!    passed through as in pull mode. P's answer to such a leg (read within the same
+//!    limits and budget, its copy of the request counted in the budget) only refreshes
+//!    P's identity; a failed one (P unreachable, an error status, an answer unreadable or
+//!    without the identity) does not fail the client's request, whose D computes the
+//!    prompt when P's write never comes: it is counted
+//!    (`kvlease_proxy_push_prefill_failures_total`), logged at warn, and the next request
+//!    to that P waits for its answer again;
+//! 5. D's retryable KV failure is retried once as in pull mode (step 3), through the same
+//!    push flow with a new transfer id;
+//! 6. bidirectional mode (step 4) is pull's only: push mode neither keeps nor sends a
+//!    conversation's params.
+//!
 //! An unreachable upstream is a 502, an upstream that does not answer in time a 504, an
 //! answer the proxy must read whole (P's, D's non-streamed one) over
 //! `--max-upstream-body-bytes` a 502 naming the limit (read no further), all in the
@@ -28,13 +62,16 @@
 //! one budget, `--max-buffered-body-bytes` (module `budget`): a body that does not fit is a
 //! retryable 503 with `Retry-After`, so many large bodies at once cannot add up. The
 //! proxy keeps no per-request state (only the bounded per-conversation params of step
-//! 4): a client that disconnects drops the upstream request, which D sees as an abort.
+//! 4, and push mode's P identities): a client that disconnects drops the upstream
+//! request, which D sees as an abort (a push mode P leg sent with its D leg runs to its
+//! end).
 //!
 //! **Loops.** Every request the proxy forwards carries its hop header ([`HOP_HEADER`]: the
 //! ids of the proxies it passed, this one's added); a request that arrives with this
 //! proxy's id in it (a proxy that is, directly or not, its own upstream) is refused with
 //! 508 `loop_detected`, as is one that passed [`MAX_HOPS`] proxies.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -53,8 +90,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-pub use config::{ProxyArgs, ProxyConfig, ProxyError};
-pub use metrics::{ProxyMetrics, ProxyOutcome};
+pub use config::{ProxyArgs, ProxyConfig, ProxyError, TransferMode};
+pub use metrics::{ProxyMetrics, ProxyOutcome, PushDispatch};
 use reqwest::Url;
 use serde_json::{Map, Value, json};
 pub use store::{ConversationStore, conversation_key};
@@ -97,6 +134,8 @@ struct Inner {
     next_prefill: AtomicUsize,
     next_decode: AtomicUsize,
     next_id: AtomicU64,
+    /// Push mode: the next transfer id's number.
+    next_transfer: AtomicU64,
     id_prefix: String,
     /// This proxy's id in the hop header (random, per process).
     hop_id: String,
@@ -104,6 +143,9 @@ struct Inner {
     budget: Arc<budget::Budget>,
     /// Bidirectional mode: D's cached-blocks params of each conversation's last turn.
     conversations: Mutex<ConversationStore>,
+    /// Push mode: each P's identity from its newest answer, by P base URL (one entry per
+    /// configured P at most).
+    identities: Mutex<HashMap<String, KnownIdentity>>,
 }
 
 /// Conversations whose D params the proxy remembers at once (the oldest goes first).
@@ -116,6 +158,7 @@ pub struct Proxy {
 }
 
 /// The headers every upstream request of one client request carries.
+#[derive(Clone)]
 struct Upstream {
     /// The client's `Authorization`, passed on.
     auth: Option<HeaderValue>,
@@ -131,6 +174,69 @@ struct Turn {
     cached_tokens_pulled: Option<u64>,
 }
 
+/// Push mode: what D's leg names of P (`remote_engine_id`, `remote_host`, `remote_port`,
+/// `tp_size`), from P's answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PrefillIdentity {
+    engine_id: String,
+    host: String,
+    port: u16,
+    tp_size: u64,
+}
+
+impl PrefillIdentity {
+    /// P's identity in its answer's `kv_transfer_params`; else what is wrong, naming the
+    /// key ("without remote_port").
+    fn from_params(params: &Value) -> Result<Self, String> {
+        let field = |key: &str| match params.get(key) {
+            None | Some(Value::Null) => Err(format!("without {key}")),
+            Some(v) => Ok(v),
+        };
+        let string = |key: &str| {
+            field(key)?
+                .as_str()
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .ok_or_else(|| format!("with {key} not a non-empty string"))
+        };
+        let engine_id = string("remote_engine_id")?;
+        let host = string("remote_host")?;
+        let port = field("remote_port")?
+            .as_u64()
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+            .ok_or_else(|| "with remote_port not a port number".to_owned())?;
+        let tp_size = field("tp_size")?
+            .as_u64()
+            .filter(|n| *n != 0)
+            .ok_or_else(|| "with tp_size not a positive integer".to_owned())?;
+        Ok(Self {
+            engine_id,
+            host,
+            port,
+            tp_size,
+        })
+    }
+}
+
+/// Push mode: a P's identity as the proxy remembers it.
+#[derive(Debug)]
+struct KnownIdentity {
+    identity: PrefillIdentity,
+    /// False once a P leg sent with D's leg failed: the next request to that P waits for
+    /// P's answer again (the identity stays, to notice a change).
+    usable: bool,
+}
+
+/// What a prefill leg adds to `kv_transfer_params`.
+#[derive(Clone)]
+enum PrefillExtra<'a> {
+    /// Pull mode: D's cached-blocks params of the conversation's previous turn, if any.
+    Pull(Option<DecoderKvParams>),
+    /// Push mode: the transfer id.
+    Push(&'a str),
+}
+
 /// Why one upstream exchange did not produce an answer to pass through.
 enum Failure {
     /// Answer this to the client.
@@ -140,6 +246,18 @@ enum Failure {
     Unreachable(Response, ProxyOutcome),
     /// D reported a retryable KV failure; its status and body.
     RetryableKv(StatusCode, Bytes),
+}
+
+impl Failure {
+    /// For a log line: the status the client would get and why.
+    fn describe(&self) -> String {
+        match self {
+            Self::Respond(response, outcome) | Self::Unreachable(response, outcome) => {
+                format!("{} ({})", response.status(), outcome.as_str())
+            }
+            Self::RetryableKv(status, _) => format!("{status} ({KV_LOAD_FAILED})"),
+        }
+    }
 }
 
 impl Proxy {
@@ -175,10 +293,12 @@ impl Proxy {
                 next_prefill: AtomicUsize::new(0),
                 next_decode: AtomicUsize::new(0),
                 next_id: AtomicU64::new(0),
+                next_transfer: AtomicU64::new(0),
                 id_prefix: format!("proxy-{:08x}", random as u32),
                 hop_id: format!("{random:016x}"),
                 budget,
                 conversations: Mutex::new(ConversationStore::new(MAX_CONVERSATIONS)),
+                identities: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -222,6 +342,11 @@ impl Proxy {
     }
 
     fn next_url(&self, decode: bool, path: &str) -> Url {
+        join(&self.next_base(decode), path)
+    }
+
+    /// The next agent's base URL of a role (round-robin).
+    fn next_base(&self, decode: bool) -> Url {
         let (urls, counter) = if decode {
             (&self.inner.config.decode, &self.inner.next_decode)
         } else {
@@ -229,8 +354,16 @@ impl Proxy {
         };
         // `ProxyArgs::config` guarantees at least one URL of each kind; `max(1)` keeps the
         // modulo defined for a `ProxyConfig` built by hand.
-        let base = &urls[counter.fetch_add(1, Ordering::Relaxed) % urls.len().max(1)];
-        join(base, path)
+        urls[counter.fetch_add(1, Ordering::Relaxed) % urls.len().max(1)].clone()
+    }
+
+    /// Push mode: a new transfer id, unique in this proxy process.
+    fn transfer_id(&self) -> String {
+        format!(
+            "{}-t{}",
+            self.inner.id_prefix,
+            self.inner.next_transfer.fetch_add(1, Ordering::Relaxed)
+        )
     }
 
     fn request_id(&self, headers: &HeaderMap) -> String {
@@ -358,7 +491,8 @@ impl Proxy {
         )
     }
 
-    /// P then D, with one retry on a retryable KV failure. `Ok((answer, retried))`.
+    /// P then D (pull), or P and D tied by a transfer id (push), with one retry on a
+    /// retryable KV failure. `Ok((answer, retried))`.
     async fn route(
         &self,
         path: &'static str,
@@ -376,8 +510,14 @@ impl Proxy {
             hop: hop.clone(),
         };
         let base_id = self.request_id(headers);
-        // Bidirectional mode: the previous turn's D params go to P with this turn.
-        let key = conversation_key(&Value::Object(request.clone()));
+        let push = self.inner.config.transfer_mode == TransferMode::Push;
+        // Bidirectional mode (pull only): the previous turn's D params go to P with this
+        // turn.
+        let key = if push {
+            None
+        } else {
+            conversation_key(&Value::Object(request.clone()))
+        };
         let mut cached = key.as_ref().and_then(|k| {
             self.inner
                 .conversations
@@ -392,15 +532,26 @@ impl Proxy {
             } else {
                 format!("{base_id}-retry{attempt}")
             };
-            // A retry prefills from scratch: the cached turn may be gone by now.
-            let (params, pulled) = self
-                .prefill(path, &request, &id, &up, cached.take())
-                .await?;
-            let mut to_decode = request.clone();
-            to_decode.insert("kv_transfer_params".to_owned(), params);
-            let turn = Turn {
-                key: key.clone(),
-                cached_tokens_pulled: pulled,
+            let (to_decode, turn) = if push {
+                let to_decode = self.push_legs(path, &request, &id, &up, body.len()).await?;
+                let turn = Turn {
+                    key: None,
+                    cached_tokens_pulled: None,
+                };
+                (to_decode, turn)
+            } else {
+                // A retry prefills from scratch: the cached turn may be gone by now.
+                let first = self.next_base(false);
+                let extra = PrefillExtra::Pull(cached.take());
+                let (_, params, pulled) =
+                    self.prefill(first, path, &request, &id, &up, extra).await?;
+                let mut to_decode = request.clone();
+                to_decode.insert("kv_transfer_params".to_owned(), params);
+                let turn = Turn {
+                    key: key.clone(),
+                    cached_tokens_pulled: pulled,
+                };
+                (to_decode, turn)
             };
             match self.decode(path, &to_decode, &id, &up, &turn).await {
                 Ok(response) => return Ok((response, attempt > 0)),
@@ -417,31 +568,206 @@ impl Proxy {
         Err(Failure::RetryableKv(status, body))
     }
 
-    /// Sends the prefill request (with D's params of the previous turn, if any) to the
-    /// next P, and to the one after it when that P cannot be reached (a prefill is safe to
-    /// repeat: an unused lease expires); returns P's `kv_transfer_params` and its
-    /// `cached_tokens_pulled`.
-    async fn prefill(
+    /// Push mode: P's and D's legs of one try, tied by a new transfer id; returns D's
+    /// body. When the chosen P's identity is known, P's leg runs on its own
+    /// ([`Self::spawn_prefill_leg`]) and D's body names that identity at once; else P's
+    /// answer is awaited (trying the next P once when P cannot be reached) and D's body
+    /// names the identity it carries.
+    async fn push_legs(
         &self,
         path: &str,
         request: &Map<String, Value>,
         id: &str,
         up: &Upstream,
-        cached: Option<DecoderKvParams>,
-    ) -> Result<(Value, Option<u64>), Failure> {
+        request_bytes: usize,
+    ) -> Result<Map<String, Value>, Failure> {
+        let transfer = self.transfer_id();
+        let first = self.next_base(false);
+        let (identity, dispatch) = if let Some(identity) = self.known_identity(&first) {
+            // The spawned leg holds its copy of the request past this one's end: it counts
+            // against the budget as the client's body does.
+            let mut held = self.inner.budget.start();
+            if !held.grow(request_bytes) {
+                return Err(self.over_budget());
+            }
+            self.spawn_prefill_leg(first, path, request, id, up, &transfer, &identity, held);
+            (identity, PushDispatch::Concurrent)
+        } else {
+            tracing::debug!(request = %id, %transfer, url = %join(&first, path), "push: prefill leg (P's identity unknown: the decode leg waits for its answer)");
+            let (base, params, _) = self
+                .prefill(first, path, request, id, up, PrefillExtra::Push(&transfer))
+                .await?;
+            let identity = PrefillIdentity::from_params(&params).map_err(|what| {
+                bad_gateway(&format!(
+                    "prefill {} answered kv_transfer_params {what} (push mode passes P's \
+                     remote_engine_id, remote_host, remote_port and tp_size to D)",
+                    join(&base, path)
+                ))
+            })?;
+            self.remember_identity(&base, &identity);
+            (identity, PushDispatch::Sequential)
+        };
+        self.inner.metrics.push_legs(dispatch).inc();
+        tracing::debug!(
+            request = %id,
+            %transfer,
+            dispatch = dispatch.as_str(),
+            remote_engine_id = %identity.engine_id,
+            "push: decode leg"
+        );
+        let mut body = request.clone();
+        body.insert(
+            "kv_transfer_params".to_owned(),
+            json!({
+                "do_remote_prefill": true,
+                "do_remote_decode": false,
+                "transfer_mode": "push",
+                "transfer_id": transfer,
+                "remote_engine_id": identity.engine_id,
+                "remote_host": identity.host,
+                "remote_port": identity.port,
+                "tp_size": identity.tp_size,
+            }),
+        );
+        Ok(body)
+    }
+
+    /// Push mode: P's leg sent alongside D's, on its own task. P's answer is read only to
+    /// refresh P's identity; a failure is counted and logged, and the client's request
+    /// goes on with D (whose connector computes the prompt when P's write never comes).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the leg's parts, borrowed from push_legs"
+    )]
+    fn spawn_prefill_leg(
+        &self,
+        base: Url,
+        path: &str,
+        request: &Map<String, Value>,
+        id: &str,
+        up: &Upstream,
+        transfer: &str,
+        used: &PrefillIdentity,
+        held: budget::Reservation,
+    ) {
+        let proxy = self.clone();
+        let url = join(&base, path);
+        let (request, id, up) = (request.clone(), id.to_owned(), up.clone());
+        let (transfer, used) = (transfer.to_owned(), used.clone());
+        tracing::debug!(request = %id, %transfer, %url, "push: prefill leg (with the decode leg)");
+        tokio::spawn(async move {
+            let answer = proxy
+                .prefill_at(&url, &request, &id, &up, PrefillExtra::Push(&transfer))
+                .await;
+            drop((request, held));
+            let identity = match answer {
+                Ok((params, _)) => PrefillIdentity::from_params(&params)
+                    .map_err(|what| format!("its kv_transfer_params came {what}")),
+                Err(failure) => Err(failure.describe()),
+            };
+            match identity {
+                Ok(identity) => {
+                    if identity != used {
+                        tracing::warn!(
+                            request = %id,
+                            %transfer,
+                            %url,
+                            used = %used.engine_id,
+                            answered = %identity.engine_id,
+                            "push: the prefill answered another identity than the decode leg named (a restarted P?); D computes the prompt"
+                        );
+                    }
+                    tracing::debug!(request = %id, %transfer, %url, "push: prefill leg done");
+                    proxy.remember_identity(&base, &identity);
+                }
+                Err(why) => {
+                    proxy.inner.metrics.push_prefill_failures.inc();
+                    tracing::warn!(
+                        request = %id,
+                        %transfer,
+                        %url,
+                        error = %why,
+                        "push: the prefill leg sent with the decode leg failed; D computes the prompt when P's write does not come, and the next request to this P waits for its answer"
+                    );
+                    proxy.forget_identity(&base, &used);
+                }
+            }
+        });
+    }
+
+    /// Push mode: the identity remembered for P `base`, unless a leg to it failed since.
+    fn known_identity(&self, base: &Url) -> Option<PrefillIdentity> {
+        let known = self.inner.identities.lock().ok()?;
+        known
+            .get(base.as_str())
+            .filter(|k| k.usable)
+            .map(|k| k.identity.clone())
+    }
+
+    /// Push mode: `identity` is P `base`'s newest; counts a change from the remembered one.
+    fn remember_identity(&self, base: &Url, identity: &PrefillIdentity) {
+        let Ok(mut known) = self.inner.identities.lock() else {
+            return;
+        };
+        let entry = KnownIdentity {
+            identity: identity.clone(),
+            usable: true,
+        };
+        if let Some(old) = known.insert(base.as_str().to_owned(), entry)
+            && old.identity != *identity
+        {
+            self.inner.metrics.push_identity_changes.inc();
+            tracing::info!(
+                url = %base,
+                old = %old.identity.engine_id,
+                new = %identity.engine_id,
+                "push: prefill identity changed"
+            );
+        }
+    }
+
+    /// Push mode: the next request to P `base` waits for P's answer, unless a newer
+    /// answer replaced `used` meanwhile.
+    fn forget_identity(&self, base: &Url, used: &PrefillIdentity) {
+        if let Ok(mut known) = self.inner.identities.lock()
+            && let Some(k) = known.get_mut(base.as_str())
+            && k.identity == *used
+        {
+            k.usable = false;
+        }
+    }
+
+    /// Sends the prefill request (with D's params of the previous turn, if any, or push
+    /// mode's transfer id) to P `first`, and to the next P when that one cannot be reached
+    /// (a prefill is safe to repeat: an unused lease expires); returns the base URL of the
+    /// P that answered, its `kv_transfer_params` and its `cached_tokens_pulled`.
+    async fn prefill(
+        &self,
+        first: Url,
+        path: &str,
+        request: &Map<String, Value>,
+        id: &str,
+        up: &Upstream,
+        extra: PrefillExtra<'_>,
+    ) -> Result<(Url, Value, Option<u64>), Failure> {
         // Two tries even with one P: a connection that broke under the request (a pooled
         // connection the agent closed as we sent on it) is not a dead P.
         let tries = 2;
+        let mut base = first;
         for attempt in 1..=tries {
-            let url = self.next_url(false, path);
-            match self.prefill_at(&url, request, id, up, cached.clone()).await {
+            if attempt > 1 {
+                base = self.next_base(false);
+            }
+            let url = join(&base, path);
+            match self.prefill_at(&url, request, id, up, extra.clone()).await {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
                     tracing::warn!(request = %id, %url, "prefill agent unreachable; trying again on the next one (the same when there is one)");
                 }
                 Err(Failure::Unreachable(response, outcome)) => {
                     return Err(Failure::Respond(response, outcome));
                 }
-                other => return other,
+                Ok((params, pulled)) => return Ok((base, params, pulled)),
+                Err(other) => return Err(other),
             }
         }
         Err(bad_gateway("no prefill agent is configured"))
@@ -453,7 +779,7 @@ impl Proxy {
         request: &Map<String, Value>,
         id: &str,
         up: &Upstream,
-        cached: Option<DecoderKvParams>,
+        extra: PrefillExtra<'_>,
     ) -> Result<(Value, Option<u64>), Failure> {
         let url = url.clone();
         let mut body = request.clone();
@@ -465,11 +791,20 @@ impl Proxy {
             "remote_host": null,
             "remote_port": null,
         });
-        if let (Some(Value::Object(d)), Some(p)) =
-            (cached.map(|c| params_to_value(&c)), params.as_object_mut())
-        {
-            p.extend(d);
-            p.insert("do_remote_decode".to_owned(), json!(true));
+        match extra {
+            PrefillExtra::Pull(cached) => {
+                if let (Some(Value::Object(d)), Some(p)) =
+                    (cached.map(|c| params_to_value(&c)), params.as_object_mut())
+                {
+                    p.extend(d);
+                    p.insert("do_remote_decode".to_owned(), json!(true));
+                }
+            }
+            PrefillExtra::Push(transfer) => {
+                if let Some(p) = params.as_object_mut() {
+                    p.insert("transfer_id".to_owned(), json!(transfer));
+                }
+            }
         }
         body.insert("kv_transfer_params".to_owned(), params);
         body.insert("max_tokens".to_owned(), json!(1));

@@ -136,3 +136,93 @@ fn proxy_metrics_expose_the_retry_counter() {
     assert!(text.contains("kvlease_proxy_requests_total{outcome=\"ok_after_retry\"} 1\n"));
     assert!(text.contains("kvlease_proxy_requests_total{outcome=\"bad_gateway\"} 0\n"));
 }
+
+#[test]
+fn transfer_mode_defaults_to_pull_and_a_bad_one_is_refused_naming_the_flag() {
+    assert_eq!(
+        args(&["http://x:1"]).config().unwrap().transfer_mode,
+        TransferMode::Pull
+    );
+    assert_eq!(
+        args(&["http://x:1", "--transfer-mode", "push"])
+            .config()
+            .unwrap()
+            .transfer_mode,
+        TransferMode::Push
+    );
+    let error = ProxyArgs::try_parse_from([
+        "kvlease-proxy",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--transfer-mode",
+        "bogus",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.contains("--transfer-mode") && error.contains("bogus"),
+        "{error}"
+    );
+    assert!(error.contains("pull") && error.contains("push"), "{error}");
+}
+
+#[test]
+fn prefill_identity_needs_every_key_and_names_the_one_at_fault() {
+    let good = json!({"remote_engine_id": "p0", "remote_host": "10.0.0.1", "remote_port": 5600,
+                      "tp_size": 2, "remote_request_id": "r", "remote_block_ids": null});
+    assert_eq!(
+        PrefillIdentity::from_params(&good).unwrap(),
+        PrefillIdentity {
+            engine_id: "p0".to_owned(),
+            host: "10.0.0.1".to_owned(),
+            port: 5600,
+            tp_size: 2,
+        }
+    );
+    for (key, bad, said) in [
+        ("remote_engine_id", Value::Null, "without remote_engine_id"),
+        (
+            "remote_host",
+            json!(""),
+            "with remote_host not a non-empty string",
+        ),
+        (
+            "remote_port",
+            json!(70_000),
+            "with remote_port not a port number",
+        ),
+        (
+            "remote_port",
+            json!("5600"),
+            "with remote_port not a port number",
+        ),
+        ("tp_size", json!(0), "with tp_size not a positive integer"),
+    ] {
+        let mut params = good.clone();
+        params[key] = bad;
+        assert_eq!(PrefillIdentity::from_params(&params).unwrap_err(), said);
+    }
+    let mut params = good;
+    params.as_object_mut().unwrap().remove("tp_size");
+    assert_eq!(
+        PrefillIdentity::from_params(&params).unwrap_err(),
+        "without tp_size"
+    );
+}
+
+#[test]
+fn proxy_metrics_expose_the_push_counters() {
+    let m = ProxyMetrics::new();
+    m.push_legs(PushDispatch::Concurrent).inc();
+    m.push_prefill_failures.inc();
+    let text = m.encode();
+    assert!(
+        text.contains("kvlease_proxy_push_legs_total{dispatch=\"concurrent\"} 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("kvlease_proxy_push_legs_total{dispatch=\"sequential\"} 0\n"));
+    assert!(text.contains("\nkvlease_proxy_push_prefill_failures_total 1\n"));
+    assert!(text.contains("\nkvlease_proxy_push_identity_changes_total 0\n"));
+}
