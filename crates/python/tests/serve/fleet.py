@@ -356,11 +356,14 @@ class Fleet:
         return self._add(Process(name, argv, port, self.work / f"{name}.log",
                                  ready_path="/healthcheck"))
 
-    def kvlease_proxy(self, name: str, prefill: list[Process], decode: list[Process]) -> Process:
+    def kvlease_proxy(self, name: str, prefill: list[Process], decode: list[Process],
+                      args: tuple[str, ...] = ()) -> Process:
+        """``kvlease-proxy`` (``args``: more of its flags, e.g. ``--transfer-mode push``)."""
         port = free_port()
         argv = [
             os.environ["KVLEASE_SERVE_PROXY_BIN"], "--host", "127.0.0.1", "--port", str(port),
             "--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode],
+            *args,
         ]
         return self._add(Process(name, argv, port, self.work / f"{name}.log",
                                  env={"RUST_LOG": "info"}))

@@ -1,9 +1,14 @@
 """Push mode served as users run it: P (``kv_producer``, ``transfer_mode: push``) and D
-(``kv_consumer``, ``KvleasePushConnector``) started with ``vllm serve``, a proxy with
-vLLM's push proxy's flow in front (``push_proxy.py``: P's leg first, then D's naming P and
-no blocks; D reserves its blocks, P writes into them), greedy outputs compared token for
-token with one plain vLLM instance (``reference``), and the proof that D's prompts came
-from P's writes (D's prompt tokens by source).
+(``kv_consumer``, ``KvleasePushConnector``) started with ``vllm serve``, greedy outputs
+compared token for token with one plain vLLM instance (``reference``), and the proof that
+D's prompts came from P's writes (D's prompt tokens by source). Two fronts:
+
+- ``kvlease-proxy --transfer-mode push``: both legs at once, one transfer id; D registers
+  its blocks while P prefills, P writes when its prefill ends (the proxy learns P's
+  identity from P's first answer, so at least one request per P goes one leg after the
+  other; its metrics show how many went at once);
+- ``push_proxy.py``: vLLM's older push proxy's flow, P's leg first, then D's naming P and
+  no blocks.
 
 Then P killed after D registered a reservation (P's engine frozen first, so its write
 never comes): D's reservation expires about a lease after it was made (no heartbeats),
@@ -29,8 +34,9 @@ P_EXTRA = {"kv_lease_duration": LEASE, "transfer_mode": "push"}
 D_EXTRA = {"kv_lease_duration": LEASE}
 
 
-def _d_config() -> str:
-    cfg = json.loads(kv_config("kv_consumer", D_EXTRA, connector="KvleasePushConnector"))
+def _d_config(extra: dict | None = None) -> str:
+    cfg = json.loads(kv_config("kv_consumer", {**D_EXTRA, **(extra or {})},
+                               connector="KvleasePushConnector"))
     cfg["kv_load_failure_policy"] = "recompute"
     return json.dumps(cfg)
 
@@ -42,8 +48,9 @@ def push(work, model, reference):
         d = fleet.engine("d", kv=_d_config())
         fleet.start(p, d)
         proxy = fleet.push_proxy("push-proxy", [p], [d])
-        fleet.start(proxy)
-        yield fleet, p, d, proxy
+        ours = fleet.kvlease_proxy("kvlease-proxy", [p], [d], args=("--transfer-mode", "push"))
+        fleet.start(proxy, ours)
+        yield fleet, p, d, {"push-proxy": proxy, "kvlease-proxy": ours}
 
 
 def by_source(d) -> dict[str, float]:
@@ -65,11 +72,22 @@ def stable(d) -> dict[str, float]:
         last = now
 
 
-def test_through_the_push_proxy_equals_a_plain_instance(push, model, prompts, reference):
-    _, p, d, proxy = push
+@pytest.mark.parametrize("front", ["kvlease-proxy", "push-proxy"])
+def test_through_a_push_proxy_equals_a_plain_instance(push, front, model, prompts, reference):
+    _, p, d, fronts = push
+    proxy = fronts[front]
     before = stable(d)
     answers = complete_all(proxy.url, model, prompts, concurrency=2)
     assert_equal(answers, prompts, reference)
+    if front == "kvlease-proxy":
+        legs = scrape(proxy)
+        at_once = legs.value("kvlease_proxy_push_legs_total", dispatch="concurrent")
+        one_by_one = legs.value("kvlease_proxy_push_legs_total", dispatch="sequential")
+        assert at_once + one_by_one == len(prompts)
+        # Until P's first answer the proxy does not know P's identity: the first two
+        # requests (two at a time) wait for P's answer; every later one goes at once.
+        assert at_once >= len(prompts) - 2, "kvlease-proxy did not send both legs at once"
+        assert legs.value("kvlease_proxy_push_prefill_failures_total") == 0
     after = wait_for("D's prompt tokens counted", lambda: (
         c if (c := by_source(d))["external"] > before["external"] else None))
     after = stable(d)
@@ -122,3 +140,39 @@ def test_p_killed_after_d_registered_d_reclaims_its_reservation_and_recomputes(
     assert LEASE - 1 < reclaimed < LEASE + 20
     wait_for("D's KV cache usage back to 0",
              lambda: scrape(d).value("vllm:kv_cache_usage_perc") == 0)
+
+
+@pytest.fixture(scope="module")
+def push_tp2(work, model, reference):
+    """P and D at TP 2 in push mode: each P worker writes into the D worker of its rank."""
+    tp2 = ["--tensor-parallel-size", "2"]
+    # Leases are not what this is about (the module's first test has them short): four
+    # workers on a small machine can take seconds a step.
+    long = {"kv_lease_duration": 60}
+    with Fleet(work / "push-tp2", model) as fleet:
+        p = fleet.engine("p", kv=kv_config("kv_producer", {**P_EXTRA, **long}),
+                         extra_args=tp2)
+        d = fleet.engine("d", kv=_d_config(long), extra_args=tp2)
+        fleet.start(p, d)
+        proxy = fleet.push_proxy("push-proxy", [p], [d])
+        ours = fleet.kvlease_proxy("kvlease-proxy", [p], [d], args=("--transfer-mode", "push"))
+        fleet.start(proxy, ours)
+        yield p, d, {"push-proxy": proxy, "kvlease-proxy": ours}
+
+
+@pytest.mark.parametrize("front", ["kvlease-proxy", "push-proxy"])
+def test_tp2_each_p_rank_writes_its_heads_into_ds_rank(push_tp2, front, model, prompts,
+                                                       reference):
+    p, d, fronts = push_tp2
+    some = prompts[:8] if front == "kvlease-proxy" else prompts[8:16]
+    before = stable(d)
+    answers = complete_all(fronts[front].url, model, some, concurrency=2)
+    assert_equal(answers, some, reference)
+    after = wait_for("D's prompt tokens counted", lambda: (
+        c if (c := by_source(d))["external"] > before["external"] else None))
+    after = stable(d)
+    assert after["local"] - before["local"] <= len(some)
+    assert "not written" not in p.log_text(), "a push failed"
+    assert "did not come" not in d.log_text(), "a reservation ended unwritten"
+    wait_for("P's KV cache usage back to 0",
+             lambda: scrape(p).value("vllm:kv_cache_usage_perc") == 0)

@@ -382,6 +382,12 @@ class PushPrefill:
         self.core.handle_timeout(now)
         while (hb := self.core.poll_heartbeat(now)) is not None:
             decode, transfers = hb
+            if decode not in engines:
+                # D's engine info is still being fetched: the workers cannot reach it
+                # yet. The next interval's heartbeat renews the reservation (its lease
+                # is six intervals).
+                self.counters.add("push_heartbeats_deferred")
+                continue
             for msg in encode_heartbeats(list(transfers)):
                 self.transmits.append(TransmitSpec(decode, "push_heartbeat", check(msg)))
         parked, self.parked = self.parked, []
