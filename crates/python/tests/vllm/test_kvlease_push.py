@@ -253,6 +253,8 @@ def test_both_legs_at_once_d_registers_first_p_heartbeats_while_prefilling_then_
     assert (register.kind, register.transfer, len(register.blocks)) == ("register", "tx-1", 20)
     feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
     assert not feed(p, out()).kv_connector_metadata.writes  # no leg, no prefill yet
+    # P fetches D's engine info (the peer message named D's side channel).
+    until(p, lambda m: "d0" in p.connector.scheduler.engines)
 
     # P's leg arrives; while it prefills (4 steps, 3.9 s apart: 15.6 s, past D's 6 s
     # lease), P renews D's reservation by the transfer id, and D keeps it.
@@ -327,3 +329,24 @@ def test_a_registration_whose_p_leg_never_comes_is_dropped_and_d_told(pd):
     p_clock.advance(0.2)
     (failed,) = until(p, lambda m: [t for t in m.transmits if t.kind == "push_failed"])
     assert parse(failed.message).transfer == "tx-3" and failed.engine == "d0"
+
+
+def test_p_defers_heartbeats_to_a_d_whose_engine_info_it_is_still_fetching():
+    """A heartbeat the workers could not send (no link to D yet) is not handed to them;
+    once D's engine info is known, the next interval's goes out."""
+    from kvlease.vllm.push import PushPrefill
+
+    class Counters(dict):
+        def add(self, name, n=1):
+            self[name] = self.get(name, 0) + n
+
+    counters = Counters()
+    push = PushPrefill(lease_duration=LEASE, tp_size=1, counters=counters)
+    assert push.admit(0.0, "p-req", "tx-9")
+    push.handle(0.0, "d0", parse(b"KVL1:PR:tx-9;5;6000;1,2"))
+    push.step(LEASE / 6 + 0.01, engines={}, failed={})
+    assert not push.transmits and counters["push_heartbeats_deferred"] == 1
+    push.step(2 * LEASE / 6 + 0.02, engines={"d0": object()}, failed={})
+    (beat,) = push.transmits
+    assert (beat.engine, beat.kind, parse(beat.message).transfers) == (
+        "d0", "push_heartbeat", ("tx-9",))
