@@ -86,10 +86,21 @@ fn p_leg(prompt: &str, transfer: &str) -> Value {
 }
 
 fn d_leg(prompt: &str, max_tokens: u32, transfer: &str, p: &Spawned, p_name: &str) -> Value {
+    d_leg_tp(prompt, max_tokens, transfer, p, p_name, 1)
+}
+
+fn d_leg_tp(
+    prompt: &str,
+    max_tokens: u32,
+    transfer: &str,
+    p: &Spawned,
+    p_name: &str,
+    tp: u32,
+) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "stream": false,
         "kv_transfer_params": {"do_remote_prefill": true, "do_remote_decode": false,
             "transfer_mode": "push", "transfer_id": transfer, "remote_engine_id": p_name,
-            "remote_host": "127.0.0.1", "remote_port": p.side_port, "tp_size": 1}})
+            "remote_host": "127.0.0.1", "remote_port": p.side_port, "tp_size": tp}})
 }
 
 fn check_d_answer(prompt: &str, max_tokens: u32, d: &Value) -> Result<()> {
@@ -108,18 +119,19 @@ fn check_d_answer(prompt: &str, max_tokens: u32, d: &Value) -> Result<()> {
     Ok(())
 }
 
-async fn end_to_end(transport: &str) -> Result<()> {
-    let tag = format!("e2e-{transport}");
-    let (c, p, d) = push_pair(&tag, transport, &[], &[]).await?;
+async fn end_to_end(transport: &str, tp: u32, n: usize) -> Result<()> {
+    let tag = format!("e2e-{transport}-tp{tp}");
+    let tp_flag = tp.to_string();
+    let tp_args = ["--tp-size", tp_flag.as_str()];
+    let (c, p, d) = push_pair(&tag, transport, &tp_args, &tp_args).await?;
     let p_name = format!("p-{tag}");
-    let n = 12usize;
     let mut tasks = Vec::new();
     for i in 0..n {
         let c = c.clone();
         let prompt = prompt(i);
         let transfer = format!("xfer-{transport}-{i}");
         let pb = p_leg(&prompt, &transfer);
-        let db = d_leg(&prompt, 4, &transfer, &p, &p_name);
+        let db = d_leg_tp(&prompt, 4, &transfer, &p, &p_name, tp);
         let (p_url, d_url) = (p.agent.url.clone(), d.agent.url.clone());
         let backend = transport.to_owned();
         tasks.push(tokio::spawn(async move {
@@ -149,7 +161,7 @@ async fn end_to_end(transport: &str) -> Result<()> {
                 "P answer {kp}"
             );
             ensure!(
-                kp["remote_engine_id"].is_string() && kp["tp_size"] == 1,
+                kp["remote_engine_id"].is_string() && kp["tp_size"] == tp,
                 "P answer {kp}"
             );
             check_d_answer(&prompt, 4, &dv)?;
@@ -214,12 +226,18 @@ async fn end_to_end(transport: &str) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_over_tcp() -> Result<()> {
-    end_to_end("tcp").await
+    end_to_end("tcp", 1, 12).await
+}
+
+/// Two TP workers on each side: each P worker writes into the D worker of its rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_end_to_end_tp2_over_tcp() -> Result<()> {
+    end_to_end("tcp", 2, 6).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_over_shm() -> Result<()> {
-    end_to_end("shm").await
+    end_to_end("shm", 1, 12).await
 }
 
 /// P is killed after D registered: no heartbeat renews the reservation, which expires

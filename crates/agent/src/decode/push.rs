@@ -365,9 +365,11 @@ impl DecodeEngine {
         }
     }
 
-    /// Sends `msg` to P engine `engine`'s worker 0 from D's worker 0.
-    fn send_to_p(&self, engine: &EngineId, msg: Vec<u8>) -> bool {
-        let Some(push) = &self.push else {
+    /// Sends `msg` to P engine `engine`'s worker 0 from D's worker 0. A broken
+    /// connection (P restarted or gone) drops the engine: the next leg naming it
+    /// handshakes again.
+    fn send_to_p(&mut self, engine: &EngineId, msg: Vec<u8>) -> bool {
+        let Some(push) = self.push.as_mut() else {
             return false;
         };
         let Some(PRemote::Ready(ready)) = push.remotes.get(engine) else {
@@ -383,6 +385,18 @@ impl DecodeEngine {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(%engine, error = %e, "push message to P not sent");
+                if matches!(
+                    e,
+                    kvlease_transport::TransferError::Disconnected { .. }
+                        | kvlease_transport::TransferError::UnknownPeer(_)
+                ) && let Some(PRemote::Ready(old)) = push.remotes.remove(engine)
+                {
+                    for (w, row) in self.workers.iter().zip(&old.peers) {
+                        for &p in row {
+                            let _ = w.agent.disconnect(p);
+                        }
+                    }
+                }
                 false
             }
         }

@@ -467,8 +467,10 @@ impl PrefillEngine {
             }
             // A burst of prefills can outlast a lease's first TTL: take in D's heartbeats
             // and completions between prefills, so that a lease granted at the start of
-            // the burst is renewed before the reaper (step 4) looks at it.
+            // the burst is renewed before the reaper (step 4) looks at it. Push mode: D's
+            // reservations are heartbeated between prefills too.
             self.poll_notifs();
+            self.step_push();
         }
         self.drain();
     }

@@ -438,6 +438,15 @@ impl PrefillEngine {
                 Ok(batch) => match w.agent.post_write(peer, batch, WRITE_TIMEOUT) {
                     Ok(id) => batches.push((i, id)),
                     Err(e) => {
+                        if matches!(
+                            e,
+                            kvlease_transport::TransferError::Disconnected { .. }
+                                | kvlease_transport::TransferError::UnknownPeer(_)
+                        ) && let Some(ctx) = &self.pull_ctx
+                        {
+                            // D restarted or is gone: the next push handshakes again.
+                            ctx.forget_d(plan.decode.as_str(), &remote);
+                        }
                         error = Some(e.to_string());
                         break;
                     }
