@@ -298,6 +298,129 @@ async fn push_p_killed_after_registration_expires_on_d() -> Result<()> {
     Ok(())
 }
 
+/// P is stalled (SIGSTOP) while it heartbeats D's reservation (the push leg waits on P
+/// for free blocks): the heartbeats stop, D's reservation expires within about one
+/// extension, D answers the retryable KV failure and tells P; once P runs again nothing
+/// it writes lands, and both sides free everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_p_stalled_while_heartbeating_expires_on_d() -> Result<()> {
+    let lease = 2u64;
+    let p_cfg = kv_config("kv_producer", json!({"kv_lease_duration": lease}));
+    let d_cfg = kv_config("kv_consumer", json!({"kv_lease_duration": lease}));
+    let (c, p, d) = push_pair(
+        "stalled",
+        "tcp",
+        &[
+            "--kv-transfer-config",
+            &p_cfg,
+            "--num-blocks",
+            "8",
+            "--pool-wait-ms",
+            "30000",
+        ],
+        &["--kv-transfer-config", &d_cfg],
+    )
+    .await?;
+    let within = Duration::from_secs(10);
+    // A push leg whose D never registers holds P's whole pool for the registration wait.
+    let (s, v) = post(&c, &p.agent.url, &p_leg(&"a".repeat(120), "xfer-hog")).await?;
+    ensure!(s == 200, "hog: {s} {v}");
+    wait_metric(&c, &p.agent, "kvlease_blocks_held", within, |v| v == 8.0).await?;
+    let prompt = prompt(2);
+    let pb = p_leg(&prompt, "xfer-stalled");
+    let db = d_leg(&prompt, 4, "xfer-stalled", &p, "p-stalled");
+    let (p_url, d_url) = (p.agent.url.clone(), d.agent.url.clone());
+    let (pc, dc) = (c.clone(), c.clone());
+    let p_task = tokio::spawn(async move { post(&pc, &p_url, &pb).await });
+    let d_task = tokio::spawn(async move { post(&dc, &d_url, &db).await });
+    wait_metric(
+        &c,
+        &d.agent,
+        "kvlease_push_reservations_total",
+        within,
+        |v| v == 1.0,
+    )
+    .await?;
+    let reserved = Instant::now();
+    // P holds both the leg (waiting for blocks) and the registration: it heartbeats. Past
+    // three quarters of the lease its heartbeats have renewed the reservation beyond its
+    // first expiry (P's pool stays full until the hog's registration wait ends, one lease
+    // after the hog's prefill).
+    tokio::time::sleep(Duration::from_millis(lease * 750)).await;
+    let beats = metric_of(&c, &d.agent, "kvlease_heartbeats_received_total").await?;
+    ensure!(beats >= 2.0, "{beats} heartbeats");
+    let pid = p.agent.proc.child.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+    };
+    ensure!(signal("-STOP")?.success());
+    let stalled = Instant::now();
+    let answer = d_task.await?;
+    let took = stalled.elapsed();
+    let lived = reserved.elapsed();
+    ensure!(signal("-CONT")?.success());
+    let (s, v) = answer?;
+    ensure!(
+        s == 503 && v["error"]["type"] == "kv_load_failed",
+        "D answered {s} {v}"
+    );
+    // Renewed: it outlived its first expiry (one lease after the reservation).
+    ensure!(
+        lived > Duration::from_secs(lease),
+        "expired {lived:?} after the reservation"
+    );
+    // Expiry = last heartbeat + extension (2/3 of the lease), plus the reaper's step.
+    ensure!(
+        took <= Duration::from_secs(lease) + Duration::from_secs(1),
+        "expired after {took:?}"
+    );
+    ensure!(
+        metric_of(
+            &c,
+            &d.agent,
+            "kvlease_push_reservations_ended_total{outcome=\"expired\"}"
+        )
+        .await?
+            == 1.0
+    );
+    let (ps, pv) = p_task.await??;
+    ensure!(ps == 200, "P leg: {ps} {pv}");
+    wait_metric(&c, &p.agent, "kvlease_pushes_active", within, |v| v == 0.0).await?;
+    ensure!(
+        metric_of(
+            &c,
+            &p.agent,
+            "kvlease_pushes_ended_total{outcome=\"written\"}"
+        )
+        .await?
+            == 0.0
+    );
+    ensure!(
+        metric_of(
+            &c,
+            &p.agent,
+            "kvlease_pushes_ended_total{outcome=\"no_registration\"}"
+        )
+        .await?
+            == 1.0
+    );
+    ensure!(
+        metric_of(
+            &c,
+            &d.agent,
+            "kvlease_push_reservations_ended_total{outcome=\"written\"}"
+        )
+        .await?
+            == 0.0
+    );
+    for a in [&p.agent, &d.agent] {
+        wait_metric(&c, a, "kvlease_blocks_held", within, |v| v == 0.0).await?;
+    }
+    Ok(())
+}
+
 /// D's client goes away while D waits for P's write (P is still prefilling): D clears
 /// the fence, frees and tells P (`KVL1:RR:`); P's write, planned before the release
 /// reached it, is refused by D's fence, and P frees its blocks.
