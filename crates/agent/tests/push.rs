@@ -221,6 +221,16 @@ async fn end_to_end(transport: &str, tp: u32, n: usize) -> Result<()> {
         s == 400 && v.to_string().contains("--transfer-mode"),
         "pull leg on push P: {s} {v}"
     );
+    let pull_d = json!({"prompt": "x", "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": p_name,
+        "remote_block_ids": [0], "remote_host": "127.0.0.1", "remote_port": p.side_port,
+        "remote_request_id": "r", "tp_size": tp, "kvlease_generation": 1,
+        "kvlease_num_tokens": 1, "kvlease_instance": 1, "kv_digest": "0"}});
+    let (s, v) = post(&c, &d.agent.url, &pull_d).await?;
+    ensure!(
+        s == 400 && v.to_string().contains("--transfer-mode"),
+        "pull leg on push D: {s} {v}"
+    );
     Ok(())
 }
 
