@@ -335,6 +335,8 @@ pub struct PrefillApi {
     pub limits: HttpLimits,
     /// The engine loop's liveness, for `/health`.
     pub heartbeat: Arc<EngineHeartbeat>,
+    /// `--transfer-mode`: legs of the other mode are refused (400).
+    pub transfer_mode: crate::config::TransferMode,
 }
 
 impl FromRef<Arc<PrefillApi>> for HttpLimits {
@@ -415,6 +417,7 @@ async fn p_run(
     object: &str,
 ) -> Result<Value, ApiError> {
     check_prefill_request(req.kv_transfer_params.as_ref())?;
+    let push = crate::push::prefill_leg(api.transfer_mode, req.kv_transfer_params.as_ref())?;
     // Bidirectional mode: D's cached-blocks params of the previous turn, passed by the proxy.
     let decoder = match req.kv_transfer_params.as_ref() {
         Some(v) if crate::bidir::is_decoder_params(Some(v)) => {
@@ -434,6 +437,7 @@ async fn p_run(
             tokens,
             arrived: Instant::now(),
             decoder,
+            push,
             reply,
         })
         .map_err(|_| engine_gone())?;
@@ -442,7 +446,10 @@ async fn p_run(
     // The one token a prefill produces is the first output token (vLLM returns it too).
     let first = crate::kv::decode_text(done.kv_digest, 1).concat();
     let mut body = completion_body(id.as_str(), model, object, &first, prompt_tokens, 1);
-    body["kv_transfer_params"] = done.params.to_value();
+    body["kv_transfer_params"] = match done.push_params {
+        Some(p) => p,
+        None => done.params.to_value(),
+    };
     body["kv_digest"] = Value::String(done.kv_digest.to_string());
     body["cached_tokens_pulled"] = json!(done.cached_tokens_pulled);
     body["kvlease"] = json!({
@@ -496,6 +503,8 @@ pub struct DecodeApi {
     pub limits: HttpLimits,
     /// The engine loop's liveness, for `/health`.
     pub heartbeat: Arc<EngineHeartbeat>,
+    /// `--transfer-mode`: legs of the other mode are refused (400).
+    pub transfer_mode: crate::config::TransferMode,
 }
 
 impl FromRef<Arc<DecodeApi>> for HttpLimits {
@@ -598,6 +607,9 @@ fn d_submit(
     req: CompletionRequest,
     outcome: &mut OutcomeGuard,
 ) -> Result<DRequest, ApiError> {
+    if crate::push::decode_leg_is_push(api.transfer_mode, req.kv_transfer_params.as_ref())? {
+        return d_submit_push(api, headers, req, outcome);
+    }
     let params = match &req.kv_transfer_params {
         Some(v) => KvTransferParams::from_value(v)?,
         None => {
@@ -629,6 +641,49 @@ fn d_submit(
     let abort_id = id.clone();
     outcome.on_abort = Some(Box::new(move || {
         // The engine may be gone at shutdown; nothing is left to abort then.
+        let _ = jobs.send(decode::Job::Abort {
+            id: abort_id,
+            reply: None,
+        });
+    }));
+    Ok(DRequest {
+        id,
+        model: req.model.unwrap_or_else(|| api.model.clone()),
+        prompt_tokens: tokens.len(),
+        stream: req.stream.unwrap_or(false),
+        events,
+    })
+}
+
+/// D's push leg: the transfer and P's identity instead of P's answer.
+fn d_submit_push(
+    api: &Arc<DecodeApi>,
+    headers: &HeaderMap,
+    req: CompletionRequest,
+    outcome: &mut OutcomeGuard,
+) -> Result<DRequest, ApiError> {
+    let leg = match &req.kv_transfer_params {
+        Some(v) => crate::push::decode_leg(v)?,
+        None => return Err(ApiError::bad_field("kv_transfer_params", "missing")),
+    };
+    req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
+    let tokens = req.tokens()?;
+    let max_tokens = req.max_tokens()?;
+    let id = request_id(headers, req.request_id.as_deref())?;
+    let (tx, events) = mpsc::unbounded_channel();
+    api.jobs
+        .send(decode::Job::Push(Box::new(decode::PushJob {
+            id: id.clone(),
+            tokens: tokens.clone(),
+            max_tokens,
+            leg,
+            arrived: Instant::now(),
+            events: tx,
+        })))
+        .map_err(|_| engine_gone())?;
+    let jobs = api.jobs.clone();
+    let abort_id = id.clone();
+    outcome.on_abort = Some(Box::new(move || {
         let _ = jobs.send(decode::Job::Abort {
             id: abort_id,
             reply: None,

@@ -11,6 +11,7 @@
 //! - [`health`]: the engine loop's heartbeat behind `/health`;
 //! - [`link`]: how the engines use the transport;
 //! - [`serve`]: what the `prefill-agent` and `decode-agent` binaries run;
+//! - [`push`]: push mode's request contract and D's peer message;
 //! - [`shell`]: what the P and D shells share (pool setup, peer names, addresses).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -27,6 +28,7 @@ pub mod link;
 pub mod metrics;
 pub mod prefill;
 pub mod proxy;
+pub mod push;
 pub mod serve;
 pub mod shell;
 pub mod sidechannel;

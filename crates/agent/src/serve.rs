@@ -362,6 +362,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         link: link(c, &adv, &metrics)?,
         bidir: prefill_bidir(c)?,
         connect_back_any_host: args.connect_back_any_host,
+        transfer_mode: c.transfer_mode,
     };
     let token = cfg.link.auth_token.clone();
     let listen_ip = cfg.link.listen_ip;
@@ -388,6 +389,7 @@ pub fn run_prefill(args: &PrefillArgs) -> Result<(), ServeError> {
         model: engine_id.to_string(),
         limits,
         heartbeat,
+        transfer_mode: c.transfer_mode,
     };
     let router = http::prefill_router(api);
     let served = serve_http(
@@ -473,6 +475,9 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         bidir: None,
         allowed_prefill: allowed_prefill_hosts(args),
         max_engines: args.max_prefill_engines,
+        transfer_mode: c.transfer_mode,
+        advertise_host: adv.host.clone(),
+        side_channel_port: c.side_channel_port,
     };
     let listen_ip = cfg.link.listen_ip;
     let token = cfg.link.auth_token.clone();
@@ -507,6 +512,7 @@ pub fn run_decode(args: &DecodeArgs) -> Result<(), ServeError> {
         model: engine_id.to_string(),
         limits,
         heartbeat,
+        transfer_mode: c.transfer_mode,
     };
     let router = http::decode_router(api);
     let served = serve_http(

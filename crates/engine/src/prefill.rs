@@ -756,6 +756,20 @@ impl<A: Clone + Eq + Hash> PrefillCore<A> {
         }
     }
 
+    /// Push mode: the push of `request` ended (its KV was written into D's blocks, or it
+    /// will not be): its blocks, held since [`poll_prefill`](Self::poll_prefill) and never
+    /// leased (no generation was published for them), go back. Returns whether it was
+    /// prefilling.
+    pub fn handle_pushed(&mut self, request: &RequestId) -> bool {
+        match self.prefilling.remove(request) {
+            Some(blocks) => {
+                self.free(&blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The client of `request` is gone after its grant (nobody will read it), or the
     /// operator aborts it: releases the lease at once. Also drops it from the queue.
     pub fn abort(&mut self, now: Timestamp, request: &RequestId) -> bool {

@@ -26,6 +26,17 @@ pub enum TransportChoice {
     Shm,
 }
 
+/// `--transfer-mode`: how D gets P's KV. Every P and D of a deployment runs the same mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum TransferMode {
+    /// P grants a lease on its blocks, D reads them (fenced READs).
+    #[default]
+    Pull,
+    /// D reserves blocks and registers them with P, P writes the KV into them when its
+    /// prefill ends (fenced WRITEs; docs/spec.md, "Push mode").
+    Push,
+}
+
 /// `--memory`: where the KV block pool lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
 pub enum MemoryChoice {
@@ -230,6 +241,12 @@ pub struct CommonArgs {
     /// Data path for KV reads.
     #[arg(long, value_enum, default_value_t = TransportChoice::Auto)]
     pub transport: TransportChoice,
+    /// How D gets P's KV: `pull` (D reads under P's lease) or `push` (P writes into
+    /// blocks D reserved). Every P and D of a deployment must use the same mode: a leg of
+    /// the other mode is refused with a 400. Push runs on TCP and shared memory; `--transport
+    /// verbs` is refused with it.
+    #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
+    pub transfer_mode: TransferMode,
     /// Memory holding the KV pool.
     #[arg(long, value_enum, default_value_t = MemoryChoice::Auto)]
     pub memory: MemoryChoice,
@@ -382,6 +399,22 @@ impl CommonArgs {
             config
                 .check_role(role)
                 .map_err(|source| ArgsError::KvTransferConfig { source })?;
+        }
+        if self.transfer_mode == TransferMode::Push {
+            if self.transport == TransportChoice::Verbs {
+                return Err(bad(
+                    "--transfer-mode",
+                    "push is not supported with --transport verbs (its RDMA WRITE grants are \
+                     not driven by the agents yet): use --transport tcp, shm or auto",
+                ));
+            }
+            if self.kv_config(role).bidirectional_kv_xfer {
+                return Err(bad(
+                    "--transfer-mode",
+                    "push does not combine with bidirectional_kv_xfer (bidirectional mode \
+                     pulls)",
+                ));
+            }
         }
         self.limits.validate()
     }

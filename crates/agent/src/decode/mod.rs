@@ -53,7 +53,10 @@ mod errors;
 mod handshakes;
 mod hold;
 mod loads;
+mod push;
 mod reads;
+
+pub use push::PushJob;
 
 pub use errors::{ReadSetupError, VerifyError};
 use errors::{handshake_api, handshake_error};
@@ -86,6 +89,8 @@ pub struct DecodeJob {
 pub enum Job {
     /// Decode a request prefilled by P.
     Decode(Box<DecodeJob>),
+    /// Push mode: receive a request's KV from P, then decode it.
+    Push(Box<PushJob>),
     /// Abort a request (by D's id or P's `remote_request_id`); answers whether it was known.
     Abort {
         /// The request.
@@ -171,6 +176,12 @@ pub struct DecodeAgentConfig {
     pub allowed_prefill: Vec<crate::config::Cidr>,
     /// `--max-prefill-engines`: P engines kept at once.
     pub max_engines: usize,
+    /// `--transfer-mode`.
+    pub transfer_mode: crate::config::TransferMode,
+    /// Host P should reach D's side channel on (push mode's peer message).
+    pub advertise_host: String,
+    /// D's side-channel port (served in bidirectional and push mode).
+    pub side_channel_port: u16,
 }
 
 struct Worker {
@@ -238,6 +249,8 @@ pub struct DecodeEngine {
     reqs: HashMap<RequestId, Req>,
     epoch: Instant,
     worker_metadata: Vec<Vec<u8>>,
+    /// Push mode (`--transfer-mode push`).
+    push: Option<push::PushD>,
 }
 
 impl DecodeEngine {
@@ -257,8 +270,9 @@ impl DecodeEngine {
             let pool_desc = agent
                 .register(Arc::clone(pool.region()))
                 .map_err(|e| EngineError::setup("register pool", e))?;
+            let pushes = cfg.transfer_mode == crate::config::TransferMode::Push;
             let fence = match cfg.bidir {
-                Some(_) => {
+                _ if cfg.bidir.is_some() || pushes => {
                     let f = FenceTable::new(cfg.num_blocks)
                         .map_err(|e| EngineError::setup("fence table", e))?;
                     let d = agent
@@ -266,7 +280,7 @@ impl DecodeEngine {
                         .map_err(|e| EngineError::setup("register fence", e))?;
                     Some((f, d))
                 }
-                None => None,
+                _ => None,
             };
             workers.push(Worker {
                 layout,
@@ -301,7 +315,15 @@ impl DecodeEngine {
                 .with_hold_first_generation(first);
         }
         let core = DecodeCore::new(config);
+        // A restarted D starts its reservations' generations above every one it handed
+        // out before (the instance is the wall clock in µs).
+        let push = (cfg.transfer_mode == crate::config::TransferMode::Push).then(|| {
+            let first = std::num::NonZeroU64::new(instance)
+                .map_or(Generation(std::num::NonZeroU64::MIN), Generation);
+            push::PushD::new(cfg.lease, cfg.num_blocks, first)
+        });
         Ok(Self {
+            push,
             core,
             instance,
             remotes: HashMap::new(),
@@ -319,9 +341,11 @@ impl DecodeEngine {
     }
 
     /// What D's side channel serves to P in bidirectional mode (P reads cached blocks with
-    /// it); `None` without bidirectional mode.
+    /// it) and push mode (P writes into reserved blocks with it); `None` otherwise.
     pub fn info(&self) -> Option<EngineInfo> {
-        self.cfg.bidir.as_ref()?;
+        if self.cfg.bidir.is_none() && self.push.is_none() {
+            return None;
+        }
         let mut info = EngineInfo::new(
             self.cfg.engine_id.clone(),
             self.instance,
@@ -385,6 +409,7 @@ impl DecodeEngine {
         self.schedule();
         self.finish_loads();
         self.decode_tokens();
+        self.step_push();
         self.metrics
             .requests_tracked
             .set(self.core.tracked() as i64);
@@ -394,9 +419,10 @@ impl DecodeEngine {
         self.metrics
             .requests_running
             .set(self.core.running() as i64);
+        let pushed = self.push.as_ref().map_or(0, push::PushD::blocks_held);
         self.metrics
             .blocks_held
-            .set(self.core.blocks_allocated() as i64);
+            .set((self.core.blocks_allocated() + pushed) as i64);
         self.metrics.remote_engines.set(self.core.engines() as i64);
     }
 
@@ -411,8 +437,9 @@ impl DecodeEngine {
                 self.start_handshakes();
                 self.drain_events();
             }
+            Job::Push(job) => self.intake_push(job),
             Job::Abort { id, reply } => {
-                let known = self.core.abort(&id);
+                let known = self.abort_push(&id) || self.core.abort(&id);
                 self.drain_events();
                 if let Some(reply) = reply {
                     let _ = reply.send(known);
@@ -522,6 +549,10 @@ impl DecodeEngine {
                 continue;
             };
             for m in msgs {
+                // Push mode: P's heartbeats, write-done and push-failed.
+                if self.take_push_frame(now, &engine, &m) {
+                    continue;
+                }
                 // The core applies P's frames about held turns (bidirectional mode).
                 match self.core.handle_notif_at(now, &engine, &m) {
                     DecodeNotif::Expired { .. } => {

@@ -151,6 +151,12 @@ pub(super) struct HandshakeLabel {
     pub(super) outcome: HandshakeOutcome,
 }
 
+/// `{outcome="..."}` for push reservations (D) and pushes (P).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub(super) struct PushOutcomeLabel {
+    pub(super) outcome: String,
+}
+
 /// `{backend="..."}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub(super) struct BackendLabel {

@@ -40,7 +40,8 @@ use collector::{SharedCollector, TransportCollector};
 pub use exposition::CONTENT_TYPE;
 pub(crate) use exposition::encode_registry;
 use labels::{
-    BackendLabel, BackendName, HandshakeLabel, OutcomeLabel, PeerBackendLabel, ReasonLabel,
+    BackendLabel, BackendName, HandshakeLabel, OutcomeLabel, PeerBackendLabel, PushOutcomeLabel,
+    ReasonLabel,
 };
 pub use labels::{HandshakeOutcome, ReleaseReason, RequestOutcome};
 use registrar::{Registrar, latency_buckets, seconds_buckets};
@@ -197,7 +198,41 @@ pub struct Metrics {
     /// `kvlease_http_connections_evicted_total`: idle HTTP connections closed to make room
     /// for a newcomer.
     pub http_connections_evicted: Counter,
+
+    // Push mode.
+    /// `kvlease_push_reservations_total` (D): reservations made.
+    pub push_reservations: Counter,
+    /// `kvlease_push_reservations_active` (gauge, D): reservations not yet ended.
+    pub push_reservations_active: Gauge,
+    /// `kvlease_push_reservations_ended_total{outcome}` (D): use
+    /// [`Metrics::push_reservation_ended`].
+    push_reservations_ended: Family<PushOutcomeLabel, Counter>,
+    /// `kvlease_pushes_admitted_total` (P): push legs admitted.
+    pub pushes_admitted: Counter,
+    /// `kvlease_pushes_active` (gauge, P): admitted pushes not yet ended.
+    pub pushes_active: Gauge,
+    /// `kvlease_pushes_ended_total{outcome}` (P): use [`Metrics::push_ended`].
+    pushes_ended: Family<PushOutcomeLabel, Counter>,
+    /// `kvlease_push_writes_posted_total` (P): fenced writes posted (one per push, all
+    /// workers together).
+    pub push_writes_posted: Counter,
+    /// `kvlease_push_writes_failed_total` (P): writes that failed to post or complete.
+    pub push_writes_failed: Counter,
+    /// `kvlease_push_heartbeats_sent_total` (P): `KVL1:PH:` messages sent.
+    pub push_heartbeats_sent: Counter,
 }
+
+/// Outcomes of D's reservations (`kvlease_push_reservations_ended_total`).
+pub const RESERVATION_OUTCOMES: [&str; 4] = ["written", "failed", "expired", "aborted"];
+/// Outcomes of P's pushes (`kvlease_pushes_ended_total`).
+pub const PUSH_OUTCOMES: [&str; 6] = [
+    "written",
+    "write_failed",
+    "reservation_gone",
+    "retired",
+    "no_registration",
+    "lease_too_short",
+];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -359,6 +394,27 @@ impl Metrics {
                 "http_connections_refused",
                 "HTTP connections answered 503 at accept: every connection they could replace was busy",
             ),
+            push_reservations: r.counter("push_reservations", "Push reservations made (D)"),
+            push_reservations_active: r.gauge(
+                "push_reservations_active",
+                "Push reservations not yet ended (D)",
+            ),
+            push_reservations_ended: r.family(
+                "push_reservations_ended",
+                "Push reservations ended, by outcome (D)",
+            ),
+            pushes_admitted: r.counter("pushes_admitted", "Push legs admitted (P)"),
+            pushes_active: r.gauge("pushes_active", "Admitted pushes not yet ended (P)"),
+            pushes_ended: r.family("pushes_ended", "Pushes ended, by outcome (P)"),
+            push_writes_posted: r.counter("push_writes_posted", "Fenced push writes posted (P)"),
+            push_writes_failed: r.counter(
+                "push_writes_failed",
+                "Push writes that failed to post or complete (P)",
+            ),
+            push_heartbeats_sent: r.counter(
+                "push_heartbeats_sent",
+                "KVL1:PH: reservation heartbeats sent (P)",
+            ),
             http_connections_evicted: r.counter(
                 "http_connections_evicted",
                 "Idle HTTP connections closed to make room for a newcomer",
@@ -372,6 +428,12 @@ impl Metrics {
     /// Creates every labelled series at zero, so that a scrape shows each label value
     /// before its first event.
     fn create_label_sets(&self) {
+        for outcome in RESERVATION_OUTCOMES {
+            drop(self.push_reservation_ended(outcome));
+        }
+        for outcome in PUSH_OUTCOMES {
+            drop(self.push_ended(outcome));
+        }
         for reason in ReleaseReason::ALL {
             drop(self.leases_released.get_or_create(&ReasonLabel { reason }));
         }
@@ -395,6 +457,25 @@ impl Metrics {
     pub fn lease_released(&self, reason: ReleaseReason) -> Counter {
         self.leases_released
             .get_or_create(&ReasonLabel { reason })
+            .clone()
+    }
+
+    /// The counter `kvlease_push_reservations_ended_total{outcome}` (one of
+    /// [`RESERVATION_OUTCOMES`]).
+    pub fn push_reservation_ended(&self, outcome: &str) -> Counter {
+        self.push_reservations_ended
+            .get_or_create(&PushOutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
+            .clone()
+    }
+
+    /// The counter `kvlease_pushes_ended_total{outcome}` (one of [`PUSH_OUTCOMES`]).
+    pub fn push_ended(&self, outcome: &str) -> Counter {
+        self.pushes_ended
+            .get_or_create(&PushOutcomeLabel {
+                outcome: outcome.to_owned(),
+            })
             .clone()
     }
 

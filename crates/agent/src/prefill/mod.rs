@@ -44,6 +44,7 @@ use crate::sidechannel::{self, Hello};
 mod connect_back;
 mod fill;
 mod pull;
+mod push;
 
 pub use connect_back::Registrar;
 
@@ -64,6 +65,8 @@ pub struct Job {
     /// Bidirectional mode: D's cached-blocks params of the previous turn, to pull the
     /// shared prefix from.
     pub decoder: Option<DecoderKvParams>,
+    /// Push mode: the leg's transfer id (`kv_transfer_params.transfer_id`).
+    pub push: Option<RequestId>,
     /// Where the answer goes.
     pub reply: oneshot::Sender<Result<Prefilled, ApiError>>,
 }
@@ -73,6 +76,9 @@ pub struct Job {
 pub struct Prefilled {
     /// What D needs.
     pub params: KvTransferParams,
+    /// Push mode: the `kv_transfer_params` answered instead of `params` (P's identity
+    /// and the transfer).
+    pub push_params: Option<serde_json::Value>,
     /// The digest of the KV P filled (also in `params`).
     pub kv_digest: KvDigest,
     /// Time spent computing and filling.
@@ -139,6 +145,8 @@ pub struct PrefillAgentConfig {
     /// points; `false` only to those on the address D's handshake came from
     /// (the same address, or both on loopback).
     pub connect_back_any_host: bool,
+    /// `--transfer-mode`.
+    pub transfer_mode: crate::config::TransferMode,
 }
 
 /// Whether P may connect back to a D worker listening on `worker` when D's side-channel
@@ -231,6 +239,8 @@ pub struct PrefillEngine {
     /// Symmetric lease: which of D's held turns P heartbeats, and when (on P's
     /// [`PrefillBidir::clock`]).
     turn_heartbeats: TurnHeartbeats,
+    /// Push mode (`--transfer-mode push`).
+    push: Option<push::PushP>,
 }
 
 impl PrefillEngine {
@@ -304,6 +314,8 @@ impl PrefillEngine {
             handshaking: std::collections::HashSet::new(),
             handshaken: crossbeam_channel::unbounded(),
             turn_heartbeats: TurnHeartbeats::default(),
+            push: (cfg.transfer_mode == crate::config::TransferMode::Push)
+                .then(|| push::PushP::new(cfg.lease)),
             cfg,
             metrics,
             workers,
@@ -368,15 +380,20 @@ impl PrefillEngine {
             self.finish_pulls();
             self.prefill_waiting();
             self.heartbeat_cached();
-            // 3. Notifications (heartbeats, completions, aborts).
+            // 3. Notifications (heartbeats, completions, aborts; push frames).
             self.poll_notifs();
+            self.step_push();
             // 4. Reaper.
             let now = self.now();
             self.core.handle_timeout(now);
             self.drain();
-            self.metrics
-                .blocks_held
-                .set(self.core.blocks_leased() as i64);
+            // Push mode's blocks are never leased: they are held from the prefill to the
+            // push's end.
+            let held = match self.push {
+                Some(_) => self.core.blocks_allocated(),
+                None => self.core.blocks_leased(),
+            };
+            self.metrics.blocks_held.set(held as i64);
             self.metrics.leases_active.set(self.core.leases() as i64);
         }
         // Shutdown: answer whoever still waits.
@@ -394,6 +411,12 @@ impl PrefillEngine {
         // predictable) plus 64 random bits. Only the D that gets the transfer params (and
         // the proxy in between) learns it, so no other peer can name the lease.
         job.id = lease_id(&job.id);
+        if let Some(transfer) = job.push.clone()
+            && let Err(e) = self.admit_push(&job.id, &transfer)
+        {
+            let _ = job.reply.send(Err(e));
+            return;
+        }
         let now = self.now();
         match self.core.handle_job(now, job.id.clone(), job.tokens.len()) {
             Ok(()) => {
@@ -406,6 +429,7 @@ impl PrefillEngine {
                 );
             }
             Err(e) => {
+                self.retire_push(&job.id);
                 let _ = job.reply.send(Err(prefill_error(&e, job.tokens.len())));
             }
         }
@@ -423,6 +447,7 @@ impl PrefillEngine {
         for id in gone {
             if self.core.abort(now, &id) {
                 self.jobs.remove(&id);
+                self.retire_push(&id);
             }
         }
     }
@@ -442,8 +467,10 @@ impl PrefillEngine {
             }
             // A burst of prefills can outlast a lease's first TTL: take in D's heartbeats
             // and completions between prefills, so that a lease granted at the start of
-            // the burst is renewed before the reaper (step 4) looks at it.
+            // the burst is renewed before the reaper (step 4) looks at it. Push mode: D's
+            // reservations are heartbeated between prefills too.
             self.poll_notifs();
+            self.step_push();
         }
         self.drain();
     }
@@ -521,6 +548,7 @@ impl PrefillEngine {
             Ok(d) => d,
             Err(e) => {
                 self.core.handle_prefill_failed(&w.job.id);
+                self.retire_push(&w.job.id);
                 tracing::error!(request = %w.job.id, error = %e, "prefill fill failed");
                 let _ = w.job.reply.send(Err(ApiError::new(
                     axum::http::StatusCode::INTERNAL_SERVER_ERROR,
@@ -533,6 +561,11 @@ impl PrefillEngine {
         self.metrics
             .cached_tokens_pulled
             .inc_by(pulled_tokens as u64);
+        if let Some(transfer) = w.job.push.clone() {
+            // Push mode: no lease; the blocks are the push's until it ends.
+            self.push_prefilled(w, &transfer, blocks, digest, started);
+            return;
+        }
         let now = self.now();
         let granted = match self.core.handle_prefill_done(now, &w.job.id) {
             Ok(g) => g,
@@ -572,6 +605,7 @@ impl PrefillEngine {
         };
         let done = Prefilled {
             params,
+            push_params: None,
             kv_digest: digest,
             prefill_ms: started.elapsed().as_secs_f64() * 1e3,
             pool_wait_ms: pool_wait.as_secs_f64() * 1e3,
@@ -601,6 +635,7 @@ impl PrefillEngine {
                 tracing::debug!(connection = %from, count = msgs.len(), "notifications from a connection that speaks for no registered D engine dropped");
                 continue;
             };
+            let msgs = self.take_push_frames(now, &engine, msgs);
             let peer = Peer {
                 engine,
                 addr: from.name,
@@ -665,6 +700,7 @@ impl PrefillEngine {
         while let Some(event) = self.core.poll_event() {
             match event {
                 PrefillEvent::Refused { request, error } => {
+                    self.retire_push(&request);
                     if let Some(p) = self.jobs.remove(&request) {
                         self.metrics
                             .pool_wait_seconds

@@ -43,7 +43,8 @@ pub(super) struct PullWorker {
 /// What pull and handshake threads share with the engine: cheap clones.
 #[derive(Clone)]
 pub(super) struct PullCtx {
-    bidir: PrefillBidir,
+    /// Bidirectional mode; `None` in push mode (which only handshakes with D).
+    bidir: Option<PrefillBidir>,
     engine_id: EngineId,
     tp_size: u32,
     shape: KvShape,
@@ -64,10 +65,14 @@ pub(super) struct Pulled {
 }
 
 impl PrefillEngine {
-    /// The context pull threads run with; `None` without bidirectional mode.
+    /// The context pull and handshake threads run with; `None` without bidirectional or
+    /// push mode.
     pub(super) fn pull_ctx(&self) -> Option<PullCtx> {
+        if self.cfg.bidir.is_none() && self.push.is_none() {
+            return None;
+        }
         Some(PullCtx {
-            bidir: self.cfg.bidir.clone()?,
+            bidir: self.cfg.bidir.clone(),
             engine_id: self.cfg.engine_id.clone(),
             tp_size: self.cfg.tp_size,
             shape: self.cfg.shape,
@@ -201,7 +206,7 @@ impl PrefillEngine {
 }
 
 impl PullCtx {
-    fn cached(&self, engine: &str) -> Option<Arc<DRemote>> {
+    pub(super) fn cached(&self, engine: &str) -> Option<Arc<DRemote>> {
         self.d_caches
             .lock()
             .ok()
@@ -218,7 +223,9 @@ impl PullCtx {
         ids: &[u32],
         heartbeats: Option<kvlease_engine::HeartbeatRun>,
     ) -> usize {
-        let b = &self.bidir;
+        let Some(b) = &self.bidir else {
+            return 0;
+        };
         let engine = params.remote_engine_id.clone();
         if params.tp_size != self.tp_size {
             tracing::info!(%engine, "D's TP size differs; recomputing instead of pulling");
@@ -292,7 +299,7 @@ impl PullCtx {
 
     /// Drops the handshake with D engine `engine` for pulls, when it is still `remote`
     /// (not one another thread made since).
-    fn forget_d(&self, engine: &str, remote: &Arc<DRemote>) {
+    pub(super) fn forget_d(&self, engine: &str, remote: &Arc<DRemote>) {
         if let Ok(mut m) = self.d_caches.lock()
             && m.get(engine).is_some_and(|r| Arc::ptr_eq(r, remote))
         {
@@ -301,7 +308,11 @@ impl PullCtx {
     }
 
     /// The handshake with D engine `engine` at `addr` for pulls (once per engine).
-    fn ensure_d_remote(&self, engine: &str, addr: &str) -> Result<Arc<DRemote>, PullError> {
+    pub(super) fn ensure_d_remote(
+        &self,
+        engine: &str,
+        addr: &str,
+    ) -> Result<Arc<DRemote>, PullError> {
         if let Some(r) = self.cached(engine) {
             return Ok(r);
         }

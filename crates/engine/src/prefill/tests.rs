@@ -79,6 +79,28 @@ fn grant_then_every_consumer_completes() {
 }
 
 #[test]
+fn a_pushed_prefill_frees_its_blocks_without_a_lease() {
+    let mut c = core(3);
+    c.handle_job(at(0), id("r1"), 48).unwrap();
+    let start = c.poll_prefill(at(0)).unwrap();
+    assert_eq!(c.blocks_allocated(), 3);
+    assert_eq!(c.blocks_leased(), 0);
+    let refused = c.stats().refused;
+    assert!(c.handle_pushed(&id("r1")));
+    assert!(!c.handle_pushed(&id("r1")), "freed once");
+    assert_eq!(c.stats().refused, refused, "a push is no refusal");
+    assert!(
+        drain(&mut c).is_empty(),
+        "no fence was published: nothing to clear"
+    );
+    c.handle_job(at(1), id("r2"), 48).unwrap();
+    assert_eq!(
+        c.poll_prefill(at(1)).unwrap().blocks.len(),
+        start.blocks.len()
+    );
+}
+
+#[test]
 fn blocks_are_reused_only_after_their_fence_clear_was_polled() {
     let mut c = core(3);
     granted(&mut c, at(0), "r1", 48);
