@@ -25,6 +25,10 @@ if ! "$VENV/bin/python" -c 'import nixl._api' >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION" >&2
 fi
 export KVLEASE_SERVE_TOY_PROXY="$VENV/share/kvlease/toy_proxy_server.py"
+# kvlease-proxy (the pull-proxy and push-at-once configurations), built for speed.
+bash scripts/setup.sh >&2 || fail "scripts/setup.sh"
+cargo build -q --release --locked -p kvlease-agent --bin kvlease-proxy >&2 || fail "cargo build kvlease-proxy"
+export KVLEASE_SERVE_PROXY_BIN="$PWD/target/release/kvlease-proxy"
 OUT=results/vllm-serve/$(date +%Y%m%d-%H%M%S)
 mkdir -p "$OUT"
 cleanup() { pkill -KILL -f "$PWD/$OUT" 2>/dev/null || true; }

@@ -8,18 +8,21 @@ instance. Run by ``scripts/bench/vllm-serve.sh`` (which makes the environment).
     python vllm_serve.py WORKDIR [--rates 2,8,32] [--prompts 64] [--input-len 128]
                                  [--output-len 32] [--configs plain,kvlease,nixl]
 
-Push against pull (``--compare push``, run by ``scripts/bench/vllm-push.sh``): kvlease's
-pull (``kvlease``: KvleaseConnector behind vLLM's toy proxy) and its push mode (``push``:
-``transfer_mode: push`` on P, KvleasePushConnector on D, behind ``push_proxy.py``, vLLM's
-push proxy's flow), the same engines' settings, at each ``--concurrency`` (``vllm bench
-serve --max-concurrency N``, every prompt sent at once); each point its own prompts (seed
-1, 2, ...: no point finds the last one's prompts in a prefix cache), the same for every
-configuration. Prints each configuration's TTFT p50/p99 and answers per point, and
-``push_over_pull_ttft_p50_c16=`` (push's over pull's) and the rest. ``nixl-push``
-(NixlPushConnector behind ``push_proxy.py``) can be added to ``--configs``.
+Push against pull (``--compare push``, run by ``scripts/bench/vllm-push.sh``), the same
+engines' settings in each: kvlease's pull behind ``kvlease-proxy`` (``pull-proxy``), its
+push mode (``transfer_mode: push`` on P, KvleasePushConnector on D) behind ``kvlease-proxy
+--transfer-mode push`` (``push-at-once``: both legs at once) and behind ``push_proxy.py``
+(``push``: P's leg first, then D's, vLLM's older push flow); ``kvlease`` (pull behind
+vLLM's toy proxy) and ``nixl-push`` (NixlPushConnector behind ``push_proxy.py``) can be
+added to ``--configs``. At each ``--concurrency`` (``vllm bench serve --max-concurrency
+N``, every prompt sent at once); each point its own prompts (seed 1, 2, ...: no point
+finds the last one's prompts in a prefix cache), the same for every configuration.
+Prints each configuration's TTFT p50/p99 and answers per point, and the ratios
+``push_at_once_over_pull_ttft_p50_c16=`` (both behind kvlease-proxy),
+``push_at_once_over_push_one_by_one_...`` and the rest.
 
     python vllm_serve.py WORKDIR --compare push [--concurrency 1,16,64] [--prompts 64]
-                                 [--configs kvlease,push,nixl,nixl-push]
+                                 [--configs pull-proxy,push-at-once,push,kvlease,nixl-push]
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ PERCENTILES = ("50", "99")
 
 
 #: What ``--compare push`` calls each configuration in its keys.
-LABELS = {"kvlease": "pull", "push": "push", "nixl": "nixl_pull", "nixl-push": "nixl_push"}
+LABELS = {"kvlease": "pull_toy_proxy", "pull-proxy": "pull", "push": "push_one_by_one",
+          "push-at-once": "push_at_once", "nixl": "nixl_pull", "nixl-push": "nixl_push"}
 #: The ratios ``--compare push`` prints: (numerator, denominator) configurations.
-RATIOS = (("push", "kvlease"), ("nixl-push", "nixl"), ("push", "nixl-push"))
+RATIOS = (("push-at-once", "pull-proxy"), ("push-at-once", "push"), ("push", "kvlease"),
+          ("nixl-push", "nixl"), ("push-at-once", "nixl-push"))
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ def start(fleet: Fleet, config: str):
         plain = fleet.engine("plain")
         fleet.start(plain)
         return plain.url
-    if config == "kvlease":
+    if config in ("kvlease", "pull-proxy"):
         p = fleet.engine("p", kv=kv_config("kv_producer"))
         d = fleet.engine("d", kv=kv_config("kv_consumer"))
     elif config == "nixl":
@@ -97,7 +102,7 @@ def start(fleet: Fleet, config: str):
                          env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5611"})
         d = fleet.engine("d", kv=kv_config("kv_consumer", connector="NixlConnector", module=None),
                          env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5622"})
-    elif config == "push":
+    elif config in ("push", "push-at-once"):
         p = fleet.engine("p", kv=kv_config("kv_producer", {"transfer_mode": "push"}))
         d = fleet.engine("d", kv=kv_config("kv_consumer", connector="KvleasePushConnector"))
     elif config == "nixl-push":
@@ -112,6 +117,10 @@ def start(fleet: Fleet, config: str):
     fleet.start(p, d)
     if config in ("push", "nixl-push"):
         proxy = fleet.push_proxy("proxy", [p], [d])
+    elif config == "pull-proxy":
+        proxy = fleet.kvlease_proxy("proxy", [p], [d])
+    elif config == "push-at-once":
+        proxy = fleet.kvlease_proxy("proxy", [p], [d], args=("--transfer-mode", "push"))
     else:
         proxy = fleet.toy_proxy("proxy", [p], [d])
     fleet.start(proxy)
@@ -157,7 +166,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None,
                     help="load points by --max-concurrency (e.g. 1,16,64) instead of rates")
     ap.add_argument("--configs", default=None,
-                    help="default plain,kvlease,nixl; kvlease,push with --compare push")
+                    help="default plain,kvlease,nixl; pull-proxy,push-at-once,push with "
+                    "--compare push")
     ap.add_argument("--compare", choices=("push",), default=None,
                     help="push: kvlease's push against its pull, at --concurrency 1,16,64 "
                     "unless given")
@@ -165,7 +175,8 @@ def main() -> None:
     if args.compare == "push" and args.concurrency is None:
         args.concurrency = "1,16,64"
     if args.configs is None:
-        args.configs = "kvlease,push" if args.compare == "push" else "plain,kvlease,nixl"
+        args.configs = ("pull-proxy,push-at-once,push" if args.compare == "push"
+                        else "plain,kvlease,nixl")
     model = args.work / "model"
     if not (model / "model.safetensors").exists():
         make(model)
