@@ -329,11 +329,14 @@ impl DecodeEngine {
         }
         self.metrics.push_reservations.inc();
         tracing::debug!(request = %id, %transfer, prefill = %engine, blocks = blocks.len(), generation = reservation.generation.word(), "reserved");
-        self.register(&engine, &reservation);
+        self.register(now, &engine, &reservation);
     }
 
-    /// Sends P the peer message and the registration.
-    fn register(&mut self, engine: &EngineId, r: &Reservation) {
+    /// Sends P the peer message and the registration. When either cannot be sent (P's
+    /// connection broke: P is gone or restarted), P never hears of the reservation and no
+    /// write can come: it ends `failed` at once (the client gets the retryable
+    /// `kv_load_failed` now, not after the lease).
+    fn register(&mut self, now: Timestamp, engine: &EngineId, r: &Reservation) {
         let peer = crate::push::encode_peer(
             &self.cfg.engine_id,
             &self.cfg.advertise_host,
@@ -348,21 +351,23 @@ impl DecodeEngine {
             lease_ms,
             blocks: r.blocks.clone(),
         };
-        let msg = match reg.encode() {
-            Ok(m) => m,
+        let sent = match reg.encode() {
+            Ok(msg) => [peer, msg].into_iter().all(|m| self.send_to_p(engine, m)),
             Err(e) => {
-                // Too many blocks for one message: P never hears of it; the reservation
-                // expires and the client gets the retryable failure.
+                // Too many blocks for one message.
                 tracing::warn!(transfer = %r.transfer, error = %e, "registration not encodable");
-                return;
+                false
             }
         };
-        for m in [peer, msg] {
-            if !self.send_to_p(engine, m) {
-                tracing::warn!(%engine, transfer = %r.transfer, "registration not sent; the reservation expires");
-                return;
-            }
+        if sent {
+            return;
         }
+        tracing::warn!(%engine, transfer = %r.transfer, "registration not sent; the reservation ends failed");
+        if let Some(push) = self.push.as_mut() {
+            push.reservations
+                .handle_push_failed(now, engine, &r.transfer, r.generation);
+        }
+        self.drain_reservations();
     }
 
     /// Sends `msg` to P engine `engine`'s worker 0 from D's worker 0. A broken

@@ -165,7 +165,7 @@ impl ProxyMetrics {
         }
         registry.register(
             "kvlease_proxy_push_prefill_failures",
-            "Push mode: P legs sent alongside their D leg that failed (D recomputes the prompt)",
+            "Push mode: P legs sent alongside their D leg that failed (D gets no write: a retryable KV failure, or the prompt computed)",
             push_prefill_failures.clone(),
         );
         registry.register(

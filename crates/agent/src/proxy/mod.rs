@@ -45,8 +45,9 @@
 //!    passed through as in pull mode. P's answer to such a leg (read within the same
 //!    limits and budget, its copy of the request counted in the budget) only refreshes
 //!    P's identity; a failed one (P unreachable, an error status, an answer unreadable or
-//!    without the identity) does not fail the client's request, whose D computes the
-//!    prompt when P's write never comes: it is counted
+//!    without the identity) does not fail the client's request, which D ends when P's
+//!    write never comes (a kvlease decode agent answers the retryable `kv_load_failed`,
+//!    retried in step 5; the vLLM connector computes the prompt): it is counted
 //!    (`kvlease_proxy_push_prefill_failures_total`), logged at warn, and the next request
 //!    to that P waits for its answer again;
 //! 5. D's retryable KV failure is retried once as in pull mode (step 3), through the same
@@ -341,10 +342,6 @@ impl Proxy {
         .await
     }
 
-    fn next_url(&self, decode: bool, path: &str) -> Url {
-        join(&self.next_base(decode), path)
-    }
-
     /// The next agent's base URL of a role (round-robin).
     fn next_base(&self, decode: bool) -> Url {
         let (urls, counter) = if decode {
@@ -355,6 +352,24 @@ impl Proxy {
         // `ProxyArgs::config` guarantees at least one URL of each kind; `max(1)` keeps the
         // modulo defined for a `ProxyConfig` built by hand.
         urls[counter.fetch_add(1, Ordering::Relaxed) % urls.len().max(1)].clone()
+    }
+
+    /// The agent of a role to try after `failed` could not be reached: the one after it in
+    /// the list (`failed` itself when it is the only one). The rotation advances as for
+    /// any request, but the choice does not follow it: other requests move it meanwhile,
+    /// so the rotation's next agent may be `failed` again.
+    fn base_after(&self, decode: bool, failed: &Url) -> Url {
+        let (urls, counter) = if decode {
+            (&self.inner.config.decode, &self.inner.next_decode)
+        } else {
+            (&self.inner.config.prefill, &self.inner.next_prefill)
+        };
+        let next = counter.fetch_add(1, Ordering::Relaxed);
+        let at = urls
+            .iter()
+            .position(|u| u == failed)
+            .map_or(next, |i| i + 1);
+        urls[at % urls.len().max(1)].clone()
     }
 
     /// Push mode: a new transfer id, unique in this proxy process.
@@ -634,7 +649,8 @@ impl Proxy {
 
     /// Push mode: P's leg sent alongside D's, on its own task. P's answer is read only to
     /// refresh P's identity; a failure is counted and logged, and the client's request
-    /// goes on with D (whose connector computes the prompt when P's write never comes).
+    /// goes on with D (which answers the retryable `kv_load_failed`, or computes the
+    /// prompt, when P's write never comes).
     #[allow(
         clippy::too_many_arguments,
         reason = "the leg's parts, borrowed from push_legs"
@@ -674,7 +690,7 @@ impl Proxy {
                             %url,
                             used = %used.engine_id,
                             answered = %identity.engine_id,
-                            "push: the prefill answered another identity than the decode leg named (a restarted P?); D computes the prompt"
+                            "push: the prefill answered another identity than the decode leg named (a restarted P?); D gets no write for this transfer (a retryable kv_load_failed, or the prompt computed)"
                         );
                     }
                     tracing::debug!(request = %id, %transfer, %url, "push: prefill leg done");
@@ -687,7 +703,7 @@ impl Proxy {
                         %transfer,
                         %url,
                         error = %why,
-                        "push: the prefill leg sent with the decode leg failed; D computes the prompt when P's write does not come, and the next request to this P waits for its answer"
+                        "push: the prefill leg sent with the decode leg failed; D gets no write for this transfer (a retryable kv_load_failed, retried once, or the prompt computed), and the next request to this P waits for its answer"
                     );
                     proxy.forget_identity(&base, &used);
                 }
@@ -756,12 +772,12 @@ impl Proxy {
         let mut base = first;
         for attempt in 1..=tries {
             if attempt > 1 {
-                base = self.next_base(false);
+                base = self.base_after(false, &base);
             }
             let url = join(&base, path);
             match self.prefill_at(&url, request, id, up, extra.clone()).await {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
-                    tracing::warn!(request = %id, %url, "prefill agent unreachable; trying again on the next one (the same when there is one)");
+                    tracing::warn!(request = %id, %url, "prefill agent unreachable; trying again on the one after it (the same when there is one)");
                 }
                 Err(Failure::Unreachable(response, outcome)) => {
                     return Err(Failure::Respond(response, outcome));
@@ -865,11 +881,15 @@ impl Proxy {
         turn: &Turn,
     ) -> Result<Response, Failure> {
         let tries = self.inner.config.decode.len().min(2);
+        let mut base = self.next_base(true);
         for attempt in 1..=tries {
-            let url = self.next_url(true, path);
+            if attempt > 1 {
+                base = self.base_after(true, &base);
+            }
+            let url = join(&base, path);
             match self.decode_at(&url, body, id, up, turn).await {
                 Err(Failure::Unreachable(..)) if attempt < tries => {
-                    tracing::warn!(request = %id, %url, "decode agent unreachable; trying the next one");
+                    tracing::warn!(request = %id, %url, "decode agent unreachable; trying the one after it");
                 }
                 Err(Failure::Unreachable(response, outcome)) => {
                     return Err(Failure::Respond(response, outcome));

@@ -226,3 +226,44 @@ fn proxy_metrics_expose_the_push_counters() {
     assert!(text.contains("\nkvlease_proxy_push_prefill_failures_total 1\n"));
     assert!(text.contains("\nkvlease_proxy_push_identity_changes_total 0\n"));
 }
+
+/// An agent that could not be reached is followed by the one after it in the list, even
+/// when other requests moved the rotation so that its next agent is the failed one again
+/// (with two P and concurrent requests, a dead P was tried twice and the request failed
+/// with a 502 while the other P was up).
+#[test]
+fn an_unreachable_agent_is_followed_by_the_one_after_it_whatever_the_rotation_says() {
+    let argv = [
+        "kvlease-proxy",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "http://127.0.0.1:2",
+        "--decode",
+        "http://127.0.0.1:3",
+        "http://127.0.0.1:4",
+    ];
+    let config = ProxyArgs::try_parse_from(argv).unwrap().config().unwrap();
+    let (prefill, decode) = (config.prefill.clone(), config.decode.clone());
+    let proxy = Proxy::new(config).unwrap();
+    for (is_decode, urls) in [(false, &prefill), (true, &decode)] {
+        // This request's first try went to urls[0], then another request took urls[1]:
+        // the rotation's next is urls[0], the one that failed.
+        assert_eq!(proxy.next_base(is_decode), urls[0]);
+        assert_eq!(proxy.next_base(is_decode), urls[1]);
+        assert_eq!(proxy.base_after(is_decode, &urls[0]), urls[1]);
+        assert_eq!(proxy.base_after(is_decode, &urls[1]), urls[0]);
+    }
+    let one = ProxyArgs::try_parse_from([
+        "kvlease-proxy",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:3",
+    ])
+    .unwrap()
+    .config()
+    .unwrap();
+    let only = one.prefill[0].clone();
+    let proxy = Proxy::new(one).unwrap();
+    assert_eq!(proxy.base_after(false, &only), only);
+}
