@@ -8,9 +8,14 @@
 #   2. D overload: queue waits on D of 0.5x..10x a 1 s lease; expired leases and wasted
 #      prefills, lease vs a fixed timeout as short as the lease.
 #   3. Heartbeat cost: 10^5 tracked requests, 8 P engines, TP 4 (in-process state machines).
-#   4. Transfer sweep: scripts/bench/transport.sh and verbs.sh (skipped with --quick).
+#   4. Transfer sweep: scripts/bench/transport.sh and verbs.sh (skipped with --quick
+#      and with --only).
+#   5. P crash in push mode: P, D and the proxy with --transfer-mode push, steady load,
+#      kill -9 of P while D holds reservations for P's writes; D's blocks held sampled
+#      every 100 ms until back to 0; lease vs D holding each reservation for the fixed
+#      timeout (same scaled durations as 1).
 #
-#   scripts/bench/lease-study.sh [--quick]
+#   scripts/bench/lease-study.sh [--quick] [--only crash,overload,heartbeat,push]
 #
 # Writes report.json and PNG plots into results/lease-study/ (logs in logs/ there),
 # prints key=value lines (reclaim_s_lease= reclaim_s_fixed= expired_leases_lease= ...).
@@ -18,11 +23,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 quick=()
-case "${1:-}" in
-  --quick) quick=(--quick) ;;
-  "") ;;
-  *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
-esac
+only=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=(--quick) ;;
+    --only) [ $# -ge 2 ] || { echo "usage: $0 [--quick] [--only SCENARIO,...]" >&2; exit 2; }
+      only=(--only "$2"); shift ;;
+    *) echo "usage: $0 [--quick] [--only crash,overload,heartbeat,push]" >&2; exit 2 ;;
+  esac
+  shift
+done
 bash scripts/setup.sh study >&2
 FONT=/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
 [ -r "$FONT" ] || { echo "lease-study: $FONT missing (apt-get install fonts-dejavu-core)" >&2; exit 1; }
@@ -37,7 +47,7 @@ OUT=${LEASE_STUDY_OUT:-$PWD/results/lease-study}
 mkdir -p "$OUT"
 rm -rf "$OUT/logs"
 transfer=()
-if [ ${#quick[@]} -eq 0 ]; then
+if [ ${#quick[@]} -eq 0 ] && [ ${#only[@]} -eq 0 ]; then
   echo "transfer sweep: scripts/bench/transport.sh" >&2
   if bash scripts/bench/transport.sh >"$OUT/transport.txt" 2>"$OUT/transport.err"; then
     transfer+=(--transfer "transport=$OUT/transport.txt")
@@ -51,4 +61,4 @@ if [ ${#quick[@]} -eq 0 ]; then
     echo "lease-study: verbs.sh failed (see $OUT/verbs.err); left out of the report" >&2
   fi
 fi
-exec "$BIN/lease-study" --bin "$BIN" --out "$OUT" --font "$FONT" "${quick[@]}" "${transfer[@]}"
+exec "$BIN/lease-study" --bin "$BIN" --out "$OUT" --font "$FONT" "${quick[@]}" "${only[@]}" "${transfer[@]}"

@@ -29,7 +29,7 @@ use kvlease_engine::{DeadlineBasis, PullPolicy};
 use crate::bidir::{ClockProbeServer, PeerClock, ProbeHandle, test_clock_offset_from_env};
 use crate::config::{
     AgentRole, CommonArgs, DecodeArgs, KvRole, KvTransferConfig, LeaseModeSetting, LimitArgs,
-    MemoryChoice, PrefillArgs, TransportChoice,
+    MemoryChoice, PrefillArgs, TransferMode, TransportChoice,
 };
 use crate::decode::{DecodeAgentConfig, DecodeBidir, DecodeEngine};
 use crate::health::EngineHeartbeat;
@@ -257,8 +257,11 @@ fn lease_config(c: &CommonArgs, role: AgentRole) -> Result<LeaseConfig, ServeErr
         flag: "--kv-transfer-config",
         message: e.to_string(),
     };
+    // `lease_mode: fixed` holds for `abort_request_timeout`, heartbeats ignored: P's leases,
+    // and in push mode also D's reservations (P's heartbeats then extend nothing).
+    let fixed_here = role == AgentRole::Prefill || c.transfer_mode == TransferMode::Push;
     let config = match kv.lease_mode {
-        LeaseModeSetting::Fixed if role == AgentRole::Prefill => {
+        LeaseModeSetting::Fixed if fixed_here => {
             LeaseConfig::from_duration(kv.abort_request_timeout)
                 .map_err(bad)?
                 .with_mode(LeaseMode::Fixed)
@@ -653,4 +656,32 @@ fn spawn_side_channel(
         what: format!("--side-channel-port: cannot listen on {port}"),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn d_lease(args: &[&str]) -> LeaseConfig {
+        let d =
+            DecodeArgs::try_parse_from(std::iter::once("decode-agent").chain(args.iter().copied()))
+                .expect("decode args");
+        lease_config(&d.common, AgentRole::Decode).expect("lease config")
+    }
+
+    const FIXED: &str = r#"{"kv_connector":"kvlease","kv_role":"kv_consumer","kv_connector_extra_config":{"kv_lease_duration":1,"lease_mode":"fixed","abort_request_timeout":16}}"#;
+
+    /// `lease_mode: fixed` on a push D holds its reservations for `abort_request_timeout`,
+    /// heartbeats ignored; a pull D keeps the lease (its heartbeats renew P's leases).
+    #[test]
+    fn fixed_mode_on_d_applies_to_push_reservations_only() {
+        let push = d_lease(&["--transfer-mode", "push", "--kv-transfer-config", FIXED]);
+        assert_eq!(push.mode(), LeaseMode::Fixed);
+        assert_eq!(push.duration(), Duration::from_secs(16));
+        let pull = d_lease(&["--kv-transfer-config", FIXED]);
+        assert_eq!(pull.mode(), LeaseMode::Lease);
+        assert_eq!(pull.duration(), Duration::from_secs(1));
+    }
 }

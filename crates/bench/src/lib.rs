@@ -78,6 +78,41 @@ pub fn reclaim_time(samples: &[Sample], kill_t: f64, orphans: f64) -> Option<f64
         .map(|s| s.t - kill_t)
 }
 
+/// Time to zero: seconds from `kill_t` until the first point after it whose value is 0
+/// (e.g. D's blocks held by reservations of a killed P). `None` when the series never
+/// gets back to 0 after `kill_t`.
+pub fn zero_after(points: &[(f64, f64)], kill_t: f64) -> Option<f64> {
+    points
+        .iter()
+        .find(|&&(t, y)| t > kill_t && y <= 0.0)
+        .map(|&(t, _)| t - kill_t)
+}
+
+/// The area under a sampled series between `from` and `to`, each value held until the
+/// next point (a step function, as a gauge is scraped): e.g. block-seconds from a series
+/// of blocks held. Points outside `[from, to]` only set the value at `from`.
+pub fn step_area(points: &[(f64, f64)], from: f64, to: f64) -> f64 {
+    if to <= from {
+        return 0.0;
+    }
+    let mut area = 0.0;
+    let mut cur = points
+        .iter()
+        .rev()
+        .find(|&&(t, _)| t <= from)
+        .map_or(0.0, |&(_, y)| y);
+    let mut at = from;
+    for &(t, y) in points.iter().filter(|&&(t, _)| t > from) {
+        let end = t.min(to);
+        area += cur * (end - at);
+        if t >= to {
+            return area;
+        }
+        (cur, at) = (y, t);
+    }
+    area + cur * (to - at)
+}
+
 /// Admission rate (granted leases per second) between consecutive samples, as `(t, rate)`
 /// at the later sample's time.
 pub fn admit_rate(samples: &[Sample]) -> Vec<(f64, f64)> {
@@ -263,5 +298,17 @@ kvlease_leases_released_total{reason=\"read\"} 11\n";
         // The true restart is 3.0 s after the kill; the 1 s window resolves it to a few samples.
         assert!((2.5..=3.3).contains(&r), "{r}");
         assert_eq!(admit_rate(&v[..2]).len(), 1);
+    }
+
+    #[test]
+    fn zero_after_and_step_area() {
+        let v = [(0.0, 4.0), (1.0, 4.0), (2.0, 2.0), (3.0, 0.0), (4.0, 1.0)];
+        assert_eq!(zero_after(&v, 1.0), Some(2.0));
+        assert_eq!(zero_after(&v, 3.5), None);
+        // 4 over [1, 2], 2 over [2, 3], 0 after.
+        assert!((step_area(&v, 1.0, 3.0) - 6.0).abs() < 1e-9);
+        // From the middle of a step, to past the last point.
+        assert!((step_area(&v, 1.5, 5.0) - (2.0 + 2.0 + 0.0 + 1.0)).abs() < 1e-9);
+        assert_eq!(step_area(&v, 3.0, 3.0), 0.0);
     }
 }

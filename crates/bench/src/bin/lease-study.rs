@@ -1,10 +1,12 @@
 //! The lease-versus-fixed-timeout study: real `prefill-agent`, `decode-agent` and
 //! `kvlease-proxy` processes on localhost over TCP, driven by `demo_load`, with P's
-//! `/metrics` sampled every 100 ms. Writes `report.json` and PNG plots into `--out` and
-//! prints `key=value` lines. Run it through `scripts/bench/lease-study.sh`.
+//! `/metrics` sampled every 100 ms (D's in the push scenario). Writes `report.json` and
+//! PNG plots into `--out` and prints `key=value` lines. Run it through
+//! `scripts/bench/lease-study.sh`.
 //!
 //! ```text
-//! lease-study --bin DIR --out DIR --font TTF [--quick] [--transfer NAME=FILE]...
+//! lease-study --bin DIR --out DIR --font TTF [--quick] [--only crash,overload,heartbeat,push]
+//!             [--transfer NAME=FILE]...
 //! ```
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use kvlease_bench::{
     Sample, Series, admit_rate, http_get, mean_rate, parse_metric, plot_lines, reclaim_time,
-    recovery_time,
+    recovery_time, step_area, zero_after,
 };
 use kvlease_lease::{EngineId, HeartbeatTracker, LeaseConfig, LeaseTable, RequestId, Timestamp};
 use serde_json::{Value, json};
@@ -30,7 +32,12 @@ struct Args {
     out: PathBuf,
     font: PathBuf,
     transfer: Vec<(String, PathBuf)>,
+    /// Scenarios to run (`--only crash,overload,heartbeat,push`); empty: all.
+    only: Vec<String>,
 }
+
+/// The scenarios `--only` picks from.
+const SCENARIOS: [&str; 4] = ["crash", "overload", "heartbeat", "push"];
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut a = Args {
@@ -39,11 +46,21 @@ fn parse_args() -> anyhow::Result<Args> {
         out: PathBuf::from("results/lease-study"),
         font: PathBuf::from("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"),
         transfer: Vec::new(),
+        only: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--quick" => a.quick = true,
+            "--only" => {
+                let v = it.next().context("--only SCENARIO[,SCENARIO]...")?;
+                for s in v.split(',') {
+                    if !SCENARIOS.contains(&s) {
+                        bail!("--only: unknown scenario {s:?} (one of {SCENARIOS:?})");
+                    }
+                    a.only.push(s.to_owned());
+                }
+            }
             "--bin" => a.bin = it.next().context("--bin DIR")?.into(),
             "--out" => a.out = it.next().context("--out DIR")?.into(),
             "--font" => a.font = it.next().context("--font TTF")?.into(),
@@ -133,9 +150,21 @@ struct Mode {
     lease_s: f64,
     /// `abort_request_timeout` for `fixed`.
     fixed_s: f64,
+    /// Push mode (`--transfer-mode push` on P, D and the proxy): D reserves blocks and P
+    /// writes into them; with `fixed`, D holds each reservation for `fixed_s`.
+    push: bool,
 }
 
 impl Mode {
+    /// `--transfer-mode push` in push mode, nothing (pull, the default) otherwise.
+    fn transfer_mode(&self) -> &'static [&'static str] {
+        if self.push {
+            &["--transfer-mode", "push"]
+        } else {
+            &[]
+        }
+    }
+
     fn kv_config(&self, role: &str) -> String {
         json!({
             "kv_connector": "kvlease",
@@ -160,7 +189,7 @@ struct Cluster {
     d_side: u16,
     x_port: u16,
     d_args: Vec<String>,
-    _p: Proc,
+    p: Option<Proc>,
     d: Option<Proc>,
     _x: Proc,
     d_gen: u32,
@@ -203,6 +232,7 @@ impl Cluster {
                 "--kv-transfer-config",
                 &mode.kv_config("kv_producer"),
             ])
+            .args(mode.transfer_mode())
             .args(p_args)
             .stdout(log_file(dir, "prefill.log")?)
             .stderr(log_file(dir, "prefill.log")?)
@@ -210,6 +240,7 @@ impl Cluster {
             .context("spawn prefill-agent (build it: cargo build --release -p kvlease-agent)")?;
         let p = Proc(p);
         let x = Command::new(bin.join("kvlease-proxy"))
+            .args(mode.transfer_mode())
             .args(["--host", "127.0.0.1", "--port", &x_port.to_string()])
             .args(["--prefill", &format!("http://127.0.0.1:{p_port}")])
             .args(["--decode", &format!("http://127.0.0.1:{d_port}")])
@@ -227,7 +258,7 @@ impl Cluster {
             d_side,
             x_port,
             d_args: d_args.iter().map(|s| s.to_string()).collect(),
-            _p: p,
+            p: Some(p),
             d: None,
             _x: Proc(x),
             d_gen: 0,
@@ -250,6 +281,7 @@ impl Cluster {
             ])
             .args(["--engine-id", &format!("study-d{}", self.d_gen)])
             .args(["--kv-transfer-config", &self.mode.kv_config("kv_consumer")])
+            .args(self.mode.transfer_mode())
             .args(&self.d_args)
             .stdout(log_file(&self.dir, "decode.log")?)
             .stderr(log_file(&self.dir, "decode.log")?)
@@ -299,15 +331,27 @@ impl Cluster {
     }
 }
 
-/// Samples P's metrics every 100 ms until dropped.
-struct Sampler {
+/// P's metrics as the crash scenario samples them.
+fn p_sample(t: f64, text: &str) -> Sample {
+    Sample {
+        t,
+        held: metric(text, "kvlease_blocks_held"),
+        leases: metric(text, "kvlease_leases_active"),
+        granted: metric(text, "kvlease_leases_granted_total"),
+        expired: metric(text, EXPIRED),
+    }
+}
+
+/// Samples one agent's metrics every 100 ms (`read` turns a scrape at `t` seconds into a
+/// sample) until finished.
+struct Sampler<T> {
     stop: Arc<AtomicBool>,
-    samples: Arc<Mutex<Vec<Sample>>>,
+    samples: Arc<Mutex<Vec<T>>>,
     handle: Option<thread::JoinHandle<()>>,
 }
 
-impl Sampler {
-    fn start(port: u16, t0: Instant) -> Self {
+impl<T: Clone + Send + 'static> Sampler<T> {
+    fn start(port: u16, t0: Instant, read: fn(f64, &str) -> T) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::new()));
         let (s2, v2) = (stop.clone(), samples.clone());
@@ -315,13 +359,7 @@ impl Sampler {
             while !s2.load(Ordering::Relaxed) {
                 let next = Instant::now() + Duration::from_millis(100);
                 if let Ok(text) = scrape(port) {
-                    let s = Sample {
-                        t: t0.elapsed().as_secs_f64(),
-                        held: metric(&text, "kvlease_blocks_held"),
-                        leases: metric(&text, "kvlease_leases_active"),
-                        granted: metric(&text, "kvlease_leases_granted_total"),
-                        expired: metric(&text, EXPIRED),
-                    };
+                    let s = read(t0.elapsed().as_secs_f64(), &text);
                     if let Ok(mut v) = v2.lock() {
                         v.push(s);
                     }
@@ -336,7 +374,7 @@ impl Sampler {
         }
     }
 
-    fn finish(mut self) -> Vec<Sample> {
+    fn finish(mut self) -> Vec<T> {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.handle.take() {
             let _ = h.join();
@@ -376,7 +414,7 @@ fn crash(
         ],
     )?;
     let t0 = Instant::now();
-    let sampler = Sampler::start(c.p_port, t0);
+    let sampler = Sampler::start(c.p_port, t0, p_sample);
     let load = c.load(
         &format!("crash-{}", mode.name),
         1_000_000,
@@ -442,6 +480,135 @@ fn crash(
         json,
         held: shift(samples.iter().map(|s| (s.t, s.held)).collect()),
         rate: shift(admit_rate(&samples)),
+    })
+}
+
+/// D's push metrics at `t` seconds: (t, blocks held, reservations active, reservations
+/// made, reservations expired).
+#[derive(Clone, Copy)]
+struct PushSample {
+    t: f64,
+    held: f64,
+    reservations: f64,
+    made: f64,
+    expired: f64,
+}
+
+const RES_EXPIRED: &str = "kvlease_push_reservations_ended_total{outcome=\"expired\"}";
+
+fn d_push_sample(t: f64, text: &str) -> PushSample {
+    PushSample {
+        t,
+        held: metric(text, "kvlease_blocks_held"),
+        reservations: metric(text, "kvlease_push_reservations_active"),
+        made: metric(text, "kvlease_push_reservations_total"),
+        expired: metric(text, RES_EXPIRED),
+    }
+}
+
+/// Scenario 4: push mode (P, D and the proxy with `--transfer-mode push`) under a steady
+/// load, then `kill -9` of P while D holds reservations waiting for P's writes; D's
+/// blocks held are sampled until they are back to 0 (and 2 s more), at most `post_s`.
+/// P is not restarted: what is measured is what the dead P's reservations cost D.
+fn push_crash(
+    a: &Args,
+    mode: Mode,
+    warm_s: f64,
+    post_s: f64,
+    prog: &Progress,
+) -> anyhow::Result<CrashResult> {
+    prog.say(&format!(
+        "push/{}: start P, D, proxy (push mode)",
+        mode.name
+    ));
+    let dir = a.out.join(format!("logs/push-{}", mode.name));
+    let mut c = Cluster::start(
+        &a.bin,
+        &dir,
+        mode,
+        // 0.3 ms per prompt token: prefills of 7-180 ms, one at a time, so that most of
+        // the 8 requests in flight wait on P with their blocks reserved on D.
+        &["--prefill-us-per-token", "300"],
+        &[
+            "--max-running",
+            "8",
+            "--step-ms",
+            "10",
+            "--max-waiting",
+            "64",
+        ],
+    )?;
+    let t0 = Instant::now();
+    let sampler = Sampler::start(c.d_port, t0, d_push_sample);
+    let load = c.load(&format!("push-{}", mode.name), 1_000_000, 8, 4, "load.out")?;
+    thread::sleep(Duration::from_secs_f64(warm_s));
+    let before = scrape(c.d_port)?;
+    let at_kill = d_push_sample(0.0, &before);
+    if let Some(mut p) = c.p.take() {
+        p.0.kill().context("kill -9 P")?;
+        let _ = p.0.wait();
+    }
+    let kill_t = t0.elapsed().as_secs_f64();
+    prog.say(&format!(
+        "push/{}: killed P with {} reservations ({} blocks held on D) outstanding; watch up to {post_s:.0} s",
+        mode.name, at_kill.reservations, at_kill.held
+    ));
+    let until = Instant::now() + Duration::from_secs_f64(post_s);
+    let mut zero_since: Option<Instant> = None;
+    let mut said = Instant::now();
+    while Instant::now() < until {
+        thread::sleep(Duration::from_millis(100));
+        let now = scrape(c.d_port).map(|t| d_push_sample(0.0, &t));
+        if now.is_ok_and(|s| s.held <= 0.0 && s.reservations <= 0.0) {
+            let since = *zero_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= Duration::from_secs(2) {
+                break;
+            }
+        } else {
+            zero_since = None;
+        }
+        if said.elapsed() >= Duration::from_secs(5) {
+            said = Instant::now();
+            prog.say(&format!(
+                "push/{}: {:.0} s after the kill",
+                mode.name,
+                t0.elapsed().as_secs_f64() - kill_t
+            ));
+        }
+    }
+    let samples = sampler.finish();
+    drop(load);
+    let held: Vec<(f64, f64)> = samples.iter().map(|s| (s.t, s.held)).collect();
+    let reclaim = zero_after(&held, kill_t);
+    let end = reclaim.map_or_else(|| samples.last().map_or(kill_t, |s| s.t), |r| kill_t + r);
+    let block_s = step_area(&held, kill_t, end);
+    let last = samples.last().copied().unwrap_or(at_kill);
+    let expired_before = samples
+        .iter()
+        .rev()
+        .find(|s| s.t <= kill_t)
+        .map_or(0.0, |s| s.expired);
+    let json = json!({
+        "lease_mode": mode.name,
+        "transfer_mode": "push",
+        "kv_lease_duration_s": mode.lease_s,
+        "abort_request_timeout_s": mode.fixed_s,
+        "reservation_hold_s": if mode.name == "fixed" { mode.fixed_s } else { mode.lease_s },
+        "kill_t_s": kill_t,
+        "reservations_at_kill": at_kill.reservations,
+        "blocks_held_at_kill": at_kill.held,
+        "reservations_made_before_kill": at_kill.made,
+        "reservations_expired_before_kill": expired_before,
+        "reservations_expired_after_kill": last.expired - expired_before,
+        "reclaim_s": reclaim,
+        "dead_block_s": block_s,
+        "samples": samples.iter().map(|s| json!([s.t, s.held, s.reservations, s.made, s.expired])).collect::<Vec<_>>(),
+        "sample_columns": ["t_s", "kvlease_blocks_held", "kvlease_push_reservations_active", "kvlease_push_reservations_total", RES_EXPIRED],
+    });
+    Ok(CrashResult {
+        json,
+        held: held.into_iter().map(|(t, y)| (t - kill_t, y)).collect(),
+        rate: Vec::new(),
     })
 }
 
@@ -634,12 +801,16 @@ fn opt(v: &Value) -> String {
 fn main() -> anyhow::Result<()> {
     let a = parse_args()?;
     std::fs::create_dir_all(&a.out)?;
+    let run = |s: &str| a.only.is_empty() || a.only.iter().any(|o| o == s);
     // Scaled durations: the 1:16 ratio of a 30 s lease versus the 480 s fixed timeout.
     let (crash_lease, crash_fixed, warm, post) = if a.quick {
         (1.0, 16.0, 4.0, 20.0)
     } else {
         (3.0, 48.0, 8.0, 55.0)
     };
+    // Push: the same lease and fixed timeout (vLLM's push watchdog is 480 s too); the
+    // watch after the kill ends 2 s after D's blocks are back to 0.
+    let (push_warm, push_post) = if a.quick { (3.0, 20.0) } else { (6.0, 55.0) };
     let over_lease = 1.0;
     let multiples: &[f64] = if a.quick {
         &[0.5, 2.0, 5.0, 10.0]
@@ -647,87 +818,166 @@ fn main() -> anyhow::Result<()> {
         &[0.5, 1.0, 2.0, 5.0, 10.0]
     };
     let over_total: f64 = multiples.iter().map(|m| m * over_lease + 1.0).sum::<f64>() + 2.0;
+    let total_s = [
+        ("crash", 2.0 * (warm + post + 4.0)),
+        ("overload", 2.0 * over_total),
+        ("heartbeat", 5.0),
+        (
+            "push",
+            2.0 * (push_warm + 5.0) + crash_lease + crash_fixed + 4.0,
+        ),
+    ]
+    .iter()
+    .filter(|(s, _)| run(s))
+    .map(|(_, t)| t)
+    .sum();
     let prog = Progress {
         start: Instant::now(),
-        total_s: 2.0 * (warm + post + 4.0) + 2.0 * over_total + 5.0,
+        total_s,
     };
-    let lease = |l, f| Mode {
-        name: "lease",
+    let mode = |name, l, f, push| Mode {
+        name,
         lease_s: l,
         fixed_s: f,
-    };
-    let fixed = |l, f| Mode {
-        name: "fixed",
-        lease_s: l,
-        fixed_s: f,
+        push,
     };
 
-    let cl = crash(&a, lease(crash_lease, crash_fixed), warm, post, &prog)?;
-    let cf = crash(&a, fixed(crash_lease, crash_fixed), warm, post, &prog)?;
+    let crash_runs = if run("crash") {
+        Some((
+            crash(
+                &a,
+                mode("lease", crash_lease, crash_fixed, false),
+                warm,
+                post,
+                &prog,
+            )?,
+            crash(
+                &a,
+                mode("fixed", crash_lease, crash_fixed, false),
+                warm,
+                post,
+                &prog,
+            )?,
+        ))
+    } else {
+        None
+    };
     // Overload: the fixed arm uses a fixed timeout as short as the lease (1 s), the only
     // fixed setting that reclaims as fast as the lease does after a crash.
-    let ol = overload(&a, lease(over_lease, over_lease), multiples, &prog)?;
-    let of = overload(&a, fixed(over_lease, over_lease), multiples, &prog)?;
-    prog.say("heartbeat cost (in-process state machines)");
-    let hb = heartbeat_cost(if a.quick { 30 } else { 120 })?;
+    let over_runs = if run("overload") {
+        Some((
+            overload(
+                &a,
+                mode("lease", over_lease, over_lease, false),
+                multiples,
+                &prog,
+            )?,
+            overload(
+                &a,
+                mode("fixed", over_lease, over_lease, false),
+                multiples,
+                &prog,
+            )?,
+        ))
+    } else {
+        None
+    };
+    let hb = if run("heartbeat") {
+        prog.say("heartbeat cost (in-process state machines)");
+        Some(heartbeat_cost(if a.quick { 30 } else { 120 })?)
+    } else {
+        None
+    };
+    let push_runs = if run("push") {
+        let m = |name| mode(name, crash_lease, crash_fixed, true);
+        Some((
+            push_crash(&a, m("lease"), push_warm, push_post, &prog)?,
+            push_crash(&a, m("fixed"), push_warm, push_post, &prog)?,
+        ))
+    } else {
+        None
+    };
 
     let transfer = transfer_json(&a);
 
-    let report = json!({
+    let mut report = json!({
         "quick": a.quick,
         "scaling": format!(
-            "durations scaled 1:10 from production: crash lease {crash_lease} s vs fixed {crash_fixed} s (the 1:16 ratio of 30 s vs 480 s); overload lease {over_lease} s vs fixed {over_lease} s"
+            "durations scaled 1:10 from production: crash and push lease {crash_lease} s vs fixed {crash_fixed} s (the 1:16 ratio of 30 s vs 480 s); overload lease {over_lease} s vs fixed {over_lease} s"
         ),
-        "crash": { "lease": cl.json, "fixed": cf.json },
-        "overload": { "lease": ol, "fixed": of },
-        "heartbeat": hb,
         "transfer": transfer,
     });
+    if let Some((cl, cf)) = &crash_runs {
+        report["crash"] = json!({ "lease": cl.json, "fixed": cf.json });
+    }
+    if let Some((ol, of)) = &over_runs {
+        report["overload"] = json!({ "lease": ol, "fixed": of });
+    }
+    if let Some(hb) = hb {
+        report["heartbeat"] = hb;
+    }
+    if let Some((pl, pf)) = &push_runs {
+        report["push"] = json!({
+            "note": "P killed (SIGKILL) in push mode while D holds reservations; fixed: D holds each reservation for the fixed timeout (heartbeats ignored). vLLM's push watchdog (push_registration_timeout, 480 s) frees nothing, so the fixed arm is a lower bound on its cost.",
+            "lease": pl.json,
+            "fixed": pf.json,
+        });
+    }
     std::fs::write(
         a.out.join("report.json"),
         serde_json::to_string_pretty(&report)?,
     )?;
 
     let png = |n: &str| a.out.join(n);
-    plot_lines(
-        &png("crash_held_blocks.png"),
-        &a.font,
-        &format!(
-            "P's held blocks; D killed at t=0, restarted at t=1 (lease {crash_lease}s vs fixed {crash_fixed}s)"
-        ),
-        "seconds since kill -9 of D",
-        "kvlease_blocks_held",
-        &[
+    let two = |l: &[(f64, f64)], f: &[(f64, f64)]| {
+        [
             Series {
                 label: "lease".into(),
-                points: cl.held,
+                points: l.to_vec(),
             },
             Series {
                 label: "fixed".into(),
-                points: cf.held,
+                points: f.to_vec(),
             },
-        ],
-    )?;
-    plot_lines(
-        &png("crash_admit_rate.png"),
-        &a.font,
-        "P's admitted prefills per second around the D crash",
-        "seconds since kill -9 of D",
-        "leases granted / s",
-        &[
-            Series {
-                label: "lease".into(),
-                points: cl.rate,
-            },
-            Series {
-                label: "fixed".into(),
-                points: cf.rate,
-            },
-        ],
-    )?;
-    plot_overload(&a, &ol, &of)?;
+        ]
+    };
+    if let Some((cl, cf)) = &crash_runs {
+        plot_lines(
+            &png("crash_held_blocks.png"),
+            &a.font,
+            &format!(
+                "P's held blocks; D killed at t=0, restarted at t=1 (lease {crash_lease}s vs fixed {crash_fixed}s)"
+            ),
+            "seconds since kill -9 of D",
+            "kvlease_blocks_held",
+            &two(&cl.held, &cf.held),
+        )?;
+        plot_lines(
+            &png("crash_admit_rate.png"),
+            &a.font,
+            "P's admitted prefills per second around the D crash",
+            "seconds since kill -9 of D",
+            "leases granted / s",
+            &two(&cl.rate, &cf.rate),
+        )?;
+    }
+    if let Some((ol, of)) = &over_runs {
+        plot_overload(&a, ol, of)?;
+    }
+    if let Some((pl, pf)) = &push_runs {
+        plot_lines(
+            &png("push_reserved_blocks.png"),
+            &a.font,
+            &format!(
+                "D's blocks held in push mode; P killed at t=0 (lease {crash_lease}s vs fixed {crash_fixed}s)"
+            ),
+            "seconds since kill -9 of P",
+            "kvlease_blocks_held on D",
+            &two(&pl.held, &pf.held),
+        )?;
+    }
 
-    print_summary(&report, &ol, &of, crash_lease, crash_fixed);
+    print_summary(&report, crash_lease, crash_fixed);
     println!("report={}", a.out.join("report.json").display());
     Ok(())
 }
@@ -752,7 +1002,7 @@ fn transfer_json(a: &Args) -> serde_json::Map<String, Value> {
     if a.transfer.is_empty() {
         transfer.insert(
             "note".into(),
-            json!("skipped (--quick); run without --quick for transport.sh and verbs.sh"),
+            json!("skipped (--quick or --only); run without either for transport.sh and verbs.sh"),
         );
     }
     transfer
@@ -805,24 +1055,29 @@ fn plot_overload(a: &Args, ol: &[Value], of: &[Value]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the study's headline numbers as `key=value` lines.
-fn print_summary(report: &Value, ol: &[Value], of: &[Value], crash_lease: f64, crash_fixed: f64) {
-    let c = &report["crash"];
+/// Prints the study's headline numbers as `key=value` lines (of the scenarios run).
+fn print_summary(report: &Value, crash_lease: f64, crash_fixed: f64) {
     println!("scaling=lease_{crash_lease}s_vs_fixed_{crash_fixed}s_ratio_1:16");
-    for m in ["lease", "fixed"] {
-        println!("reclaim_s_{m}={}", opt(&c[m]["reclaim_s"]));
-        println!(
-            "reclaim_mean_s_after_last_heartbeat_{m}={}",
-            opt(&c[m]["reclaim_mean_s_after_last_heartbeat"])
-        );
-        println!("leases_at_kill_{m}={}", opt(&c[m]["leases_at_kill"]));
-        println!(
-            "admit_rate_before_per_s_{m}={}",
-            opt(&c[m]["admit_rate_before_per_s"])
-        );
-        println!("admit_recovery_s_{m}={}", opt(&c[m]["admit_recovery_s"]));
+    let c = &report["crash"];
+    if c.is_object() {
+        for m in ["lease", "fixed"] {
+            println!("reclaim_s_{m}={}", opt(&c[m]["reclaim_s"]));
+            println!(
+                "reclaim_mean_s_after_last_heartbeat_{m}={}",
+                opt(&c[m]["reclaim_mean_s_after_last_heartbeat"])
+            );
+            println!("leases_at_kill_{m}={}", opt(&c[m]["leases_at_kill"]));
+            println!(
+                "admit_rate_before_per_s_{m}={}",
+                opt(&c[m]["admit_rate_before_per_s"])
+            );
+            println!("admit_recovery_s_{m}={}", opt(&c[m]["admit_recovery_s"]));
+        }
     }
-    for (m, v) in [("lease", ol), ("fixed", of)] {
+    for m in ["lease", "fixed"] {
+        let Some(v) = report["overload"][m].as_array() else {
+            continue;
+        };
         let sum = |k: &str| v.iter().map(|r| r[k].as_f64().unwrap_or(0.0)).sum::<f64>();
         println!("expired_leases_{m}={}", sum("expired_leases"));
         println!("wasted_prefills_{m}={}", sum("wasted_prefills"));
@@ -836,13 +1091,39 @@ fn print_summary(report: &Value, ol: &[Value], of: &[Value], crash_lease: f64, c
             );
         }
     }
-    for k in [
-        "hb_msgs_per_s",
-        "hb_bytes_per_s",
-        "hb_ids_per_s",
-        "d_cpu_us_per_step",
-        "p_worker_cpu_us_per_step",
-    ] {
-        println!("heartbeat_{k}={}", opt(&report["heartbeat"][k]));
+    if report["heartbeat"].is_object() {
+        for k in [
+            "hb_msgs_per_s",
+            "hb_bytes_per_s",
+            "hb_ids_per_s",
+            "d_cpu_us_per_step",
+            "p_worker_cpu_us_per_step",
+        ] {
+            println!("heartbeat_{k}={}", opt(&report["heartbeat"][k]));
+        }
+    }
+    let p = &report["push"];
+    if p.is_object() {
+        for m in ["lease", "fixed"] {
+            for k in [
+                "reclaim_s",
+                "reservations_at_kill",
+                "blocks_held_at_kill",
+                "dead_block_s",
+                "reservations_expired_before_kill",
+                "reservations_expired_after_kill",
+            ] {
+                println!("push_{k}_{m}={}", opt(&p[m][k]));
+            }
+        }
+        let ratio = |k: &str| match (p["fixed"][k].as_f64(), p["lease"][k].as_f64()) {
+            (Some(f), Some(l)) if l > 0.0 => format!("{:.1}", f / l),
+            _ => "none".into(),
+        };
+        println!("push_reclaim_ratio_fixed_over_lease={}", ratio("reclaim_s"));
+        println!(
+            "push_dead_block_s_ratio_fixed_over_lease={}",
+            ratio("dead_block_s")
+        );
     }
 }
