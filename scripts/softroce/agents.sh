@@ -12,15 +12,31 @@
 #   - after kill -9 of D with leases outstanding, P frees every block within the lease
 #     TTL + 1 s ($AG_LEASE_S, default 3 s);
 #   - P, D and the proxy exit 0 on SIGTERM.
+# Then push mode (--transfer-mode push on P, D and kvlease-proxy, still --transport verbs,
+# host memory): D grants P remote-write access to each reservation's blocks and P writes
+# them with RDMA WRITEs. It fails unless:
+#   - every request succeeds with the kv_digest computed from the prompt;
+#   - D's /metrics name verbs for P and count every transfer under backend="verbs"; D's
+#     log says "backend: verbs" and "connected to P for pushes ... backend=verbs"; D made
+#     write grants (kvlease_push_write_grants_total) and P posted every write into them
+#     (kvlease_push_writes_granted_total = requests);
+#   - every reservation ends written on D and every push written on P; blocks held 0 on both;
+#   - after kill -9 of P with reservations outstanding, D expires them and frees every
+#     block within the lease + 2 s ($AG_PUSH_LEASE_S, default 10 s); D and the proxy exit 0
+#     on SIGTERM.
 # Prints key=value lines and a last line "agents.sh: rc=... wall_s=...".
 #
 #   usage: scripts/softroce/agents.sh
 #   env: AG_PROFILE=debug|release (default debug: `cargo test --workspace` in CI has built
 #          these binaries already, with the same workspace feature set; measured under TCG:
-#          debug VM run 69 s, p50 3.0 s per request; release 28 s, p50 0.35 s, but a release
-#          build from clean costs minutes), AG_REQUESTS (24), AG_LEASE_S (3),
+#          debug VM run 69 s for the pull phases, p50 3.0 s per request, about 205 s with the
+#          push phase; release 28 s (pull), p50 0.35 s, but a release build from clean costs
+#          minutes), AG_REQUESTS (24), AG_LEASE_S (3),
 #        AG_MEMORIES (default "host staged": a run with host memory, then one with --memory staged
 #        on P and D, whose batches go over verbs through registered host mirrors),
+#        AG_MODES (default "pull push"), AG_PUSH_US_PER_TOKEN (P's prefill cost in push mode,
+#        default 200 µs per token: reservations outstanding long enough to kill P under them),
+#        AG_PUSH_LEASE_S (10), AG_PUSH_REQUESTS (12),
 #        SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg).
 # Run it under `flock /tmp/kvlease-vm.lock` where several users share the machine.
 set -uo pipefail
@@ -48,6 +64,8 @@ done
 echo "softroce/agents.sh: built ($PROFILE) in $(( $(date +%s) - T0 )) s"
 
 export AG_REQUESTS=${AG_REQUESTS:-24} AG_LEASE_S=${AG_LEASE_S:-3} AG_MEMORIES=${AG_MEMORIES:-host staged}
+export AG_MODES=${AG_MODES:-pull push} AG_PUSH_US_PER_TOKEN=${AG_PUSH_US_PER_TOKEN:-200}
+export AG_PUSH_LEASE_S=${AG_PUSH_LEASE_S:-10} AG_PUSH_REQUESTS=${AG_PUSH_REQUESTS:-12}
 export AG_LOGS=/tmp/kvlease-agents RUST_BACKTRACE=1
 export SR_TIMEOUT=${SR_TEST_TIMEOUT:-240}
 LOG=$(mktemp /tmp/kvlease-agents.XXXXXX.log)

@@ -2,7 +2,7 @@
 # Guest side of agents.sh (runs inside the VM, after guest-rxe-setup.sh): the real
 # prefill-agent (P, 10.77.2.1 -> rxeP), decode-agent (D, 10.77.2.2 -> rxeD) and
 # kvlease-proxy, with --transport verbs (no TCP fallback), driven by demo_load.
-# Per memory kind in $AG_MEMORIES (e.g. "host staged"):
+# Pull mode (AG_MODES contains "pull"), per memory kind in $AG_MEMORIES (e.g. "host staged"):
 #   1. $AG_REQUESTS requests through the proxy: all ok, every kv_digest equal to the one
 #      computed from the prompt; D's kvlease_peer_backend names verbs for P and every
 #      transfer counted under backend="verbs" (staged memory too: verbs serves it through
@@ -11,15 +11,31 @@
 #   2. (first memory kind only) long requests queue on D, kill -9 D with leases
 #      outstanding: P must free every block within the lease TTL + 1 s.
 #   3. D restarted, a few more requests; then SIGTERM to D, proxy, P: each must exit 0.
+# Push mode (AG_MODES contains "push"; host memory, when $AG_MEMORIES names it): P, D and
+# the proxy with --transfer-mode push (P at $AG_PUSH_US_PER_TOKEN µs per prompt token):
+#   4. $AG_PUSH_REQUESTS requests (lease $AG_PUSH_LEASE_S s): all ok, every kv_digest checked;
+#      D's kvlease_peer_backend names verbs, every transfer counted under
+#      backend="verbs", D's log has "backend: verbs" and "connected to P for pushes ...
+#      backend=verbs"; D made write grants and every write went as RDMA WRITEs into them
+#      (kvlease_push_writes_granted_total on P = requests); every reservation ended
+#      written on D and every push written on P; blocks held back to 0 on both.
+#   5. a burst with reservations outstanding on D, kill -9 P: D must end them (expired)
+#      and free every block within the lease + 2 s; then SIGTERM to D and proxy: exit 0.
 # Prints key=value lines; the last line is "agents: OK" or "agents: FAILED ...".
 # Inputs (env, set by agents.sh): AG_BIN (dir of the agent binaries), AG_LOAD (demo_load),
-# AG_REQUESTS, AG_LEASE_S, AG_MEMORIES, AG_LOGS (log dir).
+# AG_REQUESTS, AG_LEASE_S, AG_MEMORIES, AG_MODES ("pull push"), AG_PUSH_US_PER_TOKEN (200),
+# AG_PUSH_LEASE_S (10), AG_PUSH_REQUESTS (12), AG_LOGS (log dir).
 set -uo pipefail
 BIN=${AG_BIN:?}
 LOAD=${AG_LOAD:?}
 REQUESTS=${AG_REQUESTS:-24}
 LEASE_S=${AG_LEASE_S:-3}
 MEMORIES=${AG_MEMORIES:-host staged}
+MODES=${AG_MODES:-pull push}
+PULL_MEMORIES=; PUSH_MEMORIES=
+case " $MODES " in *" pull "*) PULL_MEMORIES=$MEMORIES ;; esac
+# Push runs with host memory only: P's write sources must be host-addressable.
+case " $MODES " in *" push "*) case " $MEMORIES " in *" host "*) PUSH_MEMORIES=host ;; esac ;; esac
 LOGS=${AG_LOGS:-/tmp/kvlease-agents}
 mkdir -p "$LOGS"
 P_IP=10.77.2.1
@@ -53,21 +69,25 @@ kv_config() { # role
     "$1" "$LEASE_S"
 }
 
-start_p() { # memory
+start_p() { # memory [extra flags]
+  local mem=$1
+  shift
   "$BIN/prefill-agent" --host "$P_IP" --port 8100 --side-channel-port 5600 \
-    --transport verbs --memory "$1" --engine-id agents-p \
+    --transport verbs --memory "$mem" --engine-id agents-p "$@" \
     --kv-transfer-config "$(kv_config kv_producer)" >>"$LOGS/prefill.log" 2>&1 &
   P_PID=$!; PIDS+=("$P_PID")
 }
-start_d() { # memory generation
+start_d() { # memory generation [extra flags]
+  local mem=$1 gen=$2
+  shift 2
   "$BIN/decode-agent" --host "$D_IP" --port 8200 --side-channel-port 5700 \
-    --transport verbs --memory "$1" --engine-id "agents-d$2" --max-running 2 --step-ms 10 \
+    --transport verbs --memory "$mem" --engine-id "agents-d$gen" --max-running 2 --step-ms 10 "$@" \
     --kv-transfer-config "$(kv_config kv_consumer)" >>"$LOGS/decode.log" 2>&1 &
   D_PID=$!; PIDS+=("$D_PID")
 }
-start_proxy() {
+start_proxy() { # [extra flags]
   "$BIN/kvlease-proxy" --host 127.0.0.1 --port 8300 --prefill "$P_URL" --decode "$D_URL" \
-    --timeout-secs 60 >>"$LOGS/proxy.log" 2>&1 &
+    --timeout-secs 60 "$@" >>"$LOGS/proxy.log" 2>&1 &
   X_PID=$!; PIDS+=("$X_PID")
 }
 wait_up() { # url what
@@ -140,7 +160,7 @@ check_verbs() { # label expected_verbs_transfers expected_tcp_transfers
   grep -q 'backend: verbs' "$LOGS/decode.log" || fail "$1: D's log has no 'backend: verbs' line"
 }
 
-for mem in $MEMORIES; do
+for mem in $PULL_MEMORIES; do
   rm -f "$LOGS"/*.log
   T=$(date +%s.%N)
   emit run.memory "$mem"
@@ -202,6 +222,110 @@ for mem in $MEMORIES; do
   PIDS=()
   p50=$(key "$LOGS/$mem.requests.txt" "$mem.requests.p50_ms")
   emit "$mem.result" "ok requests=$REQUESTS backend=verbs p50_ms=$p50 wall_s=$(since "$T")"
+done
+
+# Push mode (--transfer-mode push on P, D and the proxy; host memory, the one P pushes
+# from): D reserves blocks, publishes the reservation's generation in their fence words,
+# grants P remote-write access to them and P writes them with RDMA WRITEs.
+# P prefills at $PUSH_US_PER_TOKEN µs per prompt token, so that reservations are
+# outstanding long enough to kill P under them.
+PUSH_US_PER_TOKEN=${AG_PUSH_US_PER_TOKEN:-200}
+# The push phase's lease (P's and D's kv_lease_duration) and request count: under TCG a
+# push (D's grants registered, P's WRITEs, D's verification in a debug build) took a p50
+# of 10 s at 4 in flight, and a 3 s lease expired reservations that P was still writing.
+PUSH_LEASE_S=${AG_PUSH_LEASE_S:-10}
+PUSH_REQUESTS=${AG_PUSH_REQUESTS:-12}
+# A push's checks after its requests: all written on both sides, nothing held.
+check_pushed() { # label requests
+  local n=$2 reservations written ended_p granted grants verbs tcp gauge
+  timeout 40 "$LOAD" wait-metric --url "$D_URL" --name kvlease_blocks_held --at-most 0 \
+    --timeout-secs 30 --label "$1.d_blocks_held_zero" || fail "$1: D still holds blocks 30 s after the requests"
+  timeout 40 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
+    --timeout-secs 30 --label "$1.p_blocks_held_zero" || fail "$1: P still holds blocks 30 s after the requests"
+  reservations=$(metric "$D_URL" kvlease_push_reservations_total)
+  written=$(metric "$D_URL" 'kvlease_push_reservations_ended_total{outcome="written"}')
+  ended_p=$(metric "$P_URL" 'kvlease_pushes_ended_total{outcome="written"}')
+  granted=$(metric "$P_URL" kvlease_push_writes_granted_total)
+  grants=$(metric "$D_URL" kvlease_push_write_grants_total)
+  gauge=$(metric "$D_URL" 'kvlease_peer_backend{peer="agents-p",backend="verbs"}')
+  verbs=$(metric "$D_URL" 'kvlease_transfers_total{backend="verbs"}')
+  tcp=$(metric "$D_URL" 'kvlease_transfers_total{backend="tcp"}')
+  emit "$1.d_reservations" "$reservations"
+  emit "$1.d_reservations_written" "$written"
+  emit "$1.d_reservations_active" "$(metric "$D_URL" kvlease_push_reservations_active)"
+  emit "$1.d_write_grants" "$grants"
+  emit "$1.d_peer_backend_verbs" "$gauge"
+  emit "$1.d_transfers_verbs" "$verbs"
+  emit "$1.d_transfers_tcp" "$tcp"
+  emit "$1.p_pushes_written" "$ended_p"
+  emit "$1.p_writes_posted" "$(metric "$P_URL" kvlease_push_writes_posted_total)"
+  emit "$1.p_writes_granted" "$granted"
+  emit "$1.p_writes_failed" "$(metric "$P_URL" kvlease_push_writes_failed_total)"
+  num_eq "$reservations" "$n" || fail "$1: $reservations reservations on D for $n requests"
+  num_eq "$written" "$n" || fail "$1: $written of $n reservations ended written on D"
+  num_eq "$ended_p" "$n" || fail "$1: $ended_p of $n pushes ended written on P"
+  num_eq "$gauge" 1 || fail "$1: D's kvlease_peer_backend for agents-p is not verbs"
+  num_eq "$verbs" "$n" || fail "$1: $verbs verbs transfers on D, expected $n"
+  num_eq "$tcp" 0 || fail "$1: $tcp transfers over TCP on D"
+  grep -q 'backend: verbs' "$LOGS/decode.log" || fail "$1: D's log has no 'backend: verbs' line"
+  grep 'connected to P for pushes' "$LOGS/decode.log" | grep -q 'backend=verbs' \
+    || fail "$1: D's log has no 'connected to P for pushes ... backend=verbs' line"
+  num_eq "$granted" "$n" || fail "$1: $granted of $n writes went as RDMA WRITEs into D's grants"
+  awk -v g="$grants" -v n="$n" 'BEGIN { exit !(g >= n) }' || fail "$1: $grants write grants on D for $n reservations"
+}
+
+LEASE_S=$PUSH_LEASE_S
+for mem in $PUSH_MEMORIES; do
+  rm -f "$LOGS"/*.log
+  T=$(date +%s.%N)
+  emit push.memory "$mem"
+  start_p "$mem" --transfer-mode push --prefill-us-per-token "$PUSH_US_PER_TOKEN"
+  start_d "$mem" 2 --transfer-mode push
+  start_proxy --transfer-mode push
+  wait_up "$P_URL" P; wait_up "$D_URL" D; wait_up "$X_URL" proxy
+  emit "push.$mem.startup_s" "$(since "$T")"
+  n=$PUSH_REQUESTS
+  load_ok "push.$mem.requests" "$n" 4
+  check_pushed "push.$mem" "$n"
+
+  # P killed with reservations outstanding: no heartbeat renews them, D must end them
+  # and free their blocks within about one lease.
+  BURST=8
+  timeout 300 "$LOAD" load --url "$X_URL" --label pkill --requests "$BURST" --concurrency "$BURST" \
+    --stream-every 0 --allow-failures --timeout-secs 120 \
+    >"$LOGS/pkill.txt" 2>"$LOGS/pkill.err" &
+  BURST_PID=$!; PIDS+=("$BURST_PID")
+  timeout 70 "$LOAD" wait-metric --url "$D_URL" --name kvlease_push_reservations_active --at-least 2 \
+    --timeout-secs 60 --label pkill.reservations_wait >/dev/null || fail "no reservations outstanding on D before the kill"
+  ACTIVE=$(metric "$D_URL" kvlease_push_reservations_active)
+  HELD=$(metric "$D_URL" kvlease_blocks_held)
+  kill -9 "$P_PID"
+  KILL_T=$(date +%s.%N)
+  { wait "$P_PID"; } 2>/dev/null
+  emit pkill.p_exit_code "$?"
+  emit pkill.d_reservations_outstanding "$ACTIVE"
+  emit pkill.d_blocks_held "$HELD"
+  timeout 70 "$LOAD" wait-metric --url "$D_URL" --name kvlease_blocks_held --at-most 0 \
+    --timeout-secs 60 --label pkill.free >/dev/null || fail "D did not free its blocks within 60 s of kill -9 P"
+  FREED=$(since "$KILL_T")
+  BOUND=$(awk -v d="$LEASE_S" 'BEGIN { printf "%.3f", d + 2 }')
+  emit pkill.d_free_s "$FREED"
+  emit pkill.d_free_bound_s "$BOUND"
+  emit pkill.d_reservations_expired "$(metric "$D_URL" 'kvlease_push_reservations_ended_total{outcome="expired"}')"
+  emit pkill.d_reservations_failed "$(metric "$D_URL" 'kvlease_push_reservations_ended_total{outcome="failed"}')"
+  num_eq "$(metric "$D_URL" kvlease_push_reservations_active)" 0 || fail "D still has reservations after the kill"
+  ENDED=$(metric "$D_URL" 'kvlease_push_reservations_ended_total{outcome="expired"}')
+  awk -v e="$ENDED" 'BEGIN { exit !(e > 0) }' || fail "no reservation expired on D after kill -9 P"
+  awk -v w="$FREED" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
+    || fail "D freed ${FREED}s after the kill, bound ${BOUND}s (lease ${LEASE_S}s + 2 s)"
+  wait "$BURST_PID"
+  sed -n 's/^\(pkill\.\(ok\|failed\|digest_mismatch\)\)=/\1=/p' "$LOGS/pkill.txt"
+  [ "$(key "$LOGS/pkill.txt" pkill.digest_mismatch)" = 0 ] || fail "pkill: kv_digest mismatch on a request that succeeded"
+  stop_clean "$D_PID" D "push.$mem.d"
+  stop_clean "$X_PID" proxy "push.$mem.proxy"
+  PIDS=()
+  p50=$(key "$LOGS/push.$mem.requests.txt" "push.$mem.requests.p50_ms")
+  emit "push.$mem.result" "ok requests=$n backend=verbs granted=yes p50_ms=$p50 wall_s=$(since "$T")"
 done
 emit agents.wall_s "$(since "$T0")"
 echo "agents: OK"

@@ -1,4 +1,4 @@
-//! Push mode's request contract and the one application message the agents add to the
+//! Push mode's request contract and the application messages the agents add to the
 //! push frames of `kvlease-notif` (docs/spec.md, "Push mode").
 //!
 //! - P's leg is the pull P leg plus `kv_transfer_params.transfer_id`; P answers with
@@ -9,11 +9,17 @@
 //! - Before its registration (`KVL1:PR:`), D sends P a peer message
 //!   (`kvlease-push-peer:{"engine","host","port"}`, as the vLLM connector does): where D's
 //!   side channel is, so that P handshakes with it and writes into D's workers.
+//! - On a verbs link D also sends, before the registration, the grants of the reserved
+//!   blocks (`kvlease-push-grants:{"transfer","generation","grants":[{"worker","region",
+//!   "offset","len","rkey"}]}`): P writes into them with RDMA WRITEs. D sends none for
+//!   memory verbs serves through a mirror or dmabuf (P's writes then go over the link's
+//!   TCP connection, fenced by D's receiver).
 //!
 //! An agent of one mode refuses a leg of the other with a 400 naming `--transfer-mode`:
 //! never a silent pull.
 
 use kvlease_lease::{EngineId, RequestId};
+use kvlease_transport::WriteGrant;
 use serde_json::{Value, json};
 
 use crate::api::ApiError;
@@ -221,6 +227,101 @@ pub fn decode_peer(msg: &[u8]) -> Option<(String, String, u16)> {
     Some((engine, host, port))
 }
 
+/// The application message D sends P before a registration when it granted P
+/// remote-write access to the reserved blocks (verbs links): the grants, per D worker.
+pub const GRANTS_PREFIX: &[u8] = b"kvlease-push-grants:";
+
+/// The most grants one grants message carries (it must fit one notification).
+pub const MAX_GRANTS: usize = 96;
+
+/// D's grants for one reservation: P's worker `worker` writes into D's worker of that
+/// rank naming the grants listed for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushGrants {
+    /// The transfer the reservation is for.
+    pub transfer: RequestId,
+    /// The reservation's generation (every grant's).
+    pub generation: u64,
+    /// `(worker rank, grant)`.
+    pub grants: Vec<(u32, WriteGrant)>,
+}
+
+/// D's grants message; `None` when it would carry no grant, more than [`MAX_GRANTS`], a
+/// grant of another generation, or exceed one notification.
+pub fn encode_grants(g: &PushGrants) -> Option<Vec<u8>> {
+    if g.grants.is_empty()
+        || g.grants.len() > MAX_GRANTS
+        || g.grants.iter().any(|(_, w)| w.generation != g.generation)
+    {
+        return None;
+    }
+    let grants: Vec<Value> = g
+        .grants
+        .iter()
+        .map(|(worker, w)| {
+            json!({"worker": worker, "region": w.region, "offset": w.offset,
+                "len": w.len, "rkey": w.rkey})
+        })
+        .collect();
+    let mut out = GRANTS_PREFIX.to_vec();
+    out.extend_from_slice(
+        json!({"transfer": g.transfer.as_str(), "generation": g.generation, "grants": grants})
+            .to_string()
+            .as_bytes(),
+    );
+    (out.len() <= kvlease_notif::MAX_NOTIF_LEN).then_some(out)
+}
+
+/// A grants message, parsed strictly: `None` for anything else or anything malformed
+/// (too long, an unknown or missing field, no grant or more than [`MAX_GRANTS`], a range
+/// of zero bytes or one that overflows, a worker rank past 255).
+pub fn decode_grants(msg: &[u8]) -> Option<PushGrants> {
+    if msg.len() > kvlease_notif::MAX_NOTIF_LEN {
+        return None;
+    }
+    let body = msg.strip_prefix(GRANTS_PREFIX)?;
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let top = v.as_object()?;
+    if top.len() != 3 {
+        return None;
+    }
+    let transfer = RequestId::new(top.get("transfer")?.as_str()?).ok()?;
+    let generation = top.get("generation")?.as_u64()?;
+    let list = top.get("grants")?.as_array()?;
+    if list.is_empty() || list.len() > MAX_GRANTS {
+        return None;
+    }
+    let mut grants = Vec::with_capacity(list.len());
+    for g in list {
+        let o = g.as_object()?;
+        if o.len() != 5 {
+            return None;
+        }
+        let num = |f: &str| o.get(f).and_then(Value::as_u64);
+        let worker = u32::try_from(num("worker")?).ok().filter(|w| *w < 256)?;
+        let (region, offset, len) = (num("region")?, num("offset")?, num("len")?);
+        let rkey = u32::try_from(num("rkey")?).ok()?;
+        if len == 0 || offset.checked_add(len).is_none() {
+            return None;
+        }
+        grants.push((
+            worker,
+            WriteGrant {
+                region,
+                offset,
+                len,
+                generation,
+                rkey,
+            },
+        ));
+    }
+    Some(PushGrants {
+        transfer,
+        generation,
+        grants,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +359,67 @@ mod tests {
         bad["remote_port"] = json!(0);
         let e = decode_leg(&bad).expect_err("port 0");
         assert_eq!(e.param.as_deref(), Some("kv_transfer_params.remote_port"));
+    }
+
+    fn grants() -> PushGrants {
+        let g = |offset, rkey| WriteGrant {
+            region: 7,
+            offset,
+            len: 4096,
+            generation: 3,
+            rkey,
+        };
+        PushGrants {
+            transfer: RequestId::new("t1").expect("id"),
+            generation: 3,
+            grants: vec![(0, g(0, 11)), (1, g(8192, 12))],
+        }
+    }
+
+    #[test]
+    fn grants_message_round_trips() {
+        let m = encode_grants(&grants()).expect("encodable");
+        assert!(m.starts_with(GRANTS_PREFIX));
+        assert_eq!(decode_grants(&m), Some(grants()));
+        assert_eq!(decode_peer(&m), None);
+        let mut none = grants();
+        none.grants.clear();
+        assert_eq!(encode_grants(&none), None);
+        let mut other = grants();
+        other.grants[1].1.generation = 4;
+        assert_eq!(encode_grants(&other), None, "a grant of another generation");
+        let mut many = grants();
+        many.grants = vec![many.grants[0]; MAX_GRANTS + 1];
+        assert_eq!(encode_grants(&many), None);
+    }
+
+    #[test]
+    fn malformed_grants_are_refused() {
+        let ok = r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":5}]}"#;
+        let with = |body: &str| [GRANTS_PREFIX, body.as_bytes()].concat();
+        assert!(decode_grants(&with(ok)).is_some());
+        for bad in [
+            "",
+            "null",
+            "[]",
+            r#"{"transfer":"t","generation":1,"grants":[]}"#,
+            r#"{"transfer":"t","generation":-1,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":5}]}"#,
+            r#"{"transfer":"","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":5}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":0,"rkey":5}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":18446744073709551615,"len":8,"rkey":5}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":4294967296}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":256,"region":1,"offset":0,"len":8,"rkey":5}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":8}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":5,"x":1}]}"#,
+            r#"{"transfer":"t","generation":1,"x":2,"grants":[{"worker":0,"region":1,"offset":0,"len":8,"rkey":5}]}"#,
+            r#"{"transfer":"t","generation":1,"grants":[{"worker":"0","region":1,"offset":0,"len":8,"rkey":5}]}"#,
+        ] {
+            assert_eq!(decode_grants(&with(bad)), None, "{bad}");
+        }
+        assert_eq!(decode_grants(ok.as_bytes()), None, "no prefix");
+        let mut long = with(ok);
+        long.resize(kvlease_notif::MAX_NOTIF_LEN + 1, b' ');
+        assert_eq!(decode_grants(&long), None, "over one notification");
     }
 
     #[test]

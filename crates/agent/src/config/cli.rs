@@ -243,8 +243,8 @@ pub struct CommonArgs {
     pub transport: TransportChoice,
     /// How D gets P's KV: `pull` (D reads under P's lease) or `push` (P writes into
     /// blocks D reserved). Every P and D of a deployment must use the same mode: a leg of
-    /// the other mode is refused with a 400. Push runs on TCP and shared memory; `--transport
-    /// verbs` is refused with it.
+    /// the other mode is refused with a 400. Push runs on every transport: over verbs P
+    /// writes with RDMA WRITEs into ranges D granted for the reservation.
     #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
     pub transfer_mode: TransferMode,
     /// Memory holding the KV pool.
@@ -400,21 +400,11 @@ impl CommonArgs {
                 .check_role(role)
                 .map_err(|source| ArgsError::KvTransferConfig { source })?;
         }
-        if self.transfer_mode == TransferMode::Push {
-            if self.transport == TransportChoice::Verbs {
-                return Err(bad(
-                    "--transfer-mode",
-                    "push is not supported with --transport verbs (its RDMA WRITE grants are \
-                     not driven by the agents yet): use --transport tcp, shm or auto",
-                ));
-            }
-            if self.kv_config(role).bidirectional_kv_xfer {
-                return Err(bad(
-                    "--transfer-mode",
-                    "push does not combine with bidirectional_kv_xfer (bidirectional mode \
-                     pulls)",
-                ));
-            }
+        if self.transfer_mode == TransferMode::Push && self.kv_config(role).bidirectional_kv_xfer {
+            return Err(bad(
+                "--transfer-mode",
+                "push does not combine with bidirectional_kv_xfer (bidirectional mode pulls)",
+            ));
         }
         self.limits.validate()
     }

@@ -244,7 +244,15 @@ impl DecodeEngine {
             let failure = match r {
                 Ok(Handshaken::Connected(ready)) => {
                     self.metrics.handshake(HandshakeOutcome::Ok).inc();
-                    tracing::info!(%engine, "connected to P for pushes");
+                    let first_peer = ready.peers.first().and_then(|p| p.first()).copied();
+                    if let (Some(w0), Some(peer)) = (self.workers.first(), first_peer) {
+                        let name = link::peer_backend(&w0.agent, peer);
+                        self.metrics.set_peer_backend(engine.as_str(), name);
+                        let reason = link::backend_reason(&w0.agent, peer);
+                        tracing::info!(%engine, backend = %name, %reason, "connected to P for pushes");
+                    } else {
+                        tracing::info!(%engine, "connected to P for pushes");
+                    }
                     push.remotes.insert(engine.clone(), PRemote::Ready(ready));
                     for id in waiting {
                         self.reserve_leg(&id);
@@ -351,8 +359,12 @@ impl DecodeEngine {
             lease_ms,
             blocks: r.blocks.clone(),
         };
+        let grants = self.write_grants(engine, r);
         let sent = match reg.encode() {
-            Ok(msg) => [peer, msg].into_iter().all(|m| self.send_to_p(engine, m)),
+            Ok(msg) => std::iter::once(peer)
+                .chain(grants)
+                .chain(std::iter::once(msg))
+                .all(|m| self.send_to_p(engine, m)),
             Err(e) => {
                 // Too many blocks for one message.
                 tracing::warn!(transfer = %r.transfer, error = %e, "registration not encodable");
@@ -368,6 +380,60 @@ impl DecodeEngine {
                 .handle_push_failed(now, engine, &r.transfer, r.generation);
         }
         self.drain_reservations();
+    }
+
+    /// The grants message for reservation `r` (its fence words already hold its
+    /// generation), when P's links to D's workers are verbs: per worker, a remote-write
+    /// grant of each contiguous range of the pool the write lands in (a run of
+    /// consecutive blocks in one layer), made on the fence word of the reservation's last
+    /// block (the word P's write is fenced by). Clearing the fence words at the end of the
+    /// reservation revokes them. `None` when a link is not verbs or a grant cannot be
+    /// made (memory verbs serves through a mirror or dmabuf): P then writes over the
+    /// link's TCP connection, fenced by this agent's receiver. Grants made before such a
+    /// failure stay until the clear revokes them.
+    fn write_grants(&self, engine: &EngineId, r: &Reservation) -> Option<Vec<u8>> {
+        let push = self.push.as_ref()?;
+        let Some(PRemote::Ready(ready)) = push.remotes.get(engine) else {
+            return None;
+        };
+        let last = r.blocks.last()?;
+        let ranges = grant_ranges(&self.workers, &r.blocks)?;
+        if ranges.len() > crate::push::MAX_GRANTS {
+            tracing::debug!(transfer = %r.transfer, ranges = ranges.len(), "too many ranges to grant; P writes over TCP");
+            return None;
+        }
+        let generation = r.generation.word();
+        let mut grants = Vec::with_capacity(ranges.len());
+        for (rank, dest) in ranges {
+            let w = self.workers.get(rank as usize)?;
+            let peer = ready
+                .peers
+                .get(rank as usize)?
+                .get(rank as usize)
+                .copied()?;
+            if link::peer_backend(&w.agent, peer) != kvlease_transport::Backend::Verbs {
+                return None;
+            }
+            let (_, fence) = w.fence.as_ref()?;
+            match w.agent.grant_write(
+                kvlease_transport::RegionId(fence.id),
+                u64::from(last.0) * FenceTable::WORD_BYTES,
+                generation,
+                dest,
+            ) {
+                Ok(g) => grants.push((rank, g)),
+                Err(e) => {
+                    tracing::debug!(transfer = %r.transfer, error = %e, "no write grant; P writes over TCP");
+                    return None;
+                }
+            }
+        }
+        self.metrics.push_write_grants.inc_by(grants.len() as u64);
+        crate::push::encode_grants(&crate::push::PushGrants {
+            transfer: r.transfer.clone(),
+            generation,
+            grants,
+        })
     }
 
     /// Sends `msg` to P engine `engine`'s worker 0 from D's worker 0. A broken
@@ -680,4 +746,50 @@ fn set_fences(workers: &[Worker], blocks: &[BlockId], word: u64) {
             }
         }
     }
+}
+
+/// The ranges of every worker's pool that a write into `blocks` lands in: per worker and
+/// layer, one range per run of consecutive block ids (ranges that touch are merged);
+/// `None` when a block lies outside a layout.
+fn grant_ranges(
+    workers: &[Worker],
+    blocks: &[BlockId],
+) -> Option<Vec<(u32, kvlease_transport::LocalRange)>> {
+    let mut ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for id in ids {
+        match runs.last_mut() {
+            Some((_, last)) if last.checked_add(1) == Some(id) => *last = id,
+            _ => runs.push((id, id)),
+        }
+    }
+    let mut out = Vec::new();
+    for (rank, w) in workers.iter().enumerate() {
+        let layout = w.pool.layout();
+        let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
+        for layer in 0..layout.num_layers() {
+            for &(first, last) in &runs {
+                let start = layout.block_range(layer, BlockId(first)).ok()?.start;
+                let end = layout.block_range(layer, BlockId(last)).ok()?.end;
+                match ranges.last_mut() {
+                    Some(prev) if prev.end == start => prev.end = end,
+                    _ => ranges.push(start..end),
+                }
+            }
+        }
+        let rank = u32::try_from(rank).ok()?;
+        out.extend(ranges.into_iter().map(|r| {
+            (
+                rank,
+                kvlease_transport::LocalRange {
+                    region: kvlease_transport::RegionId(w.pool_desc.id),
+                    offset: r.start,
+                    len: r.end - r.start,
+                },
+            )
+        }));
+    }
+    Some(out)
 }

@@ -202,6 +202,9 @@ pub struct Metrics {
     // Push mode.
     /// `kvlease_push_reservations_total` (D): reservations made.
     pub push_reservations: Counter,
+    /// `kvlease_push_write_grants_total` (D): remote-write grants made for reservations
+    /// (verbs links; one per contiguous range of a worker's pool the write lands in).
+    pub push_write_grants: Counter,
     /// `kvlease_push_reservations_active` (gauge, D): reservations not yet ended.
     pub push_reservations_active: Gauge,
     /// `kvlease_push_reservations_ended_total{outcome}` (D): use
@@ -216,6 +219,9 @@ pub struct Metrics {
     /// `kvlease_push_writes_posted_total` (P): fenced writes posted (one per push, all
     /// workers together).
     pub push_writes_posted: Counter,
+    /// `kvlease_push_writes_granted_total` (P): writes posted as RDMA WRITEs into D's
+    /// grants (every worker's batch named grants; verbs links).
+    pub push_writes_granted: Counter,
     /// `kvlease_push_writes_failed_total` (P): writes that failed to post or complete.
     pub push_writes_failed: Counter,
     /// `kvlease_push_heartbeats_sent_total` (P): `KVL1:PH:` messages sent.
@@ -395,6 +401,10 @@ impl Metrics {
                 "HTTP connections answered 503 at accept: every connection they could replace was busy",
             ),
             push_reservations: r.counter("push_reservations", "Push reservations made (D)"),
+            push_write_grants: r.counter(
+                "push_write_grants",
+                "Remote-write grants made for push reservations (D, verbs)",
+            ),
             push_reservations_active: r.gauge(
                 "push_reservations_active",
                 "Push reservations not yet ended (D)",
@@ -407,6 +417,10 @@ impl Metrics {
             pushes_active: r.gauge("pushes_active", "Admitted pushes not yet ended (P)"),
             pushes_ended: r.family("pushes_ended", "Pushes ended, by outcome (P)"),
             push_writes_posted: r.counter("push_writes_posted", "Fenced push writes posted (P)"),
+            push_writes_granted: r.counter(
+                "push_writes_granted",
+                "Push writes posted as RDMA WRITEs into D's grants (P, verbs)",
+            ),
             push_writes_failed: r.counter(
                 "push_writes_failed",
                 "Push writes that failed to post or complete (P)",

@@ -24,6 +24,12 @@ use super::*;
 /// How long one push write may take before it counts as failed.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The most transfers P keeps D's write grants for (pushes admitted and not ended); a
+/// grants message past it is dropped (that write goes over the link's TCP connection).
+const MAX_GRANTED_TRANSFERS: usize = 4096;
+/// How long P keeps grants no write used (the push ended without one): swept after this.
+const GRANTS_KEPT: Duration = Duration::from_secs(600);
+
 /// A handshake with a D engine that ended: the engine, and why it failed.
 type HandshakeEnded = (EngineId, Result<(), String>);
 
@@ -54,6 +60,8 @@ pub(super) struct PushP {
     parked: Vec<WritePlan>,
     /// Writes in flight, by transfer.
     writes: HashMap<RequestId, InFlight>,
+    /// D's write grants, by transfer (verbs links), until the push ends.
+    grants: HashMap<RequestId, (EngineId, crate::push::PushGrants, Instant)>,
 }
 
 impl PushP {
@@ -67,6 +75,7 @@ impl PushP {
             handshaken: crossbeam_channel::unbounded(),
             parked: Vec::new(),
             writes: HashMap::new(),
+            grants: HashMap::new(),
         }
     }
 }
@@ -225,6 +234,26 @@ impl PrefillEngine {
                 }
                 continue;
             }
+            if msg.starts_with(crate::push::GRANTS_PREFIX) {
+                match crate::push::decode_grants(&msg) {
+                    Some(g)
+                        if push.grants.len() < MAX_GRANTED_TRANSFERS
+                            || push.grants.contains_key(&g.transfer) =>
+                    {
+                        tracing::debug!(%engine, transfer = %g.transfer, grants = g.grants.len(), "D's write grants");
+                        push.grants
+                            .insert(g.transfer.clone(), (engine.clone(), g, Instant::now()));
+                    }
+                    Some(g) => {
+                        tracing::warn!(%engine, transfer = %g.transfer, "too many transfers with write grants; this one writes over TCP");
+                    }
+                    None => {
+                        self.metrics.notif_malformed.inc();
+                        tracing::debug!(%engine, "malformed push grants message");
+                    }
+                }
+                continue;
+            }
             match kvlease_notif::decode(&msg) {
                 Ok(Notif::PushRegister(r)) => {
                     let transfer = r.transfer.clone();
@@ -274,6 +303,8 @@ impl PrefillEngine {
         let now = self.now();
         if let Some(push) = self.push.as_mut() {
             push.core.handle_timeout(now);
+            push.grants
+                .retain(|_, (_, _, at)| at.elapsed() < GRANTS_KEPT);
         }
         self.drain_push();
         self.send_push_heartbeats();
@@ -324,6 +355,7 @@ impl PrefillEngine {
         self.metrics.push_ended(label).inc();
         if let Some(push) = self.push.as_mut() {
             push.transfers.remove(&e.request);
+            push.grants.remove(&e.transfer);
         }
         if !e.blocks.is_empty() {
             self.core.handle_pushed(&e.request);
@@ -426,6 +458,15 @@ impl PrefillEngine {
             }
             return;
         };
+        // D's grants for this reservation, if it made any (verbs links).
+        let grants = self
+            .push
+            .as_mut()
+            .and_then(|p| p.grants.remove(&plan.transfer))
+            .filter(|(from, g, _)| *from == plan.decode && g.generation == plan.generation.word())
+            .map(|(_, g, _)| g.grants)
+            .unwrap_or_default();
+        let mut granted = 0;
         let mut batches = Vec::new();
         let mut error = None;
         for (i, (w, (dw, &peer))) in self
@@ -435,7 +476,7 @@ impl PrefillEngine {
             .enumerate()
         {
             match write_batch(w, &remote.info, dw, &plan) {
-                Ok(batch) => match w.agent.post_write(peer, batch, WRITE_TIMEOUT) {
+                Ok(batch) => match post_write(w, peer, batch, i, &grants, &mut granted) {
                     Ok(id) => batches.push((i, id)),
                     Err(e) => {
                         if matches!(
@@ -461,7 +502,11 @@ impl PrefillEngine {
             error = Some("D's TP size differs from P's".into());
         }
         self.metrics.push_writes_posted.inc();
-        tracing::debug!(transfer = %plan.transfer, decode = %plan.decode, blocks = plan.pairs.len(), "push write posted");
+        let rdma = granted == self.workers.len() && error.is_none();
+        if rdma {
+            self.metrics.push_writes_granted.inc();
+        }
+        tracing::debug!(transfer = %plan.transfer, decode = %plan.decode, blocks = plan.pairs.len(), granted = rdma, "push write posted");
         let failed = error.is_some();
         if let Some(e) = &error {
             tracing::warn!(transfer = %plan.transfer, decode = %plan.decode, error = %e, "push write not posted");
@@ -577,6 +622,32 @@ impl PrefillEngine {
             }
         }
     }
+}
+
+/// Posts worker `w`'s (rank `rank`) batch to D's worker `peer`: into D's grants for
+/// that rank with RDMA WRITEs when the link is verbs and D granted any (`granted` counts
+/// those), else as a plain fenced write (landed by D's receiver).
+fn post_write(
+    w: &Worker,
+    peer: PeerId,
+    batch: WriteBatch,
+    rank: usize,
+    grants: &[(u32, kvlease_transport::WriteGrant)],
+    granted: &mut usize,
+) -> Result<kvlease_transport::BatchId, kvlease_transport::TransferError> {
+    let mine: Vec<kvlease_transport::WriteGrant> = grants
+        .iter()
+        .filter(|(r, _)| *r as usize == rank)
+        .map(|(_, g)| *g)
+        .collect();
+    if mine.is_empty() || link::peer_backend(&w.agent, peer) != kvlease_transport::Backend::Verbs {
+        return w.agent.post_write(peer, batch, WRITE_TIMEOUT);
+    }
+    let id = w
+        .agent
+        .post_write_granted(peer, batch, &mine, WRITE_TIMEOUT)?;
+    *granted += 1;
+    Ok(id)
 }
 
 /// The write batch of worker `w`: `plan`'s pairs, every layer, into D worker `dw`.
