@@ -37,7 +37,7 @@
 #        AG_MODES (default "pull push"), AG_PUSH_US_PER_TOKEN (P's prefill cost in push mode,
 #        default 200 µs per token: reservations outstanding long enough to kill P under them),
 #        AG_PUSH_LEASE_S (10), AG_PUSH_REQUESTS (12),
-#        SR_TEST_TIMEOUT (VM wall-clock limit, s; default 240), SR_DIR, SR_ACCEL (tcg).
+#        SR_TEST_TIMEOUT (VM wall-clock limit, s; default 420: the pull phases and the push phase took 188-205 s on a quiet machine), SR_DIR, SR_ACCEL (tcg).
 # Run it under `flock /tmp/kvlease-vm.lock` where several users share the machine.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -67,7 +67,7 @@ export AG_REQUESTS=${AG_REQUESTS:-24} AG_LEASE_S=${AG_LEASE_S:-3} AG_MEMORIES=${
 export AG_MODES=${AG_MODES:-pull push} AG_PUSH_US_PER_TOKEN=${AG_PUSH_US_PER_TOKEN:-200}
 export AG_PUSH_LEASE_S=${AG_PUSH_LEASE_S:-10} AG_PUSH_REQUESTS=${AG_PUSH_REQUESTS:-12}
 export AG_LOGS=/tmp/kvlease-agents RUST_BACKTRACE=1
-export SR_TIMEOUT=${SR_TEST_TIMEOUT:-240}
+export SR_TIMEOUT=${SR_TEST_TIMEOUT:-420}
 LOG=$(mktemp /tmp/kvlease-agents.XXXXXX.log)
 T1=$(date +%s)
 timeout -k 10 $(( SR_TIMEOUT + 30 )) bash "$HERE/rxe-vm-exec.sh" bash "$HERE/guest-agents.sh" 2>&1 | tee "$LOG"
