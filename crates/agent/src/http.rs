@@ -620,39 +620,25 @@ fn d_submit(
         }
     };
     let kv_digest = params.require_digest()?;
-    req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
-    let tokens = req.tokens()?;
-    let max_tokens = req.max_tokens()?;
-    let id = request_id(headers, req.request_id.as_deref())?;
-    let (tx, events) = mpsc::unbounded_channel();
-    api.jobs
-        .send(decode::Job::Decode(Box::new(decode::DecodeJob {
-            id: id.clone(),
-            tokens: tokens.clone(),
-            max_tokens,
-            params,
-            kv_digest,
-            conversation_id: req.conversation_id.clone(),
-            arrived: Instant::now(),
-            events: tx,
-        })))
-        .map_err(|_| engine_gone())?;
-    let jobs = api.jobs.clone();
-    let abort_id = id.clone();
-    outcome.on_abort = Some(Box::new(move || {
-        // The engine may be gone at shutdown; nothing is left to abort then.
-        let _ = jobs.send(decode::Job::Abort {
-            id: abort_id,
-            reply: None,
-        });
-    }));
-    Ok(DRequest {
-        id,
-        model: req.model.unwrap_or_else(|| api.model.clone()),
-        prompt_tokens: tokens.len(),
-        stream: req.stream.unwrap_or(false),
-        events,
-    })
+    let conversation_id = req.conversation_id.clone();
+    d_enqueue(
+        api,
+        headers,
+        req,
+        outcome,
+        |id, tokens, max_tokens, events| {
+            decode::Job::Decode(Box::new(decode::DecodeJob {
+                id,
+                tokens,
+                max_tokens,
+                params,
+                kv_digest,
+                conversation_id,
+                arrived: Instant::now(),
+                events,
+            }))
+        },
+    )
 }
 
 /// D's push leg: the transfer and P's identity instead of P's answer.
@@ -666,24 +652,47 @@ fn d_submit_push(
         Some(v) => crate::push::decode_leg(v)?,
         None => return Err(ApiError::bad_field("kv_transfer_params", "missing")),
     };
+    d_enqueue(
+        api,
+        headers,
+        req,
+        outcome,
+        |id, tokens, max_tokens, events| {
+            decode::Job::Push(Box::new(decode::PushJob {
+                id,
+                tokens,
+                max_tokens,
+                leg,
+                arrived: Instant::now(),
+                events,
+            }))
+        },
+    )
+}
+
+/// What D's pull and push legs share once their params are read: the prompt's checks,
+/// the request id, the job (`job(id, tokens, max_tokens, events)`) sent to the engine,
+/// and its abort when the client goes away.
+fn d_enqueue(
+    api: &Arc<DecodeApi>,
+    headers: &HeaderMap,
+    req: CompletionRequest,
+    outcome: &mut OutcomeGuard,
+    job: impl FnOnce(RequestId, Vec<u32>, u32, mpsc::UnboundedSender<DecodeStreamEvent>) -> decode::Job,
+) -> Result<DRequest, ApiError> {
     req.check_prompt_bytes(api.limits.max_prompt_bytes)?;
     let tokens = req.tokens()?;
     let max_tokens = req.max_tokens()?;
     let id = request_id(headers, req.request_id.as_deref())?;
+    let prompt_tokens = tokens.len();
     let (tx, events) = mpsc::unbounded_channel();
     api.jobs
-        .send(decode::Job::Push(Box::new(decode::PushJob {
-            id: id.clone(),
-            tokens: tokens.clone(),
-            max_tokens,
-            leg,
-            arrived: Instant::now(),
-            events: tx,
-        })))
+        .send(job(id.clone(), tokens, max_tokens, tx))
         .map_err(|_| engine_gone())?;
     let jobs = api.jobs.clone();
     let abort_id = id.clone();
     outcome.on_abort = Some(Box::new(move || {
+        // The engine may be gone at shutdown; nothing is left to abort then.
         let _ = jobs.send(decode::Job::Abort {
             id: abort_id,
             reply: None,
@@ -692,7 +701,7 @@ fn d_submit_push(
     Ok(DRequest {
         id,
         model: req.model.unwrap_or_else(|| api.model.clone()),
-        prompt_tokens: tokens.len(),
+        prompt_tokens,
         stream: req.stream.unwrap_or(false),
         events,
     })
