@@ -11,35 +11,15 @@ impl DecodeEngine {
     /// Starts every handshake the core asks for, each on its own thread.
     pub(super) fn start_handshakes(&mut self) {
         while let Some(hs) = self.core.poll_handshake() {
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            let addr = host_port(&hs.host, hs.port);
-            let want = hs.engine.clone();
-            let token = self.cfg.link.auth_token.clone();
-            let me = self.cfg.engine_id.to_string();
-            let tp = self.cfg.tp_size;
-            let mds = self.worker_metadata.clone();
-            let agents: Vec<Arc<Agent>> =
-                self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
-            let shape = self.cfg.shape;
-            let instance = self.instance;
-            let allowed = self.cfg.allowed_prefill.clone();
             let check = hs.check_instance;
-            let spawned = std::thread::Builder::new()
-                .name("d-handshake".into())
-                .spawn(move || {
-                    let me = Me {
-                        token: token.as_deref(),
-                        engine: &me,
-                        tp_size: tp,
-                        metadata: &mds,
-                        shape,
-                        instance,
-                    };
-                    let r = handshake(&addr, &me, &want, &agents, &allowed, check);
-                    let _ = tx.send(r);
-                });
+            let spawned = self.spawn_handshake(
+                "d-handshake",
+                host_port(&hs.host, hs.port),
+                hs.engine.clone(),
+                check,
+            );
             match spawned {
-                Ok(_) => {
+                Ok(rx) => {
                     if check.is_some() {
                         self.metrics.instance_checks.inc();
                     }
@@ -57,6 +37,40 @@ impl DecodeEngine {
                 }
             }
         }
+    }
+
+    /// Spawns the handshake with P engine `want` at `addr` on a thread named `name`
+    /// (`check`: see [`handshake`]); its result arrives on the returned receiver.
+    pub(super) fn spawn_handshake(
+        &self,
+        name: &str,
+        addr: String,
+        want: EngineId,
+        check: Option<u64>,
+    ) -> std::io::Result<crossbeam_channel::Receiver<Result<Handshaken, HandshakeFailure>>> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let token = self.cfg.link.auth_token.clone();
+        let me = self.cfg.engine_id.to_string();
+        let tp = self.cfg.tp_size;
+        let mds = self.worker_metadata.clone();
+        let agents: Vec<Arc<Agent>> = self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
+        let shape = self.cfg.shape;
+        let instance = self.instance;
+        let allowed = self.cfg.allowed_prefill.clone();
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                let me = Me {
+                    token: token.as_deref(),
+                    engine: &me,
+                    tp_size: tp,
+                    metadata: &mds,
+                    shape,
+                    instance,
+                };
+                let _ = tx.send(handshake(&addr, &me, &want, &agents, &allowed, check));
+            })?;
+        Ok(rx)
     }
 
     /// Hands every handshake that ended to the core, counting it and recording the

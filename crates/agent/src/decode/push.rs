@@ -93,15 +93,6 @@ impl PushD {
     }
 }
 
-fn outcome_label(o: ReservationOutcome) -> &'static str {
-    match o {
-        ReservationOutcome::Written => "written",
-        ReservationOutcome::Failed => "failed",
-        ReservationOutcome::Expired => "expired",
-        ReservationOutcome::Aborted => "aborted",
-    }
-}
-
 fn aborted(id: &RequestId) -> ApiError {
     ApiError::new(
         StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
@@ -172,37 +163,15 @@ impl DecodeEngine {
     }
 
     fn start_push_handshake(&mut self, engine: &EngineId, addr: String) {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        let want = engine.clone();
-        let token = self.cfg.link.auth_token.clone();
-        let me = self.cfg.engine_id.to_string();
-        let tp = self.cfg.tp_size;
-        let mds = self.worker_metadata.clone();
-        let agents: Vec<Arc<Agent>> = self.workers.iter().map(|w| Arc::clone(&w.agent)).collect();
-        let shape = self.cfg.shape;
-        let instance = self.instance;
-        let allowed = self.cfg.allowed_prefill.clone();
-        let spawned = std::thread::Builder::new()
-            .name("d-push-handshake".into())
-            .spawn(move || {
-                let me = Me {
-                    token: token.as_deref(),
-                    engine: &me,
-                    tp_size: tp,
-                    metadata: &mds,
-                    shape,
-                    instance,
-                };
-                let _ = tx.send(handshake(&addr, &me, &want, &agents, &allowed, None));
-            });
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "cannot spawn the handshake thread");
-            drop(rx);
-            let (tx, rx) = crossbeam_channel::bounded(1);
-            let _ = tx.send(Err(HandshakeFailure::Thread));
-            self.insert_remote(engine, PRemote::Handshaking(rx));
-            return;
-        }
+        let rx = match self.spawn_handshake("d-push-handshake", addr, engine.clone(), None) {
+            Ok(rx) => rx,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot spawn the handshake thread");
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                let _ = tx.send(Err(HandshakeFailure::Thread));
+                rx
+            }
+        };
         self.insert_remote(engine, PRemote::Handshaking(rx));
     }
 
@@ -588,7 +557,7 @@ impl DecodeEngine {
         //# revokes remote access to them (verbs) or stops admitting the generation (every
         //# other backend) before that
         set_fences(&self.workers, &ev.blocks, Generation::FREE_WORD);
-        let label = outcome_label(ev.outcome);
+        let label = ev.outcome.as_str();
         self.metrics.push_reservation_ended(label).inc();
         if ev.tells_prefill() {
             let r = ReservationRef {
