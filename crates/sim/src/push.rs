@@ -43,8 +43,8 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_engine::{
-    FenceVerdict, PushAction, PushConfig, PushCore, PushMessage, Reservation, ReservationOutcome,
-    Reservations, WritePlan,
+    FenceVerdict, PushAction, PushConfig, PushCore, Reservation, ReservationOutcome, Reservations,
+    WritePlan,
 };
 use kvlease_lease::{
     BlockAllocator, BlockId, EngineId, Generation, LeaseConfig, RequestId, Timestamp,
@@ -599,21 +599,7 @@ impl Sim {
                 PushAction::Write(plan) => self.post(p, plan),
                 PushAction::Send { to, message } => {
                     let Some(d) = self.d_of(&to) else { continue };
-                    let (notice, transfer, generation) = match message {
-                        PushMessage::WriteDone {
-                            transfer,
-                            generation,
-                        } => (PushNotice::WriteDone, transfer, generation),
-                        PushMessage::PushFailed {
-                            transfer,
-                            generation,
-                        } => (PushNotice::PushFailed, transfer, generation),
-                    };
-                    let bytes = ReservationRef {
-                        transfer,
-                        generation,
-                    }
-                    .encode(notice);
+                    let bytes = message.encode();
                     self.send(Node::P(p), Node::D(d), bytes);
                 }
                 PushAction::Ended(e) => {

@@ -14,9 +14,9 @@
 use std::collections::HashSet;
 
 use kvlease_engine::{
-    PushAction, PushConfig, PushCore, PushEnded, PushMessage, PushOutcome, Reservation, WritePlan,
+    PushAction, PushConfig, PushCore, PushEnded, PushOutcome, Reservation, WritePlan,
 };
-use kvlease_notif::{Notif, PushNotice, ReservationRef};
+use kvlease_notif::Notif;
 use kvlease_transport::{LocalRange, WriteBatch, WriteFence, WriteOp};
 
 use super::*;
@@ -77,17 +77,6 @@ impl PushP {
             writes: HashMap::new(),
             grants: HashMap::new(),
         }
-    }
-}
-
-fn outcome_label(o: PushOutcome) -> &'static str {
-    match o {
-        PushOutcome::Written => "written",
-        PushOutcome::WriteFailed => "write_failed",
-        PushOutcome::ReservationGone => "reservation_gone",
-        PushOutcome::Retired => "retired",
-        PushOutcome::NoRegistration => "no_registration",
-        PushOutcome::LeaseTooShort => "lease_too_short",
     }
 }
 
@@ -320,30 +309,8 @@ impl PrefillEngine {
             match action {
                 PushAction::Write(plan) => self.post_push_write(plan),
                 PushAction::Send { to, message } => {
-                    let (r, notice) = match message {
-                        PushMessage::WriteDone {
-                            transfer,
-                            generation,
-                        } => (
-                            ReservationRef {
-                                transfer,
-                                generation,
-                            },
-                            PushNotice::WriteDone,
-                        ),
-                        PushMessage::PushFailed {
-                            transfer,
-                            generation,
-                        } => (
-                            ReservationRef {
-                                transfer,
-                                generation,
-                            },
-                            PushNotice::PushFailed,
-                        ),
-                    };
-                    tracing::debug!(%to, transfer = %r.transfer, ?notice, "push message to D");
-                    self.send_to_d(&to, r.encode(notice));
+                    tracing::debug!(%to, ?message, "push message to D");
+                    self.send_to_d(&to, message.encode());
                 }
                 PushAction::Ended(ended) => self.push_ended(ended),
             }
@@ -351,7 +318,7 @@ impl PrefillEngine {
     }
 
     fn push_ended(&mut self, e: PushEnded) {
-        let label = outcome_label(e.outcome);
+        let label = e.outcome.as_str();
         self.metrics.push_ended(label).inc();
         if let Some(push) = self.push.as_mut() {
             push.transfers.remove(&e.request);

@@ -8,6 +8,8 @@ use kvlease_lease::{
     Timestamp,
 };
 
+use kvlease_notif::{PushNotice, ReservationRef};
+
 use super::Reservation;
 
 /// How to build a [`PushCore`].
@@ -97,6 +99,21 @@ pub enum PushOutcome {
     LeaseTooShort,
 }
 
+impl PushOutcome {
+    /// The outcome's name in metrics and logs: `written`, `write_failed`,
+    /// `reservation_gone`, `retired`, `no_registration`, `lease_too_short`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Written => "written",
+            Self::WriteFailed => "write_failed",
+            Self::ReservationGone => "reservation_gone",
+            Self::Retired => "retired",
+            Self::NoRegistration => "no_registration",
+            Self::LeaseTooShort => "lease_too_short",
+        }
+    }
+}
+
 /// A push ended: P's blocks are free for the shell to reuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushEnded {
@@ -142,6 +159,28 @@ pub enum PushMessage {
         /// The reservation's generation.
         generation: Generation,
     },
+}
+
+impl PushMessage {
+    /// The message's frame for D (`KVL1:WD:` / `KVL1:PF:` transfer id and generation).
+    #[must_use]
+    pub fn encode(&self) -> Vec<u8> {
+        let (notice, transfer, generation) = match self {
+            Self::WriteDone {
+                transfer,
+                generation,
+            } => (PushNotice::WriteDone, transfer, generation),
+            Self::PushFailed {
+                transfer,
+                generation,
+            } => (PushNotice::PushFailed, transfer, generation),
+        };
+        ReservationRef {
+            transfer: transfer.clone(),
+            generation: *generation,
+        }
+        .encode(notice)
+    }
 }
 
 /// What the shell does, drained with [`PushCore::poll_action`] in order.

@@ -38,6 +38,18 @@ pub enum ReservationOutcome {
     Failed,
 }
 
+impl ReservationOutcome {
+    /// The outcome's name in metrics and logs: `written`, `aborted`, `expired`, `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Written => "written",
+            Self::Aborted => "aborted",
+            Self::Expired => "expired",
+            Self::Failed => "failed",
+        }
+    }
+}
+
 /// A reservation ended; its blocks are D's again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReservationEnded {

@@ -7,8 +7,7 @@ use std::time::Duration;
 
 use kvlease_engine as engine;
 use kvlease_engine::{
-    FenceVerdict, PushAction, PushConfig, PushError, PushMessage, PushOutcome, RegistrationOutcome,
-    ReservationOutcome,
+    FenceVerdict, PushAction, PushConfig, PushError, PushMessage, RegistrationOutcome,
 };
 use kvlease_lease::{Generation, GrantError, LeaseConfig};
 use pyo3::prelude::*;
@@ -329,12 +328,7 @@ impl Reservations {
         let Some(e) = self.core.poll_event() else {
             return Ok(None);
         };
-        let outcome = match e.outcome {
-            ReservationOutcome::Written => "written",
-            ReservationOutcome::Aborted => "aborted",
-            ReservationOutcome::Expired => "expired",
-            ReservationOutcome::Failed => "failed",
-        };
+        let outcome = e.outcome.as_str();
         Ok(Some(ReservationEnded {
             transfer: e.transfer.as_str().to_owned(),
             prefill: e.prefill.as_str().to_owned(),
@@ -707,14 +701,7 @@ impl PushCore {
                 .into_any()
             }
             PushAction::Ended(e) => {
-                let outcome = match e.outcome {
-                    PushOutcome::Written => "written",
-                    PushOutcome::WriteFailed => "write_failed",
-                    PushOutcome::ReservationGone => "reservation_gone",
-                    PushOutcome::Retired => "retired",
-                    PushOutcome::NoRegistration => "no_registration",
-                    PushOutcome::LeaseTooShort => "lease_too_short",
-                };
+                let outcome = e.outcome.as_str();
                 Py::new(
                     py,
                     PushEnded {
