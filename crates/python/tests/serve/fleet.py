@@ -60,10 +60,19 @@ def free_port() -> int:
 
 
 def _tail(path: Path, lines: int = 60) -> str:
+    """The first error in a log (vLLM's API server ends with "See root cause above", and
+    the cause is the engine core's or a worker's first ERROR, far above), then its tail."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    first = next((i for i, line in enumerate(text)
+                  if " ERROR " in line or "Traceback" in line or "Killed" in line), None)
+    tail = text[-lines:]
+    if first is None or first >= len(text) - lines:
+        return "\n".join(tail)
+    cause = text[first:first + 40]
+    return "\n".join(["[first error]", *cause, "[...]", "[tail]", *tail])
 
 
 @dataclass

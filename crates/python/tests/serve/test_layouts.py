@@ -39,7 +39,10 @@ def _pairs(fleet: Fleet, specs: dict) -> dict:
     return {k: (*pairs[k], proxies[k]) for k in pairs}
 
 
-@pytest.fixture(scope="module")
+# Each fleet lives for its class only: two fleets of four engines at once (two of them at
+# TP 2) need more memory than a 24 GiB machine has, and vLLM's CPU worker then refuses to
+# start ("Available memory ... is less than requested memory for kv").
+@pytest.fixture(scope="class")
 def block_sizes(work, model, reference):
     """Two P/D pairs at once: P 32 → D 64 and P 64 → D 32."""
     with Fleet(work / "block-sizes", model) as fleet:
@@ -49,30 +52,30 @@ def block_sizes(work, model, reference):
         })
 
 
-@pytest.mark.parametrize("sizes", [(32, 64), (64, 32)], ids=["p32-d64", "p64-d32"])
-def test_block_sizes_that_differ_are_refused_and_computed_never_read(block_sizes, sizes,
-                                                                     model, prompts,
-                                                                     reference):
-    p, d, proxy = block_sizes[sizes]
-    some = prompts[:8]
-    answers = complete_all(proxy.url, model, some)
-    assert_equal(answers, some, reference)
-    dm = wait_for("D's prompts counted", lambda: (
-        m if (m := scrape(d)).value("vllm:prompt_tokens_by_source_total",
-                                    source="local_compute") > 0 else None))
-    assert dm.value("vllm:kvlease_reads_total") == 0, "D read KV it cannot lay out"
-    assert dm.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
-    assert dm.value("vllm:kvlease_incompatible_handshakes_total") >= 1
-    # P's leases end at once: D aborts them when it refuses the KV.
-    pm = wait_for("P's leases aborted", lambda: (
-        m if (m := scrape(p)).value("vllm:kvlease_leases_released_total", reason="aborted")
-        >= len(some) else None))
-    assert pm.value("vllm:kvlease_leases_released_total", reason="completed") == 0
-    text = d.log_text()
-    assert "is not KV-compatible" in text and "block size: P" in text
+class TestBlockSizes:
+    @pytest.mark.parametrize("sizes", [(32, 64), (64, 32)], ids=["p32-d64", "p64-d32"])
+    def test_block_sizes_that_differ_are_refused_and_computed_never_read(
+            self, block_sizes, sizes, model, prompts, reference):
+        p, d, proxy = block_sizes[sizes]
+        some = prompts[:8]
+        answers = complete_all(proxy.url, model, some)
+        assert_equal(answers, some, reference)
+        dm = wait_for("D's prompts counted", lambda: (
+            m if (m := scrape(d)).value("vllm:prompt_tokens_by_source_total",
+                                        source="local_compute") > 0 else None))
+        assert dm.value("vllm:kvlease_reads_total") == 0, "D read KV it cannot lay out"
+        assert dm.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+        assert dm.value("vllm:kvlease_incompatible_handshakes_total") >= 1
+        # P's leases end at once: D aborts them when it refuses the KV.
+        pm = wait_for("P's leases aborted", lambda: (
+            m if (m := scrape(p)).value("vllm:kvlease_leases_released_total", reason="aborted")
+            >= len(some) else None))
+        assert pm.value("vllm:kvlease_leases_released_total", reason="completed") == 0
+        text = d.log_text()
+        assert "is not KV-compatible" in text and "block size: P" in text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def tp_sizes(work, model, reference):
     """P TP 2 → D TP 1 and P TP 1 → D TP 2."""
     tp2 = {"extra_args": ["--tensor-parallel-size", "2"]}
@@ -80,20 +83,22 @@ def tp_sizes(work, model, reference):
         yield _pairs(fleet, {(2, 1): (tp2, {}), (1, 2): ({}, tp2)})
 
 
-@pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
-def test_tp_sizes_that_differ_read_each_ranks_heads(tp_sizes, tp, model, prompts, reference):
-    p, d, proxy = tp_sizes[tp]
-    some = prompts[:8]
-    answers = complete_all(proxy.url, model, some, concurrency=2)
-    assert_equal(answers, some, reference)
-    pm = wait_for("P's leases released", lambda: (
-        m if (m := scrape(p)).value("vllm:kvlease_leases_released_total", reason="completed")
-        >= len(some) else None))
-    assert pm.value("vllm:kvlease_leases_released_total", reason="expired") == 0
-    dm = wait_for("D's reads counted", lambda: (
-        m if (m := scrape(d)).value("vllm:kvlease_reads_total", status="done")
-        >= 2 * len(some) else None))
-    # One batch per overlapping (D worker, P rank) pair: two per request either way.
-    assert dm.value("vllm:kvlease_reads_total", status="done") == 2 * len(some)
-    assert dm.value("vllm:kvlease_reads_total", status="stale") == 0
-    assert dm.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+class TestTpSizes:
+    @pytest.mark.parametrize("tp", [(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
+    def test_tp_sizes_that_differ_read_each_ranks_heads(self, tp_sizes, tp, model, prompts,
+                                                        reference):
+        p, d, proxy = tp_sizes[tp]
+        some = prompts[:8]
+        answers = complete_all(proxy.url, model, some, concurrency=2)
+        assert_equal(answers, some, reference)
+        pm = wait_for("P's leases released", lambda: (
+            m if (m := scrape(p)).value("vllm:kvlease_leases_released_total", reason="completed")
+            >= len(some) else None))
+        assert pm.value("vllm:kvlease_leases_released_total", reason="expired") == 0
+        dm = wait_for("D's reads counted", lambda: (
+            m if (m := scrape(d)).value("vllm:kvlease_reads_total", status="done")
+            >= 2 * len(some) else None))
+        # One batch per overlapping (D worker, P rank) pair: two per request either way.
+        assert dm.value("vllm:kvlease_reads_total", status="done") == 2 * len(some)
+        assert dm.value("vllm:kvlease_reads_total", status="stale") == 0
+        assert dm.value("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
