@@ -6,11 +6,11 @@ use std::sync::OnceLock;
 
 use kvlease_lease::{BlockId, ConsumerId, EngineId, Generation, InvalidId, RequestId};
 
-use crate::error::{DecodeError, Field};
+use crate::error::{DecodeError, Field, InvalidDigest};
 use crate::message::{
     Abort, ExpiredLease, HeartbeatIds, Notif, PushRegistration, ReadComplete, ReservationRef,
 };
-use crate::{HEARTBEAT_PREFIX, MAX_ID_LEN, MAX_NOTIF_LEN, VERSION_PREFIX};
+use crate::{HEARTBEAT_PREFIX, MAX_ID_LEN, MAX_NOTIF_LEN, PromptDigest, VERSION_PREFIX};
 
 /// `ID_BYTE[b]` is whether byte `b` may appear in an id (`[A-Za-z0-9-_.:@/+=]`, the set
 /// `kvlease_lease` enforces; a test checks that both agree on every byte).
@@ -361,20 +361,26 @@ impl<'a> Fields<'a> {
 
     /// The next field and its offset.
     fn take(&mut self, field: Field) -> Result<(&'a str, usize), DecodeError> {
-        let rest = self.rest.ok_or(DecodeError::Truncated {
+        self.take_optional().ok_or(DecodeError::Truncated {
             offset: self.end,
             field,
-        })?;
+        })
+    }
+
+    /// The next field and its offset, or `None` when every field has been taken (for an
+    /// optional last field).
+    fn take_optional(&mut self) -> Option<(&'a str, usize)> {
+        let rest = self.rest?;
         let at = self.offset;
         match rest.split_once(';') {
             Some((head, tail)) => {
                 self.rest = Some(tail);
                 self.offset += head.len() + 1;
-                Ok((head, at))
+                Some((head, at))
             }
             None => {
                 self.rest = None;
-                Ok((rest, at))
+                Some((rest, at))
             }
         }
     }
@@ -468,6 +474,7 @@ fn decode_push_register(
         });
     }
     let (list, list_at) = fields.take(Field::Block)?;
+    let prompt_text = fields.take_optional();
     fields.finish()?;
     let mut blocks = Vec::new();
     // Block -> offset of its first occurrence, to reject a repeated block.
@@ -482,11 +489,24 @@ fn decode_push_register(
         blocks.push(BlockId(block));
         offset += text.len() + 1;
     }
+    let prompt = prompt_text.map(prompt_digest).transpose()?;
     Ok(PushRegistration {
         transfer,
         generation,
         lease_ms,
         blocks,
+        prompt,
+    })
+}
+
+/// A prompt digest: exactly 32 lowercase hex digits (an empty field is refused: the field
+/// is left out when there is no digest).
+fn prompt_digest((text, at): (&str, usize)) -> Result<PromptDigest, DecodeError> {
+    PromptDigest::parse(text).map_err(|e| DecodeError::BadDigest {
+        offset: match e {
+            InvalidDigest::Length { .. } => at,
+            InvalidDigest::BadByte { position, .. } => at + position,
+        },
     })
 }
 

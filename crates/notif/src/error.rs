@@ -123,6 +123,13 @@ pub enum DecodeError {
         /// Which number.
         field: Field,
     },
+    /// A push registration's prompt digest is not 32 lowercase hex digits (empty, another
+    /// length, uppercase or another byte).
+    #[error("bad prompt digest at byte {offset}: 32 lowercase hex digits expected")]
+    BadDigest {
+        /// Where the digest starts, or the first byte that is not a lowercase hex digit.
+        offset: usize,
+    },
     /// The message ends before a required field.
     #[error("notification ends at byte {offset}, before the {field} field")]
     Truncated {
@@ -165,6 +172,7 @@ impl DecodeError {
             Self::DuplicateId { .. } => "duplicate_id",
             Self::DuplicateBlock { .. } => "duplicate_block",
             Self::BadNumber { .. } => "bad_number",
+            Self::BadDigest { .. } => "bad_digest",
             Self::Truncated { .. } => "truncated",
             Self::TrailingData { .. } => "trailing_data",
             Self::UnsupportedVersion { .. } => "unsupported_version",
@@ -193,5 +201,24 @@ pub enum EncodeError {
     TooLong {
         /// Its length in bytes.
         len: usize,
+    },
+}
+
+/// Why a text is not a [`crate::PromptDigest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidDigest {
+    /// Not 32 bytes long.
+    #[error("a prompt digest is 32 lowercase hex digits, not {len} bytes")]
+    Length {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// A byte that is not a lowercase hex digit (`[0-9a-f]`).
+    #[error("byte {byte:#04x} at {position} is not a lowercase hex digit")]
+    BadByte {
+        /// The byte.
+        byte: u8,
+        /// Where it is in the digest's text.
+        position: usize,
     },
 }

@@ -21,7 +21,8 @@
 //! read-complete  = "KVL1:RC:" request ";" engine ";" rank ";" total    ; D -> P
 //! abort          = "KVL1:AB:" request ";" engine ";" rank              ; D -> P
 //! expired        = "KVL1:EX:" request ";" gen *("," request ";" gen)   ; P -> D
-//! push-register  = "KVL1:PR:" transfer ";" gen ";" lease-ms ";" block *("," block)  ; D -> P
+//! push-register  = "KVL1:PR:" transfer ";" gen ";" lease-ms ";" block *("," block)
+//!                  [";" prompt]                                        ; D -> P
 //! push-heartbeat = "KVL1:PH:" transfer *("," transfer)                ; P -> D
 //! write-done     = "KVL1:WD:" transfer ";" gen                        ; P -> D
 //! push-failed    = "KVL1:PF:" transfer ";" gen                        ; P -> D
@@ -29,6 +30,8 @@
 //! transfer       = request                  ; the transfer id the router gave both legs
 //! lease-ms       = decimal u64 (>= 1), the reservation's lease in milliseconds
 //! block          = decimal u32, one of D's block ids, in token order
+//! prompt         = 32 LHEXDIG   ; a digest of D's prompt's token ids (PromptDigest)
+//! LHEXDIG        = DIGIT / %x61-66                                     ; 0-9, a-f
 //! rank, total    = decimal u32 (total >= 1)
 //! gen            = decimal u64 (>= 1), the lease's generation
 //! decimal        = "0" / %x31-39 *DIGIT                                ; canonical
@@ -77,15 +80,23 @@
 //! reservation is told apart from one about the current one. A registration must fit in
 //! one message ([`MAX_NOTIF_LEN`]): about 1,500 blocks with long ids and large block
 //! numbers; [`PushRegistration::encode`] refuses a larger one rather than split it.
+//!
+//! A registration may carry a [`PromptDigest`] of D's prompt (the optional last field,
+//! written only when there is one): where the transfer id comes from a client's request
+//! id and can repeat, P compares it with its own leg's digest and refuses a registration
+//! for another prompt. The codec only carries the digest; an empty, uppercase or
+//! wrong-length one is [`DecodeError::BadDigest`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod decode;
+mod digest;
 mod error;
 mod message;
 
 pub use decode::{decode, is_reserved};
-pub use error::{DecodeError, EncodeError, Field};
+pub use digest::{PROMPT_DIGEST_LEN, PromptDigest};
+pub use error::{DecodeError, EncodeError, Field, InvalidDigest};
 pub use message::{
     Abort, ExpiredLease, HeartbeatIds, Notif, PushNotice, PushRegistration, ReadComplete,
     ReservationRef, encode_expired, encode_heartbeats, encode_push_heartbeats, expiry_notice,

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use kvlease_lease::{BlockId, ConsumerId, Generation, ReleaseReason, Released, RequestId};
 
+use crate::PromptDigest;
+use crate::digest::PROMPT_DIGEST_LEN;
 use crate::error::EncodeError;
 use crate::{ABORT_PREFIX, READ_COMPLETE_PREFIX};
 use crate::{EXPIRED_PREFIX, HEARTBEAT_PREFIX, MAX_NOTIF_LEN, MIN_SPLIT_LEN};
@@ -194,6 +196,9 @@ pub struct PushRegistration {
     pub lease_ms: u64,
     /// D's blocks to write into, in token order (at least one, no repeats).
     pub blocks: Vec<BlockId>,
+    /// A digest of D's prompt's token ids, when D's shell computed one; P refuses the
+    /// registration when its leg carries another.
+    pub prompt: Option<PromptDigest>,
 }
 
 impl PushRegistration {
@@ -203,13 +208,19 @@ impl PushRegistration {
     }
 
     /// The message bytes:
-    /// `KVL1:PR:<transfer>;<generation>;<lease_ms>;<block>,<block>,...`.
+    /// `KVL1:PR:<transfer>;<generation>;<lease_ms>;<block>,<block>,...[;<prompt>]`, the
+    /// prompt digest (32 lowercase hex digits) only when there is one.
     ///
     /// # Errors
     /// [`EncodeError::TooLong`] when the blocks do not fit in [`MAX_NOTIF_LEN`] bytes.
     pub fn encode(&self) -> Result<Vec<u8>, EncodeError> {
         let mut out = Vec::with_capacity(
-            PUSH_REGISTER_PREFIX.len() + self.transfer.as_str().len() + 44 + 6 * self.blocks.len(),
+            PUSH_REGISTER_PREFIX.len()
+                + self.transfer.as_str().len()
+                + 44
+                + 6 * self.blocks.len()
+                + 1
+                + PROMPT_DIGEST_LEN,
         );
         out.extend_from_slice(PUSH_REGISTER_PREFIX);
         out.extend_from_slice(self.transfer.as_str().as_bytes());
@@ -223,6 +234,10 @@ impl PushRegistration {
                 out.push(b',');
             }
             push_decimal(&mut out, u64::from(block.0));
+        }
+        if let Some(prompt) = &self.prompt {
+            out.push(b';');
+            prompt.write_hex(&mut out);
         }
         if out.len() > MAX_NOTIF_LEN {
             return Err(EncodeError::TooLong { len: out.len() });

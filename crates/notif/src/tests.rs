@@ -412,6 +412,7 @@ fn push_frames_decode() {
     assert_eq!(r.generation, generation(7));
     assert_eq!(r.lease(), Duration::from_millis(1500));
     assert_eq!(r.blocks, [BlockId(12), BlockId(0), BlockId(u32::MAX)]);
+    assert_eq!(r.prompt, None);
     assert_eq!(
         r.encode().unwrap(),
         b"KVL1:PR:xfer-1;7;1500;12,0,4294967295"
@@ -433,6 +434,159 @@ fn push_frames_decode() {
     assert_eq!(
         encode_push_heartbeats(&[req("a")], MAX_NOTIF_LEN).unwrap(),
         [b"KVL1:PH:a"]
+    );
+}
+
+const DIGEST: &str = "0123456789abcdef00ff7f80a5c3e1d2";
+
+fn digest() -> PromptDigest {
+    PromptDigest::parse(DIGEST).unwrap()
+}
+
+#[test]
+fn prompt_digest_parses_and_prints_lowercase_hex() {
+    let d = digest();
+    assert_eq!(
+        d.as_bytes(),
+        &[
+            0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0x00, 0xff, 0x7f, 0x80, 0xa5, 0xc3,
+            0xe1, 0xd2
+        ]
+    );
+    assert_eq!(d.to_string(), DIGEST);
+    assert_eq!(format!("{d:?}"), format!("PromptDigest({DIGEST})"));
+    assert_eq!(DIGEST.parse::<PromptDigest>(), Ok(d));
+    assert_eq!(PromptDigest::from_bytes(*d.as_bytes()), d);
+    assert_eq!(
+        PromptDigest::from_bytes([0; 16]).to_string(),
+        "0".repeat(PROMPT_DIGEST_LEN)
+    );
+    assert_eq!(
+        PromptDigest::from_bytes([0xff; 16]).to_string(),
+        "f".repeat(PROMPT_DIGEST_LEN)
+    );
+    // Exactly 32 lowercase hex digits: nothing else.
+    assert_eq!(
+        PromptDigest::parse(""),
+        Err(InvalidDigest::Length { len: 0 })
+    );
+    assert_eq!(
+        PromptDigest::parse(&DIGEST[1..]),
+        Err(InvalidDigest::Length { len: 31 })
+    );
+    assert_eq!(
+        PromptDigest::parse(&format!("{DIGEST}0")),
+        Err(InvalidDigest::Length { len: 33 })
+    );
+    assert_eq!(
+        PromptDigest::parse(&DIGEST.to_uppercase()),
+        Err(InvalidDigest::BadByte {
+            byte: b'A',
+            position: 10
+        })
+    );
+    assert_eq!(
+        PromptDigest::parse(&format!("0x{}", &DIGEST[2..])),
+        Err(InvalidDigest::BadByte {
+            byte: b'x',
+            position: 1
+        })
+    );
+    assert_eq!(
+        PromptDigest::parse(&format!("{} ", &DIGEST[..31])),
+        Err(InvalidDigest::BadByte {
+            byte: b' ',
+            position: 31
+        })
+    );
+    assert_eq!(
+        PromptDigest::parse("g".repeat(32).as_str()),
+        Err(InvalidDigest::BadByte {
+            byte: b'g',
+            position: 0
+        })
+    );
+    // A multi-byte character of the right byte length is refused by its first byte.
+    let text = format!("é{}", &DIGEST[2..]);
+    assert_eq!(text.len(), 32);
+    assert_eq!(
+        PromptDigest::parse(&text),
+        Err(InvalidDigest::BadByte {
+            byte: 0xc3,
+            position: 0
+        })
+    );
+    assert_eq!(
+        InvalidDigest::Length { len: 3 }.to_string(),
+        "a prompt digest is 32 lowercase hex digits, not 3 bytes"
+    );
+}
+
+#[test]
+fn push_registration_carries_a_prompt_digest() {
+    let bytes = format!("KVL1:PR:xfer-1;7;1500;12,0;{DIGEST}");
+    let Ok(Notif::PushRegister(r)) = decode(bytes.as_bytes()) else {
+        panic!("not a registration");
+    };
+    assert_eq!(r.transfer, req("xfer-1"));
+    assert_eq!(r.generation, generation(7));
+    assert_eq!(r.lease_ms, 1500);
+    assert_eq!(r.blocks, [BlockId(12), BlockId(0)]);
+    assert_eq!(r.prompt, Some(digest()));
+    assert_eq!(r.encode().unwrap(), bytes.as_bytes());
+    // Without a digest, the field is left out (what agents and older peers send).
+    let without = PushRegistration { prompt: None, ..r };
+    assert_eq!(without.encode().unwrap(), b"KVL1:PR:xfer-1;7;1500;12,0");
+    assert_eq!(
+        decode(b"KVL1:PR:xfer-1;7;1500;12,0"),
+        Ok(Notif::PushRegister(without))
+    );
+}
+
+#[test]
+fn push_registration_prompt_digest_is_strict() {
+    let bad = |offset| DecodeError::BadDigest { offset };
+    let with = |prompt: &str| format!("KVL1:PR:t;1;1;2;{prompt}").into_bytes();
+    // The digest starts at byte 16.
+    assert!(decode(&with(DIGEST)).is_ok());
+    // An empty field: no digest is written as no field, never as an empty one.
+    assert_eq!(err(b"KVL1:PR:t;1;1;2;"), bad(16));
+    // Wrong lengths: named at the field's start.
+    assert_eq!(err(&with(&DIGEST[..31])), bad(16));
+    assert_eq!(err(&with(&format!("{DIGEST}0"))), bad(16));
+    assert_eq!(err(&with(&"a".repeat(64))), bad(16));
+    // Uppercase and other bytes: named where they are.
+    assert_eq!(err(&with(&DIGEST.to_uppercase())), bad(16 + 10));
+    assert_eq!(err(&with(&format!("{}G", &DIGEST[..31]))), bad(16 + 31));
+    assert_eq!(err(&with(&format!("{},", &DIGEST[..31]))), bad(16 + 31));
+    assert_eq!(err(&with(&format!("+{}", &DIGEST[1..]))), bad(16));
+    // A sixth field is trailing data, named at its separator.
+    assert_eq!(
+        err(&with(&format!("{DIGEST};"))),
+        DecodeError::TrailingData { offset: 48 }
+    );
+    assert_eq!(
+        err(&with(&format!("{DIGEST};{DIGEST}"))),
+        DecodeError::TrailingData { offset: 48 }
+    );
+    // The block list is still checked when a digest follows it.
+    assert_eq!(
+        err(format!("KVL1:PR:t;1;1;5,5;{DIGEST}").as_bytes()),
+        DecodeError::DuplicateBlock {
+            offset: 16,
+            first: 14
+        }
+    );
+    assert_eq!(
+        err(format!("KVL1:PR:t;1;1;;{DIGEST}").as_bytes()),
+        DecodeError::BadNumber {
+            offset: 14,
+            field: Field::Block
+        }
+    );
+    assert_eq!(
+        err(&with(&DIGEST[..5])).to_string(),
+        "bad prompt digest at byte 16: 32 lowercase hex digits expected"
     );
 }
 
@@ -460,9 +614,14 @@ fn push_frames_are_strict() {
             field: Field::Block
         }
     );
+    // A fifth field is a prompt digest (32 lowercase hex digits), a sixth is too many.
     assert_eq!(
         err(b"KVL1:PR:t;1;1;2;3"),
-        DecodeError::TrailingData { offset: 15 }
+        DecodeError::BadDigest { offset: 16 }
+    );
+    assert_eq!(
+        err(format!("KVL1:PR:t;1;1;2;{DIGEST};3").as_bytes()),
+        DecodeError::TrailingData { offset: 48 }
     );
     assert_eq!(err(b"KVL1:WD:t;0"), bad(10, Field::Generation));
     assert_eq!(
@@ -503,8 +662,25 @@ fn push_frames_are_strict() {
         generation: generation(1),
         lease_ms: 1,
         blocks: (0..2000).map(|b| BlockId(4_000_000_000 + b)).collect(),
+        prompt: None,
     };
     assert!(matches!(huge.encode(), Err(EncodeError::TooLong { .. })));
+    // The digest counts towards the limit: the largest registration that fits without
+    // one is refused with one.
+    let mut fits = PushRegistration {
+        blocks: Vec::new(),
+        ..huge
+    };
+    let mut block = 4_000_000_000;
+    while fits.encode().is_ok() {
+        fits.blocks.push(BlockId(block));
+        block += 1;
+    }
+    fits.blocks.pop();
+    let len = fits.encode().unwrap().len();
+    assert!(len + 33 > MAX_NOTIF_LEN);
+    fits.prompt = Some(digest());
+    assert_eq!(fits.encode(), Err(EncodeError::TooLong { len: len + 33 }));
 }
 
 #[test]
@@ -521,6 +697,7 @@ fn labels_are_distinct() {
         err(b"KVL1:AB:r;e;0;1"),
         err(b"KVL1:AB:r;e;x"),
         err(b"KVL1:PR:t;1;1;5,5"),
+        err(b"KVL1:PR:t;1;1;5;A"),
         err(&[b"HB:".as_slice(), &[b'a'; MAX_NOTIF_LEN]].concat()),
     ];
     let labels: std::collections::HashSet<_> = errors.iter().map(DecodeError::label).collect();

@@ -6,9 +6,9 @@ use std::num::NonZeroU64;
 
 use kvlease_lease::{BlockId, ConsumerId, EngineId, Generation, RequestId};
 use kvlease_notif::{
-    Abort, DecodeError, ExpiredLease, MAX_NOTIF_LEN, MIN_SPLIT_LEN, Notif, PushNotice,
-    PushRegistration, ReadComplete, ReservationRef, decode, encode_expired, encode_heartbeats,
-    encode_push_heartbeats, is_reserved,
+    Abort, DecodeError, ExpiredLease, MAX_NOTIF_LEN, MIN_SPLIT_LEN, Notif, PromptDigest,
+    PushNotice, PushRegistration, ReadComplete, ReservationRef, decode, encode_expired,
+    encode_heartbeats, encode_push_heartbeats, is_reserved,
 };
 use proptest::collection::{hash_set, vec};
 use proptest::prelude::*;
@@ -56,6 +56,7 @@ fn reserved_looking() -> impl Strategy<Value = Vec<u8>> {
         Just(b";".to_vec()),
         Just(b"0".to_vec()),
         Just(b"a".to_vec()),
+        "[0-9a-fA-F]{30,34}".prop_map(String::into_bytes),
         "[0-9]{1,21}".prop_map(String::into_bytes),
         "[a-z:]{1,4}".prop_map(String::into_bytes),
         any::<u8>().prop_map(|b| vec![b]),
@@ -138,17 +139,35 @@ proptest! {
         generation in 1..=u64::MAX,
         lease_ms in 1..=u64::MAX,
         blocks in hash_set(any::<u32>(), 1..400),
+        prompt in proptest::option::of(any::<[u8; 16]>()),
     ) {
         let registration = PushRegistration {
             transfer,
             generation: Generation(NonZeroU64::new(generation).unwrap()),
             lease_ms,
             blocks: blocks.into_iter().map(BlockId).collect(),
+            prompt: prompt.map(PromptDigest::from_bytes),
         };
         let bytes = registration.encode().unwrap();
         prop_assert!(bytes.len() <= MAX_NOTIF_LEN);
         prop_assert!(is_reserved(&bytes));
+        if let Some(p) = &registration.prompt {
+            let text = format!(";{p}");
+            prop_assert!(bytes.ends_with(text.as_bytes()));
+        }
         prop_assert_eq!(decode(&bytes), Ok(Notif::PushRegister(registration)));
+    }
+
+    #[test]
+    fn prompt_digests_round_trip(bytes in any::<[u8; 16]>()) {
+        let digest = PromptDigest::from_bytes(bytes);
+        let text = digest.to_string();
+        prop_assert_eq!(text.len(), 32);
+        prop_assert!(text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+        prop_assert_eq!(PromptDigest::parse(&text), Ok(digest));
+        // The uppercase spelling is refused unless it has no letter.
+        let upper = text.to_uppercase();
+        prop_assert_eq!(PromptDigest::parse(&upper).is_ok(), upper == text);
     }
 
     #[test]
@@ -241,6 +260,7 @@ fn check_decoded(bytes: &[u8]) -> Result<(), TestCaseError> {
                 | DecodeError::IdTooLong { offset, .. }
                 | DecodeError::InvalidIdByte { offset, .. }
                 | DecodeError::BadNumber { offset, .. }
+                | DecodeError::BadDigest { offset }
                 | DecodeError::Truncated { offset, .. }
                 | DecodeError::TrailingData { offset }
                 | DecodeError::UnsupportedVersion { offset, .. }

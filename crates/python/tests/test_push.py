@@ -313,3 +313,69 @@ def test_push_cores_raise_typed_exceptions_on_bad_input():
     )
     kinds = [a.kind for a in _drain(push) if isinstance(a, kvlease.PushSend)]
     assert kinds == ["push_failed"]
+
+
+def test_push_core_refuses_a_registration_for_another_prompt():
+    """P's leg and D's registration carry digests of their prompts: a registration whose
+    digest differs is refused in either order (push-failed to its D, nothing written), and
+    the leg keeps waiting for its own."""
+    mine, other = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+    push = kvlease.PushCore(lease_duration=6.0)
+    res = kvlease.Reservations(lease_duration=6.0)
+
+    # The leg first, then another prompt's registration.
+    push.admit(0.0, "xfer-1", "req-p-1", prompt=mine)
+    r_other = res.reserve(0.0, "xfer-1", "engine-p", [10], prompt=other)
+    assert r_other.prompt == other
+    outcome = push.handle_registration(
+        0.1, "engine-d2", "xfer-1", r_other.generation, r_other.lease, r_other.blocks, r_other.prompt
+    )
+    assert outcome == kvlease.RegistrationOutcome.PROMPT_MISMATCH == "prompt_mismatch"
+    [send] = _drain(push)
+    assert (send.to, send.kind, send.transfer, send.generation) == (
+        "engine-d2",
+        "push_failed",
+        "xfer-1",
+        r_other.generation,
+    )
+    assert push.pushing == 1 and push.stats()["prompt_mismatches"] == 1
+    # The leg's own registration is accepted and written.
+    push.handle_prefill_done(0.2, "xfer-1", [5])
+    assert _drain(push) == []
+    ok = push.handle_registration(0.3, "engine-d", "xfer-1", 7, 6.0, [11], prompt=mine)
+    assert ok == kvlease.RegistrationOutcome.ACCEPTED
+    [write] = _drain(push)
+    assert isinstance(write, kvlease.PushWrite) and write.pairs == [(5, 11)]
+
+    # The registration first, then a leg with another digest: dropped at admission.
+    assert push.handle_registration(1.0, "engine-d2", "xfer-2", 9, 6.0, [12], other) == "accepted"
+    push.admit(1.1, "xfer-2", "req-p-2", other.replace("f", "e"))
+    [send] = _drain(push)
+    assert (send.to, send.kind, send.generation) == ("engine-d2", "push_failed", 9)
+    assert push.stats()["prompt_mismatches"] == 2
+
+    # No digest on either side: nothing is checked.
+    push.admit(2.0, "xfer-3", "req-p-3")
+    assert push.handle_registration(2.0, "engine-d", "xfer-3", 11, 6.0, [13], mine) == "accepted"
+    r = res.reserve(2.0, "xfer-4", "engine-p", [14])
+    assert r.prompt is None
+
+    # The registration frame carries the digest; decode_notif shows it.
+    frame = f"KVL1:PR:xfer-1;7;6000;11;{mine}".encode()
+    decoded = kvlease.decode_notif(frame)
+    assert decoded.kind == "push" and decoded.prompt == mine
+    assert kvlease.decode_notif(b"KVL1:PR:xfer-1;7;6000;11").prompt is None
+    for bad in (mine.upper(), mine[:31], mine + "0", ""):
+        with pytest.raises(errors.NotifError):
+            kvlease.decode_notif(f"KVL1:PR:xfer-1;7;6000;11;{bad}".encode())
+
+    # A malformed digest is refused before anything changes.
+    for bad in (mine.upper(), mine[:31], mine + "0", "", "0x" + mine[2:]):
+        with pytest.raises(errors.InvalidArgument):
+            push.admit(3.0, "xfer-5", "req-p-5", bad)
+        with pytest.raises(errors.InvalidArgument):
+            push.handle_registration(3.0, "engine-d", "xfer-5", 1, 6.0, [1], prompt=bad)
+        with pytest.raises(errors.InvalidArgument):
+            res.reserve(3.0, "xfer-5", "engine-p", [15], prompt=bad)
+    assert res.get("xfer-5") is None and not push.is_writing("xfer-5")
+    assert push.stats()["admitted"] == 3

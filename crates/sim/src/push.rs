@@ -43,15 +43,13 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_engine::{
-    FenceVerdict, PushAction, PushConfig, PushCore, Reservation, ReservationOutcome, Reservations,
-    WritePlan,
+    FenceVerdict, PushAction, PushConfig, PushCore, ReservationOutcome, Reservations, WritePlan,
 };
 use kvlease_lease::{
     BlockAllocator, BlockId, EngineId, Generation, LeaseConfig, RequestId, Timestamp,
 };
 use kvlease_notif::{
-    MAX_NOTIF_LEN, Notif, PushNotice, PushRegistration, ReservationRef, decode,
-    encode_push_heartbeats,
+    MAX_NOTIF_LEN, Notif, PushNotice, ReservationRef, decode, encode_push_heartbeats,
 };
 
 use crate::rng::Rng;
@@ -545,7 +543,7 @@ impl Sim {
             return;
         };
         let request = RequestId::new(&format!("p{p}-req-{i}")).unwrap_or_else(|_| unreachable!());
-        if let Err(e) = self.ps[pi].core.admit(now, transfer.clone(), request) {
+        if let Err(e) = self.ps[pi].core.admit(now, transfer.clone(), request, None) {
             self.fail(format!("p{p}: admit of {transfer} refused: {e}"));
             self.free_p(p, &blocks);
             return;
@@ -567,15 +565,7 @@ impl Sim {
         let sender = engine(from);
         match decode(bytes) {
             Ok(Notif::PushRegister(r)) => {
-                let reservation = Reservation {
-                    lease: r.lease(),
-                    transfer: r.transfer,
-                    blocks: r.blocks,
-                    generation: r.generation,
-                };
-                let out = self.ps[pi]
-                    .core
-                    .handle_registration(now, &sender, reservation);
+                let out = self.ps[pi].core.handle_registration(now, &sender, r.into());
                 self.log(format!("p{p} registration from {sender}: {out:?}"));
             }
             Ok(Notif::ReservationReleased(r)) => {
@@ -744,17 +734,19 @@ impl Sim {
             self.log(format!("d{d} refuses {transfer}: pool full"));
             return;
         };
-        let reservation =
-            match self.ds[di]
-                .res
-                .reserve(now, transfer.clone(), engine(Node::P(p)), blocks.clone())
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    self.fail(format!("d{d}: reserve of {transfer} refused: {e}"));
-                    return;
-                }
-            };
+        let reservation = match self.ds[di].res.reserve(
+            now,
+            transfer.clone(),
+            engine(Node::P(p)),
+            blocks.clone(),
+            None,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                self.fail(format!("d{d}: reserve of {transfer} refused: {e}"));
+                return;
+            }
+        };
         for b in &blocks {
             let old = self.ds[di]
                 .owner
@@ -764,13 +756,7 @@ impl Sim {
             }
         }
         self.reserved.insert(i, (self.now, reservation.generation));
-        let registration = PushRegistration {
-            transfer: transfer.clone(),
-            generation: reservation.generation,
-            lease_ms: u64::try_from(reservation.lease.as_millis()).unwrap_or(u64::MAX),
-            blocks,
-        };
-        match registration.encode() {
+        match reservation.registration().encode() {
             Ok(bytes) => self.send(Node::D(d), Node::P(p), bytes),
             Err(e) => self.fail(format!("d{d}: registration of {transfer}: {e}")),
         }

@@ -16,7 +16,7 @@
 
 use kvlease_engine::{Reservation, ReservationEnded, ReservationOutcome, Reservations};
 use kvlease_lease::BlockAllocator;
-use kvlease_notif::{Notif, PushNotice, PushRegistration, ReservationRef};
+use kvlease_notif::{Notif, PushNotice, ReservationRef};
 
 use super::*;
 use crate::push::PushLeg;
@@ -281,21 +281,23 @@ impl DecodeEngine {
                 return;
             }
         };
-        let reservation =
-            match push
-                .reservations
-                .reserve(now, transfer.clone(), engine.clone(), blocks.clone())
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    let _ = push.blocks.free(&blocks);
-                    self.fail_leg(
-                        id,
-                        ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
-                    );
-                    return;
-                }
-            };
+        let reservation = match push.reservations.reserve(
+            now,
+            transfer.clone(),
+            engine.clone(),
+            blocks.clone(),
+            None,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = push.blocks.free(&blocks);
+                self.fail_leg(
+                    id,
+                    ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+                );
+                return;
+            }
+        };
         //= docs/spec.md#the-write-fence
         //# D publishes a reservation's generation in an 8-byte fence word of a region it
         //# registered
@@ -319,17 +321,8 @@ impl DecodeEngine {
             &self.cfg.advertise_host,
             self.cfg.side_channel_port,
         );
-        let lease_ms = u64::try_from(r.lease.as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        let reg = PushRegistration {
-            transfer: r.transfer.clone(),
-            generation: r.generation,
-            lease_ms,
-            blocks: r.blocks.clone(),
-        };
         let grants = self.write_grants(engine, r);
-        let sent = match reg.encode() {
+        let sent = match r.registration().encode() {
             Ok(msg) => std::iter::once(peer)
                 .chain(grants)
                 .chain(std::iter::once(msg))

@@ -13,9 +13,7 @@
 
 use std::collections::HashSet;
 
-use kvlease_engine::{
-    PushAction, PushConfig, PushCore, PushEnded, PushOutcome, Reservation, WritePlan,
-};
+use kvlease_engine::{PushAction, PushConfig, PushCore, PushEnded, PushOutcome, WritePlan};
 use kvlease_notif::Notif;
 use kvlease_transport::{LocalRange, WriteBatch, WriteFence, WriteOp};
 
@@ -98,7 +96,9 @@ impl PrefillEngine {
             ));
         };
         push.core
-            .admit(now, transfer.clone(), request.clone())
+            // No prompt digest: the agents' transfer id is the router's `transfer_id`,
+            // never derived from a client's request id.
+            .admit(now, transfer.clone(), request.clone(), None)
             .map_err(|e| {
                 ApiError::new(axum::http::StatusCode::CONFLICT, "conflict", e.to_string())
             })?;
@@ -246,16 +246,7 @@ impl PrefillEngine {
             match kvlease_notif::decode(&msg) {
                 Ok(Notif::PushRegister(r)) => {
                     let transfer = r.transfer.clone();
-                    let outcome = push.core.handle_registration(
-                        now,
-                        engine,
-                        Reservation {
-                            transfer: r.transfer,
-                            blocks: r.blocks,
-                            generation: r.generation,
-                            lease: Duration::from_millis(r.lease_ms),
-                        },
-                    );
+                    let outcome = push.core.handle_registration(now, engine, r.into());
                     tracing::debug!(%engine, %transfer, ?outcome, "push registration");
                 }
                 Ok(Notif::ReservationReleased(r)) => {

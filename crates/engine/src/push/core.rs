@@ -8,7 +8,7 @@ use kvlease_lease::{
     Timestamp,
 };
 
-use kvlease_notif::{PushNotice, ReservationRef};
+use kvlease_notif::{PromptDigest, PushNotice, ReservationRef};
 
 use super::Reservation;
 
@@ -77,6 +77,25 @@ pub enum RegistrationOutcome {
     /// The reservation's lease is too short for P's heartbeat interval (P could not keep
     /// it): P answered with a push-failed, so that D frees the blocks at once.
     LeaseTooShort,
+    /// P's leg and the registration carry different prompt digests: the transfer id
+    /// matched another request's leg. P answered with a push-failed and writes nothing;
+    /// the leg keeps waiting for a matching registration.
+    PromptMismatch,
+}
+
+impl RegistrationOutcome {
+    /// The outcome's name in metrics and logs: `accepted`, `duplicate`, `conflict`,
+    /// `ended`, `lease_too_short`, `prompt_mismatch`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Accepted => "accepted",
+            Self::Duplicate => "duplicate",
+            Self::Conflict => "conflict",
+            Self::Ended => "ended",
+            Self::LeaseTooShort => "lease_too_short",
+            Self::PromptMismatch => "prompt_mismatch",
+        }
+    }
 }
 
 /// How a push ended on P.
@@ -206,7 +225,8 @@ pub struct PushStats {
     pub admitted: u64,
     /// Registrations accepted.
     pub registrations: u64,
-    /// Registrations ignored: duplicates, conflicts, for ended pushes.
+    /// Registrations not accepted when they arrived: duplicates, conflicts, for ended
+    /// pushes, leases too short, prompt mismatches with the leg held.
     pub registrations_ignored: u64,
     /// Registrations that waited for P's leg longer than the wait and were dropped.
     pub registrations_dropped: u64,
@@ -216,6 +236,12 @@ pub struct PushStats {
     pub ended: u64,
     /// Reservation-released messages that named no registration P holds.
     pub releases_ignored: u64,
+    /// Registrations refused because their prompt digest differs from P's leg's, in
+    /// either order: refused on arrival ([`RegistrationOutcome::PromptMismatch`], also
+    /// counted in `registrations_ignored`) or, held while waiting for the leg, dropped
+    /// when the leg came (counted in `registrations` when it arrived). D was told
+    /// (push-failed) each time.
+    pub prompt_mismatches: u64,
 }
 
 /// Where a push is.
@@ -223,6 +249,8 @@ pub struct PushStats {
 struct Push {
     /// P's request id; `None` while only D's registration has arrived.
     request: Option<RequestId>,
+    /// The digest of P's prompt, when P's leg carries one.
+    prompt: Option<PromptDigest>,
     registration: Option<Registered>,
     /// P's blocks, once its prefill is done.
     blocks: Option<Vec<BlockId>>,
@@ -241,6 +269,13 @@ struct Registered {
     decode: EngineId,
     generation: Generation,
     blocks: Vec<BlockId>,
+    prompt: Option<PromptDigest>,
+}
+
+/// Whether two prompt digests tell different prompts apart: both are there and differ.
+/// Without a digest on either side nothing is checked.
+fn prompts_differ(leg: Option<PromptDigest>, registration: Option<PromptDigest>) -> bool {
+    matches!((leg, registration), (Some(a), Some(b)) if a != b)
 }
 
 /// The pairs P writes: P's `prefill` blocks hold the whole prompt, D's `decode` blocks are
@@ -279,6 +314,9 @@ pub fn write_pairs(prefill: &[BlockId], decode: &[BlockId]) -> Option<Vec<(Block
 ///   ends.
 /// - Every admitted push ends exactly once ([`PushAction::Ended`]); D is told by
 ///   write-done or push-failed unless D itself reported the reservation gone.
+/// - When P's leg and D's registration both carry a prompt digest and the two differ,
+///   the registration is refused (push-failed to D, nothing written) whichever came
+///   first, and the leg keeps waiting for a matching one.
 #[derive(Debug)]
 pub struct PushCore {
     config: PushConfig,
@@ -334,7 +372,10 @@ impl PushCore {
             .is_some_and(|p| p.writing.is_some())
     }
 
-    /// Admits P's leg of `transfer` (P's own id `request`).
+    /// Admits P's leg of `transfer` (P's own id `request`), with a digest of P's prompt
+    /// when the shell computed one (`prompt`). A registration that came first and carries
+    /// another digest is dropped: D is told (push-failed), and the leg waits for a
+    /// matching registration as if none had come.
     ///
     /// # Errors
     /// [`PushError::Duplicate`] when admitted already, [`PushError::NotPushing`] when the
@@ -344,12 +385,14 @@ impl PushCore {
         now: Timestamp,
         transfer: RequestId,
         request: RequestId,
+        prompt: Option<PromptDigest>,
     ) -> Result<(), PushError> {
         if self.ended.contains_key(&transfer) {
             return Err(PushError::NotPushing { transfer });
         }
         let push = self.pushes.entry(transfer.clone()).or_insert_with(|| Push {
             request: None,
+            prompt: None,
             registration: None,
             blocks: None,
             writing: None,
@@ -361,12 +404,28 @@ impl PushCore {
             return Err(PushError::Duplicate { transfer });
         }
         push.request = Some(request);
+        push.prompt = prompt;
         self.stats.admitted += 1;
-        let registered = push.registration.as_ref().map(|r| r.decode.clone());
-        if registered.is_some() {
-            // The lone registration stops waiting for the leg.
-            self.set_deadline(&transfer, None);
+        //= docs/spec.md#push-mode
+        //# a registration held while it waits for P's leg is dropped when the leg arrives
+        //# with another digest
+        if let Some(r) = push
+            .registration
+            .take_if(|r| prompts_differ(prompt, r.prompt))
+        {
+            self.stats.prompt_mismatches += 1;
+            self.actions.push_back(PushAction::Send {
+                to: r.decode,
+                message: PushMessage::PushFailed {
+                    transfer: transfer.clone(),
+                    generation: r.generation,
+                },
+            });
         }
+        let registered = push.registration.as_ref().map(|r| r.decode.clone());
+        // The lone registration stops waiting for the leg (or, dropped, waits no more);
+        // the leg's own wait starts when its prefill ends.
+        self.set_deadline(&transfer, None);
         if let Some(decode) = registered {
             self.track(now, &transfer, decode);
         }
@@ -374,6 +433,10 @@ impl PushCore {
     }
 
     /// D engine `from` registered `reservation`.
+    ///
+    /// Refused with a push-failed to `from` ([`RegistrationOutcome::PromptMismatch`]) when
+    /// P's leg is admitted with a prompt digest and the registration carries another: the
+    /// leg is left as it was.
     pub fn handle_registration(
         &mut self,
         now: Timestamp,
@@ -385,20 +448,38 @@ impl PushCore {
             self.stats.registrations_ignored += 1;
             return RegistrationOutcome::Ended;
         }
-        if let Some(r) = self
-            .pushes
-            .get(&transfer)
-            .and_then(|p| p.registration.as_ref())
-        {
+        let push = self.pushes.get(&transfer);
+        let leg_prompt = push.filter(|p| p.request.is_some()).and_then(|p| p.prompt);
+        let mismatch = prompts_differ(leg_prompt, reservation.prompt);
+        if let Some(r) = push.and_then(|p| p.registration.as_ref()) {
+            let same = &r.decode == from && r.generation == reservation.generation;
+            // Another reservation for another prompt is refused like any mismatch below
+            // (D is told); anything else next to the one held is ignored.
+            if !mismatch || same {
+                self.stats.registrations_ignored += 1;
+                return if same && r.blocks == reservation.blocks && r.prompt == reservation.prompt {
+                    RegistrationOutcome::Duplicate
+                } else {
+                    RegistrationOutcome::Conflict
+                };
+            }
+        }
+        // Before the lease check: a registration for another prompt must not end the leg.
+        //= docs/spec.md#push-mode
+        //# When both P's leg and D's registration carry a prompt digest and the two differ,
+        //# P does not accept the registration: it answers push-failed for that
+        //# registration's generation at once and writes nothing
+        if mismatch {
+            self.actions.push_back(PushAction::Send {
+                to: from.clone(),
+                message: PushMessage::PushFailed {
+                    transfer,
+                    generation: reservation.generation,
+                },
+            });
             self.stats.registrations_ignored += 1;
-            return if &r.decode == from
-                && r.generation == reservation.generation
-                && r.blocks == reservation.blocks
-            {
-                RegistrationOutcome::Duplicate
-            } else {
-                RegistrationOutcome::Conflict
-            };
+            self.stats.prompt_mismatches += 1;
+            return RegistrationOutcome::PromptMismatch;
         }
         //= docs/spec.md#push-mode
         //# P accepts a registration only if its heartbeat interval is at most a sixth of
@@ -426,6 +507,7 @@ impl PushCore {
             decode: from.clone(),
             generation: reservation.generation,
             blocks: reservation.blocks,
+            prompt: reservation.prompt,
         };
         match self.pushes.get_mut(&transfer) {
             Some(push) => {
@@ -439,6 +521,7 @@ impl PushCore {
                     transfer.clone(),
                     Push {
                         request: None,
+                        prompt: None,
                         registration: Some(registered),
                         blocks: None,
                         writing: None,

@@ -7,6 +7,7 @@ use kvlease_lease::{
     BlockId, EngineId, Event, Generation, GrantError, HeartbeatOutcome, LeaseConfig, LeaseTable,
     ReleaseReason, RequestId, Timestamp,
 };
+use kvlease_notif::{PromptDigest, PushRegistration};
 
 /// What D registers with P for one transfer: the blocks P writes into, the fence, and the
 /// lease P must keep renewed.
@@ -22,6 +23,41 @@ pub struct Reservation {
     /// The reservation's lease duration: D frees the blocks this long after the
     /// reservation (or `2/3` of it after the last heartbeat) unless renewed.
     pub lease: Duration,
+    /// A digest of D's prompt's token ids, when D's shell computed one: P refuses the
+    /// registration when its own leg carries another digest (the transfer id matched
+    /// another request's leg).
+    pub prompt: Option<PromptDigest>,
+}
+
+impl Reservation {
+    /// The registration frame's fields (`KVL1:PR:`; encode with
+    /// [`PushRegistration::encode`]). The lease is written in whole milliseconds, at
+    /// least 1.
+    #[must_use]
+    pub fn registration(&self) -> PushRegistration {
+        PushRegistration {
+            transfer: self.transfer.clone(),
+            generation: self.generation,
+            lease_ms: u64::try_from(self.lease.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            blocks: self.blocks.clone(),
+            prompt: self.prompt,
+        }
+    }
+}
+
+impl From<PushRegistration> for Reservation {
+    /// What P received: the registration frame's fields.
+    fn from(r: PushRegistration) -> Self {
+        Self {
+            lease: r.lease(),
+            transfer: r.transfer,
+            blocks: r.blocks,
+            generation: r.generation,
+            prompt: r.prompt,
+        }
+    }
 }
 
 /// How a reservation ended.
@@ -203,7 +239,9 @@ impl Reservations {
     }
 
     /// Reserves `blocks` (D's blocks for the tokens it must receive, in token order) for
-    /// `transfer`, to be written by P engine `prefill`. Returns what to register with P.
+    /// `transfer`, to be written by P engine `prefill`. Returns what to register with P,
+    /// carrying `prompt` (a digest of D's prompt, when the shell computed one) for P to
+    /// check against its leg's.
     ///
     /// # Errors
     /// The lease table's refusal ([`GrantError::Duplicate`] when `transfer` is held
@@ -214,6 +252,7 @@ impl Reservations {
         transfer: RequestId,
         prefill: EngineId,
         blocks: Vec<BlockId>,
+        prompt: Option<PromptDigest>,
     ) -> Result<Reservation, GrantError> {
         //= docs/spec.md#push-mode
         //# D reserves the blocks under a lease of the reservation duration from the
@@ -226,6 +265,7 @@ impl Reservations {
             blocks,
             generation,
             lease: self.table.config().duration(),
+            prompt,
         })
     }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 use kvlease_lease::{
     BlockAllocator, BlockId, EngineId, Generation, LeaseConfig, RequestId, Timestamp,
 };
+use kvlease_notif::{Notif, PromptDigest};
 use proptest::prelude::*;
 
 use super::*;
@@ -30,6 +31,11 @@ fn lease() -> LeaseConfig {
     LeaseConfig::from_duration(Duration::from_millis(1200)).unwrap()
 }
 
+/// A prompt digest of 16 `b` bytes.
+fn digest(b: u8) -> PromptDigest {
+    PromptDigest::from_bytes([b; 16])
+}
+
 fn d_table() -> Reservations {
     Reservations::new(lease(), Generation(NonZeroU64::MIN))
 }
@@ -52,8 +58,10 @@ fn ended(d: &mut Reservations) -> Vec<ReservationEnded> {
 fn abort_frees_reserved_blocks_at_once_and_p_never_writes() {
     let (mut d, mut p) = (d_table(), p_core());
     let (t, de, pe) = (id("xfer-1"), engine("D"), engine("P"));
-    let r = d.reserve(ms(0), t.clone(), pe, blocks(&[7, 8])).unwrap();
-    p.admit(ms(0), t.clone(), id("p-req-1")).unwrap();
+    let r = d
+        .reserve(ms(0), t.clone(), pe, blocks(&[7, 8]), None)
+        .unwrap();
+    p.admit(ms(0), t.clone(), id("p-req-1"), None).unwrap();
     assert_eq!(
         p.handle_registration(ms(1), &de, r.clone()),
         RegistrationOutcome::Accepted
@@ -89,9 +97,9 @@ fn abort_frees_reserved_blocks_at_once_and_p_never_writes() {
 #[test]
 fn dead_prefill_loses_its_reservations_within_a_lease() {
     let (mut d, pe) = (d_table(), engine("P"));
-    d.reserve(ms(0), id("never-renewed"), pe.clone(), blocks(&[1]))
+    d.reserve(ms(0), id("never-renewed"), pe.clone(), blocks(&[1]), None)
         .unwrap();
-    d.reserve(ms(0), id("renewed"), pe.clone(), blocks(&[2]))
+    d.reserve(ms(0), id("renewed"), pe.clone(), blocks(&[2]), None)
         .unwrap();
     for t in [200, 400, 600] {
         d.handle_heartbeat(ms(t), &pe, ["renewed"]);
@@ -127,9 +135,10 @@ fn heartbeats_name_transfer_ids_and_hold_every_reservation_under_load() {
         let k = (i % 2) as usize;
         let t = id(&format!("xfer-{i}"));
         let r = ds[k]
-            .reserve(ms(0), t.clone(), pe.clone(), blocks(&[i]))
+            .reserve(ms(0), t.clone(), pe.clone(), blocks(&[i]), None)
             .unwrap();
-        p.admit(ms(0), t, id(&format!("p-internal-{i}"))).unwrap();
+        p.admit(ms(0), t, id(&format!("p-internal-{i}")), None)
+            .unwrap();
         assert_eq!(
             p.handle_registration(ms(0), &des[k], r),
             RegistrationOutcome::Accepted
@@ -164,9 +173,9 @@ fn no_write_after_the_request_retired() {
     let (mut d, mut p) = (d_table(), p_core());
     let (t, de, pe) = (id("xfer-r"), engine("D"), engine("P"));
     let r = d
-        .reserve(ms(0), t.clone(), pe.clone(), blocks(&[4]))
+        .reserve(ms(0), t.clone(), pe.clone(), blocks(&[4]), None)
         .unwrap();
-    p.admit(ms(0), t.clone(), id("p-r")).unwrap();
+    p.admit(ms(0), t.clone(), id("p-r"), None).unwrap();
     p.handle_registration(ms(1), &de, r);
     assert!(p.retire(ms(10), &t));
     let a = actions(&mut p);
@@ -189,9 +198,9 @@ fn no_write_after_the_request_retired() {
     // Retired while a write is in flight: the write's result ends it, D is told it failed.
     let t2 = id("xfer-r2");
     let r2 = d
-        .reserve(ms(30), t2.clone(), pe.clone(), blocks(&[5]))
+        .reserve(ms(30), t2.clone(), pe.clone(), blocks(&[5]), None)
         .unwrap();
-    p.admit(ms(30), t2.clone(), id("p-r2")).unwrap();
+    p.admit(ms(30), t2.clone(), id("p-r2"), None).unwrap();
     p.handle_registration(ms(31), &de, r2.clone());
     p.handle_prefill_done(ms(40), &t2, blocks(&[9])).unwrap();
     assert!(matches!(&actions(&mut p)[..], [PushAction::Write(_)]));
@@ -215,9 +224,9 @@ fn failed_write_post_is_reported_and_d_stops_waiting() {
     let (mut d, mut p) = (d_table(), p_core());
     let (t, de, pe) = (id("xfer-f"), engine("D"), engine("P"));
     let r = d
-        .reserve(ms(0), t.clone(), pe.clone(), blocks(&[3]))
+        .reserve(ms(0), t.clone(), pe.clone(), blocks(&[3]), None)
         .unwrap();
-    p.admit(ms(0), t.clone(), id("p-f")).unwrap();
+    p.admit(ms(0), t.clone(), id("p-f"), None).unwrap();
     p.handle_registration(ms(1), &de, r.clone());
     p.handle_prefill_done(ms(5), &t, blocks(&[11])).unwrap();
     let [PushAction::Write(w)] = &actions(&mut p)[..] else {
@@ -267,9 +276,9 @@ fn prefix_hit_blocks_are_trimmed_from_the_front() {
     let (mut d, mut p) = (d_table(), p_core());
     let (t, de) = (id("xfer-p"), engine("D"));
     let r = d
-        .reserve(ms(0), t.clone(), engine("P"), blocks(&[70, 71]))
+        .reserve(ms(0), t.clone(), engine("P"), blocks(&[70, 71]), None)
         .unwrap();
-    p.admit(ms(0), t.clone(), id("p-p")).unwrap();
+    p.admit(ms(0), t.clone(), id("p-p"), None).unwrap();
     p.handle_prefill_done(ms(1), &t, p_blocks).unwrap();
     p.handle_registration(ms(2), &de, r);
     let [PushAction::Write(w)] = &actions(&mut p)[..] else {
@@ -285,12 +294,12 @@ fn prefix_hit_blocks_are_trimmed_from_the_front() {
 fn late_write_of_an_old_generation_is_refused() {
     let (mut d, pe) = (d_table(), engine("P"));
     let old = d
-        .reserve(ms(0), id("a"), pe.clone(), blocks(&[1, 2]))
+        .reserve(ms(0), id("a"), pe.clone(), blocks(&[1, 2]), None)
         .unwrap();
     d.handle_timeout(ms(1200));
     assert_eq!(ended(&mut d)[0].outcome, ReservationOutcome::Expired);
     let new = d
-        .reserve(ms(1201), id("b"), pe.clone(), blocks(&[1, 2]))
+        .reserve(ms(1201), id("b"), pe.clone(), blocks(&[1, 2]), None)
         .unwrap();
     assert_ne!(old.generation, new.generation);
     assert_eq!(
@@ -305,7 +314,7 @@ fn late_write_of_an_old_generation_is_refused() {
     d.abort(ms(1203), &id("b"));
     ended(&mut d);
     let again = d
-        .reserve(ms(1204), id("a"), pe.clone(), blocks(&[1, 2]))
+        .reserve(ms(1204), id("a"), pe.clone(), blocks(&[1, 2]), None)
         .unwrap();
     assert_eq!(
         d.admits_write(&pe, &id("a"), old.generation),
@@ -333,12 +342,13 @@ fn late_write_of_an_old_generation_is_refused() {
 fn registration_with_a_lease_too_short_fails_fast() {
     let mut p = p_core();
     let t = id("x");
-    p.admit(ms(0), t.clone(), id("p")).unwrap();
+    p.admit(ms(0), t.clone(), id("p"), None).unwrap();
     let r = Reservation {
         transfer: t,
         blocks: blocks(&[1]),
         generation: Generation(NonZeroU64::MIN),
         lease: Duration::from_millis(600),
+        prompt: None,
     };
     assert_eq!(
         p.handle_registration(ms(1), &engine("D"), r),
@@ -359,7 +369,7 @@ fn registration_with_a_lease_too_short_fails_fast() {
 #[test]
 fn waits_for_the_other_leg_are_bounded() {
     let mut p = p_core();
-    p.admit(ms(0), id("x"), id("p")).unwrap();
+    p.admit(ms(0), id("x"), id("p"), None).unwrap();
     p.handle_prefill_done(ms(100), &id("x"), blocks(&[1]))
         .unwrap();
     assert_eq!(p.poll_timeout(), Some(ms(1300)));
@@ -375,6 +385,7 @@ fn waits_for_the_other_leg_are_bounded() {
         blocks: blocks(&[1]),
         generation: Generation(NonZeroU64::MIN),
         lease: Duration::from_millis(1200),
+        prompt: None,
     };
     p.handle_registration(ms(0), &engine("D"), r);
     assert!(
@@ -393,9 +404,307 @@ fn waits_for_the_other_leg_are_bounded() {
         "D is told its lone registration was dropped"
     );
     assert_eq!(p.stats().registrations_dropped, 1);
-    assert!(p.admit(ms(1201), id("y"), id("p2")).is_err());
+    assert!(p.admit(ms(1201), id("y"), id("p2"), None).is_err());
     p.handle_timeout(ms(100_000));
     assert!(p.is_idle() && p.poll_timeout().is_none());
+}
+
+/// The digest travels with the reservation: `reserve` carries it, the registration frame
+/// writes it, and what P decodes carries it again.
+#[test]
+fn the_prompt_digest_travels_in_the_registration() {
+    let mut d = d_table();
+    let r = d
+        .reserve(
+            ms(0),
+            id("x"),
+            engine("P"),
+            blocks(&[4, 5]),
+            Some(digest(0xab)),
+        )
+        .unwrap();
+    assert_eq!(r.prompt, Some(digest(0xab)));
+    let frame = r.registration();
+    assert_eq!((frame.lease_ms, frame.prompt), (1200, Some(digest(0xab))));
+    let bytes = frame.encode().unwrap();
+    assert_eq!(
+        bytes,
+        format!("KVL1:PR:x;1;1200;4,5;{}", "ab".repeat(16)).as_bytes()
+    );
+    let Ok(Notif::PushRegister(back)) = kvlease_notif::decode(&bytes) else {
+        panic!("not a registration");
+    };
+    assert_eq!(Reservation::from(back), r);
+    // Without a digest, the frame has no fifth field.
+    let r = d
+        .reserve(ms(0), id("y"), engine("P"), blocks(&[6]), None)
+        .unwrap();
+    assert_eq!(r.registration().encode().unwrap(), b"KVL1:PR:y;2;1200;6");
+    assert_eq!(
+        RegistrationOutcome::PromptMismatch.as_str(),
+        "prompt_mismatch"
+    );
+}
+
+/// Defect: with a transfer id derived from a client's repeated request id, P matched D's
+/// registration for one prompt with its leg for another and wrote the wrong KV. Here the
+/// registration that comes after the leg with another digest is refused: D is told at
+/// once, nothing is written or heartbeated, and the leg waits for its own registration.
+#[test]
+fn a_registration_for_another_prompt_after_the_leg_is_refused() {
+    let (mut d, mut d2, mut p) = (d_table(), d_table(), p_core());
+    let (t, de, de2, pe) = (id("x"), engine("D"), engine("D2"), engine("P"));
+    p.admit(ms(0), t.clone(), id("p-x"), Some(digest(1)))
+        .unwrap();
+    let other = d2
+        .reserve(ms(0), t.clone(), pe.clone(), blocks(&[8]), Some(digest(2)))
+        .unwrap();
+    assert_eq!(
+        p.handle_registration(ms(1), &de2, other.clone()),
+        RegistrationOutcome::PromptMismatch
+    );
+    let a = actions(&mut p);
+    let [PushAction::Send { to, message }] = &a[..] else {
+        panic!("{a:?}");
+    };
+    assert_eq!(to, &de2);
+    assert_eq!(
+        message,
+        &PushMessage::PushFailed {
+            transfer: t.clone(),
+            generation: other.generation
+        }
+    );
+    // D2 frees its blocks at once and recomputes.
+    assert_eq!(
+        d2.handle_push_failed(ms(2), &pe, &t, other.generation),
+        FenceVerdict::Accepted
+    );
+    let e = ended(&mut d2);
+    assert!(e[0].outcome == ReservationOutcome::Failed && e[0].needs_recompute());
+    // The leg is untouched: pushing, nothing heartbeated, no deadline before its prefill.
+    assert_eq!(p.pushing(), 1);
+    assert!(p.poll_heartbeat(ms(1000)).is_none());
+    assert_eq!(p.poll_timeout(), None);
+    let s = p.stats();
+    assert_eq!(
+        (
+            s.prompt_mismatches,
+            s.registrations_ignored,
+            s.registrations
+        ),
+        (1, 1, 0)
+    );
+    // The same mismatched registration again (a duplicate) and one whose lease is too
+    // short are refused the same way; neither ends the leg.
+    assert_eq!(
+        p.handle_registration(ms(3), &de2, other.clone()),
+        RegistrationOutcome::PromptMismatch
+    );
+    let short = Reservation {
+        lease: Duration::from_millis(600),
+        ..other
+    };
+    assert_eq!(
+        p.handle_registration(ms(3), &de2, short),
+        RegistrationOutcome::PromptMismatch
+    );
+    assert!(matches!(
+        &actions(&mut p)[..],
+        [
+            PushAction::Send {
+                message: PushMessage::PushFailed { .. },
+                ..
+            },
+            PushAction::Send {
+                message: PushMessage::PushFailed { .. },
+                ..
+            },
+        ]
+    ));
+    assert_eq!(p.pushing(), 1);
+    // The prefill ends: P waits for a registration as usual.
+    p.handle_prefill_done(ms(100), &t, blocks(&[1, 2])).unwrap();
+    assert!(actions(&mut p).is_empty());
+    assert_eq!(p.poll_timeout(), Some(ms(1300)));
+    // The leg's own registration comes and is written.
+    let mine = d
+        .reserve(
+            ms(150),
+            t.clone(),
+            pe.clone(),
+            blocks(&[7]),
+            Some(digest(1)),
+        )
+        .unwrap();
+    assert_eq!(
+        p.handle_registration(ms(200), &de, mine.clone()),
+        RegistrationOutcome::Accepted
+    );
+    let [PushAction::Write(w)] = &actions(&mut p)[..] else {
+        panic!("no write");
+    };
+    assert_eq!((&w.decode, w.generation), (&de, mine.generation));
+    assert_eq!(w.pairs, [(BlockId(2), BlockId(7))]);
+    // Another prompt's registration while the right one is held: refused, D2 told, the
+    // write in flight unaffected.
+    let late = d2
+        .reserve(
+            ms(210),
+            t.clone(),
+            pe.clone(),
+            blocks(&[9]),
+            Some(digest(2)),
+        )
+        .unwrap();
+    assert_eq!(
+        p.handle_registration(ms(210), &de2, late.clone()),
+        RegistrationOutcome::PromptMismatch
+    );
+    assert!(matches!(
+        &actions(&mut p)[..],
+        [PushAction::Send { to, message: PushMessage::PushFailed { generation, .. } }]
+            if *to == de2 && *generation == late.generation
+    ));
+    assert!(p.handle_write_result(ms(220), &t, mine.generation, true));
+    let a = actions(&mut p);
+    assert!(matches!(
+        &a[..],
+        [
+            PushAction::Send { to, message: PushMessage::WriteDone { .. } },
+            PushAction::Ended(e),
+        ] if *to == de && e.outcome == PushOutcome::Written
+    ));
+    assert_eq!(p.stats().prompt_mismatches, 4);
+}
+
+/// The other order: a registration that came first, held while it waits for P's leg, is
+/// dropped when the leg arrives with another digest; D is told, and the leg is admitted
+/// as if no registration had come (its prefill then waits the usual time).
+#[test]
+fn a_registration_for_another_prompt_before_the_leg_is_dropped_at_admit() {
+    let (mut d2, mut p) = (d_table(), p_core());
+    let (t, de2, pe) = (id("x"), engine("D2"), engine("P"));
+    let other = d2
+        .reserve(ms(0), t.clone(), pe, blocks(&[8]), Some(digest(2)))
+        .unwrap();
+    assert_eq!(
+        p.handle_registration(ms(0), &de2, other.clone()),
+        RegistrationOutcome::Accepted
+    );
+    assert_eq!(
+        p.poll_timeout(),
+        Some(ms(1200)),
+        "the lone registration waits"
+    );
+    p.admit(ms(10), t.clone(), id("p-x"), Some(digest(1)))
+        .unwrap();
+    assert_eq!(
+        actions(&mut p),
+        [PushAction::Send {
+            to: de2.clone(),
+            message: PushMessage::PushFailed {
+                transfer: t.clone(),
+                generation: other.generation
+            }
+        }]
+    );
+    assert_eq!(p.stats().prompt_mismatches, 1);
+    assert_eq!(p.pushing(), 1);
+    assert!(
+        p.poll_heartbeat(ms(1000)).is_none(),
+        "D2 is not heartbeated"
+    );
+    assert_eq!(
+        p.poll_timeout(),
+        None,
+        "no deadline before the prefill ends"
+    );
+    // A late duplicate of the dropped registration is refused now that the leg is here.
+    assert_eq!(
+        p.handle_registration(ms(20), &de2, other),
+        RegistrationOutcome::PromptMismatch
+    );
+    assert_eq!(actions(&mut p).len(), 1);
+    p.handle_prefill_done(ms(100), &t, blocks(&[1])).unwrap();
+    assert!(actions(&mut p).is_empty(), "nothing written");
+    assert_eq!(p.poll_timeout(), Some(ms(1300)));
+    p.handle_timeout(ms(1300));
+    assert!(matches!(
+        &actions(&mut p)[..],
+        [PushAction::Ended(e)] if e.outcome == PushOutcome::NoRegistration && e.decode.is_none()
+    ));
+    assert!(p.is_idle());
+}
+
+/// Equal digests, in either order, are accepted and written as without digests.
+#[test]
+fn equal_prompt_digests_are_accepted_and_written() {
+    for registration_first in [false, true] {
+        let (mut d, mut p) = (d_table(), p_core());
+        let (t, de, pe) = (id("x"), engine("D"), engine("P"));
+        let r = d
+            .reserve(ms(0), t.clone(), pe.clone(), blocks(&[7]), Some(digest(1)))
+            .unwrap();
+        if registration_first {
+            p.handle_registration(ms(0), &de, r.clone());
+            p.admit(ms(1), t.clone(), id("p-x"), Some(digest(1)))
+                .unwrap();
+        } else {
+            p.admit(ms(0), t.clone(), id("p-x"), Some(digest(1)))
+                .unwrap();
+            assert_eq!(
+                p.handle_registration(ms(1), &de, r.clone()),
+                RegistrationOutcome::Accepted
+            );
+        }
+        assert!(actions(&mut p).is_empty());
+        let hb = p.poll_heartbeat(ms(250)).expect("heartbeated");
+        assert_eq!((hb.engine, hb.requests), (de.clone(), vec![t.clone()]));
+        p.handle_prefill_done(ms(300), &t, blocks(&[3])).unwrap();
+        let [PushAction::Write(w)] = &actions(&mut p)[..] else {
+            panic!("no write");
+        };
+        assert_eq!(w.pairs, [(BlockId(3), BlockId(7))]);
+        assert!(p.handle_write_result(ms(310), &t, r.generation, true));
+        assert_eq!(
+            d.handle_write_done(ms(311), &pe, &t, r.generation),
+            FenceVerdict::Accepted
+        );
+        assert_eq!(p.stats().prompt_mismatches, 0);
+    }
+}
+
+/// Without a digest on either side nothing is checked: agents send none.
+#[test]
+fn a_missing_digest_on_either_side_checks_nothing() {
+    for (leg, reg, registration_first) in [
+        (None, Some(digest(2)), false),
+        (Some(digest(1)), None, false),
+        (None, Some(digest(2)), true),
+        (Some(digest(1)), None, true),
+        (None, None, false),
+    ] {
+        let (mut d, mut p) = (d_table(), p_core());
+        let (t, de, pe) = (id("x"), engine("D"), engine("P"));
+        let r = d.reserve(ms(0), t.clone(), pe, blocks(&[7]), reg).unwrap();
+        if registration_first {
+            p.handle_registration(ms(0), &de, r.clone());
+            p.admit(ms(1), t.clone(), id("p-x"), leg).unwrap();
+        } else {
+            p.admit(ms(0), t.clone(), id("p-x"), leg).unwrap();
+            assert_eq!(
+                p.handle_registration(ms(1), &de, r.clone()),
+                RegistrationOutcome::Accepted
+            );
+        }
+        p.handle_prefill_done(ms(5), &t, blocks(&[3])).unwrap();
+        assert!(
+            matches!(&actions(&mut p)[..], [PushAction::Write(w)] if w.generation == r.generation),
+            "{leg:?} {reg:?} {registration_first}"
+        );
+        assert_eq!(p.stats().prompt_mismatches, 0);
+    }
 }
 
 // ------------------------------------------------------------------- model test
@@ -404,8 +713,10 @@ const TRANSFERS: usize = 5;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Reserve(usize),
-    Admit(usize),
+    /// Reserve transfer `.0` on D with prompt digest `.1` ([`model_prompt`]).
+    Reserve(usize, usize),
+    /// Admit transfer `.0` on P with prompt digest `.1`.
+    Admit(usize, usize),
     PrefillDone(usize),
     Retire(usize),
     AbortOnD(usize),
@@ -420,8 +731,8 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let t = 0..TRANSFERS;
     prop_oneof![
-        t.clone().prop_map(Op::Reserve),
-        t.clone().prop_map(Op::Admit),
+        (t.clone(), 0..3usize).prop_map(|(i, p)| Op::Reserve(i, p)),
+        (t.clone(), 0..3usize).prop_map(|(i, p)| Op::Admit(i, p)),
         t.clone().prop_map(Op::PrefillDone),
         t.clone().prop_map(Op::Retire),
         t.prop_map(Op::AbortOnD),
@@ -432,6 +743,12 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Op::Heartbeat),
         (1..900u64).prop_map(Op::Advance),
     ]
+}
+
+/// The model's prompts: none (an agent's leg), or one of two digests (two requests that
+/// share a transfer id).
+fn model_prompt(p: usize) -> Option<PromptDigest> {
+    [None, Some(digest(0xaa)), Some(digest(0xbb))][p % 3]
 }
 
 #[derive(Debug, Clone)]
@@ -459,6 +776,10 @@ struct Harness {
     admitted: HashMap<RequestId, u32>,
     pushes_ended: HashMap<RequestId, u32>,
     landed: u32,
+    /// The prompt of each reservation D made, by generation.
+    reservation_prompts: HashMap<Generation, Option<PromptDigest>>,
+    /// The prompt of P's leg of each transfer, as last admitted.
+    leg_prompts: HashMap<RequestId, Option<PromptDigest>>,
 }
 
 impl Harness {
@@ -477,6 +798,8 @@ impl Harness {
             admitted: HashMap::new(),
             pushes_ended: HashMap::new(),
             landed: 0,
+            reservation_prompts: HashMap::new(),
+            leg_prompts: HashMap::new(),
         }
     }
 
@@ -488,13 +811,18 @@ impl Harness {
         let now = ms(self.now);
         let (de, pe) = (engine("D"), engine("P"));
         match op {
-            Op::Reserve(i) => {
+            Op::Reserve(i, prompt) => {
                 let t = Self::t(i);
                 // One reservation per transfer at a time (D admits a request once).
                 if self.d.get(&t).is_none()
                     && let Ok(b) = self.pool.alloc(2)
                 {
-                    let r = self.d.reserve(now, t.clone(), pe, b.clone()).unwrap();
+                    let prompt = model_prompt(prompt);
+                    let r = self
+                        .d
+                        .reserve(now, t.clone(), pe, b.clone(), prompt)
+                        .unwrap();
+                    self.reservation_prompts.insert(r.generation, prompt);
                     for blk in b {
                         prop_assert!(self.owner.insert(blk, (t.clone(), r.generation)).is_none());
                     }
@@ -503,9 +831,15 @@ impl Harness {
                     self.net.push(Msg::Register(r));
                 }
             }
-            Op::Admit(i) => {
-                if self.p.admit(now, Self::t(i), id(&format!("p{i}"))).is_ok() {
+            Op::Admit(i, prompt) => {
+                let prompt = model_prompt(prompt);
+                if self
+                    .p
+                    .admit(now, Self::t(i), id(&format!("p{i}")), prompt)
+                    .is_ok()
+                {
                     *self.admitted.entry(Self::t(i)).or_default() += 1;
+                    self.leg_prompts.insert(Self::t(i), prompt);
                 }
             }
             Op::PrefillDone(i) => {
@@ -607,7 +941,19 @@ impl Harness {
         }
         while let Some(a) = self.p.poll_action() {
             match a {
-                PushAction::Write(w) => self.writes.push(w),
+                PushAction::Write(w) => {
+                    // Never a write for another prompt.
+                    let d = self.reservation_prompts[&w.generation];
+                    let p = self.leg_prompts[&w.transfer];
+                    prop_assert!(
+                        d.is_none() || p.is_none() || d == p,
+                        "write of {:?} with prompts {:?} (D) and {:?} (P)",
+                        w.transfer,
+                        d,
+                        p
+                    );
+                    self.writes.push(w);
+                }
                 PushAction::Send { message, .. } => self.net.push(Msg::Told(message)),
                 PushAction::Ended(e) => *self.pushes_ended.entry(e.transfer).or_default() += 1,
             }

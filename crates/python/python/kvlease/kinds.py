@@ -194,3 +194,6 @@ class RegistrationOutcome(_StrEnum):
     ENDED = "ended"
     #: The lease is too short for P's heartbeat interval: P answers push-failed.
     LEASE_TOO_SHORT = "lease_too_short"
+    #: P's leg carries another prompt digest: P answers push-failed, writes nothing, and
+    #: the leg keeps waiting for a matching registration.
+    PROMPT_MISMATCH = "prompt_mismatch"

@@ -9,9 +9,9 @@ use crate::errors::{Family, raise_err};
 
 /// What a notification says (`decode_notif`): `kind` (a `NotifKind`: `heartbeat`,
 /// `read_complete`, `abort`, `expired`, `push` or `app`) and the fields of that kind; the
-/// others are `None`. A `push` frame (push mode; the package does not push yet) gives its
-/// transfer as `request` and `(transfer, generation)` in `leases`, or a push heartbeat's
-/// transfer ids in `ids`.
+/// others are `None`. A `push` frame (push mode) gives its transfer as `request` and
+/// `(transfer, generation)` in `leases`, or a push heartbeat's transfer ids in `ids`; a
+/// registration (`KVL1:PR:`) also its prompt digest in `prompt`, when it carries one.
 #[pyclass(module = "kvlease._kvlease", frozen, get_all)]
 pub(crate) struct DecodedNotif {
     /// What it is (a `NotifKind`).
@@ -28,6 +28,8 @@ pub(crate) struct DecodedNotif {
     consumers_total: Option<u32>,
     /// `expired`: `(request, generation)` of each lease named.
     leases: Option<Vec<(String, u64)>>,
+    /// `push` registration: the digest of D's prompt (32 lowercase hex digits), if given.
+    prompt: Option<String>,
 }
 
 impl DecodedNotif {
@@ -41,6 +43,7 @@ impl DecodedNotif {
             rank: None,
             consumers_total: None,
             leases: None,
+            prompt: None,
         })
     }
 }
@@ -90,6 +93,7 @@ pub(crate) fn decode_notif(py: Python<'_>, message: &[u8]) -> PyResult<DecodedNo
         Ok(Notif::PushRegister(r)) => DecodedNotif {
             request: Some(r.transfer.as_str().to_owned()),
             leases: Some(vec![(r.transfer.as_str().to_owned(), r.generation.word())]),
+            prompt: r.prompt.map(|p| p.to_string()),
             ..DecodedNotif::of(py, "push")?
         },
         Ok(Notif::PushHeartbeat(ids)) => DecodedNotif {

@@ -1,15 +1,14 @@
 //! Push mode's cores for Python: D's [`Reservations`] and P's [`PushCore`], and what they
 //! return (reservations, ended reservations, writes to post, messages to send, ended
-//! pushes). The vLLM connector does not use them yet.
+//! pushes). The vLLM connector's push mode (`kvlease.vllm.push`) drives them.
 
 use std::num::NonZeroU64;
 use std::time::Duration;
 
 use kvlease_engine as engine;
-use kvlease_engine::{
-    FenceVerdict, PushAction, PushConfig, PushError, PushMessage, RegistrationOutcome,
-};
+use kvlease_engine::{FenceVerdict, PushAction, PushConfig, PushError, PushMessage};
 use kvlease_lease::{Generation, GrantError, LeaseConfig};
+use kvlease_notif::PromptDigest;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -23,6 +22,16 @@ fn generation(py: Python<'_>, word: u64) -> PyResult<Generation> {
     NonZeroU64::new(word)
         .map(Generation)
         .ok_or_else(|| invalid(py, "a generation is a positive integer, not 0"))
+}
+
+/// A prompt digest from Python: `None`, or exactly 32 lowercase hex digits.
+fn prompt_digest(py: Python<'_>, prompt: Option<&str>) -> PyResult<Option<PromptDigest>> {
+    prompt
+        .map(|text| {
+            PromptDigest::parse(text)
+                .map_err(|e| invalid(py, format!("prompt digest {text:?}: {}", chain(&e))))
+        })
+        .transpose()
 }
 
 fn seconds(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
@@ -91,6 +100,8 @@ pub(crate) struct Reservation {
     generation: u64,
     /// The reservation's lease duration, seconds.
     lease: f64,
+    /// The digest of D's prompt it carries (32 lowercase hex digits), or `None`.
+    prompt: Option<String>,
 }
 
 #[pymethods]
@@ -207,8 +218,12 @@ impl Reservations {
     }
 
     /// Reserves `blocks` (D's blocks for the tokens it must receive, in token order) for
-    /// `transfer`, to be written by P engine `prefill`. Raises `AdmitError` when the
-    /// transfer holds a reservation already or the table is full (`retryable`).
+    /// `transfer`, to be written by P engine `prefill`; `prompt` (32 lowercase hex
+    /// digits, or `None`) is a digest of D's prompt that the registration carries for P
+    /// to check against its leg's. Raises `AdmitError` when the transfer holds a
+    /// reservation already or the table is full (`retryable`), `InvalidArgument` for a
+    /// malformed digest.
+    #[pyo3(signature = (now, transfer, prefill, blocks, prompt = None))]
     fn reserve(
         &mut self,
         py: Python<'_>,
@@ -216,19 +231,22 @@ impl Reservations {
         transfer: &str,
         prefill: &str,
         blocks: Vec<u32>,
+        prompt: Option<&str>,
     ) -> PyResult<Reservation> {
         let now = at(py, now)?;
         let transfer = request_id(py, transfer)?;
         let prefill = engine_id(py, prefill)?;
+        let prompt = prompt_digest(py, prompt)?;
         let r = self
             .core
-            .reserve(now, transfer, prefill, block_ids(blocks))
+            .reserve(now, transfer, prefill, block_ids(blocks), prompt)
             .map_err(|e| grant_error(py, &e))?;
         Ok(Reservation {
             transfer: r.transfer.as_str().to_owned(),
             blocks: block_list(&r.blocks),
             generation: r.generation.word(),
             lease: r.lease.as_secs_f64(),
+            prompt: r.prompt.map(|p| p.to_string()),
         })
     }
 
@@ -528,23 +546,37 @@ impl PushCore {
         Ok(self.core.is_writing(&transfer))
     }
 
-    /// Admits P's leg of `transfer` (P's own id `request`).
-    fn admit(&mut self, py: Python<'_>, now: f64, transfer: &str, request: &str) -> PyResult<()> {
+    /// Admits P's leg of `transfer` (P's own id `request`), with `prompt` (32 lowercase
+    /// hex digits, or `None`), a digest of P's prompt: a registration carrying another
+    /// digest is refused (push-failed to its D), whether it came before or after.
+    /// Raises `PrefillError` when refused, `InvalidArgument` for a malformed digest.
+    #[pyo3(signature = (now, transfer, request, prompt = None))]
+    fn admit(
+        &mut self,
+        py: Python<'_>,
+        now: f64,
+        transfer: &str,
+        request: &str,
+        prompt: Option<&str>,
+    ) -> PyResult<()> {
         let now = self.now(py, now)?;
         let transfer = request_id(py, transfer)?;
         let request = request_id(py, request)?;
+        let prompt = prompt_digest(py, prompt)?;
         self.core
-            .admit(now, transfer, request)
+            .admit(now, transfer, request, prompt)
             .map_err(|e| push_error(py, &e))
     }
 
     /// D engine `decode` registered its reservation of `transfer`: `generation`, its
-    /// lease (`lease` seconds) and D's `blocks` in token order. Returns a
-    /// `RegistrationOutcome`.
+    /// lease (`lease` seconds), D's `blocks` in token order and the digest of D's prompt
+    /// (`prompt`: 32 lowercase hex digits, or `None`). Returns a `RegistrationOutcome`
+    /// (`prompt_mismatch` when P's leg carries another digest: P answered push-failed).
     #[allow(
         clippy::too_many_arguments,
         reason = "a registration's fields as Python arguments"
     )]
+    #[pyo3(signature = (now, decode, transfer, generation, lease, blocks, prompt = None))]
     fn handle_registration(
         &mut self,
         py: Python<'_>,
@@ -554,6 +586,7 @@ impl PushCore {
         generation: u64,
         lease: f64,
         blocks: Vec<u32>,
+        prompt: Option<&str>,
     ) -> PyResult<Py<PyAny>> {
         let now = self.now(py, now)?;
         let decode = engine_id(py, decode)?;
@@ -562,15 +595,10 @@ impl PushCore {
             blocks: block_ids(blocks),
             generation: self::generation(py, generation)?,
             lease: seconds(py, "lease", lease)?,
+            prompt: prompt_digest(py, prompt)?,
         };
-        let name = match self.core.handle_registration(now, &decode, reservation) {
-            RegistrationOutcome::Accepted => "accepted",
-            RegistrationOutcome::Duplicate => "duplicate",
-            RegistrationOutcome::Conflict => "conflict",
-            RegistrationOutcome::Ended => "ended",
-            RegistrationOutcome::LeaseTooShort => "lease_too_short",
-        };
-        PyEnum::RegistrationOutcome.member(py, name)
+        let outcome = self.core.handle_registration(now, &decode, reservation);
+        PyEnum::RegistrationOutcome.member(py, outcome.as_str())
     }
 
     /// P's prefill of `transfer` ended; `blocks` hold the whole prompt's KV in token
@@ -729,6 +757,7 @@ impl PushCore {
         d.set_item("writes", s.writes)?;
         d.set_item("ended", s.ended)?;
         d.set_item("releases_ignored", s.releases_ignored)?;
+        d.set_item("prompt_mismatches", s.prompt_mismatches)?;
         Ok(d)
     }
 
