@@ -350,3 +350,98 @@ def test_p_defers_heartbeats_to_a_d_whose_engine_info_it_is_still_fetching():
     (beat,) = push.transmits
     assert (beat.engine, beat.kind, parse(beat.message).transfers) == (
         "d0", "push_heartbeat", ("tx-9",))
+
+
+def vllm_proxy_legs(p, x_request_id: str, p_tokens: list[int], d_tokens: list[int]):
+    """P's and D's legs as vLLM's own push proxy sends them, at once: no transfer id; one
+    ``X-Request-Id`` for both, from which vLLM's API server makes each engine's request
+    id (``cmpl-<it>-0`` and a random suffix); D's names P by its engine id and side
+    channel and names the proxy's id as ``remote_request_id``."""
+    sched = p.connector.scheduler
+    p_req = create_request(request_id=f"cmpl-{x_request_id}-0-1a2b3c4d",
+                           prompt_token_ids=p_tokens, max_tokens=1,
+                           kv_transfer_params={"do_remote_decode": True,
+                                               "do_remote_prefill": False,
+                                               "remote_engine_id": None,
+                                               "remote_block_ids": None})
+    d_req = create_request(
+        request_id=f"cmpl-{x_request_id}-0-9f8e7d6c", prompt_token_ids=d_tokens, max_tokens=3,
+        kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
+                            "remote_engine_id": "p0",
+                            "remote_host": sched.config.side_channel_host,
+                            "remote_port": sched.side_channel_port, "tp_size": 1,
+                            "pp_size": 1, "remote_request_id": x_request_id},
+    )
+    return p_req, d_req
+
+
+def test_vllm_push_proxy_legs_match_by_request_id_and_p_writes(pd):
+    """vLLM's push proxy gives no transfer id: the legs match by vLLM's request id without
+    its random suffix (as NixlPushConnector matches), and the prompt digests agree."""
+    from kvlease.vllm.push import d_transfer, p_transfer
+
+    p, _, d, _ = pd()
+    tokens = [(7000 + i) % 50000 + 3 for i in range(40)]
+    p_req, req = vllm_proxy_legs(p, "8c1f5e2a-4b7d-4f0e-9a3c-2d6b8e1f0a57", tokens, tokens)
+    key = "cmpl-8c1f5e2a-4b7d-4f0e-9a3c-2d6b8e1f0a57-0"
+    assert p_transfer(p_req.kv_transfer_params, p_req.request_id) == key
+    assert d_transfer(req.kv_transfer_params, req.request_id) == key
+    p.add_request(p_req)
+    d.add_request(req)
+    spec = reserved(d, req)
+    register = parse(spec.messages[1])
+    assert register.transfer == key and register.prompt and len(register.prompt) == 32
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    # P prefills (each step schedules it) and writes once it knows D's engine info.
+    writes = []
+
+    def written(meta):
+        writes.extend(meta.writes)
+        return writes if p_req.is_finished() else None
+
+    (write,) = until(p, written)
+    assert (write.transfer, write.engine, write.generation) == (key, "d0", spec.generation)
+    assert write.remote_blocks == spec.blocks
+    feed(p, out(writes={write.transfer: [WriteOutcome(write.generation, True, None)]}))
+    (done,) = [t for t in feed(p, out()).kv_connector_metadata.transmits
+               if t.kind == "write_done"]
+    feed(d, out(notifs=[(P_WORKER, done.message)]))
+    (end,) = feed(d, out()).kv_connector_metadata.reservation_ends
+    assert (end.request, end.outcome) == (req.request_id, "written")
+
+
+@pytest.mark.parametrize("d_first", [True, False], ids=["d-registers-first", "p-leg-first"])
+def test_a_repeated_request_id_with_another_prompt_is_never_written(pd, d_first):
+    """A client can repeat an ``X-Request-Id``: two requests with one id but different
+    prompts match by id, and P would write one prompt's KV into the other's blocks (a
+    wrong token). Their prompt digests differ: P answers push-failed and writes nothing,
+    in either order, and D computes the prompt."""
+    p, _, d, _ = pd()
+    p_tokens = [(8000 + i) % 50000 + 3 for i in range(40)]
+    d_tokens = [(9000 + i) % 50000 + 3 for i in range(40)]
+    p_req, req = vllm_proxy_legs(p, "repeated-id", p_tokens, d_tokens)
+    if not d_first:
+        p.add_request(p_req)
+        step(p)
+    d.add_request(req)
+    spec = reserved(d, req)
+    feed(p, out(notifs=[(D_WORKER, m) for m in spec.messages]))
+    if d_first:
+        until(p, lambda m: "d0" in p.connector.scheduler.engines)
+        p.add_request(p_req)
+    (failed,) = until(p, lambda m: [t for t in m.transmits if t.kind == "push_failed"])
+    assert failed.engine == "d0"
+    assert (parse(failed.message).transfer, parse(failed.message).generation) == (
+        "cmpl-repeated-id-0", spec.generation)
+    # P's own request goes on (it is P's client's), and nothing is ever written to D.
+    for _ in range(5):
+        assert not step(p)[0].kv_connector_metadata.writes
+    feed(d, out(notifs=[(P_WORKER, failed.message)]))
+    (end,) = feed(d, out()).kv_connector_metadata.reservation_ends
+    assert (end.request, end.outcome) == (req.request_id, "failed")
+    feed(d, KVConnectorOutput(finished_recving={req.request_id},
+                              invalid_block_ids=set(end.blocks)))
+    for _ in range(12):
+        step(d)
+    assert req.is_finished(), "D did not compute the prompt"
+    assert_scheduler_empty(d)

@@ -138,8 +138,10 @@ on every rank) is read once per D worker, from one P rank (``replicated_kv``), a
 lease waits for exactly those readers.
 
 **Push mode** (``KvleasePushConnector``, or ``transfer_mode: push``; ``push``): both legs
-at once with one ``transfer_id`` (``kvlease-proxy --transfer-mode push``), or P's leg
-first (vLLM's older push proxy). P admits its leg on arrival and keeps the prompt's blocks
+at once with one ``transfer_id`` (``kvlease-proxy --transfer-mode push``), both at once
+with one ``X-Request-Id`` (vLLM's push proxy: the legs match by vLLM's request id without
+its random suffix, and by a digest of the prompt), or P's leg first (vLLM's older push
+proxy). P admits its leg on arrival and keeps the prompt's blocks
 once prefilled; D reserves the blocks vLLM allocated (``kvlease.Reservations``), its
 workers publish the reservation's generation in their write-fence words, and D's worker 0
 registers the blocks with P's worker 0 (``KVL1:PR:``). P's ``kvlease.PushCore`` decides;

@@ -13,8 +13,17 @@ Two flows, both matched by a transfer id:
 
 P admits its leg when the request arrives (``on_new_request``), so a registration that
 comes first is matched, and P's heartbeats keep D's reservation while the request waits
-and prefills on P. The transfer id is the leg's ``transfer_id`` when it has one, else P's
-request id.
+and prefills on P.
+
+The transfer id (``p_transfer``, ``d_transfer``) is the leg's ``transfer_id`` when it has
+one. Without one (vLLM's push proxies send none) it is vLLM's request id without its
+random suffix, as NixlPushConnector matches: on P its own; on D its own when the proxy
+sent both legs at once with one ``X-Request-Id`` and named that id as
+``remote_request_id``, else P's ``remote_request_id`` (P answered first). A client can repeat an ``X-Request-Id``, so the
+id alone could pair one prompt's KV with another request's blocks: D's registration and
+P's leg each carry a digest of their prompt's token ids (``prompt_digest``), and P
+answers a registration whose digest differs from its leg's with push-failed, writing
+nothing (D computes the prompt).
 
 The decisions are the Rust push cores': ``kvlease.Reservations`` on D (a reservation per
 transfer, under a lease P renews with heartbeats; each ends once: written, failed,
@@ -41,8 +50,11 @@ lands.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +68,43 @@ logger = logging.getLogger("kvlease.vllm")
 PEER_PREFIX = b"kvlease-push-peer:"
 _PUSH_KINDS = {b"PR": "register", b"PH": "heartbeat", b"WD": "write_done",
                b"PF": "push_failed", b"RR": "released"}
+
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def base_request_id(rid: str) -> str:
+    """vLLM's request id without the random ``-<8 hex>`` suffix its engine appends to the
+    id the API server made (``cmpl-<X-Request-Id>-<index>``)."""
+    return _RANDOM_SUFFIX.sub("", rid)
+
+
+def p_transfer(params: dict, rid: str) -> str:
+    """The transfer id of P's leg ``rid``: its ``transfer_id``, else ``rid`` without the
+    random suffix."""
+    return str(params.get("transfer_id") or base_request_id(rid))
+
+
+def d_transfer(params: dict, rid: str) -> str:
+    """The transfer id of D's leg ``rid``: its ``transfer_id``; else, when D's own id is
+    the one vLLM's API server made from ``remote_request_id`` (``cmpl-<it>-<index>``: the
+    proxy sent both legs at once with one ``X-Request-Id`` and named it), D's own id
+    without the random suffix, which is P's too; else ``remote_request_id`` (P's request
+    id, from P's answer) without it."""
+    if params.get("transfer_id"):
+        return str(params["transfer_id"])
+    remote = str(params.get("remote_request_id") or "")
+    own = base_request_id(rid)
+    if re.fullmatch(rf"[a-z]+-{re.escape(remote)}(-[0-9]+)?", own):
+        return own
+    return base_request_id(remote)
+
+
+def prompt_digest(token_ids: Any) -> str:
+    """32 hex characters: the first 128 bits of SHA-256 over the prompt's token ids
+    (little-endian u32). Equal on P and D for the same prompt; different prompts differ."""
+    ids = [int(t) for t in token_ids]
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()[:32]
 
 
 def is_push_frame(message: bytes) -> bool:
@@ -76,6 +125,8 @@ class PushFrame:
     transfers: tuple[str, ...] = ()
     #: ``peer``: D's engine, side channel host and port.
     peer: tuple[str, str, int] | None = None
+    #: ``register``: the digest of D's prompt (``prompt_digest``), if it sent one.
+    prompt: str | None = None
 
 
 def parse(message: bytes) -> PushFrame:
@@ -96,15 +147,18 @@ def parse(message: bytes) -> PushFrame:
     if kind == "heartbeat":
         return PushFrame(kind, transfers=tuple(decoded.ids or ()))
     if kind == "register":
-        transfer, gen, lease_ms, blocks = body.split(";")
+        transfer, gen, lease_ms, blocks = body.split(";")[:4]
         return PushFrame(kind, transfer, int(gen), int(lease_ms),
-                         tuple(int(b) for b in blocks.split(",")))
+                         tuple(int(b) for b in blocks.split(",")), prompt=decoded.prompt)
     transfer, gen = body.split(";")
     return PushFrame(kind, transfer, int(gen))
 
 
-def encode_register(transfer: str, generation: int, lease_ms: int, blocks: list[int]) -> bytes:
-    return f"KVL1:PR:{transfer};{generation};{lease_ms};{','.join(map(str, blocks))}".encode()
+def encode_register(transfer: str, generation: int, lease_ms: int, blocks: list[int],
+                    prompt: str | None = None) -> bytes:
+    tail = f";{prompt}" if prompt else ""
+    return (f"KVL1:PR:{transfer};{generation};{lease_ms};{','.join(map(str, blocks))}"
+            f"{tail}").encode()
 
 
 def encode_ref(kind: str, transfer: str, generation: int) -> bytes:
@@ -145,6 +199,8 @@ class _Leg:
     host: str
     port: int
     tp_size: int
+    #: ``prompt_digest`` of the request's prompt.
+    prompt: str | None = None
     blocks: list[int] = field(default_factory=list)
     generation: int = 0
 
@@ -168,7 +224,7 @@ class PushDecode:
     def wants(params: dict | None) -> bool:
         """A D leg of vLLM's push flow: a remote prefill naming P, with no P blocks (or
         P's params passed on whole: ``transfer_mode`` push), and the transfer (the
-        proxy's ``transfer_id``, else P's request id)."""
+        proxy's ``transfer_id``, or a ``remote_request_id``: ``d_transfer``)."""
         return bool(
             params
             and params.get("do_remote_prefill")
@@ -177,11 +233,12 @@ class PushDecode:
             and (params.get("transfer_id") or params.get("remote_request_id"))
         )
 
-    def admit(self, request: str, params: dict) -> _Leg:
+    def admit(self, request: str, params: dict, prompt: str | None = None) -> _Leg:
         leg = _Leg(
             request=request,
             engine=str(params["remote_engine_id"]),
-            transfer=str(params.get("transfer_id") or params["remote_request_id"]),
+            transfer=d_transfer(params, request),
+            prompt=prompt,
             host=str(params.get("remote_host") or "127.0.0.1"),
             port=int(params.get("remote_port") or 0),
             tp_size=int(params.get("tp_size") or 1),
@@ -193,7 +250,8 @@ class PushDecode:
         """Reserves ``blocks`` for ``rid`` and queues the fence and the registration."""
         leg = self.legs[rid]
         try:
-            r = self.reservations.reserve(now, leg.transfer, leg.engine, blocks)
+            r = self.reservations.reserve(now, leg.transfer, leg.engine, blocks,
+                                          prompt=leg.prompt)
         except KvleaseError as e:
             logger.warning("request %s: no reservation (%s): computing locally", rid, e)
             self.counters.add("reservations_refused")
@@ -208,7 +266,7 @@ class PushDecode:
                 blocks=leg.blocks,
                 generation=leg.generation,
                 messages=[peer, check(encode_register(leg.transfer, leg.generation,
-                                                      lease_ms, leg.blocks))],
+                                                      lease_ms, leg.blocks, leg.prompt))],
             )
         )
         self.counters.add("reservations_made")
@@ -304,11 +362,11 @@ class PushPrefill:
         #: P's requests admitted and not yet prefilled -> their transfer ids.
         self.transfers: dict[str, str] = {}
 
-    def admit(self, now: float, rid: str, transfer: str) -> bool:
+    def admit(self, now: float, rid: str, transfer: str, prompt: str | None = None) -> bool:
         """P's leg ``rid`` of ``transfer`` arrived: from now on a registration of D for
-        it is matched, and P's heartbeats keep D's reservation while the request waits
-        and prefills here."""
-        if not self._command(rid, self.core.admit, now, transfer, rid):
+        it is matched (when its prompt digest equals ``prompt``), and P's heartbeats keep
+        D's reservation while the request waits and prefills here."""
+        if not self._command(rid, self.core.admit, now, transfer, rid, prompt):
             return False
         self.transfers[rid] = transfer
         self.counters.add("pushes_admitted")
@@ -346,9 +404,15 @@ class PushPrefill:
         if frame.kind == "register":
             outcome = self.core.handle_registration(
                 now, decode, frame.transfer, frame.generation, frame.lease_ms / 1000.0,
-                list(frame.blocks),
+                list(frame.blocks), frame.prompt,
             )
             self.counters.add(f"registrations_{outcome}")
+            if outcome == "prompt_mismatch":
+                logger.warning(
+                    "push of %s: D %s registered for another prompt than P's leg has "
+                    "(a repeated request id?): not written, D computes it",
+                    frame.transfer, decode,
+                )
         elif frame.kind == "released":
             self.core.handle_reservation_released(now, decode, frame.transfer, frame.generation)
             self.counters.add("reservations_released_by_d")

@@ -20,7 +20,16 @@ from .compat import _kv_descriptor, _kv_incompatibility
 from .config import KvleaseConfig, _engine_of, _listen_addr
 from .handshake import EngineInfo, _engine_info
 from .hybrid import _clip_groups, _group_windows, _pair_groups
-from .push import PEER_PREFIX, PushDecode, PushFrame, PushPrefill, is_push_frame, parse
+from .push import (
+    PEER_PREFIX,
+    PushDecode,
+    PushFrame,
+    PushPrefill,
+    is_push_frame,
+    p_transfer,
+    parse,
+    prompt_digest,
+)
 from .metadata import (
     BatchSpec,
     KvleaseConnectorMetadata,
@@ -652,12 +661,14 @@ class KvleaseScheduler:
             # when the proxy sends both legs at once, may come first) is matched and
             # heartbeated while the request waits and prefills here.
             rid = request.request_id
-            self.push_p.admit(self.clock(), rid, str(params.get("transfer_id") or rid))
+            self.push_p.admit(self.clock(), rid, p_transfer(params, rid),
+                              prompt_digest(request.prompt_token_ids or ()))
             return
         if not params or not params.get("do_remote_prefill"):
             return
         if self.push_d is not None and PushDecode.wants(params):
-            leg = self.push_d.admit(request.request_id, params)
+            leg = self.push_d.admit(request.request_id, params,
+                                    prompt_digest(request.prompt_token_ids or ()))
             self.counters.add("requests_tracked")
             self._push_handshake(leg.engine, leg.host, leg.port)
             return
