@@ -43,6 +43,7 @@ cleanup() {
 trap cleanup EXIT
 export KVLEASE_SERVE_WORK="$WORK"
 export KVLEASE_SERVE_TOY_PROXY="$VENV/share/kvlease/toy_proxy_server.py"
+export KVLEASE_SERVE_VLLM_PUSH_PROXY="$VENV/share/kvlease/disagg_proxy_pushconnector_demo.py"
 export KVLEASE_SERVE_PROXY_BIN="$PWD/target/debug/kvlease-proxy"
 export KVLEASE_SERVE_ROUTER="$VENV/bin/vllm-router"
 export PYTHONDONTWRITEBYTECODE=1

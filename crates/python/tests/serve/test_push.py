@@ -8,7 +8,10 @@ D's prompts came from P's writes (D's prompt tokens by source). Two fronts:
   identity from P's first answer, so at least one request per P goes one leg after the
   other; its metrics show how many went at once);
 - ``push_proxy.py``: vLLM's older push proxy's flow, P's leg first, then D's naming P and
-  no blocks.
+  no blocks;
+- vLLM's own push proxy, unchanged (``disagg_proxy_pushconnector_demo.py``, from vLLM
+  0.34's sources): both legs at once with no transfer id, one ``X-Request-Id`` for both
+  (the legs are matched by vLLM's request id, and by the digest of the prompt).
 
 Then P killed after D registered a reservation (P's engine frozen first, so its write
 never comes): D's reservation expires about a lease after it was made (no heartbeats),
@@ -25,7 +28,7 @@ import time
 import uuid
 
 import pytest
-from fleet import Fleet, assert_equal, complete_all, kv_config, scrape, wait_for
+from fleet import Fleet, assert_equal, complete_all, free_port, kv_config, scrape, wait_for
 from push_proxy import decode_leg, prefill_leg
 
 #: Short, so the fault test waits seconds.
@@ -44,13 +47,20 @@ def _d_config(extra: dict | None = None) -> str:
 @pytest.fixture(scope="module")
 def push(work, model, reference):
     with Fleet(work / "push", model) as fleet:
-        p = fleet.engine("p", kv=kv_config("kv_producer", P_EXTRA))
+        # vLLM's push proxy names P by the engine id and side channel it is given.
+        engine_id, side_channel = "kvlease-push-p", free_port()
+        p_cfg = json.loads(kv_config("kv_producer",
+                                     {**P_EXTRA, "side_channel_port": side_channel}))
+        p = fleet.engine("p", kv=json.dumps({**p_cfg, "engine_id": engine_id}))
         d = fleet.engine("d", kv=_d_config())
         fleet.start(p, d)
         proxy = fleet.push_proxy("push-proxy", [p], [d])
         ours = fleet.kvlease_proxy("kvlease-proxy", [p], [d], args=("--transfer-mode", "push"))
-        fleet.start(proxy, ours)
-        yield fleet, p, d, {"push-proxy": proxy, "kvlease-proxy": ours}
+        vllms = fleet.vllm_push_proxy("vllm-push-proxy", p, [d], engine_id=engine_id,
+                                      side_channel_port=side_channel)
+        fleet.start(proxy, ours, vllms)
+        yield fleet, p, d, {"push-proxy": proxy, "kvlease-proxy": ours,
+                            "vllm-push-proxy": vllms}
 
 
 def by_source(d) -> dict[str, float]:
@@ -72,7 +82,7 @@ def stable(d) -> dict[str, float]:
         last = now
 
 
-@pytest.mark.parametrize("front", ["kvlease-proxy", "push-proxy"])
+@pytest.mark.parametrize("front", ["kvlease-proxy", "push-proxy", "vllm-push-proxy"])
 def test_through_a_push_proxy_equals_a_plain_instance(push, front, model, prompts, reference):
     _, p, d, fronts = push
     proxy = fronts[front]
