@@ -2,8 +2,9 @@
 //! memory: both legs of a request at once (D's first and P's first), every answer's KV
 //! verified, every reservation and push ended and nothing held at the end; a P killed
 //! after D registered (D's reservation expires, D answers the retryable KV failure); a
-//! client that goes away while D waits (D releases, P writes nothing that lands); and
-//! legs of the other mode refused with a 400 naming the flag.
+//! client that goes away while D waits (D releases, P writes nothing that lands); legs
+//! that wait for D's full pool in order (and one past `--max-waiting` refused); and legs
+//! of the other mode refused with a 400 naming the flag.
 
 mod common;
 
@@ -512,5 +513,101 @@ async fn push_leg_on_pull_agents_is_a_400() -> Result<()> {
         s == 400 && v.to_string().contains("--transfer-mode"),
         "D: {s} {v}"
     );
+    Ok(())
+}
+
+/// D's pool holds one request's blocks at a time: push legs that find it full wait in
+/// D's queue (first come first served) and reserve as blocks come free, every answer
+/// verified; a leg past `--max-waiting` gets the retryable 503 at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_legs_wait_for_a_full_pool_in_order_and_past_the_queue_get_a_503() -> Result<()> {
+    // 0.6 s of prefill a request on P: the legs all reach D while the first one holds
+    // D's pool. An 8 s lease: a leg waits for D's blocks up to 4 s, and P frees the
+    // refused leg's blocks 8 s after its prefill.
+    let lease = json!({"kv_lease_duration": 8});
+    let p_cfg = kv_config("kv_producer", lease.clone());
+    let d_cfg = kv_config("kv_consumer", lease);
+    let (c, p, d) = push_pair(
+        "queue",
+        "tcp",
+        &[
+            "--prefill-us-per-token",
+            "5000",
+            "--kv-transfer-config",
+            &p_cfg,
+        ],
+        &[
+            "--num-blocks",
+            "8",
+            "--max-waiting",
+            "2",
+            "--kv-transfer-config",
+            &d_cfg,
+        ],
+    )
+    .await?;
+    let n = 4;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        // 120 tokens: 8 blocks of 16, D's whole pool.
+        let prompt = format!("{i}{}", "q".repeat(119));
+        let transfer = format!("xfer-queue-{i}");
+        let pb = p_leg(&prompt, &transfer);
+        let db = d_leg(&prompt, 4, &transfer, &p, "p-queue");
+        let (pc, dc) = (c.clone(), c.clone());
+        let (p_url, d_url) = (p.agent.url.clone(), d.agent.url.clone());
+        tasks.push(tokio::spawn(async move {
+            let pt = tokio::spawn(async move { post(&pc, &p_url, &pb).await });
+            let dr = post(&dc, &d_url, &db).await?;
+            let pr = pt.await??;
+            anyhow::Ok((prompt, pr, dr))
+        }));
+    }
+    let (mut ok, mut refused) = (0, 0);
+    for t in tasks {
+        let (prompt, (ps, pv), (ds, dv)) = t.await??;
+        ensure!(ps == 200, "P leg: {ps} {pv}");
+        if ds == 503 {
+            ensure!(
+                dv["error"]["type"] == "overloaded"
+                    && dv.to_string().contains("push legs wait already"),
+                "D refused: {dv}"
+            );
+            refused += 1;
+        } else {
+            ensure!(ds == 200, "D leg: {ds} {dv}");
+            check_d_answer(&prompt, 4, &dv)?;
+            ok += 1;
+        }
+    }
+    // One reserves, two wait, the fourth finds the queue full.
+    ensure!((ok, refused) == (3, 1), "{ok} answered, {refused} refused");
+    let log = std::fs::read_to_string(&d.agent.proc.log)?;
+    ensure!(
+        log.matches("push leg waits for free KV blocks").count() >= 2,
+        "no leg waited"
+    );
+    let within = Duration::from_secs(10);
+    wait_metric(
+        &c,
+        &d.agent,
+        "kvlease_push_reservations_ended_total{outcome=\"written\"}",
+        within,
+        |v| v == 3.0,
+    )
+    .await?;
+    ensure!(metric_of(&c, &d.agent, "kvlease_push_legs_waiting").await? == 0.0);
+    // P wrote three; the refused leg's push found no registration and freed its blocks.
+    wait_metric(
+        &c,
+        &p.agent,
+        "kvlease_pushes_active",
+        Duration::from_secs(20),
+        |v| v == 0.0,
+    )
+    .await?;
+    for a in [&p.agent, &d.agent] {
+        wait_metric(&c, a, "kvlease_blocks_held", within, |v| v == 0.0).await?;
+    }
     Ok(())
 }

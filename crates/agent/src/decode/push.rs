@@ -2,8 +2,9 @@
 //!
 //! A push leg names P (engine, side channel, TP size) and the transfer. D handshakes with
 //! P as pull does (its side channel, then every D worker to every P worker), allocates
-//! the request's blocks from its own pool, reserves them (a lease of the agent's lease
-//! duration), publishes the reservation's generation in the write-fence words of the
+//! the request's blocks from its own pool (a full pool: the leg waits in a FIFO queue of
+//! at most `--max-waiting` legs, for at most half a lease duration, then gets a retryable
+//! 503), reserves them (a lease of the agent's lease duration), publishes the reservation's generation in the write-fence words of the
 //! blocks on every worker (`Agent::set_write_fence`) and only then sends P its peer
 //! message (where D's side channel is, so that P connects to D's workers) and the
 //! registration (`KVL1:PR:`). P's heartbeats (`KVL1:PH:`), write-done (`KVL1:WD:`) and
@@ -13,6 +14,8 @@
 //! failed or expired — the blocks are freed and the client gets the retryable KV
 //! failure; aborted (the client went away) — the blocks are freed and P is told
 //! (`KVL1:RR:`, as for an expiry). Every decision is the core's.
+
+use std::collections::VecDeque;
 
 use kvlease_engine::{Reservation, ReservationEnded, ReservationOutcome, Reservations};
 use kvlease_lease::BlockAllocator;
@@ -43,6 +46,8 @@ pub struct PushJob {
 enum LegState {
     /// Waiting for the handshake with P.
     Connecting,
+    /// Handshaken, waiting in [`PushD::waiting`] for free blocks since then.
+    WaitingBlocks(Instant),
     /// Reserved and registered: waiting for P's write.
     Reserved,
     /// Written and verified: streaming its tokens (the blocks are freed at the end).
@@ -74,6 +79,9 @@ pub(super) struct PushD {
     legs: HashMap<RequestId, Leg>,
     /// Transfer → D's id of the leg.
     by_transfer: HashMap<RequestId, RequestId>,
+    /// Legs waiting for free blocks, first come first served (an id whose leg ended or
+    /// moved on is skipped when it comes up).
+    waiting: VecDeque<RequestId>,
 }
 
 impl PushD {
@@ -84,6 +92,7 @@ impl PushD {
             remotes: HashMap::new(),
             legs: HashMap::new(),
             by_transfer: HashMap::new(),
+            waiting: VecDeque::new(),
         }
     }
 
@@ -274,10 +283,21 @@ impl DecodeEngine {
             self.fail_leg(id, e);
             return;
         }
+        let queued = matches!(leg.state, LegState::WaitingBlocks(_));
+        if !queued && !push.waiting.is_empty() {
+            // Others wait for blocks already: this leg queues behind them.
+            self.queue_leg(id, need);
+            return;
+        }
         let blocks = match push.blocks.alloc(need) {
             Ok(b) => b,
-            Err(e) => {
+            Err(e) if queued => {
+                // Only a leg the queue's head found room for gets here.
                 self.fail_leg(id, ApiError::overloaded(format!("no free KV blocks: {e}")));
+                return;
+            }
+            Err(_) => {
+                self.queue_leg(id, need);
                 return;
             }
         };
@@ -309,6 +329,81 @@ impl DecodeEngine {
         self.metrics.push_reservations.inc();
         tracing::debug!(request = %id, %transfer, prefill = %engine, blocks = blocks.len(), generation = reservation.generation.word(), "reserved");
         self.register(now, &engine, &reservation);
+    }
+
+    /// Leg `id` (handshaken, needing `need` blocks) waits for free blocks, or gets the
+    /// retryable 503 when `--max-waiting` legs wait already.
+    fn queue_leg(&mut self, id: &RequestId, need: usize) {
+        let max = self.cfg.max_waiting as usize;
+        let Some(push) = self.push.as_mut() else {
+            return;
+        };
+        if push.waiting.len() >= max {
+            let e = ApiError::overloaded(format!(
+                "no free KV blocks for {need} and {max} push legs wait already"
+            ));
+            self.fail_leg(id, e);
+            return;
+        }
+        if let Some(leg) = push.legs.get_mut(id) {
+            leg.state = LegState::WaitingBlocks(Instant::now());
+            push.waiting.push_back(id.clone());
+            tracing::debug!(request = %id, need, free = push.blocks.free_count(), "push leg waits for free KV blocks");
+        }
+    }
+
+    /// The waiting legs, in order: those past the wait get the retryable 503; the first
+    /// ones the free blocks cover reserve. Call after blocks were freed.
+    fn reserve_waiting(&mut self) {
+        // Longer than half a lease and P, which gives up on a registration one lease
+        // after its prefill, may have freed its blocks already.
+        let limit = self.cfg.lease.duration() / 2;
+        let bs = self.cfg.shape.block_size.max(1) as usize;
+        let Some(push) = self.push.as_mut() else {
+            return;
+        };
+        let mut late = Vec::new();
+        push.waiting.retain(|id| match push.legs.get(id) {
+            Some(Leg {
+                state: LegState::WaitingBlocks(since),
+                ..
+            }) => {
+                if since.elapsed() > limit {
+                    late.push(id.clone());
+                    false
+                } else {
+                    true
+                }
+            }
+            _ => false,
+        });
+        for id in late {
+            let e =
+                ApiError::overloaded(format!("no free KV blocks within {} ms", limit.as_millis()));
+            self.fail_leg(&id, e);
+        }
+        loop {
+            let Some(push) = self.push.as_mut() else {
+                return;
+            };
+            let Some(id) = push.waiting.front().cloned() else {
+                break;
+            };
+            let need = push
+                .legs
+                .get(&id)
+                .map_or(0, |l| l.job.tokens.len().div_ceil(bs));
+            if need > push.blocks.free_count() {
+                break;
+            }
+            push.waiting.pop_front();
+            self.reserve_leg(&id);
+        }
+        if let Some(push) = &self.push {
+            self.metrics
+                .push_legs_waiting
+                .set(push.waiting.len() as i64);
+        }
     }
 
     /// Sends P the peer message and the registration. When either cannot be sent (P's
@@ -481,7 +576,7 @@ impl DecodeEngine {
             return false;
         };
         match &leg.state {
-            LegState::Connecting => {
+            LegState::Connecting | LegState::WaitingBlocks(_) => {
                 self.fail_leg(id, aborted(id));
             }
             LegState::Reserved => {
@@ -529,6 +624,7 @@ impl DecodeEngine {
         }
         self.drain_reservations();
         self.push_tokens();
+        self.reserve_waiting();
         if let Some(push) = &self.push {
             self.metrics
                 .push_reservations_active

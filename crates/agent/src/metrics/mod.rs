@@ -207,6 +207,8 @@ pub struct Metrics {
     pub push_write_grants: Counter,
     /// `kvlease_push_reservations_active` (gauge, D): reservations not yet ended.
     pub push_reservations_active: Gauge,
+    /// `kvlease_push_legs_waiting` (gauge, D): push legs waiting for free KV blocks.
+    pub push_legs_waiting: Gauge,
     /// `kvlease_push_reservations_ended_total{outcome}` (D): use
     /// [`Metrics::push_reservation_ended`].
     push_reservations_ended: Family<PushOutcomeLabel, Counter>,
@@ -408,6 +410,10 @@ impl Metrics {
             push_reservations_active: r.gauge(
                 "push_reservations_active",
                 "Push reservations not yet ended (D)",
+            ),
+            push_legs_waiting: r.gauge(
+                "push_legs_waiting",
+                "Push legs waiting for free KV blocks before they reserve (D)",
             ),
             push_reservations_ended: r.family(
                 "push_reservations_ended",
