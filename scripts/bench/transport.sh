@@ -9,7 +9,8 @@
 #   ours shm   tcp_bench --backend shm: the same-host shared-memory backend, keys shm_*; with
 #              fenced WRITE 64 x 1 MiB and 64 x 64 KiB next to READ (shm_write_gbps_64x1m,
 #              shm_read_gbps_64x1m, shm_write_over_read_64x1m, the same for 64x64k): the
-#              writer sends on the shm link's Unix socket, the target lands the bytes.
+#              writer names its memfd-backed source on the shm link's Unix socket, the
+#              target pulls the bytes from it under its fence lock.
 #   ours cma   tcp_bench --backend cma: the same link, the target's regions plain heap memory
 #              (not memfd-backed, as host tensors registered from Python), read with
 #              cross-memory attach (process_vm_readv), keys cma_*; WRITE into such memory

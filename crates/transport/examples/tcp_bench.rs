@@ -20,7 +20,8 @@
 //! fence word the target published with `Agent::set_write_fence`; the first batch is read
 //! back and checked, and must say the backend that moved it: `tcp`, or `shm` for `shm`
 //! and `cma`, whose writes go on the shm link's Unix socket and land in the target's
-//! process; with `cma` the destination is plain heap memory too):
+//! process, which pulls them from this process's memfd-backed source; with `cma` the
+//! destination is plain heap memory too):
 //! `<backend>_write_gbps_64x1m=`, `<backend>_read_gbps_64x1m=` (the READ headline again,
 //! under the name that pairs with it), `<backend>_write_over_read_64x1m=`, and the same
 //! for `64x64k` (`--no-write`: not); `<backend>` is `tcp`, `shm` or `cma`.

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_gpu_mem::{ForeignRegion, HostRegion, RegionBytes, recv_with_fds};
+use kvlease_gpu_mem::{
+    DmaRegion, ForeignRegion, HostRegion, RegionBytes, recv_with_fds, send_with_fds,
+};
 use kvlease_transport::metadata::decode_metadata;
 use kvlease_transport::{
     Agent, AgentConfig, Backend, BackendChoice, BatchStatus, CmaPolicy, ConnectError, FenceRead,
@@ -903,16 +905,15 @@ fn fake_shm_socket(
         s.write_all(&frame(2, &challenge))?;
         ensure!(read_frame(&mut s)? == 3, "expected PROOF");
         s.write_all(&frame(4, &[1, 0]))?;
-        use kvlease_gpu_mem::DmaRegion as _;
         let table = HostRegion::new(4096)?;
         let table_fd = table.shared_fd().context("memfd")?;
-        kvlease_gpu_mem::send_with_fds(s.as_fd(), &frame(12, &4096u64.to_le_bytes()), &[table_fd])?;
+        send_with_fds(s.as_fd(), &frame(12, &4096u64.to_le_bytes()), &[table_fd])?;
         let spare = HostRegion::new(4096)?;
         let fd = spare.shared_fd().context("memfd")?;
         // D hangs up on the first frame it refuses: later writes may fail.
         let _ = frames.iter().enumerate().try_for_each(|(i, f)| {
             if fd_on == Some(i) {
-                kvlease_gpu_mem::send_with_fds(s.as_fd(), f, &[fd])
+                send_with_fds(s.as_fd(), f, &[fd])
             } else {
                 (&s).write_all(f)
             }
@@ -1549,6 +1550,101 @@ fn shm_write_answer(s: &mut UnixStream, req: u64) -> Result<Result<(), u8>> {
         20 => Ok(Err(body[8])),
         t => bail!("frame type {t}"),
     }
+}
+
+/// A pulled write and its answer: req id, source (id, offset), destination, fence.
+type PullCase = (u64, (u64, u64), WriteDest, WriteFenceWords, Result<(), u8>);
+
+/// A `WRITE_PULL` frame: the write's bytes are `len` bytes at `src` (source id, offset).
+fn shm_write_pull(
+    req: u64,
+    src: (u64, u64),
+    dst: WriteDest,
+    len: u64,
+    fence: WriteFenceWords,
+) -> Vec<u8> {
+    let mut body = Vec::new();
+    for v in [
+        req, src.0, src.1, dst.0, dst.1, dst.2, len, fence.0, fence.1, fence.2, fence.3,
+    ] {
+        body.extend_from_slice(&v.to_le_bytes());
+    }
+    frame(22, &body)
+}
+
+#[test]
+fn writes_pulled_from_a_handed_over_memfd_are_checked_and_fenced() -> Result<()> {
+    let d = agent("d", BackendChoice::Shm, None);
+    let dst_region = Arc::new(HostRegion::new(4096)?);
+    let dst = d.register(dst_region.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(64)?))?;
+    d.set_write_fence(RegionId(fence.id), 8, 5)?;
+    let meta = decode_metadata(&d.metadata())?;
+    ensure!(
+        meta.backends["shm"]["write_pull"] == true,
+        "D does not offer pulled writes"
+    );
+    let (mut s, ..) = raw_shm_client(&d, "w")?;
+    // The writer's source: a memfd-backed region handed over as source 1.
+    let src = filled(1024, 3);
+    let mut body = 1u64.to_le_bytes().to_vec();
+    body.extend_from_slice(&1024u64.to_le_bytes());
+    let fd = src.shared_fd().context("a memfd")?;
+    send_with_fds(s.as_fd(), &frame(21, &body), &[fd])?;
+    let f = (fence.id, fence.key, 8, 5);
+    let cases: [PullCase; 7] = [
+        (1, (1, 7), (dst.id, dst.key, 100), f, Ok(())),
+        // A source never handed over.
+        (2, (9, 0), (dst.id, dst.key, 0), f, Err(2)),
+        // Past the source's end.
+        (3, (1, 1020), (dst.id, dst.key, 0), f, Err(4)),
+        (4, (1, 0), (dst.id + 99, dst.key, 0), f, Err(2)),
+        (5, (1, 0), (dst.id, dst.key ^ 1, 0), f, Err(3)),
+        (6, (1, 0), (dst.id, dst.key, 4090), f, Err(4)),
+        (
+            7,
+            (1, 0),
+            (dst.id, dst.key, 0),
+            (fence.id, fence.key, 8, 4),
+            Err(7),
+        ),
+    ];
+    for (req, from, to, fence, want) in cases {
+        s.write_all(&shm_write_pull(req, from, to, 16, fence))?;
+        let got = shm_write_answer(&mut s, req)?;
+        ensure!(got == want, "write {req}: {got:?}, want {want:?}");
+    }
+    let bytes = bytes_of(dst_region.as_ref(), 0, 4096);
+    ensure!(
+        bytes[100..116] == bytes_of(src.as_ref(), 7, 16)[..],
+        "the good write did not land"
+    );
+    ensure!(
+        bytes
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| (100..116).contains(&i) || b == 0),
+        "a refused write landed"
+    );
+    // Once the fence moved on, a pulled write of the old generation lands nothing.
+    d.set_write_fence(RegionId(fence.id), 8, 6)?;
+    s.write_all(&shm_write_pull(8, (1, 0), (dst.id, dst.key, 0), 16, f))?;
+    ensure!(shm_write_answer(&mut s, 8)? == Err(7));
+    ensure!(bytes_of(dst_region.as_ref(), 0, 4096) == bytes);
+    // Socket writes still go on the same stream, after pulled ones.
+    let f6 = (fence.id, fence.key, 8, 6);
+    s.write_all(&shm_write_req(9, (dst.id, dst.key, 200), f6, &[0xcd; 8]))?;
+    ensure!(shm_write_answer(&mut s, 9)? == Ok(()));
+    s.write_all(&shm_write_pull(10, (1, 0), (dst.id, dst.key, 300), 8, f6))?;
+    ensure!(shm_write_answer(&mut s, 10)? == Ok(()));
+    let now = bytes_of(dst_region.as_ref(), 0, 4096);
+    ensure!(now[200..208] == [0xcd; 8] && now[300..308] == bytes_of(src.as_ref(), 0, 8)[..]);
+    ensure!(d.stats().writes_landed == 3 && d.stats().writes_refused == 7);
+    // A source frame without its descriptor closes the connection.
+    s.write_all(&frame(21, &body))?;
+    let mut rest = Vec::new();
+    ensure!(s.read_to_end(&mut rest)? == 0, "the connection stayed open");
+    Ok(())
 }
 
 #[test]

@@ -244,6 +244,49 @@ fn refused_writes_name_why_and_land_nothing() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn a_write_from_memory_the_receiver_cannot_map_goes_on_the_socket_and_lands() -> Result<()> {
+    let t = pair(1 << 20, Memory::Memfd)?;
+    t.set_fence(2)?;
+    // Plain heap memory of P's: no memfd to hand over, so its payload goes on the socket.
+    let heap_bytes: Vec<u8> = (0..300_000usize).map(|i| (i * 31 % 251) as u8).collect();
+    let heap = Arc::new(ForeignRegion::from_heap(heap_bytes.clone())?);
+    let heap_id = RegionId(t.p.register(heap)?.id);
+    let from_heap = |src_offset, dst_offset, len| WriteOp {
+        local: LocalRange {
+            region: heap_id,
+            offset: src_offset,
+            len,
+        },
+        remote: t.dst_desc.at(dst_offset),
+    };
+    // One batch of both: the heap op on the socket, the memfd op pulled by D.
+    let ops = vec![from_heap(0, 0, 300_000), t.op(5, 400_000, 200_000)];
+    let status = t.write(ops, 2, None)?;
+    let BatchStatus::Done(stats) = status else {
+        bail!("expected Done, got {status:?}");
+    };
+    ensure!(stats.backend == Backend::Shm, "{}", stats.backend);
+    ensure!(bytes_of(t.dst.as_ref(), 0, 300_000) == heap_bytes);
+    ensure!(bytes_of(t.dst.as_ref(), 400_000, 200_000) == bytes_of(t.src.as_ref(), 5, 200_000));
+    let before = bytes_of(t.dst.as_ref(), 0, 1 << 20);
+    ensure!(before[300_000..400_000].iter().all(|&b| b == 0));
+    // After the clear, neither way lands a byte of the old generation.
+    t.set_fence(0)?;
+    for op in [from_heap(0, 0, 1000), t.op(0, 0, 1000)] {
+        let status = t.write(vec![op], 2, None)?;
+        ensure!(
+            matches!(
+                status,
+                BatchStatus::Failed(TransferError::Stale { expected: 2, .. })
+            ),
+            "{status:?}"
+        );
+    }
+    ensure!(bytes_of(t.dst.as_ref(), 0, 1 << 20) == before);
+    Ok(())
+}
+
 /// The new request's bytes D puts into the blocks after it reused them.
 fn reuse_pattern(round: u64, len: u64) -> Vec<u8> {
     (0..len)

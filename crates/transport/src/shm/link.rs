@@ -344,8 +344,9 @@ pub(crate) fn connect(
     } = receive_handover(&mut s, &meta.name, cma_pid)?;
     let has_ring = ring.is_some();
     // The peer serves fenced writes on the socket after the hand-over.
-    let serves_writes = entry.get("write").and_then(serde_json::Value::as_bool) == Some(true);
-    let writer = Writer::new(&s, serves_writes);
+    let flag = |name| entry.get(name).and_then(serde_json::Value::as_bool) == Some(true);
+    // And pulls them from memfds of this process handed over there.
+    let writer = Writer::new(&s, flag("write"), flag("write_pull"));
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
             peer: meta.name.clone(),

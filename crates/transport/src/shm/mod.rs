@@ -124,18 +124,33 @@
 //! # Writes
 //! Fenced writes ([`Agent::post_write`](crate::Agent::post_write)) go the other way: the
 //! agent that connected (P, the writer) sends each chunk on the Unix socket it holds,
-//! after the hand-over, as TCP's `WRITE_REQ` frames, the payload straight from its source
-//! region; the agent that listens (D) reads it into a buffer of its own and lands it
-//! under the fence word's stripe of its write-fence lock once the word holds the write's
-//! generation, exactly as its TCP receiver does, and answers `WRITE_ACK` or `WRITE_ERR`.
+//! after the hand-over, and the agent that listens (D) lands it under the fence word's
+//! stripe of its write-fence lock once the word holds the write's generation, exactly as
+//! its TCP receiver checks it (authenticated peer, destination and fence word registered
+//! under their keys, ranges in bounds, at most 16 MiB a chunk), and answers `WRITE_ACK`
+//! or `WRITE_ERR`. A chunk gets there one of two ways, chosen by P per chunk:
+//! - pulled: when D offers it (`"write_pull": true` in its metadata entry) and the
+//!   chunk's source is a memfd-backed region of P's, P hands that memfd to D once per
+//!   connection (`SHM_WRITE_SRC`, sealed as every memfd handed over is; D maps it
+//!   read-only and keeps it until the connection ends) and then sends only a
+//!   `WRITE_PULL` naming the source (id, offset), the destination, the length and the
+//!   fence word with the generation. D copies the bytes straight from P's pages into the
+//!   destination, the copy running entirely under the stripe lock: one copy, no payload
+//!   on the socket;
+//! - on the socket: otherwise (plain heap memory of P's, D does not offer pulling)
+//!   as TCP's `WRITE_REQ` frames, the payload straight from the source region; D reads
+//!   it into a buffer of its own and copies it into place under the lock.
+//!
 //! Destinations are any host memory D registered (memfd-backed or plain heap memory,
 //! the memory D would read with cma). The peer never writes D's memory itself: the
 //! memfds are sealed against it, and a write fence that the writer checks in memory
 //! both processes share would make D's clear wait on a lock holder it cannot tell from
-//! a dead one (see `write.rs`). D says it serves writes there with `"write": true` in
-//! its metadata entry; without it, and once a link's write stream broke (a timeout
-//! mid-frame, a malformed answer), writes go over the TCP link. Such a batch reports
-//! [`Backend::Shm`](crate::Backend::Shm).
+//! a dead one (see `write.rs`). D reading P's memory keeps that property: only D's
+//! process holds the lock, and P's source stays valid until the chunk is answered
+//! (the batch is not settled before). D says it serves writes there with `"write":
+//! true` in its metadata entry; without it, and once a link's write stream broke (a
+//! timeout mid-frame, a malformed answer), writes go over the TCP link. Such a batch
+//! reports [`Backend::Shm`](crate::Backend::Shm), either way.
 //!
 //! # Limits
 //! D's mapping keeps P's pages alive until the link closes, and D's reads do not show up
@@ -148,7 +163,15 @@
 //! read P's TCP server is serving does. A region P registers after D connected is not
 //! handed over (D reads it over TCP) until D connects again. P's lease protocol and
 //! fences, not the key, guard the bytes of a region that stays registered for the pool's
-//! life. The CUDA IPC path's end-to-end test
+//! life. A pulled write is copied from the writer's memory when the receiver serves it:
+//! should the receiver serve it only after the writer gave up waiting for its answer
+//! (the receiver stalled past the batch's deadline and the write stream's answer grace,
+//! the writer's batch failed with `Timeout`), it copies what the writer's source holds
+//! then, into blocks of a write that failed, and only while the fence word still holds
+//! that write's generation (a chunk sent on the socket would land its old bytes there
+//! instead). Blocks a failed write was aimed at are not to be used without writing them
+//! again. The receiver keeps the memfds handed over for pulled writes mapped until the
+//! connection closes. The CUDA IPC path's end-to-end test
 //! (`cuda_device_memory_is_read_over_shm_from_another_process` in `tests/shm.rs`) is
 //! `#[ignore]`d (it needs a GPU; `scripts/gpu-check.sh` runs it) and passed on one H200.
 

@@ -1,9 +1,9 @@
 //! P's side: the abstract Unix socket that hands region descriptors and a notification
 //! ring to authenticated peers on the same host, and the ring's drain.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,19 +11,24 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvlease_gpu_mem::{
-    DmaRegion, HostRegion, HugePagePolicy, Ptracer, RegionBytes, RingReader, send_with_fds,
-    set_ptracer, socket_peer_pid,
+    DmaRegion, HostRegion, HugePagePolicy, Ptracer, RegionBytes, RingReader, SharedRegionView,
+    recv_with_fds, send_with_fds, set_ptracer, socket_peer_pid,
 };
 use kvlease_proto::auth::ServerAuth;
 
 use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
 use crate::config::CmaPolicy;
 use crate::context::Context;
+use crate::error::Refusal;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
 use crate::stats::{Counters, bump};
 use crate::sync::lock;
-use crate::tcp::server::{WriteReq, serve_write};
+use crate::tcp::server::{WriteReq, serve_pulled_write, serve_write};
 use crate::tcp::wire::{self, Body, FrameError};
+
+/// Descriptors received on a write stream and not yet claimed by an `SHM_WRITE_SRC`
+/// frame (one reads ahead of the frame that carries it) before the peer counts as broken.
+const MAX_STRAY_FDS: usize = 16;
 
 /// The Unix-socket connections being served, shut down when the agent stops.
 #[derive(Debug, Default)]
@@ -152,7 +157,12 @@ impl Server {
         };
         ctx.set_backend_metadata(
             METADATA_KEY,
-            Some(serde_json::json!({ "host": identity, "socket": name, "write": true })),
+            Some(serde_json::json!({
+                "host": identity,
+                "socket": name,
+                "write": true,
+                "write_pull": true,
+            })),
         );
         tracing::debug!(socket = %name, "shm backend listening");
         Some(Self {
@@ -418,22 +428,39 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
 /// Serves the fenced writes an authenticated peer sends on its Unix socket after the
 /// hand-over, one at a time and in order, until it closes the socket: the TCP write
 /// protocol (`WRITE_REQ` and its payload; `WRITE_ACK` or `WRITE_ERR`), landed by
-/// [`serve_write`] as the TCP receiver lands them. The
-/// peer's bytes are taken into a buffer of this process first and copied into the
-/// destination only under the fence word's stripe of the write-fence lock, after the
-/// word was found to hold the write's generation. The peer never maps this agent's
-/// memory writable (its memfds are sealed against it) and never holds that lock: a peer
-/// that stalls or dies mid-write holds only this connection's thread, and
+/// [`serve_write`] as the TCP receiver lands them, and writes this process pulls from
+/// the peer's memory (`WRITE_PULL`, from a memfd the peer handed over with
+/// `SHM_WRITE_SRC` and this process mapped read-only), landed by
+/// [`serve_pulled_write`]. Either way the bytes reach the destination only under the
+/// fence word's stripe of the write-fence lock, after the word was found to hold the
+/// write's generation: a `WRITE_REQ`'s from a buffer of this process, a `WRITE_PULL`'s
+/// straight from the peer's pages. The peer never maps this agent's memory writable
+/// (its memfds are sealed against it) and never holds that lock: a peer that stalls or
+/// dies mid-write holds only this connection's thread, and
 /// [`Agent::set_write_fence`](crate::Agent::set_write_fence) waits at most for one copy
 /// of this process already under way.
 fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
-    let mut r = io::BufReader::with_capacity(64 * 1024, s.try_clone()?);
+    let mut r = io::BufReader::with_capacity(
+        64 * 1024,
+        FdReader {
+            sock: s.try_clone()?,
+            fds: VecDeque::new(),
+        },
+    );
     // One write's payload at a time, grown to the largest write seen (at most
     // `wire::MAX_WRITE_LEN`).
     let mut landing = Vec::new();
+    // The peer's regions handed over to pull from: source id → its mapping (`None`: the
+    // descriptor could not be mapped; writes from it are refused).
+    let mut sources: HashMap<u64, Option<SharedRegionView>> = HashMap::new();
+    let len_of = |ty| match ty {
+        wire::WRITE_REQ => wire::WRITE_REQ_LEN,
+        wire::WRITE_PULL => wire::WRITE_PULL_LEN,
+        _ => wire::SHM_WRITE_SRC_LEN,
+    };
     loop {
-        let (_, len) = match wire::read_header(&mut r, &[wire::WRITE_REQ], |_| wire::WRITE_REQ_LEN)
-        {
+        let allowed = [wire::WRITE_REQ, wire::WRITE_PULL, wire::SHM_WRITE_SRC];
+        let (ty, len) = match wire::read_header(&mut r, &allowed, len_of) {
             Ok(h) => h,
             // The peer closed the socket between frames: the link's end.
             Err(FrameError::Io(err)) if err.kind() == io::ErrorKind::UnexpectedEof => {
@@ -441,9 +468,78 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
             }
             Err(err) => return Err(err),
         };
+        if len != len_of(ty) {
+            return Err(FrameError::Malformed(format!(
+                "a frame of type {ty} with a body of {len} bytes"
+            )));
+        }
         let body = wire::read_body(&mut r, len)?;
-        let write = WriteReq::parse(&mut Body(&body))?;
-        serve_write(ctx, &mut r, s, &mut landing, true, &write)?;
+        let mut b = Body(&body);
+        match ty {
+            wire::WRITE_REQ => {
+                let write = WriteReq::parse(&mut b)?;
+                serve_write(ctx, &mut r, s, &mut landing, true, &write)?;
+            }
+            wire::WRITE_PULL => {
+                let (write, (src, src_offset)) = WriteReq::parse_pull(&mut b)?;
+                let pull = match sources.get(&src) {
+                    Some(Some(view)) => Ok(view),
+                    _ => Err(Refusal::UnknownRegion),
+                }
+                .map(|view| {
+                    move |dest: &dyn DmaRegion, offset, len| {
+                        view.copy_to(src_offset, dest, offset, len)
+                            .map_err(|_| Refusal::OutOfBounds)
+                    }
+                });
+                serve_pulled_write(ctx, s, &write, pull)?;
+            }
+            _ => {
+                let (id, region_len) = (b.u64()?, b.u64()?);
+                b.finish()?;
+                // The descriptor came with the frame's first byte, read by now (those
+                // of later frames read ahead queue behind it).
+                let Some(fd) = r.get_mut().fds.pop_front() else {
+                    return Err(FrameError::Malformed(
+                        "an SHM_WRITE_SRC frame without a descriptor".into(),
+                    ));
+                };
+                if sources.len() >= MAX_REGIONS || sources.contains_key(&id) {
+                    return Err(FrameError::Malformed(
+                        "a write source handed over twice, or too many".into(),
+                    ));
+                }
+                let view = SharedRegionView::map(fd, region_len)
+                    .inspect_err(|err| {
+                        tracing::warn!(source = id, %err, "a write source the shm peer handed over cannot be mapped; writes from it are refused");
+                    })
+                    .ok();
+                sources.insert(id, view);
+            }
+        }
+    }
+}
+
+/// The write stream's socket, read with `recvmsg`: the descriptors that come with
+/// `SHM_WRITE_SRC` frames are kept, in order, for the frame that carries them.
+struct FdReader {
+    sock: UnixStream,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl io::Read for FdReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let (n, fds) = recv_with_fds(self.sock.as_fd(), buf)?;
+        self.fds.extend(fds);
+        if self.fds.len() > MAX_STRAY_FDS {
+            return Err(io::Error::other(
+                "the shm peer sent descriptors no frame names",
+            ));
+        }
+        Ok(n)
     }
 }
 

@@ -1,6 +1,7 @@
 //! The writer's side of fenced writes on the shared-memory link: each chunk goes to the
 //! peer's agent over the link's authenticated Unix socket, and the peer's own process
-//! lands it under its write-fence lock.
+//! lands it under its write-fence lock, copying it from this process's memory (a pulled
+//! write) or from the socket.
 //!
 //! # Why the peer's process lands the bytes
 //! The peer's memory is never mapped writable here: the memfds it hands over are sealed
@@ -10,38 +11,42 @@
 //! fence word only by this process, under a lock shared across the two processes; the
 //! peer's clear would then have to wait for a lock holder it cannot tell apart from a
 //! dead one (a stalled writer that wakes after the peer gave up waiting lands a stale
-//! byte). So the fence stays where TCP keeps it: the peer copies each chunk from a buffer
-//! of its own into the destination only under the fence word's stripe of its
-//! write-fence lock, after finding the word holds the write's generation, and
+//! byte). So the fence stays where TCP keeps it: the peer copies each chunk into the
+//! destination only under the fence word's stripe of its write-fence lock, after
+//! finding the word holds the write's generation, and
 //! [`Agent::set_write_fence`](crate::Agent::set_write_fence) takes the same stripe. Once
 //! the clear returned, no chunk checked against the old generation lands, whatever this
 //! process does or fails to do; a peer that stalls or dies mid-write holds only its
 //! connection thread on the receiving side, never the lock.
 //!
 //! # The stream
-//! The frames are TCP's (`WRITE_REQ` with its payload, answered by `WRITE_ACK` or
-//! `WRITE_ERR`, see `tcp::wire`), sent on the Unix socket the hand-over came on (the
-//! peer says it serves them with `"write": true` in its `shm` metadata entry; without
-//! it, writes go over TCP). The payload leaves straight from the source region
-//! (`writev`, no staging copy). The posting thread sends the batch's chunks with up to
-//! [`WINDOW`] unanswered at a time and completes each chunk on its answer, which the
-//! peer sends in order; [`Agent::post_write`](crate::Agent::post_write) returns once every
-//! chunk was answered (the batch is settled then, so its source is free again). One batch
-//! at a time uses a link's stream. A batch whose deadline passes between frames (also
-//! while it waited for the stream) fails with `Timeout` and sends nothing more; each
-//! send waits at most until the deadline, and the answers to chunks already sent at most
-//! [`ANSWER_GRACE`] longer. A stream that timed out mid-frame or past that grace, broke
-//! or carried a malformed answer is given up (its batch fails), and the link's later
-//! writes go over TCP.
+//! The frames are sent on the Unix socket the hand-over came on (the peer says it serves
+//! them with `"write": true` in its `shm` metadata entry; without it, writes go over
+//! TCP), and answered by TCP's `WRITE_ACK` or `WRITE_ERR` (see `tcp::wire`). A chunk
+//! whose source is a memfd-backed region goes as a `WRITE_PULL` when the peer says it
+//! pulls (`"write_pull": true`): the region's memfd is handed over first, once per
+//! stream (`SHM_WRITE_SRC`), and the peer copies the chunk from its read-only mapping of
+//! it. Any other chunk goes as TCP's `WRITE_REQ` with its payload, which leaves straight
+//! from the source region (`writev`, no staging copy). The posting thread sends the
+//! batch's chunks with up to [`WINDOW`] unanswered at a time and completes each chunk on
+//! its answer, which the peer sends in order;
+//! [`Agent::post_write`](crate::Agent::post_write) returns once every chunk was answered
+//! (the batch is settled then, so its source is free again: the peer reads a pulled
+//! chunk's source only before it answers). One batch at a time uses a link's stream. A
+//! batch whose deadline passes between frames (also while it waited for the stream)
+//! fails with `Timeout` and sends nothing more; each send waits at most until the
+//! deadline, and the answers to chunks already sent at most [`ANSWER_GRACE`] longer. A
+//! stream that timed out mid-frame or past that grace, broke or carried a malformed
+//! answer is given up (its batch fails), and the link's later writes go over TCP.
 
-use std::collections::VecDeque;
-use std::io::{self, BufReader};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::RegionBytes;
+use kvlease_gpu_mem::{DmaRegion, RegionBytes, send_with_fds};
 
 use crate::batch::Batch;
 use crate::config::Backend;
@@ -56,6 +61,10 @@ use crate::tcp::wire::{self, Body, FrameError};
 /// few enough that its answers (17 bytes each) never fill the socket while this side
 /// sends.
 pub(super) const WINDOW: usize = 32;
+
+/// Most source regions handed over on one stream (the peer refuses more); writes from
+/// further ones go on the socket.
+const MAX_SOURCES: usize = super::MAX_REGIONS;
 
 /// How long past a batch's deadline the answers to chunks already sent are still
 /// awaited, so that a batch that timed out leaves the stream in step (a stream whose
@@ -74,6 +83,12 @@ struct Stream {
     out: UnixStream,
     answers: BufReader<UnixStream>,
     next_req: u64,
+    /// Whether the peer pulls writes from memfds handed over on the stream.
+    pull: bool,
+    /// The source regions handed over on the stream, by their address here: the id the
+    /// peer knows each by, and the region, held so that the address names no other
+    /// region while the stream lives (the peer's mapping holds its pages anyway).
+    sources: HashMap<usize, (u64, Arc<dyn DmaRegion>)>,
 }
 
 /// A chunk sent and not answered yet.
@@ -111,8 +126,9 @@ fn is_timeout(err: &io::Error) -> bool {
 
 impl Writer {
     /// A writer on a clone of the link's socket `sock`, or one that leaves every write to
-    /// TCP (`serves` false: the peer does not serve writes on it; or the clone failed).
-    pub(super) fn new(sock: &UnixStream, serves: bool) -> Self {
+    /// TCP (`serves` false: the peer does not serve writes on it; or the clone failed);
+    /// `pull`: the peer pulls writes from memfds handed over on it.
+    pub(super) fn new(sock: &UnixStream, serves: bool, pull: bool) -> Self {
         let stream = serves
             .then(|| {
                 let out = sock.try_clone().ok()?;
@@ -121,6 +137,8 @@ impl Writer {
                     out,
                     answers,
                     next_req: 1,
+                    pull,
+                    sources: HashMap::new(),
                 })
             })
             .flatten();
@@ -200,12 +218,7 @@ impl Stream {
             {
                 let req = self.next_req;
                 self.next_req += 1;
-                let header = wire::write_req(
-                    req,
-                    (c.remote.region, c.remote.key, c.remote.offset),
-                    c.len,
-                    f,
-                );
+                let dest = (c.remote.region, c.remote.key, c.remote.offset);
                 if batch.deadline <= Instant::now() {
                     // At a frame boundary: the batch fails, the stream stays in step.
                     tcp.fail(
@@ -218,24 +231,37 @@ impl Stream {
                     continue;
                 }
                 self.set_timeouts(batch.deadline)?;
-                match c
-                    .src
-                    .write_to_fd(&header, c.src_offset, c.len, self.out.as_fd())
-                {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => return Err(FrameError::Io(err).into()),
-                    // Checked when posted; nothing was sent.
-                    Err(source) => {
-                        tcp.fail(
-                            batch,
-                            TransferError::Local {
-                                peer: batch.peer.clone(),
-                                source,
-                            },
-                        );
-                        continue;
+                let sent_now = match self.pull_source(&c.src)? {
+                    // The peer copies the bytes from the source itself.
+                    Some(src) => self.out.write_all(&wire::write_pull(
+                        req,
+                        (src, c.src_offset),
+                        dest,
+                        c.len,
+                        f,
+                    )),
+                    None => {
+                        let header = wire::write_req(req, dest, c.len, f);
+                        match c
+                            .src
+                            .write_to_fd(&header, c.src_offset, c.len, self.out.as_fd())
+                        {
+                            Ok(sent_now) => sent_now,
+                            // Checked when posted; nothing was sent.
+                            Err(source) => {
+                                tcp.fail(
+                                    batch,
+                                    TransferError::Local {
+                                        peer: batch.peer.clone(),
+                                        source,
+                                    },
+                                );
+                                continue;
+                            }
+                        }
                     }
-                }
+                };
+                sent_now.map_err(|err| Broken::from(FrameError::Io(err)))?;
                 sent.push_back(Sent {
                     req,
                     region: c.remote.region,
@@ -252,6 +278,38 @@ impl Stream {
             let code = self.answer(s.req)?;
             answered(tcp, batch, &s, fence.expected, code);
         }
+    }
+
+    /// The id under which the peer pulls writes from `src`, handed over (`SHM_WRITE_SRC`,
+    /// its memfd attached) if it was not yet; `None` when the peer does not pull, `src`
+    /// is not memfd-backed host memory, or the stream holds [`MAX_SOURCES`] already: the
+    /// write's payload then goes on the socket.
+    fn pull_source(&mut self, src: &Arc<dyn DmaRegion>) -> Result<Option<u64>, Broken> {
+        if !self.pull || !src.kind().is_host_accessible() {
+            return Ok(None);
+        }
+        let at = Arc::as_ptr(src).cast::<()>() as usize;
+        if let Some((id, _)) = self.sources.get(&at) {
+            return Ok(Some(*id));
+        }
+        let Some(fd) = src.shared_fd() else {
+            return Ok(None);
+        };
+        if self.sources.len() >= MAX_SOURCES {
+            return Ok(None);
+        }
+        let id = self.sources.len() as u64 + 1;
+        let mut body = [0u8; wire::SHM_WRITE_SRC_LEN];
+        body[..8].copy_from_slice(&id.to_le_bytes());
+        body[8..].copy_from_slice(&(src.len() as u64).to_le_bytes());
+        send_with_fds(
+            self.out.as_fd(),
+            &wire::frame(wire::SHM_WRITE_SRC, &body),
+            &[fd],
+        )
+        .map_err(|err| Broken::from(FrameError::Io(err)))?;
+        self.sources.insert(at, (id, src.clone()));
+        Ok(Some(id))
     }
 
     /// Bounds the next socket calls by `deadline`.

@@ -493,6 +493,39 @@ impl WriteReq {
             expected,
         })
     }
+
+    /// Parses a `WRITE_PULL` body (the whole of it): the write, and the source it names
+    /// (source id, offset).
+    pub(crate) fn parse_pull(b: &mut Body<'_>) -> Result<(Self, (u64, u64)), FrameError> {
+        let mut w = [0u64; 11];
+        for v in &mut w {
+            *v = b.u64()?;
+        }
+        b.finish()?;
+        let [
+            req,
+            src,
+            src_offset,
+            region,
+            key,
+            offset,
+            len,
+            f_region,
+            f_key,
+            f_offset,
+            expected,
+        ] = w;
+        let write = Self {
+            req,
+            region,
+            key,
+            offset,
+            len,
+            fence: (f_region, f_key, f_offset),
+            expected,
+        };
+        Ok((write, (src, src_offset)))
+    }
 }
 
 /// The regions a write names, once checked: the destination and the fence's.
@@ -530,6 +563,57 @@ fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
     Ok((dest, fence))
 }
 
+/// Counts and logs a refused write and answers it with `WRITE_ERR` (nothing of it
+/// landed). A write over [`wire::MAX_WRITE_LEN`] closes the connection once answered.
+fn refuse_write(
+    ctx: &Context,
+    out: &mut dyn Write,
+    w: &WriteReq,
+    why: Refusal,
+) -> Result<(), FrameError> {
+    bump(&ctx.counters.writes_refused);
+    if why == Refusal::Stale {
+        bump(&ctx.counters.writes_stale);
+    }
+    tracing::debug!(region = w.region, offset = w.offset, len = w.len, %why, "write refused");
+    out.write_all(&wire::write_err(w.req, why.code()))?;
+    if why == Refusal::TooLong {
+        return Err(FrameError::Malformed(format!(
+            "write of {} bytes exceeds {}",
+            w.len,
+            wire::MAX_WRITE_LEN
+        )));
+    }
+    Ok(())
+}
+
+/// Lands a write whose targets `write_targets` checked: under the fence word's stripe
+/// of the write-fence lock, `copy` puts the write's bytes into `dest` (at the write's
+/// offset, its length) only if the word holds `w.expected`. The lock is held from that
+/// check until the last byte landed, so once
+/// [`Agent::set_write_fence`](crate::Agent::set_write_fence) returned, no write checked
+/// against the old word lands any more. Counted under the lock too: once a clear
+/// returned, the count is final.
+fn land(
+    ctx: &Context,
+    w: &WriteReq,
+    (dest, fence): &WriteTargets,
+    copy: impl FnOnce(&dyn kvlease_gpu_mem::DmaRegion, u64, u64) -> Result<(), Refusal>,
+) -> Result<(), Refusal> {
+    let _fence = ctx.write_fences.lock(w.fence.0, w.fence.2);
+    match fence.load_u64(w.fence.2) {
+        Ok(word) if word == w.expected => copy(dest.as_ref(), w.offset, w.len).map(|()| {
+            bump(&ctx.counters.writes_landed);
+            ctx.counters
+                .bytes_landed
+                .fetch_add(w.len, Ordering::Relaxed);
+        }),
+        Ok(_) => Err(Refusal::Stale),
+        // Misaligned: the word cannot be a fence.
+        Err(_) => Err(Refusal::OutOfBounds),
+    }
+}
+
 //= docs/spec.md#the-write-fence
 //# A write lands only in blocks D holds for that transfer under that generation
 //# (and registered with the writing P engine): D's receiver checks this before any byte
@@ -537,12 +621,10 @@ fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
 /// Serves one `WRITE_REQ` whose payload of `w.len` bytes follows on `r`: refused
 /// (`WRITE_ERR`, the payload read and dropped in bounded pieces) when the peer has not
 /// authenticated or the write names regions or ranges it may not write; otherwise the
-/// payload is taken into `landing` and lands only if, under the fence word's stripe of
-/// the write-fence lock, the word holds `w.expected` (else `WRITE_ERR` with
-/// [`Refusal::Stale`]). The lock is held from that check until the last byte landed, so
-/// once [`Agent::set_write_fence`](crate::Agent::set_write_fence) returned, no write
-/// checked against the old word lands any more. A write over [`wire::MAX_WRITE_LEN`] is
-/// refused and the connection closed (its payload is not drained).
+/// payload is taken into `landing` and lands as [`land`] lands it (else `WRITE_ERR`,
+/// with [`Refusal::Stale`] when the fence word no longer holds the generation). A write
+/// over [`wire::MAX_WRITE_LEN`] is refused and the connection closed (its payload is not
+/// drained).
 pub(crate) fn serve_write(
     ctx: &Context,
     r: &mut impl Read,
@@ -551,66 +633,64 @@ pub(crate) fn serve_write(
     authed: bool,
     w: &WriteReq,
 ) -> Result<(), FrameError> {
-    // `unread`: the payload still waits on the connection.
-    let refuse = |r: &mut dyn Read, out: &mut dyn Write, why: Refusal, unread: bool| {
-        bump(&ctx.counters.writes_refused);
-        if why == Refusal::Stale {
-            bump(&ctx.counters.writes_stale);
-        }
-        tracing::debug!(region = w.region, offset = w.offset, len = w.len, %why, "write refused");
-        if why == Refusal::TooLong {
-            out.write_all(&wire::write_err(w.req, why.code()))?;
-            return Err(FrameError::Malformed(format!(
-                "write of {} bytes exceeds {}",
-                w.len,
-                wire::MAX_WRITE_LEN
-            )));
-        }
-        if unread {
-            drain(r, w.len)?;
-        }
-        out.write_all(&wire::write_err(w.req, why.code()))?;
-        Ok(())
+    let targets = if authed {
+        write_targets(ctx, w)
+    } else if w.len > wire::MAX_WRITE_LEN {
+        Err(Refusal::TooLong)
+    } else {
+        Err(Refusal::Unauthenticated)
     };
-    if !authed {
-        let why = if w.len > wire::MAX_WRITE_LEN {
-            Refusal::TooLong
-        } else {
-            Refusal::Unauthenticated
-        };
-        return refuse(r, out, why, true);
-    }
-    let (dest, fence) = match write_targets(ctx, w) {
+    let targets = match targets {
         Ok(t) => t,
-        Err(why) => return refuse(r, out, why, true),
+        Err(why) => {
+            if why != Refusal::TooLong {
+                drain(r, w.len)?;
+            }
+            return refuse_write(ctx, out, w, why);
+        }
     };
     // Checked against `MAX_WRITE_LEN` above.
     let n = w.len as usize;
     landing.resize(n, 0);
     r.read_exact(&mut landing[..n])?;
-    let landed = {
-        let _fence = ctx.write_fences.lock(w.fence.0, w.fence.2);
-        match fence.load_u64(w.fence.2) {
-            // Counted under the lock too: once a clear returned, the count is final.
-            Ok(word) if word == w.expected => dest
-                .write_from(w.offset, &landing[..n])
-                .map(|()| {
-                    bump(&ctx.counters.writes_landed);
-                    ctx.counters
-                        .bytes_landed
-                        .fetch_add(w.len, Ordering::Relaxed);
-                })
-                .map_err(|_| Refusal::OutOfBounds),
-            Ok(_) => Err(Refusal::Stale),
-            // Misaligned: the word cannot be a fence.
-            Err(_) => Err(Refusal::OutOfBounds),
-        }
-    };
-    if let Err(why) = landed {
-        return refuse(r, out, why, false);
+    let landed = land(ctx, w, &targets, |dest, offset, _| {
+        dest.write_from(offset, &landing[..n])
+            .map_err(|_| Refusal::OutOfBounds)
+    });
+    match landed {
+        Ok(()) => out.write_all(&wire::write_ack(w.req)).map_err(Into::into),
+        Err(why) => refuse_write(ctx, out, w, why),
     }
-    out.write_all(&wire::write_ack(w.req))?;
-    Ok(())
+}
+
+//= docs/spec.md#the-write-fence
+//# A write lands only in blocks D holds for that transfer under that generation
+//# (and registered with the writing P engine): D's receiver checks this before any byte
+//# lands, and a write that does not pass is refused and reported to P as failed.
+/// Serves one `WRITE_PULL` of an authenticated peer: `pull` is how the write's bytes
+/// are copied from the peer's memory into a destination (at an offset, a length), or
+/// why the source it names is refused (checked before anything else but the length).
+/// Checked and landed as a `WRITE_REQ` is ([`land`]: the copy runs under the fence
+/// word's stripe, once the word holds the generation), answered the same way.
+pub(crate) fn serve_pulled_write<F>(
+    ctx: &Context,
+    out: &mut impl Write,
+    w: &WriteReq,
+    pull: Result<F, Refusal>,
+) -> Result<(), FrameError>
+where
+    F: FnOnce(&dyn kvlease_gpu_mem::DmaRegion, u64, u64) -> Result<(), Refusal>,
+{
+    let checked = if w.len > wire::MAX_WRITE_LEN {
+        Err(Refusal::TooLong)
+    } else {
+        pull.and_then(|pull| Ok((write_targets(ctx, w)?, pull)))
+    };
+    let landed = checked.and_then(|(targets, pull)| land(ctx, w, &targets, pull));
+    match landed {
+        Ok(()) => out.write_all(&wire::write_ack(w.req)).map_err(Into::into),
+        Err(why) => refuse_write(ctx, out, w, why),
+    }
 }
 
 /// Reads and drops `n` bytes in pieces of 64 KiB.

@@ -31,6 +31,8 @@
 //! | 18 `WRITE_REQ` | P→D | req id u64, region u64, key u64, offset u64, len u64, fence region u64, fence key u64, fence offset u64, expected generation u64, then `len` payload bytes |
 //! | 19 `WRITE_ACK` | D→P | req id u64: every byte of the write landed |
 //! | 20 `WRITE_ERR` | D→P | req id u64, refusal code u8: no byte of the write landed (code 7: the fence no longer holds the generation) |
+//! | 21 `SHM_WRITE_SRC` | P→D | source id u64, len u64; one memfd attached: a region of the writer's that the receiver maps read-only to pull writes from |
+//! | 22 `WRITE_PULL` | P→D | req id u64, source id u64, source offset u64, region u64, key u64, offset u64, len u64, fence region u64, fence key u64, fence offset u64, expected generation u64; no payload: the receiver copies `len` bytes from the source |
 //!
 //! "D→P" is the connecting side to the accepting one: P connects to D as well to send
 //! it notifications. The connecting side opens `num_connections` data connections
@@ -39,7 +41,7 @@
 //! (see `tcp::notif`). A server that does not know the index serves it as a data
 //! connection, whose `NOTIF` frames it delivers too; both ends stay compatible.
 //!
-//! Types 9 to 14 travel only on the shared-memory backend's Unix socket, after the same
+//! Types 9 to 14, 21 and 22 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
 //! `shm-server` in the proofs (see the `shm` module). Types 15 to 17 travel only on the
 //! verbs backend's queue-pair side channel, whose exchange binds the infos into the proofs
@@ -111,6 +113,15 @@ pub(crate) const WRITE_REQ_LEN: usize = 72;
 pub(crate) const WRITE_ACK_LEN: usize = 8;
 /// Body of a `WRITE_ERR`.
 pub(crate) const WRITE_ERR_LEN: usize = 9;
+/// A writer's memfd-backed region, handed to the receiver to pull writes from (the shm
+/// socket, after the hand-over).
+pub(crate) const SHM_WRITE_SRC: u8 = 21;
+/// A fenced write the receiver pulls from a region handed over with `SHM_WRITE_SRC`.
+pub(crate) const WRITE_PULL: u8 = 22;
+/// Body of a `SHM_WRITE_SRC`: source id, length.
+pub(crate) const SHM_WRITE_SRC_LEN: usize = 16;
+/// Body of a `WRITE_PULL`.
+pub(crate) const WRITE_PULL_LEN: usize = 88;
 /// The largest write payload in one frame: the receiver buffers one write per
 /// connection before it lands, so this bounds that buffer. The writer cuts ops into
 /// chunks of at most this.
@@ -256,6 +267,26 @@ pub(crate) fn write_req(
     f[..HEADER_LEN].copy_from_slice(&header(WRITE_REQ, WRITE_REQ_LEN));
     let words = [
         req, dest.0, dest.1, dest.2, len, fence.0, fence.1, fence.2, fence.3,
+    ];
+    for (i, v) in words.into_iter().enumerate() {
+        f[HEADER_LEN + 8 * i..HEADER_LEN + 8 * (i + 1)].copy_from_slice(&v.to_le_bytes());
+    }
+    f
+}
+
+/// A `WRITE_PULL` frame: `src` is (source id, offset), `dest` (region, key, offset),
+/// `fence` (region, key, offset, expected generation).
+pub(crate) fn write_pull(
+    req: u64,
+    src: (u64, u64),
+    dest: (u64, u64, u64),
+    len: u64,
+    fence: (u64, u64, u64, u64),
+) -> [u8; HEADER_LEN + WRITE_PULL_LEN] {
+    let mut f = [0u8; HEADER_LEN + WRITE_PULL_LEN];
+    f[..HEADER_LEN].copy_from_slice(&header(WRITE_PULL, WRITE_PULL_LEN));
+    let words = [
+        req, src.0, src.1, dest.0, dest.1, dest.2, len, fence.0, fence.1, fence.2, fence.3,
     ];
     for (i, v) in words.into_iter().enumerate() {
         f[HEADER_LEN + 8 * i..HEADER_LEN + 8 * (i + 1)].copy_from_slice(&v.to_le_bytes());
