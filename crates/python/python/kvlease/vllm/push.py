@@ -1,13 +1,15 @@
 """Push mode (``transfer_mode: push``, or ``KvleasePushConnector``): D reserves the blocks
 it allocated for a request and P writes its KV into them with fenced one-sided writes.
 
-Two flows, both matched by a transfer id:
+Three flows, all matched by a transfer id:
 
 - **Both legs at once** (what push is for; ``kvlease-proxy --transfer-mode push``): the
   proxy sends P's leg (``do_remote_decode``, ``max_tokens`` 1, ``transfer_id`` T) and D's
   leg (``do_remote_prefill``, ``transfer_mode`` push, ``transfer_id`` T and P's identity:
   ``remote_engine_id``, ``remote_host``, ``remote_port``, ``tp_size``) together. D
   registers its blocks while P still prefills; P writes the moment its prefill ends.
+- **Both legs at once without a transfer id** (vLLM's own push proxy): one
+  ``X-Request-Id`` for both legs, which D's leg names as ``remote_request_id``.
 - **One after the other** (vLLM's older push proxy): P's leg first; D's leg names P's
   answer (``remote_request_id``, or the ``transfer_id`` P's answer carries).
 
@@ -19,11 +21,12 @@ The transfer id (``p_transfer``, ``d_transfer``) is the leg's ``transfer_id`` wh
 one. Without one (vLLM's push proxies send none) it is vLLM's request id without its
 random suffix, as NixlPushConnector matches: on P its own; on D its own when the proxy
 sent both legs at once with one ``X-Request-Id`` and named that id as
-``remote_request_id``, else P's ``remote_request_id`` (P answered first). A client can repeat an ``X-Request-Id``, so the
-id alone could pair one prompt's KV with another request's blocks: D's registration and
-P's leg each carry a digest of their prompt's token ids (``prompt_digest``), and P
-answers a registration whose digest differs from its leg's with push-failed, writing
-nothing (D computes the prompt).
+``remote_request_id``, else P's ``remote_request_id`` (P answered first). A client can
+repeat an ``X-Request-Id``, so the id alone could pair one prompt's KV with another
+request's blocks: D's registration and P's leg each carry a digest of their prompt's
+token ids (``prompt_digest``), and P answers a registration whose digest differs from its
+leg's with push-failed, writing nothing (D computes the prompt). An id the frames cannot
+carry (the grammar's characters, 256 bytes) is not pushed: D computes the prompt.
 
 The decisions are the Rust push cores': ``kvlease.Reservations`` on D (a reservation per
 transfer, under a lease P renews with heartbeats; each ends once: written, failed,
