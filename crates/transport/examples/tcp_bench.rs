@@ -20,11 +20,14 @@
 //! fence word the target published with `Agent::set_write_fence`; the first batch is read
 //! back and checked, and must say the backend that moved it: `tcp`, or `shm` for `shm`
 //! and `cma`, whose writes go on the shm link's Unix socket and land in the target's
-//! process, which pulls them from this process's memfd-backed source; with `cma` the
-//! destination is plain heap memory too):
+//! process, which pulls them from this process's source: its memfd with `shm`; with
+//! `cma` both this process's source and the target's destination are plain heap memory,
+//! and the target reads the source with cross-memory attach):
 //! `<backend>_write_gbps_64x1m=`, `<backend>_read_gbps_64x1m=` (the READ headline again,
 //! under the name that pairs with it), `<backend>_write_over_read_64x1m=`, and the same
-//! for `64x64k` (`--no-write`: not); `<backend>` is `tcp`, `shm` or `cma`.
+//! for `64x64k` (`--no-write`: not); `<backend>` is `tcp`, `shm` or `cma`; and the
+//! target's counts, `<backend>_writes_pulled=` and `<backend>_writes_landed=` (on `shm`
+//! and `cma` the run fails unless every write chunk landed was pulled).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -126,6 +129,9 @@ fn serve(conns: usize, backend: Backend) -> Result<()> {
         for (_, msgs) in agent.get_new_notifs() {
             for m in msgs {
                 if m == b"quit" {
+                    // What of this process's writes it pulled from the writer's memory.
+                    let stats = agent.stats();
+                    println!("PULLED {} {}", stats.writes_pulled, stats.writes_landed);
                     return Ok(());
                 }
                 agent.send_notif(back, m)?;
@@ -169,7 +175,7 @@ fn batch(dst: RegionId, src: &RegionDesc, block: u64, n: u64) -> ReadBatch {
 fn measure(
     agent: &Agent,
     peer: kvlease_transport::PeerId,
-    dst_region: &HostRegion,
+    dst_region: &dyn DmaRegion,
     dst: RegionId,
     src: &RegionDesc,
     block: u64,
@@ -249,7 +255,7 @@ struct WriteTarget {
 fn measure_write(
     agent: &Agent,
     peer: kvlease_transport::PeerId,
-    region: &HostRegion,
+    region: &dyn DmaRegion,
     local: RegionId,
     target: &WriteTarget,
     block: u64,
@@ -334,7 +340,13 @@ fn main() -> Result<()> {
     let target_meta = unhex(line.trim().strip_prefix("META ").context("expected META")?)?;
 
     let agent = Agent::new(config("bench-reader", conns, backend))?;
-    let dst_region = Arc::new(HostRegion::new(REGION)?);
+    // With `cma`, this process's memory is plain heap memory too: the target reads it
+    // with cross-memory attach for this process's writes.
+    let dst_region: Arc<dyn DmaRegion> = if backend == Backend::Cma {
+        Arc::new(ForeignRegion::from_heap(vec![0; REGION])?)
+    } else {
+        Arc::new(HostRegion::new(REGION)?)
+    };
     let dst = RegionId(agent.register(dst_region.clone())?.id);
     let peer = agent.connect(&target_meta)?;
     check_backend(&agent, peer, backend)?;
@@ -360,7 +372,7 @@ fn main() -> Result<()> {
                 let gbps = measure(
                     &agent,
                     peer,
-                    &dst_region,
+                    dst_region.as_ref(),
                     dst,
                     &src,
                     block,
@@ -378,7 +390,7 @@ fn main() -> Result<()> {
         let gbps = measure(
             &agent,
             peer,
-            &dst_region,
+            dst_region.as_ref(),
             dst,
             &src,
             block,
@@ -403,7 +415,7 @@ fn main() -> Result<()> {
             let write = measure_write(
                 &agent,
                 peer,
-                &dst_region,
+                dst_region.as_ref(),
                 dst,
                 target,
                 block,
@@ -441,6 +453,25 @@ fn main() -> Result<()> {
     println!("notif_rtt_us={:.1}", lat[lat.len() / 2]);
     println!("notif_rtt_p99_us={:.1}", lat[lat.len() * 99 / 100]);
     agent.send_notif(peer, b"quit".to_vec())?;
+    line.clear();
+    child_out.read_line(&mut line)?;
+    let pulled: Vec<u64> = line
+        .trim()
+        .strip_prefix("PULLED ")
+        .context("expected PULLED")?
+        .split(' ')
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    if let (&[pulled, landed], true) = (&pulled[..], writes) {
+        // Every write chunk the target landed came from a pull of this process's memory,
+        // on shm from its memfd, on cma with cross-memory attach (TCP: none).
+        println!("{backend}_writes_pulled={pulled}");
+        println!("{backend}_writes_landed={landed}");
+        ensure!(
+            backend == Backend::Tcp || pulled == landed,
+            "the target pulled {pulled} of the {landed} writes it landed"
+        );
+    }
     let status = child.wait()?;
     ensure!(status.success(), "target exited with {status}");
     Ok(())

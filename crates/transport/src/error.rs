@@ -215,6 +215,10 @@ pub enum Refusal {
     /// A write's fence word did not hold the write's generation when its bytes arrived:
     /// nothing of the write landed.
     Stale,
+    /// A pulled write's source could not be read from the writer's process (the kernel
+    /// refused cross-memory attach, or the range was not mapped there): the writer sends
+    /// the write's bytes itself instead. Destination bytes of the write are unspecified.
+    SourceUnreadable,
     /// A code this build does not know.
     Other(u8),
 }
@@ -229,6 +233,7 @@ impl Refusal {
             Self::NotHostAccessible => 5,
             Self::TooLong => 6,
             Self::Stale => 7,
+            Self::SourceUnreadable => 8,
             Self::Other(c) => c,
         }
     }
@@ -242,6 +247,7 @@ impl Refusal {
             5 => Self::NotHostAccessible,
             6 => Self::TooLong,
             7 => Self::Stale,
+            8 => Self::SourceUnreadable,
             c => Self::Other(c),
         }
     }
@@ -257,6 +263,9 @@ impl std::fmt::Display for Refusal {
             Self::NotHostAccessible => f.write_str("region not host-accessible"),
             Self::TooLong => f.write_str("op longer than the target's limit"),
             Self::Stale => f.write_str("write fence no longer holds the write's generation"),
+            Self::SourceUnreadable => {
+                f.write_str("the writer's memory could not be read (cross-memory attach)")
+            }
             Self::Other(c) => write!(f, "refusal code {c}"),
         }
     }

@@ -33,7 +33,7 @@ pub(crate) struct Chunk {
 }
 
 /// One chunk of a write op: `len` bytes of `src` at `src_offset` into `remote`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct WriteChunk {
     pub(crate) src: Arc<dyn DmaRegion>,
     pub(crate) src_offset: u64,

@@ -27,6 +27,10 @@ pub struct TransportStats {
     pub writes_landed: u64,
     /// Bytes of those writes.
     pub bytes_landed: u64,
+    /// Of the writes landed, those this agent copied from the writer's memory itself (a
+    /// same-host writer's memfd it mapped, or its process read with cross-memory
+    /// attach), rather than from a payload the writer sent.
+    pub writes_pulled: u64,
     /// Peers' writes refused before any byte landed (the stale ones included).
     pub writes_refused: u64,
     /// Peers' writes refused because the write fence no longer held their generation.
@@ -64,6 +68,7 @@ pub(crate) struct Counters {
     pub(crate) reads_refused_unauthenticated: AtomicU64,
     pub(crate) writes_landed: AtomicU64,
     pub(crate) bytes_landed: AtomicU64,
+    pub(crate) writes_pulled: AtomicU64,
     pub(crate) writes_refused: AtomicU64,
     pub(crate) writes_stale: AtomicU64,
     pub(crate) notifs_received: AtomicU64,
@@ -89,6 +94,7 @@ impl Counters {
             reads_refused_unauthenticated: g(&self.reads_refused_unauthenticated),
             writes_landed: g(&self.writes_landed),
             bytes_landed: g(&self.bytes_landed),
+            writes_pulled: g(&self.writes_pulled),
             writes_refused: g(&self.writes_refused),
             writes_stale: g(&self.writes_stale),
             notifs_received: g(&self.notifs_received),

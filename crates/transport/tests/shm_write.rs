@@ -1,8 +1,10 @@
 //! Fenced one-sided writes on the same-host backend, over the real shm link (agents on one
 //! host, real Unix sockets, real threads and a second process): byte-exact landing in
-//! memfd-backed and plain heap (cma) memory, refusal (`Stale`, nothing landed) after the
-//! receiver cleared the fence, and a race of writers hammering while the receiver clears
-//! the fence and reuses the memory for another pattern.
+//! memfd-backed and plain heap (cma) memory, pulled by the receiver from the writer's
+//! memfds and, with cross-memory attach, from its plain heap memory (on the socket when
+//! the kernel refuses that read), refusal (`Stale`, nothing landed) after the receiver
+//! cleared the fence, and a race of writers hammering while the receiver clears the
+//! fence and reuses the memory for another pattern.
 
 mod common;
 
@@ -15,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes};
 use kvlease_transport::{
-    Agent, AgentConfig, Backend, BackendChoice, BatchStatus, LocalRange, PeerId, RegionDesc,
-    RegionId, TransferError, WriteBatch, WriteFence, WriteOp,
+    Agent, AgentConfig, Backend, BackendChoice, BatchStatus, CmaPolicy, LocalRange, PeerId,
+    RegionDesc, RegionId, TransferError, WriteBatch, WriteFence, WriteOp,
 };
 
 use common::{LIMIT, bytes_of, filled, wait};
@@ -25,9 +27,14 @@ use common::{LIMIT, bytes_of, filled, wait};
 const FENCE_AT: u64 = 8;
 
 fn agent(name: &str) -> Agent {
+    agent_with(name, CmaPolicy::default())
+}
+
+fn agent_with(name: &str, cma: CmaPolicy) -> Agent {
     let mut c = AgentConfig::new(name);
     c.backend = BackendChoice::Shm;
     c.auth_token = Some(b"tok".to_vec());
+    c.cma = cma;
     Agent::new(c).expect("agent binds on loopback")
 }
 
@@ -60,11 +67,16 @@ struct Pair {
 }
 
 fn pair(len: usize, memory: Memory) -> Result<Pair> {
+    pair_with(len, memory, CmaPolicy::default())
+}
+
+/// As [`pair`], with cma on P as `cma` says.
+fn pair_with(len: usize, memory: Memory, cma: CmaPolicy) -> Result<Pair> {
     let d = agent("d");
     let dst = zeroed(len, memory)?;
     let dst_desc = d.register(dst.clone())?;
     let fence_desc = d.register(zeroed(64, memory)?)?;
-    let p = agent("p");
+    let p = agent_with("p", cma);
     let src = filled(len, 7);
     let src_id = RegionId(p.register(src.clone())?.id);
     let peer = p.connect(&d.metadata())?;
@@ -244,14 +256,22 @@ fn refused_writes_name_why_and_land_nothing() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_write_from_memory_the_receiver_cannot_map_goes_on_the_socket_and_lands() -> Result<()> {
-    let t = pair(1 << 20, Memory::Memfd)?;
+/// P's plain heap memory (as a serving engine's CPU cache or a Python buffer is), for
+/// writes from it: `len` bytes of a pattern.
+fn heap_source(p: &Agent, len: usize) -> Result<(RegionId, Vec<u8>)> {
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    let heap = Arc::new(ForeignRegion::from_heap(bytes.clone())?);
+    Ok((RegionId(p.register(heap)?.id), bytes))
+}
+
+/// Writes from P's plain heap memory and from its memfd in one batch, with cma on P as
+/// `cma` says: D pulls the memfd chunk always, the heap chunk with cross-memory attach
+/// when P allows it (else its payload goes on the socket); every byte lands either way,
+/// and after the clear neither way lands a byte of the old generation.
+fn heap_and_memfd_writes_land(cma: CmaPolicy) -> Result<()> {
+    let t = pair_with(1 << 20, Memory::Memfd, cma)?;
     t.set_fence(2)?;
-    // Plain heap memory of P's: no memfd to hand over, so its payload goes on the socket.
-    let heap_bytes: Vec<u8> = (0..300_000usize).map(|i| (i * 31 % 251) as u8).collect();
-    let heap = Arc::new(ForeignRegion::from_heap(heap_bytes.clone())?);
-    let heap_id = RegionId(t.p.register(heap)?.id);
+    let (heap_id, heap_bytes) = heap_source(&t.p, 300_000)?;
     let from_heap = |src_offset, dst_offset, len| WriteOp {
         local: LocalRange {
             region: heap_id,
@@ -260,17 +280,24 @@ fn a_write_from_memory_the_receiver_cannot_map_goes_on_the_socket_and_lands() ->
         },
         remote: t.dst_desc.at(dst_offset),
     };
-    // One batch of both: the heap op on the socket, the memfd op pulled by D.
     let ops = vec![from_heap(0, 0, 300_000), t.op(5, 400_000, 200_000)];
     let status = t.write(ops, 2, None)?;
     let BatchStatus::Done(stats) = status else {
-        bail!("expected Done, got {status:?}");
+        bail!("{cma:?}: expected Done, got {status:?}");
     };
     ensure!(stats.backend == Backend::Shm, "{}", stats.backend);
     ensure!(bytes_of(t.dst.as_ref(), 0, 300_000) == heap_bytes);
     ensure!(bytes_of(t.dst.as_ref(), 400_000, 200_000) == bytes_of(t.src.as_ref(), 5, 200_000));
     let before = bytes_of(t.dst.as_ref(), 0, 1 << 20);
     ensure!(before[300_000..400_000].iter().all(|&b| b == 0));
+    let d_stats = t.d.stats();
+    let pulled = if cma == CmaPolicy::Off { 1 } else { 2 };
+    ensure!(
+        d_stats.writes_landed == 2 && d_stats.writes_pulled == pulled,
+        "{cma:?}: {} landed, {} pulled",
+        d_stats.writes_landed,
+        d_stats.writes_pulled
+    );
     // After the clear, neither way lands a byte of the old generation.
     t.set_fence(0)?;
     for op in [from_heap(0, 0, 1000), t.op(0, 0, 1000)] {
@@ -280,11 +307,21 @@ fn a_write_from_memory_the_receiver_cannot_map_goes_on_the_socket_and_lands() ->
                 status,
                 BatchStatus::Failed(TransferError::Stale { expected: 2, .. })
             ),
-            "{status:?}"
+            "{cma:?}: {status:?}"
         );
     }
     ensure!(bytes_of(t.dst.as_ref(), 0, 1 << 20) == before);
     Ok(())
+}
+
+#[test]
+fn a_write_from_plain_heap_memory_is_pulled_with_cross_memory_attach_and_lands() -> Result<()> {
+    heap_and_memfd_writes_land(CmaPolicy::default())
+}
+
+#[test]
+fn a_write_from_plain_heap_memory_goes_on_the_socket_with_cma_off_and_lands() -> Result<()> {
+    heap_and_memfd_writes_land(CmaPolicy::Off)
 }
 
 /// The new request's bytes D puts into the blocks after it reused them.
@@ -390,10 +427,11 @@ fn no_byte_of_the_old_generation_lands_in_reused_heap_blocks() -> Result<()> {
 const CHILD_ENV: &str = "KVLEASE_SHM_WRITE_CHILD";
 const CHILD_LEN: usize = 3 << 20;
 
-/// The D side of `another_process_writes_into_this_one_over_shm`: does nothing unless
-/// started by it. Registers a zeroed region (memfd or heap, per its argument line) and a
-/// fence region, publishes generation 5, announces them, and on `check` reports what
-/// landed.
+/// The D side of `another_process_writes_into_this_one_over_shm` and
+/// `a_write_the_receiver_may_not_read_from_goes_on_the_socket_and_lands`: does nothing
+/// unless started by one. Registers a zeroed region (memfd or heap, per its argument
+/// line) and a fence region, publishes generation 5, announces them, and on `check`
+/// reports what landed (byte sum, writes pulled, writes refused).
 #[test]
 fn child_write_target() -> Result<()> {
     if std::env::var_os(CHILD_ENV).is_none() {
@@ -425,7 +463,11 @@ fn child_write_target() -> Result<()> {
         .iter()
         .map(|&b| u64::from(b))
         .sum();
-    println!("\nSUM {sum}");
+    let stats = d.stats();
+    println!(
+        "\nSUM {sum}\nPULLED {} {}",
+        stats.writes_pulled, stats.writes_refused
+    );
     std::io::stdout().flush()?;
     line.clear();
     std::io::stdin().read_line(&mut line)?;
@@ -449,10 +491,20 @@ fn line_with(out: &mut impl BufRead, prefix: &str) -> Result<String> {
     }
 }
 
-#[test]
-fn another_process_writes_into_this_one_over_shm() -> Result<()> {
-    for memory in ["memfd", "heap"] {
-        let mut child = Command::new(std::env::current_exe()?)
+/// A `child_write_target` process, run by `cmd` (the test binary, or a command that
+/// runs it), with a destination of `memory` ("memfd" or "heap").
+struct Target {
+    child: std::process::Child,
+    out: BufReader<std::process::ChildStdout>,
+    stdin: std::process::ChildStdin,
+    dst: RegionDesc,
+    fence: RegionDesc,
+    meta: Vec<u8>,
+}
+
+impl Target {
+    fn start(mut cmd: Command, memory: &str) -> Result<Self> {
+        let mut child = cmd
             .args([
                 "--exact",
                 "child_write_target",
@@ -478,11 +530,6 @@ fn another_process_writes_into_this_one_over_shm() -> Result<()> {
             .step_by(2)
             .map(|i| u8::from_str_radix(&hex[i..i + 2], 16))
             .collect::<Result<_, _>>()?;
-        let p = agent("p");
-        let src = filled(CHILD_LEN, 9);
-        let src_id = RegionId(p.register(src.clone())?.id);
-        let peer = p.connect(&meta)?;
-        ensure!(p.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
         let dst = RegionDesc {
             id,
             key,
@@ -495,45 +542,160 @@ fn another_process_writes_into_this_one_over_shm() -> Result<()> {
             len: 64,
             base: 0,
         };
-        let batch = |expected| WriteBatch {
-            ops: vec![WriteOp {
-                local: LocalRange {
-                    region: src_id,
-                    offset: 0,
-                    len: CHILD_LEN as u64,
-                },
-                remote: dst.at(0),
-            }],
-            notif: None,
-            fence: WriteFence {
-                remote: fence.at(FENCE_AT),
-                expected,
-            },
-        };
-        let status = wait(&p, p.post_write(peer, batch(5), LIMIT)?)?;
-        let BatchStatus::Done(stats) = status else {
-            bail!("{memory}: {status:?}");
-        };
-        ensure!(stats.backend == Backend::Shm && stats.bytes == CHILD_LEN as u64);
-        writeln!(stdin, "check")?;
-        let want: u64 = bytes_of(src.as_ref(), 0, CHILD_LEN as u64)
-            .iter()
-            .map(|&b| u64::from(b))
-            .sum();
-        let sum: u64 = line_with(&mut out, "SUM ")?.parse()?;
-        ensure!(sum == want, "{memory}: the child holds {sum}, want {want}");
-        // The child cleared the fence before it answered: refused, nothing lands.
-        src.write_from(0, &vec![0xff; CHILD_LEN])?;
-        let status = wait(&p, p.post_write(peer, batch(5), LIMIT)?)?;
-        ensure!(
-            matches!(status, BatchStatus::Failed(TransferError::Stale { .. })),
-            "{memory}: {status:?}"
-        );
-        writeln!(stdin, "again")?;
-        let after: u64 = line_with(&mut out, "AFTER ")?.parse()?;
-        ensure!(after == want, "{memory}: a stale write landed in the child");
-        ensure!(child.wait()?.success());
+        Ok(Self {
+            child,
+            out,
+            stdin,
+            dst,
+            fence,
+            meta,
+        })
     }
+
+    /// Asks the child for what landed: the byte sum of its destination, its
+    /// `writes_pulled` and `writes_refused` (then it clears the fence).
+    fn check(&mut self) -> Result<(u64, u64, u64)> {
+        writeln!(self.stdin, "check")?;
+        let sum = line_with(&mut self.out, "SUM ")?.parse()?;
+        let counts: Vec<u64> = line_with(&mut self.out, "PULLED ")?
+            .split(' ')
+            .map(str::parse)
+            .collect::<Result<_, _>>()?;
+        let [pulled, refused] = counts[..] else {
+            bail!("PULLED {counts:?}");
+        };
+        Ok((sum, pulled, refused))
+    }
+}
+
+/// A write of all of `src` into the child's destination under generation `expected`.
+fn child_batch(src: RegionId, t: &Target, expected: u64) -> WriteBatch {
+    WriteBatch {
+        ops: vec![WriteOp {
+            local: LocalRange {
+                region: src,
+                offset: 0,
+                len: CHILD_LEN as u64,
+            },
+            remote: t.dst.at(0),
+        }],
+        notif: None,
+        fence: WriteFence {
+            remote: t.fence.at(FENCE_AT),
+            expected,
+        },
+    }
+}
+
+/// P in this process writes all of `src` (registered as `src_id`) into the child
+/// `target` under generation 5; the child's destination must then sum to `want`. Then
+/// the child clears the fence, and a write of other bytes lands nothing. Returns the
+/// child's `writes_pulled` and `writes_refused`.
+fn write_into_child(
+    mut target: Target,
+    p: &Agent,
+    src: &dyn DmaRegion,
+    src_id: RegionId,
+    what: &str,
+) -> Result<(u64, u64)> {
+    let peer = p.connect(&target.meta)?;
+    ensure!(p.peer_backend(peer).map(|b| b.0) == Some(Backend::Shm));
+    let status = wait(
+        p,
+        p.post_write(peer, child_batch(src_id, &target, 5), LIMIT)?,
+    )?;
+    let BatchStatus::Done(stats) = status else {
+        bail!("{what}: {status:?}");
+    };
+    ensure!(stats.backend == Backend::Shm && stats.bytes == CHILD_LEN as u64);
+    let want: u64 = bytes_of(src, 0, CHILD_LEN as u64)
+        .iter()
+        .map(|&b| u64::from(b))
+        .sum();
+    let (sum, pulled, refused) = target.check()?;
+    ensure!(sum == want, "{what}: the child holds {sum}, want {want}");
+    // The child cleared the fence before it answered: refused, nothing lands.
+    src.write_from(0, &vec![0xff; CHILD_LEN])?;
+    let status = wait(
+        p,
+        p.post_write(peer, child_batch(src_id, &target, 5), LIMIT)?,
+    )?;
+    ensure!(
+        matches!(status, BatchStatus::Failed(TransferError::Stale { .. })),
+        "{what}: {status:?}"
+    );
+    writeln!(target.stdin, "again")?;
+    let after: u64 = line_with(&mut target.out, "AFTER ")?.parse()?;
+    ensure!(after == want, "{what}: a stale write landed in the child");
+    ensure!(target.child.wait()?.success());
+    Ok((pulled, refused))
+}
+
+#[test]
+fn another_process_writes_into_this_one_over_shm() -> Result<()> {
+    for memory in ["memfd", "heap"] {
+        let target = Target::start(Command::new(std::env::current_exe()?), memory)?;
+        let p = agent("p");
+        let src = filled(CHILD_LEN, 9);
+        let src_id = RegionId(p.register(src.clone())?.id);
+        let (pulled, refused) = write_into_child(target, &p, src.as_ref(), src_id, memory)?;
+        // Three chunks of 1 MiB, each pulled from P's memfd.
+        ensure!(
+            pulled == 3 && refused == 0,
+            "{memory}: {pulled} pulled, {refused} refused"
+        );
+    }
+    Ok(())
+}
+
+/// P in this process writes from its plain heap memory into a `child_write_target`
+/// run by `cmd`, as [`write_into_child`]; returns the child's `writes_pulled` and
+/// `writes_refused`.
+fn heap_into_child(cmd: Command, what: &str) -> Result<(u64, u64)> {
+    let target = Target::start(cmd, "memfd")?;
+    let p = agent("p");
+    let bytes = bytes_of(filled(CHILD_LEN, 11).as_ref(), 0, CHILD_LEN as u64);
+    let src = Arc::new(ForeignRegion::from_heap(bytes)?);
+    let src_id = RegionId(p.register(src.clone())?.id);
+    write_into_child(target, &p, src.as_ref(), src_id, what)
+}
+
+#[test]
+fn another_process_pulls_writes_from_this_ones_heap_with_cross_memory_attach() -> Result<()> {
+    let cmd = Command::new(std::env::current_exe()?);
+    let (pulled, refused) = heap_into_child(cmd, "heap source")?;
+    ensure!(
+        pulled == 3 && refused == 0,
+        "{pulled} pulled, {refused} refused"
+    );
+    Ok(())
+}
+
+/// Whether this process runs as root (and so may start a child under another user).
+fn is_root() -> Result<bool> {
+    let out = Command::new("id").arg("-u").output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+#[test]
+fn a_write_the_receiver_may_not_read_from_goes_on_the_socket_and_lands() -> Result<()> {
+    // D runs as another user, so the kernel refuses its `process_vm_readv` of this
+    // process: its first pull is answered `SourceUnreadable`, and P sends that chunk and
+    // the rest on the socket.
+    if !is_root()? {
+        eprintln!("skipped: starting D under another user needs root");
+        return Ok(());
+    }
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(std::env::current_exe()?);
+    let (pulled, refused) = heap_into_child(cmd, "unreadable")?;
+    // The pulls already sent when the first refusal came back (all three 1 MiB chunks
+    // go out before it does) refused once each, every chunk then on the socket.
+    ensure!(
+        pulled == 0 && (1..=3).contains(&refused),
+        "{pulled} pulled, {refused} refused"
+    );
     Ok(())
 }
 

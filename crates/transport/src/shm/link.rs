@@ -12,16 +12,16 @@ use std::time::Duration;
 
 use kvlease_gpu_mem::{
     CmaError, PeerProcessRange, PushError, RingWriter, SharedRegionView, recv_with_fds,
-    socket_peer_pid, yama_ptrace_scope,
+    yama_ptrace_scope,
 };
 
 use super::copy::{self, Completion, CopyOp};
 use super::error::ShmError;
 use super::mapped::{MappedRegion, Source};
 use super::write::Writer;
-use super::{MAX_REGIONS, METADATA_KEY, host_identity};
+use super::{MAX_REGIONS, METADATA_KEY, cma_peer_pid, host_identity};
 use crate::batch::{Batch, Next};
-use crate::config::{Backend, CmaPolicy};
+use crate::config::Backend;
 use crate::context::Context;
 use crate::error::{LinkError, Refusal, TransferError};
 use crate::ids::{RemoteRange, WriteFence};
@@ -336,7 +336,13 @@ pub(crate) fn connect(
     s.set_write_timeout(Some(ctx.limits.handshake_timeout))
         .map_err(sock_err("set timeout"))?;
     handshake(ctx, meta, key, &mut s)?;
-    let cma_pid = cma_peer_pid(ctx.cma, &s, &meta.name);
+    // The process of P's socket (the process that listens on it), not P's word.
+    let cma_pid = cma_peer_pid(
+        ctx.cma,
+        &s,
+        &meta.name,
+        "its non-memfd host memory is read over TCP",
+    );
     let Handover {
         grants,
         regions,
@@ -346,7 +352,9 @@ pub(crate) fn connect(
     // The peer serves fenced writes on the socket after the hand-over.
     let flag = |name| entry.get(name).and_then(serde_json::Value::as_bool) == Some(true);
     // And pulls them from memfds of this process handed over there.
-    let writer = Writer::new(&s, flag("write"), flag("write_pull"));
+    // And from other host memory of this process, with cross-memory attach.
+    let cma_pull = flag("write_pull_cma").then_some(ctx.cma);
+    let writer = Writer::new(&s, flag("write"), flag("write_pull"), cma_pull);
     if let Some(ring) = ring {
         tcp.route_notifs(Arc::new(RingNotifier {
             peer: meta.name.clone(),
@@ -368,30 +376,6 @@ pub(crate) fn connect(
     };
     tracing::debug!(peer = %meta.name, regions = link.core.regions.len(), ring = has_ring, "shm link up");
     Ok(link)
-}
-
-/// The process of P's socket, whose memory this agent reads with cross-memory attach:
-/// the kernel's word (`SO_PEERCRED`: the process that listens on it), not P's. `None`
-/// (the peer's non-memfd host regions then go over TCP) when cma is off here, or the
-/// process is not visible in this pid namespace.
-fn cma_peer_pid(policy: CmaPolicy, s: &UnixStream, peer: &str) -> Option<u32> {
-    if policy == CmaPolicy::Off {
-        return None;
-    }
-    match socket_peer_pid(s.as_fd()) {
-        Ok(Some(pid)) => Some(pid),
-        Ok(None) => {
-            tracing::warn!(
-                peer,
-                "the shm peer's process is not visible here (another pid namespace): its non-memfd host memory is read over TCP"
-            );
-            None
-        }
-        Err(err) => {
-            tracing::warn!(peer, %err, "SO_PEERCRED failed: the shm peer's non-memfd host memory is read over TCP");
-            None
-        }
-    }
 }
 
 fn frame_err(e: FrameError) -> LinkError {

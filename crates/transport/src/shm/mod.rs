@@ -128,16 +128,27 @@
 //! stripe of its write-fence lock once the word holds the write's generation, exactly as
 //! its TCP receiver checks it (authenticated peer, destination and fence word registered
 //! under their keys, ranges in bounds, at most 16 MiB a chunk), and answers `WRITE_ACK`
-//! or `WRITE_ERR`. A chunk gets there one of two ways, chosen by P per chunk:
-//! - pulled: when D offers it (`"write_pull": true` in its metadata entry) and the
-//!   chunk's source is a memfd-backed region of P's, P hands that memfd to D once per
-//!   connection (`SHM_WRITE_SRC`, sealed as every memfd handed over is; D maps it
+//! or `WRITE_ERR`. A chunk gets there one of three ways, chosen by P per chunk:
+//! - pulled from a memfd: when D offers it (`"write_pull": true` in its metadata entry)
+//!   and the chunk's source is a memfd-backed region of P's, P hands that memfd to D once
+//!   per connection (`SHM_WRITE_SRC`, sealed as every memfd handed over is; D maps it
 //!   read-only and keeps it until the connection ends) and then sends only a
 //!   `WRITE_PULL` naming the source (id, offset), the destination, the length and the
 //!   fence word with the generation. D copies the bytes straight from P's pages into the
 //!   destination, the copy running entirely under the stripe lock: one copy, no payload
 //!   on the socket;
-//! - on the socket: otherwise (plain heap memory of P's, D does not offer pulling)
+//! - pulled with cross-memory attach: when D offers it (`"write_pull_cma": true`, cma on
+//!   in D) and cma is on in P too, a chunk from other host memory of P's (a
+//!   [`ForeignRegion`](kvlease_gpu_mem::ForeignRegion)) goes as a `WRITE_PULL` as well:
+//!   P names D's process as its ptracer (`SO_PEERCRED`, as its [`CmaPolicy`](crate::CmaPolicy)
+//!   says) before the first, names the region by address and length once per connection
+//!   (`SHM_WRITE_CMA_SRC`), and D reads the chunk with `process_vm_readv` (P's pid from
+//!   `SO_PEERCRED` on its own end) into the destination under the stripe lock. A read
+//!   the kernel refuses (P named another ptracer since, another user, no such process)
+//!   or that fails part-way is answered `SourceUnreadable`; P sends that chunk again on
+//!   the socket, and so every later chunk from such memory on that connection (one
+//!   warning);
+//! - on the socket: otherwise (D does not offer pulling, cma is off, device memory)
 //!   as TCP's `WRITE_REQ` frames, the payload straight from the source region; D reads
 //!   it into a buffer of its own and copies it into place under the lock.
 //!
@@ -171,7 +182,9 @@
 //! that write's generation (a chunk sent on the socket would land its old bytes there
 //! instead). Blocks a failed write was aimed at are not to be used without writing them
 //! again. The receiver keeps the memfds handed over for pulled writes mapped until the
-//! connection closes. The CUDA IPC path's end-to-end test
+//! connection closes. A cma write source is named by pid and address as a cma read
+//! source is: a pull D serves after P gave up on the batch reads whatever P's process
+//! holds at that address then (or fails), into the blocks of that failed write only. The CUDA IPC path's end-to-end test
 //! (`cuda_device_memory_is_read_over_shm_from_another_process` in `tests/shm.rs`) is
 //! `#[ignore]`d (it needs a GPU; `scripts/gpu-check.sh` runs it) and passed on one H200.
 
@@ -227,6 +240,38 @@ fn region_body(
         word.copy_from_slice(&v.to_le_bytes());
     }
     body
+}
+
+/// The process at the other end of `s` (the kernel's word, `SO_PEERCRED`), whose memory
+/// this agent reads with cross-memory attach. `None` when cma is off here, or (logged,
+/// with `then`: what happens instead) when the process is not visible in this pid
+/// namespace or the lookup failed.
+fn cma_peer_pid(
+    policy: crate::config::CmaPolicy,
+    s: &std::os::unix::net::UnixStream,
+    peer: &str,
+    then: &str,
+) -> Option<u32> {
+    use std::os::fd::AsFd;
+    if policy == crate::config::CmaPolicy::Off {
+        tracing::debug!(peer, then, "cma is off here");
+        return None;
+    }
+    match kvlease_gpu_mem::socket_peer_pid(s.as_fd()) {
+        Ok(Some(pid)) => Some(pid),
+        Ok(None) => {
+            tracing::warn!(
+                peer,
+                then,
+                "the shm peer's process is not visible here (another pid namespace)"
+            );
+            None
+        }
+        Err(err) => {
+            tracing::warn!(peer, then, %err, "SO_PEERCRED failed on the shm socket");
+            None
+        }
+    }
 }
 
 /// This host's identity for shared memory: boot id and network namespace, or `None`

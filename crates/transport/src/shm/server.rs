@@ -11,12 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use kvlease_gpu_mem::{
-    DmaRegion, HostRegion, HugePagePolicy, Ptracer, RegionBytes, RingReader, SharedRegionView,
-    recv_with_fds, send_with_fds, set_ptracer, socket_peer_pid,
+    CmaError, DmaRegion, HostRegion, HugePagePolicy, PeerProcessRange, Ptracer, RegionBytes,
+    RingReader, SharedRegionView, recv_with_fds, send_with_fds, set_ptracer, socket_peer_pid,
 };
 use kvlease_proto::auth::ServerAuth;
 
-use super::{MAX_REGIONS, METADATA_KEY, host_identity, ring_shape};
+use super::{MAX_REGIONS, METADATA_KEY, cma_peer_pid, host_identity, ring_shape};
 use crate::config::CmaPolicy;
 use crate::context::Context;
 use crate::error::Refusal;
@@ -162,6 +162,7 @@ impl Server {
                 "socket": name,
                 "write": true,
                 "write_pull": true,
+                "write_pull_cma": ctx.cma != CmaPolicy::Off,
             })),
         );
         tracing::debug!(socket = %name, "shm backend listening");
@@ -222,8 +223,9 @@ fn shareable(region: &dyn DmaRegion, cma: CmaPolicy) -> bool {
 
 /// Lets the peer process of `s` (the kernel's word, `SO_PEERCRED`) read this process with
 /// cross-memory attach, as `policy` says; logs what it could not do (the peer's reads of
-/// such regions then go over TCP where the kernel refuses them).
-fn name_ptracer(s: &UnixStream, policy: CmaPolicy, peer: &str) {
+/// such regions then go over TCP where the kernel refuses them, its pulls of this
+/// process's writes on the socket).
+pub(super) fn name_ptracer(s: &UnixStream, policy: CmaPolicy, peer: &str) {
     let who = match policy {
         CmaPolicy::Off => return,
         CmaPolicy::AnyProcess => Ptracer::Any,
@@ -409,7 +411,7 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         // fenced writes into this agent's memory.
         s.set_read_timeout(None)?;
         s.set_write_timeout(Some(ctx.limits.serve_write_timeout))?;
-        serve_writes(ctx, &mut s)
+        serve_writes(ctx, &mut s, &client_name)
     })();
     // Whatever ended the connection, the ring delivers what it holds, then goes; a
     // connection ended by a malformed frame is shut down (the ring's drain holds a clone
@@ -429,9 +431,10 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
 /// hand-over, one at a time and in order, until it closes the socket: the TCP write
 /// protocol (`WRITE_REQ` and its payload; `WRITE_ACK` or `WRITE_ERR`), landed by
 /// [`serve_write`] as the TCP receiver lands them, and writes this process pulls from
-/// the peer's memory (`WRITE_PULL`, from a memfd the peer handed over with
-/// `SHM_WRITE_SRC` and this process mapped read-only), landed by
-/// [`serve_pulled_write`]. Either way the bytes reach the destination only under the
+/// the peer's memory (`WRITE_PULL`), landed by [`serve_pulled_write`]: from a memfd the
+/// peer handed over with `SHM_WRITE_SRC` and this process mapped read-only, or from a
+/// range of the peer's process it named with `SHM_WRITE_CMA_SRC`, read with
+/// `process_vm_readv`. Either way the bytes reach the destination only under the
 /// fence word's stripe of the write-fence lock, after the word was found to hold the
 /// write's generation: a `WRITE_REQ`'s from a buffer of this process, a `WRITE_PULL`'s
 /// straight from the peer's pages. The peer never maps this agent's memory writable
@@ -439,7 +442,7 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
 /// dies mid-write holds only this connection's thread, and
 /// [`Agent::set_write_fence`](crate::Agent::set_write_fence) waits at most for one copy
 /// of this process already under way.
-fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
+fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), FrameError> {
     let mut r = io::BufReader::with_capacity(
         64 * 1024,
         FdReader {
@@ -450,16 +453,23 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
     // One write's payload at a time, grown to the largest write seen (at most
     // `wire::MAX_WRITE_LEN`).
     let mut landing = Vec::new();
-    // The peer's regions handed over to pull from: source id → its mapping (`None`: the
-    // descriptor could not be mapped; writes from it are refused).
-    let mut sources: HashMap<u64, Option<SharedRegionView>> = HashMap::new();
+    // The peer's regions handed over to pull from, by source id.
+    let mut sources: HashMap<u64, PullSource> = HashMap::new();
+    // The peer's process, for its cma sources: looked up at the first (`None` until then).
+    let mut writer_pid: Option<Option<u32>> = None;
     let len_of = |ty| match ty {
         wire::WRITE_REQ => wire::WRITE_REQ_LEN,
         wire::WRITE_PULL => wire::WRITE_PULL_LEN,
+        wire::SHM_WRITE_CMA_SRC => wire::SHM_WRITE_CMA_SRC_LEN,
         _ => wire::SHM_WRITE_SRC_LEN,
     };
     loop {
-        let allowed = [wire::WRITE_REQ, wire::WRITE_PULL, wire::SHM_WRITE_SRC];
+        let allowed = [
+            wire::WRITE_REQ,
+            wire::WRITE_PULL,
+            wire::SHM_WRITE_SRC,
+            wire::SHM_WRITE_CMA_SRC,
+        ];
         let (ty, len) = match wire::read_header(&mut r, &allowed, len_of) {
             Ok(h) => h,
             // The peer closed the socket between frames: the link's end.
@@ -483,16 +493,34 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
             wire::WRITE_PULL => {
                 let (write, (src, src_offset)) = WriteReq::parse_pull(&mut b)?;
                 let pull = match sources.get(&src) {
-                    Some(Some(view)) => Ok(view),
-                    _ => Err(Refusal::UnknownRegion),
+                    Some(PullSource::Unreadable) => Err(Refusal::SourceUnreadable),
+                    Some(source @ (PullSource::Mapped(_) | PullSource::Cma(_))) => Ok(source),
+                    Some(PullSource::Unmapped) | None => Err(Refusal::UnknownRegion),
                 }
-                .map(|view| {
+                .map(|source| {
                     move |dest: &dyn DmaRegion, offset, len| {
-                        view.copy_to(src_offset, dest, offset, len)
-                            .map_err(|_| Refusal::OutOfBounds)
+                        source.copy_to(src_offset, dest, offset, len)
                     }
                 });
                 serve_pulled_write(ctx, s, &write, pull)?;
+            }
+            wire::SHM_WRITE_CMA_SRC => {
+                let (id, region_len, addr) = (b.u64()?, b.u64()?, b.u64()?);
+                b.finish()?;
+                check_new_source(&sources, id)?;
+                let pid = *writer_pid.get_or_insert_with(|| {
+                    let then = "its writes from non-memfd memory come on the socket";
+                    cma_peer_pid(ctx.cma, s, peer, then)
+                });
+                let source = match pid.map(|pid| PeerProcessRange::new(pid, addr, region_len)) {
+                    Some(Ok(range)) => PullSource::Cma(range),
+                    Some(Err(err)) => {
+                        tracing::warn!(peer, source = id, %err, "a write source the shm peer named cannot be read; writes from it are refused and come on the socket");
+                        PullSource::Unreadable
+                    }
+                    None => PullSource::Unreadable,
+                };
+                sources.insert(id, source);
             }
             _ => {
                 let (id, region_len) = (b.u64()?, b.u64()?);
@@ -504,20 +532,72 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream) -> Result<(), FrameError> {
                         "an SHM_WRITE_SRC frame without a descriptor".into(),
                     ));
                 };
-                if sources.len() >= MAX_REGIONS || sources.contains_key(&id) {
-                    return Err(FrameError::Malformed(
-                        "a write source handed over twice, or too many".into(),
-                    ));
-                }
+                check_new_source(&sources, id)?;
                 let view = SharedRegionView::map(fd, region_len)
                     .inspect_err(|err| {
                         tracing::warn!(source = id, %err, "a write source the shm peer handed over cannot be mapped; writes from it are refused");
                     })
-                    .ok();
+                    .map_or(PullSource::Unmapped, PullSource::Mapped);
                 sources.insert(id, view);
             }
         }
     }
+}
+
+/// A region of the writer's that it handed over to pull writes from.
+enum PullSource {
+    /// Its memfd (`SHM_WRITE_SRC`), mapped read-only here.
+    Mapped(SharedRegionView),
+    /// Its range in the writer's process (`SHM_WRITE_CMA_SRC`), read with
+    /// `process_vm_readv`.
+    Cma(PeerProcessRange),
+    /// A memfd that could not be mapped: writes from it are refused (`UnknownRegion`).
+    Unmapped,
+    /// A range this process does not read (cma off here, the writer's process not
+    /// visible in this pid namespace, not a range): writes from it are refused with
+    /// `SourceUnreadable`, and the writer sends their bytes on the socket.
+    Unreadable,
+}
+
+impl PullSource {
+    /// Copies `len` bytes at `offset` of the source into `dest` at `dest_offset`.
+    fn copy_to(
+        &self,
+        offset: u64,
+        dest: &dyn DmaRegion,
+        dest_offset: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
+        match self {
+            Self::Mapped(view) => view
+                .copy_to(offset, dest, dest_offset, len)
+                .map_err(|_| Refusal::OutOfBounds),
+            Self::Cma(range) => range
+                .copy_to(offset, dest, dest_offset, len)
+                .map_err(|err| match err {
+                    CmaError::Access(_) => Refusal::OutOfBounds,
+                    // Refused (the writer named another ptracer since; its process is
+                    // gone) or failed part-way (its range unmapped): the writer sends
+                    // the bytes itself, or its batch fails.
+                    err => {
+                        tracing::debug!(%err, "pulling a write from the shm peer's process failed");
+                        Refusal::SourceUnreadable
+                    }
+                }),
+            Self::Unmapped => Err(Refusal::UnknownRegion),
+            Self::Unreadable => Err(Refusal::SourceUnreadable),
+        }
+    }
+}
+
+/// A source id not handed over before, within [`MAX_REGIONS`] sources.
+fn check_new_source(sources: &HashMap<u64, PullSource>, id: u64) -> Result<(), FrameError> {
+    if sources.len() >= MAX_REGIONS || sources.contains_key(&id) {
+        return Err(FrameError::Malformed(
+            "a write source handed over twice, or too many".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The write stream's socket, read with `recvmsg`: the descriptors that come with

@@ -26,8 +26,18 @@
 //! whose source is a memfd-backed region goes as a `WRITE_PULL` when the peer says it
 //! pulls (`"write_pull": true`): the region's memfd is handed over first, once per
 //! stream (`SHM_WRITE_SRC`), and the peer copies the chunk from its read-only mapping of
-//! it. Any other chunk goes as TCP's `WRITE_REQ` with its payload, which leaves straight
-//! from the source region (`writev`, no staging copy). The posting thread sends the
+//! it. A chunk from other host memory of this process (a
+//! [`ForeignRegion`](kvlease_gpu_mem::ForeignRegion): a serving engine's CPU cache, a
+//! Python buffer) goes as a `WRITE_PULL` too when the peer reads other processes
+//! (`"write_pull_cma": true`) and cross-memory attach is on here: the region's address
+//! and length are named once per stream (`SHM_WRITE_CMA_SRC`), after this process named
+//! the peer's (`SO_PEERCRED`) as its ptracer as [`CmaPolicy`] says, and the peer copies
+//! the chunk with `process_vm_readv`. When the kernel refuses it that read (another
+//! ptracer named since, Yama's `ptrace_scope` 2, another user), the peer answers
+//! `SourceUnreadable`; the chunk is sent again on the socket, and so is every later
+//! chunk from such memory on the stream (logged once). Any other chunk goes as TCP's
+//! `WRITE_REQ` with its payload, which leaves straight from the source region
+//! (`writev`, no staging copy). The posting thread sends the
 //! batch's chunks with up to [`WINDOW`] unanswered at a time and completes each chunk on
 //! its answer, which the peer sends in order;
 //! [`Agent::post_write`](crate::Agent::post_write) returns once every chunk was answered
@@ -49,7 +59,7 @@ use std::time::{Duration, Instant};
 use kvlease_gpu_mem::{DmaRegion, RegionBytes, send_with_fds};
 
 use crate::batch::Batch;
-use crate::config::Backend;
+use crate::config::{Backend, CmaPolicy};
 use crate::error::{Refusal, TransferError};
 use crate::ids::WriteFence;
 use crate::link::WriteChunk;
@@ -85,10 +95,18 @@ struct Stream {
     next_req: u64,
     /// Whether the peer pulls writes from memfds handed over on the stream.
     pull: bool,
+    /// Whether (and as what policy says) the peer pulls writes from other host memory of
+    /// this process with cross-memory attach; `None` once it could not.
+    cma: Option<CmaPolicy>,
+    /// Whether the peer's process was named as this one's ptracer.
+    ptracer_named: bool,
     /// The source regions handed over on the stream, by their address here: the id the
-    /// peer knows each by, and the region, held so that the address names no other
-    /// region while the stream lives (the peer's mapping holds its pages anyway).
-    sources: HashMap<usize, (u64, Arc<dyn DmaRegion>)>,
+    /// peer knows each by, whether it is named by address (cma), and the region, held so
+    /// that the address names no other region while the stream lives (the peer's
+    /// mapping holds a memfd's pages anyway).
+    sources: HashMap<usize, (u64, bool, Arc<dyn DmaRegion>)>,
+    /// The id of the next source handed over.
+    next_source: u64,
 }
 
 /// A chunk sent and not answered yet.
@@ -97,6 +115,9 @@ struct Sent {
     region: u64,
     offset: u64,
     len: u64,
+    /// The chunk, when the peer pulls it with cross-memory attach: sent again on the
+    /// socket should the peer's read be refused.
+    cma: Option<WriteChunk>,
 }
 
 /// Why the stream is given up.
@@ -127,8 +148,10 @@ fn is_timeout(err: &io::Error) -> bool {
 impl Writer {
     /// A writer on a clone of the link's socket `sock`, or one that leaves every write to
     /// TCP (`serves` false: the peer does not serve writes on it; or the clone failed);
-    /// `pull`: the peer pulls writes from memfds handed over on it.
-    pub(super) fn new(sock: &UnixStream, serves: bool, pull: bool) -> Self {
+    /// `pull`: the peer pulls writes from memfds handed over on it; `cma`: from other
+    /// host memory of this process too, with cross-memory attach under this policy
+    /// (`None`: it does not, or cma is off here).
+    pub(super) fn new(sock: &UnixStream, serves: bool, pull: bool, cma: Option<CmaPolicy>) -> Self {
         let stream = serves
             .then(|| {
                 let out = sock.try_clone().ok()?;
@@ -138,7 +161,10 @@ impl Writer {
                     answers,
                     next_req: 1,
                     pull,
+                    cma: cma.filter(|&policy| pull && policy != CmaPolicy::Off),
+                    ptracer_named: false,
                     sources: HashMap::new(),
+                    next_source: 1,
                 })
             })
             .flatten();
@@ -211,10 +237,12 @@ impl Stream {
         );
         let mut sent = VecDeque::with_capacity(WINDOW);
         let mut chunks = chunks.into_iter();
+        // Chunks whose pull the peer could not read, sent again on the socket.
+        let mut again = VecDeque::new();
         loop {
             if sent.len() < WINDOW
                 && batch.lock().is_running()
-                && let Some(c) = chunks.next()
+                && let Some(c) = again.pop_front().or_else(|| chunks.next())
             {
                 let req = self.next_req;
                 self.next_req += 1;
@@ -231,9 +259,10 @@ impl Stream {
                     continue;
                 }
                 self.set_timeouts(batch.deadline)?;
-                let sent_now = match self.pull_source(&c.src)? {
+                let pulled = self.pull_source(&c.src, &batch.peer)?;
+                let sent_now = match pulled {
                     // The peer copies the bytes from the source itself.
-                    Some(src) => self.out.write_all(&wire::write_pull(
+                    Some((src, _)) => self.out.write_all(&wire::write_pull(
                         req,
                         (src, c.src_offset),
                         dest,
@@ -267,6 +296,7 @@ impl Stream {
                     region: c.remote.region,
                     offset: c.remote.offset,
                     len: c.len,
+                    cma: matches!(pulled, Some((_, true))).then_some(c),
                 });
                 continue;
             }
@@ -276,40 +306,87 @@ impl Stream {
             let grace = batch.deadline.checked_add(ANSWER_GRACE);
             self.set_timeouts(grace.unwrap_or(batch.deadline))?;
             let code = self.answer(s.req)?;
+            if code == Some(Refusal::SourceUnreadable.code())
+                && let Some(c) = s.cma
+            {
+                self.cma_refused(&batch.peer);
+                again.push_back(c);
+                continue;
+            }
             answered(tcp, batch, &s, fence.expected, code);
         }
     }
 
-    /// The id under which the peer pulls writes from `src`, handed over (`SHM_WRITE_SRC`,
-    /// its memfd attached) if it was not yet; `None` when the peer does not pull, `src`
-    /// is not memfd-backed host memory, or the stream holds [`MAX_SOURCES`] already: the
-    /// write's payload then goes on the socket.
-    fn pull_source(&mut self, src: &Arc<dyn DmaRegion>) -> Result<Option<u64>, Broken> {
+    /// The peer could not read this process: later chunks from memory that is not
+    /// memfd-backed go on the socket.
+    fn cma_refused(&mut self, peer: &str) {
+        if self.cma.take().is_some() {
+            tracing::warn!(
+                peer,
+                "the shm peer could not read this process (cross-memory attach refused); this link's writes from non-memfd memory go on the socket"
+            );
+            self.sources.retain(|_, (_, cma, _)| !*cma);
+        }
+    }
+
+    /// The id under which the peer pulls writes from `src`, and whether it reads it with
+    /// cross-memory attach; handed over if it was not yet (a memfd with `SHM_WRITE_SRC`,
+    /// other host memory by address with `SHM_WRITE_CMA_SRC`). `None` when the peer does
+    /// not pull from such memory, `src` is not host memory, or the stream holds
+    /// [`MAX_SOURCES`] already: the write's payload then goes on the socket.
+    fn pull_source(
+        &mut self,
+        src: &Arc<dyn DmaRegion>,
+        peer: &str,
+    ) -> Result<Option<(u64, bool)>, Broken> {
         if !self.pull || !src.kind().is_host_accessible() {
             return Ok(None);
         }
         let at = Arc::as_ptr(src).cast::<()>() as usize;
-        if let Some((id, _)) = self.sources.get(&at) {
-            return Ok(Some(*id));
+        if let Some((id, cma, _)) = self.sources.get(&at) {
+            return Ok(Some((*id, *cma)));
         }
-        let Some(fd) = src.shared_fd() else {
+        if self.next_source > MAX_SOURCES as u64 {
             return Ok(None);
+        }
+        let id = self.next_source;
+        let len = src.len() as u64;
+        let cma = match src.shared_fd() {
+            Some(fd) => {
+                let mut body = [0u8; wire::SHM_WRITE_SRC_LEN];
+                body[..8].copy_from_slice(&id.to_le_bytes());
+                body[8..].copy_from_slice(&len.to_le_bytes());
+                send_with_fds(
+                    self.out.as_fd(),
+                    &wire::frame(wire::SHM_WRITE_SRC, &body),
+                    &[fd],
+                )
+                .map_err(|err| Broken::from(FrameError::Io(err)))?;
+                false
+            }
+            None => {
+                let Some(policy) = self.cma else {
+                    return Ok(None);
+                };
+                // Before the first address goes out, and only when one will (naming a
+                // ptracer lets that process attach to this one, not only read it).
+                if !self.ptracer_named {
+                    super::server::name_ptracer(&self.out, policy, peer);
+                    self.ptracer_named = true;
+                }
+                let mut body = [0u8; wire::SHM_WRITE_CMA_SRC_LEN];
+                body[..8].copy_from_slice(&id.to_le_bytes());
+                body[8..16].copy_from_slice(&len.to_le_bytes());
+                body[16..].copy_from_slice(&(src.base_ptr() as u64).to_le_bytes());
+                self.out
+                    .write_all(&wire::frame(wire::SHM_WRITE_CMA_SRC, &body))
+                    .map_err(|err| Broken::from(FrameError::Io(err)))?;
+                true
+            }
         };
-        if self.sources.len() >= MAX_SOURCES {
-            return Ok(None);
-        }
-        let id = self.sources.len() as u64 + 1;
-        let mut body = [0u8; wire::SHM_WRITE_SRC_LEN];
-        body[..8].copy_from_slice(&id.to_le_bytes());
-        body[8..].copy_from_slice(&(src.len() as u64).to_le_bytes());
-        send_with_fds(
-            self.out.as_fd(),
-            &wire::frame(wire::SHM_WRITE_SRC, &body),
-            &[fd],
-        )
-        .map_err(|err| Broken::from(FrameError::Io(err)))?;
-        self.sources.insert(at, (id, src.clone()));
-        Ok(Some(id))
+        self.next_source += 1;
+        self.sources.insert(at, (id, cma, src.clone()));
+        Ok(Some((id, cma)))
     }
 
     /// Bounds the next socket calls by `deadline`.

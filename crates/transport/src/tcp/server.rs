@@ -688,7 +688,10 @@ where
     };
     let landed = checked.and_then(|(targets, pull)| land(ctx, w, &targets, pull));
     match landed {
-        Ok(()) => out.write_all(&wire::write_ack(w.req)).map_err(Into::into),
+        Ok(()) => {
+            bump(&ctx.counters.writes_pulled);
+            out.write_all(&wire::write_ack(w.req)).map_err(Into::into)
+        }
         Err(why) => refuse_write(ctx, out, w, why),
     }
 }

@@ -33,6 +33,7 @@
 //! | 20 `WRITE_ERR` | D→P | req id u64, refusal code u8: no byte of the write landed (code 7: the fence no longer holds the generation) |
 //! | 21 `SHM_WRITE_SRC` | P→D | source id u64, len u64; one memfd attached: a region of the writer's that the receiver maps read-only to pull writes from |
 //! | 22 `WRITE_PULL` | P→D | req id u64, source id u64, source offset u64, region u64, key u64, offset u64, len u64, fence region u64, fence key u64, fence offset u64, expected generation u64; no payload: the receiver copies `len` bytes from the source |
+//! | 23 `SHM_WRITE_CMA_SRC` | P→D | source id u64, len u64, address u64 in the writer's process; no descriptor: a region of the writer's that is not memfd-backed, which the receiver reads with `process_vm_readv` to pull writes from (a refused read answers the write with code 8) |
 //!
 //! "D→P" is the connecting side to the accepting one: P connects to D as well to send
 //! it notifications. The connecting side opens `num_connections` data connections
@@ -41,7 +42,7 @@
 //! (see `tcp::notif`). A server that does not know the index serves it as a data
 //! connection, whose `NOTIF` frames it delivers too; both ends stay compatible.
 //!
-//! Types 9 to 14, 21 and 22 travel only on the shared-memory backend's Unix socket, after the same
+//! Types 9 to 14 and 21 to 23 travel only on the shared-memory backend's Unix socket, after the same
 //! HELLO / CHALLENGE / PROOF / AUTH_RESULT exchange with the roles `shm-client` and
 //! `shm-server` in the proofs (see the `shm` module). Types 15 to 17 travel only on the
 //! verbs backend's queue-pair side channel, whose exchange binds the infos into the proofs
@@ -122,6 +123,11 @@ pub(crate) const WRITE_PULL: u8 = 22;
 pub(crate) const SHM_WRITE_SRC_LEN: usize = 16;
 /// Body of a `WRITE_PULL`.
 pub(crate) const WRITE_PULL_LEN: usize = 88;
+/// A writer's region that is not memfd-backed, named by its address, for the receiver
+/// to pull writes from with cross-memory attach (the shm socket, after the hand-over).
+pub(crate) const SHM_WRITE_CMA_SRC: u8 = 23;
+/// Body of a `SHM_WRITE_CMA_SRC`: source id, length, address.
+pub(crate) const SHM_WRITE_CMA_SRC_LEN: usize = 24;
 /// The largest write payload in one frame: the receiver buffers one write per
 /// connection before it lands, so this bounds that buffer. The writer cuts ops into
 /// chunks of at most this.
