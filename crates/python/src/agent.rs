@@ -705,6 +705,11 @@ impl Agent {
             "reads_refused_unauthenticated",
             s.reads_refused_unauthenticated,
         )?;
+        out.set_item("writes_landed", s.writes_landed)?;
+        out.set_item("bytes_landed", s.bytes_landed)?;
+        out.set_item("writes_refused", s.writes_refused)?;
+        out.set_item("writes_stale", s.writes_stale)?;
+        out.set_item("writes_pulled", s.writes_pulled)?;
         out.set_item("notifs_received", s.notifs_received)?;
         out.set_item(
             "notifs_dropped_unauthenticated",

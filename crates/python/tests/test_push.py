@@ -1,5 +1,7 @@
 """Push mode's pieces from Python: fenced one-sided writes between two real agents over
-TCP (``Agent.post_write``, ``Agent.set_write_fence``), and the push cores
+TCP and same-host shared memory (``Agent.post_write``, ``Agent.set_write_fence``; on
+shared memory D pulls each write from P's ``bytearray`` with cross-memory attach), and
+the push cores
 (``Reservations`` on D, ``PushCore`` on P) driven by hand with explicit times.
 
 The vLLM connector's push mode is built on them (``tests/vllm/test_kvlease_push.py``,
@@ -32,10 +34,13 @@ def _wait_notifs(agent: kvlease.Agent, sender: str) -> list[bytes]:
     raise AssertionError(f"no notification from {sender} within {PATIENCE}s")
 
 
-def test_a_fenced_write_lands_exactly_and_after_the_fence_is_cleared_a_second_is_refused():
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_fenced_write_lands_exactly_and_after_the_fence_is_cleared_a_second_is_refused(
+    backend: str,
+):
     with (
-        kvlease.Agent("engine-d#0", token=TOKEN, backend="tcp") as d,
-        kvlease.Agent("engine-p#0", token=TOKEN, backend="tcp") as p,
+        kvlease.Agent("engine-d#0", token=TOKEN, backend=backend) as d,
+        kvlease.Agent("engine-p#0", token=TOKEN, backend=backend) as p,
     ):
         # D: the destination blocks and a page of write-fence words.
         dest = bytearray(64 * 1024)
@@ -50,7 +55,7 @@ def test_a_fenced_write_lands_exactly_and_after_the_fence_is_cleared_a_second_is
         src = bytearray(os.urandom(48 * 1024))
         src_region = p.register(src)
         peer = p.connect(d.metadata())
-        assert peer.backend == "tcp"
+        assert peer.backend == backend
         remote_dest = peer.region(dest_region.id)
         fence = (peer.region(fence_region.id), 8, generation)
 
@@ -71,6 +76,11 @@ def test_a_fenced_write_lands_exactly_and_after_the_fence_is_cleared_a_second_is
         assert dest == expected
         # The notification comes only after every write landed.
         assert _wait_notifs(d, "engine-p#0") == [b"written:xfer-1"]
+        # On shared memory D copied both from P's bytearray itself (cross-memory attach).
+        stats = d.stats()
+        assert stats["writes_landed"] == 2
+        assert stats["bytes_landed"] == 48 * 1024
+        assert stats["writes_pulled"] == (2 if backend == "shm" else 0)
 
         # D ends the reservation: clears the fence. A late write for the old
         # generation is refused and changes no byte.
@@ -90,6 +100,7 @@ def test_a_fenced_write_lands_exactly_and_after_the_fence_is_cleared_a_second_is
         with pytest.raises(errors.StaleFenceError):
             result.raise_for_status()
         assert dest == expected
+        assert d.stats()["writes_stale"] >= 1
         # Reported once: polling it again is a typed error.
         with pytest.raises(errors.TransferError):
             p.poll(batch)
