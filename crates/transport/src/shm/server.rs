@@ -450,6 +450,9 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
             fds: VecDeque::new(),
         },
     );
+    // The answers, sent when no further frame is buffered here (before a read that may
+    // wait for the peer): one send for the answers to every frame that arrived together.
+    let mut answers = io::BufWriter::with_capacity(4096, s.try_clone()?);
     // One write's payload at a time, grown to the largest write seen (at most
     // `wire::MAX_WRITE_LEN`).
     let mut landing = Vec::new();
@@ -470,6 +473,10 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
             wire::SHM_WRITE_SRC,
             wire::SHM_WRITE_CMA_SRC,
         ];
+        if r.buffer().len() < wire::HEADER_LEN + wire::WRITE_PULL_LEN {
+            // The next frame may not have arrived yet: the peer may wait for these.
+            answers.flush()?;
+        }
         let (ty, len) = match wire::read_header(&mut r, &allowed, len_of) {
             Ok(h) => h,
             // The peer closed the socket between frames: the link's end.
@@ -488,7 +495,9 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
         match ty {
             wire::WRITE_REQ => {
                 let write = WriteReq::parse(&mut b)?;
-                serve_write(ctx, &mut r, s, &mut landing, true, &write)?;
+                // Its payload follows, perhaps not all here yet.
+                answers.flush()?;
+                serve_write(ctx, &mut r, &mut answers, &mut landing, true, &write)?;
             }
             wire::WRITE_PULL => {
                 let (write, (src, src_offset)) = WriteReq::parse_pull(&mut b)?;
@@ -502,7 +511,7 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                         source.copy_to(src_offset, dest, offset, len)
                     }
                 });
-                serve_pulled_write(ctx, s, &write, pull)?;
+                serve_pulled_write(ctx, &mut answers, &write, pull)?;
             }
             wire::SHM_WRITE_CMA_SRC => {
                 let (id, region_len, addr) = (b.u64()?, b.u64()?, b.u64()?);

@@ -39,13 +39,18 @@
 //! `WRITE_REQ` with its payload, which leaves straight from the source region
 //! (`writev`, no staging copy). The posting thread sends the
 //! batch's chunks with up to [`WINDOW`] unanswered at a time and completes each chunk on
-//! its answer, which the peer sends in order;
+//! its answer, which the peer sends in order. The small frames (`WRITE_PULL`,
+//! `SHM_WRITE_CMA_SRC`) are held back and sent together, before anything else goes on
+//! the socket and before a read of the answers that may wait; answers already received
+//! are taken before the window refills, so a window refills in one send; the peer
+//! answers the same way, all frames that arrived together in one send;
 //! [`Agent::post_write`](crate::Agent::post_write) returns once every chunk was answered
 //! (the batch is settled then, so its source is free again: the peer reads a pulled
 //! chunk's source only before it answers). One batch at a time uses a link's stream. A
 //! batch whose deadline passes between frames (also while it waited for the stream)
 //! fails with `Timeout` and sends nothing more; each send waits at most until the
-//! deadline, and the answers to chunks already sent at most [`ANSWER_GRACE`] longer. A
+//! deadline, and the answers to chunks already sent (held-back frames included, sent
+//! then) at most [`ANSWER_GRACE`] longer. A
 //! stream that timed out mid-frame or past that grace, broke or carried a malformed
 //! answer is given up (its batch fails), and the link's later writes go over TCP.
 
@@ -107,6 +112,9 @@ struct Stream {
     sources: HashMap<usize, (u64, bool, Arc<dyn DmaRegion>)>,
     /// The id of the next source handed over.
     next_source: u64,
+    /// Frames not sent yet (`WRITE_PULL`s, `SHM_WRITE_CMA_SRC`s), sent together before
+    /// anything else goes on the socket and before a read of the answers that may wait.
+    pending: Vec<u8>,
 }
 
 /// A chunk sent and not answered yet.
@@ -165,6 +173,7 @@ impl Writer {
                     ptracer_named: false,
                     sources: HashMap::new(),
                     next_source: 1,
+                    pending: Vec::with_capacity(WINDOW * (wire::HEADER_LEN + wire::WRITE_PULL_LEN)),
                 })
             })
             .flatten();
@@ -240,7 +249,10 @@ impl Stream {
         // Chunks whose pull the peer could not read, sent again on the socket.
         let mut again = VecDeque::new();
         loop {
+            // Answers already here are taken first, so that the window refills in one
+            // send rather than one frame per answer.
             if sent.len() < WINDOW
+                && (sent.is_empty() || self.answers.buffer().is_empty())
                 && batch.lock().is_running()
                 && let Some(c) = again.pop_front().or_else(|| chunks.next())
             {
@@ -262,14 +274,13 @@ impl Stream {
                 let pulled = self.pull_source(&c.src, &batch.peer)?;
                 let sent_now = match pulled {
                     // The peer copies the bytes from the source itself.
-                    Some((src, _)) => self.out.write_all(&wire::write_pull(
-                        req,
-                        (src, c.src_offset),
-                        dest,
-                        c.len,
-                        f,
-                    )),
+                    Some((src, _)) => {
+                        let frame = wire::write_pull(req, (src, c.src_offset), dest, c.len, f);
+                        self.pending.extend_from_slice(&frame);
+                        Ok(())
+                    }
                     None => {
+                        self.flush()?;
                         let header = wire::write_req(req, dest, c.len, f);
                         match c
                             .src
@@ -305,6 +316,11 @@ impl Stream {
             };
             let grace = batch.deadline.checked_add(ANSWER_GRACE);
             self.set_timeouts(grace.unwrap_or(batch.deadline))?;
+            if self.answers.buffer().is_empty() {
+                // The read below may wait for the peer, which may wait for these (chunks
+                // counted as sent already: they go within the answers' grace).
+                self.flush()?;
+            }
             let code = self.answer(s.req)?;
             if code == Some(Refusal::SourceUnreadable.code())
                 && let Some(c) = s.cma
@@ -315,6 +331,16 @@ impl Stream {
             }
             answered(tcp, batch, &s, fence.expected, code);
         }
+    }
+
+    /// Sends the frames held back.
+    fn flush(&mut self) -> Result<(), Broken> {
+        if !self.pending.is_empty() {
+            let sent = self.out.write_all(&self.pending);
+            self.pending.clear();
+            sent.map_err(|err| Broken::from(FrameError::Io(err)))?;
+        }
+        Ok(())
     }
 
     /// The peer could not read this process: later chunks from memory that is not
@@ -353,6 +379,8 @@ impl Stream {
         let len = src.len() as u64;
         let cma = match src.shared_fd() {
             Some(fd) => {
+                // The descriptor travels with the frame's bytes: those before it first.
+                self.flush()?;
                 let mut body = [0u8; wire::SHM_WRITE_SRC_LEN];
                 body[..8].copy_from_slice(&id.to_le_bytes());
                 body[8..].copy_from_slice(&len.to_le_bytes());
@@ -378,9 +406,8 @@ impl Stream {
                 body[..8].copy_from_slice(&id.to_le_bytes());
                 body[8..16].copy_from_slice(&len.to_le_bytes());
                 body[16..].copy_from_slice(&(src.base_ptr() as u64).to_le_bytes());
-                self.out
-                    .write_all(&wire::frame(wire::SHM_WRITE_CMA_SRC, &body))
-                    .map_err(|err| Broken::from(FrameError::Io(err)))?;
+                self.pending
+                    .extend_from_slice(&wire::frame(wire::SHM_WRITE_CMA_SRC, &body));
                 true
             }
         };
