@@ -13,9 +13,10 @@
 #              target pulls the bytes from it under its fence lock.
 #   ours cma   tcp_bench --backend cma: the same link, the target's regions plain heap memory
 #              (not memfd-backed, as host tensors registered from Python), read with
-#              cross-memory attach (process_vm_readv), keys cma_*; WRITE into such memory
-#              (cma_write_gbps_64x1m, cma_read_gbps_64x1m, cma_write_over_read_64x1m, the
-#              same for 64x64k; written as on shm, landed by the target's process).
+#              cross-memory attach (process_vm_readv), keys cma_*; WRITE from and into such
+#              memory (cma_write_gbps_64x1m, cma_read_gbps_64x1m, cma_write_over_read_64x1m,
+#              the same for 64x64k): the writer names its heap source by address, the
+#              target reads it with process_vm_readv under its fence lock.
 #   iperf3     one stream; ucx_perftest -t ucp_get over UCX_TLS=tcp (Debian's UCX 1.13).
 #   NIXL 1.5.1 from PyPI (scripts/bench/nixl/nixl_pair.py), twice: UCX's default transports
 #              (UCX_TLS unset; on one host READ goes through cma), keys nixl_shm_*; and
@@ -38,8 +39,9 @@
 #   write_ratio_vs_nixl_write= (and _64k=) our TCP fenced WRITE over NIXL's WRITE over TCP;
 #   write_ratio_vs_nixl_shm_write= (and _64k=) the same over NIXL with UCX's defaults.
 #   shm_write_ratio_vs_nixl_shm_write= (and _64k=) our same-host fenced WRITE (shm link,
-#                               memfd destination) over NIXL's WRITE with UCX's defaults;
-#                               cma_write_ratio_vs_nixl_shm_write= the same, heap destination.
+#                               memfd source and destination) over NIXL's WRITE with UCX's
+#                               defaults; cma_write_ratio_vs_nixl_shm_write= the same, heap
+#                               source and destination (as NIXL's).
 # A single run's notification RTTs are noisy: scripts/bench/notif.sh interleaves rounds.
 # A peer that fails prints its keys as nan (the reason on stderr) and the run goes on.
 # Env: KVLEASE_NIXL_VENV (default /var/tmp/kvlease-nixl-venv), KVLEASE_MOONCAKE_VENV

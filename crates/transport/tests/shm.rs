@@ -1703,3 +1703,72 @@ fn write_frames_on_the_shm_socket_are_checked_and_hostile_ones_close_it() -> Res
     ensure!(bytes_of(dst_region.as_ref(), 0, 4096) == bytes);
     Ok(())
 }
+
+/// A `SHM_WRITE_CMA_SRC` frame: source id, length, address in the sender's process.
+fn cma_source(id: u64, len: u64, addr: u64) -> Vec<u8> {
+    let words = [id, len, addr];
+    frame(
+        23,
+        &words
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// A pulled write's source (id, offset), length, generation, and the answer it gets.
+type LyingPull = ((u64, u64), u64, u64, Result<(), u8>);
+
+/// A writer that lies about its cma sources (an address that is none, ranges past a
+/// source, a source named twice) gets typed refusals and lands nothing it should not;
+/// only a real range of its own process lands, and only under the fence's generation.
+#[test]
+fn a_writer_lying_about_its_cma_sources_is_refused_and_lands_nothing() -> Result<()> {
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(1 << 16)?);
+    let dest = d.register(dst.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(4096)?))?;
+    d.set_write_fence(RegionId(fence.id), 0, 9)?;
+    let (mut s, ..) = raw_shm_client(&d, "liar")?;
+    // This process's own heap: what an honest writer names.
+    let src: Vec<u8> = (0..4096).map(|i| (i % 253) as u8 | 1).collect();
+    s.write_all(&cma_source(1, 4096, 0))?;
+    s.write_all(&cma_source(2, 4096, src.as_ptr() as u64))?;
+    let cases: [LyingPull; 5] = [
+        // Address 0 is no range: the writer is told to send the bytes itself.
+        ((1, 0), 4096, 9, Err(8)),
+        // Past the end of the source it named.
+        ((2, 1), 4096, 9, Err(4)),
+        // A source it never named.
+        ((7, 0), 16, 9, Err(2)),
+        // Another generation than the fence holds.
+        ((2, 0), 4096, 8, Err(7)),
+        // The real range under the fence's generation: lands.
+        ((2, 0), 4096, 9, Ok(())),
+    ];
+    for (req, (from, len, generation, want)) in (1u64..).zip(cases) {
+        let to = (dest.id, dest.key, 0);
+        let words = (fence.id, fence.key, 0, generation);
+        s.write_all(&shm_write_pull(req, from, to, len, words))?;
+        let got = shm_write_answer(&mut s, req)?;
+        ensure!(got == want, "write {req}: {got:?}, want {want:?}");
+        if want.is_err() {
+            ensure!(
+                bytes_of(dst.as_ref(), 0, 1 << 16).iter().all(|&b| b == 0),
+                "refused write {req} landed bytes"
+            );
+        }
+    }
+    ensure!(bytes_of(dst.as_ref(), 0, 4096) == src);
+    let stats = d.stats();
+    ensure!(stats.writes_pulled == 1 && stats.writes_refused == 4 && stats.writes_stale == 1);
+    // Naming a source id twice breaks the stream: D closes it.
+    s.write_all(&cma_source(2, 4096, src.as_ptr() as u64))?;
+    let mut byte = [0u8; 1];
+    ensure!(
+        matches!(s.read(&mut byte), Ok(0) | Err(_)),
+        "D kept serving a stream that named a source twice"
+    );
+    ensure!(d.stats().malformed_frames >= 1);
+    Ok(())
+}
