@@ -184,7 +184,8 @@
 //! again. The receiver keeps the memfds handed over for pulled writes mapped until the
 //! connection closes. A cma write source is named by pid and address as a cma read
 //! source is: a pull D serves after P gave up on the batch reads whatever P's process
-//! holds at that address then (or fails), into the blocks of that failed write only. The CUDA IPC path's end-to-end test
+//! holds at that address then (or fails), into the blocks of that failed write only.
+//! The CUDA IPC path's end-to-end test
 //! (`cuda_device_memory_is_read_over_shm_from_another_process` in `tests/shm.rs`) is
 //! `#[ignore]`d (it needs a GPU; `scripts/gpu-check.sh` runs it) and passed on one H200.
 

@@ -456,8 +456,9 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
     // One write's payload at a time, grown to the largest write seen (at most
     // `wire::MAX_WRITE_LEN`).
     let mut landing = Vec::new();
-    // The peer's regions handed over to pull from, by source id.
-    let mut sources: HashMap<u64, PullSource> = HashMap::new();
+    // The peer's regions handed over to pull from, by source id; the refusal for writes
+    // from one this process cannot pull from.
+    let mut sources: HashMap<u64, Result<PullSource, Refusal>> = HashMap::new();
     // The peer's process, for its cma sources: looked up at the first (`None` until then).
     let mut writer_pid: Option<Option<u32>> = None;
     let len_of = |ty| match ty {
@@ -502,9 +503,8 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
             wire::WRITE_PULL => {
                 let (write, (src, src_offset)) = WriteReq::parse_pull(&mut b)?;
                 let pull = match sources.get(&src) {
-                    Some(PullSource::Unreadable) => Err(Refusal::SourceUnreadable),
-                    Some(source @ (PullSource::Mapped(_) | PullSource::Cma(_))) => Ok(source),
-                    Some(PullSource::Unmapped) | None => Err(Refusal::UnknownRegion),
+                    Some(source) => source.as_ref().map_err(|why| *why),
+                    None => Err(Refusal::UnknownRegion),
                 }
                 .map(|source| {
                     move |dest: &dyn DmaRegion, offset, len| {
@@ -521,13 +521,16 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                     let then = "its writes from non-memfd memory come on the socket";
                     cma_peer_pid(ctx.cma, s, peer, then)
                 });
+                // Not readable here (cma off, the writer's process not visible in this pid
+                // namespace, not a range): its writes are refused, and the writer sends
+                // their bytes on the socket.
                 let source = match pid.map(|pid| PeerProcessRange::new(pid, addr, region_len)) {
-                    Some(Ok(range)) => PullSource::Cma(range),
+                    Some(Ok(range)) => Ok(PullSource::Cma(range)),
                     Some(Err(err)) => {
                         tracing::warn!(peer, source = id, %err, "a write source the shm peer named cannot be read; writes from it are refused and come on the socket");
-                        PullSource::Unreadable
+                        Err(Refusal::SourceUnreadable)
                     }
-                    None => PullSource::Unreadable,
+                    None => Err(Refusal::SourceUnreadable),
                 };
                 sources.insert(id, source);
             }
@@ -546,7 +549,8 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                     .inspect_err(|err| {
                         tracing::warn!(source = id, %err, "a write source the shm peer handed over cannot be mapped; writes from it are refused");
                     })
-                    .map_or(PullSource::Unmapped, PullSource::Mapped);
+                    .map(PullSource::Mapped)
+                    .map_err(|_| Refusal::UnknownRegion);
                 sources.insert(id, view);
             }
         }
@@ -560,12 +564,6 @@ enum PullSource {
     /// Its range in the writer's process (`SHM_WRITE_CMA_SRC`), read with
     /// `process_vm_readv`.
     Cma(PeerProcessRange),
-    /// A memfd that could not be mapped: writes from it are refused (`UnknownRegion`).
-    Unmapped,
-    /// A range this process does not read (cma off here, the writer's process not
-    /// visible in this pid namespace, not a range): writes from it are refused with
-    /// `SourceUnreadable`, and the writer sends their bytes on the socket.
-    Unreadable,
 }
 
 impl PullSource {
@@ -593,14 +591,15 @@ impl PullSource {
                         Refusal::SourceUnreadable
                     }
                 }),
-            Self::Unmapped => Err(Refusal::UnknownRegion),
-            Self::Unreadable => Err(Refusal::SourceUnreadable),
         }
     }
 }
 
 /// A source id not handed over before, within [`MAX_REGIONS`] sources.
-fn check_new_source(sources: &HashMap<u64, PullSource>, id: u64) -> Result<(), FrameError> {
+fn check_new_source(
+    sources: &HashMap<u64, Result<PullSource, Refusal>>,
+    id: u64,
+) -> Result<(), FrameError> {
     if sources.len() >= MAX_REGIONS || sources.contains_key(&id) {
         return Err(FrameError::Malformed(
             "a write source handed over twice, or too many".into(),
