@@ -283,16 +283,14 @@ fn accept_loop(
         let spawned = std::thread::Builder::new()
             .name("kvl-shm-serve".into())
             .spawn(move || {
-                if let Err(err) = serve(&ctx2, &grants2, stream) {
-                    match err {
-                        FrameError::Malformed(why) => {
-                            bump(&ctx2.counters.malformed_frames);
-                            tracing::warn!(%why, "malformed frame on the shm socket; closed");
-                        }
-                        FrameError::Io(err) => {
-                            tracing::debug!(%err, "shm socket connection ended");
-                        }
+                // Counted before the peer can see the socket closed: `open` holds a
+                // clone of it until below, and `serve` counts what it shuts down itself.
+                match serve(&ctx2, &grants2, stream) {
+                    Err(FrameError::Malformed(why)) => malformed(&ctx2, &why),
+                    Err(FrameError::Io(err)) => {
+                        tracing::debug!(%err, "shm socket connection ended");
                     }
+                    Ok(()) => {}
                 }
                 lock(&conns2.open).remove(&id);
             });
@@ -304,7 +302,9 @@ fn accept_loop(
 }
 
 /// Serves one Unix-socket connection: the handshake; if it succeeded the grant table, the
-/// ring and the regions, then waits until the peer closes the connection.
+/// ring and the regions, then waits until the peer closes the connection. A malformed
+/// frame after the hand-over is counted here, before the socket is shut down, and
+/// answered `Ok`; one before it is the caller's to count.
 fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameError> {
     s.set_read_timeout(Some(ctx.limits.handshake_timeout))?;
     s.set_write_timeout(Some(ctx.limits.handshake_timeout))?;
@@ -414,13 +414,27 @@ fn serve(ctx: &Context, grants: &Grants, mut s: UnixStream) -> Result<(), FrameE
         serve_writes(ctx, &mut s, &client_name)
     })();
     // Whatever ended the connection, the ring delivers what it holds, then goes; a
-    // connection ended by a malformed frame is shut down (the ring's drain holds a clone
-    // of the socket), so that the peer sees it closed.
+    // connection ended by a malformed frame is counted, then shut down (the ring's drain
+    // holds a clone of the socket), so that a peer that sees it closed sees it counted.
     closed.store(true, Ordering::Release);
-    if handed.is_err() {
-        let _ = s.shutdown(std::net::Shutdown::Both);
+    match handed {
+        Err(FrameError::Malformed(why)) => {
+            malformed(ctx, &why);
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            Ok(())
+        }
+        Err(err) => {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            Err(err)
+        }
+        Ok(()) => Ok(()),
     }
-    handed
+}
+
+/// Counts and logs a connection closed for a malformed frame.
+fn malformed(ctx: &Context, why: &str) {
+    bump(&ctx.counters.malformed_frames);
+    tracing::warn!(%why, "malformed frame on the shm socket; closed");
 }
 
 //= docs/spec.md#the-write-fence
