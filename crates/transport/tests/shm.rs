@@ -1772,3 +1772,64 @@ fn a_writer_lying_about_its_cma_sources_is_refused_and_lands_nothing() -> Result
     ensure!(d.stats().malformed_frames >= 1);
     Ok(())
 }
+
+/// A pulled write's source (id, offset), destination offset, generation, and the answer
+/// it gets.
+type GroupedPull = ((u64, u64), u64, u64, Result<(), u8>);
+
+/// Pulls that arrive together (one send) land together under one check of their fence
+/// word, yet each is answered, in order, as it fares alone: a source never named, a range
+/// past its source, an address nothing is mapped at (the kernel's read fails) and another
+/// generation than the fence holds are refused and land nothing; the pulls beside them
+/// land.
+#[test]
+fn pulls_that_arrive_together_are_each_answered_as_they_fare() -> Result<()> {
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(1 << 20)?);
+    let dest = d.register(dst.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(4096)?))?;
+    d.set_write_fence(RegionId(fence.id), 0, 9)?;
+    let (mut s, ..) = raw_shm_client(&d, "group")?;
+    let src: Vec<u8> = (0..1 << 18).map(|i| (i % 251) as u8 | 1).collect();
+    let mut frames = cma_source(1, 1 << 18, src.as_ptr() as u64);
+    // Below the lowest address a process may map: the read fails with EFAULT.
+    frames.extend(cma_source(2, 1 << 15, 4096));
+    let piece = 1u64 << 14;
+    let mut cases: Vec<GroupedPull> = (0..16)
+        .map(|i| ((1, i * piece), i * piece, 9, Ok(())))
+        .collect();
+    cases[3] = ((7, 0), 3 * piece, 9, Err(2));
+    cases[5] = ((1, 1 << 18), 5 * piece, 9, Err(4));
+    cases[8] = ((2, 0), 8 * piece, 9, Err(8));
+    cases[11] = ((1, 11 * piece), 11 * piece, 8, Err(7));
+    for (req, (from, to, generation, _)) in (1u64..).zip(&cases) {
+        let to = (dest.id, dest.key, *to);
+        let words = (fence.id, fence.key, 0, *generation);
+        frames.extend(shm_write_pull(req, *from, to, piece, words));
+    }
+    s.write_all(&frames)?;
+    for (req, (_, to, _, want)) in (1u64..).zip(&cases) {
+        let got = shm_write_answer(&mut s, req)?;
+        ensure!(got == *want, "write {req}: {got:?}, want {want:?}");
+        let landed = bytes_of(dst.as_ref(), *to, piece);
+        if want.is_ok() {
+            let at = *to as usize;
+            ensure!(
+                landed == src[at..at + piece as usize],
+                "write {req} landed wrong bytes"
+            );
+        } else {
+            ensure!(
+                landed.iter().all(|&b| b == 0),
+                "refused write {req} landed bytes"
+            );
+        }
+    }
+    let stats = d.stats();
+    ensure!(
+        stats.writes_pulled == 12 && stats.writes_refused == 4 && stats.writes_stale == 1,
+        "{stats:?}"
+    );
+    ensure!(stats.bytes_landed == 12 * piece);
+    Ok(())
+}

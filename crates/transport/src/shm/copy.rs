@@ -1,4 +1,5 @@
-//! The copies of a shared-memory batch: on the posting thread, with a process-wide pool of
+//! The copies of a shared-memory batch, and of writes a peer asked this process to pull
+//! from its memory: on the posting (or receiving) thread, with a process-wide pool of
 //! helper threads for large batches.
 //!
 //! Why on the posting thread: a hand-off to another thread costs a wake-up (a few µs,
@@ -24,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use crossbeam_channel::Sender;
 use kvlease_gpu_mem::{CmaError, CmaRead, DmaRegion, MAX_CMA_IOVECS, read_vectored};
 
-use super::mapped::{CopyError, MappedRegion, Source};
+use super::mapped::{CopyError, Source};
 use crate::batch::Batch;
 use crate::error::TransferError;
 use crate::sync::lock;
@@ -53,30 +54,40 @@ pub(super) trait Completion: Send + Sync + std::fmt::Debug {
     fn cma_refused(&self, err: &CmaError);
 }
 
-/// One data copy of a batch.
+/// One data copy: `len` bytes at `src_offset` of a peer's memory into `dest` at
+/// `dest_offset` (a batch's read, or a write the peer asked this process to pull).
 #[derive(Debug)]
 pub(super) struct CopyOp {
-    pub(super) src: Arc<MappedRegion>,
+    pub(super) src: Arc<Source>,
     pub(super) src_offset: u64,
     pub(super) dest: Arc<dyn DmaRegion>,
     pub(super) dest_offset: u64,
     pub(super) len: u64,
 }
 
-/// A batch cut into chunks that several threads claim; the thread that finishes the last
-/// chunk completes the batch.
-#[derive(Debug)]
+/// Copies cut into chunks that several threads claim ([`split`]).
+trait Chunked: Send + Sync {
+    /// How many chunks there are.
+    fn count(&self) -> usize;
+
+    /// Copies chunk `i`; false when it was cut short.
+    fn copy(&self, i: usize) -> bool;
+
+    /// Runs once, on the thread that finished the last chunk (`copied`: none was cut
+    /// short), before [`split`] returns.
+    fn done(&self, copied: bool);
+}
+
+/// Chunked work that several threads claim; the thread that finishes the last chunk
+/// ends it.
 struct Job {
-    core: Arc<dyn Completion>,
-    batch: Arc<Batch>,
-    copies: Vec<CopyOp>,
-    chunks: Vec<Range<usize>>,
+    work: Arc<dyn Chunked>,
     /// The next chunk to claim (past the end once every chunk was claimed).
     next: AtomicUsize,
     /// Chunks not yet copied.
     left: AtomicUsize,
     copied: AtomicBool,
-    /// Set (under the mutex) once the batch was completed.
+    /// Set (under the mutex) once the work was ended.
     done: Mutex<bool>,
     done_cv: Condvar,
 }
@@ -86,17 +97,16 @@ impl Job {
     fn work(&self) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(range) = self.chunks.get(i).cloned() else {
+            if i >= self.work.count() {
                 return;
-            };
-            if !copy_some(self.core.as_ref(), &self.batch, &self.copies[range]) {
+            }
+            if !self.work.copy(i) {
                 self.copied.store(false, Ordering::Relaxed);
             }
             // AcqRel: the last chunk's thread sees every other chunk's copies (and
             // `copied`) as done.
             if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                let copied = self.copied.load(Ordering::Relaxed);
-                self.core.complete(&self.batch, &self.copies, copied);
+                self.work.done(self.copied.load(Ordering::Relaxed));
                 *lock(&self.done) = true;
                 self.done_cv.notify_all();
                 return;
@@ -104,7 +114,7 @@ impl Job {
         }
     }
 
-    /// Waits until the batch was completed (by this thread or another).
+    /// Waits until the work was ended (by this thread or another).
     fn wait(&self) {
         let mut done = lock(&self.done);
         while !*done {
@@ -117,7 +127,6 @@ impl Job {
 }
 
 /// The process-wide helper threads.
-#[derive(Debug)]
 struct Pool {
     tx: Sender<Arc<Job>>,
     threads: usize,
@@ -153,32 +162,36 @@ fn pool() -> &'static Pool {
     })
 }
 
-/// Copies `copies` into their destinations and completes `batch` (whose `in_receive`
-/// the caller raised by one) before it returns: on this thread, with the pool's help
-/// when the batch holds more than [`SPLIT_BYTES`].
-pub(super) fn run<C: Completion + 'static>(core: &Arc<C>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
+/// The chunks `copies` is cut into: chunks of about [`CHUNK_BYTES`] when they hold more
+/// than [`SPLIT_BYTES`] and the pool has threads, else one.
+fn chunks_of(copies: &[CopyOp]) -> Vec<Range<usize>> {
     let total: u64 = copies.iter().map(|c| c.len).sum();
-    let chunks = if total > SPLIT_BYTES && pool().threads > 0 {
-        chunks(&copies, CHUNK_BYTES)
+    if total > SPLIT_BYTES && pool().threads > 0 {
+        chunks(copies, CHUNK_BYTES)
     } else {
-        Vec::new()
-    };
-    let helpers = match chunks.len() {
+        std::iter::once(0..copies.len()).collect()
+    }
+}
+
+/// Copies `work`'s chunks and ends it before it returns: on this thread, with the pool's
+/// help when there is more than one chunk.
+fn split(work: Arc<dyn Chunked>) {
+    let helpers = match work.count() {
         0 | 1 => 0,
         n => pool().threads.min(n - 1),
     };
     if helpers == 0 {
-        let copied = copy_some(core.as_ref(), batch, &copies);
-        core.complete(batch, &copies, copied);
+        let mut copied = true;
+        for i in 0..work.count() {
+            copied &= work.copy(i);
+        }
+        work.done(copied);
         return;
     }
     let job = Arc::new(Job {
-        core: core.clone() as Arc<dyn Completion>,
-        batch: batch.clone(),
-        left: AtomicUsize::new(chunks.len()),
-        chunks,
+        left: AtomicUsize::new(work.count()),
+        work,
         next: AtomicUsize::new(0),
-        copies,
         copied: AtomicBool::new(true),
         done: Mutex::new(false),
         done_cv: Condvar::new(),
@@ -192,6 +205,101 @@ pub(super) fn run<C: Completion + 'static>(core: &Arc<C>, batch: &Arc<Batch>, co
     }
     job.work();
     job.wait();
+}
+
+/// A batch's reads.
+struct BatchCopies<C> {
+    core: Arc<C>,
+    batch: Arc<Batch>,
+    copies: Vec<CopyOp>,
+    chunks: Vec<Range<usize>>,
+}
+
+impl<C: Completion> Chunked for BatchCopies<C> {
+    fn count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn copy(&self, i: usize) -> bool {
+        let copies = &self.copies[self.chunks[i].clone()];
+        let batch = &self.batch;
+        match copy_in_order(copies, || batch.lock().is_running()) {
+            Ok(copied) => copied,
+            Err(err) => {
+                // The kernel refused cross-memory attach between the batch's probe and
+                // this copy (the peer named another ptracer meanwhile): later batches go
+                // over TCP.
+                if let CopyError::Cma(err) = &err
+                    && err.is_refusal()
+                {
+                    self.core.cma_refused(err);
+                }
+                // Both ranges were checked at post time; fail rather than panic.
+                batch.lock().fail(TransferError::LocalCopy {
+                    peer: batch.peer.clone(),
+                    reason: err.to_string(),
+                });
+                false
+            }
+        }
+    }
+
+    fn done(&self, copied: bool) {
+        self.core.complete(&self.batch, &self.copies, copied);
+    }
+}
+
+/// Copies `copies` into their destinations and completes `batch` (whose `in_receive`
+/// the caller raised by one) before it returns: on this thread, with the pool's help
+/// when the batch holds more than [`SPLIT_BYTES`].
+pub(super) fn run<C: Completion + 'static>(core: &Arc<C>, batch: &Arc<Batch>, copies: Vec<CopyOp>) {
+    split(Arc::new(BatchCopies {
+        core: core.clone(),
+        batch: batch.clone(),
+        chunks: chunks_of(&copies),
+        copies,
+    }));
+}
+
+/// Writes pulled together.
+struct PullCopies {
+    copies: Vec<CopyOp>,
+    chunks: Vec<Range<usize>>,
+    /// Set when a copy failed.
+    failed: AtomicBool,
+}
+
+impl Chunked for PullCopies {
+    fn count(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn copy(&self, i: usize) -> bool {
+        let copies = &self.copies[self.chunks[i].clone()];
+        // One failure is enough: the caller copies each again to learn which.
+        let copied = copy_in_order(copies, || !self.failed.load(Ordering::Relaxed))
+            .is_ok_and(|copied| copied);
+        if !copied {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        copied
+    }
+
+    fn done(&self, _: bool) {}
+}
+
+/// Copies `copies` (writes pulled from a peer) into their destinations before it
+/// returns, as a batch's reads are copied: on this thread, with the pool's help when they
+/// hold more than [`SPLIT_BYTES`], consecutive cma copies in one system call. Returns
+/// false when any copy failed: the destinations' bytes are then unspecified.
+pub(super) fn pull(copies: Vec<CopyOp>) -> bool {
+    let work = Arc::new(PullCopies {
+        chunks: chunks_of(&copies),
+        copies,
+        failed: AtomicBool::new(false),
+    });
+    split(work.clone());
+    !work.failed.load(Ordering::Relaxed)
 }
 
 /// `copies` cut into contiguous groups of at least `bytes` bytes each (the last one may
@@ -214,46 +322,28 @@ fn chunks(copies: &[CopyOp], bytes: u64) -> Vec<Range<usize>> {
     out
 }
 
-/// Copies `copies` in order. Returns false when the batch stopped running meanwhile
-/// (failed or timed out): the caller's memory must not be written any further.
-fn copy_some(core: &dyn Completion, batch: &Batch, copies: &[CopyOp]) -> bool {
+/// Copies `copies` in order, consecutive cma copies in one vectored system call, while
+/// `go_on` holds before each call. `Ok(false)` when it stopped holding: the caller's
+/// memory must not be written any further.
+fn copy_in_order(copies: &[CopyOp], go_on: impl Fn() -> bool) -> Result<bool, CopyError> {
     let mut rest = copies;
     while !rest.is_empty() {
-        if !batch.lock().is_running() {
-            return false;
+        if !go_on() {
+            return Ok(false);
         }
-        // Consecutive cma copies go in one vectored system call; others one by one.
         let cma = cma_run(rest);
-        let (done, result) = if cma.len() > 1 {
-            let n = cma.len();
-            (n, read_vectored(&cma).map_err(CopyError::from))
+        let done = if cma.len() > 1 {
+            read_vectored(&cma)?;
+            cma.len()
         } else {
             let c = &rest[0];
-            (
-                1,
-                c.src
-                    .source
-                    .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len),
-            )
+            c.src
+                .copy_to(c.src_offset, c.dest.as_ref(), c.dest_offset, c.len)?;
+            1
         };
-        if let Err(err) = result {
-            // The kernel refused cross-memory attach between the batch's probe and this
-            // copy (the peer named another ptracer meanwhile): later batches go over TCP.
-            if let CopyError::Cma(err) = &err
-                && err.is_refusal()
-            {
-                core.cma_refused(err);
-            }
-            // Both ranges were checked at post time; fail rather than panic.
-            batch.lock().fail(TransferError::LocalCopy {
-                peer: batch.peer.clone(),
-                reason: err.to_string(),
-            });
-            return false;
-        }
         rest = &rest[done..];
     }
-    true
+    Ok(true)
 }
 
 /// The cma copies at the start of `copies`, as reads of one `process_vm_readv`: at most
@@ -263,7 +353,7 @@ fn cma_run(copies: &[CopyOp]) -> Vec<CmaRead<'_>> {
     let mut reads = Vec::new();
     let mut bytes = 0u64;
     for c in copies.iter().take(MAX_CMA_IOVECS) {
-        let Source::Cma(src) = &c.src.source else {
+        let Source::Cma(src) = c.src.as_ref() else {
             break;
         };
         if !reads.is_empty() && bytes + c.len > CMA_CALL_BYTES {

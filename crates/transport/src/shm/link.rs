@@ -153,7 +153,7 @@ impl Core {
     /// The fence word at `remote` (checked like a data read), or why it was refused.
     fn fence_word(&self, remote: RemoteRange) -> Result<u64, Refusal> {
         let r = self.region(remote.region, remote.key)?;
-        match &r.source {
+        match &*r.source {
             // Out of bounds, or not 8-aligned (fence words are FenceTable slots).
             Source::Host(view) => view
                 .load_u64(remote.offset)
@@ -181,7 +181,7 @@ impl Core {
     /// and returns false: the caller moves the batch over TCP. A chunk the checks refuse
     /// is left to them.
     fn cma_allowed(&self, chunks: &[Chunk], fence: Option<RemoteRange>) -> bool {
-        let cma_range = |region: u64| match &self.regions.get(&region)?.source {
+        let cma_range = |region: u64| match &*self.regions.get(&region)?.source {
             Source::Cma(range) => Some(range),
             _ => None,
         };
@@ -514,7 +514,7 @@ fn receive_handover(
                 Arc::new(MappedRegion {
                     key,
                     slot,
-                    source: Source::Cma(range),
+                    source: Arc::new(Source::Cma(range)),
                 }),
             );
             continue;
@@ -533,7 +533,7 @@ fn receive_handover(
                     Arc::new(MappedRegion {
                         key,
                         slot,
-                        source: Source::Device(mapping),
+                        source: Arc::new(Source::Device(mapping)),
                     }),
                 );
             }
@@ -585,7 +585,7 @@ fn receive_handover(
                     Arc::new(MappedRegion {
                         key,
                         slot,
-                        source: Source::Host(view),
+                        source: Arc::new(Source::Host(view)),
                     }),
                 );
             }
@@ -635,10 +635,10 @@ impl Link for ShmLink {
         let cma = core.cma.load(Ordering::Acquire);
         let eligible = chunks.iter().all(|c| {
             core.regions.get(&c.remote.region).is_some_and(|r| {
-                r.source.accepts(c.dest.kind()) && (cma || !matches!(r.source, Source::Cma(_)))
+                r.source.accepts(c.dest.kind()) && (cma || !matches!(*r.source, Source::Cma(_)))
             })
         }) && fence_region.is_none_or(|r| {
-            core.regions.get(&r).is_some_and(|r| match r.source {
+            core.regions.get(&r).is_some_and(|r| match *r.source {
                 Source::Host(_) => true,
                 Source::Cma(_) => cma,
                 #[cfg(feature = "cuda")]
@@ -664,7 +664,7 @@ impl Link for ShmLink {
         for c in chunks {
             match core.check(c.remote.region, c.remote.key, c.remote.offset, c.len) {
                 Ok(src) => copies.push(CopyOp {
-                    src: src.clone(),
+                    src: src.source.clone(),
                     src_offset: c.remote.offset,
                     dest: c.dest,
                     dest_offset: c.dest_offset,
@@ -683,13 +683,11 @@ impl Link for ShmLink {
             }
         }
         // A batch that read any byte (or its fence word) through the kernel is `cma`.
-        let uses_cma = copies
-            .iter()
-            .any(|c| matches!(c.src.source, Source::Cma(_)))
+        let uses_cma = copies.iter().any(|c| matches!(*c.src, Source::Cma(_)))
             || fence_region.is_some_and(|r| {
                 core.regions
                     .get(&r)
-                    .is_some_and(|r| matches!(r.source, Source::Cma(_)))
+                    .is_some_and(|r| matches!(*r.source, Source::Cma(_)))
             });
         {
             let mut st = batch.lock();

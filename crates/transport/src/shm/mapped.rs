@@ -1,5 +1,7 @@
 //! A peer's region mapped into this process, and the copies out of it.
 
+use std::sync::Arc;
+
 use kvlease_gpu_mem::{
     CmaError, DmaRegion, MemoryKind, PeerProcessRange, RegionAccessError, SharedRegionView,
 };
@@ -10,7 +12,8 @@ pub(super) struct MappedRegion {
     pub(super) key: u64,
     /// Its slot in the peer's grant table.
     pub(super) slot: u64,
-    pub(super) source: Source,
+    /// Shared with the copies under way.
+    pub(super) source: Arc<Source>,
 }
 
 /// Where a mapped region's bytes are read from.

@@ -2,7 +2,7 @@
 //! ring to authenticated peers on the same host, and the ring's drain.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Write};
+use std::io::{self, BufRead, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
@@ -16,6 +16,8 @@ use kvlease_gpu_mem::{
 };
 use kvlease_proto::auth::ServerAuth;
 
+use super::copy::{self, CopyOp};
+use super::mapped::{CopyError, Source};
 use super::{MAX_REGIONS, METADATA_KEY, cma_peer_pid, host_identity, ring_shape};
 use crate::config::CmaPolicy;
 use crate::context::Context;
@@ -23,12 +25,15 @@ use crate::error::Refusal;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
 use crate::stats::{Counters, bump};
 use crate::sync::lock;
-use crate::tcp::server::{WriteReq, serve_pulled_write, serve_write};
+use crate::tcp::server::{PullCopy, WriteReq, serve_pulled_writes, serve_write};
 use crate::tcp::wire::{self, Body, FrameError};
 
 /// Descriptors received on a write stream and not yet claimed by an `SHM_WRITE_SRC`
 /// frame (one reads ahead of the frame that carries it) before the peer counts as broken.
 const MAX_STRAY_FDS: usize = 16;
+
+/// Most `WRITE_PULL`s landed together: a writer's window (see `shm::write`).
+const MAX_PULL_GROUP: usize = super::write::WINDOW;
 
 /// The Unix-socket connections being served, shut down when the agent stops.
 #[derive(Debug, Default)]
@@ -445,17 +450,22 @@ fn malformed(ctx: &Context, why: &str) {
 /// hand-over, one at a time and in order, until it closes the socket: the TCP write
 /// protocol (`WRITE_REQ` and its payload; `WRITE_ACK` or `WRITE_ERR`), landed by
 /// [`serve_write`] as the TCP receiver lands them, and writes this process pulls from
-/// the peer's memory (`WRITE_PULL`), landed by [`serve_pulled_write`]: from a memfd the
+/// the peer's memory (`WRITE_PULL`), landed by [`serve_pulled_writes`]: from a memfd the
 /// peer handed over with `SHM_WRITE_SRC` and this process mapped read-only, or from a
 /// range of the peer's process it named with `SHM_WRITE_CMA_SRC`, read with
-/// `process_vm_readv`. Either way the bytes reach the destination only under the
-/// fence word's stripe of the write-fence lock, after the word was found to hold the
-/// write's generation: a `WRITE_REQ`'s from a buffer of this process, a `WRITE_PULL`'s
-/// straight from the peer's pages. The peer never maps this agent's memory writable
-/// (its memfds are sealed against it) and never holds that lock: a peer that stalls or
-/// dies mid-write holds only this connection's thread, and
-/// [`Agent::set_write_fence`](crate::Agent::set_write_fence) waits at most for one copy
-/// of this process already under way.
+/// `process_vm_readv`. The `WRITE_PULL`s that arrived together under one fence word and
+/// generation (at most [`MAX_PULL_GROUP`], [`wire::MAX_WRITE_LEN`] bytes in all, as much
+/// as one `WRITE_REQ` may carry) land together: the word checked once, the copies made
+/// as a shm batch's reads are (consecutive cma ones in one `process_vm_readv`, the copy
+/// pool's threads helping when they are large), each answered in order. Either way the
+/// bytes reach the destination only under the fence word's stripe of the write-fence
+/// lock, after the word was found to hold the write's generation: a `WRITE_REQ`'s from a
+/// buffer of this process, a `WRITE_PULL`'s straight from the peer's pages. The peer
+/// never maps this agent's memory writable (its memfds are sealed against it) and never
+/// holds that lock: a peer that stalls or dies mid-write holds only this connection's
+/// thread, and [`Agent::set_write_fence`](crate::Agent::set_write_fence) waits at most
+/// for the copies of one write or group already under way (at most
+/// [`wire::MAX_WRITE_LEN`] bytes).
 fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), FrameError> {
     let mut r = io::BufReader::with_capacity(
         64 * 1024,
@@ -472,7 +482,7 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
     let mut landing = Vec::new();
     // The peer's regions handed over to pull from, by source id; the refusal for writes
     // from one this process cannot pull from.
-    let mut sources: HashMap<u64, Result<PullSource, Refusal>> = HashMap::new();
+    let mut sources: HashMap<u64, Result<Arc<Source>, Refusal>> = HashMap::new();
     // The peer's process, for its cma sources: looked up at the first (`None` until then).
     let mut writer_pid: Option<Option<u32>> = None;
     let len_of = |ty| match ty {
@@ -515,17 +525,47 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                 serve_write(ctx, &mut r, &mut answers, &mut landing, true, &write)?;
             }
             wire::WRITE_PULL => {
-                let (write, (src, src_offset)) = WriteReq::parse_pull(&mut b)?;
-                let pull = match sources.get(&src) {
-                    Some(source) => source.as_ref().map_err(|why| *why),
-                    None => Err(Refusal::UnknownRegion),
+                // With the pulls buffered behind it under the same fence word: copied
+                // together (with the copy pool's help when large), answered in order.
+                let mut group = vec![WriteReq::parse_pull(&mut b)?];
+                let mut group_len = group[0].0.len();
+                while group.len() < MAX_PULL_GROUP
+                    && let Some(next) = buffered_pull(r.buffer())
+                    && group[0].0.pulls_with(&next.0, group_len)
+                {
+                    r.consume(wire::HEADER_LEN + wire::WRITE_PULL_LEN);
+                    group_len += next.0.len();
+                    group.push(next);
                 }
-                .map(|source| {
-                    move |dest: &dyn DmaRegion, offset, len| {
-                        source.copy_to(src_offset, dest, offset, len)
-                    }
-                });
-                serve_pulled_write(ctx, &mut answers, &write, pull)?;
+                let writes = group
+                    .into_iter()
+                    .map(|(write, (src, src_offset))| {
+                        let source = match sources.get(&src) {
+                            Some(source) => source.clone(),
+                            None => Err(Refusal::UnknownRegion),
+                        };
+                        (write, source.map(|source| (source, src_offset)))
+                    })
+                    .collect();
+                let copy = |all: Vec<PullCopy<'_, (Arc<Source>, u64)>>| {
+                    let copies = all
+                        .into_iter()
+                        .map(|c| CopyOp {
+                            src: c.src.0.clone(),
+                            src_offset: c.src.1,
+                            dest: c.dest,
+                            dest_offset: c.offset,
+                            len: c.len,
+                        })
+                        .collect();
+                    copy::pull(copies)
+                };
+                let copy_one =
+                    |(src, src_offset): &(Arc<Source>, u64), dest: &dyn DmaRegion, offset, len| {
+                        src.copy_to(*src_offset, dest, offset, len)
+                            .map_err(pull_refusal)
+                    };
+                serve_pulled_writes(ctx, &mut answers, writes, copy, copy_one)?;
             }
             wire::SHM_WRITE_CMA_SRC => {
                 let (id, region_len, addr) = (b.u64()?, b.u64()?, b.u64()?);
@@ -539,7 +579,7 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                 // namespace, not a range): its writes are refused, and the writer sends
                 // their bytes on the socket.
                 let source = match pid.map(|pid| PeerProcessRange::new(pid, addr, region_len)) {
-                    Some(Ok(range)) => Ok(PullSource::Cma(range)),
+                    Some(Ok(range)) => Ok(Arc::new(Source::Cma(range))),
                     Some(Err(err)) => {
                         tracing::warn!(peer, source = id, %err, "a write source the shm peer named cannot be read; writes from it are refused and come on the socket");
                         Err(Refusal::SourceUnreadable)
@@ -563,7 +603,7 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                     .inspect_err(|err| {
                         tracing::warn!(source = id, %err, "a write source the shm peer handed over cannot be mapped; writes from it are refused");
                     })
-                    .map(PullSource::Mapped)
+                    .map(|view| Arc::new(Source::Host(view)))
                     .map_err(|_| Refusal::UnknownRegion);
                 sources.insert(id, view);
             }
@@ -571,47 +611,36 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
     }
 }
 
-/// A region of the writer's that it handed over to pull writes from.
-enum PullSource {
-    /// Its memfd (`SHM_WRITE_SRC`), mapped read-only here.
-    Mapped(SharedRegionView),
-    /// Its range in the writer's process (`SHM_WRITE_CMA_SRC`), read with
-    /// `process_vm_readv`.
-    Cma(PeerProcessRange),
-}
-
-impl PullSource {
-    /// Copies `len` bytes at `offset` of the source into `dest` at `dest_offset`.
-    fn copy_to(
-        &self,
-        offset: u64,
-        dest: &dyn DmaRegion,
-        dest_offset: u64,
-        len: u64,
-    ) -> Result<(), Refusal> {
-        match self {
-            Self::Mapped(view) => view
-                .copy_to(offset, dest, dest_offset, len)
-                .map_err(|_| Refusal::OutOfBounds),
-            Self::Cma(range) => range
-                .copy_to(offset, dest, dest_offset, len)
-                .map_err(|err| match err {
-                    CmaError::Access(_) => Refusal::OutOfBounds,
-                    // Refused (the writer named another ptracer since; its process is
-                    // gone) or failed part-way (its range unmapped): the writer sends
-                    // the bytes itself, or its batch fails.
-                    err => {
-                        tracing::debug!(%err, "pulling a write from the shm peer's process failed");
-                        Refusal::SourceUnreadable
-                    }
-                }),
+/// The refusal a pulled write gets when its copy out of the writer's memory failed.
+fn pull_refusal(err: CopyError) -> Refusal {
+    match err {
+        CopyError::Host(_) | CopyError::Cma(CmaError::Access(_)) => Refusal::OutOfBounds,
+        // Refused (the writer named another ptracer since; its process is gone) or
+        // failed part-way (its range unmapped): the writer sends the bytes itself, or its
+        // batch fails.
+        err => {
+            tracing::debug!(%err, "pulling a write from the shm peer's process failed");
+            Refusal::SourceUnreadable
         }
     }
 }
 
+/// The `WRITE_PULL` frame at the start of `buffered` (bytes read from the stream and
+/// not consumed yet), if a whole and well-formed one is there; anything else is left for
+/// the stream's own reading, which refuses what is malformed.
+fn buffered_pull(buffered: &[u8]) -> Option<(WriteReq, (u64, u64))> {
+    let frame = buffered.get(..wire::HEADER_LEN + wire::WRITE_PULL_LEN)?;
+    let (header, body) = frame.split_at(wire::HEADER_LEN);
+    let want = wire::header(wire::WRITE_PULL, wire::WRITE_PULL_LEN);
+    if header != want {
+        return None;
+    }
+    WriteReq::parse_pull(&mut Body(body)).ok()
+}
+
 /// A source id not handed over before, within [`MAX_REGIONS`] sources.
 fn check_new_source(
-    sources: &HashMap<u64, Result<PullSource, Refusal>>,
+    sources: &HashMap<u64, Result<Arc<Source>, Refusal>>,
     id: u64,
 ) -> Result<(), FrameError> {
     if sources.len() >= MAX_REGIONS || sources.contains_key(&id) {

@@ -494,6 +494,20 @@ impl WriteReq {
         })
     }
 
+    /// Whether `self` and `other` are checked against the same fence word and generation,
+    /// and `other` may join a group of `group_len` bytes pulled together (at most
+    /// [`wire::MAX_WRITE_LEN`] in all).
+    pub(crate) fn pulls_with(&self, other: &Self, group_len: u64) -> bool {
+        self.fence == other.fence
+            && self.expected == other.expected
+            && group_len.saturating_add(other.len) <= wire::MAX_WRITE_LEN
+    }
+
+    /// The write's length in bytes.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
     /// Parses a `WRITE_PULL` body (the whole of it): the write, and the source it names
     /// (source id, offset).
     pub(crate) fn parse_pull(b: &mut Body<'_>) -> Result<(Self, (u64, u64)), FrameError> {
@@ -600,18 +614,36 @@ fn land(
     (dest, fence): &WriteTargets,
     copy: impl FnOnce(&dyn kvlease_gpu_mem::DmaRegion, u64, u64) -> Result<(), Refusal>,
 ) -> Result<(), Refusal> {
+    under_fence(ctx, w, fence.as_ref(), || {
+        copy(dest.as_ref(), w.offset, w.len).map(|()| count_landed(ctx, w))
+    })?
+}
+
+/// Runs `then` under the stripe of the write-fence lock of `w`'s fence word (in
+/// `fence`, the region `write_targets` found), only if the word holds `w.expected`
+/// ([`Refusal::Stale`] otherwise; [`Refusal::OutOfBounds`] for a word that cannot be a
+/// fence).
+fn under_fence<T>(
+    ctx: &Context,
+    w: &WriteReq,
+    fence: &dyn kvlease_gpu_mem::DmaRegion,
+    then: impl FnOnce() -> T,
+) -> Result<T, Refusal> {
     let _fence = ctx.write_fences.lock(w.fence.0, w.fence.2);
     match fence.load_u64(w.fence.2) {
-        Ok(word) if word == w.expected => copy(dest.as_ref(), w.offset, w.len).map(|()| {
-            bump(&ctx.counters.writes_landed);
-            ctx.counters
-                .bytes_landed
-                .fetch_add(w.len, Ordering::Relaxed);
-        }),
+        Ok(word) if word == w.expected => Ok(then()),
         Ok(_) => Err(Refusal::Stale),
         // Misaligned: the word cannot be a fence.
         Err(_) => Err(Refusal::OutOfBounds),
     }
+}
+
+/// Counts a write that landed (under its fence word's stripe).
+fn count_landed(ctx: &Context, w: &WriteReq) {
+    bump(&ctx.counters.writes_landed);
+    ctx.counters
+        .bytes_landed
+        .fetch_add(w.len, Ordering::Relaxed);
 }
 
 //= docs/spec.md#the-write-fence
@@ -667,33 +699,105 @@ pub(crate) fn serve_write(
 //# A write lands only in blocks D holds for that transfer under that generation
 //# (and registered with the writing P engine): D's receiver checks this before any byte
 //# lands, and a write that does not pass is refused and reported to P as failed.
-/// Serves one `WRITE_PULL` of an authenticated peer: `pull` is how the write's bytes
-/// are copied from the peer's memory into a destination (at an offset, a length), or
-/// why the source it names is refused (checked before anything else but the length).
-/// Checked and landed as a `WRITE_REQ` is ([`land`]: the copy runs under the fence
-/// word's stripe, once the word holds the generation), answered the same way.
-pub(crate) fn serve_pulled_write<F>(
+/// A pulled write that passed the checks, to copy: `len` bytes from `src` (what the
+/// caller named it by) into `dest` at `offset`.
+pub(crate) struct PullCopy<'a, S> {
+    pub(crate) dest: Arc<dyn kvlease_gpu_mem::DmaRegion>,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) src: &'a S,
+}
+
+/// Serves `WRITE_PULL`s of an authenticated peer, in order: `writes[i]` with what its
+/// bytes are copied from in the peer's memory (`S`, handed to the copies), or why the
+/// source it names is refused (checked before anything else but the length). Each is
+/// checked as a `WRITE_REQ` is and answered the same way. Consecutive writes under one
+/// fence word and generation land together, under one hold of the word's stripe (as
+/// [`land`] lands one: once the word was found to hold the generation, and counted
+/// there): `copy` copies those that passed the checks and says whether every copy
+/// succeeded; if one did not, `copy_one` copies each
+/// again alone, so that each is answered as it fares. A write over
+/// [`wire::MAX_WRITE_LEN`] is refused after those before it were served, and ends the
+/// stream (the error closes the connection).
+pub(crate) fn serve_pulled_writes<S>(
     ctx: &Context,
     out: &mut impl Write,
-    w: &WriteReq,
-    pull: Result<F, Refusal>,
-) -> Result<(), FrameError>
-where
-    F: FnOnce(&dyn kvlease_gpu_mem::DmaRegion, u64, u64) -> Result<(), Refusal>,
-{
-    let checked = if w.len > wire::MAX_WRITE_LEN {
-        Err(Refusal::TooLong)
-    } else {
-        pull.and_then(|pull| Ok((write_targets(ctx, w)?, pull)))
-    };
-    let landed = checked.and_then(|(targets, pull)| land(ctx, w, &targets, pull));
-    match landed {
-        Ok(()) => {
-            bump(&ctx.counters.writes_pulled);
-            out.write_all(&wire::write_ack(w.req)).map_err(Into::into)
+    writes: Vec<(WriteReq, Result<S, Refusal>)>,
+    mut copy: impl FnMut(Vec<PullCopy<'_, S>>) -> bool,
+    copy_one: impl Fn(&S, &dyn kvlease_gpu_mem::DmaRegion, u64, u64) -> Result<(), Refusal>,
+) -> Result<(), FrameError> {
+    let mut rest = &writes[..];
+    while let Some((first, _)) = rest.first() {
+        if first.len > wire::MAX_WRITE_LEN {
+            return refuse_write(ctx, out, first, Refusal::TooLong);
         }
-        Err(why) => refuse_write(ctx, out, w, why),
+        let n = rest
+            .iter()
+            .take_while(|(w, _)| {
+                w.fence == first.fence
+                    && w.expected == first.expected
+                    && w.len <= wire::MAX_WRITE_LEN
+            })
+            .count();
+        let (run, later) = rest.split_at(n);
+        rest = later;
+        let mut outcomes: Vec<Result<(), Refusal>> = Vec::with_capacity(run.len());
+        let mut passed = Vec::with_capacity(run.len());
+        for (i, (w, pull)) in run.iter().enumerate() {
+            let checked = pull
+                .as_ref()
+                .map_err(|why| *why)
+                .and_then(|pull| Ok((write_targets(ctx, w)?, pull)));
+            match checked {
+                Ok(((dest, fence), pull)) => {
+                    passed.push((i, dest, fence, pull));
+                    outcomes.push(Ok(()));
+                }
+                Err(why) => outcomes.push(Err(why)),
+            }
+        }
+        if let Some((_, _, fence, _)) = passed.first() {
+            // One fence word for the run, so one region: the first write's.
+            let fence = fence.clone();
+            let landed = under_fence(ctx, first, fence.as_ref(), || {
+                let all = passed
+                    .iter()
+                    .map(|(i, dest, _, src)| PullCopy {
+                        dest: dest.clone(),
+                        offset: run[*i].0.offset,
+                        len: run[*i].0.len,
+                        src: *src,
+                    })
+                    .collect();
+                if !copy(all) {
+                    for (i, dest, _, pull) in &passed {
+                        let w = &run[*i].0;
+                        outcomes[*i] = copy_one(pull, dest.as_ref(), w.offset, w.len);
+                    }
+                }
+                for (i, ..) in &passed {
+                    if outcomes[*i].is_ok() {
+                        count_landed(ctx, &run[*i].0);
+                    }
+                }
+            });
+            if let Err(why) = landed {
+                for (i, ..) in &passed {
+                    outcomes[*i] = Err(why);
+                }
+            }
+        }
+        for ((w, _), outcome) in run.iter().zip(outcomes) {
+            match outcome {
+                Ok(()) => {
+                    bump(&ctx.counters.writes_pulled);
+                    out.write_all(&wire::write_ack(w.req))?;
+                }
+                Err(why) => refuse_write(ctx, out, w, why)?,
+            }
+        }
     }
+    Ok(())
 }
 
 /// Reads and drops `n` bytes in pieces of 64 KiB.
