@@ -715,8 +715,8 @@ pub(crate) struct PullCopy<'a, S> {
 /// fence word and generation land together, under one hold of the word's stripe (as
 /// [`land`] lands one: once the word was found to hold the generation, and counted
 /// there): `copy` copies those that passed the checks and says whether every copy
-/// succeeded; if one did not, `copy_one` copies each
-/// again alone, so that each is answered as it fares. A write over
+/// succeeded; if one did not, `copy_one` copies each again alone, so that each is
+/// answered as it fares. A write over
 /// [`wire::MAX_WRITE_LEN`] is refused after those before it were served, and ends the
 /// stream (the error closes the connection).
 pub(crate) fn serve_pulled_writes<S>(
@@ -731,14 +731,15 @@ pub(crate) fn serve_pulled_writes<S>(
         if first.len > wire::MAX_WRITE_LEN {
             return refuse_write(ctx, out, first, Refusal::TooLong);
         }
-        let n = rest
-            .iter()
-            .take_while(|(w, _)| {
-                w.fence == first.fence
-                    && w.expected == first.expected
-                    && w.len <= wire::MAX_WRITE_LEN
-            })
-            .count();
+        // The run: the writes that may be pulled with the first, as the caller grouped
+        // them.
+        let (mut n, mut run_len) = (1, first.len);
+        while let Some((w, _)) = rest.get(n)
+            && first.pulls_with(w, run_len)
+        {
+            run_len += w.len;
+            n += 1;
+        }
         let (run, later) = rest.split_at(n);
         rest = later;
         let mut outcomes: Vec<Result<(), Refusal>> = Vec::with_capacity(run.len());
