@@ -1716,6 +1716,32 @@ fn cma_source(id: u64, len: u64, addr: u64) -> Vec<u8> {
     )
 }
 
+/// A receiver of pulled writes: a heap destination, a fence word at offset 0 of `fence`
+/// holding generation 9, and a raw shm client past the hand-over.
+struct PullTarget {
+    d: Agent,
+    dst: Arc<HostRegion>,
+    dest: RegionDesc,
+    fence: RegionDesc,
+    s: UnixStream,
+}
+
+fn pull_target(dst_len: usize, client: &str) -> Result<PullTarget> {
+    let d = agent("d", BackendChoice::Auto, None);
+    let dst = Arc::new(HostRegion::new(dst_len)?);
+    let dest = d.register(dst.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(4096)?))?;
+    d.set_write_fence(RegionId(fence.id), 0, 9)?;
+    let (s, ..) = raw_shm_client(&d, client)?;
+    Ok(PullTarget {
+        d,
+        dst,
+        dest,
+        fence,
+        s,
+    })
+}
+
 /// A pulled write's source (id, offset), length, generation, and the answer it gets.
 type LyingPull = ((u64, u64), u64, u64, Result<(), u8>);
 
@@ -1724,12 +1750,13 @@ type LyingPull = ((u64, u64), u64, u64, Result<(), u8>);
 /// only a real range of its own process lands, and only under the fence's generation.
 #[test]
 fn a_writer_lying_about_its_cma_sources_is_refused_and_lands_nothing() -> Result<()> {
-    let d = agent("d", BackendChoice::Auto, None);
-    let dst = Arc::new(HostRegion::new(1 << 16)?);
-    let dest = d.register(dst.clone())?;
-    let fence = d.register(Arc::new(HostRegion::new(4096)?))?;
-    d.set_write_fence(RegionId(fence.id), 0, 9)?;
-    let (mut s, ..) = raw_shm_client(&d, "liar")?;
+    let PullTarget {
+        d,
+        dst,
+        dest,
+        fence,
+        mut s,
+    } = pull_target(1 << 16, "liar")?;
     // This process's own heap: what an honest writer names.
     let src: Vec<u8> = (0..4096).map(|i| (i % 253) as u8 | 1).collect();
     s.write_all(&cma_source(1, 4096, 0))?;
@@ -1784,12 +1811,13 @@ type GroupedPull = ((u64, u64), u64, u64, Result<(), u8>);
 /// land.
 #[test]
 fn pulls_that_arrive_together_are_each_answered_as_they_fare() -> Result<()> {
-    let d = agent("d", BackendChoice::Auto, None);
-    let dst = Arc::new(HostRegion::new(1 << 20)?);
-    let dest = d.register(dst.clone())?;
-    let fence = d.register(Arc::new(HostRegion::new(4096)?))?;
-    d.set_write_fence(RegionId(fence.id), 0, 9)?;
-    let (mut s, ..) = raw_shm_client(&d, "group")?;
+    let PullTarget {
+        d,
+        dst,
+        dest,
+        fence,
+        mut s,
+    } = pull_target(1 << 20, "group")?;
     let src: Vec<u8> = (0..1 << 18).map(|i| (i % 251) as u8 | 1).collect();
     let mut frames = cma_source(1, 1 << 18, src.as_ptr() as u64);
     // Below the lowest address a process may map: the read fails with EFAULT.
