@@ -162,6 +162,21 @@ pub struct Limits {
     /// A target-side (serving) socket write that makes no progress for this long closes
     /// the connection (a reader that stopped reading). Default 30 s.
     pub serve_write_timeout: Duration,
+    /// Verbs: a queue pair with reads or writes outstanding whose completion queue reports
+    /// nothing for this long is reset and reconnected, and its unconfirmed work is posted
+    /// again (reads and writes are idempotent), counted in `verbs_stall_resets`. The
+    /// limit doubles (up to 8 times) while resets do not bring progress, so a device
+    /// slower than it is not reset over and over with the same work. A healthy queue
+    /// pair reports a completion at least every 64 MiB (a chain of 64 work requests of
+    /// 1 MiB: 3 s on SoftRoCE under emulation); keep it below the batch timeout, so that
+    /// a batch whose request the device lost still completes. Default 5 s.
+    pub verbs_stall_timeout: Duration,
+    /// Verbs: local ACK timeout of the queue pairs this agent connects, as the InfiniBand
+    /// exponent: a request the peer has not answered is retransmitted after 4.096 µs ×
+    /// 2^n, up to 6 times before the queue pair fails (and is reset). 0 waits for ever
+    /// (then only `verbs_stall_timeout` ends a lost request); at most 31. Default 14
+    /// (67 ms).
+    pub verbs_ack_timeout: u8,
 }
 
 impl Default for Limits {
@@ -180,6 +195,8 @@ impl Default for Limits {
             max_preauth_connections: 64,
             max_preauth_per_address: 8,
             serve_write_timeout: Duration::from_secs(30),
+            verbs_stall_timeout: Duration::from_secs(5),
+            verbs_ack_timeout: 14,
         }
     }
 }

@@ -54,6 +54,10 @@ pub struct TransportStats {
     /// Same-host peers' notification rings closed because the peer wrote something into
     /// the shared ring that no honest peer could have (see the `shm` module).
     pub notif_rings_corrupt: u64,
+    /// Verbs queue pairs reset because they completed nothing for
+    /// [`Limits::verbs_stall_timeout`](crate::Limits::verbs_stall_timeout) with work
+    /// outstanding (their unconfirmed work was posted again).
+    pub verbs_stall_resets: u64,
 }
 
 #[derive(Debug, Default)]
@@ -78,6 +82,7 @@ pub(crate) struct Counters {
     pub(crate) preauth_evicted: AtomicU64,
     pub(crate) preauth_refused: AtomicU64,
     pub(crate) notif_rings_corrupt: AtomicU64,
+    pub(crate) verbs_stall_resets: AtomicU64,
 }
 
 impl Counters {
@@ -104,6 +109,7 @@ impl Counters {
             preauth_evicted: g(&self.preauth_evicted),
             preauth_refused: g(&self.preauth_refused),
             notif_rings_corrupt: g(&self.notif_rings_corrupt),
+            verbs_stall_resets: g(&self.verbs_stall_resets),
         }
     }
 }

@@ -501,6 +501,8 @@ fn out_of_bounds_and_foreign_regions_are_refused_before_posting() -> Result<()> 
 
 #[path = "rxe/agent.rs"]
 mod agent;
+#[path = "rxe/stall.rs"]
+mod stall;
 #[path = "rxe/write.rs"]
 mod write;
 

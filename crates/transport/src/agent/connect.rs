@@ -160,7 +160,12 @@ impl Agent {
             .verbs
             .as_ref()
             .map_err(|e| LinkError::NoBackend(Arc::clone(e)))?;
-        let link = backend.connect(&self.inner.ctx.name, meta, Arc::clone(tcp))?;
+        let link = backend.connect(
+            &self.inner.ctx.name,
+            meta,
+            Arc::clone(tcp),
+            Arc::clone(&self.inner.ctx.counters),
+        )?;
         Ok(Arc::new(link))
     }
 

@@ -129,6 +129,14 @@ impl Agent {
         if l.handshake_timeout.is_zero() {
             return Err(AgentError::Config("handshake_timeout must be non-zero"));
         }
+        if l.verbs_stall_timeout.is_zero() {
+            return Err(AgentError::Config("verbs_stall_timeout must be non-zero"));
+        }
+        if l.verbs_ack_timeout > 31 {
+            return Err(AgentError::Config(
+                "verbs_ack_timeout is a 5-bit exponent: at most 31",
+            ));
+        }
         let listener = TcpListener::bind(config.listen).map_err(|source| AgentError::Bind {
             addr: config.listen,
             source,

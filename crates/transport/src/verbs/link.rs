@@ -29,13 +29,14 @@ use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvlease_gpu_mem::{DmaRegion, HostRegion, RegionBytes};
 
 use super::error::{MirrorError, VerbsLinkError};
 use super::memory::WriteAccess;
 use super::mirror::Registration;
+use super::stall::StallWatch;
 use super::{
     ConnectionInfo, Device, DeviceConfig, Endpoint, EndpointBatchStatus, EndpointConfig,
     EndpointState, MemoryRegion, ProtectionDomain, RdmaRead, RdmaWrite, RemoteRegion, VerbsError,
@@ -46,6 +47,7 @@ use crate::error::{LinkError, TransferError};
 use crate::ids::{BatchId, FenceRead, WriteFence, WriteGrant};
 use crate::link::{Chunk, Link, WriteChunk};
 use crate::metadata::AgentMetadata;
+use crate::stats::{Counters, bump};
 use crate::tcp::{self, TcpLink};
 
 use kvlease_proto::auth::{AuthError, AuthResult, ClientAuth, ServerAuth, VERBS_ROLES};
@@ -79,6 +81,8 @@ pub(crate) struct VerbsDomain {
     listen: SocketAddr,
     endpoint: EndpointConfig,
     timeout: Duration,
+    /// `Limits::verbs_stall_timeout`, for each link's [`StallWatch`].
+    stall_timeout: Duration,
     token: Option<Vec<u8>>,
     shutdown: Arc<AtomicBool>,
 }
@@ -174,6 +178,7 @@ impl VerbsDomain {
         let endpoint = EndpointConfig {
             recv_slots: 4,
             notif_slot_size: 64,
+            ack_timeout: limits.verbs_ack_timeout,
             ..EndpointConfig::default()
         };
         let shutdown = Arc::new(AtomicBool::new(false));
@@ -201,6 +206,7 @@ impl VerbsDomain {
             listen,
             endpoint,
             timeout,
+            stall_timeout: limits.verbs_stall_timeout,
             token,
             shutdown,
         })
@@ -343,6 +349,7 @@ impl VerbsDomain {
         own_name: &str,
         meta: &AgentMetadata,
         tcp: Arc<TcpLink>,
+        counters: Arc<Counters>,
     ) -> Result<VerbsLink, LinkError> {
         let entry = meta
             .backends
@@ -402,11 +409,13 @@ impl VerbsDomain {
             bases,
             local: regions,
             tcp,
+            counters,
             state: Mutex::new(LinkState {
                 ep,
                 side,
                 tracked: HashMap::new(),
                 free_fence: (0..FENCE_SLOTS).collect(),
+                watch: StallWatch::new(self.stall_timeout),
             }),
             fence_words,
             fence_mr,
@@ -644,6 +653,7 @@ pub(crate) struct VerbsLink {
     /// This agent's registrations at connect time (destinations of reads).
     local: HashMap<u64, Registration>,
     tcp: Arc<TcpLink>,
+    counters: Arc<Counters>,
     state: Mutex<LinkState>,
     fence_words: Arc<HostRegion>,
     fence_mr: MemoryRegion,
@@ -655,6 +665,8 @@ struct LinkState {
     side: TcpStream,
     tracked: HashMap<BatchId, Tracked>,
     free_fence: Vec<u32>,
+    /// Notices a queue pair that completes nothing while work is outstanding.
+    watch: StallWatch,
 }
 
 #[derive(Debug)]
@@ -816,6 +828,24 @@ impl VerbsLink {
         Ok(Some(ops))
     }
 
+    /// Reconnects the reset queue pair through the side channel, which posts its
+    /// unconfirmed work again. If that fails, every tracked batch fails; returns whether
+    /// the queue pair is connected.
+    fn reconnect_or_fail(&self, st: &mut LinkState) -> bool {
+        st.watch.restart();
+        if let Err(e) = reconnect(st) {
+            tracing::warn!(peer = %self.peer, "verbs reconnect failed: {}", e.chain());
+            for (_, t) in st.tracked.drain() {
+                t.batch
+                    .lock()
+                    .fail(self.rdma_failed(&format_args!("reconnect failed: {}", e.chain())));
+            }
+            return false;
+        }
+        tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
+        true
+    }
+
     fn rdma_failed(&self, reason: &dyn std::fmt::Display) -> TransferError {
         TransferError::Disconnected {
             peer: self.peer.clone(),
@@ -925,16 +955,29 @@ impl Link for VerbsLink {
                 tracing::warn!(peer = %self.peer, "verbs poll: {e}");
             }
             if st.ep.state() == EndpointState::NeedsReconnect {
-                if let Err(e) = reconnect(st) {
-                    tracing::warn!(peer = %self.peer, "verbs reconnect failed: {}", e.chain());
-                    for (_, t) in st.tracked.drain() {
-                        t.batch.lock().fail(
-                            self.rdma_failed(&format_args!("reconnect failed: {}", e.chain())),
-                        );
-                    }
+                // The endpoint reset itself after a queue pair error (or a timed-out
+                // batch reset it).
+                if !self.reconnect_or_fail(st) {
                     return;
                 }
-                tracing::info!(peer = %self.peer, "verbs queue pair reconnected");
+            } else if let Some(still) =
+                st.watch
+                    .observe(st.ep.reported(), st.ep.outstanding() > 0, Instant::now())
+            {
+                tracing::warn!(
+                    peer = %self.peer,
+                    qpn = st.ep.qpn(),
+                    qp_state = st.ep.query_qp_state().unwrap_or("unknown"),
+                    outstanding = st.ep.outstanding(),
+                    batches = st.tracked.len(),
+                    "verbs queue pair completed nothing for {still:?} with work outstanding: resetting it and posting its unconfirmed work again"
+                );
+                bump(&self.counters.verbs_stall_resets);
+                // `reconnect` resets the queue pair first (QP → ERR, drain, unconfirmed
+                // work queued again in order).
+                if !self.reconnect_or_fail(st) {
+                    return;
+                }
             }
             let ids: Vec<BatchId> = st.tracked.keys().copied().collect();
             for id in ids {
@@ -1075,6 +1118,7 @@ impl Link for VerbsLink {
         if let Err(e) = st.ep.reset() {
             tracing::warn!(peer = %self.peer, "verbs reset after timeout: {e}");
         }
+        st.watch.restart();
     }
 
     fn close(&self) {

@@ -17,10 +17,12 @@
 //! - values that come from the device or a peer never reach one of `sideway`'s panicking
 //!   conversions (see `docs/VERBS-NOTES.md`); Drop never panics.
 //!
-//! What it does not do: it starts no thread and reads no clock. Completions are reaped in
-//! [`Endpoint::poll`], which the caller runs from its own loop; the exchange of
-//! [`ConnectionInfo`] (and re-exchange after a queue pair error) travels over the caller's
-//! TCP side channel, not rdma_cm (which does not work inside network namespaces on rxe).
+//! What the endpoint does not do: it starts no thread and reads no clock. Completions are
+//! reaped in [`Endpoint::poll`], which the caller runs from its own loop (the agent's link
+//! also times how long outstanding work goes without a completion: `stall.rs`); the
+//! exchange of [`ConnectionInfo`] (and re-exchange after a queue pair error) travels over
+//! the caller's TCP side channel, not rdma_cm (which does not work inside network
+//! namespaces on rxe).
 
 mod device;
 // Builds work requests whose scatter-gather entries name registered memory (sideway's
@@ -37,6 +39,7 @@ mod memory;
 // `unsafe`; the registration's lock keeps the borrows unique).
 #[allow(unsafe_code)]
 pub(crate) mod mirror;
+mod stall;
 
 pub use device::{Device, DeviceConfig, Gid};
 pub use endpoint::{

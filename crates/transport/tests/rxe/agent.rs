@@ -50,7 +50,8 @@ pub(super) fn pair(backend: BackendChoice) -> Result<(Agent, Agent)> {
     Ok((p, d))
 }
 
-fn wait(d: &Agent, id: kvlease_transport::BatchId) -> Result<BatchStatus> {
+/// Polls `id` until it is no longer pending (60 s at most).
+pub(super) fn wait(d: &Agent, id: kvlease_transport::BatchId) -> Result<BatchStatus> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match d.poll_batch(id)? {

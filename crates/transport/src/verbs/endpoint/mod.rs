@@ -183,6 +183,8 @@ impl Endpoint {
         config.wrs_per_doorbell = config.wrs_per_doorbell.max(1);
         config.max_wr_bytes = config.max_wr_bytes.max(1);
         config.notif_slot_size = config.notif_slot_size.max(1);
+        // A 5-bit field on the wire.
+        config.ack_timeout = config.ack_timeout.min(31);
         let send_depth = config.max_outstanding_reads + config.send_slots;
         let cqe = send_depth + config.recv_slots + 16;
         let cq = dev
@@ -275,6 +277,21 @@ impl Endpoint {
         self.errors
     }
 
+    /// Send-queue work the endpoint holds and has not seen complete: work requests posted
+    /// and not yet reported by the completion queue, and reads or writes queued behind
+    /// them. While it is non-zero, [`reported`](Self::reported) should move: a queue pair
+    /// whose marker stands still that long has stopped making progress (a lost request
+    /// with [`EndpointConfig::ack_timeout`] 0, or a device that lost it).
+    pub fn outstanding(&self) -> usize {
+        self.send_q.len() + self.pending.len()
+    }
+
+    /// A marker that moves whenever the completion queue reports send-queue work: the
+    /// newest work request it reported, whatever its status.
+    pub fn reported(&self) -> u64 {
+        self.last_reported
+    }
+
     /// The configuration in force (after clamping to the device's limits).
     pub fn config(&self) -> &EndpointConfig {
         &self.config
@@ -339,7 +356,7 @@ impl Endpoint {
         let mut rts = QueuePairAttribute::new();
         rts.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
-            .setup_timeout(14)
+            .setup_timeout(self.config.ack_timeout)
             // 6, not 7: rxe treats a retry count of 7 as "retry forever", so a READ the
             // responder never answers would hang until the batch timeout; a finite count
             // fails the QP (and the batch) after the retries on every provider.

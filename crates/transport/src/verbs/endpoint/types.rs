@@ -32,6 +32,10 @@ pub struct EndpointConfig {
     pub send_slots: u32,
     /// Notifications queued while the endpoint cannot send, at most.
     pub max_queued_notifs: u32,
+    /// Local ACK timeout: the queue pair retransmits a request the peer has not answered
+    /// after 4.096 µs × 2^`ack_timeout` (14: 67 ms; at most 31). 0 waits for ever (the
+    /// InfiniBand meaning): only the caller's own stall check then ends a lost request.
+    pub ack_timeout: u8,
 }
 
 impl Default for EndpointConfig {
@@ -45,6 +49,7 @@ impl Default for EndpointConfig {
             recv_slots: 64,
             send_slots: 32,
             max_queued_notifs: 4096,
+            ack_timeout: 14,
         }
     }
 }
