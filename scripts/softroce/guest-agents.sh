@@ -55,6 +55,11 @@ fail() {
     echo "----- tail of $f"
     tail -n 25 "$f"
   done
+  # rxe's own counters (retries, sequence errors, ...), the non-zero ones.
+  for d in rxeP rxeD; do
+    echo "----- $d hw_counters: $(cd /sys/class/infiniband/$d/ports/1/hw_counters 2>/dev/null \
+      && grep -H -v '^0$' -- * 2>/dev/null | tr '\n' ' ')"
+  done
   for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
   exit 1
 }
@@ -154,6 +159,9 @@ check_verbs() { # label expected_verbs_transfers expected_tcp_transfers
   emit "$1.d_peer_backend_verbs" "$gauge"
   emit "$1.d_transfers_verbs" "$verbs"
   emit "$1.d_transfers_tcp" "$tcp"
+  # Queue pairs D reset because they completed nothing with reads outstanding (the
+  # reads were posted again): reported, not failed on (rxe under load may need it).
+  emit "$1.d_verbs_stall_resets" "$(metric "$D_URL" kvlease_verbs_stall_resets_total)"
   num_eq "$gauge" 1 && num_eq "$tcp_gauge" 0 || fail "$1: D's kvlease_peer_backend for agents-p is not verbs"
   num_eq "$verbs" "$2" || fail "$1: $verbs verbs transfers on D, expected $2"
   num_eq "$tcp" "$3" || fail "$1: $tcp transfers over TCP on D, expected $3"

@@ -198,6 +198,7 @@ fn transport_limits(l: &LimitArgs) -> Limits {
     limits.max_inbound_connections = l.transport_max_connections;
     limits.max_inbound_per_address = l.transport_max_connections_per_address;
     limits.handshake_timeout = l.transport_handshake_timeout();
+    limits.verbs_stall_timeout = l.verbs_stall_timeout();
     limits.max_pending_notif_bytes = l.max_pending_notif_bytes;
     limits
 }

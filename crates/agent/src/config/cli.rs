@@ -648,6 +648,13 @@ pub struct LimitArgs {
     /// and per-step handshake limit).
     #[arg(long, default_value_t = 5_000)]
     pub transport_handshake_timeout_ms: u64,
+    /// Verbs: a queue pair with reads or writes outstanding that completes nothing for
+    /// this long is reset and reconnected, and its unconfirmed work posted again (counted
+    /// in kvlease_verbs_stall_resets_total), in milliseconds; doubled, up to 8 times,
+    /// while resets bring no progress. Keep it below the time a KV transfer may take
+    /// (30 s), so that a transfer whose request the device lost still completes.
+    #[arg(long, default_value_t = 5_000)]
+    pub verbs_stall_timeout_ms: u64,
     /// Bytes of received notifications held per TP worker until the engine takes them
     /// (and the most one poll takes); more wait in the peer's notification connection,
     /// or, when they come over a data connection (older peers), are dropped and counted
@@ -738,6 +745,7 @@ impl LimitArgs {
                 "--transport-handshake-timeout-ms",
                 self.transport_handshake_timeout_ms,
             ),
+            ("--verbs-stall-timeout-ms", self.verbs_stall_timeout_ms),
             ("--http-body-timeout-ms", self.http_body_timeout_ms),
             ("--http-header-timeout-ms", self.http_header_timeout_ms),
             ("--http-request-timeout-ms", self.http_request_timeout_ms),
@@ -778,6 +786,11 @@ impl LimitArgs {
     /// `--transport-handshake-timeout-ms` as a duration.
     pub fn transport_handshake_timeout(&self) -> Duration {
         Duration::from_millis(self.transport_handshake_timeout_ms)
+    }
+
+    /// `--verbs-stall-timeout-ms` as a duration.
+    pub fn verbs_stall_timeout(&self) -> Duration {
+        Duration::from_millis(self.verbs_stall_timeout_ms)
     }
 
     /// `--http-max-connections-per-source`, or its default: seven eighths of

@@ -21,18 +21,19 @@ pub(super) struct SharedCollector(pub(super) Arc<TransportCollector>);
 
 impl Collector for SharedCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let (dropped, refused, sessions) = self
+        let (dropped, refused, sessions, stalls) = self
             .0
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .map(StatsHandle::stats)
-            .fold((0u64, 0u64, 0u64), |(d, r, x), s| {
+            .fold((0u64, 0u64, 0u64, 0u64), |(d, r, x, v), s| {
                 (
                     d + s.notifs_dropped_overflow,
                     r + s.notifs_dropped_unauthenticated,
                     x + s.session_refusals,
+                    v + s.verbs_stall_resets,
                 )
             });
         for (name, help, value) in [
@@ -50,6 +51,11 @@ impl Collector for SharedCollector {
                 "kvlease_session_refusals",
                 "Transport connections refused: a registered engine's worker name without that registration's session",
                 sessions,
+            ),
+            (
+                "kvlease_verbs_stall_resets",
+                "Verbs queue pairs reset because they completed nothing for --verbs-stall-timeout-ms with work outstanding (the work was posted again)",
+                stalls,
             ),
         ] {
             let counter = ConstCounter::new(value);

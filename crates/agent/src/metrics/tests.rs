@@ -110,6 +110,7 @@ fn limit_counters_are_exposed_and_transport_drops_are_summed() {
         "kvlease_notifs_refused_total",
         "kvlease_side_channel_refused_total",
         "kvlease_http_connections_refused_total",
+        "kvlease_verbs_stall_resets_total",
     ] {
         assert_eq!(sample(&text, name), Some(0.0), "{name} in:\n{text}");
     }
