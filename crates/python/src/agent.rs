@@ -717,6 +717,7 @@ impl Agent {
         )?;
         out.set_item("notifs_dropped_overflow", s.notifs_dropped_overflow)?;
         out.set_item("handshake_timeouts", s.handshake_timeouts)?;
+        out.set_item("verbs_stall_resets", s.verbs_stall_resets)?;
         Ok(out)
     }
 
