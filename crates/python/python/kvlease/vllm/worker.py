@@ -335,6 +335,14 @@ class KvleaseWorker:
                 device = t.device
                 ordinal = None
                 if device.type == "cuda":
+                    if self.config.push:
+                        # The transport writes only out of and into host memory: every
+                        # push would fail at its write.
+                        raise ConfigError(
+                            f"KV cache {name} is on {device}: push mode writes from and "
+                            "into host memory only (CUDA KV caches are not supported with "
+                            "it yet); use pull mode (KvleaseConnector) on GPUs"
+                        )
                     ordinal = device.index if device.index is not None else 0
                     self.device = f"cuda:{ordinal}"
                 elif device.type != "cpu":
