@@ -385,12 +385,17 @@ class Fleet:
 
     def kvlease_proxy(self, name: str, prefill: list[Process], decode: list[Process],
                       args: tuple[str, ...] = ()) -> Process:
-        """``kvlease-proxy`` (``args``: more of its flags, e.g. ``--transfer-mode push``)."""
+        """``kvlease-proxy`` (``args``: more of its flags, e.g. ``--transfer-mode push``).
+
+        Its connect limit is 30 s here, not the default 3 s: these tests run two TP-2 vLLM
+        servers on two cores, where the whole machine was seen to stall for more than 3 s,
+        and a loopback connect to P and D timed out at the same instant (a 504 that says
+        nothing about the tokens these tests compare)."""
         port = free_port()
         argv = [
             os.environ["KVLEASE_SERVE_PROXY_BIN"], "--host", "127.0.0.1", "--port", str(port),
             "--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode],
-            *args,
+            "--connect-timeout-ms", "30000", *args,
         ]
         return self._add(Process(name, argv, port, self.work / f"{name}.log",
                                  env={"RUST_LOG": "info"}))
