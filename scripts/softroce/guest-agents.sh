@@ -9,7 +9,8 @@
 #      registered host mirrors); P's held blocks back to 0 by read-done
 #      notifications (leases released "completed", none "expired").
 #   2. (first memory kind only) long requests queue on D, kill -9 D with leases
-#      outstanding: P must free every block within the lease TTL + 1 s.
+#      outstanding: P must free every block within the lease TTL + 1 s (within 60 s when
+#      P granted a lease after the kill, for a prefill already running then).
 #   3. D restarted, a few more requests; then SIGTERM to D, proxy, P: each must exit 0.
 # Push mode (AG_MODES contains "push"; host memory, when $AG_MEMORIES names it): P, D and
 # the proxy with --transfer-mode push (P at $AG_PUSH_US_PER_TOKEN µs per prompt token):
@@ -197,6 +198,7 @@ for mem in $PULL_MEMORIES; do
     HELD=$(metric "$P_URL" kvlease_blocks_held)
     ACTIVE=$(metric "$P_URL" kvlease_leases_active)
     EXP0=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
+    GRANTED0=$(metric "$P_URL" kvlease_leases_granted_total)
     kill -9 "$D_PID"
     KILL_T=$(date +%s.%N)
     { wait "$D_PID"; } 2>/dev/null
@@ -213,8 +215,16 @@ for mem in $PULL_MEMORIES; do
     emit kill.leases_expired "$(awk -v a="$EXP1" -v b="$EXP0" 'BEGIN { print a - b }')"
     num_eq "$(metric "$P_URL" kvlease_leases_active)" 0 || fail "P still has active leases after the reclaim"
     awk -v a="$EXP1" -v b="$EXP0" 'BEGIN { exit !(a - b > 0) }' || fail "no lease expired after kill -9 D"
-    awk -v w="$RECLAIM" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
-      || fail "P reclaimed ${RECLAIM}s after the kill, bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
+    # A prefill P was already running at the kill (a proxy retry, under load) may grant a
+    # lease after it: that lease lives its TTL from its grant, not from the kill. The
+    # bound holds for the leases outstanding at the kill; it is checked when no lease was
+    # granted after it (all are still freed within the 60 s above).
+    AFTER=$(awk -v a="$(metric "$P_URL" kvlease_leases_granted_total)" -v b="$GRANTED0" 'BEGIN { print a - b }')
+    emit kill.leases_granted_after_kill "$AFTER"
+    if num_eq "$AFTER" 0; then
+      awk -v w="$RECLAIM" -v b="$BOUND" 'BEGIN { exit !(w <= b) }' \
+        || fail "P reclaimed ${RECLAIM}s after the kill, bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
+    fi
     wait "$BURST_PID"
     sed -n 's/^\(kill\.\(ok\|failed\|digest_mismatch\)\)=/\1=/p' "$LOGS/kill.txt"
     [ "$(key "$LOGS/kill.txt" kill.digest_mismatch)" = 0 ] || fail "kill: kv_digest mismatch on a request that succeeded"
