@@ -341,8 +341,15 @@ pub(crate) fn staged_write(
     Ok(())
 }
 
-/// Writes all of `header`, then `len` bytes at `ptr` (a checked range of a host region),
-/// to `fd` with `writev`, retrying on `EINTR` and after partial writes.
+/// Writes all of `header`, then all of `payload`, to `fd` (`writev`, retrying on `EINTR`
+/// and after partial writes).
+pub(crate) fn write_all_fd(fd: BorrowedFd<'_>, header: &[u8], payload: &[u8]) -> io::Result<()> {
+    writev_all(fd, header, payload.as_ptr().cast_mut(), payload.len())
+}
+
+/// Writes all of `header`, then `len` bytes at `ptr` (a checked range of a host region,
+/// or a borrowed slice) to `fd` with `writev`, retrying on `EINTR` and after partial
+/// writes.
 fn writev_all(
     fd: BorrowedFd<'_>,
     mut header: &[u8],
@@ -366,10 +373,11 @@ fn writev_all(
             &iov[..]
         };
         // SAFETY: each iovec names memory valid for reads for the whole call: `header` is
-        // a live borrow, and `ptr..ptr + len` is the unsent tail of a range that
+        // a live borrow, and `ptr..ptr + len` is the unsent tail of either a range that
         // `host_ptr` checked inside a host region the caller borrows (valid while it
-        // lives, `DmaRegion` contract). `writev` only reads them, into the kernel, and
-        // creates no Rust reference to the region. `iov.len()` is 1 or 2.
+        // lives, `DmaRegion` contract) or a slice `write_all_fd` borrows. `writev` only
+        // reads them, into the kernel (the `*mut` is the iovec's type, never written
+        // through), and creates no Rust reference to the region. `iov.len()` is 1 or 2.
         let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
         let Ok(mut n) = usize::try_from(n) else {
             let err = io::Error::last_os_error();

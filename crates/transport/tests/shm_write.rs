@@ -324,6 +324,113 @@ fn a_write_from_plain_heap_memory_goes_on_the_socket_with_cma_off_and_lands() ->
     heap_and_memfd_writes_land(CmaPolicy::Off)
 }
 
+/// `len` bytes at `offset` of any region (staged memory is not host-accessible).
+fn staged_bytes(r: &dyn DmaRegion, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let mut v = vec![0; len as usize];
+    kvlease_gpu_mem::staging::read_region(r, offset as usize, &mut v)?;
+    Ok(v)
+}
+
+/// Writes into and out of staged memory (the path CUDA device memory takes) over shm:
+/// D pulls a memfd source (and, with cma, a heap source) into a host bounce buffer and
+/// copies it into its staged destination under the fence lock; a staged source's payload
+/// goes on the socket from P's host bounce buffer. Every byte lands; after the clear none
+/// of the old generation does, whichever way it came.
+#[test]
+fn writes_into_and_out_of_staged_memory_land_byte_exact_over_shm() -> Result<()> {
+    use kvlease_gpu_mem::StagedHostRegion;
+    const LEN: usize = 3 << 20;
+    let d = agent("d");
+    let dst: Arc<dyn DmaRegion> = Arc::new(StagedHostRegion::new(LEN)?);
+    let dst_desc = d.register(dst.clone())?;
+    let fence = d.register(Arc::new(HostRegion::new(64)?))?;
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 9)?;
+    let p = agent("p");
+    let memfd = filled(LEN, 3);
+    let memfd_id = RegionId(p.register(memfd.clone())?.id);
+    let (heap_id, heap_bytes) = heap_source(&p, 500_000)?;
+    let staged_src: Arc<dyn DmaRegion> = Arc::new(StagedHostRegion::new(LEN)?);
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 7 % 253) as u8 | 1).collect();
+    kvlease_gpu_mem::staging::write_region(staged_src.as_ref(), 0, &pattern)?;
+    let staged_id = RegionId(p.register(staged_src)?.id);
+    let peer = p.connect(&d.metadata())?;
+    let (backend, why) = p.peer_backend(peer).context("connected")?;
+    ensure!(backend == Backend::Shm, "{backend}: {why}");
+    let op = |region, src_offset, dst_offset, len| WriteOp {
+        local: LocalRange {
+            region,
+            offset: src_offset,
+            len,
+        },
+        remote: dst_desc.at(dst_offset),
+    };
+    let write = |ops: Vec<WriteOp>, expected| -> Result<BatchStatus> {
+        let b = p.post_write(
+            peer,
+            WriteBatch {
+                ops,
+                notif: None,
+                fence: WriteFence {
+                    remote: fence.at(FENCE_AT),
+                    expected,
+                },
+            },
+            LIMIT,
+        )?;
+        wait(&p, b)
+    };
+    // Memfd (pulled, over the 1 MiB chunk length), heap (pulled with cma), staged (on
+    // the socket), side by side in the destination.
+    let ops = vec![
+        op(memfd_id, 10, 0, (1 << 20) + 5),
+        op(heap_id, 0, 1 << 20 | 1 << 19, 500_000),
+        op(staged_id, 3, 2 << 20, 700_000),
+    ];
+    let status = write(ops, 9)?;
+    let BatchStatus::Done(stats) = status else {
+        bail!("expected Done, got {status:?}");
+    };
+    ensure!(stats.backend == Backend::Shm, "{}", stats.backend);
+    ensure!(
+        staged_bytes(dst.as_ref(), 0, (1 << 20) + 5)?
+            == bytes_of(memfd.as_ref(), 10, (1 << 20) + 5)
+    );
+    ensure!(staged_bytes(dst.as_ref(), 1 << 20 | 1 << 19, 500_000)? == heap_bytes);
+    ensure!(staged_bytes(dst.as_ref(), 2 << 20, 700_000)? == pattern[3..700_003]);
+    ensure!(
+        staged_bytes(dst.as_ref(), (1 << 20) + 5, (1 << 19) - 5)?
+            .iter()
+            .all(|&b| b == 0),
+        "bytes between the writes changed"
+    );
+    ensure!(
+        d.stats().writes_pulled >= 2,
+        "{} pulled",
+        d.stats().writes_pulled
+    );
+    let before = staged_bytes(dst.as_ref(), 0, LEN as u64)?;
+    d.set_write_fence(RegionId(fence.id), FENCE_AT, 0)?;
+    for o in [
+        op(memfd_id, 0, 0, 4096),
+        op(heap_id, 0, 0, 4096),
+        op(staged_id, 0, 0, 4096),
+    ] {
+        let status = write(vec![o], 9)?;
+        ensure!(
+            matches!(
+                status,
+                BatchStatus::Failed(TransferError::Stale { expected: 9, .. })
+            ),
+            "{status:?}"
+        );
+    }
+    ensure!(
+        staged_bytes(dst.as_ref(), 0, LEN as u64)? == before,
+        "a stale write landed in staged memory"
+    );
+    Ok(())
+}
+
 /// The new request's bytes D puts into the blocks after it reused them.
 fn reuse_pattern(round: u64, len: u64) -> Vec<u8> {
     (0..len)

@@ -50,7 +50,7 @@ mod host_copier;
 mod stager;
 
 pub use host_copier::HostCopier;
-pub use stager::{Stager, read_region, write_region};
+pub use stager::{Stager, read_region, send_to_fd, write_region};
 
 use std::error::Error as StdError;
 use std::io::{self, Read, Write};

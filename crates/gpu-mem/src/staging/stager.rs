@@ -1,11 +1,12 @@
 //! Moving a range of any region, whatever its memory kind: one-shot copies
 //! ([`write_region`], [`read_region`]) and the TCP backend's per-thread [`Stager`].
 
-use std::io::{Read, Write};
+use std::io::{self, Read, Write};
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use super::{HostCopier, StagingConfig, StagingError, check_range, recv, send};
-use crate::{DmaRegion, MemoryKind, RegionBytes};
+use crate::{DmaRegion, MemoryKind, RegionAccessError, RegionBytes};
 
 /// Copies `src` into `region` at `offset`, whatever the memory kind: host-accessible
 /// kinds through [`RegionBytes`], CUDA device memory with a synchronous host→device copy.
@@ -59,6 +60,44 @@ pub fn read_region(
     {
         Err(StagingError::NoCudaSupport { kind })
     }
+}
+
+/// Writes `header`, then `len` bytes of `region` at `offset`, to `fd` (a socket), whatever
+/// the memory kind: host-accessible memory straight from the region
+/// ([`RegionBytes::write_to_fd`], one `writev`, no copy); other memory (CUDA device,
+/// staged host) copied into `bounce` first ([`read_region`]) and sent from there. This is
+/// how a fenced write's payload leaves its source. `bounce` grows to `len` for such
+/// memory and is left for the next call.
+///
+/// The inner result is the IO outcome, as `write_to_fd`'s; a device copy that fails is
+/// an IO error there too (nothing of the payload was sent, the header neither).
+///
+/// # Errors
+/// [`RegionAccessError::OutOfBounds`] (any kind) or
+/// [`RegionAccessError::NotHostAccessible`] (a host-accessible kind's own check): nothing
+/// is written then.
+pub fn send_to_fd(
+    region: &dyn DmaRegion,
+    header: &[u8],
+    offset: u64,
+    len: u64,
+    fd: BorrowedFd<'_>,
+    bounce: &mut Vec<u8>,
+) -> Result<io::Result<()>, RegionAccessError> {
+    if region.kind().is_host_accessible() {
+        return region.write_to_fd(header, offset, len, fd);
+    }
+    crate::region::check_bounds(offset, len, region.len() as u64)?;
+    // Inside the region, whose length is a `usize`.
+    let (offset, len) = (offset as usize, len as usize);
+    bounce.resize(len, 0);
+    if let Err(err) = read_region(region, offset, &mut bounce[..len]) {
+        return match err {
+            StagingError::Range(range) => Err(range),
+            other => Ok(Err(io::Error::other(other))),
+        };
+    }
+    Ok(crate::region::write_all_fd(fd, header, &bounce[..len]))
 }
 
 #[cfg(feature = "cuda")]

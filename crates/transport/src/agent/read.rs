@@ -10,7 +10,7 @@ use super::{Agent, Peer};
 use crate::batch::{Batch, BatchPhase, BatchStatus};
 use crate::context::Registered;
 use crate::error::TransferError;
-use crate::ids::{BatchId, PeerId, ReadBatch, ReadOp, RemoteRange};
+use crate::ids::{BatchId, LocalRange, PeerId, ReadBatch, ReadOp, RemoteRange};
 use crate::link::Chunk;
 use crate::sync::lock;
 
@@ -100,7 +100,7 @@ impl Agent {
                     format!("local region {:?} is not registered", op.local.region),
                 )
             })?;
-            check_local_range(p, local, op)?;
+            check_local_range(p, local, &op.local)?;
             if op.local.len == 0 {
                 return Err(invalid(p, "a read of zero bytes".into()));
             }
@@ -191,24 +191,28 @@ fn invalid(p: &Peer, reason: String) -> TransferError {
     }
 }
 
-/// Checks that `op`'s destination lies inside its local region and, unless it is device
-/// memory (the TCP reader stages that into the region), that it is host-accessible.
-fn check_local_range(p: &Peer, local: &Registered, op: &ReadOp) -> Result<(), TransferError> {
-    match local.region.check_host_range(op.local.offset, op.local.len) {
-        // Device memory: the TCP reader stages it into the region.
+/// Checks that `range` (a read's destination, a write's source) lies inside its local
+/// region and, unless it is device memory (the TCP reader stages a read into the region,
+/// a write's payload leaves through a host bounce buffer), that it is host-accessible.
+pub(super) fn check_local_range(
+    p: &Peer,
+    local: &Registered,
+    range: &LocalRange,
+) -> Result<(), TransferError> {
+    match local.region.check_host_range(range.offset, range.len) {
+        // Device memory: staged on its way.
         Err(RegionAccessError::NotHostAccessible { .. }) => {
             let region_len = local.region.len() as u64;
-            if op
-                .local
+            if range
                 .offset
-                .checked_add(op.local.len)
+                .checked_add(range.len)
                 .is_none_or(|end| end > region_len)
             {
                 return Err(TransferError::Local {
                     peer: p.name.clone(),
                     source: RegionAccessError::OutOfBounds {
-                        offset: op.local.offset,
-                        len: op.local.len,
+                        offset: range.offset,
+                        len: range.len,
                         region_len,
                     },
                 });

@@ -19,8 +19,10 @@ use crate::tcp::wire::MAX_WRITE_LEN;
 impl Agent {
     /// Posts a batch of fenced writes to `peer`: each op's source range of this agent
     /// into a range the peer registered. The sources are sent straight from their
-    /// regions by the connections' writer threads: keep them unchanged until the batch
-    /// ended (as a read's destination). Ops longer than `limits.chunk_len` (or 16 MiB)
+    /// regions by the connections' writer threads (memory a socket cannot read, CUDA
+    /// device or staged host memory, through a host bounce buffer: one chunk copied
+    /// out, then sent): keep them unchanged until the batch ended (as a read's
+    /// destination). The peer lands into destinations of any memory kind. Ops longer than `limits.chunk_len` (or 16 MiB)
     /// are split; the chunks are striped over the peer's connections.
     ///
     /// The peer lands each chunk only if, once its bytes arrived, the fence word
@@ -42,7 +44,7 @@ impl Agent {
     /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
     /// than `limits.max_ops_per_batch`, an unregistered local region, a write of zero
     /// bytes or a notification over the limit; [`TransferError::Local`] for a source
-    /// outside its region or not host-accessible; [`TransferError::Disconnected`] when no
+    /// outside its region; [`TransferError::Disconnected`] when no
     /// connection is left; [`TransferError::Unsupported`] on a backend without writes.
     pub fn post_write(
         &self,
@@ -115,13 +117,7 @@ impl Agent {
                 if op.local.len == 0 {
                     return Err(invalid("a write of zero bytes".into()));
                 }
-                local
-                    .region
-                    .check_host_range(op.local.offset, op.local.len)
-                    .map_err(|source| TransferError::Local {
-                        peer: p.name.clone(),
-                        source,
-                    })?;
+                super::read::check_local_range(&p, local, &op.local)?;
                 if op.remote.offset.checked_add(op.local.len).is_none() {
                     return Err(invalid("remote range overflows".into()));
                 }

@@ -149,11 +149,14 @@
 //!   the socket, and so every later chunk from such memory on that connection (one
 //!   warning);
 //! - on the socket: otherwise (D does not offer pulling, cma is off, device memory)
-//!   as TCP's `WRITE_REQ` frames, the payload straight from the source region; D reads
+//!   as TCP's `WRITE_REQ` frames, the payload straight from the source region (from a
+//!   host bounce buffer it was copied into, for CUDA device or staged memory); D reads
 //!   it into a buffer of its own and copies it into place under the lock.
 //!
-//! Destinations are any host memory D registered (memfd-backed or plain heap memory,
-//! the memory D would read with cma). The peer never writes D's memory itself: the
+//! Destinations are any memory D registered: host memory (memfd-backed or plain heap
+//! memory, the memory D would read with cma), and CUDA device or staged memory, which D
+//! fills with a synchronous copy under the lock (a pulled write first lands in a host
+//! bounce region of the connection's, then is copied into place). The peer never writes D's memory itself: the
 //! memfds are sealed against it, and a write fence that the writer checks in memory
 //! both processes share would make D's clear wait on a lock holder it cannot tell from
 //! a dead one (see `write.rs`). D reading P's memory keeps that property: only D's

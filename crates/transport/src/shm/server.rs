@@ -25,7 +25,7 @@ use crate::error::Refusal;
 use crate::notify::{Drained, Groups, NotifSource, push_grouped};
 use crate::stats::{Counters, bump};
 use crate::sync::lock;
-use crate::tcp::server::{PullCopy, WriteReq, serve_pulled_writes, serve_write};
+use crate::tcp::server::{PullCopy, WriteReq, land_bytes, serve_pulled_writes, serve_write};
 use crate::tcp::wire::{self, Body, FrameError};
 
 /// Descriptors received on a write stream and not yet claimed by an `SHM_WRITE_SRC`
@@ -485,6 +485,9 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
     let mut sources: HashMap<u64, Result<Arc<Source>, Refusal>> = HashMap::new();
     // The peer's process, for its cma sources: looked up at the first (`None` until then).
     let mut writer_pid: Option<Option<u32>> = None;
+    // Pulled writes into memory their source cannot copy into (device or staged host
+    // memory) go through it.
+    let bounce = std::cell::RefCell::new(Bounce::default());
     let len_of = |ty| match ty {
         wire::WRITE_REQ => wire::WRITE_REQ_LEN,
         wire::WRITE_PULL => wire::WRITE_PULL_LEN,
@@ -548,6 +551,11 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                     })
                     .collect();
                 let copy = |all: Vec<PullCopy<'_, (Arc<Source>, u64)>>| {
+                    // Into memory a plain copy cannot reach: each through the bounce
+                    // buffer, by `copy_one`.
+                    if all.iter().any(|c| !c.src.0.accepts(c.dest.kind())) {
+                        return false;
+                    }
                     let copies = all
                         .into_iter()
                         .map(|c| CopyOp {
@@ -562,8 +570,14 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                 };
                 let copy_one =
                     |(src, src_offset): &(Arc<Source>, u64), dest: &dyn DmaRegion, offset, len| {
-                        src.copy_to(*src_offset, dest, offset, len)
-                            .map_err(pull_refusal)
+                        if src.accepts(dest.kind()) {
+                            src.copy_to(*src_offset, dest, offset, len)
+                                .map_err(pull_refusal)
+                        } else {
+                            bounce
+                                .borrow_mut()
+                                .pull(src, *src_offset, dest, offset, len)
+                        }
                     };
                 serve_pulled_writes(ctx, &mut answers, writes, copy, copy_one)?;
             }
@@ -608,6 +622,50 @@ fn serve_writes(ctx: &Context, s: &mut UnixStream, peer: &str) -> Result<(), Fra
                 sources.insert(id, view);
             }
         }
+    }
+}
+
+/// A host buffer for pulled writes into memory their source cannot copy into (device or
+/// staged host memory): the write is copied out of the writer's memory into `region`,
+/// then into `bytes`, then into place ([`land_bytes`]). Grown to the largest such write
+/// (at most [`wire::MAX_WRITE_LEN`]), kept for the connection.
+#[derive(Default)]
+struct Bounce {
+    region: Option<HostRegion>,
+    bytes: Vec<u8>,
+}
+
+impl Bounce {
+    /// Lands `len` bytes at `src_offset` of `src` in `dest` at `offset` (under the fence
+    /// lock the caller holds), as a pulled write is answered.
+    fn pull(
+        &mut self,
+        src: &Source,
+        src_offset: u64,
+        dest: &dyn DmaRegion,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
+        // Checked against `wire::MAX_WRITE_LEN` before.
+        let n = len as usize;
+        if self.region.as_ref().is_none_or(|r| r.len() < n) {
+            self.region = None;
+            let region = HostRegion::with_policy(n, HugePagePolicy::Never).map_err(|err| {
+                tracing::warn!(len, %err, "no bounce buffer for a pulled write into device memory; refused");
+                Refusal::NotHostAccessible
+            })?;
+            self.region = Some(region);
+        }
+        let Some(region) = self.region.as_ref() else {
+            return Err(Refusal::NotHostAccessible);
+        };
+        src.copy_to(src_offset, region, 0, len)
+            .map_err(pull_refusal)?;
+        self.bytes.resize(n, 0);
+        region
+            .read_into(0, &mut self.bytes[..n])
+            .map_err(|_| Refusal::OutOfBounds)?;
+        land_bytes(dest, offset, &self.bytes[..n])
     }
 }
 

@@ -61,7 +61,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvlease_gpu_mem::{DmaRegion, RegionBytes, send_with_fds};
+use kvlease_gpu_mem::{DmaRegion, send_with_fds};
 
 use crate::batch::Batch;
 use crate::config::{Backend, CmaPolicy};
@@ -115,6 +115,9 @@ struct Stream {
     /// Frames not sent yet (`WRITE_PULL`s, `SHM_WRITE_CMA_SRC`s), sent together before
     /// anything else goes on the socket and before a read of the answers that may wait.
     pending: Vec<u8>,
+    /// Payloads from memory a socket cannot read (CUDA device, staged host), copied to
+    /// the host before they go on the socket (at most one chunk).
+    bounce: Vec<u8>,
 }
 
 /// A chunk sent and not answered yet.
@@ -174,6 +177,7 @@ impl Writer {
                     sources: HashMap::new(),
                     next_source: 1,
                     pending: Vec::with_capacity(WINDOW * (wire::HEADER_LEN + wire::WRITE_PULL_LEN)),
+                    bounce: Vec::new(),
                 })
             })
             .flatten();
@@ -282,10 +286,14 @@ impl Stream {
                     None => {
                         self.flush()?;
                         let header = wire::write_req(req, dest, c.len, f);
-                        match c
-                            .src
-                            .write_to_fd(&header, c.src_offset, c.len, self.out.as_fd())
-                        {
+                        match kvlease_gpu_mem::staging::send_to_fd(
+                            c.src.as_ref(),
+                            &header,
+                            c.src_offset,
+                            c.len,
+                            self.out.as_fd(),
+                            &mut self.bounce,
+                        ) {
                             Ok(sent_now) => sent_now,
                             // Checked when posted; nothing was sent.
                             Err(source) => {

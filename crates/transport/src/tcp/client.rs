@@ -92,11 +92,19 @@ struct WriteFrame {
 }
 
 impl WriteFrame {
-    /// Sends the frame, the payload straight from the source (one `writev`).
-    fn send(&self, socket: &TcpStream) -> io::Result<()> {
-        self.src
-            .write_to_fd(&self.header, self.offset, self.len, socket.as_fd())
-            .unwrap_or_else(|e| Err(io::Error::other(e)))
+    /// Sends the frame, the payload straight from a host source (one `writev`), from
+    /// other memory (CUDA device, staged host) through `bounce`
+    /// ([`send_to_fd`](kvlease_gpu_mem::staging::send_to_fd)).
+    fn send(&self, socket: &TcpStream, bounce: &mut Vec<u8>) -> io::Result<()> {
+        kvlease_gpu_mem::staging::send_to_fd(
+            self.src.as_ref(),
+            &self.header,
+            self.offset,
+            self.len,
+            socket.as_fd(),
+            bounce,
+        )
+        .unwrap_or_else(|e| Err(io::Error::other(e)))
     }
 }
 
@@ -351,6 +359,9 @@ fn handshake(
 }
 
 fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
+    // Write payloads from memory a socket cannot read, copied to the host (at most one
+    // chunk, `wire::MAX_WRITE_LEN`).
+    let mut bounce = Vec::new();
     while doorbell.recv().is_ok() {
         loop {
             let mut st = lock(&conn.out);
@@ -370,7 +381,7 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
                 let Some(w) = lock(&conn.out).writes.pop_front() else {
                     break;
                 };
-                result = send_write(conn, &w);
+                result = send_write(conn, &w, &mut bounce);
             }
             lock(&conn.out).busy = false;
             if let Err(err) = result {
@@ -385,7 +396,7 @@ fn write_loop(conn: &Conn, doorbell: &Receiver<()>) {
 /// Sends one write frame unless its batch already ended. While the payload leaves, the
 /// batch counts it in `in_receive` (the caller gets its source back only once that is
 /// zero) and `conn.sending` names the batch (a timeout shuts the connection down).
-fn send_write(conn: &Conn, w: &WriteFrame) -> io::Result<()> {
+fn send_write(conn: &Conn, w: &WriteFrame, bounce: &mut Vec<u8>) -> io::Result<()> {
     {
         let mut st = w.batch.lock();
         if !st.is_running() {
@@ -395,7 +406,7 @@ fn send_write(conn: &Conn, w: &WriteFrame) -> io::Result<()> {
         // Stored under the lock, so a timeout that sees `in_receive > 0` sees it too.
         conn.sending.store(w.batch.id, Ordering::SeqCst);
     }
-    let result = w.send(&conn.writer);
+    let result = w.send(&conn.writer, bounce);
     conn.sending.store(0, Ordering::SeqCst);
     w.batch.lock().in_receive -= 1;
     result

@@ -549,7 +549,8 @@ type WriteTargets = (
 );
 
 /// Checks a write against the registered regions: both regions known under their keys,
-/// the destination range inside host memory, the fence word's 8 bytes inside host memory.
+/// the destination range inside its region (of any memory kind: [`land_bytes`] copies
+/// into device memory), the fence word's 8 bytes inside host memory.
 fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
     if w.len > wire::MAX_WRITE_LEN {
         return Err(Refusal::TooLong);
@@ -572,7 +573,8 @@ fn write_targets(ctx: &Context, w: &WriteReq) -> Result<WriteTargets, Refusal> {
             _ => Refusal::OutOfBounds,
         })
     };
-    host(dest.as_ref(), w.offset, w.len)?;
+    kvlease_gpu_mem::staging::check_range(w.offset as usize, w.len as usize, dest.len())
+        .map_err(|_| Refusal::OutOfBounds)?;
     host(fence.as_ref(), w.fence.2, 8)?;
     Ok((dest, fence))
 }
@@ -686,13 +688,32 @@ pub(crate) fn serve_write(
     landing.resize(n, 0);
     r.read_exact(&mut landing[..n])?;
     let landed = land(ctx, w, &targets, |dest, offset, _| {
-        dest.write_from(offset, &landing[..n])
-            .map_err(|_| Refusal::OutOfBounds)
+        land_bytes(dest, offset, &landing[..n])
     });
     match landed {
         Ok(()) => out.write_all(&wire::write_ack(w.req)).map_err(Into::into),
         Err(why) => refuse_write(ctx, out, w, why),
     }
+}
+
+/// Copies a write's bytes into `dest` at `offset`, whatever its memory kind: host memory
+/// with a plain copy, device memory (and staged host memory) with a synchronous copy
+/// ([`write_region`](kvlease_gpu_mem::staging::write_region)) that has finished when this
+/// returns, so that a write landing under the fence lock has landed once the lock is
+/// released. A device copy that fails is refused as `NotHostAccessible` (logged).
+pub(crate) fn land_bytes(
+    dest: &dyn kvlease_gpu_mem::DmaRegion,
+    offset: u64,
+    bytes: &[u8],
+) -> Result<(), Refusal> {
+    // `offset` was checked inside the region, whose length is a `usize`.
+    kvlease_gpu_mem::staging::write_region(dest, offset as usize, bytes).map_err(|err| match err {
+        kvlease_gpu_mem::staging::StagingError::Range(_) => Refusal::OutOfBounds,
+        err => {
+            tracing::warn!(offset, len = bytes.len(), kind = %dest.kind(), %err, "a write could not be copied into its destination; refused");
+            Refusal::NotHostAccessible
+        }
+    })
 }
 
 //= docs/spec.md#the-write-fence
