@@ -7,7 +7,6 @@ use kvlease_proto::compat::KvMismatch;
 use kvlease_proto::engine_info::{EngineInfo, InfoError, RegionInfo, WorkerInfo};
 use kvlease_transport::{Agent, PeerId, RegionDesc};
 
-use crate::config::TransferMode;
 use crate::kv::{self, KvShape, RankLayout};
 use crate::sidechannel;
 
@@ -36,15 +35,13 @@ impl EngineError {
 /// One TP rank's heads and its block pool: the setup both engines share.
 ///
 /// # Errors
-/// [`EngineError`] naming the step that failed (tp split, kv layout or block pool), or
-/// `push mode` when `mode` is push and the pool is memory push mode cannot move yet.
+/// [`EngineError`] naming the step that failed (tp split, kv layout or block pool).
 pub(crate) fn rank_pool(
     shape: KvShape,
     tp_size: u32,
     rank: u32,
     num_blocks: u32,
     memory: MemoryRequest,
-    mode: TransferMode,
 ) -> Result<(RankLayout, BlockPool), EngineError> {
     let heads = shape
         .heads_of_rank(tp_size, rank)
@@ -65,19 +62,6 @@ pub(crate) fn rank_pool(
     .map_err(|e| EngineError::setup("kv layout", e))?;
     let pool =
         BlockPool::new(kv_layout, memory).map_err(|e| EngineError::setup("block pool", e))?;
-    // Push mode's writes are read out of P's pool and landed in D's by the CPU (TCP,
-    // shared memory) or posted from registered host memory (verbs): with a pool the CPU
-    // cannot address, every request would fail at its write. Refused here, at start.
-    if mode == TransferMode::Push && !pool.kind().is_host_accessible() {
-        return Err(EngineError::setup(
-            "push mode",
-            format!(
-                "the KV pool is {} memory, which push mode cannot write from or into yet: \
-                 give P and D --memory host (or pinned) with --transfer-mode push, or use pull mode",
-                pool.kind()
-            ),
-        ));
-    }
     Ok((layout, pool))
 }
 

@@ -25,6 +25,7 @@ struct Spawned {
     side_port: u16,
 }
 
+/// `args` may name `--memory`; host memory otherwise.
 fn spawn(bin: &str, name: &str, transport: &str, args: &[&str]) -> Result<Spawned> {
     let port = free_port();
     let side_port = free_port();
@@ -38,13 +39,16 @@ fn spawn(bin: &str, name: &str, transport: &str, args: &[&str]) -> Result<Spawne
             name,
         ])
         .args(shape_args())
-        .args(["--transport", transport, "--memory", "host"])
+        .args(["--transport", transport])
         .args(args)
         .env("RUST_LOG", "info,kvlease_agent=debug")
         .env_remove("KVLEASE_AUTH_TOKEN")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log)?);
+    if !args.contains(&"--memory") {
+        cmd.args(["--memory", "host"]);
+    }
     let child = cmd.spawn().with_context(|| format!("spawn {bin}"))?;
     Ok(Spawned {
         agent: Agent::new(child, name, log, port),
@@ -121,16 +125,27 @@ fn check_d_answer(prompt: &str, max_tokens: u32, d: &Value) -> Result<()> {
 }
 
 async fn end_to_end(transport: &str, tp: u32, n: usize) -> Result<()> {
-    let tag = format!("e2e-{transport}-tp{tp}");
+    end_to_end_in(transport, tp, n, ("host", "host")).await
+}
+
+/// As [`end_to_end`], with P's pool in `p_mem` and D's in `d_mem` (`--memory`).
+async fn end_to_end_in(
+    transport: &str,
+    tp: u32,
+    n: usize,
+    (p_mem, d_mem): (&str, &str),
+) -> Result<()> {
+    let tag = format!("e2e-{transport}-tp{tp}-{p_mem}-{d_mem}");
     let tp_flag = tp.to_string();
-    let tp_args = ["--tp-size", tp_flag.as_str()];
-    let (c, p, d) = push_pair(&tag, transport, &tp_args, &tp_args).await?;
+    let p_args = ["--tp-size", tp_flag.as_str(), "--memory", p_mem];
+    let d_args = ["--tp-size", tp_flag.as_str(), "--memory", d_mem];
+    let (c, p, d) = push_pair(&tag, transport, &p_args, &d_args).await?;
     let p_name = format!("p-{tag}");
     let mut tasks = Vec::new();
     for i in 0..n {
         let c = c.clone();
         let prompt = prompt(i);
-        let transfer = format!("xfer-{transport}-{i}");
+        let transfer = format!("xfer-{tag}-{i}");
         let pb = p_leg(&prompt, &transfer);
         let db = d_leg_tp(&prompt, 4, &transfer, &p, &p_name, tp);
         let (p_url, d_url) = (p.agent.url.clone(), d.agent.url.clone());
@@ -249,6 +264,22 @@ async fn push_end_to_end_tp2_over_tcp() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_over_shm() -> Result<()> {
     end_to_end("shm", 1, 12).await
+}
+
+/// Pools in staged memory (host memory moved as device memory is, through host bounce
+/// buffers): P writes out of its staged pool, D lands into its staged pool, every answer's
+/// KV verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_end_to_end_with_staged_pools_over_tcp() -> Result<()> {
+    end_to_end_in("tcp", 1, 6, ("staged", "staged")).await
+}
+
+/// Over shared memory: a staged P's payloads go on the socket; D pulls a host P's
+/// payloads into a bounce buffer and copies them into its staged pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_end_to_end_with_staged_pools_over_shm() -> Result<()> {
+    end_to_end_in("shm", 1, 6, ("staged", "host")).await?;
+    end_to_end_in("shm", 1, 6, ("host", "staged")).await
 }
 
 /// P is killed after D registered: no heartbeat renews the reservation, which expires

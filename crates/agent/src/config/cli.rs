@@ -244,9 +244,9 @@ pub struct CommonArgs {
     /// How D gets P's KV: `pull` (D reads under P's lease) or `push` (P writes into
     /// blocks D reserved). Every P and D of a deployment must use the same mode: a leg of
     /// the other mode is refused with a 400. Push runs on every transport: over verbs P
-    /// writes with RDMA WRITEs into ranges D granted for the reservation. Push needs the
-    /// pool in host memory (`--memory host` or `pinned`); a staged or device pool is
-    /// refused at start.
+    /// writes with RDMA WRITEs into ranges D granted for the reservation. Any `--memory`
+    /// works: writes out of or into memory the CPU cannot address (staged, CUDA) go
+    /// through host bounce buffers, on the TCP or shared-memory socket.
     #[arg(long, value_enum, default_value_t = TransferMode::Pull)]
     pub transfer_mode: TransferMode,
     /// Memory holding the KV pool.

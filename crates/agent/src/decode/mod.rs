@@ -261,14 +261,8 @@ impl DecodeEngine {
     pub fn new(cfg: DecodeAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
-            let (layout, pool) = rank_pool(
-                cfg.shape,
-                cfg.tp_size,
-                rank,
-                cfg.num_blocks,
-                cfg.memory,
-                cfg.transfer_mode,
-            )?;
+            let (layout, pool) =
+                rank_pool(cfg.shape, cfg.tp_size, rank, cfg.num_blocks, cfg.memory)?;
             let agent = Arc::new(link::agent(
                 &cfg.link,
                 &format!("{}/d{rank}", cfg.engine_id),

@@ -252,14 +252,8 @@ impl PrefillEngine {
     pub fn new(cfg: PrefillAgentConfig, metrics: Metrics) -> Result<Self, EngineError> {
         let mut workers = Vec::new();
         for rank in 0..cfg.tp_size {
-            let (layout, pool) = rank_pool(
-                cfg.shape,
-                cfg.tp_size,
-                rank,
-                cfg.num_blocks,
-                cfg.memory,
-                cfg.transfer_mode,
-            )?;
+            let (layout, pool) =
+                rank_pool(cfg.shape, cfg.tp_size, rank, cfg.num_blocks, cfg.memory)?;
             let fence = FenceTable::new(cfg.num_blocks)
                 .map_err(|e| EngineError::setup("fence table", e))?;
             let agent = Arc::new(link::agent(

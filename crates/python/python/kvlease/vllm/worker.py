@@ -336,12 +336,15 @@ class KvleaseWorker:
                 ordinal = None
                 if device.type == "cuda":
                     if self.config.push:
-                        # The transport writes only out of and into host memory: every
-                        # push would fail at its write.
+                        # The transport would write through host bounce buffers, but
+                        # that path has not run against vLLM's CUDA caches on a GPU, and
+                        # vLLM does not verify the KV it gets: refused rather than risk a
+                        # wrong token.
                         raise ConfigError(
-                            f"KV cache {name} is on {device}: push mode writes from and "
-                            "into host memory only (CUDA KV caches are not supported with "
-                            "it yet); use pull mode (KvleaseConnector) on GPUs"
+                            f"KV cache {name} is on {device}: the connector's push mode "
+                            "supports KV caches in host memory only (CUDA KV caches are "
+                            "not supported with it yet); use pull mode (KvleaseConnector) "
+                            "on GPUs"
                         )
                     ordinal = device.index if device.index is not None else 0
                     self.device = f"cuda:{ordinal}"
