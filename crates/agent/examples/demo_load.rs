@@ -67,14 +67,15 @@ enum Command {
         #[arg(long, default_value = "wait")]
         label: String,
     },
-    /// Prints one sample of `GET {url}/metrics` (0 when absent).
+    /// Prints samples of one `GET {url}/metrics`, one line each in the order named (0
+    /// when absent).
     Metric {
         /// Base URL.
         #[arg(long)]
         url: String,
-        /// Sample name, labels included.
-        #[arg(long)]
-        name: String,
+        /// Sample name, labels included; repeat it for several samples of one scrape.
+        #[arg(long, required = true)]
+        name: Vec<String>,
     },
 }
 
@@ -225,7 +226,10 @@ async fn run(command: Command) -> Result<bool> {
         }
         Command::Metric { url, name } => {
             let http = client(Duration::from_secs(5))?;
-            println!("{}", scrape(&http, &url, &name).await?);
+            let text = metrics_text(&http, &url).await?;
+            for n in &name {
+                println!("{}", sample(&text, n));
+            }
             Ok(true)
         }
     }
@@ -233,17 +237,25 @@ async fn run(command: Command) -> Result<bool> {
 
 /// The value of sample `name` on `{url}/metrics`; 0 when the agent does not expose it.
 async fn scrape(http: &reqwest::Client, url: &str, name: &str) -> Result<f64> {
-    let text = http
+    Ok(sample(&metrics_text(http, url).await?, name))
+}
+
+/// `GET {url}/metrics`.
+async fn metrics_text(http: &reqwest::Client, url: &str) -> Result<String> {
+    Ok(http
         .get(format!("{url}/metrics"))
         .send()
         .await?
         .error_for_status()?
         .text()
-        .await?;
-    Ok(text
-        .lines()
+        .await?)
+}
+
+/// The value of sample `name` in an exposition; 0 when absent.
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0))
+        .unwrap_or(0.0)
 }
 
 /// Prompt `i` of a run: 24 to ~600 bytes (= tokens), different for every request.
