@@ -17,6 +17,11 @@
 #              memory (cma_write_gbps_64x1m, cma_read_gbps_64x1m, cma_write_over_read_64x1m,
 #              the same for 64x64k): the writer names its heap source by address, the
 #              target reads it with process_vm_readv under its fence lock.
+#   ours TCP, staged memory  tcp_bench --backend tcp --staged: every region but the fence
+#              staged (host memory moved as CUDA device memory is): READ through the
+#              pipelined stager, fenced WRITE through the writer's host bounce buffer and
+#              the receiver's landing copy; keys tcp_staged_* (write and read 64 x 1 MiB and
+#              64 x 64 KiB).
 #   iperf3     one stream; ucx_perftest -t ucp_get over UCX_TLS=tcp (Debian's UCX 1.13).
 #   NIXL 1.5.1 from PyPI (scripts/bench/nixl/nixl_pair.py), twice: UCX's default transports
 #              (UCX_TLS unset; on one host READ goes through cma), keys nixl_shm_*; and
@@ -38,6 +43,8 @@
 #   iperf3 and NIXL over TCP), notif_rtt_us= nixl_notif_rtt_us= (TCP, as before).
 #   write_ratio_vs_nixl_write= (and _64k=) our TCP fenced WRITE over NIXL's WRITE over TCP;
 #   write_ratio_vs_nixl_shm_write= (and _64k=) the same over NIXL with UCX's defaults.
+#   tcp_staged_write_over_host_write= (and _64k=) our TCP fenced WRITE from and into staged
+#                               memory over the same from and into host memory (this run)
 #   shm_write_ratio_vs_nixl_shm_write= (and _64k=) our same-host fenced WRITE (shm link,
 #                               memfd source and destination) over NIXL's WRITE with UCX's
 #                               defaults; cma_write_ratio_vs_nixl_shm_write= the same, heap
@@ -77,6 +84,13 @@ ours_backend() {
 }
 ours_shm() { ours_backend shm; }
 ours_cma() { ours_backend cma; }
+# Staged memory: only its write/read pair keys (its READ headline keys would shadow TCP's).
+ours_tcp_staged() {
+  local o
+  o=$(timeout 120 "$BENCH" --backend tcp --staged --seconds 0.25) || return 1
+  grep -qx "staged=true" <<<"$o" || { echo "tcp_bench printed no staged=true" >&2; return 1; }
+  grep '^tcp_staged_' <<<"$o"
+}
 # The TCP run's 64 x 64 KiB figure: its own longer point, else the sweep's.
 ours_tcp() {
   local o
@@ -125,6 +139,8 @@ peer ours_shm "shm_read_1m_x64_gbps shm_read_64k_x64_gbps shm_notif_rtt_us shm_n
 peer ours_cma "cma_read_1m_x64_gbps cma_read_64k_x64_gbps \
   cma_write_gbps_64x1m cma_read_gbps_64x1m cma_write_over_read_64x1m \
   cma_write_gbps_64x64k cma_read_gbps_64x64k cma_write_over_read_64x64k" --prefix cma_ ours_cma
+peer ours_tcp_staged "tcp_staged_write_gbps_64x1m tcp_staged_read_gbps_64x1m \
+  tcp_staged_write_gbps_64x64k tcp_staged_read_gbps_64x64k" ours_tcp_staged
 peer iperf3 "iperf3_gbps" iperf
 peer ucx_perftest "ucx_ucp_get_1m_gbps" ucx
 nixl_keys() { for k in read_64k_x64_gbps read_1m_x64_gbps write_64k_x64_gbps write_1m_x64_gbps notif_rtt_us; do printf 'nixl_%s_%s ' "$1" "$k"; done; }
@@ -153,6 +169,8 @@ echo "write_ratio_vs_nixl_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nix
 echo "write_ratio_vs_nixl_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_tcp_write_64k_x64_gbps)")"
 echo "write_ratio_vs_nixl_shm_write=$(ratio "$(get tcp_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
 echo "write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get tcp_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
+echo "tcp_staged_write_over_host_write=$(ratio "$(get tcp_staged_write_gbps_64x1m)" "$(get tcp_write_gbps_64x1m)")"
+echo "tcp_staged_write_over_host_write_64k=$(ratio "$(get tcp_staged_write_gbps_64x64k)" "$(get tcp_write_gbps_64x64k)")"
 echo "shm_write_ratio_vs_nixl_shm_write=$(ratio "$(get shm_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"
 echo "shm_write_ratio_vs_nixl_shm_write_64k=$(ratio "$(get shm_write_gbps_64x64k)" "$(get nixl_shm_write_64k_x64_gbps)")"
 echo "cma_write_ratio_vs_nixl_shm_write=$(ratio "$(get cma_write_gbps_64x1m)" "$(get nixl_shm_write_1m_x64_gbps)")"

@@ -212,7 +212,7 @@ for mem in $PULL_MEMORIES; do
     # already running then, a proxy retry under load, grants one that lives its TTL from
     # its grant; one of those that already ended by then loosens the check by one). Both
     # counts come from one scrape, taken once the bound has passed.
-    sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", d > 0 ? d : 0 }')"
+    sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", (d > 0 ? d : 0) }')"
     AT_BOUND=$(timeout 20 "$LOAD" metric --url "$P_URL" --name kvlease_leases_active \
       --name kvlease_leases_granted_total) || fail "P's metrics unreadable after the kill"
     SAMPLED=$(since "$KILL_T")
@@ -222,6 +222,7 @@ for mem in $PULL_MEMORIES; do
     emit kill.sampled_at_s "$SAMPLED"
     emit kill.leases_active_at_bound "$ACTIVE_B"
     emit kill.leases_granted_after_kill "$AFTER"
+    awk -v s="$SAMPLED" -v b="$BOUND" 'BEGIN { exit !(s >= b) }' || fail "P's leases sampled ${SAMPLED}s after the kill, before the bound ${BOUND}s"
     awk -v a="$ACTIVE_B" -v g="$AFTER" 'BEGIN { exit !(a <= g) }' \
       || fail "P still held $ACTIVE_B lease(s) ${SAMPLED}s after the kill, $AFTER granted since: a lease outstanding at the kill outlived the bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
     timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \

@@ -28,6 +28,12 @@
 //! for `64x64k` (`--no-write`: not); `<backend>` is `tcp`, `shm` or `cma`; and the
 //! target's counts, `<backend>_writes_pulled=` and `<backend>_writes_landed=` (on `shm`
 //! and `cma` the run fails unless every write chunk landed was pulled).
+//!
+//! `--staged` (with `--backend tcp`) puts every region but the fence in staged memory
+//! (`StagedHostRegion`: host memory moved as CUDA device memory is), so reads go through
+//! the pipelined stager on both sides and writes through the writer's host bounce buffer
+//! and the receiver's synchronous landing copy; the keys then read `tcp_staged_…` (and
+//! `staged=true` is printed).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -35,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, RegionBytes};
+use kvlease_gpu_mem::{DmaRegion, ForeignRegion, HostRegion, StagedHostRegion, staging};
 use kvlease_transport::{
     Agent, AgentConfig, Backend, BackendChoice, BatchStatus, LocalRange, ReadBatch, ReadOp,
     RegionDesc, RegionId, WriteBatch, WriteFence, WriteOp,
@@ -97,24 +103,27 @@ fn check_backend(agent: &Agent, peer: kvlease_transport::PeerId, want: Backend) 
     Ok(())
 }
 
+/// A zeroed region of `len` bytes: plain heap memory for `cma`, staged memory with
+/// `--staged`, else memfd-backed host memory.
+fn zeroed(len: usize, backend: Backend, staged: bool) -> Result<Arc<dyn DmaRegion>> {
+    Ok(if backend == Backend::Cma {
+        Arc::new(ForeignRegion::from_heap(vec![0; len])?)
+    } else if staged {
+        Arc::new(StagedHostRegion::new(len)?)
+    } else {
+        Arc::new(HostRegion::new(len)?)
+    })
+}
+
 /// The target: serve reads, echo notifications until `quit`.
-fn serve(conns: usize, backend: Backend) -> Result<()> {
+fn serve(conns: usize, backend: Backend, staged: bool) -> Result<()> {
     let agent = Agent::new(config("bench-target", conns, backend))?;
     let bytes: Vec<u8> = (0..REGION).map(pattern).collect();
-    let region: Arc<dyn DmaRegion> = if backend == Backend::Cma {
-        Arc::new(ForeignRegion::from_heap(bytes)?)
-    } else {
-        let region = HostRegion::new(REGION)?;
-        region.write_from(0, &bytes)?;
-        Arc::new(region)
-    };
+    let region = zeroed(REGION, backend, staged)?;
+    staging::write_region(region.as_ref(), 0, &bytes)?;
     agent.register(region)?;
     // Registered after the read source, so their ids (and metadata order) follow it.
-    let dest: Arc<dyn DmaRegion> = if backend == Backend::Cma {
-        Arc::new(ForeignRegion::from_heap(vec![0; WRITE_REGION])?)
-    } else {
-        Arc::new(HostRegion::new(WRITE_REGION)?)
-    };
+    let dest = zeroed(WRITE_REGION, backend, staged)?;
     agent.register(dest)?;
     let fence = agent.register(Arc::new(HostRegion::new(FENCE_REGION)?))?;
     agent.set_write_fence(RegionId(fence.id), 0, GENERATION)?;
@@ -184,14 +193,14 @@ fn measure(
     want: Backend,
 ) -> Result<f64> {
     // Verify the first batch byte for byte, and the backend that moved it.
-    dst_region.write_from(0, &vec![0; (block * n) as usize])?;
+    staging::write_region(dst_region, 0, &vec![0; (block * n) as usize])?;
     let moved = wait(
         agent,
         agent.post_read(peer, batch(dst, src, block, n), TIMEOUT)?,
     )?;
     ensure!(moved == want, "the batch went over {moved}, not {want}");
     let mut got = vec![0; (block * n) as usize];
-    dst_region.read_into(0, &mut got)?;
+    staging::read_region(dst_region, 0, &mut got)?;
     for i in 0..n {
         let from = ((i * 7 % n) * block) as usize;
         let at = (i * block) as usize;
@@ -265,7 +274,7 @@ fn measure_write(
 ) -> Result<f64> {
     let total = (block * n) as usize;
     let stamp: Vec<u8> = (0..total).map(|i| pattern(i + 12_345)).collect();
-    region.write_from(0, &stamp)?;
+    staging::write_region(region, 0, &stamp)?;
     let post = || {
         agent.post_write(
             peer,
@@ -290,7 +299,7 @@ fn measure_write(
     };
     wait(agent, agent.post_read(peer, read_back, TIMEOUT)?)?;
     let mut got = vec![0; total];
-    region.read_into(back, &mut got)?;
+    staging::read_region(region, back as usize, &mut got)?;
     for i in 0..n {
         let at = ((i * 7 % n) * block) as usize;
         let from = (i * block) as usize;
@@ -319,8 +328,14 @@ fn main() -> Result<()> {
     let conns: usize = value("--conns", "2").parse()?;
     let backend_name = value("--backend", "tcp");
     let backend = parse_backend(&backend_name)?;
+    let staged = flag("--staged").is_some();
+    // Staged memory is no shm or cma source: those links would send it over TCP.
+    ensure!(
+        !staged || backend == Backend::Tcp,
+        "--staged runs with --backend tcp only"
+    );
     if flag("--serve").is_some() {
-        return serve(conns, backend);
+        return serve(conns, backend, staged);
     }
     let seconds: f64 = value("--seconds", "0.25").parse()?;
     let mut child = Command::new(std::env::current_exe()?)
@@ -331,6 +346,7 @@ fn main() -> Result<()> {
             "--backend",
             &backend_name,
         ])
+        .args(staged.then_some("--staged"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -342,11 +358,7 @@ fn main() -> Result<()> {
     let agent = Agent::new(config("bench-reader", conns, backend))?;
     // With `cma`, this process's memory is plain heap memory too: the target reads it
     // with cross-memory attach for this process's writes.
-    let dst_region: Arc<dyn DmaRegion> = if backend == Backend::Cma {
-        Arc::new(ForeignRegion::from_heap(vec![0; REGION])?)
-    } else {
-        Arc::new(HostRegion::new(REGION)?)
-    };
+    let dst_region = zeroed(REGION, backend, staged)?;
     let dst = RegionId(agent.register(dst_region.clone())?.id);
     let peer = agent.connect(&target_meta)?;
     check_backend(&agent, peer, backend)?;
@@ -361,6 +373,13 @@ fn main() -> Result<()> {
     child_in.flush()?;
 
     println!("backend={backend}");
+    println!("staged={staged}");
+    // The write keys' prefix.
+    let keys = if staged {
+        format!("{backend}_staged")
+    } else {
+        backend.to_string()
+    };
     println!("conns={conns}");
     if flag("--sweep").is_some() {
         for block_kib in [16u64, 64, 256, 1024, 4096] {
@@ -423,9 +442,9 @@ fn main() -> Result<()> {
                 seconds.max(2.0),
                 write_backend,
             )?;
-            println!("{backend}_write_gbps_64x{label}={write:.3}");
-            println!("{backend}_read_gbps_64x{label}={read:.3}");
-            println!("{backend}_write_over_read_64x{label}={:.3}", write / read);
+            println!("{keys}_write_gbps_64x{label}={write:.3}");
+            println!("{keys}_read_gbps_64x{label}={read:.3}");
+            println!("{keys}_write_over_read_64x{label}={:.3}", write / read);
         }
     }
 
@@ -465,8 +484,8 @@ fn main() -> Result<()> {
     if let (&[pulled, landed], true) = (&pulled[..], writes) {
         // Every write chunk the target landed came from a pull of this process's memory,
         // on shm from its memfd, on cma with cross-memory attach (TCP: none).
-        println!("{backend}_writes_pulled={pulled}");
-        println!("{backend}_writes_landed={landed}");
+        println!("{keys}_writes_pulled={pulled}");
+        println!("{keys}_writes_landed={landed}");
         ensure!(
             backend == Backend::Tcp || pulled == landed,
             "the target pulled {pulled} of the {landed} writes it landed"
