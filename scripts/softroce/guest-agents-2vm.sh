@@ -334,20 +334,29 @@ BOUND=$(awk -v d="$LEASE_S" 'BEGIN { printf "%.3f", d + 1 }')
 # passed, P holds no lease but those it granted after the kill (a proxy retry's prefill
 # grants one that lives its TTL from its grant; one of those that already ended loosens
 # the check by one). Active first, granted second: a grant between the two only loosens.
-sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", (d > 0 ? d : 0) }')"
-ACTIVE_B=$(metric "$P_URL" kvlease_leases_active) || fail "P's metrics unreadable after the kill"
-AFTER=$(awk -v a="$(metric "$P_URL" kvlease_leases_granted_total)" -v b="$GRANTED0" 'BEGIN { print a - b }')
-SAMPLED=$(since "$KILL_T")
+# Sampled in the background once the bound passed, while the reclaim is timed.
+(
+  sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", (d > 0 ? d : 0) }')"
+  a=$(metric "$P_URL" kvlease_leases_active) && g=$(metric "$P_URL" kvlease_leases_granted_total) \
+    && printf '%s\n%s\n' "$a" "$g" >"$LOGS/kill.at_bound"
+  since "$KILL_T" >"$LOGS/kill.sampled_at"
+) &
+SAMPLER=$!; PIDS+=("$SAMPLER")
+timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
+  --timeout-secs 60 --label kill.reclaim >/dev/null || fail "P did not free D's blocks within 60 s of kill -9"
+END_T=$EPOCHREALTIME
+RECLAIM=$(since "$KILL_T" "$END_T")
+wait "$SAMPLER"
+SAMPLED=$(cat "$LOGS/kill.sampled_at")
+ACTIVE_B=$(sed -n 1p "$LOGS/kill.at_bound" 2>/dev/null)
+[ -n "$ACTIVE_B" ] || fail "P's metrics unreadable after the kill"
+AFTER=$(awk -v a="$(sed -n 2p "$LOGS/kill.at_bound")" -v b="$GRANTED0" 'BEGIN { print a - b }')
 emit kill.sampled_at_s "$SAMPLED"
 emit kill.leases_active_at_bound "$ACTIVE_B"
 emit kill.leases_granted_after_kill "$AFTER"
 awk -v s="$SAMPLED" -v b="$BOUND" 'BEGIN { exit !(s >= b) }' || fail "P's leases sampled ${SAMPLED}s after the kill, before the bound ${BOUND}s"
 awk -v a="$ACTIVE_B" -v g="$AFTER" 'BEGIN { exit !(a <= g) }' \
   || fail "P still held $ACTIVE_B lease(s) ${SAMPLED}s after the kill, $AFTER granted since: a lease outstanding at the kill outlived the bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
-timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
-  --timeout-secs 60 --label kill.reclaim >/dev/null || fail "P did not free D's blocks within 60 s of kill -9"
-END_T=$EPOCHREALTIME
-RECLAIM=$(since "$KILL_T" "$END_T")
 EXP1=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
 emit kill.reclaim_s "$RECLAIM"
 emit kill.reclaim_bound_s "$BOUND"

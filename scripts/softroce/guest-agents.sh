@@ -211,13 +211,23 @@ for mem in $PULL_MEMORIES; do
     # kill + the bound, P holds no lease but those it granted after the kill (a prefill
     # already running then, a proxy retry under load, grants one that lives its TTL from
     # its grant; one of those that already ended by then loosens the check by one). Both
-    # counts come from one scrape, taken once the bound has passed.
-    sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", (d > 0 ? d : 0) }')"
-    AT_BOUND=$(timeout 20 "$LOAD" metric --url "$P_URL" --name kvlease_leases_active \
-      --name kvlease_leases_granted_total) || fail "P's metrics unreadable after the kill"
-    SAMPLED=$(since "$KILL_T")
-    ACTIVE_B=$(echo "$AT_BOUND" | sed -n 1p)
-    AFTER=$(awk -v a="$(echo "$AT_BOUND" | sed -n 2p)" -v b="$GRANTED0" 'BEGIN { print a - b }')
+    # counts come from one scrape, taken once the bound has passed, in the background
+    # while the reclaim is timed.
+    (
+      sleep "$(awk -v b="$BOUND" -v e="$(since "$KILL_T")" 'BEGIN { d = b - e; printf "%.3f", (d > 0 ? d : 0) }')"
+      timeout 20 "$LOAD" metric --url "$P_URL" --name kvlease_leases_active \
+        --name kvlease_leases_granted_total >"$LOGS/kill.at_bound" || true
+      since "$KILL_T" >"$LOGS/kill.sampled_at"
+    ) &
+    SAMPLER=$!; PIDS+=("$SAMPLER")
+    timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
+      --timeout-secs 60 --label kill.reclaim >/dev/null || fail "P did not free D's blocks within 60 s of kill -9"
+    RECLAIM=$(since "$KILL_T")
+    wait "$SAMPLER"
+    SAMPLED=$(cat "$LOGS/kill.sampled_at")
+    ACTIVE_B=$(sed -n 1p "$LOGS/kill.at_bound")
+    [ -n "$ACTIVE_B" ] || fail "P's metrics unreadable after the kill"
+    AFTER=$(awk -v a="$(sed -n 2p "$LOGS/kill.at_bound")" -v b="$GRANTED0" 'BEGIN { print a - b }')
     emit kill.reclaim_bound_s "$BOUND"
     emit kill.sampled_at_s "$SAMPLED"
     emit kill.leases_active_at_bound "$ACTIVE_B"
@@ -225,9 +235,6 @@ for mem in $PULL_MEMORIES; do
     awk -v s="$SAMPLED" -v b="$BOUND" 'BEGIN { exit !(s >= b) }' || fail "P's leases sampled ${SAMPLED}s after the kill, before the bound ${BOUND}s"
     awk -v a="$ACTIVE_B" -v g="$AFTER" 'BEGIN { exit !(a <= g) }' \
       || fail "P still held $ACTIVE_B lease(s) ${SAMPLED}s after the kill, $AFTER granted since: a lease outstanding at the kill outlived the bound ${BOUND}s (lease TTL ${LEASE_S}s + 1 s)"
-    timeout 70 "$LOAD" wait-metric --url "$P_URL" --name kvlease_blocks_held --at-most 0 \
-      --timeout-secs 60 --label kill.reclaim >/dev/null || fail "P did not free D's blocks within 60 s of kill -9"
-    RECLAIM=$(since "$KILL_T")
     EXP1=$(metric "$P_URL" 'kvlease_leases_released_total{reason="expired"}')
     emit kill.reclaim_s "$RECLAIM"
     emit kill.leases_expired "$(awk -v a="$EXP1" -v b="$EXP0" 'BEGIN { print a - b }')"

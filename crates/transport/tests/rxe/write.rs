@@ -353,3 +353,109 @@ fn no_old_byte_lands_after_the_clear_returns() -> Result<()> {
     );
     outcome
 }
+
+/// Push with staged memory (standing for device memory) on a verbs link: P's staged
+/// source has only a host mirror, so a granted write from it goes over the link's TCP
+/// connections from P's bounce buffer, not as an RDMA WRITE of the mirror's (stale)
+/// bytes; D's staged pool gets no write grant, so P writes into it without one and D's
+/// receiver lands it under the fence lock. Both land byte-exact; after the clear, a
+/// write of the old generation into the staged pool lands nothing.
+#[test]
+#[ignore = "needs RDMA devices rxeP/rxeD: scripts/softroce/test.sh runs it"]
+fn staged_memory_is_written_over_the_verbs_links_tcp() -> Result<()> {
+    use kvlease_gpu_mem::{StagedHostRegion, staging};
+    super::devices("staged_memory_is_written_over_the_verbs_links_tcp");
+    let (p, d) = pair(BackendChoice::Verbs)?;
+    let data = super::pattern(LEN, 31);
+    let staged_src = Arc::new(StagedHostRegion::new(POOL)?);
+    staging::write_region(staged_src.as_ref(), 0, &data)?;
+    let staged_src_id = RegionId(
+        p.register(Arc::clone(&staged_src) as Arc<dyn DmaRegion>)?
+            .id,
+    );
+    ensure!(
+        p.is_mirrored(staged_src_id),
+        "P's staged source not mirrored"
+    );
+    let host_src = Arc::new(HostRegion::new(POOL)?);
+    let more = super::pattern(LEN, 32);
+    host_src.write_from(0, &more)?;
+    let host_src_id = RegionId(p.register(Arc::clone(&host_src) as Arc<dyn DmaRegion>)?.id);
+    let host_pool = Arc::new(HostRegion::new(POOL)?);
+    let host_pool_d = d.register(Arc::clone(&host_pool) as Arc<dyn DmaRegion>)?;
+    let staged_pool = Arc::new(StagedHostRegion::new(POOL)?);
+    let staged_pool_d = d.register(Arc::clone(&staged_pool) as Arc<dyn DmaRegion>)?;
+    let fences = d.register(Arc::new(HostRegion::new(4096)?) as Arc<dyn DmaRegion>)?;
+    let peer = p.connect(&crate::off_host(&d))?;
+    let (backend, why) = p.peer_backend(peer).context("peer is connected")?;
+    ensure!(backend == Backend::Verbs, "backend {backend}: {why}");
+    let batch = |src: RegionId, dest: &RegionDesc, generation| WriteBatch {
+        ops: vec![WriteOp {
+            local: LocalRange {
+                region: src,
+                offset: 0,
+                len: LEN as u64,
+            },
+            remote: dest.at(DEST),
+        }],
+        notif: None,
+        fence: WriteFence {
+            remote: fences.at(WORD),
+            expected: generation,
+        },
+    };
+    let range = |dest: &RegionDesc| LocalRange {
+        region: RegionId(dest.id),
+        offset: DEST,
+        len: LEN as u64,
+    };
+
+    // Staged source into a granted host range: over TCP, byte-exact.
+    d.set_write_fence(RegionId(fences.id), WORD, 3)?;
+    let grant = d.grant_write(RegionId(fences.id), WORD, 3, range(&host_pool_d))?;
+    let id = p.post_write_granted(
+        peer,
+        batch(staged_src_id, &host_pool_d, 3),
+        &[grant],
+        super::TIMEOUT,
+    )?;
+    match wait(&p, id)? {
+        BatchStatus::Done(s) => ensure!(s.backend == Backend::Tcp, "went over {}", s.backend),
+        other => bail!("write from staged memory: {other:?}"),
+    }
+    ensure!(
+        super::bytes(&host_pool, DEST, LEN)? == data,
+        "bytes from staged memory differ"
+    );
+
+    // A staged pool gets no grant; an ungranted write lands in it over TCP.
+    d.set_write_fence(RegionId(fences.id), WORD, 4)?;
+    let refused = d.grant_write(RegionId(fences.id), WORD, 4, range(&staged_pool_d));
+    ensure!(
+        matches!(refused, Err(kvlease_transport::RegisterError::Grant { .. })),
+        "a staged pool got a write grant: {refused:?}"
+    );
+    let id = p.post_write(peer, batch(host_src_id, &staged_pool_d, 4), super::TIMEOUT)?;
+    match wait(&p, id)? {
+        BatchStatus::Done(s) => ensure!(s.backend == Backend::Tcp, "went over {}", s.backend),
+        other => bail!("write into staged memory: {other:?}"),
+    }
+    let mut got = vec![0; LEN];
+    staging::read_region(staged_pool.as_ref(), DEST as usize, &mut got)?;
+    ensure!(got == more, "bytes landed in staged memory differ");
+
+    // Cleared: the old generation lands nothing in the staged pool.
+    d.set_write_fence(RegionId(fences.id), WORD, 0)?;
+    let id = p.post_write(
+        peer,
+        batch(staged_src_id, &staged_pool_d, 4),
+        super::TIMEOUT,
+    )?;
+    match wait(&p, id)? {
+        BatchStatus::Failed(TransferError::Stale { expected: 4, .. }) => {}
+        other => bail!("a write of a cleared generation: {other:?}"),
+    }
+    staging::read_region(staged_pool.as_ref(), DEST as usize, &mut got)?;
+    ensure!(got == more, "a stale write changed the staged pool");
+    Ok(())
+}
