@@ -22,8 +22,9 @@ impl Agent {
     /// regions by the connections' writer threads (memory a socket cannot read, CUDA
     /// device or staged host memory, through a host bounce buffer: one chunk copied
     /// out, then sent): keep them unchanged until the batch ended (as a read's
-    /// destination). The peer lands into destinations of any memory kind. Ops longer than `limits.chunk_len` (or 16 MiB)
-    /// are split; the chunks are striped over the peer's connections.
+    /// destination). The peer lands into destinations of any memory kind. Ops longer
+    /// than `limits.chunk_len` (or 16 MiB) are split; the chunks are striped over the
+    /// peer's connections.
     ///
     /// The peer lands each chunk only if, once its bytes arrived, the fence word
     /// `batch.fence.remote` holds `batch.fence.expected` (checked under the lock of the
@@ -44,8 +45,8 @@ impl Agent {
     /// [`TransferError::UnknownPeer`]; [`TransferError::InvalidBatch`] for no ops, more
     /// than `limits.max_ops_per_batch`, an unregistered local region, a write of zero
     /// bytes or a notification over the limit; [`TransferError::Local`] for a source
-    /// outside its region; [`TransferError::Disconnected`] when no
-    /// connection is left; [`TransferError::Unsupported`] on a backend without writes.
+    /// outside its region; [`TransferError::Disconnected`] when no connection is left;
+    /// [`TransferError::Unsupported`] on a backend without writes.
     pub fn post_write(
         &self,
         peer: PeerId,

@@ -156,12 +156,12 @@
 //! Destinations are any memory D registered: host memory (memfd-backed or plain heap
 //! memory, the memory D would read with cma), and CUDA device or staged memory, which D
 //! fills with a synchronous copy under the lock (a pulled write first lands in a host
-//! bounce region of the connection's, then is copied into place). The peer never writes D's memory itself: the
-//! memfds are sealed against it, and a write fence that the writer checks in memory
-//! both processes share would make D's clear wait on a lock holder it cannot tell from
-//! a dead one (see `write.rs`). D reading P's memory keeps that property: only D's
-//! process holds the lock, and P's source stays valid until the chunk is answered
-//! (the batch is not settled before). D says it serves writes there with `"write":
+//! bounce region of the connection's, then is copied into place). The peer never writes
+//! D's memory itself: the memfds are sealed against it, and a write fence that the
+//! writer checks in memory both processes share would make D's clear wait on a lock
+//! holder it cannot tell from a dead one (see `write.rs`). D reading P's memory keeps
+//! that property: only D's process holds the lock, and P's source stays valid until the
+//! chunk is answered (the batch is not settled before). D says it serves writes there with `"write":
 //! true` in its metadata entry; without it, and once a link's write stream broke (a
 //! timeout mid-frame, a malformed answer), writes go over the TCP link. Such a batch
 //! reports [`Backend::Shm`](crate::Backend::Shm), either way.
