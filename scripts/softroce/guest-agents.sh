@@ -14,7 +14,8 @@
 #      prefill already running then), and P must free every block within 60 s.
 #   3. D restarted, a few more requests; then SIGTERM to D, proxy, P: each must exit 0.
 # Push mode (AG_MODES contains "push"; host memory, when $AG_MEMORIES names it): P, D and
-# the proxy with --transfer-mode push (P at $AG_PUSH_US_PER_TOKEN µs per prompt token):
+# the proxy with --transfer-mode push (P at $AG_PUSH_US_PER_TOKEN µs per prompt token; P at
+# --tp-size 2, D at 1: each of P's workers writes its heads into D's one worker):
 #   4. $AG_PUSH_REQUESTS requests (lease $AG_PUSH_LEASE_S s): all ok, every kv_digest checked;
 #      D's kvlease_peer_backend names verbs, every transfer counted under
 #      backend="verbs", D's log has "backend: verbs" and "connected to P for pushes ...
@@ -312,7 +313,9 @@ for mem in $PUSH_MEMORIES; do
   rm -f "$LOGS"/*.log
   T=$(date +%s.%N)
   emit push.memory "$mem"
-  start_p "$mem" --transfer-mode push --prefill-us-per-token "$PUSH_US_PER_TOKEN"
+  # P's TP size differs from D's: P's 2 workers write their heads into D's 1 worker, both
+  # into D's grants for its rank 0.
+  start_p "$mem" --transfer-mode push --prefill-us-per-token "$PUSH_US_PER_TOKEN" --tp-size 2
   start_d "$mem" 2 --transfer-mode push
   start_proxy --transfer-mode push
   wait_up "$P_URL" P; wait_up "$D_URL" D; wait_up "$X_URL" proxy

@@ -39,7 +39,7 @@ pub struct PushLeg {
     pub host: String,
     /// P's side channel port.
     pub port: u16,
-    /// P's TP size (must equal D's).
+    /// P's TP size (may differ from D's; must divide the model's KV heads).
     pub tp_size: u32,
 }
 

@@ -125,20 +125,22 @@ fn check_d_answer(prompt: &str, max_tokens: u32, d: &Value) -> Result<()> {
 }
 
 async fn end_to_end(transport: &str, tp: u32, n: usize) -> Result<()> {
-    end_to_end_in(transport, tp, n, ("host", "host")).await
+    end_to_end_in(transport, (tp, tp), n, ("host", "host")).await
 }
 
-/// As [`end_to_end`], with P's pool in `p_mem` and D's in `d_mem` (`--memory`).
+/// As [`end_to_end`], with P's TP size `p_tp` and D's `d_tp`, P's pool in `p_mem` and
+/// D's in `d_mem` (`--memory`).
 async fn end_to_end_in(
     transport: &str,
-    tp: u32,
+    (p_tp, d_tp): (u32, u32),
     n: usize,
     (p_mem, d_mem): (&str, &str),
 ) -> Result<()> {
-    let tag = format!("e2e-{transport}-tp{tp}-{p_mem}-{d_mem}");
-    let tp_flag = tp.to_string();
-    let p_args = ["--tp-size", tp_flag.as_str(), "--memory", p_mem];
-    let d_args = ["--tp-size", tp_flag.as_str(), "--memory", d_mem];
+    let tag = format!("e2e-{transport}-tp{p_tp}to{d_tp}-{p_mem}-{d_mem}");
+    let (p_flag, d_flag) = (p_tp.to_string(), d_tp.to_string());
+    let p_args = ["--tp-size", p_flag.as_str(), "--memory", p_mem];
+    let d_args = ["--tp-size", d_flag.as_str(), "--memory", d_mem];
+    let tp = p_tp;
     let (c, p, d) = push_pair(&tag, transport, &p_args, &d_args).await?;
     let p_name = format!("p-{tag}");
     let mut tasks = Vec::new();
@@ -185,6 +187,11 @@ async fn end_to_end_in(
                 dv["kv_transfer_stats"]["backend"] == backend,
                 "moved over {}",
                 dv["kv_transfer_stats"]["backend"]
+            );
+            ensure!(
+                dv["kv_transfer_stats"]["remote_workers"] == p_tp,
+                "written by {} P workers",
+                dv["kv_transfer_stats"]["remote_workers"]
             );
             anyhow::Ok(())
         }));
@@ -261,6 +268,38 @@ async fn push_end_to_end_tp2_over_tcp() -> Result<()> {
     end_to_end("tcp", 2, 6).await
 }
 
+/// TP sizes that differ (4 KV heads): P's 4 workers gather into D's 2 (each D worker's
+/// block gets one P worker's heads in each half), and P's 1 worker scatters its heads over
+/// D's 2; every answer's KV verified against the prompt on D.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_end_to_end_with_differing_tp_over_tcp() -> Result<()> {
+    end_to_end_in("tcp", (4, 2), 6, ("host", "host")).await?;
+    end_to_end_in("tcp", (1, 2), 6, ("host", "host")).await
+}
+
+/// Differing TP sizes over shared memory (D pulls each head slice from P's memfd), one
+/// side staged (the slices go through the bounce buffers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_end_to_end_with_differing_tp_over_shm() -> Result<()> {
+    end_to_end_in("shm", (2, 4), 6, ("host", "host")).await?;
+    end_to_end_in("shm", (2, 1), 4, ("staged", "host")).await
+}
+
+/// A push leg whose P TP size does not split the model's 4 KV heads is refused with a
+/// 400 naming the field; nothing is reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_leg_with_a_tp_size_that_splits_no_heads_is_refused() -> Result<()> {
+    let (c, p, d) = push_pair("badtp", "tcp", &[], &[]).await?;
+    let body = d_leg_tp(&prompt(1), 4, "xfer-badtp", &p, "p-badtp", 3);
+    let (s, v) = post(&c, &d.agent.url, &body).await?;
+    ensure!(
+        s == 400 && v.to_string().contains("kv_transfer_params.tp_size"),
+        "tp 3 of 4 heads: {s} {v}"
+    );
+    ensure!(metric_of(&c, &d.agent, "kvlease_push_reservations_total").await? == 0.0);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_over_shm() -> Result<()> {
     end_to_end("shm", 1, 12).await
@@ -271,15 +310,15 @@ async fn push_end_to_end_over_shm() -> Result<()> {
 /// KV verified.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_with_staged_pools_over_tcp() -> Result<()> {
-    end_to_end_in("tcp", 1, 6, ("staged", "staged")).await
+    end_to_end_in("tcp", (1, 1), 6, ("staged", "staged")).await
 }
 
 /// Over shared memory: a staged P's payloads go on the socket; D pulls a host P's
 /// payloads into a bounce buffer and copies them into its staged pool.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_end_to_end_with_staged_pools_over_shm() -> Result<()> {
-    end_to_end_in("shm", 1, 6, ("staged", "host")).await?;
-    end_to_end_in("shm", 1, 6, ("host", "staged")).await
+    end_to_end_in("shm", (1, 1), 6, ("staged", "host")).await?;
+    end_to_end_in("shm", (1, 1), 6, ("host", "staged")).await
 }
 
 /// P is killed after D registered: no heartbeat renews the reservation, which expires

@@ -75,6 +75,7 @@ pub mod instance;
 mod prefill;
 mod push;
 pub mod registry;
+mod tp;
 
 pub use bidir::{
     BadParam, DeadlineBasis, DecoderHold, DecoderKvParams, HeartbeatRun, Held, MAX_PARAM_BLOCKS,
@@ -97,3 +98,4 @@ pub use push::{
     PushStats, RegistrationOutcome, Reservation, ReservationEnded, ReservationOutcome,
     ReservationStats, Reservations, WritePlan, write_pairs,
 };
+pub use tp::{HeadPair, head_pairs, heads_of_rank};

@@ -116,7 +116,6 @@ impl DecodeEngine {
         let fail = |job: &PushJob, e: ApiError| {
             let _ = job.events.send(DecodeStreamEvent::Failed(e));
         };
-        let tp = self.cfg.tp_size;
         let Some(push) = self.push.as_mut() else {
             fail(
                 &job,
@@ -127,14 +126,16 @@ impl DecodeEngine {
             );
             return;
         };
-        if job.leg.tp_size != tp {
+        // P's TP size may differ from D's (each P worker writes the heads it shares with
+        // each D worker), but it must split the model's heads.
+        if self.cfg.shape.heads_of_rank(job.leg.tp_size, 0).is_err() {
             fail(
                 &job,
                 ApiError::bad_field(
                     "kv_transfer_params.tp_size",
                     format!(
-                        "push mode needs P's TP size ({}) equal to D's ({tp})",
-                        job.leg.tp_size
+                        "P's TP size {} does not split the model's {} KV heads",
+                        job.leg.tp_size, self.cfg.shape.num_kv_heads
                     ),
                 ),
             );
@@ -463,12 +464,14 @@ impl DecodeEngine {
         let mut grants = Vec::with_capacity(ranges.len());
         for (rank, dest) in ranges {
             let w = self.workers.get(rank as usize)?;
-            let peer = ready
-                .peers
-                .get(rank as usize)?
-                .get(rank as usize)
-                .copied()?;
-            if link::peer_backend(&w.agent, peer) != kvlease_transport::Backend::Verbs {
+            // Any of P's workers may write into this worker (TP sizes may differ): every
+            // link of it to P must be verbs.
+            let row = ready.peers.get(rank as usize)?;
+            if row.is_empty()
+                || row.iter().any(|&peer| {
+                    link::peer_backend(&w.agent, peer) != kvlease_transport::Backend::Verbs
+                })
+            {
                 return None;
             }
             let (_, fence) = w.fence.as_ref()?;
@@ -726,6 +729,10 @@ impl DecodeEngine {
                     _ => kvlease_transport::Backend::Tcp,
                 };
                 self.metrics.transfer(backend).inc();
+                let p_workers = match push.remotes.get(&ev.prefill) {
+                    Some(PRemote::Ready(r)) => r.info.tp_size,
+                    _ => 0,
+                };
                 let Some(leg) = push.legs.get_mut(&id) else {
                     return;
                 };
@@ -738,7 +745,11 @@ impl DecodeEngine {
                         backend: backend.as_str().to_owned(),
                         queue_time_ms: 0.0,
                         read_time_ms: wait.as_secs_f64() * 1e3,
-                        remote_workers: self.cfg.tp_size,
+                        remote_workers: if p_workers == 0 {
+                            leg.job.leg.tp_size
+                        } else {
+                            p_workers
+                        },
                     },
                     kv_transfer_params: None,
                 };

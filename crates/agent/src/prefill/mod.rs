@@ -108,10 +108,30 @@ const PROBE_SAMPLES: u32 = 8;
 /// Bandwidth assumed for the expected transfer time that the safety margin adds.
 const ASSUMED_PULL_BYTES_PER_SEC: f64 = 1e9;
 
-/// A handshaken D engine: per P worker, a peer on D's worker of the same rank.
+/// A handshaken D engine: per P worker, its peers on the D workers that share heads with
+/// it, with their ranks (D's worker of the same rank when the TP sizes are equal).
 struct DRemote {
     info: PeerEngine,
-    peers: Vec<PeerId>,
+    peers: Vec<Vec<(u32, PeerId)>>,
+}
+
+impl DRemote {
+    /// P's worker 0's peer on D's worker 0 (both hold head 0): the link P's messages to
+    /// D go over.
+    fn first_peer(&self) -> Option<PeerId> {
+        self.peers.first()?.first().map(|&(_, p)| p)
+    }
+
+    /// Whether D's TP size is P's (`tp_size`): each P worker has one peer, D's worker of
+    /// its rank.
+    fn same_tp(&self, tp_size: u32) -> bool {
+        self.info.tp_size == tp_size
+            && self
+                .peers
+                .iter()
+                .zip(0u32..)
+                .all(|(row, rank)| matches!(row.as_slice(), [(r, _)] if *r == rank))
+    }
 }
 
 /// How to build a P engine.

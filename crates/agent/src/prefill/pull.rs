@@ -27,6 +27,14 @@ pub enum PullError {
     /// The reads did not finish in time.
     #[error("the pull's reads timed out")]
     TimedOut,
+    /// D's TP size differs from P's: P pulls only from a D of its own TP size.
+    #[error("D's TP size {theirs} differs from P's {ours}")]
+    TpSize {
+        /// D's.
+        theirs: u32,
+        /// P's.
+        ours: u32,
+    },
 }
 
 /// One P worker, as a pull thread needs it.
@@ -170,7 +178,7 @@ impl PrefillEngine {
             let Ok(id) = RequestId::new(&request) else {
                 continue;
             };
-            let (Some(w), Some(&peer)) = (ctx.workers.first(), remote.peers.first()) else {
+            let (Some(w), Some(peer)) = (ctx.workers.first(), remote.first_peer()) else {
                 continue;
             };
             let Ok(msgs) = kvlease_notif::encode_heartbeats([&id], kvlease_notif::MAX_NOTIF_LEN)
@@ -330,7 +338,7 @@ impl PullCtx {
             instance: self.instance,
         };
         let info = remote_engine(addr, &me, &want).map_err(Box::new)?;
-        if info.tp_size != self.tp_size {
+        if self.shape.heads_of_rank(info.tp_size, 0).is_err() {
             return Err(Box::new(HandshakeFailure::TpSize {
                 engine: want,
                 theirs: info.tp_size,
@@ -338,15 +346,18 @@ impl PullCtx {
             })
             .into());
         }
-        // Worker i pulls from D's worker i (same TP size, same heads).
-        let peers = self
-            .workers
-            .iter()
-            .zip(0..)
+        // Each P worker connects to the D workers that share heads with it (pushes write
+        // them); with equal TP sizes that is D's worker of its rank (pulls read it).
+        let pairs = kvlease_engine::head_pairs(self.shape.num_kv_heads, self.tp_size, info.tp_size);
+        let mut peers = vec![Vec::new(); self.workers.len()];
+        for pair in pairs {
+            let Some(w) = self.workers.get(pair.src as usize) else {
+                continue;
+            };
             // D's side channel binds no session: P's pulls prove the token.
-            .map(|(w, rank)| connect_worker(&w.agent, &info, rank, &want, None))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(Box::new)?;
+            let peer = connect_worker(&w.agent, &info, pair.dst, &want, None).map_err(Box::new)?;
+            peers[pair.src as usize].push((pair.dst, peer));
+        }
         let remote = Arc::new(DRemote { info, peers });
         if let Ok(mut m) = self.d_caches.lock() {
             m.insert(engine.to_owned(), Arc::clone(&remote));
@@ -364,12 +375,21 @@ impl PullCtx {
         p_blocks: &[u32],
         timeout: Duration,
     ) -> Result<(), PullError> {
+        if !remote.same_tp(self.tp_size) {
+            return Err(PullError::TpSize {
+                theirs: remote.info.tp_size,
+                ours: self.tp_size,
+            });
+        }
         let mut batches = Vec::new();
-        for (w, (dw, &peer)) in self
+        for (w, (dw, row)) in self
             .workers
             .iter()
             .zip(remote.info.workers.iter().zip(&remote.peers))
         {
+            let Some(&(_, peer)) = row.first() else {
+                continue;
+            };
             let d_layout = KvLayout::new(
                 remote.info.shape.num_layers,
                 remote.info.num_blocks,
@@ -423,9 +443,9 @@ impl PullCtx {
             }
         }
         // Read (or failed for good): D may free the cached turn now.
-        if let (Some(w0), Some(&peer), Ok(request)) = (
+        if let (Some(w0), Some(peer), Ok(request)) = (
             self.workers.first(),
-            remote.peers.first(),
+            remote.first_peer(),
             RequestId::new(&params.remote_request_id),
         ) {
             let msg = kvlease_notif::ReadComplete {

@@ -8,12 +8,14 @@
 //! handshakes with it on a background thread (the bidirectional mode's path,
 //! [`PullCtx`](super::pull::PullCtx)), and then sends D its heartbeats (`KVL1:PH:`) and
 //! the core's messages (`KVL1:WD:` / `KVL1:PF:`) from worker 0, and writes from each
-//! worker into D's worker of the same rank, fenced by D's generation. Every decision —
+//! worker the heads it shares with each D worker (D's worker of the same rank when the TP
+//! sizes are equal), fenced by D's generation. Every decision —
 //! when to write, into which blocks, who is told what, when a push ends — is the core's.
 
 use std::collections::HashSet;
 
 use kvlease_engine::{PushAction, PushConfig, PushCore, PushEnded, PushOutcome, WritePlan};
+use kvlease_gpu_mem::KvHalf;
 use kvlease_notif::Notif;
 use kvlease_transport::{LocalRange, WriteBatch, WriteFence, WriteOp};
 
@@ -427,16 +429,16 @@ impl PrefillEngine {
         let mut granted = 0;
         let mut batches = Vec::new();
         let mut error = None;
-        for (i, (w, (dw, &peer))) in self
-            .workers
-            .iter()
-            .zip(remote.info.workers.iter().zip(&remote.peers))
-            .enumerate()
-        {
-            match write_batch(w, &remote.info, dw, &plan) {
-                Ok(batch) => match post_write(w, peer, batch, i, &grants, &mut granted) {
-                    Ok(id) => batches.push((i, id)),
-                    Err(e) => {
+        // Every P worker writes the heads it shares with each D worker (D's worker of its
+        // rank when the TP sizes are equal), one fenced batch per pair.
+        'workers: for (i, (w, row)) in self.workers.iter().zip(&remote.peers).enumerate() {
+            for &(rank, peer) in row {
+                let Some(dw) = remote.info.workers.get(rank as usize) else {
+                    error = Some(format!("D named no worker of rank {rank}"));
+                    break 'workers;
+                };
+                let posted = write_batch(w, &remote.info, rank, dw, &plan).and_then(|batch| {
+                    post_write(w, peer, batch, rank, &grants, &mut granted).map_err(|e| {
                         if matches!(
                             e,
                             kvlease_transport::TransferError::Disconnected { .. }
@@ -446,21 +448,23 @@ impl PrefillEngine {
                             // D restarted or is gone: the next push handshakes again.
                             ctx.forget_d(plan.decode.as_str(), &remote);
                         }
-                        error = Some(e.to_string());
-                        break;
+                        e.to_string()
+                    })
+                });
+                match posted {
+                    Ok(id) => batches.push((i, id)),
+                    Err(e) => {
+                        error = Some(e);
+                        break 'workers;
                     }
-                },
-                Err(e) => {
-                    error = Some(e);
-                    break;
                 }
             }
         }
-        if remote.peers.len() != self.workers.len() {
-            error = Some("D's TP size differs from P's".into());
+        if batches.is_empty() && error.is_none() {
+            error = Some("no worker pair to write".into());
         }
         self.metrics.push_writes_posted.inc();
-        let rdma = granted == self.workers.len() && error.is_none();
+        let rdma = granted == batches.len() && error.is_none();
         if rdma {
             self.metrics.push_writes_granted.inc();
         }
@@ -561,7 +565,7 @@ impl PrefillEngine {
             self.start_d_handshake(engine);
             return false;
         };
-        let (Some(w0), Some(&peer)) = (self.workers.first(), remote.peers.first()) else {
+        let (Some(w0), Some(peer)) = (self.workers.first(), remote.first_peer()) else {
             return false;
         };
         match w0.agent.send_notif(peer, msg) {
@@ -582,20 +586,20 @@ impl PrefillEngine {
     }
 }
 
-/// Posts worker `w`'s (rank `rank`) batch to D's worker `peer`: into D's grants for
+/// Posts worker `w`'s batch to D's worker `peer` (of rank `rank`): into D's grants for
 /// that rank with RDMA WRITEs when the link is verbs and D granted any (`granted` counts
 /// those), else as a plain fenced write (landed by D's receiver).
 fn post_write(
     w: &Worker,
     peer: PeerId,
     batch: WriteBatch,
-    rank: usize,
+    rank: u32,
     grants: &[(u32, kvlease_transport::WriteGrant)],
     granted: &mut usize,
 ) -> Result<kvlease_transport::BatchId, kvlease_transport::TransferError> {
     let mine: Vec<kvlease_transport::WriteGrant> = grants
         .iter()
-        .filter(|(r, _)| *r as usize == rank)
+        .filter(|(r, _)| *r == rank)
         .map(|(_, g)| *g)
         .collect();
     if mine.is_empty() || link::peer_backend(&w.agent, peer) != kvlease_transport::Backend::Verbs {
@@ -608,39 +612,74 @@ fn post_write(
     Ok(id)
 }
 
-/// The write batch of worker `w`: `plan`'s pairs, every layer, into D worker `dw`.
+/// The write batch of worker `w` into D's worker `dw` (of rank `rank` in `info`): for
+/// `plan`'s pairs, every layer, the heads both hold. With the same heads on both sides a
+/// block is one range; otherwise each block's K and V halves carry the shared heads.
 fn write_batch(
     w: &Worker,
     info: &PeerEngine,
+    rank: u32,
     dw: &crate::shell::PeerWorker,
     plan: &WritePlan,
 ) -> Result<WriteBatch, String> {
+    let d_heads = info
+        .shape
+        .heads_of_rank(info.tp_size, rank)
+        .map_err(|e| e.to_string())?;
+    let p_heads = w.layout.heads.clone();
+    let shared = p_heads.start.max(d_heads.start)..p_heads.end.min(d_heads.end);
+    if shared.start >= shared.end {
+        return Err(format!(
+            "P's heads {p_heads:?} and D rank {rank}'s {d_heads:?} do not overlap"
+        ));
+    }
     let d_layout = KvLayout::new(
         info.shape.num_layers,
         info.num_blocks,
-        w.layout.local_heads(),
+        d_heads.end - d_heads.start,
         info.shape.block_size,
         info.shape.head_dim,
         kv::DTYPE_BYTES as u32,
     )
     .map_err(|e| e.to_string())?;
-    let mut ops = Vec::with_capacity(plan.pairs.len() * info.shape.num_layers as usize);
+    let whole = p_heads == d_heads;
+    let (p_range, d_range) = (
+        shared.start - p_heads.start..shared.end - p_heads.start,
+        shared.start - d_heads.start..shared.end - d_heads.start,
+    );
+    let halves: &[Option<KvHalf>] = if whole {
+        &[None]
+    } else {
+        &[Some(KvHalf::K), Some(KvHalf::V)]
+    };
+    let mut ops =
+        Vec::with_capacity(plan.pairs.len() * info.shape.num_layers as usize * halves.len());
     for layer in 0..info.shape.num_layers {
         for &(pb, db) in &plan.pairs {
-            let local = w
-                .pool
-                .layout()
-                .block_range(layer, pb)
-                .map_err(|e| e.to_string())?;
-            let far = d_layout.block_range(layer, db).map_err(|e| e.to_string())?;
-            ops.push(WriteOp {
-                local: LocalRange {
-                    region: RegionId(w.pool_desc.id),
-                    offset: local.start,
-                    len: local.end - local.start,
-                },
-                remote: dw.pool.at(far.start),
-            });
+            for half in halves {
+                let (local, far) = match *half {
+                    None => (
+                        w.pool.layout().block_range(layer, pb),
+                        d_layout.block_range(layer, db),
+                    ),
+                    Some(h) => (
+                        w.pool.layout().heads_range(layer, pb, h, p_range.clone()),
+                        d_layout.heads_range(layer, db, h, d_range.clone()),
+                    ),
+                };
+                let (local, far) = (
+                    local.map_err(|e| e.to_string())?,
+                    far.map_err(|e| e.to_string())?,
+                );
+                ops.push(WriteOp {
+                    local: LocalRange {
+                        region: RegionId(w.pool_desc.id),
+                        offset: local.start,
+                        len: local.end - local.start,
+                    },
+                    remote: dw.pool.at(far.start),
+                });
+            }
         }
     }
     let last = plan

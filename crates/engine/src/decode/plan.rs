@@ -26,10 +26,7 @@ impl DecodeCore {
     /// or every head when the KV is replicated.
     pub(super) fn heads_of(&self, tp: u32, rank: u32) -> Range<u32> {
         match self.config.kv_split {
-            KvSplit::Heads => {
-                let per = self.config.num_kv_heads / tp.max(1);
-                rank * per..(rank + 1) * per
-            }
+            KvSplit::Heads => crate::tp::heads_of_rank(self.config.num_kv_heads, tp, rank),
             KvSplit::Replicated => 0..self.config.num_kv_heads,
         }
     }
@@ -40,12 +37,9 @@ impl DecodeCore {
     fn reader_pairs(&self, p_tp: u32) -> Vec<(u32, u32)> {
         let d_tp = self.config.tp_size;
         match self.config.kv_split {
-            KvSplit::Heads => (0..d_tp)
-                .flat_map(|w| (0..p_tp).map(move |p| (w, p)))
-                .filter(|&(w, p)| {
-                    let (mine, theirs) = (self.heads_of(d_tp, w), self.heads_of(p_tp, p));
-                    mine.start.max(theirs.start) < mine.end.min(theirs.end)
-                })
+            KvSplit::Heads => crate::tp::head_pairs(self.config.num_kv_heads, p_tp, d_tp)
+                .into_iter()
+                .map(|pair| (pair.dst, pair.src))
                 .collect(),
             KvSplit::Replicated => (0..d_tp)
                 .map(|w| {
