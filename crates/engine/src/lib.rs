@@ -98,4 +98,4 @@ pub use push::{
     PushStats, RegistrationOutcome, Reservation, ReservationEnded, ReservationOutcome,
     ReservationStats, Reservations, WritePlan, write_pairs,
 };
-pub use tp::{HeadPair, head_pairs, heads_of_rank};
+pub use tp::{HeadPair, head_pairs, heads_of_rank, tp_pairs};

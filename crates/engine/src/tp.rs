@@ -1,8 +1,10 @@
-//! Tensor-parallel pairing: which worker of one engine shares which KV heads with which
-//! worker of another, when the KV is split by head and the two TP sizes may differ.
-//! D's reads and P's pushes both move KV along these pairs.
+//! Tensor-parallel pairing: which worker of one engine moves which KV heads to which
+//! worker of another, when the two TP sizes may differ. D's reads (the decode core's
+//! plan) and P's pushes (the agents' and the connector's writes) both follow these pairs.
 
 use std::ops::Range;
+
+use crate::KvSplit;
 
 /// A (source worker, destination worker) pair whose heads overlap, and the global heads
 /// they share.
@@ -44,6 +46,27 @@ pub fn head_pairs(num_kv_heads: u32, src_tp: u32, dst_tp: u32) -> Vec<HeadPair> 
         .collect()
 }
 
+/// The pairs that move KV from a `src_tp`-worker engine to a `dst_tp`-worker one:
+/// split by head, [`head_pairs`]; replicated (MLA), each destination once, from source
+/// rank `dst · src_tp / dst_tp` (spread over the sources when there are more, shared
+/// when fewer), every head.
+#[must_use]
+pub fn tp_pairs(split: KvSplit, num_kv_heads: u32, src_tp: u32, dst_tp: u32) -> Vec<HeadPair> {
+    match split {
+        KvSplit::Heads => head_pairs(num_kv_heads, src_tp, dst_tp),
+        KvSplit::Replicated => (0..dst_tp)
+            .map(|dst| {
+                let src = u64::from(dst) * u64::from(src_tp) / u64::from(dst_tp.max(1));
+                HeadPair {
+                    src: u32::try_from(src).unwrap_or(0),
+                    dst,
+                    heads: 0..num_kv_heads,
+                }
+            })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +93,19 @@ mod tests {
             pairs(8, 1, 4),
             vec![(0, 0, 0..2), (0, 1, 2..4), (0, 2, 4..6), (0, 3, 6..8)]
         );
+    }
+
+    #[test]
+    fn replicated_kv_is_moved_once_per_destination() {
+        let r = |s, d| -> Vec<(u32, u32)> {
+            tp_pairs(KvSplit::Replicated, 1, s, d)
+                .into_iter()
+                .map(|p| (p.src, p.dst))
+                .collect()
+        };
+        assert_eq!(r(4, 2), vec![(0, 0), (2, 1)]);
+        assert_eq!(r(1, 2), vec![(0, 0), (0, 1)]);
+        assert_eq!(tp_pairs(KvSplit::Heads, 8, 2, 1), head_pairs(8, 2, 1));
     }
 
     #[test]

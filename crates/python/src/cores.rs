@@ -37,7 +37,7 @@ pub(crate) use prefill::{
     SendNotif,
 };
 pub(crate) use push::{
-    PushCore, PushEnded, PushSend, PushWrite, Reservation, ReservationEnded, Reservations,
+    PushCore, PushEnded, PushSend, PushWrite, Reservation, ReservationEnded, Reservations, tp_pairs,
 };
 
 /// The Python module that defines the enums.

@@ -78,6 +78,7 @@ fn _kvlease(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sidechannel::side_channel_fetch, m)?)?;
     m.add_function(wrap_pyfunction!(cores::decode_notif, m)?)?;
     m.add_function(wrap_pyfunction!(cores::encode_heartbeats, m)?)?;
+    m.add_function(wrap_pyfunction!(cores::tp_pairs, m)?)?;
     m.add_function(wrap_pyfunction!(logs::install_log_bridge, m)?)?;
     m.add_function(wrap_pyfunction!(params::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(engine_info::kv_mismatches, m)?)?;

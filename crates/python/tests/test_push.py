@@ -390,3 +390,14 @@ def test_push_core_refuses_a_registration_for_another_prompt():
             res.reserve(3.0, "xfer-5", "engine-p", [15], prompt=bad)
     assert res.get("xfer-5") is None and not push.is_writing("xfer-5")
     assert push.stats()["admitted"] == 3
+
+
+def test_tp_pairs_pair_the_workers_that_share_heads_and_refuse_a_size_that_splits_none():
+    assert kvlease.tp_pairs(4, 2, 2) == [(0, 0, (0, 2)), (1, 1, (2, 4))]
+    assert kvlease.tp_pairs(4, 2, 1) == [(0, 0, (0, 2)), (1, 0, (2, 4))]
+    assert kvlease.tp_pairs(4, 1, 2) == [(0, 0, (0, 2)), (0, 1, (2, 4))]
+    # Replicated (MLA): each destination once, every head.
+    assert kvlease.tp_pairs(1, 4, 2, replicated=True) == [(0, 0, (0, 1)), (2, 1, (0, 1))]
+    for bad in [(4, 3, 1), (4, 2, 0), (0, 1, 1)]:
+        with pytest.raises(errors.InvalidArgument, match="do not both split"):
+            kvlease.tp_pairs(*bad)

@@ -35,19 +35,15 @@ impl DecodeCore {
     /// overlap; replicated, each D worker once, from P rank `w · p_tp / d_tp` (spread
     /// over P's ranks when P has more, shared when D has more).
     fn reader_pairs(&self, p_tp: u32) -> Vec<(u32, u32)> {
-        let d_tp = self.config.tp_size;
-        match self.config.kv_split {
-            KvSplit::Heads => crate::tp::head_pairs(self.config.num_kv_heads, p_tp, d_tp)
-                .into_iter()
-                .map(|pair| (pair.dst, pair.src))
-                .collect(),
-            KvSplit::Replicated => (0..d_tp)
-                .map(|w| {
-                    let p = u64::from(w) * u64::from(p_tp) / u64::from(d_tp.max(1));
-                    (w, u32::try_from(p).unwrap_or(0))
-                })
-                .collect(),
-        }
+        crate::tp::tp_pairs(
+            self.config.kv_split,
+            self.config.num_kv_heads,
+            p_tp,
+            self.config.tp_size,
+        )
+        .into_iter()
+        .map(|pair| (pair.dst, pair.src))
+        .collect()
     }
 
     /// Every reading (D worker, P worker) pair is one read batch and one consumer of the

@@ -67,6 +67,7 @@ from ._kvlease import (
     decode_notif,
     encode_heartbeats,
     side_channel_fetch,
+    tp_pairs,
 )
 from . import errors, kinds
 from .errors import (
@@ -144,6 +145,7 @@ __all__ = [
     "side_channel_fetch",
     "decode_notif",
     "encode_heartbeats",
+    "tp_pairs",
 ]
 __all__ += errors.__all__
 __all__ += kinds.__all__

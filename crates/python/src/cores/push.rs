@@ -765,3 +765,41 @@ impl PushCore {
         format!("PushCore(pushing={})", self.core.pushing())
     }
 }
+
+/// `(src_rank, dst_rank, (first_head, end_head))`, as [`tp_pairs`] returns them.
+type TpPair = (u32, u32, (u32, u32));
+
+/// The pairs of workers that move a request's KV from an engine of `src_tp` workers to
+/// one of `dst_tp` (`kvlease_engine::tp_pairs`, the pairing D's read plan uses): a list
+/// of `(src_rank, dst_rank, (first_head, end_head))`, the heads global, ordered by
+/// destination then source. `replicated`: the KV is the same on every rank (MLA), moved
+/// once per destination; otherwise each rank holds `num_kv_heads / tp` heads.
+///
+/// Raises `InvalidArgument` when a TP size is zero or, split by head, does not divide
+/// `num_kv_heads`.
+#[pyfunction]
+#[pyo3(signature = (num_kv_heads, src_tp, dst_tp, replicated = false))]
+pub(crate) fn tp_pairs(
+    py: Python<'_>,
+    num_kv_heads: u32,
+    src_tp: u32,
+    dst_tp: u32,
+    replicated: bool,
+) -> PyResult<Vec<TpPair>> {
+    let split = if replicated {
+        engine::KvSplit::Replicated
+    } else {
+        engine::KvSplit::Heads
+    };
+    let splits = |tp: u32| tp > 0 && (replicated || num_kv_heads.is_multiple_of(tp));
+    if num_kv_heads == 0 || !splits(src_tp) || !splits(dst_tp) {
+        return Err(invalid(
+            py,
+            format!("TP sizes {src_tp} and {dst_tp} do not both split {num_kv_heads} KV heads"),
+        ));
+    }
+    Ok(engine::tp_pairs(split, num_kv_heads, src_tp, dst_tp)
+        .into_iter()
+        .map(|p| (p.src, p.dst, (p.heads.start, p.heads.end)))
+        .collect())
+}

@@ -170,24 +170,52 @@ def push_tp2(work, model, reference):
         yield p, d, {"push-proxy": proxy, "kvlease-proxy": ours}
 
 
+def pushed_and_equal(p, d, url: str, model, some, reference, what: str) -> None:
+    """``some`` through ``url``, two at a time: outputs equal a plain instance's, D's
+    prompt tokens came from P's writes, P's KV usage back to 0."""
+    before = stable(d)
+    answers = complete_all(url, model, some, concurrency=2)
+    assert_equal(answers, some, reference)
+    after = wait_for("D's prompt tokens counted", lambda: (
+        c if (c := by_source(d))["external"] > before["external"] else None))
+    after = stable(d)
+    # Under heavy load a push may still fall back to computing on D (a handshake past its
+    # timeout, a lease run out): never a wrong token, but say why when none was pushed.
+    why = [line for line in (p.log_text() + d.log_text()).splitlines()
+           if "not written" in line or "did not come" in line or "not pushed" in line
+           or "not KV-compatible" in line or "handshake" in line and "failed" in line]
+    assert after["external"] > before["external"], f"nothing pushed {what}: {why[:10]}"
+    wait_for("P's KV cache usage back to 0",
+             lambda: scrape(p).value("vllm:kv_cache_usage_perc") == 0)
+
+
 @pytest.mark.parametrize("front", ["kvlease-proxy", "push-proxy"])
 def test_tp2_each_p_rank_writes_its_heads_into_ds_rank(push_tp2, front, model, prompts,
                                                        reference):
     p, d, fronts = push_tp2
     some = prompts[:8] if front == "kvlease-proxy" else prompts[8:16]
-    before = stable(d)
-    answers = complete_all(fronts[front].url, model, some, concurrency=2)
-    assert_equal(answers, some, reference)
-    after = wait_for("D's prompt tokens counted", lambda: (
-        c if (c := by_source(d))["external"] > before["external"] else None))
-    after = stable(d)
     # Equal outputs with KV written rank to rank is what this shows: a P rank writing into
-    # the wrong D rank (or the wrong heads) would change the tokens. Under heavy load a
-    # push may still fall back to computing on D (a handshake past its timeout, a lease
-    # run out): never a wrong token, but say why when none was pushed.
-    why = [line for line in (p.log_text() + d.log_text()).splitlines()
-           if "not written" in line or "did not come" in line or "not pushed" in line
-           or "handshake" in line and "failed" in line]
-    assert after["external"] > before["external"], f"nothing pushed at TP 2: {why[:10]}"
-    wait_for("P's KV cache usage back to 0",
-             lambda: scrape(p).value("vllm:kv_cache_usage_perc") == 0)
+    # the wrong D rank (or the wrong heads) would change the tokens.
+    pushed_and_equal(p, d, fronts[front].url, model, some, reference, "at TP 2")
+
+
+@pytest.fixture(scope="module")
+def push_tp_2to1(work, model, reference):
+    """P at TP 2, D at TP 1 in push mode: each P worker writes its heads into D's one
+    worker (half of each block's heads from each P rank)."""
+    long = {"kv_lease_duration": 60}
+    with Fleet(work / "push-tp2to1", model) as fleet:
+        p = fleet.engine("p", kv=kv_config("kv_producer", {**P_EXTRA, **long}),
+                         extra_args=["--tensor-parallel-size", "2"])
+        d = fleet.engine("d", kv=_d_config(long))
+        fleet.start(p, d)
+        ours = fleet.kvlease_proxy("kvlease-proxy", [p], [d], args=("--transfer-mode", "push"))
+        fleet.start(ours)
+        yield p, d, ours
+
+
+def test_p_tp2_pushes_its_heads_into_d_tp1(push_tp_2to1, model, prompts, reference):
+    p, d, front = push_tp_2to1
+    # Equal outputs with KV that came from P's two workers into D's one: a P rank writing
+    # the wrong heads (or into the wrong half of D's block) would change the tokens.
+    pushed_and_equal(p, d, front.url, model, prompts[:8], reference, "from TP 2 to 1")

@@ -64,6 +64,27 @@ def heads_of(engine, blocks):
     return [w.request("heads", block_ids=blocks) for w in engine.workers]
 
 
+def assert_gathered(p_heads, d_heads) -> None:
+    """P TP 2 → D TP 1 (4 heads): D's block holds P rank 0's heads, then P rank 1's."""
+    (p0, p1), (d0,) = p_heads, d_heads
+    for layer in LAYERS:
+        for i in range(len(p0[layer])):
+            assert len(d0[layer][i]) == 4 and len(p0[layer][i]) == 2
+            assert d0[layer][i][:2] == p0[layer][i], f"{layer} block {i}: heads 0-1"
+            assert d0[layer][i][2:] == p1[layer][i], f"{layer} block {i}: heads 2-3"
+            assert p0[layer][i] != p1[layer][i]  # the ranks' KV differ: no false match
+
+
+def assert_scattered(p_heads, d_heads) -> None:
+    """P TP 1 → D TP 2 (4 heads): each D rank's block holds its half of P's heads."""
+    (p0,), (d0, d1) = p_heads, d_heads
+    for layer in LAYERS:
+        for i in range(len(p0[layer])):
+            assert len(p0[layer][i]) == 4 and len(d0[layer][i]) == 2
+            assert d0[layer][i] == p0[layer][i][:2], f"{layer} block {i}: D rank 0"
+            assert d1[layer][i] == p0[layer][i][2:], f"{layer} block {i}: D rank 1"
+
+
 def wait_released(p, req, completed: int):
     table = p.connector.scheduler.prefill
     run_until(lambda: req.request_id not in p.requests, [p], 30, "P freeing the blocks")
@@ -78,13 +99,7 @@ def test_p_tp2_to_d_tp1_bytes_equal_per_head_and_each_p_rank_is_fenced(pd):
     assert not errors
     assert [(b.d_worker, b.p_rank, b.local_heads, b.remote_heads) for b in spec.batches] \
         == [(0, 0, (0, 2), (0, 2)), (0, 1, (2, 4), (0, 2))]
-    (p0, p1), (d0,) = heads_of(p, p_blocks), heads_of(d, spec.local_blocks)
-    for layer in LAYERS:
-        for i in range(len(p_blocks)):
-            assert len(d0[layer][i]) == 4 and len(p0[layer][i]) == 2
-            assert d0[layer][i][:2] == p0[layer][i], f"{layer} block {i}: heads 0-1"
-            assert d0[layer][i][2:] == p1[layer][i], f"{layer} block {i}: heads 2-3"
-            assert p0[layer][i] != p1[layer][i]  # the ranks' KV differ: no false match
+    assert_gathered(heads_of(p, p_blocks), heads_of(d, spec.local_blocks))
     # Both readers reported (each through its own P worker): P frees at the second.
     wait_released(p, req, completed=1)
 
@@ -117,12 +132,7 @@ def test_p_tp1_to_d_tp2_bytes_equal_per_head(pd):
     assert not errors
     assert [(b.d_worker, b.p_rank, b.local_heads, b.remote_heads) for b in spec.batches] \
         == [(0, 0, (0, 2), (0, 2)), (1, 0, (0, 2), (2, 4))]
-    (p0,), (d0, d1) = heads_of(p, p_blocks), heads_of(d, spec.local_blocks)
-    for layer in LAYERS:
-        for i in range(len(p_blocks)):
-            assert len(p0[layer][i]) == 4 and len(d0[layer][i]) == 2
-            assert d0[layer][i] == p0[layer][i][:2], f"{layer} block {i}: D rank 0"
-            assert d1[layer][i] == p0[layer][i][2:], f"{layer} block {i}: D rank 1"
+    assert_scattered(heads_of(p, p_blocks), heads_of(d, spec.local_blocks))
     wait_released(p, req, completed=1)
     sched_harness.assert_scheduler_empty(p.scheduler)
 

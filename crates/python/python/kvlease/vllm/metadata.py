@@ -141,8 +141,8 @@ class ReservationEndSpec:
 @dataclass(frozen=True)
 class WriteSpec:
     """Push mode, P: write ``local_blocks`` (P's) into ``remote_blocks`` (D's, a
-    reservation of ``generation`` fenced by the write-fence word of ``fence_block``),
-    every P worker into the D worker of its rank."""
+    reservation of ``generation`` fenced by the write-fence word of ``fence_block``), one
+    batch per pair of ``pairs``."""
 
     transfer: str
     #: D's engine.
@@ -151,6 +151,12 @@ class WriteSpec:
     local_blocks: list[int]
     remote_blocks: list[int]
     fence_block: int
+    #: ``(p_rank, d_rank, p_heads, d_heads)``: P's worker ``p_rank`` writes heads
+    #: ``p_heads`` of its blocks into heads ``d_heads`` of D's worker ``d_rank``'s
+    #: (``(start, end)`` within each side's block, as ``BatchSpec``'s); ``None`` for both
+    #: when the two workers hold the same heads (the whole block). Every P worker has at
+    #: least one pair, or none when another P rank writes the replicated KV it holds.
+    pairs: list[tuple[int, int, tuple[int, int] | None, tuple[int, int] | None]]
 
 
 class WriteOutcome(NamedTuple):

@@ -41,8 +41,9 @@ where D's side channel is, so that P's scheduler fetches D's engine info: its wo
 agents, KV layers and write-fence words); P's worker 0 sends D's worker 0 ``KVL1:PH:``
 (heartbeats), ``KVL1:WD:`` (written) and ``KVL1:PF:`` (failed). Every worker forwards
 what it receives to its scheduler (``KvleaseWorkerMetadata.notifs``), which feeds the
-cores. Each P worker writes into the D worker of its rank (P's and D's TP sizes must be
-equal in push mode).
+cores. Each P worker writes the heads it shares with each D worker (``kvlease.tp_pairs``,
+the pairing D's pull plan uses: D's worker of its rank when the TP sizes are equal; with
+MLA's replicated latent cache, each D worker from one P rank).
 
 The write fence: D's workers publish a reservation's generation in the fence words of
 its blocks (``Agent.set_write_fence``, the pull mode's fence memfd, one word per block)
@@ -349,9 +350,14 @@ class PushPrefill:
     """P's scheduler side of push mode: ``kvlease.PushCore``, the D engines it writes
     to (by their engine info, fetched from D's side channel), the writes in flight."""
 
-    def __init__(self, lease_duration: float, tp_size: int, counters: Any):
+    def __init__(self, lease_duration: float, tp_size: int, counters: Any,
+                 num_kv_heads: int | None = None, replicated: bool = False):
         self.core = native.PushCore(lease_duration=lease_duration)
         self.tp_size = tp_size
+        #: The model's KV heads (all ranks) and whether every rank holds all of them
+        #: (MLA); ``None``: unknown, only a D of P's TP size is written.
+        self.num_kv_heads = num_kv_heads
+        self.replicated = replicated
         self.counters = counters
         #: D engine -> (host, port) of its side channel, as its peer message said.
         self.peers: dict[str, tuple[str, int]] = {}
@@ -464,6 +470,28 @@ class PushPrefill:
         while (action := self.core.poll_action()) is not None:
             self._act(now, action, engines, failed)
 
+    def _rank_pairs(
+        self, d_tp: int
+    ) -> list[tuple[int, int, tuple[int, int] | None, tuple[int, int] | None]]:
+        """Which P worker writes which heads into which of a ``d_tp``-worker D's
+        (``WriteSpec.pairs``)."""
+        if d_tp == self.tp_size:
+            return [(r, r, None, None) for r in range(self.tp_size)]
+        if self.num_kv_heads is None:
+            raise KvleaseError(f"D's TP size {d_tp} is not P's {self.tp_size}")
+        out = []
+        for src, dst, (start, end) in native.tp_pairs(
+            self.num_kv_heads, self.tp_size, d_tp, self.replicated
+        ):
+            if self.replicated:
+                out.append((src, dst, None, None))
+                continue
+            p_first = src * (self.num_kv_heads // self.tp_size)
+            d_first = dst * (self.num_kv_heads // d_tp)
+            out.append((src, dst, (start - p_first, end - p_first),
+                        (start - d_first, end - d_first)))
+        return out
+
     def _act(self, now: float, action: Any, engines: dict[str, Any], failed: dict[str, str]) -> None:
         if isinstance(action, native.PushWrite):
             info = engines.get(action.decode)
@@ -475,9 +503,10 @@ class PushPrefill:
                 else:
                     self.parked.append(action)
                 return
-            if int(info.tp_size) != self.tp_size:
-                self.fail_write(now, action.transfer, int(action.generation),
-                                f"D's TP size {info.tp_size} is not P's {self.tp_size}")
+            try:
+                ranks = self._rank_pairs(int(info.tp_size))
+            except KvleaseError as e:
+                self.fail_write(now, action.transfer, int(action.generation), str(e))
                 return
             pairs = [(int(p), int(d)) for p, d in action.pairs]
             self.writes[action.transfer] = _Write(int(action.generation))
@@ -489,6 +518,7 @@ class PushPrefill:
                     local_blocks=[p for p, _ in pairs],
                     remote_blocks=[d for _, d in pairs],
                     fence_block=pairs[-1][1],
+                    pairs=ranks,
                 )
             )
             self.counters.add("writes_posted")

@@ -152,7 +152,9 @@ class KvleaseScheduler:
         if config.push and self.is_consumer:
             self.push_d = PushDecode(config.lease_duration, self.counters)
         if config.push and self.is_producer:
-            self.push_p = PushPrefill(config.lease_duration, self.tp_size, self.counters)
+            self.push_p = PushPrefill(config.lease_duration, self.tp_size, self.counters,
+                                      num_kv_heads=self.num_kv_heads,
+                                      replicated=self.kv_replicated)
         self._push_hs: queue.Queue[tuple[str, EngineInfo | None, Exception | None]] = (
             queue.Queue()
         )
@@ -384,12 +386,16 @@ class KvleaseScheduler:
                 self._push_failed[engine] = str(error)
                 self.counters.add("handshakes_failed")
                 continue
-            # P checks D's KV as D checks P's: a D whose blocks mean something else is
-            # never written (its pushes fail; D recomputes).
+            # P checks D's KV as D checks P's (the same check, D's descriptor in D's
+            # place): a D whose blocks mean something else is never written (its pushes
+            # fail; D recomputes).
             if self.push_p is not None and engine in self.push_p.peers:
-                reason = _kv_incompatibility(
-                    self.kv_descriptor, info.kv, d_tp=info.tp_size, p_tp=self.tp_size
-                )
+                if isinstance(info.kv, dict):
+                    reason = _kv_incompatibility(
+                        info.kv, self.kv_descriptor, d_tp=info.tp_size, p_tp=self.tp_size
+                    )
+                else:
+                    reason = "D's engine info carries no KV compatibility descriptor"
             else:
                 reason = _kv_incompatibility(
                     self.kv_descriptor, info.kv, d_tp=self.tp_size, p_tp=info.tp_size
@@ -398,8 +404,6 @@ class KvleaseScheduler:
             if reason is None and theirs is not None and theirs != self.block_size:
                 # Pull reads runs of tokens across block sizes; a push writes whole blocks.
                 reason = f"block size {theirs}, ours {self.block_size}: push writes whole blocks"
-            if reason is None and info.tp_size != self.tp_size:
-                reason = f"TP size {info.tp_size}, ours {self.tp_size}: push needs equal TP sizes"
             if reason is not None:
                 logger.error("engine %s is not KV-compatible: %s (push refused)", engine, reason)
                 self._push_failed[engine] = f"not KV-compatible: {reason}"
@@ -428,8 +432,6 @@ class KvleaseScheduler:
             return 0, False  # reserved already (a preempted request scheduled again)
         self._push_handshakes()
         why = self._push_failed.get(leg.engine)
-        if why is None and leg.tp_size != self.tp_size:
-            why = f"P's TP size {leg.tp_size} is not ours ({self.tp_size})"
         if why is None and len(self.group_windows) > 1:
             why = "a hybrid model's KV cache groups are not pushed"
         if why is not None:

@@ -204,9 +204,9 @@ class KvleaseWorker:
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
-        # Push mode, P: writes in flight (transfer -> batch, generation, D link key) and
-        # how they ended, for the scheduler.
-        self._writes: dict[str, tuple[native.Batch, int, tuple[str, int]]] = {}
+        # Push mode, P: writes in flight (transfer -> generation, its batches with their
+        # D link keys, the errors so far) and how they ended, for the scheduler.
+        self._writes: dict[str, tuple[int, list[tuple[native.Batch, tuple[str, int]]], list[str]]] = {}
         self._write_outcomes: dict[str, list[WriteOutcome]] = {}
 
     @staticmethod
@@ -576,49 +576,74 @@ class KvleaseWorker:
             self.counters.add("blocks_pushed", len(end.blocks))
 
     def _post_write(self, spec: WriteSpec) -> None:
-        """Push mode, P: this worker's blocks written into D's worker of its rank, byte
-        runs by the layout math of the read path (``_block_ops``), fenced by D's word."""
-        key = (spec.engine, self.rank)
-        try:
-            link = self._link(spec.engine, self.rank)
-            if link.incompatible is not None:
-                raise KvleaseError(link.incompatible)
-            local = [int(b) for b in spec.local_blocks]
-            remote = [int(b) for b in spec.remote_blocks]
-            if len(local) != len(remote) or not local:
-                raise KvleaseError("the write's block lists differ in length or are empty")
-            whole = BatchSpec(0, self.rank, self.rank, None, None, b"")  # type: ignore[arg-type]
-            ops = []
-            for region, lo, r_region, ro, length in self._block_ops(link, whole, local, remote, ()):
-                for at in range(0, length, MAX_WRITE_OP):
-                    n = min(MAX_WRITE_OP, length - at)
-                    ops.append((region, lo + at, r_region, ro + at, n))
-            fence = (link.fence, int(spec.fence_block) * 8, int(spec.generation))
-            batch = self.agent.post_write(
-                link.peer, ops, fence=fence, timeout=self.config.read_timeout
-            )
-        except KvleaseError as e:
-            self._write_outcomes.setdefault(spec.transfer, []).append(
-                WriteOutcome(int(spec.generation), False, str(e))
-            )
-            logger.warning("push of %s to %s not posted: %s", spec.transfer, spec.engine, e)
-            return
-        self._writes[spec.transfer] = (batch, int(spec.generation), key)
-        self.counters.add("writes_posted")
+        """Push mode, P: this worker's heads of its blocks written into the D workers the
+        scheduler paired it with (``spec.pairs``: D's worker of its rank, whole blocks,
+        when the TP sizes are equal), one batch each, byte runs by the layout math of the
+        read path (``_block_ops``), each fenced by its D worker's word. The worker's
+        outcome is one, when every batch ended."""
+        generation = int(spec.generation)
+        mine = [(d, ph, dh) for p, d, ph, dh in spec.pairs if int(p) == self.rank]
+        batches: list[tuple[native.Batch, tuple[str, int]]] = []
+        errors: list[str] = []
+        local = [int(b) for b in spec.local_blocks]
+        remote = [int(b) for b in spec.remote_blocks]
+        if not spec.pairs:
+            # No worker writes: the push must not be reported written.
+            errors.append("the write names no worker pairs")
+        for d_rank, p_heads, d_heads in mine:
+            key = (spec.engine, int(d_rank))
+            try:
+                link = self._link(spec.engine, int(d_rank))
+                if link.incompatible is not None:
+                    raise KvleaseError(link.incompatible)
+                if len(local) != len(remote) or not local:
+                    raise KvleaseError("the write's block lists differ in length or are empty")
+                pair = BatchSpec(0, int(d_rank), self.rank,  # type: ignore[arg-type]
+                                 None if p_heads is None else tuple(p_heads),
+                                 None if d_heads is None else tuple(d_heads), b"")
+                ops = []
+                for region, lo, r_region, ro, length in self._block_ops(
+                    link, pair, local, remote, (), peer="D"
+                ):
+                    for at in range(0, length, MAX_WRITE_OP):
+                        n = min(MAX_WRITE_OP, length - at)
+                        ops.append((region, lo + at, r_region, ro + at, n))
+                fence = (link.fence, int(spec.fence_block) * 8, generation)
+                batches.append((
+                    self.agent.post_write(
+                        link.peer, ops, fence=fence, timeout=self.config.read_timeout
+                    ),
+                    key,
+                ))
+                self.counters.add("writes_posted")
+            except KvleaseError as e:
+                logger.warning("push of %s to %s worker %s not posted: %s", spec.transfer,
+                               spec.engine, d_rank, e)
+                errors.append(str(e))
+                break
+        self._writes[spec.transfer] = (generation, batches, errors)
+        self._poll_writes()
 
     def _poll_writes(self) -> None:
-        for transfer, (batch, generation, key) in list(self._writes.items()):
-            result = self.agent.poll(batch)
-            if result is None:
+        for transfer, (generation, batches, errors) in list(self._writes.items()):
+            pending = []
+            for batch, key in batches:
+                result = self.agent.poll(batch)
+                if result is None:
+                    pending.append((batch, key))
+                    continue
+                if result.status == BatchStatus.FAILED:
+                    self._forget_link(key)
+                if result.status == BatchStatus.DONE:
+                    self.counters.add("bytes_written", int(result.bytes))
+                else:
+                    errors.append(f"{result.status}: {result.error}")
+            if pending:
+                self._writes[transfer] = (generation, pending, errors)
                 continue
             del self._writes[transfer]
-            if result.status == BatchStatus.FAILED:
-                self._forget_link(key)
-            ok = result.status == BatchStatus.DONE
-            if ok:
-                self.counters.add("bytes_written", int(result.bytes))
             self._write_outcomes.setdefault(transfer, []).append(
-                WriteOutcome(generation, ok, None if ok else f"{result.status}: {result.error}")
+                WriteOutcome(generation, not errors, "; ".join(errors) or None)
             )
 
     def _post(self, load: LoadSpec) -> None:
@@ -749,10 +774,12 @@ class KvleaseWorker:
         all_local: list[int],
         all_remote: list[int],
         sizes: tuple[int, ...],
+        peer: str = "P",
     ) -> list[Any]:
         """The read ops of batch ``b`` when P's blocks and ours hold as many tokens:
         ``all_local[i]`` receives ``all_remote[i]`` (the batch's heads of it); with KV
-        cache groups (``sizes``), each layer only its own group's pairs."""
+        cache groups (``sizes``), each layer only its own group's pairs. A push's write
+        ops are the same runs the other way (``peer``, the far side, is then D)."""
         ops = []
         for name, (region, offset, stride, page, _n) in sorted(self.layers.items()):
             # A hybrid model's layer reads its own KV cache group's pairs only.
@@ -763,11 +790,11 @@ class KvleaseWorker:
                 continue
             remote = link.layers.get(name)
             if remote is None or name not in link.formats:
-                raise KvleaseError(f"P has no KV cache layer {name}")
+                raise KvleaseError(f"{peer} has no KV cache layer {name}")
             r_region, r_offset, r_stride, r_page, r_n = remote
             if remote_blocks and max(remote_blocks) >= r_n:
                 raise KvleaseError(
-                    f"layer {name}: P's block {max(remote_blocks)} is past its {r_n} blocks"
+                    f"layer {name}: {peer}'s block {max(remote_blocks)} is past its {r_n} blocks"
                 )
             # The batch's heads within each block: all of it when both sides hold the
             # same heads in the same layout, else a run per head slice (per token in a
