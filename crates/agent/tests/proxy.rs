@@ -79,14 +79,18 @@ async fn start_fake(
         count: AtomicUsize::new(0),
         respond: Box::new(respond),
     });
-    let router = axum::Router::new()
-        .route("/v1/completions", axum::routing::post(fake_handler))
-        .route("/v1/chat/completions", axum::routing::post(fake_handler))
-        .with_state(fake.clone());
+    let router = fake_router(fake.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, router).await });
     Ok((fake, url))
+}
+
+fn fake_router(fake: Arc<Fake>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/completions", axum::routing::post(fake_handler))
+        .route("/v1/chat/completions", axum::routing::post(fake_handler))
+        .with_state(fake)
 }
 
 /// A fake P whose params name it and count its calls.
@@ -478,6 +482,39 @@ async fn fake_upstreams_an_unreachable_agent_is_skipped_for_the_next() -> Result
         assert_eq!(status, StatusCode::OK, "request {i}: {answer}");
     }
     assert_eq!((p.calls().len(), d.calls().len()), (4, 4));
+    Ok(())
+}
+
+/// With one D, a D that refuses the connection for a moment (restarting on its port) gets
+/// the request when it listens again; one that stays down is a 502 after the retries.
+#[tokio::test]
+async fn fake_upstreams_the_only_d_is_tried_again_after_a_refused_connection() -> Result<()> {
+    let (p, p_url) = fake_prefill("p0").await?;
+    let (socket, d_url) = closed_port_url()?;
+    let proxy = start_proxy(&[&p_url], &[&d_url], &[]).await?;
+    let d = Arc::new(Fake {
+        calls: Mutex::new(Vec::new()),
+        count: AtomicUsize::new(0),
+        respond: Box::new(|_, body| {
+            axum::Json(json!({"choices": [{"text": "late", "index": 0}],
+                "echo_params": body["kv_transfer_params"]}))
+            .into_response()
+        }),
+    });
+    let router = fake_router(d.clone());
+    // D listens 600 ms after the request started: after the first two pauses.
+    let late = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let listener = socket.listen(64)?;
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        anyhow::Ok(())
+    });
+    let (status, answer) =
+        post(&format!("{proxy}/v1/completions"), &json!({"prompt": "a"})).await?;
+    late.await??;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["choices"][0]["text"], "late");
+    assert_eq!((p.calls().len(), d.calls().len()), (1, 1));
     Ok(())
 }
 
