@@ -117,7 +117,7 @@ fn flags_are_checked_and_errors_name_them() {
         (256, 224),
         "seven eighths of the global cap by default"
     );
-    assert_eq!(http.header_timeout, std::time::Duration::from_secs(10));
+    assert_eq!(http.header_timeout, Duration::from_secs(10));
     let http = args(&["http://x:1", "--http-max-connections", "40"])
         .config()
         .unwrap()
